@@ -1,0 +1,70 @@
+"""The "full_attention" mixer: exactly the causal self-attention of Llama, Mistral, Qwen2 and Qwen3.
+
+Same parameter names (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm) and the same op order as transformers'
+modeling files, so a teacher layer's weights load verbatim and the outputs agree bit for bit. The attention
+kernel comes from transformers' ``ALL_ATTENTION_FUNCTIONS`` (sdpa, eager, flash_attention_2, ...), chosen by
+``config._attn_implementation``.
+
+Every mixer shares this forward signature:
+    forward(hidden_states (B, T, D), position_embeddings (cos, sin), attention_mask (backend mask or None),
+            token_mask (B, P+T) bool or None, past_key_values Cache or None) -> (B, T, D)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, eager_attention_forward
+
+
+class FullAttention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        if config.block == "sessa" and self.num_heads == 1:
+            self.o_proj = nn.Identity()  # the official Sessa mixer has no head merge for a single head
+        else:
+            self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_out_bias)
+        if config.qk_norm:  # Qwen3: RMSNorm over each head's channels, before RoPE
+            self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.use_rope = config.block == "llama" or config.sessa_forward_rope
+
+    def attend(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
+        """Causal GQA attention before o_proj: (B, T, D) -> (B, T, H * head_dim); appends K/V to the cache."""
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(hidden_shape)  # (B, T, H, hd)
+        key = self.k_proj(hidden_states).view(hidden_shape)  # (B, T, Hkv, hd)
+        if self.config.qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)  # (B, H, T, hd)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if self.use_rope:
+            cos, sin = position_embeddings
+            query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward)
+        output, _ = attention_interface(
+            self, query, key, value, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
+        return output.reshape(*input_shape, -1).contiguous()
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
+                past_key_values=None, **kwargs):
+        return self.o_proj(self.attend(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs))

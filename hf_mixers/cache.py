@@ -1,0 +1,83 @@
+"""Per-layer caches on the transformers 5 Cache API.
+
+transformers' ``DynamicCache(config=...)`` builds one layer object per ``config.layer_types`` entry from
+``DYNAMIC_LAYER_TYPE_MAPPING``; a layer class that sets ``_layer_type`` registers itself there. So the one cache
+class for every layer kind is transformers' own ``DynamicCache``: "full_attention" layers get a ``DynamicLayer``
+and each mixer registers its own layer class here. ``generate()``, beam search (``reorder_cache``), ``crop`` and
+batch selection then work without a custom Cache subclass or private generation hooks.
+
+Mixer cache layers subclass ``DynamicLayer`` (not ``LinearAttentionLayer``): they keep a sequence length, so
+``get_seq_length`` and the causal-mask sizes stay valid even in a stack with no attention layer (the trap noted in
+shared/research/environment.md §3).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class SessaCacheLayer(DynamicLayer):
+    """Attention K/V (B, Hkv, t, hd) plus Sessa's feedback keys (B, t, d_fb) and solved outputs s (B, t, D, fp32)."""
+
+    _layer_type = "sessa"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.feedback_keys: torch.Tensor | None = None
+        self.outputs: torch.Tensor | None = None
+
+    def feedback_state(self):
+        """(feedback keys, outputs) of the cached tokens, or (None, None) when empty."""
+        return self.feedback_keys, self.outputs
+
+    def update_feedback(self, keys: torch.Tensor, outputs: torch.Tensor) -> None:
+        if self.feedback_keys is None:
+            self.feedback_keys, self.outputs = keys, outputs
+        else:
+            self.feedback_keys = torch.cat([self.feedback_keys, keys], dim=1)
+            self.outputs = torch.cat([self.outputs, outputs], dim=1)
+
+    def _map_feedback(self, fn):
+        if self.feedback_keys is not None:
+            self.feedback_keys, self.outputs = fn(self.feedback_keys), fn(self.outputs)
+
+    def reset(self) -> None:
+        super().reset()
+        self.feedback_keys = self.outputs = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_feedback(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0:
+            self._map_feedback(lambda x: x[:, :tokens_to_remove])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_feedback(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_feedback(lambda x: x[indices, ...])
+
+    def offload(self):
+        super().offload()
+        self._map_feedback(lambda x: x.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        super().prefetch()
+        if self.feedback_keys is not None and self.feedback_keys.device != self.device:
+            self._map_feedback(lambda x: x.to(self.device, non_blocking=True))
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes held by every tensor of every layer of ``cache`` (for benchmarks and reports)."""
+    total = 0
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total

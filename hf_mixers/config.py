@@ -1,0 +1,148 @@
+"""MixerConfig: a Llama-style backbone whose layers each pick a sequence mixer by ``layer_types[i]``.
+
+One config class serves every mixer so hybrids need nothing special; each mixer also gets its own registered
+``model_type`` (``SessaConfig`` is ``"sessa"``) whose default ``layer_types`` use that mixer everywhere.
+All validation lives in ``validate_mixer_config`` so a bad combination fails when the config is built, with the
+field named, not deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+# Layer kinds a MixerConfig may name. "full_attention" is the teacher's own attention (exact Llama/Qwen math).
+MIXER_TYPES = ("full_attention", "sessa")
+BLOCK_TYPES = ("llama", "sessa")  # llama: norm-mixer-norm-MLP; sessa: the paper's gated block (spec §2), no MLP
+SESSA_SOLVERS = ("chunked", "dense")
+
+
+@strict(accept_kwargs=True)
+class MixerConfig(PreTrainedConfig):
+    r"""Configuration of a hf-mixers causal LM.
+
+    Backbone fields follow ``LlamaConfig`` (plus ``qk_norm`` for Qwen3 and ``attention_out_bias`` for Qwen2, whose
+    o_proj has no bias while q/k/v do). Mixer fields are prefixed by the mixer name.
+
+    Sessa fields (shared/specs/sessa.md):
+        sessa_feedback_dim: width of the single feedback head (``None`` = hidden_size, the official choice).
+        sessa_feedback_bias: biases on the feedback q/k projection (official: True).
+        sessa_gamma_max: gain bound, gamma = gamma_max * tanh(b + w.x), must lie in (0, 1).
+        sessa_gamma_bias_init: initial b. ``None`` = 0.0 for the llama block (then gamma == 0 and a converted layer
+            is exactly its teacher) and 1.0 for the native block (the official init, gamma ~ 0.76).
+        sessa_forward_rope: RoPE on the forward branch (False = NoPE, official ``use_forward_rope=False``).
+        sessa_solver: "chunked" (default, O(T*C) memory) or "dense" (the reference).
+        sessa_chunk_size: query chunk size C of the chunked solve.
+    """
+
+    model_type = "hf_mixer"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = 32000
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    attention_out_bias: bool | None = None
+    attention_dropout: float = 0.0
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    layer_types: list[str] | None = None
+    block: str = "llama"
+    sessa_feedback_dim: int | None = None
+    sessa_feedback_bias: bool = True
+    sessa_gamma_max: float = 0.999
+    sessa_gamma_bias_init: float | None = None
+    sessa_forward_rope: bool = True
+    sessa_solver: str = "chunked"
+    sessa_chunk_size: int = 64
+
+    default_mixer = "full_attention"  # class attribute: what layer_types defaults to
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.num_attention_heads and self.hidden_size % self.num_attention_heads == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.attention_out_bias is None:
+            self.attention_out_bias = self.attention_bias
+        if self.layer_types is None:
+            self.layer_types = [self.default_mixer] * self.num_hidden_layers
+        else:
+            self.layer_types = list(self.layer_types)
+        if self.sessa_feedback_dim is None:
+            self.sessa_feedback_dim = self.hidden_size
+        if self.sessa_gamma_bias_init is None:
+            self.sessa_gamma_bias_init = 1.0 if self.block == "sessa" else 0.0
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", 10000.0)}
+        super().__post_init__(**kwargs)
+        validate_mixer_config(self)
+
+    def validate_layer_type(self):
+        # transformers' own check only knows its layer names; ours are checked in validate_mixer.
+        pass
+
+    def validate_mixer(self):
+        # Run by transformers' strict validation (e.g. on save) as well as when the config is built.
+        validate_mixer_config(self)
+
+
+def validate_mixer_config(config: MixerConfig) -> None:
+    """Raise ValueError naming the field for every invalid combination."""
+    name = type(config).__name__
+
+    def fail(message):
+        raise ValueError(f"{name}: {message}")
+
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+        if not isinstance(getattr(config, field), int) or getattr(config, field) < 1:
+            fail(f"{field} must be a positive integer, got {getattr(config, field)!r}")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if config.head_dim is None:
+        fail(f"num_attention_heads ({heads}) does not divide hidden_size ({config.hidden_size}); "
+             "set head_dim explicitly if the heads are not hidden_size / num_attention_heads wide")
+    if heads % kv_heads != 0:
+        fail(f"num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
+    if config.block not in BLOCK_TYPES:
+        fail(f"block must be one of {BLOCK_TYPES}, got {config.block!r}")
+    if len(config.layer_types) != config.num_hidden_layers:
+        fail(f"layer_types has {len(config.layer_types)} entries but num_hidden_layers is {config.num_hidden_layers}")
+    for index, kind in enumerate(config.layer_types):
+        if kind not in MIXER_TYPES:
+            fail(f"layer_types[{index}] = {kind!r} is not a known mixer; choose from {MIXER_TYPES}")
+    if config.block == "sessa" and heads * config.head_dim != config.hidden_size:
+        fail(f"block='sessa' needs num_attention_heads * head_dim == hidden_size "
+             f"({heads} * {config.head_dim} != {config.hidden_size})")
+    if config.head_dim % 2 and (config.block == "llama" or config.sessa_forward_rope):
+        fail(f"head_dim ({config.head_dim}) must be even for rotary embeddings")
+    if not 0.0 < float(config.sessa_gamma_max) < 1.0:
+        fail(f"sessa_gamma_max must lie in (0, 1), got {config.sessa_gamma_max}")
+    if not isinstance(config.sessa_feedback_dim, int) or config.sessa_feedback_dim < 1:
+        fail(f"sessa_feedback_dim must be a positive integer, got {config.sessa_feedback_dim!r}")
+    if config.sessa_solver not in SESSA_SOLVERS:
+        fail(f"sessa_solver must be one of {SESSA_SOLVERS}, got {config.sessa_solver!r}")
+    if not isinstance(config.sessa_chunk_size, int) or config.sessa_chunk_size < 1:
+        fail(f"sessa_chunk_size must be a positive integer, got {config.sessa_chunk_size!r}")
+    if not isinstance(config.rope_parameters, dict) or "rope_type" not in config.rope_parameters:
+        fail(f"rope_parameters must be a dict with a 'rope_type' key, got {config.rope_parameters!r}")
+
+
+class SessaConfig(MixerConfig):
+    """A MixerConfig whose layers are Sessa mixers unless ``layer_types`` says otherwise (model_type "sessa")."""
+
+    model_type = "sessa"
+    default_mixer = "sessa"

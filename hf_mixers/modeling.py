@@ -1,0 +1,173 @@
+"""One model family for every mixer: MixerModel / MixerForCausalLM, and the per-mixer registered subclasses.
+
+    input_ids -> embed_tokens -> [block_0 .. block_{L-1}] -> norm -> lm_head
+    block ("llama"): x + mixer(RMSNorm(x)), then + MLP(RMSNorm(.))  -- a converted teacher keeps its norms and MLPs
+    block ("sessa"): the paper's gated block (sessa.SessaBlock), no MLP
+    mixer of layer i: MIXER_CLASSES[config.layer_types[i]]
+
+The backbone is op-for-op Llama (and Qwen2/Qwen3 through config flags), so an all-"full_attention" model gives
+the teacher's logits exactly. ``save_pretrained`` also writes the remote code (export.py), so every saved
+folder loads with ``trust_remote_code=True`` where hf_mixers is not installed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .cache import SessaCacheLayer  # noqa: F401  (importing registers the cache layer with DynamicCache)
+from .attention import FullAttention
+from .config import MixerConfig, SessaConfig
+from .export import remote_auto_map, write_remote_code
+from .sessa import SessaBlock, SessaMixer
+
+MIXER_CLASSES = {"full_attention": FullAttention, "sessa": SessaMixer}
+
+
+class LlamaBlock(GradientCheckpointingLayer):
+    """The Llama decoder layer with its attention replaced by the layer's mixer (names kept: input_layernorm, ...)."""
+
+    def __init__(self, config, layer_idx: int, mixer_class):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mixer = mixer_class(config, layer_idx)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
+                past_key_values=None, **kwargs):
+        residual = hidden_states
+        hidden_states = self.mixer(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
+                                   token_mask, past_key_values, **kwargs)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+BLOCK_CLASSES = {"llama": LlamaBlock, "sessa": SessaBlock}
+
+
+class MixerPreTrainedModel(PreTrainedModel):
+    config_class = MixerConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LlamaBlock", "SessaBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_record_outputs = {"hidden_states": [LlamaBlock, SessaBlock]}
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, SessaMixer):
+            # gamma_bias_init = 0 (llama block): w = b = 0, so gamma == 0 and the layer equals its attention at init.
+            # Otherwise the official init: b = 1 (gamma ~ 0.76) and PyTorch's default U(-1/sqrt(D), 1/sqrt(D)) for w.
+            init.constant_(module.gamma_bias, self.config.sessa_gamma_bias_init)
+            if self.config.sessa_gamma_bias_init == 0.0:
+                init.zeros_(module.gamma_proj.weight)
+            else:
+                bound = self.config.hidden_size**-0.5
+                init.uniform_(module.gamma_proj.weight, -bound, bound)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save weights and config as usual, plus the self-contained remote code named in ``config.auto_map``."""
+        self.config.auto_map = remote_auto_map(self.config)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            write_remote_code(save_directory)
+
+
+class MixerModel(MixerPreTrainedModel):
+    def __init__(self, config: MixerConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        block_class = BLOCK_CLASSES[config.block]
+        self.layers = nn.ModuleList(
+            [block_class(config, index, MIXER_CLASSES[kind]) for index, kind in enumerate(config.layer_types)])
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        length = inputs_embeds.shape[1]
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+
+        token_mask = None  # (B, past + T) bool, True = real token; mixers keep padding out of their memories
+        if attention_mask is not None and attention_mask.ndim == 2:
+            if attention_mask.shape != (inputs_embeds.shape[0], past + length):
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)} but expected "
+                    f"{(inputs_embeds.shape[0], past + length)}: {past} cached + {length} new tokens")
+            token_mask = attention_mask.bool()
+        if position_ids is None:
+            if token_mask is not None:  # count real tokens only, so a left-padded row sees positions 0, 1, ...
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+            else:
+                position_ids = (torch.arange(length, device=inputs_embeds.device) + past).unsqueeze(0)
+
+        causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
+                                         attention_mask=attention_mask, past_key_values=past_key_values,
+                                         position_ids=position_ids)
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, position_embeddings=position_embeddings, attention_mask=causal_mask,
+                                  token_mask=token_mask, past_key_values=past_key_values, **kwargs)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+
+class MixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    base_model_class = MixerModel
+
+    def __init__(self, config: MixerConfig):
+        super().__init__(config)
+        self.model = self.base_model_class(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs) -> CausalLMOutputWithPast:
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             **kwargs)
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+class SessaModel(MixerModel):
+    config_class = SessaConfig
+
+
+class SessaForCausalLM(MixerForCausalLM):
+    config_class = SessaConfig
+    base_model_class = SessaModel

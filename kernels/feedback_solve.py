@@ -1,0 +1,197 @@
+"""The triangular feedback solve shared by Sessa (and GLTM): ``(I - B) s = f``.
+
+B is scalar, strictly lower-triangular and shared by every feature:
+
+    B[t, j] = gain[t] * alpha[t, j],   alpha[t, :] = softmax_{j < t, key j real}(scale * <q_t, k_j>)
+
+so ``s_t = f_t + gain_t * sum_{j<t} alpha[t, j] s_j`` (forward substitution). A row with no admissible key
+(t = 0, or only padding in its past) is all zeros, giving ``s_t = f_t``.
+
+Every function here can continue from a cache: ``past_k`` (B, P, d) and ``past_s`` (B, P, D) hold the keys and
+solved outputs of P earlier tokens, and the new rows are absolute positions P..P+T-1. ``key_mask`` (B, P+T) marks
+real tokens (True) and padding (False); padded keys are never attended to.
+
+Three implementations of one function:
+- ``feedback_solve_dense``: the reference (dense masked softmax + ``solve_triangular``), O(T^2) memory.
+- ``feedback_solve_recurrent``: the token-by-token recurrence, a second independent oracle for tests.
+- ``feedback_solve_chunked``: query chunks of size C against all earlier keys, an intra-chunk C x C solve, and a
+  hand-written backward that recomputes the softmax chunk by chunk: O(T*C + T*D) memory, never a T x T matrix.
+
+All accumulate in fp32 (fp64 stays fp64) and return s in that compute dtype: callers cast the layer output
+to the activation dtype but keep (and cache) the fp32 s, so a decode step sees exactly the values a full
+forward would have used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Solves and softmax normalisers run in fp32 whatever the activation dtype (fp64 stays fp64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def strict_past_softmax(
+    logits: torch.Tensor, row_offset: int, key_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Softmax of ``logits`` (B, R, N) for absolute rows ``row_offset..row_offset+R-1`` over keys ``j < row``.
+
+    Masked entries (the diagonal, the future, padded keys) are exactly 0; rows with no admissible key are all 0.
+    """
+    rows, n_keys = logits.shape[-2], logits.shape[-1]
+    row_pos = torch.arange(row_offset, row_offset + rows, device=logits.device)
+    allowed = torch.arange(n_keys, device=logits.device)[None, :] < row_pos[:, None]  # (R, N)
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, :n_keys]  # (B, R, N)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    logits = logits.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # empty rows: avoid NaN, zeroed below
+    return torch.softmax(logits, dim=-1).masked_fill(~allowed, 0.0)
+
+
+def _check_shapes(f, q, k, gain, key_mask, past_k, past_s):
+    batch, length, _ = f.shape
+    if q.shape[:2] != (batch, length) or k.shape != q.shape:
+        raise ValueError(f"feedback_solve: q {tuple(q.shape)} and k {tuple(k.shape)} must be (B, T, d) with "
+                         f"(B, T) = {(batch, length)} from f {tuple(f.shape)}")
+    if gain.shape != (batch, length):
+        raise ValueError(f"feedback_solve: gain has shape {tuple(gain.shape)}, expected {(batch, length)}")
+    if (past_k is None) != (past_s is None):
+        raise ValueError("feedback_solve: past_k and past_s must be given together")
+    past = 0 if past_k is None else past_k.shape[1]
+    if past_k is not None and (past_s.shape[:2] != (batch, past) or past_s.shape[2] != f.shape[2]):
+        raise ValueError(f"feedback_solve: past_s {tuple(past_s.shape)} does not match past_k "
+                         f"{tuple(past_k.shape)} and f {tuple(f.shape)}")
+    if key_mask is not None and key_mask.shape != (batch, past + length):
+        raise ValueError(f"feedback_solve: key_mask has shape {tuple(key_mask.shape)}, expected "
+                         f"{(batch, past + length)} (past {past} + new {length} tokens)")
+    return past
+
+
+def feedback_weights(q, keys, gain, row_offset, key_mask, scale):
+    """Rows of B = gain * alpha for queries ``q`` (B, R, d) at absolute rows ``row_offset..`` over ``keys`` (B, N, d)."""
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    return gain[..., None] * strict_past_softmax(logits, row_offset, key_mask)
+
+
+def feedback_solve_dense(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None):
+    """Reference: the official algorithm (dense masked softmax, unit-lower ``solve_triangular``), cache-aware."""
+    past = _check_shapes(f, q, k, gain, key_mask, past_k, past_s)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    cd = compute_dtype(f.dtype)
+    keys = k if past_k is None else torch.cat([past_k, k], dim=1)
+    weights = feedback_weights(q.to(cd), keys.to(cd), gain.to(cd), past, key_mask, scale)  # (B, T, P+T)
+    rhs = f.to(cd)
+    if past:
+        rhs = rhs + torch.matmul(weights[..., :past], past_s.to(cd))  # B_{n,<} s_<  (spec §5.3)
+    # unitriangular=True: the diagonal of -B_nn is taken as 1 and never read, so this solves (I - B_nn) s = rhs.
+    return torch.linalg.solve_triangular(-weights[..., past:], rhs, upper=False, left=True, unitriangular=True)
+
+
+def feedback_solve_recurrent(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None):
+    """Oracle: s_t = f_t + gain_t * sum_{j<t} alpha[t, j] s_j, one token at a time."""
+    past = _check_shapes(f, q, k, gain, key_mask, past_k, past_s)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    cd = compute_dtype(f.dtype)
+    keys = (k if past_k is None else torch.cat([past_k, k], dim=1)).to(cd)
+    outputs = [] if past_s is None else list(past_s.to(cd).unbind(1))
+    for t in range(f.shape[1]):
+        row = feedback_weights(q[:, t : t + 1].to(cd), keys[:, : past + t], gain[:, t : t + 1].to(cd),
+                               past + t, None if key_mask is None else key_mask[:, : past + t], scale)
+        s_t = f[:, t].to(cd)
+        if past + t:
+            s_t = s_t + torch.matmul(row, torch.stack(outputs, dim=1))[:, 0]
+        outputs.append(s_t)
+    return torch.stack(outputs[past:], dim=1)
+
+
+class _ChunkedFeedbackSolve(torch.autograd.Function):
+    """Forward substitution by query chunks; the backward recomputes each chunk's softmax (flash-attention style).
+
+    Backward, with lam = (I - B)^-T g (a reverse chunk sweep):
+      df = lam;  dB[t, j] = lam_t . s_j;  dgain_t = lam_t . h_t with h_t = sum_j alpha[t, j] s_j;
+      dlogits[t, j] = gain_t * alpha[t, j] * (lam_t . s_j - dgain_t)   (softmax backward);
+      dq = scale * dlogits @ k;  dk = scale * dlogits^T @ q.
+    """
+
+    @staticmethod
+    def forward(ctx, f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size):
+        cd = compute_dtype(f.dtype)
+        batch, length, width = f.shape
+        past = 0 if past_k is None else past_k.shape[1]
+        keys = (k if past_k is None else torch.cat([past_k, k], dim=1)).to(cd)  # (B, N, d)
+        q_cd, gain_cd = q.to(cd), gain.to(cd)
+        s_all = torch.empty(batch, past + length, width, dtype=cd, device=f.device)  # solved outputs, (B, N, D)
+        if past:
+            s_all[:, :past] = past_s.to(cd)
+        for c0 in range(0, length, chunk_size):
+            c1 = min(c0 + chunk_size, length)
+            r0, r1 = past + c0, past + c1  # absolute rows of this chunk
+            weights = feedback_weights(q_cd[:, c0:c1], keys[:, :r1], gain_cd[:, c0:c1], r0, key_mask, scale)
+            rhs = f[:, c0:c1].to(cd)
+            if r0:
+                rhs = rhs + torch.matmul(weights[..., :r0], s_all[:, :r0])
+            s_all[:, r0:r1] = torch.linalg.solve_triangular(
+                -weights[..., r0:r1], rhs, upper=False, left=True, unitriangular=True)
+        ctx.save_for_backward(q_cd, keys, gain_cd, key_mask, s_all)
+        ctx.meta = (past, scale, chunk_size, f.dtype, q.dtype, k.dtype, gain.dtype,
+                    None if past_k is None else (past_k.dtype, past_s.dtype))
+        return s_all if past == 0 else s_all[:, past:].clone()
+
+    @staticmethod
+    def backward(ctx, grad_s):
+        q, keys, gain, key_mask, s_all = ctx.saved_tensors
+        past, scale, chunk_size, f_dtype, q_dtype, k_dtype, gain_dtype, past_dtypes = ctx.meta
+        length = q.shape[1]
+        adjoint = torch.zeros_like(s_all)  # sum over later rows t of B[t, j] lam_t, accumulated per key row j
+        adjoint[:, past:] = grad_s.to(s_all.dtype)
+        d_q = torch.zeros_like(q)
+        d_keys = torch.zeros_like(keys)
+        d_gain = torch.zeros_like(gain)
+        first_chunk = ((length - 1) // chunk_size) * chunk_size if length else 0
+        for c0 in range(first_chunk, -1, -chunk_size):
+            c1 = min(c0 + chunk_size, length)
+            r0, r1 = past + c0, past + c1
+            q_c, gain_c = q[:, c0:c1], gain[:, c0:c1]
+            alpha = strict_past_softmax(torch.matmul(q_c, keys[:, :r1].transpose(-1, -2)) * scale, r0, key_mask)
+            weights = gain_c[..., None] * alpha  # (B, C, r1)
+            # (I - B_cc)^T lam = g_c + contributions of later rows; an upper unit-triangular solve.
+            lam = torch.linalg.solve_triangular(
+                -weights[..., r0:r1].transpose(-1, -2), adjoint[:, r0:r1], upper=True, left=True, unitriangular=True)
+            adjoint[:, r0:r1] = lam  # the rows of this chunk now hold df
+            if r0:
+                adjoint[:, :r0] += torch.matmul(weights[..., :r0].transpose(-1, -2), lam)
+            values = s_all[:, :r1]
+            lam_dot_s = torch.matmul(lam, values.transpose(-1, -2))  # (B, C, r1)
+            d_gain_c = (lam * torch.matmul(alpha, values)).sum(-1)  # lam_t . h_t
+            d_logits = gain_c[..., None] * alpha * (lam_dot_s - d_gain_c[..., None]) * scale
+            d_q[:, c0:c1] = torch.matmul(d_logits, keys[:, :r1])
+            d_keys[:, :r1] += torch.matmul(d_logits.transpose(-1, -2), q_c)
+            d_gain[:, c0:c1] = d_gain_c
+        d_f = adjoint[:, past:].to(f_dtype)
+        d_past_k = d_past_s = None
+        if past_dtypes is not None:
+            d_past_k, d_past_s = d_keys[:, :past].to(past_dtypes[0]), adjoint[:, :past].to(past_dtypes[1])
+        return (d_f, d_q.to(q_dtype), d_keys[:, past:].to(k_dtype), d_gain.to(gain_dtype), None,
+                d_past_k, d_past_s, None, None)
+
+
+def feedback_solve_chunked(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None, chunk_size=64):
+    """Exact chunked solve (spec §4.4): equal to ``feedback_solve_dense`` to float tolerance, O(T*C) memory."""
+    _check_shapes(f, q, k, gain, key_mask, past_k, past_s)
+    if chunk_size < 1:
+        raise ValueError(f"feedback_solve: chunk_size must be >= 1, got {chunk_size}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _ChunkedFeedbackSolve.apply(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size)
+
+
+SOLVERS = {"dense": feedback_solve_dense, "chunked": feedback_solve_chunked, "recurrent": feedback_solve_recurrent}
+
+
+def feedback_solve(f, q, k, gain, *, key_mask=None, past_k=None, past_s=None, scale=None, method="chunked",
+                   chunk_size=64):
+    """Solve ``(I - B) s = f`` with the chosen method; all methods give the same result to float tolerance."""
+    if method not in SOLVERS:
+        raise ValueError(f"feedback_solve: unknown method {method!r}; choose one of {sorted(SOLVERS)}")
+    kwargs = {"chunk_size": chunk_size} if method == "chunked" else {}
+    return SOLVERS[method](f, q, k, gain, key_mask=key_mask, past_k=past_k, past_s=past_s, scale=scale, **kwargs)
