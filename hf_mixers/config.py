@@ -68,7 +68,7 @@ class MixerConfig(PreTrainedConfig):
     sessa_gamma_bias_init: float | None = None
     sessa_forward_rope: bool = True
     sessa_solver: str = "chunked"
-    sessa_chunk_size: int = 64
+    sessa_chunk_size: int = 128
 
     default_mixer = "full_attention"  # class attribute: what layer_types defaults to
 
@@ -89,8 +89,10 @@ class MixerConfig(PreTrainedConfig):
             self.sessa_gamma_bias_init = 1.0 if self.block == "sessa" else 0.0
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", 10000.0)}
-        super().__post_init__(**kwargs)
+        # Validate before transformers' __post_init__: it silently renames legacy layer names ("mamba" ->
+        # "linear_attention"), which would make the error name a word the user never wrote.
         validate_mixer_config(self)
+        super().__post_init__(**kwargs)
 
     def validate_layer_type(self):
         # transformers' own check only knows its layer names; ours are checked in validate_mixer.

@@ -20,7 +20,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention import FullAttention
-from .kernels.feedback_solve import feedback_solve
+from .kernels.feedback_solve import compute_dtype, feedback_solve
 
 
 class SessaMixer(FullAttention):
@@ -36,8 +36,9 @@ class SessaMixer(FullAttention):
         self.gamma_bias = nn.Parameter(torch.tensor(float(config.sessa_gamma_bias_init)))  # b_gamma, fp32 scalar
 
     def gain(self, hidden_states):
-        """gamma_t = gamma_max * tanh(b + w . x_t), in fp32: (B, T, D) -> (B, T)."""
-        logit = self.gamma_proj(hidden_states).squeeze(-1).float() + self.gamma_bias.float()
+        """gamma_t = gamma_max * tanh(b + w . x_t), in fp32 (fp64 stays fp64): (B, T, D) -> (B, T)."""
+        dtype = compute_dtype(hidden_states.dtype)
+        logit = self.gamma_proj(hidden_states).squeeze(-1).to(dtype) + self.gamma_bias.to(dtype)
         return self.gamma_max * torch.tanh(logit)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
@@ -56,7 +57,7 @@ class SessaMixer(FullAttention):
                 f"Sessa layer {self.layer_idx}: attention_mask covers {token_mask.shape[1]} tokens but the cache holds "
                 f"{past_keys.shape[1]} and {length} are new; pass the mask of past and new tokens together")
         if not torch.is_grad_enabled() and not gamma.any():
-            s = f.to(torch.float64 if f.dtype == torch.float64 else torch.float32)  # gamma == 0: s = f exactly
+            s = f.to(compute_dtype(f.dtype))  # gamma == 0: s = f exactly, no solve needed
         else:
             s = feedback_solve(f, query, key, gamma, key_mask=token_mask, past_k=past_keys, past_s=past_outputs,
                                scale=self.feedback_dim**-0.5, method=self.solver, chunk_size=self.chunk_size)
@@ -94,6 +95,7 @@ class StandaloneSessaBlock(nn.Module):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+        config._attn_implementation = "sdpa"  # no model sets it here; SDPA applies the causal mask by itself
         self.config = config
         self.block = SessaBlock(config, 0)
         self.rotary_emb = LlamaRotaryEmbedding(config)
@@ -124,7 +126,7 @@ def from_official_layer(state_dict, n_heads, n_kv_heads=None, gamma_max=0.999, u
     Buffers (rope_inv_freq, causal masks) are recomputed, not copied. One deliberate difference: RoPE cos/sin
     are computed in fp32 (the official code casts the angles to the activation dtype first, spec §3.2).
 
-    Returns a ``StandaloneSessaBlock`` (forward(x: (B, T, D)) -> (B, T, D)) in fp32.
+    Returns a ``StandaloneSessaBlock`` (forward(x: (B, T, D)) -> (B, T, D)) in the state dict's dtype.
     """
     from .config import SessaConfig
 
@@ -158,11 +160,11 @@ def from_official_layer(state_dict, n_heads, n_kv_heads=None, gamma_max=0.999, u
                          f"{n_heads}, n_kv_heads={n_kv_heads}: missing {missing}, unexpected {unknown}")
     converted = {}
     for source, target in mapping.items():
-        tensor = state_dict[source].detach().float()
+        tensor = state_dict[source].detach()
         if use_forward_rope and source.startswith(("mixer.q_proj", "mixer.k_proj")):
             heads = n_heads if "q_proj" in source else n_kv_heads
             tensor = _interleaved_to_half(tensor, heads, head_dim)
         converted[target] = tensor
-    module = StandaloneSessaBlock(config)
+    module = StandaloneSessaBlock(config).to(state_dict["W_in.weight"].dtype)
     module.block.load_state_dict(converted, strict=True)
     return module.eval()

@@ -109,7 +109,7 @@ class _ChunkedFeedbackSolve(torch.autograd.Function):
     """Forward substitution by query chunks; the backward recomputes each chunk's softmax (flash-attention style).
 
     Backward, with lam = (I - B)^-T g (a reverse chunk sweep):
-      df = lam;  dB[t, j] = lam_t . s_j;  dgain_t = lam_t . h_t with h_t = sum_j alpha[t, j] s_j;
+      df = lam;  dB[t, j] = lam_t . s_j;  dgain_t = sum_j alpha[t, j] (lam_t . s_j) = lam_t . h_t;
       dlogits[t, j] = gain_t * alpha[t, j] * (lam_t . s_j - dgain_t)   (softmax backward);
       dq = scale * dlogits @ k;  dk = scale * dlogits^T @ q.
     """
@@ -161,9 +161,8 @@ class _ChunkedFeedbackSolve(torch.autograd.Function):
             adjoint[:, r0:r1] = lam  # the rows of this chunk now hold df
             if r0:
                 adjoint[:, :r0] += torch.matmul(weights[..., :r0].transpose(-1, -2), lam)
-            values = s_all[:, :r1]
-            lam_dot_s = torch.matmul(lam, values.transpose(-1, -2))  # (B, C, r1)
-            d_gain_c = (lam * torch.matmul(alpha, values)).sum(-1)  # lam_t . h_t
+            lam_dot_s = torch.matmul(lam, s_all[:, :r1].transpose(-1, -2))  # (B, C, r1)
+            d_gain_c = (alpha * lam_dot_s).sum(-1)  # lam_t . h_t, without forming h = alpha @ s
             d_logits = gain_c[..., None] * alpha * (lam_dot_s - d_gain_c[..., None]) * scale
             d_q[:, c0:c1] = torch.matmul(d_logits, keys[:, :r1])
             d_keys[:, :r1] += torch.matmul(d_logits.transpose(-1, -2), q_c)
@@ -176,7 +175,7 @@ class _ChunkedFeedbackSolve(torch.autograd.Function):
                 d_past_k, d_past_s, None, None)
 
 
-def feedback_solve_chunked(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None, chunk_size=64):
+def feedback_solve_chunked(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None, chunk_size=128):
     """Exact chunked solve (spec §4.4): equal to ``feedback_solve_dense`` to float tolerance, O(T*C) memory."""
     _check_shapes(f, q, k, gain, key_mask, past_k, past_s)
     if chunk_size < 1:
@@ -189,7 +188,7 @@ SOLVERS = {"dense": feedback_solve_dense, "chunked": feedback_solve_chunked, "re
 
 
 def feedback_solve(f, q, k, gain, *, key_mask=None, past_k=None, past_s=None, scale=None, method="chunked",
-                   chunk_size=64):
+                   chunk_size=128):
     """Solve ``(I - B) s = f`` with the chosen method; all methods give the same result to float tolerance."""
     if method not in SOLVERS:
         raise ValueError(f"feedback_solve: unknown method {method!r}; choose one of {sorted(SOLVERS)}")

@@ -1,0 +1,166 @@
+"""The shared feedback solve (I - B) s = f: every path against the dense reference (spec §4.4, §6)."""
+
+import math
+
+import pytest
+import torch
+
+from hf_mixers.kernels.feedback_solve import (feedback_solve, feedback_solve_chunked, feedback_solve_dense,
+                                              feedback_solve_recurrent, feedback_weights)
+
+F64 = torch.float64
+
+
+def make_inputs(batch=2, length=17, width=6, key_dim=5, past=0, padded=True, seed=0, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
+
+    f, q, k = randn(batch, length, width), randn(batch, length, key_dim), randn(batch, length, key_dim)
+    gain = ((torch.rand(batch, length, generator=g, dtype=dtype) * 2 - 1) * 0.95).requires_grad_()
+    mask = torch.ones(batch, past + length, dtype=torch.bool)
+    if padded:
+        mask[0, :3] = False  # left padding
+        mask[-1, past + length // 2] = False  # a hole
+    past_k = randn(batch, past, key_dim) if past else None
+    past_s = randn(batch, past, width) if past else None
+    return dict(f=f, q=q, k=k, gain=gain, key_mask=mask, past_k=past_k, past_s=past_s)
+
+
+def _call(fn, inputs, **kwargs):
+    return fn(inputs["f"], inputs["q"], inputs["k"], inputs["gain"], key_mask=inputs["key_mask"],
+              past_k=inputs["past_k"], past_s=inputs["past_s"], **kwargs)
+
+
+@pytest.mark.parametrize("past", [0, 6])
+def test_dense_equals_recurrence(past):
+    inputs = make_inputs(past=past)
+    torch.testing.assert_close(_call(feedback_solve_dense, inputs), _call(feedback_solve_recurrent, inputs),
+                               rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("past", [0, 6])
+@pytest.mark.parametrize("chunk_size", [1, 3, 5, 16, 64])
+def test_chunked_equals_dense_values_and_gradients(past, chunk_size):
+    inputs = make_inputs(past=past)
+    dense = _call(feedback_solve_dense, inputs)
+    chunked = _call(feedback_solve_chunked, inputs, chunk_size=chunk_size)
+    torch.testing.assert_close(chunked, dense, rtol=0, atol=1e-10)
+    probe = torch.randn_like(dense)
+    leaves = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+    grads_dense = torch.autograd.grad((dense * probe).sum(), leaves)
+    grads_chunked = torch.autograd.grad((chunked * probe).sum(), leaves)
+    for leaf_grad_dense, leaf_grad_chunked in zip(grads_dense, grads_chunked):
+        torch.testing.assert_close(leaf_grad_chunked, leaf_grad_dense, rtol=0, atol=1e-10)
+
+
+def test_chunked_gradcheck_fp64():
+    inputs = make_inputs(batch=1, length=7, width=3, key_dim=2, past=2)
+    names = ["f", "q", "k", "gain", "past_k", "past_s"]
+
+    def fn(f, q, k, gain, past_k, past_s):
+        return feedback_solve_chunked(f, q, k, gain, key_mask=inputs["key_mask"], past_k=past_k, past_s=past_s,
+                                      chunk_size=3)
+
+    assert torch.autograd.gradcheck(fn, tuple(inputs[n] for n in names))
+
+
+def test_dense_gradcheck_fp64():
+    inputs = make_inputs(batch=1, length=6, width=3, key_dim=2)
+    assert torch.autograd.gradcheck(
+        lambda f, q, k, gain: feedback_solve_dense(f, q, k, gain, key_mask=inputs["key_mask"]),
+        (inputs["f"], inputs["q"], inputs["k"], inputs["gain"]))
+
+
+def test_neumann_series_and_nilpotency():
+    inputs = make_inputs(padded=False)
+    f, q, k, gain = (inputs[n].detach() for n in ("f", "q", "k", "gain"))
+    weights = feedback_weights(q, k, gain, 0, None, q.shape[-1] ** -0.5)  # B, (batch, T, T)
+    length = f.shape[1]
+    term, series = f, f.clone()
+    for _ in range(length - 1):
+        term = weights @ term
+        series = series + term
+    assert torch.count_nonzero(torch.linalg.matrix_power(weights, length)) == 0  # B^T = 0 exactly
+    torch.testing.assert_close(feedback_solve_dense(f, q, k, gain), series, rtol=0, atol=1e-10)
+
+
+def test_first_row_and_single_token_pass_f_through():
+    inputs = make_inputs(padded=False)
+    s = _call(feedback_solve_chunked, {**inputs, "key_mask": None}, chunk_size=4)
+    assert torch.equal(s[:, 0], inputs["f"][:, 0])
+    one = {n: (v[:, :1] if isinstance(v, torch.Tensor) else v) for n, v in inputs.items()}
+    one["key_mask"] = None
+    assert torch.equal(_call(feedback_solve_chunked, one), one["f"])
+
+
+def test_zero_gain_returns_f_bitwise_in_fp32():
+    inputs = make_inputs(dtype=torch.float32, padded=False)
+    inputs["gain"] = torch.zeros_like(inputs["gain"])
+    for fn in (feedback_solve_dense, feedback_solve_chunked):
+        assert torch.equal(_call(fn, inputs), inputs["f"])
+
+
+def test_causality():
+    inputs = {n: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for n, v in make_inputs().items()}
+    base = _call(feedback_solve_chunked, inputs, chunk_size=4)
+    for name in ("f", "q", "k", "gain"):
+        bumped = dict(inputs)
+        bumped[name] = inputs[name].clone()
+        bumped[name][:, 10] += 1.0
+        out = _call(feedback_solve_chunked, bumped, chunk_size=4)
+        assert torch.equal(out[:, :10], base[:, :10]), name
+
+
+def test_padded_keys_are_never_read():
+    inputs = {n: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for n, v in make_inputs().items()}
+    base = _call(feedback_solve_chunked, inputs, chunk_size=4)
+    poisoned = dict(inputs)
+    for name in ("f", "k"):
+        poisoned[name] = inputs[name].clone()
+        poisoned[name][0, :3] = 1e6  # the left padding of row 0
+    out = _call(feedback_solve_chunked, poisoned, chunk_size=4)
+    torch.testing.assert_close(out[0, 3:], base[0, 3:], rtol=0, atol=1e-12)
+
+
+def test_uniform_routing_closed_form():
+    """q = 0 gives alpha = 1/t; with constant gamma the kernel is gamma Gamma(l+gamma) / (Gamma(1+gamma) Gamma(l+1))."""
+    gamma, length = 0.5, 40
+    f = torch.zeros(1, length, 1, dtype=F64)
+    f[0, 0, 0] = 1.0  # impulse at tau = 0
+    q = torch.zeros(1, length, 2, dtype=F64)
+    k = torch.randn(1, length, 2, dtype=F64)
+    s = feedback_solve_chunked(f, q, k, torch.full((1, length), gamma, dtype=F64), chunk_size=7)[0, :, 0]
+    assert s[1:5].tolist() == pytest.approx([0.5, 0.375, 0.3125, 0.2734375], abs=1e-12)  # spec §6 numbers
+    for lag in range(1, length):
+        expected = gamma * math.exp(math.lgamma(lag + gamma) - math.lgamma(1 + gamma) - math.lgamma(lag + 1))
+        assert s[lag].item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_bibo_bound():
+    inputs = make_inputs(padded=False)
+    s = _call(feedback_solve_dense, {**inputs, "key_mask": None}).detach()
+    f, gain = inputs["f"].detach(), inputs["gain"].detach()
+    assert s.norm(dim=-1).max() <= f.norm(dim=-1).max() / (1 - gain.abs().max()) + 1e-12
+
+
+def test_fp32_accumulation_for_half_inputs():
+    inputs = make_inputs(dtype=torch.float32, padded=False)
+    half = {n: (v.detach().to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v)
+            for n, v in inputs.items()}
+    out = _call(feedback_solve_chunked, half, chunk_size=4)
+    assert out.dtype == torch.float32
+    reference = _call(feedback_solve_dense, {n: (v.float() if isinstance(v, torch.Tensor) and
+                                                 v.dtype.is_floating_point else v) for n, v in half.items()})
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_shapes_and_method_are_named():
+    inputs = make_inputs(past=2)
+    with pytest.raises(ValueError, match="key_mask has shape"):
+        _call(feedback_solve_chunked, {**inputs, "key_mask": inputs["key_mask"][:, 2:]})
+    with pytest.raises(ValueError, match="gain has shape"):
+        _call(feedback_solve_dense, {**inputs, "gain": inputs["gain"][:, :3]})
+    with pytest.raises(ValueError, match="unknown method"):
+        feedback_solve(inputs["f"], inputs["q"], inputs["k"], inputs["gain"], method="magic")
