@@ -1,0 +1,68 @@
+"""Load a saved folder through remote code in a fresh Python process where hf_mixers cannot be imported.
+
+This is what a Hub user without hf_mixers gets; the demo, the tests and (later) ``push`` use it to prove a folder
+is self-contained. The child process blocks every ``hf_mixers`` import, loads the folder with
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``, and returns logits and greedy tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+_LOADER = r"""
+import importlib.abc, os, sys
+
+class BlockHfMixers(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "hf_mixers" or name.startswith("hf_mixers."):
+            raise ImportError(f"hf_mixers is blocked in this process ({name})")
+
+sys.meta_path.insert(0, BlockHfMixers())
+os.environ["HF_HUB_OFFLINE"] = "1"
+import torch
+from transformers import AutoModelForCausalLM
+
+model_dir, input_path, output_path, resave_dir = sys.argv[1:5]
+inputs = torch.load(input_path)
+model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True).eval()
+with torch.no_grad():
+    logits = model(inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+tokens = model.generate(inputs["input_ids"], attention_mask=inputs["attention_mask"], do_sample=False,
+                        max_new_tokens=inputs["max_new_tokens"], pad_token_id=inputs["pad_token_id"])
+if resave_dir:
+    model.save_pretrained(resave_dir)
+torch.save({"logits": logits, "tokens": tokens, "class": type(model).__name__, "module": type(model).__module__,
+            "hf_mixers_imported": any(m == "hf_mixers" or m.startswith("hf_mixers.") for m in sys.modules)},
+           output_path)
+"""
+
+
+def load_in_fresh_process(model_dir, input_ids, attention_mask=None, max_new_tokens=8, pad_token_id=0,
+                          resave_dir=None, timeout=900) -> dict:
+    """Returns {"logits", "tokens", "class", "module", "hf_mixers_imported", "seconds"} from the child process.
+
+    Raises RuntimeError with the child's stderr if loading fails (e.g. a missing remote-code file).
+    """
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    with tempfile.TemporaryDirectory(prefix="hf-mixers-remote-") as scratch:
+        input_path, output_path = os.path.join(scratch, "inputs.pt"), os.path.join(scratch, "outputs.pt")
+        torch.save({"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": max_new_tokens,
+                    "pad_token_id": pad_token_id}, input_path)
+        # A private module cache: the child compiles the folder's own files, never a stale copy.
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": os.path.join(scratch, "modules")}
+        start = time.perf_counter()
+        result = subprocess.run([sys.executable, "-c", _LOADER, str(model_dir), input_path, output_path,
+                                 str(resave_dir or "")], capture_output=True, text=True, env=env, timeout=timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"remote-code load of {model_dir} failed in a fresh process without hf_mixers:\n"
+                               f"{result.stderr[-4000:]}")
+        outputs = torch.load(output_path)
+    outputs["seconds"] = time.perf_counter() - start
+    return outputs

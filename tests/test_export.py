@@ -1,0 +1,91 @@
+"""Saving: safetensors + config + self-contained remote code that loads where hf_mixers is not importable."""
+
+import json
+import os
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import tiny_sessa_model
+from hf_mixers.export import REMOTE_MODULES, flatten_imports, save_atomically
+from hf_mixers.remote_check import load_in_fresh_process
+
+STDLIB = {"importlib", "importlib.util", "os", "re", "shutil", "tempfile", "math"}
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(layer_types=["full_attention", "sessa"], qk_norm=True),
+                                       dict(block="sessa", attention_bias=True)])
+def test_remote_code_load_with_hf_mixers_blocked(tmp_path, overrides):
+    model = tiny_sessa_model(**overrides)
+    model.save_pretrained(tmp_path / "model")
+    files = set(os.listdir(tmp_path / "model"))
+    assert {"model.safetensors", "config.json"} | {f"{name}.py" for name in REMOTE_MODULES.values()} <= files
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_hf_mixers.SessaForCausalLM"
+    for name in REMOTE_MODULES.values():  # the copies import only torch, transformers and each other
+        source = (tmp_path / "model" / f"{name}.py").read_text()
+        imported = set(re.findall(r"^\s*(?:from|import)\s+([\w.]+)", source, re.MULTILINE))
+        assert all(m.startswith((".", "torch", "transformers", "huggingface_hub", "__future__")) or m in STDLIB for m in imported), imported
+
+    ids = torch.randint(1, 101, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    remote = load_in_fresh_process(tmp_path / "model", ids, mask, max_new_tokens=8, resave_dir=tmp_path / "resaved")
+    assert not remote["hf_mixers_imported"] and remote["class"] == "SessaForCausalLM"
+    assert remote["module"].startswith("transformers_modules.")
+    with torch.no_grad():
+        assert torch.equal(remote["logits"], model(ids, attention_mask=mask).logits)
+    local_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(remote["tokens"], local_tokens)
+    # the folder re-saved by the remote-code model is again complete and loads
+    assert {f"{name}.py" for name in REMOTE_MODULES.values()} <= set(os.listdir(tmp_path / "resaved"))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "resaved", trust_remote_code=True)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids, attention_mask=mask).logits, remote["logits"])
+
+
+def test_save_load_round_trip_through_auto_classes(tmp_path):
+    model = tiny_sessa_model()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded).__name__ == "SessaForCausalLM" and type(loaded).__module__ == "hf_mixers.modeling"
+    ids = torch.randint(1, 101, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert bf16.model.layers[0].mixer.q_proj.weight.dtype == torch.bfloat16
+
+
+def test_save_atomically_refuses_non_empty_folder_and_leaves_nothing_behind(tmp_path):
+    model = tiny_sessa_model()
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("precious")
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        save_atomically(model, target)
+    assert os.listdir(target) == ["keep.txt"]
+    save_atomically(model, target, overwrite=True)
+    assert "model.safetensors" in os.listdir(target) and "keep.txt" not in os.listdir(target)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".out.partial")]
+
+
+def test_flatten_imports_rewrites_and_refuses_unknown_modules():
+    source = "from .kernels.feedback_solve import x\n    from .config import SessaConfig\nfrom .sessa import y\n"
+    flat = flatten_imports(source, "demo.py")
+    assert flat == ("from .feedback_solve import x\n    from .configuration_hf_mixers import SessaConfig\n"
+                    "from .sessa import y\n")
+    assert flatten_imports(flat, "demo.py") == flat  # idempotent: a remote folder re-exports itself
+    with pytest.raises(ValueError, match="imports '.secret', which is not exported"):
+        flatten_imports("from .secret import z\n", "demo.py")
+    with pytest.raises(ValueError, match="imports hf_mixers by absolute name"):
+        flatten_imports("from hf_mixers.sessa import z\n", "demo.py")
+
+
+def test_fresh_process_load_reports_a_broken_folder(tmp_path):
+    model = tiny_sessa_model()
+    model.save_pretrained(tmp_path)
+    os.remove(tmp_path / "feedback_solve.py")
+    with pytest.raises(RuntimeError, match="failed in a fresh process without hf_mixers"):
+        load_in_fresh_process(tmp_path, torch.randint(1, 101, (1, 4)))

@@ -1,0 +1,144 @@
+"""Caching and generation: prefill + decode == one forward, padding invariance, generate() cached == uncached."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import tiny_sessa_model
+from hf_mixers.cache import SessaCacheLayer, cache_nbytes
+
+F64 = torch.float64
+
+
+def step_through(model, ids, mask, prefill):
+    """Prefill ``prefill`` tokens, then decode the rest one at a time; returns the concatenated logits."""
+    cache = DynamicCache(config=model.config)
+    out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache, use_cache=True)
+    logits = [out.logits]
+    for t in range(prefill, ids.shape[1]):
+        out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
+        logits.append(out.logits)
+    return torch.cat(logits, dim=1), cache
+
+
+@pytest.mark.parametrize("layer_types", [["sessa", "sessa"], ["full_attention", "sessa"]])
+@pytest.mark.parametrize("prefill", [1, 9])
+def test_prefill_then_decode_equals_full_forward(layer_types, prefill):
+    model = tiny_sessa_model(dtype=F64, layer_types=layer_types, sessa_chunk_size=4)
+    ids = torch.randint(1, 101, (2, 21))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding in row 1
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        stepped, cache = step_through(model, ids, mask, prefill)
+    real = mask.bool()
+    torch.testing.assert_close(stepped[real], full[real], rtol=0, atol=1e-10)
+    assert isinstance(cache.layers[-1], SessaCacheLayer) and cache.get_seq_length() == 21
+    assert cache.layers[-1].outputs.dtype == F64 and cache.layers[-1].outputs.shape[1] == 21
+
+
+def test_chunked_prefill_onto_non_empty_cache():
+    """Spec §5.3: several multi-token prefills in a row equal one forward."""
+    model = tiny_sessa_model(dtype=F64, sessa_chunk_size=3)
+    ids = torch.randint(1, 101, (2, 30))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = DynamicCache(config=model.config)
+        pieces = [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits
+                  for a, b in ((0, 7), (7, 8), (8, 19), (19, 30))]
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-10)
+
+
+def test_fp32_cached_outputs_keep_bf16_decode_close():
+    model = tiny_sessa_model(dtype=torch.bfloat16)
+    ids = torch.randint(1, 101, (1, 24))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        full = model(ids).logits.float()
+        stepped, cache = step_through(model, ids, mask, 8)
+    assert cache.layers[0].outputs.dtype == torch.float32
+    assert ((stepped.float() - full).norm() / full.norm()).item() < 2e-2
+
+
+def test_left_padded_batch_equals_each_sequence_alone():
+    model = tiny_sessa_model(dtype=F64)
+    lengths = [13, 7, 10]
+    rows = [torch.randint(1, 101, (n,)) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask).logits
+        for i, row in enumerate(rows):
+            alone = model(row[None]).logits[0]
+            torch.testing.assert_close(batched[i, width - len(row):], alone, rtol=0, atol=1e-10)
+
+
+def test_right_padding_does_not_leak_into_real_tokens():
+    model = tiny_sessa_model(dtype=F64)
+    ids = torch.randint(1, 101, (1, 12))
+    padded = torch.cat([ids, torch.zeros(1, 5, dtype=torch.long)], 1)
+    mask = torch.cat([torch.ones(1, 12), torch.zeros(1, 5)], 1).long()
+    with torch.no_grad():
+        torch.testing.assert_close(model(padded, attention_mask=mask).logits[:, :12], model(ids).logits,
+                                   rtol=0, atol=1e-10)
+
+
+def test_generate_greedy_cached_equals_uncached_with_left_padding():
+    model = tiny_sessa_model()
+    ids = torch.randint(1, 101, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[2, :2] = 0
+    ids[mask == 0] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    cached = model.generate(ids, use_cache=True, **kwargs)
+    uncached = model.generate(ids, use_cache=False, **kwargs)
+    assert torch.equal(cached, uncached)
+    for i in range(3):  # each row generates what it would generate alone
+        alone = model.generate(ids[i:i + 1, mask[i].bool()], max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert torch.equal(cached[i, -12:], alone[0, -12:])
+
+
+def test_generate_sampling_cached_equals_uncached():
+    model = tiny_sessa_model()
+    ids = torch.randint(1, 101, (2, 6))
+    outputs = []
+    for use_cache in (True, False):
+        torch.manual_seed(123)
+        outputs.append(model.generate(ids, do_sample=True, top_k=20, max_new_tokens=10, use_cache=use_cache,
+                                      pad_token_id=0))
+    assert torch.equal(*outputs)
+
+
+def test_generate_with_default_arguments_and_beam_search():
+    model = tiny_sessa_model()
+    ids = torch.randint(1, 101, (2, 5))
+    assert model.generate(ids, pad_token_id=0).shape[0] == 2
+    beams = model.generate(ids, num_beams=3, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    no_cache = model.generate(ids, num_beams=3, max_new_tokens=6, do_sample=False, pad_token_id=0, use_cache=False)
+    assert torch.equal(beams, no_cache)  # reorder_cache keeps the feedback state aligned with the beams
+
+
+def test_cache_bytes_grow_with_context():
+    model = tiny_sessa_model()
+    ids = torch.randint(1, 101, (1, 16))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        small = cache_nbytes(cache)
+        model(ids[:, 8:], past_key_values=cache, use_cache=True)
+    # per token and layer: K and V (2 kv heads x 16) fp32, feedback keys 64 fp32, outputs 64 fp32
+    assert cache_nbytes(cache) == 2 * small == 2 * 2 * 8 * (2 * 32 + 64 + 64) * 4
+
+
+def test_mask_that_does_not_cover_the_cache_is_refused():
+    model = tiny_sessa_model()
+    ids = torch.randint(1, 101, (1, 8))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :6], past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="attention_mask has shape \\(1, 2\\) but expected \\(1, 8\\)"):
+            model(ids[:, 6:], attention_mask=torch.ones(1, 2, dtype=torch.long), past_key_values=cache)
