@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="build a small Sessa model, generate, save, reload via remote code")
     demo.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
     demo.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
+    demo.add_argument("--max-steps", type=int, default=300, help="training steps (a small number = a smoke run)")
 
     bench = commands.add_parser("bench", help="benchmarks, written as JSON and PNG")
     bench.add_argument("target", choices=["sessa"], help="what to benchmark")
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        run_demo(args.out, overwrite=args.overwrite)
+        run_demo(args.out, overwrite=args.overwrite, max_steps=args.max_steps)
     elif args.command == "bench":
         from .bench import bench_sessa
 

@@ -1,0 +1,31 @@
+# The two Quickstart commands: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PIP := $(VENV)/bin/pip -q --disable-pip-version-check
+# torch is pinned to 2.13.0 in constraints.txt: pip takes the CPU wheel instead of a CUDA build.
+INSTALL := $(PIP) install -c constraints.txt
+
+.PHONY: demo test bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml constraints.txt | $(VENV)/bin/python
+	$(INSTALL) -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(INSTALL) -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(VENV)/bin/hf-mixers demo --out outputs/demo --overwrite
+
+test: $(VENV)/.installed-test
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q
+
+bench: $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(VENV)/bin/hf-mixers bench sessa --out outputs/bench
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache
