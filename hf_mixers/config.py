@@ -25,7 +25,9 @@ class MixerConfig(PreTrainedConfig):
     o_proj has no bias while q/k/v do). Mixer fields are prefixed by the mixer name.
 
     Sessa fields (shared/specs/sessa.md):
-        sessa_feedback_dim: width of the single feedback head (``None`` = hidden_size, the official choice).
+        sessa_feedback_dim: total width of the feedback queries/keys (``None`` = hidden_size, the official choice).
+        sessa_feedback_heads: feedback heads; head h routes channel group h of f with its own matrix B_h
+            (official: 1 head, one B shared by every channel). Must divide sessa_feedback_dim and hidden_size.
         sessa_feedback_bias: biases on the feedback q/k projection (official: True).
         sessa_gamma_max: gain bound, gamma = gamma_max * tanh(b + w.x), must lie in (0, 1).
         sessa_gamma_bias_init: initial b. ``None`` = 0.0 for the llama block (then gamma == 0 and a converted layer
@@ -63,6 +65,7 @@ class MixerConfig(PreTrainedConfig):
     layer_types: list[str] | None = None
     block: str = "llama"
     sessa_feedback_dim: int | None = None
+    sessa_feedback_heads: int = 1
     sessa_feedback_bias: bool = True
     sessa_gamma_max: float = 0.999
     sessa_gamma_bias_init: float | None = None
@@ -135,6 +138,12 @@ def validate_mixer_config(config: MixerConfig) -> None:
         fail(f"sessa_gamma_max must lie in (0, 1), got {config.sessa_gamma_max}")
     if not isinstance(config.sessa_feedback_dim, int) or config.sessa_feedback_dim < 1:
         fail(f"sessa_feedback_dim must be a positive integer, got {config.sessa_feedback_dim!r}")
+    feedback_heads = config.sessa_feedback_heads
+    if not isinstance(feedback_heads, int) or feedback_heads < 1:
+        fail(f"sessa_feedback_heads must be a positive integer, got {feedback_heads!r}")
+    if config.sessa_feedback_dim % feedback_heads or config.hidden_size % feedback_heads:
+        fail(f"sessa_feedback_heads ({feedback_heads}) must divide sessa_feedback_dim ({config.sessa_feedback_dim}) "
+             f"and hidden_size ({config.hidden_size})")
     if config.sessa_solver not in SESSA_SOLVERS:
         fail(f"sessa_solver must be one of {SESSA_SOLVERS}, got {config.sessa_solver!r}")
     if not isinstance(config.sessa_chunk_size, int) or config.sessa_chunk_size < 1:

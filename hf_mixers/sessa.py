@@ -1,12 +1,14 @@
 """Sessa: attention inside a feedback loop (shared/specs/sessa.md).
 
     f = o_proj(CausalAttention(q, k, v))             the teacher's attention, unchanged (forward branch)
-    alpha[t, j] = softmax_{j<t}(<qb_t, kb_j> / sqrt(d_fb))   one feedback head, strict past, no positions
+    alpha[t, j] = softmax_{j<t}(<qb_t, kb_j> / sqrt(d_fb))   feedback attention over the strict past, no positions
     gamma_t = gamma_max * tanh(b + w . x_t)           signed gain, |gamma| < gamma_max < 1
     (I - gamma * alpha) s = f                          s_t = f_t + gamma_t sum_{j<t} alpha[t, j] s_j
 
 With w = b = 0 (the llama-block default) gamma == 0 and s == f bit for bit, so a converted layer starts as its
-teacher. The solve itself lives in ``kernels/feedback_solve.py`` (shared with GLTM).
+teacher. The solve itself lives in ``kernels/feedback_solve.py`` (shared with GLTM). With several feedback
+heads, head h routes channel group h of f with its own alpha_h (the official code has one head for all channels);
+heads are folded into the batch so the kernel stays single-head.
 
 Cache per layer: the attention K/V, plus the feedback keys kb and the solved outputs s (kept in fp32), so a
 prefill onto a non-empty cache and token-by-token decoding continue exactly (spec §5.3).
@@ -27,6 +29,7 @@ class SessaMixer(FullAttention):
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.feedback_dim = config.sessa_feedback_dim
+        self.feedback_heads = config.sessa_feedback_heads
         self.gamma_max = float(config.sessa_gamma_max)
         self.solver = config.sessa_solver
         self.chunk_size = config.sessa_chunk_size
@@ -59,11 +62,29 @@ class SessaMixer(FullAttention):
         if not torch.is_grad_enabled() and not gamma.any():
             s = f.to(compute_dtype(f.dtype))  # gamma == 0: s = f exactly, no solve needed
         else:
-            s = feedback_solve(f, query, key, gamma, key_mask=token_mask, past_k=past_keys, past_s=past_outputs,
-                               scale=self.feedback_dim**-0.5, method=self.solver, chunk_size=self.chunk_size)
+            s = self.solve(f, query, key, gamma, token_mask, past_keys, past_outputs)
         if layer_cache is not None:
             layer_cache.update_feedback(key, s)
         return s.to(f.dtype)
+
+    def solve(self, f, query, key, gamma, token_mask, past_keys, past_outputs):
+        """(I - B) s = f, one routing matrix per feedback head; returns s (B, T, D) in fp32 (fp64 for fp64)."""
+        heads = self.feedback_heads
+        scale = (self.feedback_dim // heads) ** -0.5
+        if heads == 1:
+            return feedback_solve(f, query, key, gamma, key_mask=token_mask, past_k=past_keys, past_s=past_outputs,
+                                  scale=scale, method=self.solver, chunk_size=self.chunk_size)
+
+        def fold(x):  # (B, T, heads * w) -> (B * heads, T, w): each head is its own sequence
+            return None if x is None else x.unflatten(-1, (heads, -1)).transpose(1, 2).flatten(0, 1)
+
+        def repeat(x):  # per-token tensors are shared by the heads
+            return None if x is None else x.repeat_interleave(heads, dim=0)
+
+        s = feedback_solve(fold(f), fold(query), fold(key), repeat(gamma), key_mask=repeat(token_mask),
+                           past_k=fold(past_keys), past_s=fold(past_outputs), scale=scale, method=self.solver,
+                           chunk_size=self.chunk_size)
+        return s.unflatten(0, (-1, heads)).transpose(1, 2).flatten(2)
 
 
 class SessaBlock(GradientCheckpointingLayer):

@@ -17,6 +17,7 @@ from hf_mixers import MixerConfig, SessaConfig
     (dict(sessa_solver="fast"), "sessa_solver must be one of"),
     (dict(sessa_chunk_size=0), "sessa_chunk_size must be a positive integer"),
     (dict(sessa_feedback_dim=0), "sessa_feedback_dim must be a positive integer"),
+    (dict(sessa_feedback_heads=3), "sessa_feedback_heads \\(3\\) must divide sessa_feedback_dim \\(64\\)"),
     (dict(hidden_size=60, num_attention_heads=4, head_dim=15), "head_dim \\(15\\) must be even"),
     (dict(block="sessa", head_dim=32), "block='sessa' needs num_attention_heads \\* head_dim == hidden_size"),
 ])

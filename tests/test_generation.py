@@ -21,10 +21,12 @@ def step_through(model, ids, mask, prefill):
     return torch.cat(logits, dim=1), cache
 
 
-@pytest.mark.parametrize("layer_types", [["sessa", "sessa"], ["full_attention", "sessa"]])
+@pytest.mark.parametrize("layer_types, feedback_heads", [(["sessa", "sessa"], 1), (["full_attention", "sessa"], 1),
+                                                    (["sessa", "sessa"], 4)])
 @pytest.mark.parametrize("prefill", [1, 9])
-def test_prefill_then_decode_equals_full_forward(layer_types, prefill):
-    model = tiny_sessa_model(dtype=F64, layer_types=layer_types, sessa_chunk_size=4)
+def test_prefill_then_decode_equals_full_forward(layer_types, feedback_heads, prefill):
+    model = tiny_sessa_model(dtype=F64, layer_types=layer_types, sessa_chunk_size=4,
+                             sessa_feedback_heads=feedback_heads)
     ids = torch.randint(1, 101, (2, 21))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # left padding in row 1

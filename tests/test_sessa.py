@@ -7,6 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from conftest import TINY, tiny_config, tiny_sessa_model, turn_on_feedback
 from hf_mixers import MixerForCausalLM, SessaForCausalLM
+from hf_mixers.attention import FullAttention
+from hf_mixers.kernels.feedback_solve import feedback_solve_dense
 from hf_mixers.sessa import SessaMixer, from_official_layer
 
 
@@ -217,3 +219,41 @@ def test_all_attention_mixer_model_equals_llama():
     ids = torch.randint(1, 101, (2, 16))
     with torch.no_grad():
         assert torch.equal(student(ids).logits, teacher(ids).logits)
+
+
+def _mixer(**overrides):
+    config = tiny_config(num_hidden_layers=1, **overrides)
+    config._attn_implementation = "sdpa"  # standalone mixer: no model sets the attention backend
+    mixer = SessaMixer(config, 0).double()
+    with torch.no_grad():
+        torch.nn.init.normal_(mixer.gamma_proj.weight, std=0.3)
+        mixer.gamma_bias.fill_(0.3)
+    return mixer
+
+
+def _rope(length, head_dim=16):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    x = torch.zeros(1, length, 1, dtype=torch.float64)
+    return LlamaRotaryEmbedding(tiny_config())(x, torch.arange(length)[None])
+
+
+def test_feedback_heads_route_channel_groups_independently():
+    mixer = _mixer(sessa_feedback_heads=4, sessa_feedback_dim=32)
+    x = torch.randn(2, 15, 64, dtype=torch.float64)
+    with torch.no_grad():
+        out = mixer(x, _rope(15))
+        f = FullAttention.forward(mixer, x, _rope(15))
+        query, key = mixer.feedback_proj(x).split(32, dim=-1)
+        gamma = mixer.gain(x)
+        for h in range(4):  # head h: channels 16h..16h+15 of f, feedback q/k channels 8h..8h+7
+            expected = feedback_solve_dense(f[..., 16 * h:16 * h + 16], query[..., 8 * h:8 * h + 8],
+                                            key[..., 8 * h:8 * h + 8], gamma, scale=8**-0.5)
+            torch.testing.assert_close(out[..., 16 * h:16 * h + 16], expected, rtol=0, atol=1e-12)
+
+
+def test_whole_mixer_gradcheck_fp64():
+    mixer = _mixer(sessa_chunk_size=3, sessa_feedback_heads=2)
+    x = torch.randn(1, 7, 64, dtype=torch.float64, requires_grad=True)
+    rope = _rope(7)
+    assert torch.autograd.gradcheck(lambda inputs: mixer(inputs, rope), (x,))

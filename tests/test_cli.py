@@ -1,0 +1,36 @@
+"""The command line: the demo end to end (a smoke run of the same path), argument errors."""
+
+import json
+import os
+
+import pytest
+
+from hf_mixers.cli import build_parser, main
+
+
+def test_demo_smoke_run(tmp_path, capsys):
+    out = tmp_path / "demo"
+    main(["demo", "--out", str(out), "--max-steps", "3"])
+    report = json.loads((out / "demo_report.json").read_text())
+    assert report["training"]["steps"] == 3
+    assert report["generation"]["cached_equals_uncached"]
+    reload = report["remote_code_reload"]
+    assert reload["generated_tokens_identical"] and reload["max_abs_logit_difference"] == 0.0
+    assert not reload["hf_mixers_imported_in_child"]
+    assert "modeling_hf_mixers.py" in os.listdir(out / "model")
+    assert "hf-mixers demo" in capsys.readouterr().out
+
+
+def test_demo_refuses_a_non_empty_output_folder(tmp_path):
+    (tmp_path / "precious.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        main(["demo", "--out", str(tmp_path), "--max-steps", "1"])
+    assert os.listdir(tmp_path) == ["precious.txt"]
+
+
+def test_bad_arguments_are_reported_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "sessa", "--lengths", "512,abc"])
+    assert "expected comma-separated integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "nothing"])
