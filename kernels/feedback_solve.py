@@ -129,8 +129,8 @@ class _ChunkedFeedbackSolve(torch.autograd.Function):
             r0, r1 = past + c0, past + c1  # absolute rows of this chunk
             weights = feedback_weights(q_cd[:, c0:c1], keys[:, :r1], gain_cd[:, c0:c1], r0, key_mask, scale)
             rhs = f[:, c0:c1].to(cd)
-            if r0:
-                rhs = rhs + torch.matmul(weights[..., :r0], s_all[:, :r0])
+            if r0:  # f + B_old s_old, the add fused into the GEMM
+                rhs = torch.baddbmm(rhs, weights[..., :r0], s_all[:, :r0])
             s_all[:, r0:r1] = torch.linalg.solve_triangular(
                 -weights[..., r0:r1], rhs, upper=False, left=True, unitriangular=True)
         ctx.save_for_backward(q_cd, keys, gain_cd, key_mask, s_all)
@@ -160,12 +160,12 @@ class _ChunkedFeedbackSolve(torch.autograd.Function):
                 -weights[..., r0:r1].transpose(-1, -2), adjoint[:, r0:r1], upper=True, left=True, unitriangular=True)
             adjoint[:, r0:r1] = lam  # the rows of this chunk now hold df
             if r0:
-                adjoint[:, :r0] += torch.matmul(weights[..., :r0].transpose(-1, -2), lam)
+                adjoint[:, :r0].baddbmm_(weights[..., :r0].transpose(-1, -2), lam)
             lam_dot_s = torch.matmul(lam, s_all[:, :r1].transpose(-1, -2))  # (B, C, r1)
             d_gain_c = (alpha * lam_dot_s).sum(-1)  # lam_t . h_t, without forming h = alpha @ s
             d_logits = gain_c[..., None] * alpha * (lam_dot_s - d_gain_c[..., None]) * scale
             d_q[:, c0:c1] = torch.matmul(d_logits, keys[:, :r1])
-            d_keys[:, :r1] += torch.matmul(d_logits.transpose(-1, -2), q_c)
+            d_keys[:, :r1].baddbmm_(d_logits.transpose(-1, -2), q_c)
             d_gain[:, c0:c1] = d_gain_c
         d_f = adjoint[:, past:].to(f_dtype)
         d_past_k = d_past_s = None
