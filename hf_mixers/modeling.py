@@ -22,7 +22,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
-from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .cache import SessaCacheLayer  # noqa: F401  (importing registers the cache layer with DynamicCache)
@@ -151,6 +151,7 @@ class MixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs) -> CausalLMOutputWithPast:
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

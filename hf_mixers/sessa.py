@@ -36,7 +36,7 @@ class SessaMixer(FullAttention):
         # [qb | kb]: first feedback_dim channels are queries, last feedback_dim are keys (official proj_fb layout)
         self.feedback_proj = nn.Linear(config.hidden_size, 2 * self.feedback_dim, bias=config.sessa_feedback_bias)
         self.gamma_proj = nn.Linear(config.hidden_size, 1, bias=False)  # w_gamma (official gamma_ctx)
-        self.gamma_bias = nn.Parameter(torch.tensor(float(config.sessa_gamma_bias_init)))  # b_gamma, fp32 scalar
+        self.gamma_bias = nn.Parameter(torch.tensor(float(config.sessa_gamma_bias_init)))  # b_gamma, a scalar
 
     def gain(self, hidden_states):
         """gamma_t = gamma_max * tanh(b + w . x_t), in fp32 (fp64 stays fp64): (B, T, D) -> (B, T)."""
@@ -55,10 +55,6 @@ class SessaMixer(FullAttention):
         gamma = self.gain(hidden_states)
         layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
         past_keys, past_outputs = (None, None) if layer_cache is None else layer_cache.feedback_state()
-        if past_keys is not None and token_mask is not None and token_mask.shape[1] != past_keys.shape[1] + length:
-            raise ValueError(
-                f"Sessa layer {self.layer_idx}: attention_mask covers {token_mask.shape[1]} tokens but the cache holds "
-                f"{past_keys.shape[1]} and {length} are new; pass the mask of past and new tokens together")
         if not torch.is_grad_enabled() and not gamma.any():
             s = f.to(compute_dtype(f.dtype))  # gamma == 0: s = f exactly, no solve needed
         else:

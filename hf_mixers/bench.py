@@ -1,0 +1,249 @@
+"""``hf-mixers bench sessa``: forward+backward time and peak memory of the Sessa mixer vs SDPA attention.
+
+Three mixer modules of the same width and heads run on the same input at each sequence length T:
+  sdpa_attention  FullAttention on torch SDPA (q/k/v/o projections included) -- the baseline;
+  sessa_chunked   SessaMixer with the chunked O(T*C)-memory solve (the default path);
+  sessa_dense     SessaMixer with the dense reference solve (O(T^2) memory).
+A step is ``y = mixer(x); mean(y^2).backward()``; the time is the median of ``repeats`` runs after a warm-up.
+Peak memory: on CUDA the allocator's peak. On CPU there is no allocator statistic, so each point runs once more
+in a fresh process with glibc's mmap threshold fixed at 64 KiB (large tensors are then mapped and returned to the
+OS when freed, so RSS follows live memory): peak RSS (VmHWM, reset through /proc/self/clear_refs) over one step
+minus the RSS before it. Results are reported as ratios to the baseline measured in the same run, and written to
+bench_sessa.json and bench_sessa.png.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from .attention import FullAttention
+from .config import SessaConfig
+from .sessa import SessaMixer
+
+MIXERS = ("sdpa_attention", "sessa_chunked", "sessa_dense")
+
+
+def _read_status_kib(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _cpu_peak_supported() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _build(kind: str, hidden_size: int, num_heads: int, num_kv_heads: int, device, dtype):
+    solver = "dense" if kind == "sessa_dense" else "chunked"
+    config = SessaConfig(hidden_size=hidden_size, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         intermediate_size=4 * hidden_size, num_hidden_layers=1, vocab_size=128,
+                         sessa_solver=solver, sessa_gamma_bias_init=0.5)  # gain != 0: the real solve runs
+    config._attn_implementation = "sdpa"
+    module_class = FullAttention if kind == "sdpa_attention" else SessaMixer
+    return module_class(config, 0).to(device=device, dtype=dtype), config
+
+
+def _step(module, x, position_embeddings):
+    x.grad = None
+    module(x, position_embeddings).float().pow(2).mean().backward()
+
+
+def _time(module, x, position_embeddings, repeats, device):
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    _step(module, x, position_embeddings)  # warm-up
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        _step(module, x, position_embeddings)
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _cuda_peak(module, x, position_embeddings):
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    _step(module, x, position_embeddings)
+    return torch.cuda.max_memory_allocated() - before
+
+
+def cpu_peak_point(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype):
+    """Run in a fresh process (see _cpu_peak): print the peak RSS growth of one step, in bytes."""
+    torch.manual_seed(0)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    module, config = _build(kind, hidden_size, num_heads, num_kv_heads, torch.device("cpu"), torch_dtype)
+    x = torch.randn(batch_size, length, hidden_size, dtype=torch_dtype, requires_grad=True)
+    position_embeddings = _rotary(config, x, length)
+    _step(module, x, position_embeddings)  # warm-up: lazily created buffers, gradients of the parameters
+    gc.collect()
+    before = _read_status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # reset VmHWM (the peak RSS) to the current RSS
+    _step(module, x, position_embeddings)
+    print((_read_status_kib("VmHWM") - before) * 1024)
+
+
+def _cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype):
+    code = (f"from hf_mixers.bench import cpu_peak_point; cpu_peak_point({kind!r}, {length}, {hidden_size}, "
+            f"{num_heads}, {num_kv_heads}, {batch_size}, {dtype!r})")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"bench sessa: memory run for {kind} at T={length} failed:\n{result.stderr[-2000:]}")
+    return int(result.stdout.strip().splitlines()[-1])
+
+
+def _dense_fits(batch: int, length: int) -> bool:
+    """Skip dense points whose (B, T, T) intermediates would not fit in 60% of RAM (about a dozen of them live)."""
+    with open("/proc/meminfo") as handle:
+        total_kib = int(next(line for line in handle if line.startswith("MemTotal")).split()[1])
+    return 12 * batch * length * length * 4 < 0.6 * total_kib * 1024
+
+
+def bench_sessa(out_dir, lengths=(512, 1024, 2048, 4096), hidden_size=576, num_heads=9, num_kv_heads=3,
+                batch_size=1, repeats=3, dtype="float32", device=None) -> dict:
+    if not lengths or any(length < 2 for length in lengths):
+        raise ValueError(f"bench sessa: lengths must be a non-empty list of integers >= 2, got {lengths}")
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError(f"bench sessa: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
+                         f"--kv-heads ({num_kv_heads}) must divide --heads")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    cpu_peak = device.type == "cpu" and _cpu_peak_supported()
+    memory_method = ("torch.cuda.max_memory_allocated" if device.type == "cuda" else
+                     "peak RSS growth over one step, in a fresh process with MALLOC_MMAP_THRESHOLD_=65536"
+                     if cpu_peak else
+                     "unavailable (/proc/self/clear_refs not writable)")
+    torch.manual_seed(0)
+    results = []
+    points = [(length, kind) for length in lengths for kind in MIXERS]
+    config = None
+    for length, kind in tqdm(points, desc="bench sessa", unit="point"):
+        if kind == "sessa_dense" and device.type == "cpu" and not _dense_fits(batch_size, length):
+            results.append({"T": length, "mixer": kind, "fwd_bwd_s": None, "peak_bytes": None,
+                            "skipped": "dense (B, T, T) intermediates would exceed 60% of RAM"})
+            continue
+        module, config = _build(kind, hidden_size, num_heads, num_kv_heads, device, torch_dtype)
+        x = torch.randn(batch_size, length, hidden_size, device=device, dtype=torch_dtype, requires_grad=True)
+        position_embeddings = _rotary(config, x, length)
+        seconds = _time(module, x, position_embeddings, repeats, device)
+        if device.type == "cuda":
+            peak = _cuda_peak(module, x, position_embeddings)
+        else:
+            del module, x, position_embeddings
+            gc.collect()
+            peak = _cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype) if cpu_peak \
+                else None
+        results.append({"T": length, "mixer": kind, "fwd_bwd_s": seconds, "peak_bytes": peak})
+
+    def value(length, kind, key):
+        return next(r[key] for r in results if r["T"] == length and r["mixer"] == kind)
+
+    def ratio(a, b):
+        return None if a is None or b is None or b == 0 else a / b
+
+    ratios = [{"T": length,
+               "chunked_time_vs_sdpa": ratio(value(length, "sessa_chunked", "fwd_bwd_s"),
+                                             value(length, "sdpa_attention", "fwd_bwd_s")),
+               "dense_time_vs_sdpa": ratio(value(length, "sessa_dense", "fwd_bwd_s"),
+                                           value(length, "sdpa_attention", "fwd_bwd_s")),
+               "chunked_peak_vs_dense": ratio(value(length, "sessa_chunked", "peak_bytes"),
+                                              value(length, "sessa_dense", "peak_bytes"))} for length in lengths]
+    at = {r["T"]: r for r in ratios}
+    time_ratio = at.get(2048, {}).get("chunked_time_vs_sdpa")
+    memory_ratio = at.get(4096, {}).get("chunked_peak_vs_dense")
+    report = {
+        "benchmark": "sessa", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": dtype,
+        "shape": {"batch": batch_size, "hidden": hidden_size, "heads": num_heads, "kv_heads": num_kv_heads,
+                  "feedback_dim": config.sessa_feedback_dim, "chunk_size": config.sessa_chunk_size},
+        "memory_method": memory_method, "results": results, "ratios": ratios,
+        "targets": {"time_ratio_at_2048": time_ratio,
+                    "time_target": "sessa_chunked fwd+bwd <= 2x sdpa_attention at T=2048",
+                    "time_target_met": None if time_ratio is None else time_ratio <= 2.0,
+                    "memory_ratio_at_4096": memory_ratio,
+                    "memory_target": "sessa_chunked peak <= 0.25x sessa_dense peak at T=4096",
+                    "memory_target_met": None if memory_ratio is None else memory_ratio <= 0.25},
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    staging = os.path.join(out_dir, ".bench_sessa.json.partial")
+    with open(staging, "w") as handle:
+        json.dump(report, handle, indent=2)
+    os.replace(staging, os.path.join(out_dir, "bench_sessa.json"))
+    _plot(report, os.path.join(out_dir, "bench_sessa.png"))
+    _print_table(report)
+    return report
+
+
+def _rotary(config, x, length):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config).to(x.device)
+    return rotary(x, torch.arange(length, device=x.device)[None])
+
+
+def _plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for kind in MIXERS:
+        rows = [r for r in report["results"] if r["mixer"] == kind and r["fwd_bwd_s"] is not None]
+        time_axis.plot([r["T"] for r in rows], [r["fwd_bwd_s"] for r in rows], marker="o", label=kind)
+        rows = [r for r in rows if r["peak_bytes"] is not None]
+        memory_axis.plot([r["T"] for r in rows], [r["peak_bytes"] / 2**20 for r in rows], marker="o", label=kind)
+    for axis, label in ((time_axis, "forward+backward (s)"), (memory_axis, "peak memory (MiB)")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("sequence length T")
+        axis.set_ylabel(label)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend()
+    shape = report["shape"]
+    figure.suptitle(f"Sessa mixer vs SDPA attention -- {report['device']}, {report['dtype']}, batch {shape['batch']},"
+                    f" hidden {shape['hidden']}, heads {shape['heads']}/{shape['kv_heads']}, "
+                    f"feedback dim {shape['feedback_dim']}, chunk {shape['chunk_size']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _print_table(report: dict) -> None:
+    def fmt(value, scale=1.0, digits=3):
+        return "-" if value is None else f"{value / scale:.{digits}f}"
+
+    print(f"\nSessa mixer vs SDPA attention ({report['device']}, {report['dtype']}, {report['threads']} threads)")
+    print(f"{'T':>6} | {'sdpa s':>8} {'chunked s':>9} {'dense s':>8} | {'sdpa MiB':>8} {'chunked MiB':>11} "
+          f"{'dense MiB':>9} | {'chunked/sdpa':>12} {'chunked/dense mem':>17}")
+    for ratio in report["ratios"]:
+        row = {r["mixer"]: r for r in report["results"] if r["T"] == ratio["T"]}
+        times = [fmt(row[k]["fwd_bwd_s"]) for k in MIXERS]
+        peaks = [fmt(row[k]["peak_bytes"], 2**20, 1) for k in MIXERS]
+        print(f"{ratio['T']:>6} | {times[0]:>8} {times[1]:>9} {times[2]:>8} | {peaks[0]:>8} {peaks[1]:>11} "
+              f"{peaks[2]:>9} | {fmt(ratio['chunked_time_vs_sdpa'], digits=2):>12} "
+              f"{fmt(ratio['chunked_peak_vs_dense'], digits=2):>17}")
+    targets = report["targets"]
+    print(f"target: {targets['time_target']}: {fmt(targets['time_ratio_at_2048'], digits=2)}x "
+          f"(met: {targets['time_target_met']})")
+    print(f"target: {targets['memory_target']}: {fmt(targets['memory_ratio_at_4096'], digits=2)}x "
+          f"(met: {targets['memory_target_met']})")
