@@ -90,8 +90,6 @@ class MixerConfig(PreTrainedConfig):
             self.sessa_feedback_dim = self.hidden_size
         if self.sessa_gamma_bias_init is None:
             self.sessa_gamma_bias_init = 1.0 if self.block == "sessa" else 0.0
-        if self.rope_parameters is None:
-            self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", 10000.0)}
         # Validate before transformers' __post_init__: it silently renames legacy layer names ("mamba" ->
         # "linear_attention"), which would make the error name a word the user never wrote.
         validate_mixer_config(self)
@@ -148,7 +146,8 @@ def validate_mixer_config(config: MixerConfig) -> None:
         fail(f"sessa_solver must be one of {SESSA_SOLVERS}, got {config.sessa_solver!r}")
     if not isinstance(config.sessa_chunk_size, int) or config.sessa_chunk_size < 1:
         fail(f"sessa_chunk_size must be a positive integer, got {config.sessa_chunk_size!r}")
-    if not isinstance(config.rope_parameters, dict) or "rope_type" not in config.rope_parameters:
+    # rope_parameters is None until transformers' __post_init__ fills it (also from legacy rope_theta/rope_scaling)
+    if config.rope_parameters is not None and "rope_type" not in config.rope_parameters:
         fail(f"rope_parameters must be a dict with a 'rope_type' key, got {config.rope_parameters!r}")
 
 

@@ -20,8 +20,12 @@ def load_teacher_weights(student, teacher):
     assert all(any(part in name for part in ("feedback_proj", "gamma_")) for name in missing)
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 TEACHERS = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}, {}),
+    "llama3_rope": (LlamaConfig, LlamaForCausalLM, dict(rope_parameters=LLAMA3_ROPE),
+                    dict(rope_parameters=LLAMA3_ROPE)),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}, dict(attention_bias=True, attention_out_bias=False)),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32), dict(qk_norm=True, head_dim=32)),
 }
