@@ -51,3 +51,12 @@ def test_bench_sessa_writes_json_and_plot(tmp_path):
 def test_bench_rejects_inconsistent_shapes(tmp_path):
     with pytest.raises(ValueError, match="--heads \\(5\\) must divide --hidden-size \\(32\\)"):
         main(["bench", "sessa", "--out", str(tmp_path), "--hidden-size", "32", "--heads", "5", "--kv-heads", "1"])
+
+
+@pytest.mark.slow
+def test_full_default_demo_learns(tmp_path):
+    main(["demo", "--out", str(tmp_path / "demo")])
+    report = json.loads((tmp_path / "demo" / "demo_report.json").read_text())
+    assert report["held_out"]["loss_after_training"] < 0.5 * report["held_out"]["loss_at_init"]
+    assert report["feedback_gain"]["mean_abs"] > 0.01  # the feedback loop was used, not left at gamma = 0
+    assert report["remote_code_reload"]["generated_tokens_identical"]

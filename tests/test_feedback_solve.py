@@ -164,3 +164,13 @@ def test_bad_shapes_and_method_are_named():
         _call(feedback_solve_dense, {**inputs, "gain": inputs["gain"][:, :3]})
     with pytest.raises(ValueError, match="unknown method"):
         feedback_solve(inputs["f"], inputs["q"], inputs["k"], inputs["gain"], method="magic")
+
+
+def test_long_sequence_fp32_chunked_matches_dense_and_stays_finite():
+    inputs = make_inputs(batch=1, length=2048, width=32, key_dim=16, padded=True, dtype=torch.float32)
+    inputs["gain"] = torch.full_like(inputs["gain"], 0.998).requires_grad_()  # near the stability bound
+    dense = _call(feedback_solve_dense, inputs)
+    chunked = _call(feedback_solve_chunked, inputs, chunk_size=128)
+    torch.testing.assert_close(chunked, dense, rtol=1e-4, atol=1e-4)
+    chunked.pow(2).mean().backward()
+    assert all(torch.isfinite(inputs[n].grad).all() for n in ("f", "q", "k", "gain"))
