@@ -67,6 +67,7 @@ class MixerPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    _keep_in_fp32_modules_strict = ["gamma_bias"]  # b_gamma stays an fp32 scalar when loading in bf16/fp16
     _can_record_outputs = {"hidden_states": [LlamaBlock, SessaBlock]}
 
     def _init_weights(self, module):

@@ -56,6 +56,7 @@ def test_save_load_round_trip_through_auto_classes(tmp_path):
         assert torch.equal(loaded(ids).logits, model(ids).logits)
     bf16 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert bf16.model.layers[0].mixer.q_proj.weight.dtype == torch.bfloat16
+    assert bf16.model.layers[0].mixer.gamma_bias.dtype == torch.float32  # b_gamma stays an fp32 scalar
 
 
 def test_save_atomically_refuses_non_empty_folder_and_leaves_nothing_behind(tmp_path):

@@ -93,7 +93,7 @@ def test_gradient_checkpointing_matches():
     for checkpointing in (False, True):
         model = tiny_sessa_model().train()
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
         model(ids, labels=ids, use_cache=False).loss.backward()
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
     for a, b in zip(*grads):
