@@ -1,0 +1,306 @@
+"""RSA memory (shared/specs/rsa.md §4.3, §5.2): the exact token recurrence and its chunk-parallel form.
+
+Per KV head, ``L`` levels of ``m`` slots. The state is kept as mass-weighted sums and normalised only when read:
+
+    key_sum   (B, G, L, m, d)   kappa * P + sum_t f_t k_t     -> key slots   SK = key_sum / (kappa + mass)
+    value_sum (B, G, L, m, dv)  sum_t f_t v_t                 -> value slots SV = value_sum / mass
+    mass      (B, G, L, m)      sum_t f_t
+    relation_sum (B, G, L-1, m, m)  sum_t f_t^(i) f_t^(i+1)^T -> R = relation_sum / mass^(i)
+    key_ref, value_ref (B, G, L, m, d|dv)   SK, SV at the last chunk boundary (assignments and residuals use them)
+    count     (B,)              real tokens written; the references refresh whenever it reaches a multiple of C
+
+Writing token t at level i: f = softmax(beta * tau * x_k . key_ref^T) (or sigmoid), zero for padding; the next
+level gets x_k <- MLP_K(x_k - p @ key_ref), x_v <- MLP_V(x_v - p @ value_ref) with p = f (softmax) or the softmax
+of the same scores (sigmoid). Reading with query q (per query head) against the inclusive state:
+    act_i = sigmoid(tau q.SK_i) | softmax(tau q.SK_i [+ log mass_0 at level 0])      (readout "sigmoid" | "softmax_count")
+    atil_i = w_a relu(act_i @ W_i - theta_i) + theta_i / m
+    chain_i = atil_0 (i = 0) | (chain_{i-1} @ R_{i-1}) * atil_i (relation) | chain_{i-1} * atil_i | atil_i (none)
+    a_i = chain_i @ W_r_i;   o = sum_i a_i @ SV_i / max(sum_i sum(a_i), eps)   [+ sum_i (q @ W_qr_i / 16) @ SV_i]
+
+Because the state is sums, the token recurrence (``rsa_recurrent``, also the decode step) and the chunk form
+(``rsa_chunked``) compute the same function: assignments inside a chunk use the references, everything else is a
+causal cumulative sum. Chunk boundaries count each row's real tokens, so a padded row equals the sequence alone.
+Everything runs in fp32 (fp64 stays fp64).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Callable
+
+import torch
+
+from .feedback_solve import compute_dtype
+
+
+@dataclass
+class RSAParams:
+    """The tensors and options one layer's memory needs (built by the mixer from its parameters)."""
+
+    prototypes: torch.Tensor  # (G, L, m, d) initial key slots P
+    kappa: torch.Tensor  # (G, L) pseudo-count of P, >= 0
+    beta: torch.Tensor  # (G, L) assignment inverse temperature
+    key_mlps: list[Callable]  # L - 1 maps d -> d
+    value_mlps: list[Callable]  # L - 1 maps dv -> dv
+    read_proj: torch.Tensor  # W   (H, L, m, m)
+    mix_proj: torch.Tensor  # W_r (H, L, m, m)
+    threshold: torch.Tensor  # theta = 1/z, (H, L), already clamped
+    read_scale: torch.Tensor  # w_a (H, L)
+    query_read: torch.Tensor | None  # W_qr (H, L, d, m), the RSA-q branch
+    assign_fn: str = "softmax"  # softmax | sigmoid
+    readout: str = "sigmoid"  # sigmoid | softmax_count
+    routing: str = "relation"  # relation | elementwise | none
+    chunk_size: int = 64
+    eps: float = 1e-6
+
+
+@dataclass
+class RSAState:
+    key_sum: torch.Tensor
+    value_sum: torch.Tensor
+    mass: torch.Tensor
+    relation_sum: torch.Tensor
+    key_ref: torch.Tensor
+    value_ref: torch.Tensor
+    count: torch.Tensor
+
+    def map(self, fn) -> "RSAState":
+        """Apply ``fn`` to every tensor (batch selection, beam reordering, device moves)."""
+        return RSAState(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (getattr(self, f.name) for f in fields(self)))
+
+
+def initial_state(params: RSAParams, batch: int, value_dim: int, dtype: torch.dtype) -> RSAState:
+    groups, levels, slots, key_dim = params.prototypes.shape
+    prototypes = params.prototypes.to(dtype).expand(batch, -1, -1, -1, -1)
+    kappa = params.kappa.to(dtype)[None, :, :, None, None]
+    zeros = prototypes.new_zeros
+    return RSAState(key_sum=kappa * prototypes, value_sum=zeros(batch, groups, levels, slots, value_dim),
+                    mass=zeros(batch, groups, levels, slots),
+                    relation_sum=zeros(batch, groups, max(levels - 1, 0), slots, slots),
+                    key_ref=prototypes, value_ref=zeros(batch, groups, levels, slots, value_dim),
+                    count=torch.zeros(batch, dtype=torch.long, device=prototypes.device))
+
+
+def _assign(x_k, key_ref, beta, params, tau):
+    """Slot assignment f (written mass) and residual weights p, both (..., m). x_k (..., R, d), key_ref (..., m, d)."""
+    scores = tau * torch.matmul(x_k, key_ref.transpose(-1, -2))
+    if params.assign_fn == "softmax":
+        f = torch.softmax(beta * scores, dim=-1)
+        return f, f
+    return torch.sigmoid(beta * scores), torch.softmax(scores, dim=-1)
+
+
+def _activation(x, level, mass, params):
+    """Readout activation of ``x = tau q.SK`` (..., m); ``mass`` broadcastable to it (level 0 count prior)."""
+    if params.readout == "sigmoid":
+        return torch.sigmoid(x)
+    if level == 0:
+        x = x + torch.log(mass.clamp_min(params.eps))
+    return torch.softmax(x, dim=-1)
+
+
+def _per_head(tensor, groups):
+    """(H, ...) -> (G, g, ...) so that query head h reads KV head h // g."""
+    return tensor.unflatten(0, (groups, -1))
+
+
+def _refresh(state: RSAState, params: RSAParams, rows) -> RSAState:
+    """Set the references to the current slots for the batch rows in ``rows`` (bool (B,))."""
+    kappa = params.kappa.to(state.mass.dtype)[None, :, :, None]
+    key_now = state.key_sum / (kappa + state.mass).clamp_min(params.eps)[..., None]
+    value_now = state.value_sum / state.mass.clamp_min(params.eps)[..., None]
+    where = rows[:, None, None, None, None]
+    return replace(state, key_ref=torch.where(where, key_now, state.key_ref),
+                   value_ref=torch.where(where, value_now, state.value_ref))
+
+
+def rsa_step(q, k, v, valid, state: RSAState, params: RSAParams):
+    """One token: q (B, G, g, d), k (B, G, d), v (B, G, dv), valid (B,) bool -> o (B, G, g, dv), new state."""
+    groups, levels, slots, key_dim = params.prototypes.shape
+    tau = key_dim**-0.5
+    eps = params.eps
+    kappa = params.kappa.to(k.dtype)[None, :, :, None]  # (1, G, L, 1)
+    write = valid.to(k.dtype)[:, None, None]
+    x_k, x_v = k, v
+    key_sum, value_sum, mass, assignments = [], [], [], []
+    for i in range(levels):
+        key_ref, value_ref = state.key_ref[:, :, i], state.value_ref[:, :, i]
+        f, p = _assign(x_k[:, :, None], key_ref, params.beta[None, :, i, None, None].to(k.dtype), params, tau)
+        f, p = f[:, :, 0] * write, p[:, :, 0]  # (B, G, m)
+        assignments.append(f)
+        mass.append(state.mass[:, :, i] + f)
+        key_sum.append(state.key_sum[:, :, i] + f[..., None] * x_k[:, :, None])
+        value_sum.append(state.value_sum[:, :, i] + f[..., None] * x_v[:, :, None])
+        if i < levels - 1:
+            x_k = params.key_mlps[i](x_k - torch.einsum("bgm,bgmd->bgd", p, key_ref))
+            x_v = params.value_mlps[i](x_v - torch.einsum("bgm,bgmd->bgd", p, value_ref))
+    relation = [state.relation_sum[:, :, i] + assignments[i][..., :, None] * assignments[i + 1][..., None, :]
+                for i in range(levels - 1)]
+    state = RSAState(key_sum=torch.stack(key_sum, 2), value_sum=torch.stack(value_sum, 2), mass=torch.stack(mass, 2),
+                     relation_sum=torch.stack(relation, 2) if relation else state.relation_sum,
+                     key_ref=state.key_ref, value_ref=state.value_ref, count=state.count + valid.long())
+    state = _refresh(state, params, valid & (state.count % params.chunk_size == 0))
+
+    read_proj, mix_proj = _per_head(params.read_proj, groups), _per_head(params.mix_proj, groups)
+    threshold, read_scale = _per_head(params.threshold, groups), _per_head(params.read_scale, groups)
+    numerator, denominator, chain = 0.0, 0.0, None
+    for i in range(levels):
+        slots_k = state.key_sum[:, :, i] / (kappa[:, :, i] + state.mass[:, :, i]).clamp_min(eps)[..., None]
+        slots_v = state.value_sum[:, :, i] / state.mass[:, :, i].clamp_min(eps)[..., None]
+        x = tau * torch.einsum("bghd,bgmd->bghm", q, slots_k)
+        act = _activation(x, i, state.mass[:, :, i, None], params)
+        sparse = read_scale[None, :, :, i, None] * torch.relu(
+            torch.einsum("bghm,ghmn->bghn", act, read_proj[:, :, i]) - threshold[None, :, :, i, None]) \
+            + threshold[None, :, :, i, None] / slots
+        if i == 0 or params.routing == "none":
+            chain = sparse
+        elif params.routing == "relation":
+            relation_i = state.relation_sum[:, :, i - 1] / state.mass[:, :, i - 1].clamp_min(eps)[..., None]
+            chain = torch.einsum("bghm,bgmn->bghn", chain, relation_i) * sparse
+        else:
+            chain = chain * sparse
+        a = torch.einsum("bghm,ghmn->bghn", chain, mix_proj[:, :, i])
+        numerator = numerator + torch.einsum("bghm,bgmd->bghd", a, slots_v)
+        denominator = denominator + a.sum(-1)
+    out = numerator / denominator.clamp_min(eps)[..., None]
+    if params.query_read is not None:
+        query_read = _per_head(params.query_read, groups)
+        for i in range(levels):
+            slots_v = state.value_sum[:, :, i] / state.mass[:, :, i].clamp_min(eps)[..., None]
+            weights = torch.einsum("bghd,ghdm->bghm", q, query_read[:, :, i]) / 16
+            out = out + torch.einsum("bghm,bgmd->bghd", weights, slots_v)
+    return out, state
+
+
+def rsa_recurrent(q, k, v, valid, state: RSAState, params: RSAParams):
+    """Reference: the token recurrence over T steps. q (B, G, g, T, d), k (B, G, T, d), v (B, G, T, dv)."""
+    if valid is None:
+        valid = torch.ones(q.shape[0], q.shape[3], dtype=torch.bool, device=q.device)
+    outputs = []
+    for t in range(q.shape[3]):
+        out, state = rsa_step(q[:, :, :, t], k[:, :, t], v[:, :, t], valid[:, t], state, params)
+        outputs.append(out * valid[:, t, None, None, None])
+    return torch.stack(outputs, 3), state
+
+
+def _chunk(q, k, v, valid, state: RSAState, params: RSAParams):
+    """One aligned chunk (spec §5.2): q (B, G, g, C, d), k (B, G, C, d), v (B, G, C, dv), valid (B, C)."""
+    groups, levels, slots, key_dim = params.prototypes.shape
+    tau, eps, size = key_dim**-0.5, params.eps, q.shape[3]
+    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # inclusive: token t reads itself
+    kappa = params.kappa.to(k.dtype)[None, :, :, None]  # (1, G, L, 1)
+    write = valid.to(k.dtype)[:, None, :, None]  # (B, 1, C, 1)
+
+    x_k, x_v = k, v
+    assignments, keys, values, running_mass = [], [], [], []
+    for i in range(levels):  # write side: assignments against the references, levels in order
+        key_ref, value_ref = state.key_ref[:, :, i], state.value_ref[:, :, i]
+        f, p = _assign(x_k, key_ref, params.beta[None, :, i, None, None].to(k.dtype), params, tau)
+        f = f * write  # (B, G, C, m)
+        assignments.append(f)
+        keys.append(x_k)
+        values.append(x_v)
+        running_mass.append(state.mass[:, :, i, None] + f.cumsum(2))  # N: inclusive mass after each row
+        if i < levels - 1:
+            x_k = params.key_mlps[i](x_k - p @ key_ref)
+            x_v = params.value_mlps[i](x_v - p @ value_ref)
+
+    def causal_read(weights, level):
+        """weights (B, G, g, C, m) @ (sum-state_0 + causal sum f v) / mass: the value read of the inclusive slots."""
+        scaled = weights / running_mass[level][:, :, None].clamp_min(eps)
+        intra = (scaled @ assignments[level][:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)
+        return scaled @ state.value_sum[:, :, level, None] + intra @ values[level][:, :, None]
+
+    read_proj, mix_proj = _per_head(params.read_proj, groups), _per_head(params.mix_proj, groups)
+    threshold, read_scale = _per_head(params.threshold, groups), _per_head(params.read_scale, groups)
+    numerator, denominator, chain = 0.0, 0.0, None
+    for i in range(levels):
+        f = assignments[i][:, :, None]  # (B, G, 1, C, m)
+        q_dot_k = (q @ keys[i][:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)  # (B, G, g, C, C)
+        x = tau * (q @ state.key_sum[:, :, i, None].transpose(-1, -2) + q_dot_k @ f) \
+            / (kappa[:, :, i, None, None] + running_mass[i][:, :, None]).clamp_min(eps)
+        act = _activation(x, i, running_mass[i][:, :, None], params)
+        sparse = read_scale[None, :, :, i, None, None] * torch.relu(
+            act @ read_proj[None, :, :, i] - threshold[None, :, :, i, None, None]) \
+            + threshold[None, :, :, i, None, None] / slots
+        if i == 0 or params.routing == "none":
+            chain = sparse
+        elif params.routing == "relation":  # chain @ R_t with R_t the inclusive relation matrix of each row
+            scaled = chain / running_mass[i - 1][:, :, None].clamp_min(eps)
+            intra = (scaled @ assignments[i - 1][:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)
+            chain = (scaled @ state.relation_sum[:, :, i - 1, None] + intra @ f) * sparse
+        else:
+            chain = chain * sparse
+        a = chain @ mix_proj[None, :, :, i]
+        numerator = numerator + causal_read(a, i)
+        denominator = denominator + a.sum(-1)
+    out = numerator / denominator.clamp_min(eps)[..., None]
+    if params.query_read is not None:
+        query_read = _per_head(params.query_read, groups)
+        for i in range(levels):
+            out = out + causal_read(q @ query_read[None, :, :, i] / 16, i)
+
+    carried = RSAState(
+        key_sum=state.key_sum + torch.stack([a.transpose(-1, -2) @ x for a, x in zip(assignments, keys)], 2),
+        value_sum=state.value_sum + torch.stack([a.transpose(-1, -2) @ x for a, x in zip(assignments, values)], 2),
+        mass=torch.stack([m[:, :, -1] for m in running_mass], 2),
+        relation_sum=state.relation_sum + torch.stack(
+            [assignments[i].transpose(-1, -2) @ assignments[i + 1] for i in range(levels - 1)], 2)
+        if levels > 1 else state.relation_sum,
+        key_ref=state.key_ref, value_ref=state.value_ref, count=state.count)
+    return out, carried
+
+
+def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams):
+    """Chunk form, equal to ``rsa_recurrent``. Shapes as there; valid (B, T) bool or None.
+
+    Each row's real tokens are packed into an aligned buffer at offset ``count % C`` (its phase), so every row's
+    chunk boundaries fall on multiples of C in the buffer whatever its padding or cached length; outputs are
+    scattered back (padded positions get 0).
+    """
+    batch, groups, group_size, length, key_dim = q.shape
+    size = params.chunk_size
+    if valid is None:
+        valid = torch.ones(batch, length, dtype=torch.bool, device=q.device)
+    phase = state.count % size
+    real = valid.sum(1)
+    span = int((phase + real).max().item()) if length else 0
+    padded_length = math.ceil(span / size) * size
+    rows, times = valid.nonzero(as_tuple=True)
+    slots = phase[rows] + valid.long().cumsum(1)[rows, times] - 1  # buffer position of each real token
+
+    def pack(x, time_dim):  # move time next to batch, scatter the real tokens, move it back
+        moved = x.movedim(time_dim, 1)
+        buffer = moved.new_zeros(batch, padded_length, *moved.shape[2:])
+        return buffer.index_put((rows, slots), moved[rows, times]).movedim(1, time_dim)
+
+    q_b, k_b, v_b = pack(q, 3), pack(k, 2), pack(v, 2)
+    valid_b = torch.zeros(batch, padded_length, dtype=torch.bool, device=q.device).index_put(
+        (rows, slots), torch.ones_like(rows, dtype=torch.bool))
+    outputs = []
+    for start in range(0, padded_length, size):
+        stop = start + size
+        out, state = _chunk(q_b[:, :, :, start:stop], k_b[:, :, start:stop], v_b[:, :, start:stop],
+                            valid_b[:, start:stop], state, params)
+        outputs.append(out)
+        state = _refresh(state, params, phase + real >= stop)  # rows that reached this boundary
+    state = replace(state, count=state.count + real)
+    out_b = torch.cat(outputs, 3) if outputs else q.new_zeros(batch, groups, group_size, 0, v.shape[-1])
+    moved = out_b.movedim(3, 1)
+    out = moved.new_zeros(batch, length, *moved.shape[2:]).index_put((rows, times), moved[rows, slots])
+    return out.movedim(1, 3), state
+
+
+def rsa_memory(q, k, v, valid, state: RSAState, params: RSAParams, method: str = "chunked"):
+    """Dispatch: the chunk form for training and prefill, the token step for single-token decoding."""
+    cd = compute_dtype(q.dtype)
+    q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    if method == "recurrent" or (method == "chunked" and q.shape[3] == 1):
+        return rsa_recurrent(q, k, v, valid, state, params)
+    if method != "chunked":
+        raise ValueError(f"rsa_memory: unknown method {method!r}; choose 'chunked' or 'recurrent'")
+    return rsa_chunked(q, k, v, valid, state, params)
