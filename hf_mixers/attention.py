@@ -43,10 +43,9 @@ class FullAttention(nn.Module):
             self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.use_rope = config.block == "llama" or config.sessa_forward_rope
 
-    def attend(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
-        """Causal GQA attention before o_proj: (B, T, D) -> (B, T, H * head_dim); appends K/V to the cache."""
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
+    def project(self, hidden_states, position_embeddings):
+        """Queries (B, H, T, hd) and keys, values (B, Hkv, T, hd), after q/k norm and RoPE."""
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape)  # (B, T, H, hd)
         key = self.k_proj(hidden_states).view(hidden_shape)  # (B, T, Hkv, hd)
         if self.config.qk_norm:
@@ -56,6 +55,12 @@ class FullAttention(nn.Module):
         if self.use_rope:
             cos, sin = position_embeddings
             query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        return query, key, value
+
+    def attend(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
+        """Causal GQA attention before o_proj: (B, T, D) -> (B, T, H * head_dim); appends K/V to the cache."""
+        input_shape = hidden_states.shape[:-1]
+        query, key, value = self.project(hidden_states, position_embeddings)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(

@@ -73,6 +73,60 @@ class SessaCacheLayer(DynamicLayer):
             self._map_feedback(lambda x: x.to(self.device, non_blocking=True))
 
 
+class RSACacheLayer(DynamicLayer):
+    """RSA's constant-size memory state (kernels.rsa_memory.RSAState) plus the number of tokens seen.
+
+    It keeps no K/V; ``get_seq_length`` counts tokens (padding included, as attention caches do), so positions and
+    mask sizes stay right even when no layer is attention.
+    """
+
+    _layer_type = "rsa"
+    is_croppable = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.state = None
+        self.seen_tokens = 0
+
+    def update_state(self, state, new_tokens: int) -> None:
+        self.state = state
+        self.seen_tokens += new_tokens
+        self.device, self.is_initialized = state.count.device, True
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen_tokens + query_length, 0
+
+    def _map_state(self, fn):
+        if self.state is not None:
+            self.state = self.state.map(fn)
+
+    def reset(self) -> None:
+        self.state, self.seen_tokens, self.is_initialized = None, 0, False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_state(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise ValueError("RSA layers keep a fixed-size recurrent state and cannot drop tokens (crop)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_state(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_state(lambda x: x[indices, ...])
+
+    def offload(self):
+        self._map_state(lambda x: x.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if self.state is not None and self.state.count.device != self.device:
+            self._map_state(lambda x: x.to(self.device, non_blocking=True))
+
+
 def cache_nbytes(cache: Cache) -> int:
     """Bytes held by every tensor of every layer of ``cache`` (for benchmarks and reports)."""
     total = 0
@@ -80,4 +134,6 @@ def cache_nbytes(cache: Cache) -> int:
         for value in vars(layer).values():
             if isinstance(value, torch.Tensor):
                 total += value.numel() * value.element_size()
+            elif hasattr(value, "nbytes") and callable(value.nbytes):  # e.g. RSAState
+                total += value.nbytes()
     return total

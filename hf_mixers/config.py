@@ -12,9 +12,11 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 # Layer kinds a MixerConfig may name. "full_attention" is the teacher's own attention (exact Llama/Qwen math).
-MIXER_TYPES = ("full_attention", "sessa")
+MIXER_TYPES = ("full_attention", "sessa", "rsa")  # never "mamba"/"attention": transformers renames those
 BLOCK_TYPES = ("llama", "sessa")  # llama: norm-mixer-norm-MLP; sessa: the paper's gated block (spec §2), no MLP
 SESSA_SOLVERS = ("chunked", "dense")
+RSA_CHOICES = {"rsa_assign_fn": ("softmax", "sigmoid"), "rsa_readout": ("sigmoid", "softmax_count"),
+               "rsa_routing": ("relation", "elementwise", "none"), "rsa_state_init": ("prototypes", "zeros")}
 
 
 @strict(accept_kwargs=True)
@@ -35,6 +37,21 @@ class MixerConfig(PreTrainedConfig):
         sessa_forward_rope: RoPE on the forward branch (False = NoPE, official ``use_forward_rope=False``).
         sessa_solver: "chunked" (default, O(T*C) memory) or "dense" (the reference).
         sessa_chunk_size: query chunk size C of the chunked solve.
+
+    RSA fields (shared/specs/rsa.md §4; state per KV head):
+        rsa_num_levels, rsa_num_slots: memory levels and slots per level (paper: 4 x 64).
+        rsa_assign_fn: slot assignment f: "softmax" over slots (default) or "sigmoid".
+        rsa_readout: "sigmoid" (the paper's sigma(q.S)W) or "softmax_count" (count-aware softmax; level-0 cluster
+            attention, the conversion choice).
+        rsa_routing: how scores chain down the levels: "relation" (through the relation matrices, default),
+            "elementwise" (the paper's literal product) or "none".
+        rsa_threshold_init: initial theta = 1/z of the sparse read (``None`` = 0.5 for the sigmoid readout, 0.0 for
+            softmax_count); learned, clamped to [0, rsa_threshold_max].
+        rsa_chunk_size: chunk size C; references for assignments refresh every C real tokens, in training and decoding.
+        rsa_state_init: "prototypes" (learned initial key slots with a pseudo-count) or "zeros" (paper-literal; slots
+            can never separate, a warning says so).
+        rsa_query_read: the RSA-q branch, sum_i (q W_qr_i / 16) @ SV_i.
+        rsa_mlp_hidden: hidden width of the residual inter-level MLPs (``None`` = head_dim).
     """
 
     model_type = "hf_mixer"
@@ -72,6 +89,18 @@ class MixerConfig(PreTrainedConfig):
     sessa_forward_rope: bool = True
     sessa_solver: str = "chunked"
     sessa_chunk_size: int = 128
+    rsa_num_levels: int = 4
+    rsa_num_slots: int = 64
+    rsa_assign_fn: str = "softmax"
+    rsa_readout: str = "sigmoid"
+    rsa_routing: str = "relation"
+    rsa_threshold_init: float | None = None
+    rsa_threshold_max: float = 0.99
+    rsa_chunk_size: int = 64
+    rsa_state_init: str = "prototypes"
+    rsa_query_read: bool = False
+    rsa_mlp_hidden: int | None = None
+    rsa_eps: float = 1e-6
 
     default_mixer = "full_attention"  # class attribute: what layer_types defaults to
 
@@ -88,6 +117,10 @@ class MixerConfig(PreTrainedConfig):
             self.layer_types = list(self.layer_types)
         if self.sessa_feedback_dim is None:
             self.sessa_feedback_dim = self.hidden_size
+        if self.rsa_threshold_init is None:
+            self.rsa_threshold_init = 0.5 if self.rsa_readout == "sigmoid" else 0.0
+        if self.rsa_mlp_hidden is None:
+            self.rsa_mlp_hidden = self.head_dim
         if self.sessa_gamma_bias_init is None:
             self.sessa_gamma_bias_init = 1.0 if self.block == "sessa" else 0.0
         # Validate before transformers' __post_init__: it silently renames legacy layer names ("mamba" ->
@@ -146,6 +179,15 @@ def validate_mixer_config(config: MixerConfig) -> None:
         fail(f"sessa_solver must be one of {SESSA_SOLVERS}, got {config.sessa_solver!r}")
     if not isinstance(config.sessa_chunk_size, int) or config.sessa_chunk_size < 1:
         fail(f"sessa_chunk_size must be a positive integer, got {config.sessa_chunk_size!r}")
+    for field in ("rsa_num_levels", "rsa_num_slots", "rsa_chunk_size", "rsa_mlp_hidden"):
+        if not isinstance(getattr(config, field), int) or getattr(config, field) < 1:
+            fail(f"{field} must be a positive integer, got {getattr(config, field)!r}")
+    for field, choices in RSA_CHOICES.items():
+        if getattr(config, field) not in choices:
+            fail(f"{field} must be one of {choices}, got {getattr(config, field)!r}")
+    if not 0.0 <= config.rsa_threshold_init <= config.rsa_threshold_max < 1.0:
+        fail(f"rsa_threshold_init ({config.rsa_threshold_init}) must lie in [0, rsa_threshold_max] and "
+             f"rsa_threshold_max ({config.rsa_threshold_max}) below 1")
     # rope_parameters is None until transformers' __post_init__ fills it (also from legacy rope_theta/rope_scaling)
     if config.rope_parameters is not None and "rope_type" not in config.rope_parameters:
         fail(f"rope_parameters must be a dict with a 'rope_type' key, got {config.rope_parameters!r}")
@@ -156,3 +198,10 @@ class SessaConfig(MixerConfig):
 
     model_type = "sessa"
     default_mixer = "sessa"
+
+
+class RSAConfig(MixerConfig):
+    """A MixerConfig whose layers are RSA mixers unless ``layer_types`` says otherwise (model_type "rsa")."""
+
+    model_type = "rsa"
+    default_mixer = "rsa"

@@ -20,9 +20,11 @@ REMOTE_MODULES = {
     "modeling": "modeling_hf_mixers",
     "attention": "attention",
     "sessa": "sessa",
+    "rsa": "rsa",
     "cache": "cache",
     "export": "export",
     "kernels.feedback_solve": "feedback_solve",
+    "kernels.rsa_memory": "rsa_memory",
 }
 _RELATIVE_IMPORT = re.compile(r"^(\s*from\s+)\.([\w.]+)(\s+import\b)", re.MULTILINE)
 

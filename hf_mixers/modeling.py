@@ -25,13 +25,14 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache import SessaCacheLayer  # noqa: F401  (importing registers the cache layer with DynamicCache)
+from .cache import RSACacheLayer, SessaCacheLayer  # noqa: F401  (importing registers the cache layers)
 from .attention import FullAttention
-from .config import MixerConfig, SessaConfig
+from .config import MixerConfig, RSAConfig, SessaConfig
 from .export import remote_auto_map, write_remote_code
+from .rsa import RSAMixer
 from .sessa import SessaBlock, SessaMixer
 
-MIXER_CLASSES = {"full_attention": FullAttention, "sessa": SessaMixer}
+MIXER_CLASSES = {"full_attention": FullAttention, "sessa": SessaMixer, "rsa": RSAMixer}
 
 
 class LlamaBlock(GradientCheckpointingLayer):
@@ -81,6 +82,8 @@ class MixerPreTrainedModel(PreTrainedModel):
             else:
                 bound = self.config.hidden_size**-0.5
                 init.uniform_(module.gamma_proj.weight, -bound, bound)
+        elif isinstance(module, RSAMixer):
+            module.reset_rsa_parameters()
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save weights and config as usual, plus the self-contained remote code named in ``config.auto_map``."""
@@ -173,3 +176,12 @@ class SessaModel(MixerModel):
 class SessaForCausalLM(MixerForCausalLM):
     config_class = SessaConfig
     base_model_class = SessaModel
+
+
+class RSAModel(MixerModel):
+    config_class = RSAConfig
+
+
+class RSAForCausalLM(MixerForCausalLM):
+    config_class = RSAConfig
+    base_model_class = RSAModel

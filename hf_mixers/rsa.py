@@ -1,0 +1,209 @@
+"""RSA: recursive sparse attention over a deep-shallow slot memory (shared/specs/rsa.md).
+
+The teacher's q/k/v/o projections and RoPE are kept (``FullAttention.project``); softmax attention over all past
+keys is replaced by a constant-size memory per KV head: L levels of m slots, written by online soft k-means (each
+slot is the assignment-weighted mean of the keys/values routed to it), deeper levels storing MLP-transformed
+residuals, read by a sparse thresholded score chained down the levels. The math lives in
+``kernels/rsa_memory.py`` (token recurrence = decode path, chunk form = training path, equal in fp64).
+
+Conversion (``from_attention``) follows spec §11: copied projections, identity residual MLPs, prototypes from
+k-means of the caller's calibration keys (level 0 on rotated keys, deeper levels on residuals), W = I, W_r = I at
+level 0 and 0 below, theta = 0, RSA-q off: the converted layer starts as level-0 cluster attention.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+
+from .attention import FullAttention
+from .kernels.feedback_solve import compute_dtype
+from .kernels.rsa_memory import RSAParams, initial_state, rsa_memory
+
+logger = logging.getLogger(__name__)
+
+
+class ResidualMLP(nn.Module):
+    """x + W2 silu(W1 x); W2 starts at zero, so the map starts as the identity."""
+
+    def __init__(self, size: int, hidden: int):
+        super().__init__()
+        self.up = nn.Linear(size, hidden)
+        self.down = nn.Linear(hidden, size)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.up(x)))
+
+
+class RSAMixer(FullAttention):
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        levels, slots, head_dim = config.rsa_num_levels, config.rsa_num_slots, self.head_dim
+        groups, heads = self.num_key_value_heads, self.num_heads
+        self.levels, self.slots = levels, slots
+        # write side, per KV head
+        self.prototypes = nn.Parameter(torch.zeros(groups, levels, slots, head_dim))  # P: initial key slots
+        self.kappa_raw = nn.Parameter(torch.zeros(groups, levels))  # softplus -> pseudo-count of P
+        self.beta = nn.Parameter(torch.ones(groups, levels))  # assignment inverse temperature
+        self.key_mlps = nn.ModuleList(ResidualMLP(head_dim, config.rsa_mlp_hidden) for _ in range(levels - 1))
+        self.value_mlps = nn.ModuleList(ResidualMLP(head_dim, config.rsa_mlp_hidden) for _ in range(levels - 1))
+        # read side, per query head
+        self.read_proj = nn.Parameter(torch.zeros(heads, levels, slots, slots))  # W
+        self.mix_proj = nn.Parameter(torch.zeros(heads, levels, slots, slots))  # W_r
+        self.threshold = nn.Parameter(torch.zeros(heads, levels))  # theta = 1/z
+        self.read_scale = nn.Parameter(torch.ones(heads, levels))  # w_a
+        self.query_read = nn.Parameter(torch.zeros(heads, levels, head_dim, slots)) if config.rsa_query_read else None
+        if config.rsa_state_init == "zeros":
+            logger.warning("RSA layer %d: rsa_state_init='zeros' (paper-literal) makes every slot receive the same "
+                           "assignment forever, so the slots can never separate; use 'prototypes'.", layer_idx)
+
+    def reset_rsa_parameters(self):
+        """Scratch initialisation (spec §4.1), called from the model's _init_weights.
+
+        transformers.initialization functions skip tensors loaded from a checkpoint, so from_pretrained never
+        overwrites trained RSA parameters.
+        """
+        config = self.config
+        if config.rsa_state_init == "zeros":
+            init.zeros_(self.prototypes)
+            init.constant_(self.kappa_raw, -30.0)  # softplus(-30) ~ 1e-13: no prior mass
+        else:
+            init.normal_(self.prototypes, 0.0, 1.0)
+            init.constant_(self.kappa_raw, math.log(math.e - 1.0))  # softplus^-1(1): pseudo-count 1
+        init.ones_(self.beta)
+        eye = torch.eye(self.slots, dtype=self.read_proj.dtype, device=self.read_proj.device)
+        init.copy_(self.read_proj, eye.expand_as(self.read_proj))
+        init.copy_(self.mix_proj, eye.expand_as(self.mix_proj))
+        init.constant_(self.threshold, config.rsa_threshold_init)
+        init.ones_(self.read_scale)
+        if self.query_read is not None:
+            init.normal_(self.query_read, 0.0, config.initializer_range)
+        for mlp in (*self.key_mlps, *self.value_mlps):
+            init.normal_(mlp.up.weight, 0.0, config.initializer_range)
+            init.zeros_(mlp.up.bias)
+            init.zeros_(mlp.down.weight)
+            init.zeros_(mlp.down.bias)
+
+    def memory_params(self, dtype) -> RSAParams:
+        config = self.config
+        cast = (lambda t: None if t is None else t.to(dtype))
+        return RSAParams(
+            prototypes=cast(self.prototypes), kappa=F.softplus(cast(self.kappa_raw)), beta=cast(self.beta),
+            key_mlps=[_in_dtype(mlp, dtype) for mlp in self.key_mlps],
+            value_mlps=[_in_dtype(mlp, dtype) for mlp in self.value_mlps],
+            read_proj=cast(self.read_proj), mix_proj=cast(self.mix_proj),
+            threshold=cast(self.threshold).clamp(0.0, config.rsa_threshold_max), read_scale=cast(self.read_scale),
+            query_read=cast(self.query_read), assign_fn=config.rsa_assign_fn, readout=config.rsa_readout,
+            routing=config.rsa_routing, chunk_size=config.rsa_chunk_size, eps=config.rsa_eps)
+
+    def memory_read(self, hidden_states, position_embeddings, token_mask=None, state=None, method="chunked"):
+        """(B, T, D) -> memory output (B, T, H * hd) before o_proj, and the new state."""
+        batch, length = hidden_states.shape[:2]
+        query, key, value = self.project(hidden_states, position_embeddings)  # (B, H, T, hd), (B, Hkv, T, hd)
+        cd = compute_dtype(hidden_states.dtype)
+        params = self.memory_params(cd)
+        if state is None:
+            state = initial_state(params, batch, self.head_dim, cd)
+        query = query.unflatten(1, (self.num_key_value_heads, self.num_key_value_groups))  # (B, G, g, T, hd)
+        valid = None if token_mask is None else token_mask[:, -length:]
+        out, state = rsa_memory(query, key, value, valid, state, params, method=method)
+        out = out.flatten(1, 2).transpose(1, 2).reshape(batch, length, -1)  # (B, T, H * hd)
+        return out.to(hidden_states.dtype), state
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
+                past_key_values=None, **kwargs):
+        layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
+        state = None if layer_cache is None else layer_cache.state
+        out, state = self.memory_read(hidden_states, position_embeddings, token_mask, state)
+        if layer_cache is not None:
+            layer_cache.update_state(state, hidden_states.shape[1])
+        return self.o_proj(out)
+
+    @classmethod
+    def from_attention(cls, attention: nn.Module, config, layer_idx: int, calibration_hidden_states=None,
+                       calibration_position_embeddings=None, kmeans_iterations: int = 20, seed: int = 0):
+        """An RSA mixer initialised from a teacher attention layer (Llama/Mistral/Qwen2/Qwen3 names).
+
+        ``calibration_hidden_states`` (N, T, D) are the normed inputs of that attention layer on calibration text,
+        with their ``calibration_position_embeddings`` (cos, sin); they seed the prototypes by k-means. Without them
+        the prototypes keep their random scratch init.
+        """
+        mixer = cls(config, layer_idx)
+        mixer.reset_rsa_parameters()
+        state = {name: tensor for name, tensor in attention.state_dict().items()}
+        missing, unexpected = mixer.load_state_dict(state, strict=False)
+        if unexpected:
+            raise ValueError(f"RSA layer {layer_idx}: teacher attention has parameters the mixer does not: {unexpected}")
+        copied = [n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight") if n not in missing]
+        if len(copied) != 4:
+            raise ValueError(f"RSA layer {layer_idx}: teacher attention lacks q/k/v/o_proj weights ({sorted(state)})")
+        with torch.no_grad():
+            mixer.mix_proj[:, 1:].zero_()  # deeper levels silent at init: exactly the level-0 output
+            mixer.threshold.zero_()  # sparse read off at init; learnable
+            if mixer.query_read is not None:
+                mixer.query_read.zero_()
+            if calibration_hidden_states is not None:
+                mixer.fit_prototypes(calibration_hidden_states, calibration_position_embeddings, kmeans_iterations,
+                                     seed)
+        return mixer.to(next(attention.parameters()).dtype)
+
+    @torch.no_grad()
+    def fit_prototypes(self, hidden_states, position_embeddings, iterations=20, seed=0):
+        """k-means per KV head: level 0 on the (rotated) keys, level i+1 on the residual keys of level i."""
+        _, keys, _ = self.project(hidden_states, position_embeddings)  # (N, G, T, hd)
+        keys = keys.float().transpose(0, 1).flatten(1, 2)  # (G, N*T, hd)
+        generator = torch.Generator(device=keys.device).manual_seed(seed)
+        tau = self.head_dim**-0.5
+        for level in range(self.levels):
+            centres = torch.stack([kmeans(head_keys, self.slots, iterations, generator) for head_keys in keys])
+            self.prototypes[:, level] = centres.to(self.prototypes.dtype)
+            if level < self.levels - 1:
+                weights = torch.softmax(tau * keys @ centres.transpose(-1, -2), dim=-1)  # SA over the prototypes
+                keys = self.key_mlps[level](keys - weights @ centres)
+
+
+def kmeans(points: torch.Tensor, clusters: int, iterations: int, generator: torch.Generator) -> torch.Tensor:
+    """Lloyd's k-means with k-means++ seeding on (N, d) points; returns (clusters, d) centres."""
+    count = points.shape[0]
+    if count == 0:
+        raise ValueError("kmeans: no calibration points")
+    centres = [points[torch.randint(count, (1,), generator=generator, device=points.device)].squeeze(0)]
+    distance = (points - centres[0]).pow(2).sum(-1)
+    for _ in range(1, clusters):
+        total = distance.sum()
+        if total <= 0:  # fewer distinct points than clusters: repeat one
+            pick = torch.randint(count, (1,), generator=generator, device=points.device)
+        else:
+            pick = torch.multinomial(distance / total, 1, generator=generator)
+        centres.append(points[pick].squeeze(0))
+        distance = torch.minimum(distance, (points - centres[-1]).pow(2).sum(-1))
+    centres = torch.stack(centres)
+    for _ in range(iterations):
+        assignment = torch.cdist(points, centres).argmin(-1)
+        sums = torch.zeros_like(centres).index_add_(0, assignment, points)
+        sizes = torch.bincount(assignment, minlength=clusters).to(points.dtype)[:, None]
+        centres = torch.where(sizes > 0, sums / sizes.clamp_min(1), centres)  # empty clusters keep their centre
+    return centres
+
+
+def attention_output_error(mixer: nn.Module, teacher: nn.Module, hidden_states, position_embeddings) -> float:
+    """Relative L2 error ||mixer(h) - teacher(h)|| / ||teacher(h)|| of two attention-like layers on the same input.
+
+    The teacher is called as a transformers attention layer (``teacher(h, position_embeddings, None)``, causal
+    through SDPA); the mixer with its uniform signature.
+    """
+    with torch.no_grad():
+        reference = teacher(hidden_states, position_embeddings=position_embeddings, attention_mask=None)[0]
+        output = mixer(hidden_states, position_embeddings)
+    return ((output - reference).norm() / reference.norm()).item()
+
+
+def _in_dtype(module: nn.Module, dtype):
+    """Run ``module`` on inputs cast to its own dtype and return the result in ``dtype`` (state stays fp32)."""
+    parameter_dtype = next(module.parameters()).dtype
+    return lambda x: module(x.to(parameter_dtype)).to(dtype)
