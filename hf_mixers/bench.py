@@ -4,7 +4,9 @@ Three mixer modules of the same width and heads run on the same input at each se
   sdpa_attention  FullAttention on torch SDPA (q/k/v/o projections included) -- the baseline;
   sessa_chunked   SessaMixer with the chunked O(T*C)-memory solve (the default path);
   sessa_dense     SessaMixer with the dense reference solve (O(T^2) memory).
-A step is ``y = mixer(x); mean(y^2).backward()``; the time is the median of ``repeats`` runs after a warm-up.
+A step is ``y = mixer(x); mean(y^2).backward()``. The three mixers of one T are timed round-robin, ``repeats``
+times each after a warm-up, so they share the same background load; the fastest step is reported (the median
+too).
 Peak memory: on CUDA the allocator's peak. On CPU there is no allocator statistic, so each point runs once more
 in a fresh process with glibc's mmap threshold fixed at 64 KiB (large tensors are then mapped and returned to the
 OS when freed, so RSS follows live memory): peak RSS (VmHWM, reset through /proc/self/clear_refs) over one step
@@ -64,17 +66,23 @@ def _step(module, x, position_embeddings):
     module(x, position_embeddings).float().pow(2).mean().backward()
 
 
-def _time(module, x, position_embeddings, repeats, device):
+def _time_interleaved(runs, repeats, device):
+    """Time every (module, x, position_embeddings) of one T round-robin and keep each one's fastest step.
+
+    Interleaving puts the mixers under the same background load; the minimum is the least disturbed run.
+    """
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    _step(module, x, position_embeddings)  # warm-up
-    times = []
+    for run in runs:
+        _step(*run)  # warm-up
+    times = [[] for _ in runs]
     for _ in range(repeats):
-        synchronize()
-        start = time.perf_counter()
-        _step(module, x, position_embeddings)
-        synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for index, run in enumerate(runs):
+            synchronize()
+            start = time.perf_counter()
+            _step(*run)
+            synchronize()
+            times[index].append(time.perf_counter() - start)
+    return [(min(t), statistics.median(t)) for t in times]
 
 
 def _cuda_peak(module, x, position_embeddings):
@@ -122,6 +130,10 @@ def bench_sessa(out_dir, lengths=(512, 1024, 2048, 4096), hidden_size=576, num_h
                 batch_size=1, repeats=3, dtype="float32", device=None) -> dict:
     if not lengths or any(length < 2 for length in lengths):
         raise ValueError(f"bench sessa: lengths must be a non-empty list of integers >= 2, got {lengths}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"bench sessa: dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    if min(hidden_size, num_heads, num_kv_heads, batch_size, repeats) < 1:
+        raise ValueError("bench sessa: --hidden-size, --heads, --kv-heads, --batch-size and --repeats must be >= 1")
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(f"bench sessa: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
                          f"--kv-heads ({num_kv_heads}) must divide --heads")
@@ -134,25 +146,30 @@ def bench_sessa(out_dir, lengths=(512, 1024, 2048, 4096), hidden_size=576, num_h
                      "unavailable (/proc/self/clear_refs not writable)")
     torch.manual_seed(0)
     results = []
-    points = [(length, kind) for length in lengths for kind in MIXERS]
     config = None
-    for length, kind in tqdm(points, desc="bench sessa", unit="point"):
-        if kind == "sessa_dense" and device.type == "cpu" and not _dense_fits(batch_size, length):
-            results.append({"T": length, "mixer": kind, "fwd_bwd_s": None, "peak_bytes": None,
-                            "skipped": "dense (B, T, T) intermediates would exceed 60% of RAM"})
-            continue
-        module, config = _build(kind, hidden_size, num_heads, num_kv_heads, device, torch_dtype)
-        x = torch.randn(batch_size, length, hidden_size, device=device, dtype=torch_dtype, requires_grad=True)
-        position_embeddings = _rotary(config, x, length)
-        seconds = _time(module, x, position_embeddings, repeats, device)
-        if device.type == "cuda":
-            peak = _cuda_peak(module, x, position_embeddings)
-        else:
-            del module, x, position_embeddings
-            gc.collect()
-            peak = _cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype) if cpu_peak \
-                else None
-        results.append({"T": length, "mixer": kind, "fwd_bwd_s": seconds, "peak_bytes": peak})
+    for length in tqdm(lengths, desc="bench sessa", unit="length"):
+        kinds = [kind for kind in MIXERS
+                 if not (kind == "sessa_dense" and device.type == "cpu" and not _dense_fits(batch_size, length))]
+        runs = []
+        for kind in kinds:
+            module, config = _build(kind, hidden_size, num_heads, num_kv_heads, device, torch_dtype)
+            x = torch.randn(batch_size, length, hidden_size, device=device, dtype=torch_dtype, requires_grad=True)
+            runs.append((module, x, _rotary(config, x, length)))
+        timings = dict(zip(kinds, _time_interleaved(runs, repeats, device)))
+        peaks = {}
+        for kind, run in zip(kinds, runs):
+            peaks[kind] = _cuda_peak(*run) if device.type == "cuda" else None
+        del runs
+        gc.collect()
+        for kind in MIXERS:
+            if kind not in kinds:
+                results.append({"T": length, "mixer": kind, "fwd_bwd_s": None, "fwd_bwd_median_s": None,
+                                "peak_bytes": None, "skipped": "dense (B, T, T) intermediates would exceed 60% of RAM"})
+                continue
+            if device.type == "cpu" and cpu_peak:
+                peaks[kind] = _cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype)
+            results.append({"T": length, "mixer": kind, "fwd_bwd_s": timings[kind][0],
+                            "fwd_bwd_median_s": timings[kind][1], "peak_bytes": peaks[kind]})
 
     def value(length, kind, key):
         return next(r[key] for r in results if r["T"] == length and r["mixer"] == kind)
@@ -210,7 +227,7 @@ def _plot(report: dict, path: str) -> None:
     for kind in MIXERS:
         rows = [r for r in report["results"] if r["mixer"] == kind and r["fwd_bwd_s"] is not None]
         time_axis.plot([r["T"] for r in rows], [r["fwd_bwd_s"] for r in rows], marker="o", label=kind)
-        rows = [r for r in rows if r["peak_bytes"] is not None]
+        rows = [r for r in rows if r["peak_bytes"]]  # no point for a missing or zero peak on a log axis
         memory_axis.plot([r["T"] for r in rows], [r["peak_bytes"] / 2**20 for r in rows], marker="o", label=kind)
     for axis, label in ((time_axis, "forward+backward (s)"), (memory_axis, "peak memory (MiB)")):
         axis.set_xscale("log", base=2)

@@ -16,7 +16,9 @@ from hf_mixers.remote_check import load_in_fresh_process
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(layer_types=["full_attention", "sessa"], qk_norm=True),
-                                       dict(block="sessa", attention_bias=True)])
+                                       dict(block="sessa", attention_bias=True),
+                                       dict(layer_types=["rsa", "sessa"], rsa_num_levels=2, rsa_num_slots=8,
+                                            rsa_chunk_size=4, rsa_query_read=True)])
 def test_remote_code_load_with_hf_mixers_blocked(tmp_path, overrides):
     model = tiny_sessa_model(**overrides)
     model.save_pretrained(tmp_path / "model")

@@ -1,0 +1,183 @@
+"""The RSA mixer in the model: caching, padding, generation, GQA state, conversion init, config."""
+
+import logging
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from conftest import TINY, tiny_config
+from hf_mixers import RSAConfig, RSAForCausalLM
+from hf_mixers.cache import RSACacheLayer, cache_nbytes
+from hf_mixers.rsa import RSAMixer, attention_output_error
+
+F64 = torch.float64
+RSA_SMALL = dict(rsa_num_levels=3, rsa_num_slots=8, rsa_chunk_size=4)
+
+
+def tiny_rsa_model(dtype=torch.float32, seed=0, **overrides):
+    torch.manual_seed(seed)
+    return RSAForCausalLM(tiny_config(RSAConfig, **{**RSA_SMALL, **overrides})).eval().to(dtype)
+
+
+def test_rsa_registration_and_defaults():
+    config = tiny_config(RSAConfig)
+    assert config.model_type == "rsa" and config.layer_types == ["rsa", "rsa"]
+    assert config.rsa_num_levels == 4 and config.rsa_num_slots == 64 and config.rsa_threshold_init == 0.5
+    assert tiny_config(RSAConfig, rsa_readout="softmax_count").rsa_threshold_init == 0.0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(rsa_routing="chain"), "rsa_routing must be one of"),
+    (dict(rsa_num_slots=0), "rsa_num_slots must be a positive integer"),
+    (dict(rsa_threshold_init=1.5), "rsa_threshold_init \\(1.5\\) must lie in"),
+    (dict(rsa_assign_fn="relu"), "rsa_assign_fn must be one of"),
+])
+def test_invalid_rsa_configs(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(RSAConfig, **overrides)
+
+
+@pytest.mark.parametrize("layer_types", [["rsa", "rsa"], ["full_attention", "rsa"], ["rsa", "sessa"]])
+@pytest.mark.parametrize("prefill", [1, 6])
+def test_prefill_then_decode_equals_full_forward(layer_types, prefill):
+    model = tiny_rsa_model(F64, layer_types=layer_types, rsa_query_read=True)
+    ids = torch.randint(1, 101, (2, 19))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        cache = DynamicCache(config=model.config)
+        logits = [model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache,
+                        use_cache=True).logits]
+        for t in range(prefill, ids.shape[1]):
+            logits.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
+                                use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(logits, 1)[mask.bool()], full[mask.bool()], rtol=0, atol=1e-10)
+    assert cache.get_seq_length() == 19
+
+
+def test_left_padded_batch_equals_each_sequence_alone():
+    model = tiny_rsa_model(F64)
+    rows = [torch.randint(1, 101, (n,)) for n in (11, 6, 9)]
+    ids = torch.zeros(3, 11, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, 11 - len(row):], mask[i, 11 - len(row):] = row, 1
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask).logits
+        for i, row in enumerate(rows):
+            torch.testing.assert_close(batched[i, 11 - len(row):], model(row[None]).logits[0], rtol=0, atol=1e-10)
+
+
+def test_generate_cached_equals_uncached_greedy_sampling_and_beams():
+    model = tiny_rsa_model()
+    ids = torch.randint(1, 101, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, pad_token_id=0)
+    assert torch.equal(model.generate(ids, do_sample=False, **kwargs),
+                       model.generate(ids, do_sample=False, use_cache=False, **kwargs))
+    assert torch.equal(model.generate(ids, num_beams=3, do_sample=False, **kwargs),
+                       model.generate(ids, num_beams=3, do_sample=False, use_cache=False, **kwargs))
+    sampled = []
+    for use_cache in (True, False):
+        torch.manual_seed(7)
+        sampled.append(model.generate(ids, do_sample=True, top_k=20, use_cache=use_cache, **kwargs))
+    assert torch.equal(*sampled)
+
+
+def test_state_is_per_kv_head_and_constant_in_context_length():
+    model = tiny_rsa_model()
+    ids = torch.randint(1, 101, (1, 40))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        small = cache_nbytes(cache)
+        model(ids[:, 8:], past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    assert isinstance(layer, RSACacheLayer)
+    assert layer.state.key_sum.shape == (1, 2, 3, 8, 16)  # (B, KV heads, levels, slots, head_dim): shared by GQA
+    assert cache_nbytes(cache) == small  # constant-size state
+
+
+def test_query_heads_of_one_kv_head_share_its_memory():
+    """Changing the queries of KV group 1 changes only group 1's outputs, and never the state."""
+    config = tiny_config(RSAConfig, num_hidden_layers=1, **RSA_SMALL)
+    config._attn_implementation = "sdpa"
+    mixer = RSAMixer(config, 0).double()
+    mixer.reset_rsa_parameters()
+    x = torch.randn(1, 9, 64, dtype=F64)
+    cos = torch.ones(1, 9, 16, dtype=F64)
+    rope = (cos, torch.zeros_like(cos))
+    base, state = mixer.memory_read(x, rope)
+    with torch.no_grad():
+        mixer.q_proj.weight[32:] += 1.0  # query heads 2, 3 = KV group 1
+    changed, changed_state = mixer.memory_read(x, rope)
+    assert torch.equal(changed[..., :32], base[..., :32]) and not torch.equal(changed[..., 32:], base[..., 32:])
+    assert torch.equal(changed_state.key_sum, state.key_sum)
+
+
+def test_zero_state_init_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="hf_mixers.rsa"):
+        tiny_rsa_model(rsa_state_init="zeros")
+    assert "can never separate" in caplog.text
+
+
+def test_from_attention_starts_closer_to_the_teacher_than_random_init():
+    teacher = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY.items() if k != "pad_token_id"})).eval()
+    attention = teacher.model.layers[0].self_attn
+    ids = torch.randint(1, 101, (4, 48))
+    with torch.no_grad():
+        hidden = teacher.model.layers[0].input_layernorm(teacher.model.embed_tokens(ids))
+        rope = teacher.model.rotary_emb(hidden, torch.arange(48)[None])
+    config = tiny_config(RSAConfig, rsa_readout="softmax_count", rsa_num_levels=2, rsa_num_slots=16,
+                         rsa_chunk_size=16)
+    config._attn_implementation = "sdpa"
+    converted = RSAMixer.from_attention(attention, config, 0, hidden[:2], rope).eval()  # rope: batch 1
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert torch.equal(getattr(converted, name).weight, getattr(attention, name).weight)
+    scratch = RSAMixer(tiny_config(RSAConfig, rsa_num_levels=2, rsa_num_slots=16, rsa_chunk_size=16), 0).eval()
+    scratch.config._attn_implementation = "sdpa"
+    scratch.reset_rsa_parameters()
+    scratch.load_state_dict(attention.state_dict(), strict=False)
+    held_out = (hidden[2:], rope)
+    converted_error = attention_output_error(converted, attention, *held_out)
+    scratch_error = attention_output_error(scratch, attention, *held_out)
+    assert converted_error < scratch_error, (converted_error, scratch_error)
+    assert converted_error < 0.9
+
+
+def test_from_attention_rejects_modules_that_are_not_attention():
+    config = tiny_config(RSAConfig, **RSA_SMALL)
+    with pytest.raises(ValueError, match="has parameters the mixer does not: \\['weight'\\]"):
+        RSAMixer.from_attention(torch.nn.Linear(4, 4, bias=False), config, 0)
+    only_queries = torch.nn.Module()
+    only_queries.q_proj = torch.nn.Linear(64, 64, bias=False)
+    with pytest.raises(ValueError, match="lacks q/k/v/o_proj"):
+        RSAMixer.from_attention(only_queries, config, 0)
+
+
+def test_bf16_model_runs_with_fp32_state():
+    model = tiny_rsa_model(torch.bfloat16)
+    ids = torch.randint(1, 101, (1, 12))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache, use_cache=True).logits
+        reference = tiny_rsa_model()(ids).logits
+    assert cache.layers[0].state.key_sum.dtype == torch.float32
+    assert ((logits.float() - reference).norm() / reference.norm()).item() < 5e-2
+
+
+def test_from_attention_is_exact_on_the_first_token():
+    """Level-0 cluster attention with exact value means: at t = 1 every slot holds v_1, so the output is o_proj(v_1)."""
+    teacher = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY.items() if k != "pad_token_id"})).eval()
+    attention = teacher.model.layers[1].self_attn
+    hidden = torch.randn(3, 1, 64)
+    rope = teacher.model.rotary_emb(hidden, torch.zeros(1, 1, dtype=torch.long))
+    config = tiny_config(RSAConfig, rsa_readout="softmax_count", **RSA_SMALL)
+    config._attn_implementation = "sdpa"
+    converted = RSAMixer.from_attention(attention, config, 1, torch.randn(2, 10, 64),
+                                        teacher.model.rotary_emb(hidden, torch.arange(10)[None])).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(converted(hidden, rope), attention(hidden, rope, None)[0], rtol=1e-5, atol=1e-6)
