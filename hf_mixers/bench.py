@@ -52,13 +52,23 @@ def _cpu_peak_supported() -> bool:
 
 
 def _build(kind: str, hidden_size: int, num_heads: int, num_kv_heads: int, device, dtype):
-    solver = "dense" if kind == "sessa_dense" else "chunked"
-    config = SessaConfig(hidden_size=hidden_size, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                         intermediate_size=4 * hidden_size, num_hidden_layers=1, vocab_size=128,
-                         sessa_solver=solver, sessa_gamma_bias_init=0.5)  # gain != 0: the real solve runs
+    """A standalone mixer module: sdpa_attention | sessa_chunked | sessa_dense | rsa_chunked."""
+    from .config import RSAConfig
+    from .rsa import RSAMixer
+
+    shape = dict(hidden_size=hidden_size, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                 intermediate_size=4 * hidden_size, num_hidden_layers=1, vocab_size=128)
+    if kind.startswith("rsa"):
+        config = RSAConfig(**shape)
+    else:
+        config = SessaConfig(**shape, sessa_solver="dense" if kind == "sessa_dense" else "chunked",
+                             sessa_gamma_bias_init=0.5)  # gain != 0: the real solve runs
     config._attn_implementation = "sdpa"
-    module_class = FullAttention if kind == "sdpa_attention" else SessaMixer
-    return module_class(config, 0).to(device=device, dtype=dtype), config
+    module_class = {"sdpa_attention": FullAttention, "rsa_chunked": RSAMixer}.get(kind, SessaMixer)
+    module = module_class(config, 0)
+    if kind.startswith("rsa"):
+        module.reset_rsa_parameters()  # no model around it to run _init_weights
+    return module.to(device=device, dtype=dtype), config
 
 
 def _step(module, x, position_embeddings):
@@ -231,7 +241,8 @@ def _plot(report: dict, path: str) -> None:
         memory_axis.plot([r["T"] for r in rows], [r["peak_bytes"] / 2**20 for r in rows], marker="o", label=kind)
     for axis, label in ((time_axis, "forward+backward (s)"), (memory_axis, "peak memory (MiB)")):
         axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
+        if any(len(line.get_ydata()) for line in axis.get_lines()):  # log axes need positive data
+            axis.set_yscale("log")
         axis.set_xlabel("sequence length T")
         axis.set_ylabel(label)
         axis.grid(True, which="both", alpha=0.3)

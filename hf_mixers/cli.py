@@ -1,4 +1,4 @@
-"""The ``hf-mixers`` command line: ``hf-mixers demo`` and ``hf-mixers bench sessa``."""
+"""The ``hf-mixers`` command line: ``hf-mixers demo`` and ``hf-mixers bench sessa|rsa``."""
 
 from __future__ import annotations
 
@@ -24,9 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-steps", type=int, default=300, help="training steps (a small number = a smoke run)")
 
     bench = commands.add_parser("bench", help="benchmarks, written as JSON and PNG")
-    bench.add_argument("target", choices=["sessa"], help="what to benchmark")
+    bench.add_argument("target", choices=["sessa", "rsa"], help="what to benchmark")
     bench.add_argument("--out", default="outputs/bench", help="output folder (default: outputs/bench)")
-    bench.add_argument("--lengths", type=_int_list, default=[512, 1024, 2048, 4096], help="sequence lengths")
+    bench.add_argument("--lengths", type=_int_list, default=None,
+                       help="training sequence lengths (default sessa: 512,...,4096; rsa: 512,...,8192)")
+    bench.add_argument("--contexts", type=_int_list, default=[1024, 4096, 16384], help="rsa: decoding contexts")
+    bench.add_argument("--decode-layers", type=int, default=2, help="rsa: layers of the decoding models")
+    bench.add_argument("--decode-tokens", type=int, default=16, help="rsa: decode steps timed per context")
     bench.add_argument("--hidden-size", type=int, default=576, help="model width (default: SmolLM2-135M's 576)")
     bench.add_argument("--heads", type=int, default=9, help="attention heads (default 9)")
     bench.add_argument("--kv-heads", type=int, default=3, help="key/value heads (default 3)")
@@ -44,12 +48,19 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         run_demo(args.out, overwrite=args.overwrite, max_steps=args.max_steps)
-    elif args.command == "bench":
+    elif args.command == "bench" and args.target == "sessa":
         from .bench import bench_sessa
 
-        bench_sessa(args.out, lengths=args.lengths, hidden_size=args.hidden_size, num_heads=args.heads,
-                    num_kv_heads=args.kv_heads, batch_size=args.batch_size, repeats=args.repeats,
-                    dtype=args.dtype, device=args.device)
+        bench_sessa(args.out, lengths=args.lengths or [512, 1024, 2048, 4096], hidden_size=args.hidden_size,
+                    num_heads=args.heads, num_kv_heads=args.kv_heads, batch_size=args.batch_size,
+                    repeats=args.repeats, dtype=args.dtype, device=args.device)
+    elif args.command == "bench":
+        from .bench_rsa import bench_rsa
+
+        bench_rsa(args.out, lengths=args.lengths or [512, 1024, 2048, 4096, 8192], contexts=args.contexts,
+                  hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                  decode_layers=args.decode_layers, decode_tokens=args.decode_tokens, repeats=args.repeats,
+                  device=args.device)
     return 0
 
 

@@ -43,7 +43,7 @@ def test_bench_sessa_writes_json_and_plot(tmp_path):
     assert (tmp_path / "bench_sessa.png").stat().st_size > 10_000
     assert {(r["T"], r["mixer"]) for r in report["results"]} == {
         (64, m) for m in ("sdpa_attention", "sessa_chunked", "sessa_dense")}
-    assert all(r["fwd_bwd_s"] > 0 and r["peak_bytes"] is not None for r in report["results"])
+    assert all(r["fwd_bwd_s"] > 0 and r["peak_bytes"] is not None and r["peak_bytes"] >= 0 for r in report["results"])
     assert all(r["chunked_time_vs_sdpa"] > 0 for r in report["ratios"])
     assert report["targets"]["time_ratio_at_2048"] is None  # T = 2048 was not run
 
@@ -60,3 +60,15 @@ def test_full_default_demo_learns(tmp_path):
     assert report["held_out"]["loss_after_training"] < 0.5 * report["held_out"]["loss_at_init"]
     assert report["feedback_gain"]["mean_abs"] > 0.01  # the feedback loop was used, not left at gamma = 0
     assert report["remote_code_reload"]["generated_tokens_identical"]
+
+
+def test_bench_rsa_writes_training_and_decoding_results(tmp_path):
+    main(["bench", "rsa", "--out", str(tmp_path), "--lengths", "64", "--contexts", "16,48", "--hidden-size", "32",
+          "--heads", "2", "--kv-heads", "1", "--repeats", "1", "--decode-tokens", "2"])
+    report = json.loads((tmp_path / "bench_rsa.json").read_text())
+    assert (tmp_path / "bench_rsa.png").stat().st_size > 10_000
+    assert {r["mixer"] for r in report["training"]} == {"sdpa_attention", "rsa_chunked"}
+    rsa_bytes = [r["cache_bytes"] for r in report["decoding"] if r["model"] == "rsa"]
+    attention_bytes = [r["cache_bytes"] for r in report["decoding"] if r["model"] == "attention"]
+    assert rsa_bytes[0] == rsa_bytes[1] and attention_bytes[1] > attention_bytes[0]  # constant vs growing cache
+    assert report["targets"]["cache_bytes_constant"] and report["targets"]["decode_speedup_met"] is None

@@ -1,0 +1,187 @@
+"""``hf-mixers bench rsa``: RSA training cost vs SDPA attention, and RSA decoding vs a KV-cache attention model.
+
+(a) Training: forward+backward time and peak memory of the RSA mixer (chunk form) against the attention mixer on
+    SDPA with the same width and heads, at each T (harness shared with ``bench sessa``: interleaved timing,
+    fastest of ``repeats``; CPU peak memory in a fresh process).
+(b) Decoding: two small models of the same shape, one with RSA layers and one with full attention; each context
+    of C tokens is prefilled, then ``decode_tokens`` tokens are generated one at a time with the cache. Reported:
+    median per-token latency and the cache's bytes (RSA: constant-size state; attention: K/V growing with C).
+Written to bench_rsa.json and bench_rsa.png, with the project's targets evaluated in the same run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import time
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from .bench import _build, _cpu_peak, _cpu_peak_supported, _cuda_peak, _rotary, _time_interleaved
+from .cache import cache_nbytes
+from .config import MixerConfig, RSAConfig
+from .modeling import MixerForCausalLM, RSAForCausalLM
+
+TRAIN_MIXERS = ("sdpa_attention", "rsa_chunked")
+
+
+def _decode_latency(model, context: int, decode_tokens: int, vocab: int, device) -> tuple[float, int]:
+    """Prefill ``context`` random tokens, then time ``decode_tokens`` single-token steps; (median s, cache bytes)."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, context + decode_tokens), generator=generator).to(device)
+    cache = DynamicCache(config=model.config)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache_bytes = cache_nbytes(cache)
+        times = []
+        for t in range(context, context + decode_tokens):
+            synchronize()
+            start = time.perf_counter()
+            model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            synchronize()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), cache_bytes
+
+
+def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4096, 16384), hidden_size=576,
+              num_heads=9, num_kv_heads=3, decode_layers=2, decode_tokens=16, repeats=3, device=None) -> dict:
+    if not lengths or not contexts or min(*lengths, *contexts) < 2:
+        raise ValueError(f"bench rsa: lengths and contexts must be non-empty lists of integers >= 2, "
+                         f"got {lengths} and {contexts}")
+    if min(hidden_size, num_heads, num_kv_heads, decode_layers, decode_tokens, repeats) < 1:
+        raise ValueError("bench rsa: sizes, --decode-layers, --decode-tokens and --repeats must be >= 1")
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError(f"bench rsa: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
+                         f"--kv-heads ({num_kv_heads}) must divide --heads")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cpu_peak = device.type == "cpu" and _cpu_peak_supported()
+    torch.manual_seed(0)
+
+    training = []
+    for length in tqdm(lengths, desc="bench rsa: training", unit="length"):
+        runs, config = [], None
+        for kind in TRAIN_MIXERS:
+            module, config = _build(kind, hidden_size, num_heads, num_kv_heads, device, torch.float32)
+            x = torch.randn(1, length, hidden_size, device=device, requires_grad=True)
+            runs.append((module, x, _rotary(config, x, length)))
+        timings = _time_interleaved(runs, repeats, device)
+        peaks = [_cuda_peak(*run) if device.type == "cuda" else None for run in runs]
+        del runs
+        gc.collect()
+        for index, kind in enumerate(TRAIN_MIXERS):
+            peak = _cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, 1, "float32") if cpu_peak \
+                else peaks[index]
+            training.append({"T": length, "mixer": kind, "fwd_bwd_s": timings[index][0],
+                             "fwd_bwd_median_s": timings[index][1], "peak_bytes": peak})
+
+    shape = dict(vocab_size=2048, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+                 num_hidden_layers=decode_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                 max_position_embeddings=max(contexts) + decode_tokens)
+    models = {"rsa": RSAForCausalLM(RSAConfig(**shape)), "attention": MixerForCausalLM(MixerConfig(**shape))}
+    decoding = []
+    for context in tqdm(contexts, desc="bench rsa: decoding", unit="context"):
+        for name, model in models.items():
+            latency, cache_bytes = _decode_latency(model.to(device).eval(), context, decode_tokens, 2048, device)
+            decoding.append({"context": context, "model": name, "token_latency_s": latency,
+                             "cache_bytes": cache_bytes})
+
+    def pick(rows, key, value, field, name_key, name):
+        return next((r[field] for r in rows if r[key] == value and r[name_key] == name), None)
+
+    ratios = [{"T": t, "rsa_time_vs_sdpa": pick(training, "T", t, "fwd_bwd_s", "mixer", "rsa_chunked")
+               / pick(training, "T", t, "fwd_bwd_s", "mixer", "sdpa_attention")} for t in lengths]
+    first, last = min(contexts), max(contexts)
+    rsa_first = pick(decoding, "context", first, "token_latency_s", "model", "rsa")
+    rsa_last = pick(decoding, "context", last, "token_latency_s", "model", "rsa")
+    attention_last = pick(decoding, "context", last, "token_latency_s", "model", "attention")
+    rsa_bytes = {r["cache_bytes"] for r in decoding if r["model"] == "rsa"}
+    train_ratio = next((r["rsa_time_vs_sdpa"] for r in ratios if r["T"] == 8192), None)
+    targets = {
+        "decode_latency_growth": rsa_last / rsa_first, "decode_latency_growth_contexts": [first, last],
+        "decode_latency_growth_met": rsa_last / rsa_first <= 1.2 if (first, last) == (1024, 16384) else None,
+        "cache_bytes_constant": len(rsa_bytes) == 1,
+        "decode_speedup_vs_attention": attention_last / rsa_last,
+        "decode_speedup_met": attention_last / rsa_last >= 4.0 if last == 16384 else None,
+        "training_time_ratio_at_8192": train_ratio,
+        "training_time_met": None if train_ratio is None else train_ratio <= 3.0,
+        "definitions": "decode latency at 16K within 1.2x of 1K; constant RSA cache bytes; RSA decoding >= 4x "
+                       "faster than attention at 16K; RSA training fwd+bwd at T=8192 within 3x of SDPA",
+    }
+    report = {"benchmark": "rsa", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": "float32",
+              "shape": {"hidden": hidden_size, "heads": num_heads, "kv_heads": num_kv_heads,
+                        "levels": models["rsa"].config.rsa_num_levels, "slots": models["rsa"].config.rsa_num_slots,
+                        "chunk_size": models["rsa"].config.rsa_chunk_size, "decode_layers": decode_layers},
+              "training": training, "training_ratios": ratios, "decoding": decoding, "targets": targets}
+    os.makedirs(out_dir, exist_ok=True)
+    staging = os.path.join(out_dir, ".bench_rsa.json.partial")
+    with open(staging, "w") as handle:
+        json.dump(report, handle, indent=2)
+    os.replace(staging, os.path.join(out_dir, "bench_rsa.json"))
+    _plot(report, os.path.join(out_dir, "bench_rsa.png"))
+    _print(report)
+    return report
+
+
+def _plot(report, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for kind in TRAIN_MIXERS:
+        rows = [r for r in report["training"] if r["mixer"] == kind]
+        axes[0].plot([r["T"] for r in rows], [r["fwd_bwd_s"] for r in rows], marker="o", label=kind)
+        rows = [r for r in rows if r["peak_bytes"]]
+        axes[1].plot([r["T"] for r in rows], [r["peak_bytes"] / 2**20 for r in rows], marker="o", label=kind)
+    for name in ("rsa", "attention"):
+        rows = [r for r in report["decoding"] if r["model"] == name]
+        axes[2].plot([r["context"] for r in rows], [1e3 * r["token_latency_s"] for r in rows], marker="o",
+                     label=f"{name} ({rows[-1]['cache_bytes'] / 2**20:.1f} MiB cache at {rows[-1]['context']})")
+    titles = ("training fwd+bwd (s)", "training peak memory (MiB)", "decode latency per token (ms)")
+    for axis, label in zip(axes, titles):
+        axis.set_xscale("log", base=2)
+        if any(len(line.get_ydata()) for line in axis.get_lines()):  # log axes need positive data
+            axis.set_yscale("log")
+        axis.set_xlabel("context length")
+        axis.set_ylabel(label)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend()
+    shape = report["shape"]
+    figure.suptitle(f"RSA vs attention -- {report['device']}, fp32, hidden {shape['hidden']}, heads "
+                    f"{shape['heads']}/{shape['kv_heads']}, {shape['levels']}x{shape['slots']} slots, "
+                    f"chunk {shape['chunk_size']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _print(report):
+    print(f"\nRSA training vs SDPA attention ({report['device']}, {report['threads']} threads)")
+    print(f"{'T':>6} | {'sdpa s':>8} {'rsa s':>8} | {'sdpa MiB':>8} {'rsa MiB':>8} | {'rsa/sdpa':>8}")
+    for ratio in report["training_ratios"]:
+        row = {r["mixer"]: r for r in report["training"] if r["T"] == ratio["T"]}
+        peaks = [row[k]["peak_bytes"] for k in TRAIN_MIXERS]
+        peaks = ["-" if p is None else f"{p / 2**20:.1f}" for p in peaks]
+        print(f"{ratio['T']:>6} | {row['sdpa_attention']['fwd_bwd_s']:>8.3f} {row['rsa_chunked']['fwd_bwd_s']:>8.3f} | "
+              f"{peaks[0]:>8} {peaks[1]:>8} | {ratio['rsa_time_vs_sdpa']:>8.2f}")
+    print(f"\nDecoding, {report['shape']['decode_layers']}-layer models")
+    print(f"{'context':>8} | {'rsa ms/token':>12} {'attn ms/token':>13} | {'rsa cache MiB':>13} {'attn cache MiB':>14}")
+    for context in sorted({r["context"] for r in report["decoding"]}):
+        row = {r["model"]: r for r in report["decoding"] if r["context"] == context}
+        print(f"{context:>8} | {1e3 * row['rsa']['token_latency_s']:>12.2f} "
+              f"{1e3 * row['attention']['token_latency_s']:>13.2f} | {row['rsa']['cache_bytes'] / 2**20:>13.2f} "
+              f"{row['attention']['cache_bytes'] / 2**20:>14.2f}")
+    targets = report["targets"]
+    print(f"targets: decode latency growth {targets['decode_latency_growth']:.2f}x "
+          f"(<= 1.2x: {targets['decode_latency_growth_met']}); cache bytes constant: {targets['cache_bytes_constant']}; "
+          f"decode speed-up vs attention {targets['decode_speedup_vs_attention']:.2f}x "
+          f"(>= 4x: {targets['decode_speedup_met']}); training ratio at 8192: "
+          f"{targets['training_time_ratio_at_8192'] if targets['training_time_ratio_at_8192'] is None else round(targets['training_time_ratio_at_8192'], 2)}"
+          f" (<= 3x: {targets['training_time_met']})")
