@@ -110,6 +110,8 @@ def _per_head(tensor, groups):
 
 def _refresh(state: RSAState, params: RSAParams, rows) -> RSAState:
     """Set the references to the current slots for the batch rows in ``rows`` (bool (B,))."""
+    if not bool(rows.any()):  # most decode steps: no row is at a boundary (one host sync, saves the work)
+        return state
     kappa = params.kappa.to(state.mass.dtype)[None, :, :, None]
     key_now = state.key_sum / (kappa + state.mass).clamp_min(params.eps)[..., None]
     value_now = state.value_sum / state.mass.clamp_min(params.eps)[..., None]
@@ -145,34 +147,33 @@ def rsa_step(q, k, v, valid, state: RSAState, params: RSAParams):
                      key_ref=state.key_ref, value_ref=state.value_ref, count=state.count + valid.long())
     state = _refresh(state, params, valid & (state.count % params.chunk_size == 0))
 
-    read_proj, mix_proj = _per_head(params.read_proj, groups), _per_head(params.mix_proj, groups)
-    threshold, read_scale = _per_head(params.threshold, groups), _per_head(params.read_scale, groups)
-    numerator, denominator, chain = 0.0, 0.0, None
-    for i in range(levels):
-        slots_k = state.key_sum[:, :, i] / (kappa[:, :, i] + state.mass[:, :, i]).clamp_min(eps)[..., None]
-        slots_v = state.value_sum[:, :, i] / state.mass[:, :, i].clamp_min(eps)[..., None]
-        x = tau * torch.einsum("bghd,bgmd->bghm", q, slots_k)
-        act = _activation(x, i, state.mass[:, :, i, None], params)
-        sparse = read_scale[None, :, :, i, None] * torch.relu(
-            torch.einsum("bghm,ghmn->bghn", act, read_proj[:, :, i]) - threshold[None, :, :, i, None]) \
-            + threshold[None, :, :, i, None] / slots
-        if i == 0 or params.routing == "none":
-            chain = sparse
-        elif params.routing == "relation":
+    # Read: every level at once (slots, scores, activation, W, sparse threshold), then the chain down the levels.
+    slots_k = state.key_sum / (kappa + state.mass).clamp_min(eps)[..., None]  # (B, G, L, m, d)
+    slots_v = state.value_sum / state.mass.clamp_min(eps)[..., None]  # (B, G, L, m, dv)
+    x = tau * torch.einsum("bghd,bglmd->bghlm", q, slots_k)
+    if params.readout == "sigmoid":
+        act = torch.sigmoid(x)
+    else:  # count prior on level 0 only
+        prior = torch.zeros_like(x[:1, :, :1])
+        prior[..., 0, :] = 1.0
+        act = torch.softmax(x + prior * torch.log(state.mass.clamp_min(eps))[:, :, None], dim=-1)
+    threshold = _per_head(params.threshold, groups)[None, ..., None]  # (1, G, g, L, 1)
+    sparse = _per_head(params.read_scale, groups)[None, ..., None] * torch.relu(
+        torch.einsum("bghlm,ghlmn->bghln", act, _per_head(params.read_proj, groups)) - threshold) + threshold / slots
+    chains = [sparse[:, :, :, 0]]
+    for i in range(1, levels):
+        if params.routing == "relation":
             relation_i = state.relation_sum[:, :, i - 1] / state.mass[:, :, i - 1].clamp_min(eps)[..., None]
-            chain = torch.einsum("bghm,bgmn->bghn", chain, relation_i) * sparse
+            chains.append(torch.einsum("bghm,bgmn->bghn", chains[-1], relation_i) * sparse[:, :, :, i])
+        elif params.routing == "elementwise":
+            chains.append(chains[-1] * sparse[:, :, :, i])
         else:
-            chain = chain * sparse
-        a = torch.einsum("bghm,ghmn->bghn", chain, mix_proj[:, :, i])
-        numerator = numerator + torch.einsum("bghm,bgmd->bghd", a, slots_v)
-        denominator = denominator + a.sum(-1)
-    out = numerator / denominator.clamp_min(eps)[..., None]
+            chains.append(sparse[:, :, :, i])
+    a = torch.einsum("bghlm,ghlmn->bghln", torch.stack(chains, 3), _per_head(params.mix_proj, groups))
+    out = torch.einsum("bghlm,bglmd->bghd", a, slots_v) / a.sum((-1, -2)).clamp_min(eps)[..., None]
     if params.query_read is not None:
-        query_read = _per_head(params.query_read, groups)
-        for i in range(levels):
-            slots_v = state.value_sum[:, :, i] / state.mass[:, :, i].clamp_min(eps)[..., None]
-            weights = torch.einsum("bghd,ghdm->bghm", q, query_read[:, :, i]) / 16
-            out = out + torch.einsum("bghm,bgmd->bghd", weights, slots_v)
+        weights = torch.einsum("bghd,ghldm->bghlm", q, _per_head(params.query_read, groups)) / 16
+        out = out + torch.einsum("bghlm,bglmd->bghd", weights, slots_v)
     return out, state
 
 
