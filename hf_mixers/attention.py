@@ -12,7 +12,6 @@ Every mixer shares this forward signature:
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, eager_attention_forward

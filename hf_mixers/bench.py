@@ -239,14 +239,7 @@ def _plot(report: dict, path: str) -> None:
         time_axis.plot([r["T"] for r in rows], [r["fwd_bwd_s"] for r in rows], marker="o", label=kind)
         rows = [r for r in rows if r["peak_bytes"]]  # no point for a missing or zero peak on a log axis
         memory_axis.plot([r["T"] for r in rows], [r["peak_bytes"] / 2**20 for r in rows], marker="o", label=kind)
-    for axis, label in ((time_axis, "forward+backward (s)"), (memory_axis, "peak memory (MiB)")):
-        axis.set_xscale("log", base=2)
-        if any(len(line.get_ydata()) for line in axis.get_lines()):  # log axes need positive data
-            axis.set_yscale("log")
-        axis.set_xlabel("sequence length T")
-        axis.set_ylabel(label)
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend()
+    format_log_axes([(time_axis, "forward+backward (s)"), (memory_axis, "peak memory (MiB)")], "sequence length T")
     shape = report["shape"]
     figure.suptitle(f"Sessa mixer vs SDPA attention -- {report['device']}, {report['dtype']}, batch {shape['batch']},"
                     f" hidden {shape['hidden']}, heads {shape['heads']}/{shape['kv_heads']}, "
@@ -254,6 +247,18 @@ def _plot(report: dict, path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def format_log_axes(axes_and_labels, x_label: str) -> None:
+    """log2 x, log y (only where there is data to log), grid and legend for each (axis, y label)."""
+    for axis, label in axes_and_labels:
+        axis.set_xscale("log", base=2)
+        if any(len(line.get_ydata()) for line in axis.get_lines()):  # log axes need positive data
+            axis.set_yscale("log")
+        axis.set_xlabel(x_label)
+        axis.set_ylabel(label)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend()
 
 
 def _print_table(report: dict) -> None:

@@ -21,7 +21,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from .bench import _build, _cpu_peak, _cpu_peak_supported, _cuda_peak, _rotary, _time_interleaved
+from .bench import (_build, _cpu_peak, _cpu_peak_supported, _cuda_peak, _rotary, _time_interleaved,
+                    format_log_axes)
 from .cache import cache_nbytes
 from .config import MixerConfig, RSAConfig
 from .modeling import MixerForCausalLM, RSAForCausalLM
@@ -145,14 +146,7 @@ def _plot(report, path):
         axes[2].plot([r["context"] for r in rows], [1e3 * r["token_latency_s"] for r in rows], marker="o",
                      label=f"{name} ({rows[-1]['cache_bytes'] / 2**20:.1f} MiB cache at {rows[-1]['context']})")
     titles = ("training fwd+bwd (s)", "training peak memory (MiB)", "decode latency per token (ms)")
-    for axis, label in zip(axes, titles):
-        axis.set_xscale("log", base=2)
-        if any(len(line.get_ydata()) for line in axis.get_lines()):  # log axes need positive data
-            axis.set_yscale("log")
-        axis.set_xlabel("context length")
-        axis.set_ylabel(label)
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend()
+    format_log_axes(list(zip(axes, titles)), "context length")
     shape = report["shape"]
     figure.suptitle(f"RSA vs attention -- {report['device']}, fp32, hidden {shape['hidden']}, heads "
                     f"{shape['heads']}/{shape['kv_heads']}, {shape['levels']}x{shape['slots']} slots, "

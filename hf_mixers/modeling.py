@@ -33,6 +33,7 @@ from .rsa import RSAMixer
 from .sessa import SessaBlock, SessaMixer
 
 MIXER_CLASSES = {"full_attention": FullAttention, "sessa": SessaMixer, "rsa": RSAMixer}
+ATTENTION_MIXERS = ("full_attention", "sessa")  # mixers that run softmax attention over the past (need the mask)
 
 
 class LlamaBlock(GradientCheckpointingLayer):
@@ -133,9 +134,11 @@ class MixerModel(MixerPreTrainedModel):
             else:
                 position_ids = (torch.arange(length, device=inputs_embeds.device) + past).unsqueeze(0)
 
-        causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
-                                         attention_mask=attention_mask, past_key_values=past_key_values,
-                                         position_ids=position_ids)
+        causal_mask = None  # only attention-based mixers read it; building it costs O(context) per decode step
+        if any(kind in ATTENTION_MIXERS for kind in self.config.layer_types):
+            causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
+                                             attention_mask=attention_mask, past_key_values=past_key_values,
+                                             position_ids=position_ids)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for layer in self.layers:

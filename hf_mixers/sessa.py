@@ -164,7 +164,7 @@ def from_official_layer(state_dict, n_heads, n_kv_heads=None, gamma_max=0.999, u
                "mixer.v_proj.weight": "mixer.v_proj.weight", "mixer.v_proj.bias": "mixer.v_proj.bias",
                "mixer.proj_fb.weight": "mixer.feedback_proj.weight", "mixer.proj_fb.bias": "mixer.feedback_proj.bias",
                "mixer.gamma_ctx.weight": "mixer.gamma_proj.weight", "mixer.gamma_bias": "mixer.gamma_bias"}
-    for name, heads in (("q_proj", n_heads), ("k_proj", n_kv_heads)):
+    for name in ("q_proj", "k_proj"):
         for kind in ("weight", "bias"):
             mapping[f"mixer.{name}.{kind}"] = f"mixer.{name}.{kind}"
     if n_heads > 1:

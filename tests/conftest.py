@@ -23,7 +23,7 @@ def tiny_config(cls=SessaConfig, **overrides):
 def turn_on_feedback(model, std=0.5, bias=0.4, seed=0):
     """Give every Sessa layer a non-zero, token-dependent gain (the converted-at-init model has gamma == 0)."""
     generator = torch.Generator().manual_seed(seed)
-    for name, module in model.named_modules():
+    for module in model.modules():
         if hasattr(module, "gamma_proj"):
             with torch.no_grad():
                 module.gamma_proj.weight.copy_(torch.randn(module.gamma_proj.weight.shape, generator=generator) * std)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from conftest import TINY, tiny_config, tiny_sessa_model, turn_on_feedback
+from conftest import TINY, tiny_config, tiny_sessa_model
 from hf_mixers import MixerForCausalLM, SessaForCausalLM
 from hf_mixers.attention import FullAttention
 from hf_mixers.kernels.feedback_solve import feedback_solve_dense
