@@ -74,7 +74,8 @@ class SessaCacheLayer(DynamicLayer):
 
 
 class RSACacheLayer(DynamicLayer):
-    """RSA's constant-size memory state (kernels.rsa_memory.RSAState) plus the number of tokens seen.
+    """RSA's constant-size memory state (kernels.rsa_memory.RSAState), the short-convolution history (the last K - 1
+    inputs, if the layer has one) and the number of tokens seen.
 
     It keeps no K/V; ``get_seq_length`` counts tokens (padding included, as attention caches do), so positions and
     mask sizes stay right even when no layer is attention.
@@ -86,10 +87,11 @@ class RSACacheLayer(DynamicLayer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.state = None
+        self.conv_history = None
         self.seen_tokens = 0
 
-    def update_state(self, state, new_tokens: int) -> None:
-        self.state = state
+    def update_state(self, state, new_tokens: int, conv_history=None) -> None:
+        self.state, self.conv_history = state, conv_history
         self.seen_tokens += new_tokens
         self.device, self.is_initialized = state.count.device, True
 
@@ -102,9 +104,11 @@ class RSACacheLayer(DynamicLayer):
     def _map_state(self, fn):
         if self.state is not None:
             self.state = self.state.map(fn)
+        if self.conv_history is not None:
+            self.conv_history = fn(self.conv_history)
 
     def reset(self) -> None:
-        self.state, self.seen_tokens, self.is_initialized = None, 0, False
+        self.state, self.conv_history, self.seen_tokens, self.is_initialized = None, None, 0, False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_state(lambda x: x.index_select(0, beam_idx.to(x.device)))

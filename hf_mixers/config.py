@@ -52,6 +52,8 @@ class MixerConfig(PreTrainedConfig):
             can never separate, a warning says so).
         rsa_query_read: the RSA-q branch, sum_i (q W_qr_i / 16) @ SV_i.
         rsa_mlp_hidden: hidden width of the residual inter-level MLPs (``None`` = head_dim).
+        rsa_short_conv: kernel size K of a causal depthwise convolution over the mixer input before the q/k/v
+            projections (0 = off, the default; identity at init, so turning it on changes nothing until trained).
     """
 
     model_type = "hf_mixer"
@@ -101,6 +103,7 @@ class MixerConfig(PreTrainedConfig):
     rsa_query_read: bool = False
     rsa_mlp_hidden: int | None = None
     rsa_eps: float = 1e-6
+    rsa_short_conv: int = 0
 
     default_mixer = "full_attention"  # class attribute: what layer_types defaults to
 
@@ -185,6 +188,8 @@ def validate_mixer_config(config: MixerConfig) -> None:
     for field, choices in RSA_CHOICES.items():
         if getattr(config, field) not in choices:
             fail(f"{field} must be one of {choices}, got {getattr(config, field)!r}")
+    if not isinstance(config.rsa_short_conv, int) or config.rsa_short_conv < 0 or config.rsa_short_conv == 1:
+        fail(f"rsa_short_conv must be 0 (off) or a kernel size >= 2, got {config.rsa_short_conv!r}")
     if not 0.0 <= config.rsa_threshold_init <= config.rsa_threshold_max < 1.0:
         fail(f"rsa_threshold_init ({config.rsa_threshold_init}) must lie in [0, rsa_threshold_max] and "
              f"rsa_threshold_max ({config.rsa_threshold_max}) below 1")

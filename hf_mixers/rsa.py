@@ -58,6 +58,9 @@ class RSAMixer(FullAttention):
         self.threshold = nn.Parameter(torch.zeros(heads, levels))  # theta = 1/z
         self.read_scale = nn.Parameter(torch.ones(heads, levels))  # w_a
         self.query_read = nn.Parameter(torch.zeros(heads, levels, head_dim, slots)) if config.rsa_query_read else None
+        # optional causal depthwise convolution over the mixer input (kernel K, identity at init)
+        self.short_conv = nn.Parameter(torch.zeros(config.hidden_size, config.rsa_short_conv)) \
+            if config.rsa_short_conv else None
         if config.rsa_state_init == "zeros":
             logger.warning("RSA layer %d: rsa_state_init='zeros' (paper-literal) makes every slot receive the same "
                            "assignment forever, so the slots can never separate; use 'prototypes'.", layer_idx)
@@ -83,6 +86,10 @@ class RSAMixer(FullAttention):
         init.ones_(self.read_scale)
         if self.query_read is not None:
             init.normal_(self.query_read, 0.0, config.initializer_range)
+        if self.short_conv is not None:
+            identity = torch.zeros_like(self.short_conv)
+            identity[:, -1] = 1.0  # the last tap is the current token
+            init.copy_(self.short_conv, identity)
         for mlp in (*self.key_mlps, *self.value_mlps):
             init.normal_(mlp.up.weight, 0.0, config.initializer_range)
             init.zeros_(mlp.up.bias)
@@ -115,13 +122,32 @@ class RSAMixer(FullAttention):
         out = out.flatten(1, 2).transpose(1, 2).reshape(batch, length, -1)  # (B, T, H * hd)
         return out.to(hidden_states.dtype), state
 
+    def convolve(self, hidden_states, token_mask=None, history=None):
+        """Causal depthwise convolution: (B, T, D) -> (B, T, D) and the last K - 1 inputs (the decode history).
+
+        Padded inputs are zeroed first, so a padded row sees exactly the zero history a sequence alone starts with.
+        """
+        batch, length, size = hidden_states.shape
+        width = self.short_conv.shape[1]
+        if token_mask is not None:
+            hidden_states = hidden_states * token_mask[:, -length:, None].to(hidden_states.dtype)
+        if history is None:
+            history = hidden_states.new_zeros(batch, width - 1, size)
+        padded = torch.cat([history.to(hidden_states.dtype), hidden_states], dim=1)  # (B, K - 1 + T, D)
+        out = F.conv1d(padded.transpose(1, 2), self.short_conv[:, None, :].to(hidden_states.dtype), groups=size)
+        return out.transpose(1, 2), padded[:, -(width - 1):]
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
                 past_key_values=None, **kwargs):
         layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
         state = None if layer_cache is None else layer_cache.state
+        history = None
+        if self.short_conv is not None:
+            hidden_states, history = self.convolve(hidden_states, token_mask,
+                                                   None if layer_cache is None else layer_cache.conv_history)
         out, state = self.memory_read(hidden_states, position_embeddings, token_mask, state)
         if layer_cache is not None:
-            layer_cache.update_state(state, hidden_states.shape[1])
+            layer_cache.update_state(state, hidden_states.shape[1], history)
         return self.o_proj(out)
 
     @classmethod

@@ -181,3 +181,31 @@ def test_from_attention_is_exact_on_the_first_token():
                                         teacher.model.rotary_emb(hidden, torch.arange(10)[None])).eval()
     with torch.no_grad():
         torch.testing.assert_close(converted(hidden, rope), attention(hidden, rope, None)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_short_conv_is_identity_at_init_and_decodes_exactly():
+    ids = torch.randint(1, 101, (2, 15))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    plain, convolved = tiny_rsa_model(F64), tiny_rsa_model(F64, rsa_short_conv=4)
+    convolved.load_state_dict(plain.state_dict(), strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(convolved(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits,
+                                   rtol=0, atol=1e-12)
+        for layer in convolved.model.layers:
+            layer.mixer.short_conv.normal_()  # a trained-looking kernel
+        full = convolved(ids, attention_mask=mask).logits
+        cache = DynamicCache(config=convolved.config)
+        steps = [convolved(ids[:, :5], attention_mask=mask[:, :5], past_key_values=cache, use_cache=True).logits]
+        for t in range(5, 15):
+            steps.append(convolved(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
+                                   use_cache=True).logits)
+        torch.testing.assert_close(torch.cat(steps, 1)[mask.bool()], full[mask.bool()], rtol=0, atol=1e-10)
+        alone = convolved(ids[:1, 3:]).logits  # row 0 without its padding
+        torch.testing.assert_close(full[0, 3:], alone[0], rtol=0, atol=1e-10)
+    assert cache.layers[0].conv_history.shape == (2, 3, 64)
+
+
+def test_short_conv_of_one_is_refused():
+    with pytest.raises(ValueError, match="rsa_short_conv must be 0 \\(off\\) or a kernel size >= 2"):
+        tiny_config(RSAConfig, rsa_short_conv=1)
