@@ -52,6 +52,9 @@ class MixerConfig(PreTrainedConfig):
             can never separate, a warning says so).
         rsa_query_read: the RSA-q branch, sum_i (q W_qr_i / 16) @ SV_i.
         rsa_mlp_hidden: hidden width of the residual inter-level MLPs (``None`` = head_dim).
+        rsa_decay: GLA-style data-dependent decay of the memory (off by default): before each token writes, the
+            slot sums, masses and relations are multiplied by exp(logsigmoid(x W + b) / 16) per KV head (b starts at
+            4, a half-life of ~600 tokens); the prototype prior does not decay.
         rsa_short_conv: kernel size K of a causal depthwise convolution over the mixer input before the q/k/v
             projections (0 = off, the default; identity at init, so turning it on changes nothing until trained).
     """
@@ -104,6 +107,7 @@ class MixerConfig(PreTrainedConfig):
     rsa_mlp_hidden: int | None = None
     rsa_eps: float = 1e-6
     rsa_short_conv: int = 0
+    rsa_decay: bool = False
 
     default_mixer = "full_attention"  # class attribute: what layer_types defaults to
 

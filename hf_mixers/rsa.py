@@ -58,6 +58,8 @@ class RSAMixer(FullAttention):
         self.threshold = nn.Parameter(torch.zeros(heads, levels))  # theta = 1/z
         self.read_scale = nn.Parameter(torch.ones(heads, levels))  # w_a
         self.query_read = nn.Parameter(torch.zeros(heads, levels, head_dim, slots)) if config.rsa_query_read else None
+        # optional GLA-style decay, one gate per KV head: log lambda = logsigmoid(x W + b) / 16
+        self.decay_proj = nn.Linear(config.hidden_size, groups) if config.rsa_decay else None
         # optional causal depthwise convolution over the mixer input (kernel K, identity at init)
         self.short_conv = nn.Parameter(torch.zeros(config.hidden_size, config.rsa_short_conv)) \
             if config.rsa_short_conv else None
@@ -86,6 +88,9 @@ class RSAMixer(FullAttention):
         init.ones_(self.read_scale)
         if self.query_read is not None:
             init.normal_(self.query_read, 0.0, config.initializer_range)
+        if self.decay_proj is not None:
+            init.zeros_(self.decay_proj.weight)
+            init.constant_(self.decay_proj.bias, 4.0)  # lambda ~ 0.9989: a long memory at init
         if self.short_conv is not None:
             identity = torch.zeros_like(self.short_conv)
             identity[:, -1] = 1.0  # the last tap is the current token
@@ -118,7 +123,10 @@ class RSAMixer(FullAttention):
             state = initial_state(params, batch, self.head_dim, cd)
         query = query.unflatten(1, (self.num_key_value_heads, self.num_key_value_groups))  # (B, G, g, T, hd)
         valid = None if token_mask is None else token_mask[:, -length:]
-        out, state = rsa_memory(query, key, value, valid, state, params, method=method)
+        log_decay = None
+        if self.decay_proj is not None:  # (B, T, G) -> (B, G, T)
+            log_decay = (F.logsigmoid(self.decay_proj(hidden_states).to(cd)) / 16).transpose(1, 2)
+        out, state = rsa_memory(query, key, value, valid, state, params, method=method, log_decay=log_decay)
         out = out.flatten(1, 2).transpose(1, 2).reshape(batch, length, -1)  # (B, T, H * hd)
         return out.to(hidden_states.dtype), state
 

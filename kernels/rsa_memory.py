@@ -2,7 +2,7 @@
 
 Per KV head, ``L`` levels of ``m`` slots. The state is kept as mass-weighted sums and normalised only when read:
 
-    key_sum   (B, G, L, m, d)   kappa * P + sum_t f_t k_t     -> key slots   SK = key_sum / (kappa + mass)
+    key_sum   (B, G, L, m, d)   sum_t f_t k_t                 -> key slots   SK = (kappa P + key_sum) / (kappa + mass)
     value_sum (B, G, L, m, dv)  sum_t f_t v_t                 -> value slots SV = value_sum / mass
     mass      (B, G, L, m)      sum_t f_t
     relation_sum (B, G, L-1, m, m)  sum_t f_t^(i) f_t^(i+1)^T -> R = relation_sum / mass^(i)
@@ -16,6 +16,9 @@ of the same scores (sigmoid). Reading with query q (per query head) against the 
     atil_i = w_a relu(act_i @ W_i - theta_i) + theta_i / m
     chain_i = atil_0 (i = 0) | (chain_{i-1} @ R_{i-1}) * atil_i (relation) | chain_{i-1} * atil_i | atil_i (none)
     a_i = chain_i @ W_r_i;   o = sum_i a_i @ SV_i / max(sum_i sum(a_i), eps)   [+ sum_i (q @ W_qr_i / 16) @ SV_i]
+
+Optional decay (GLA-style, ``log_decay`` (B, G, T) <= 0): before token t writes, the data sums (key/value sums,
+mass, relations) are multiplied by exp(log_decay_t); the prototype prior never decays, padding never decays.
 
 Because the state is sums, the token recurrence (``rsa_recurrent``, also the decode step) and the chunk form
 (``rsa_chunked``) compute the same function: assignments inside a chunk use the references, everything else is a
@@ -76,9 +79,8 @@ class RSAState:
 def initial_state(params: RSAParams, batch: int, value_dim: int, dtype: torch.dtype) -> RSAState:
     groups, levels, slots, key_dim = params.prototypes.shape
     prototypes = params.prototypes.to(dtype).expand(batch, -1, -1, -1, -1)
-    kappa = params.kappa.to(dtype)[None, :, :, None, None]
     zeros = prototypes.new_zeros
-    return RSAState(key_sum=kappa * prototypes, value_sum=zeros(batch, groups, levels, slots, value_dim),
+    return RSAState(key_sum=torch.zeros_like(prototypes), value_sum=zeros(batch, groups, levels, slots, value_dim),
                     mass=zeros(batch, groups, levels, slots),
                     relation_sum=zeros(batch, groups, max(levels - 1, 0), slots, slots),
                     key_ref=prototypes, value_ref=zeros(batch, groups, levels, slots, value_dim),
@@ -108,25 +110,38 @@ def _per_head(tensor, groups):
     return tensor.unflatten(0, (groups, -1))
 
 
+def _prior(params: RSAParams, dtype):
+    """kappa * P (1, G, L, m, d) and kappa (1, G, L, 1): the non-decaying pseudo-observations of the key slots."""
+    kappa = params.kappa.to(dtype)[None, :, :, None]
+    return kappa[..., None] * params.prototypes.to(dtype)[None], kappa
+
+
 def _refresh(state: RSAState, params: RSAParams, rows) -> RSAState:
     """Set the references to the current slots for the batch rows in ``rows`` (bool (B,))."""
     if not bool(rows.any()):  # most decode steps: no row is at a boundary (one host sync, saves the work)
         return state
-    kappa = params.kappa.to(state.mass.dtype)[None, :, :, None]
-    key_now = state.key_sum / (kappa + state.mass).clamp_min(params.eps)[..., None]
+    prior, kappa = _prior(params, state.mass.dtype)
+    key_now = (prior + state.key_sum) / (kappa + state.mass).clamp_min(params.eps)[..., None]
     value_now = state.value_sum / state.mass.clamp_min(params.eps)[..., None]
     where = rows[:, None, None, None, None]
     return replace(state, key_ref=torch.where(where, key_now, state.key_ref),
                    value_ref=torch.where(where, value_now, state.value_ref))
 
 
-def rsa_step(q, k, v, valid, state: RSAState, params: RSAParams):
-    """One token: q (B, G, g, d), k (B, G, d), v (B, G, dv), valid (B,) bool -> o (B, G, g, dv), new state."""
+def rsa_step(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None):
+    """One token: q (B, G, g, d), k (B, G, d), v (B, G, dv), valid (B,) bool, log_decay (B, G) or None
+    -> o (B, G, g, dv), new state."""
     groups, levels, slots, key_dim = params.prototypes.shape
     tau = key_dim**-0.5
     eps = params.eps
-    kappa = params.kappa.to(k.dtype)[None, :, :, None]  # (1, G, L, 1)
+    prior, kappa = _prior(params, k.dtype)  # (1, G, L, m, d), (1, G, L, 1)
     write = valid.to(k.dtype)[:, None, None]
+    if log_decay is not None:  # decay the data sums before this token writes (never on padding)
+        decay = torch.exp(log_decay.to(k.dtype) * write[..., 0])  # (B, G)
+        state = replace(state, key_sum=state.key_sum * decay[:, :, None, None, None],
+                        value_sum=state.value_sum * decay[:, :, None, None, None],
+                        mass=state.mass * decay[:, :, None, None],
+                        relation_sum=state.relation_sum * decay[:, :, None, None, None])
     x_k, x_v = k, v
     key_sum, value_sum, mass, assignments = [], [], [], []
     for i in range(levels):
@@ -148,7 +163,7 @@ def rsa_step(q, k, v, valid, state: RSAState, params: RSAParams):
     state = _refresh(state, params, valid & (state.count % params.chunk_size == 0))
 
     # Read: every level at once (slots, scores, activation, W, sparse threshold), then the chain down the levels.
-    slots_k = state.key_sum / (kappa + state.mass).clamp_min(eps)[..., None]  # (B, G, L, m, d)
+    slots_k = (prior + state.key_sum) / (kappa + state.mass).clamp_min(eps)[..., None]  # (B, G, L, m, d)
     slots_v = state.value_sum / state.mass.clamp_min(eps)[..., None]  # (B, G, L, m, dv)
     x = tau * torch.einsum("bghd,bglmd->bghlm", q, slots_k)
     if params.readout == "sigmoid":
@@ -177,24 +192,39 @@ def rsa_step(q, k, v, valid, state: RSAState, params: RSAParams):
     return out, state
 
 
-def rsa_recurrent(q, k, v, valid, state: RSAState, params: RSAParams):
-    """Reference: the token recurrence over T steps. q (B, G, g, T, d), k (B, G, T, d), v (B, G, T, dv)."""
+def rsa_recurrent(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None):
+    """Reference: the token recurrence over T steps. q (B, G, g, T, d), k (B, G, T, d), v (B, G, T, dv),
+    log_decay (B, G, T) or None."""
     if valid is None:
         valid = torch.ones(q.shape[0], q.shape[3], dtype=torch.bool, device=q.device)
     outputs = []
     for t in range(q.shape[3]):
-        out, state = rsa_step(q[:, :, :, t], k[:, :, t], v[:, :, t], valid[:, t], state, params)
+        out, state = rsa_step(q[:, :, :, t], k[:, :, t], v[:, :, t], valid[:, t], state, params,
+                              None if log_decay is None else log_decay[:, :, t])
         outputs.append(out * valid[:, t, None, None, None])
     return torch.stack(outputs, 3), state
 
 
-def _chunk(q, k, v, valid, state: RSAState, params: RSAParams):
-    """One aligned chunk (spec §5.2): q (B, G, g, C, d), k (B, G, C, d), v (B, G, C, dv), valid (B, C)."""
+def _chunk(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None):
+    """One aligned chunk (spec §5.2): q (B, G, g, C, d), k (B, G, C, d), v (B, G, C, dv), valid (B, C),
+    log_decay (B, G, C) or None.
+
+    ``carry[t, s]`` weighs what row s wrote as seen by row t: the inclusive causal mask, times the decay in between
+    (exp(Lambda_t - Lambda_s)); ``start[t]`` is how much of the chunk-start state row t still sees.
+    """
     groups, levels, slots, key_dim = params.prototypes.shape
     tau, eps, size = key_dim**-0.5, params.eps, q.shape[3]
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # inclusive: token t reads itself
-    kappa = params.kappa.to(k.dtype)[None, :, :, None]  # (1, G, L, 1)
+    prior, kappa = _prior(params, k.dtype)
     write = valid.to(k.dtype)[:, None, :, None]  # (B, 1, C, 1)
+    if log_decay is None:
+        carry, start = causal.to(k.dtype), torch.ones(1, 1, size, dtype=k.dtype, device=k.device)
+    else:
+        total = (log_decay.to(k.dtype) * write[..., 0]).cumsum(-1)  # Lambda_t (B, G, C), padding never decays
+        gap = (total[..., :, None] - total[..., None, :]).masked_fill(~causal, float("-inf"))
+        carry, start = torch.exp(gap), torch.exp(total)  # (B, G, C, C), (B, G, C)
+    carry_q = carry if carry.dim() == 2 else carry[:, :, None]  # broadcast over the query heads of a KV group
+    start_q = start[:, :, None, :, None]  # (B|1, G|1, 1, C, 1): per row, broadcast over query heads
 
     x_k, x_v = k, v
     assignments, keys, values, running_mass = [], [], [], []
@@ -205,7 +235,7 @@ def _chunk(q, k, v, valid, state: RSAState, params: RSAParams):
         assignments.append(f)
         keys.append(x_k)
         values.append(x_v)
-        running_mass.append(state.mass[:, :, i, None] + f.cumsum(2))  # N: inclusive mass after each row
+        running_mass.append(start[..., None] * state.mass[:, :, i, None] + carry @ f)  # N: inclusive mass
         if i < levels - 1:
             x_k = params.key_mlps[i](x_k - p @ key_ref)
             x_v = params.value_mlps[i](x_v - p @ value_ref)
@@ -213,16 +243,17 @@ def _chunk(q, k, v, valid, state: RSAState, params: RSAParams):
     def causal_read(weights, level):
         """weights (B, G, g, C, m) @ (sum-state_0 + causal sum f v) / mass: the value read of the inclusive slots."""
         scaled = weights / running_mass[level][:, :, None].clamp_min(eps)
-        intra = (scaled @ assignments[level][:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)
-        return scaled @ state.value_sum[:, :, level, None] + intra @ values[level][:, :, None]
+        intra = (scaled @ assignments[level][:, :, None].transpose(-1, -2)) * carry_q
+        return (scaled * start_q) @ state.value_sum[:, :, level, None] + intra @ values[level][:, :, None]
 
     read_proj, mix_proj = _per_head(params.read_proj, groups), _per_head(params.mix_proj, groups)
     threshold, read_scale = _per_head(params.threshold, groups), _per_head(params.read_scale, groups)
     numerator, denominator, chain = 0.0, 0.0, None
     for i in range(levels):
         f = assignments[i][:, :, None]  # (B, G, 1, C, m)
-        q_dot_k = (q @ keys[i][:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)  # (B, G, g, C, C)
-        x = tau * (q @ state.key_sum[:, :, i, None].transpose(-1, -2) + q_dot_k @ f) \
+        q_dot_k = (q @ keys[i][:, :, None].transpose(-1, -2)) * carry_q  # (B, G, g, C, C)
+        x = tau * (q @ prior[:, :, i, None].transpose(-1, -2) + start_q * (q @ state.key_sum[:, :, i, None]
+                                                                          .transpose(-1, -2)) + q_dot_k @ f) \
             / (kappa[:, :, i, None, None] + running_mass[i][:, :, None]).clamp_min(eps)
         act = _activation(x, i, running_mass[i][:, :, None], params)
         sparse = read_scale[None, :, :, i, None, None] * torch.relu(
@@ -232,8 +263,8 @@ def _chunk(q, k, v, valid, state: RSAState, params: RSAParams):
             chain = sparse
         elif params.routing == "relation":  # chain @ R_t with R_t the inclusive relation matrix of each row
             scaled = chain / running_mass[i - 1][:, :, None].clamp_min(eps)
-            intra = (scaled @ assignments[i - 1][:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)
-            chain = (scaled @ state.relation_sum[:, :, i - 1, None] + intra @ f) * sparse
+            intra = (scaled @ assignments[i - 1][:, :, None].transpose(-1, -2)) * carry_q
+            chain = ((scaled * start_q) @ state.relation_sum[:, :, i - 1, None] + intra @ f) * sparse
         else:
             chain = chain * sparse
         a = chain @ mix_proj[None, :, :, i]
@@ -245,18 +276,22 @@ def _chunk(q, k, v, valid, state: RSAState, params: RSAParams):
         for i in range(levels):
             out = out + causal_read(q @ query_read[None, :, :, i] / 16, i)
 
+    end = carry[..., -1, :, None]  # (.., C, 1): what each row's write still weighs at the chunk end
+    keep = start[..., -1].reshape(*start.shape[:-1], 1, 1, 1) if start.dim() == 3 else 1.0  # decay of the old state
     carried = RSAState(
-        key_sum=state.key_sum + torch.stack([a.transpose(-1, -2) @ x for a, x in zip(assignments, keys)], 2),
-        value_sum=state.value_sum + torch.stack([a.transpose(-1, -2) @ x for a, x in zip(assignments, values)], 2),
+        key_sum=keep * state.key_sum + torch.stack([(a * end).transpose(-1, -2) @ x
+                                                    for a, x in zip(assignments, keys)], 2),
+        value_sum=keep * state.value_sum + torch.stack([(a * end).transpose(-1, -2) @ x
+                                                        for a, x in zip(assignments, values)], 2),
         mass=torch.stack([m[:, :, -1] for m in running_mass], 2),
-        relation_sum=state.relation_sum + torch.stack(
-            [assignments[i].transpose(-1, -2) @ assignments[i + 1] for i in range(levels - 1)], 2)
+        relation_sum=keep * state.relation_sum + torch.stack(
+            [(assignments[i] * end).transpose(-1, -2) @ assignments[i + 1] for i in range(levels - 1)], 2)
         if levels > 1 else state.relation_sum,
         key_ref=state.key_ref, value_ref=state.value_ref, count=state.count)
     return out, carried
 
 
-def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams):
+def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None):
     """Chunk form, equal to ``rsa_recurrent``. Shapes as there; valid (B, T) bool or None.
 
     Each row's real tokens are packed into an aligned buffer at offset ``count % C`` (its phase), so every row's
@@ -280,13 +315,15 @@ def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams):
         return buffer.index_put((rows, slots), moved[rows, times]).movedim(1, time_dim)
 
     q_b, k_b, v_b = pack(q, 3), pack(k, 2), pack(v, 2)
+    decay_b = None if log_decay is None else pack(log_decay[..., None], 2)[..., 0]  # (B, G, T_buffer), filler 0
     valid_b = torch.zeros(batch, padded_length, dtype=torch.bool, device=q.device).index_put(
         (rows, slots), torch.ones_like(rows, dtype=torch.bool))
     outputs = []
     for start in range(0, padded_length, size):
         stop = start + size
         out, state = _chunk(q_b[:, :, :, start:stop], k_b[:, :, start:stop], v_b[:, :, start:stop],
-                            valid_b[:, start:stop], state, params)
+                            valid_b[:, start:stop], state, params,
+                            None if decay_b is None else decay_b[:, :, start:stop])
         outputs.append(out)
         state = _refresh(state, params, phase + real >= stop)  # rows that reached this boundary
     state = replace(state, count=state.count + real)
@@ -296,12 +333,12 @@ def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams):
     return out.movedim(1, 3), state
 
 
-def rsa_memory(q, k, v, valid, state: RSAState, params: RSAParams, method: str = "chunked"):
+def rsa_memory(q, k, v, valid, state: RSAState, params: RSAParams, method: str = "chunked", log_decay=None):
     """Dispatch: the chunk form for training and prefill, the token step for single-token decoding."""
     cd = compute_dtype(q.dtype)
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     if method == "recurrent" or (method == "chunked" and q.shape[3] == 1):
-        return rsa_recurrent(q, k, v, valid, state, params)
+        return rsa_recurrent(q, k, v, valid, state, params, log_decay)
     if method != "chunked":
         raise ValueError(f"rsa_memory: unknown method {method!r}; choose 'chunked' or 'recurrent'")
-    return rsa_chunked(q, k, v, valid, state, params)
+    return rsa_chunked(q, k, v, valid, state, params, log_decay)

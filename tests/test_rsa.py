@@ -209,3 +209,22 @@ def test_short_conv_is_identity_at_init_and_decodes_exactly():
 def test_short_conv_of_one_is_refused():
     with pytest.raises(ValueError, match="rsa_short_conv must be 0 \\(off\\) or a kernel size >= 2"):
         tiny_config(RSAConfig, rsa_short_conv=1)
+
+
+def test_decay_option_decodes_exactly():
+    model = tiny_rsa_model(F64, rsa_decay=True)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mixer.decay_proj.weight.normal_(0, 0.5)  # token-dependent decay
+    ids = torch.randint(1, 101, (2, 14))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        cache = DynamicCache(config=model.config)
+        steps = [model(ids[:, :6], attention_mask=mask[:, :6], past_key_values=cache, use_cache=True).logits]
+        for t in range(6, 14):
+            steps.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
+                               use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(steps, 1)[mask.bool()], full[mask.bool()], rtol=0, atol=1e-10)
+    assert tiny_config(RSAConfig).rsa_decay is False  # off by default

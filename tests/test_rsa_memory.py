@@ -145,3 +145,34 @@ def test_unknown_method_is_named():
     q, k, v, valid = make_inputs(params)
     with pytest.raises(ValueError, match="unknown method 'fast'"):
         rsa_memory(q, k, v, valid, initial_state(params, 3, 6, F64), params, method="fast")
+
+
+@pytest.mark.parametrize("routing, query_read", [("relation", True), ("elementwise", False)])
+def test_decay_chunk_form_equals_token_recurrence_and_continues(routing, query_read):
+    params = make_params(routing=routing, query_read=query_read, readout="softmax_count")
+    q, k, v, valid = make_inputs(params)
+    log_decay = -torch.rand(q.shape[0], q.shape[1], q.shape[3], dtype=F64, generator=torch.Generator().manual_seed(3))
+    start = initial_state(params, q.shape[0], v.shape[-1], F64)
+    reference, reference_state = rsa_recurrent(q, k, v, valid, start, params, log_decay)
+    chunked, chunked_state = rsa_chunked(q, k, v, valid, start, params, log_decay)
+    torch.testing.assert_close(chunked, reference, rtol=0, atol=1e-10)
+    for name in STATE_FIELDS:
+        torch.testing.assert_close(getattr(chunked_state, name), getattr(reference_state, name), rtol=0, atol=1e-10)
+    first, state = rsa_chunked(q[..., :7, :], k[:, :, :7], v[:, :, :7], valid[:, :7], start, params, log_decay[..., :7])
+    rest, _ = rsa_chunked(q[..., 7:, :], k[:, :, 7:], v[:, :, 7:], valid[:, 7:], state, params, log_decay[..., 7:])
+    torch.testing.assert_close(torch.cat([first, rest], 3), reference, rtol=0, atol=1e-10)
+    no_decay, _ = rsa_chunked(q, k, v, valid, start, params)
+    assert (no_decay - chunked).abs().max() > 1e-3  # the decay is actually applied
+
+
+def test_decay_forgets_old_writes_and_padding_never_decays():
+    params = make_params(levels=1)
+    q, k, v, _ = make_inputs(params, batch=1, length=8)
+    start = initial_state(params, 1, v.shape[-1], F64)
+    valid = torch.tensor([[False, False, True, True, True, True, True, True]])
+    decay = torch.full((1, 2, 8), -0.5, dtype=F64)
+    _, padded = rsa_chunked(q, k, v, valid, start, params, decay)
+    _, alone = rsa_chunked(q[..., 2:, :], k[:, :, 2:], v[:, :, 2:], None, start, params, decay[..., 2:])
+    torch.testing.assert_close(padded.mass, alone.mass, rtol=0, atol=1e-12)
+    _, kept = rsa_chunked(q, k, v, None, start, params)
+    assert (alone.mass.sum(-1) < kept.mass.sum(-1)).all()  # decayed total mass < number of tokens
