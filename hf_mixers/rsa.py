@@ -167,7 +167,10 @@ class RSAMixer(FullAttention):
         with their ``calibration_position_embeddings`` (cos, sin); they seed the prototypes by k-means. Without them
         the prototypes keep their random scratch init.
         """
-        mixer = cls(config, layer_idx)
+        reference = next(attention.parameters(), None)
+        if reference is None:
+            raise ValueError(f"RSA layer {layer_idx}: teacher attention has no parameters")
+        mixer = cls(config, layer_idx).to(device=reference.device)  # fit on the teacher's device, in fp32
         mixer.reset_rsa_parameters()
         state = {name: tensor for name, tensor in attention.state_dict().items()}
         missing, unexpected = mixer.load_state_dict(state, strict=False)
@@ -184,7 +187,7 @@ class RSAMixer(FullAttention):
             if calibration_hidden_states is not None:
                 mixer.fit_prototypes(calibration_hidden_states, calibration_position_embeddings, kmeans_iterations,
                                      seed)
-        return mixer.to(next(attention.parameters()).dtype)
+        return mixer.to(dtype=reference.dtype)
 
     @torch.no_grad()
     def fit_prototypes(self, hidden_states, position_embeddings, iterations=20, seed=0):
