@@ -192,7 +192,9 @@ class RSAMixer(FullAttention):
     @torch.no_grad()
     def fit_prototypes(self, hidden_states, position_embeddings, iterations=20, seed=0):
         """k-means per KV head: level 0 on the (rotated) keys, level i+1 on the residual keys of level i."""
-        _, keys, _ = self.project(hidden_states, position_embeddings)  # (N, G, T, hd)
+        dtype = self.q_proj.weight.dtype  # calibration activations may come from a bf16 teacher
+        position_embeddings = tuple(t.to(dtype) for t in position_embeddings)
+        _, keys, _ = self.project(hidden_states.to(dtype), position_embeddings)  # (N, G, T, hd)
         keys = keys.float().transpose(0, 1).flatten(1, 2)  # (G, N*T, hd)
         generator = torch.Generator(device=keys.device).manual_seed(seed)
         tau = self.head_dim**-0.5

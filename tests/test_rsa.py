@@ -228,3 +228,15 @@ def test_decay_option_decodes_exactly():
                                use_cache=True).logits)
     torch.testing.assert_close(torch.cat(steps, 1)[mask.bool()], full[mask.bool()], rtol=0, atol=1e-10)
     assert tiny_config(RSAConfig).rsa_decay is False  # off by default
+
+
+def test_from_attention_with_a_bf16_teacher():
+    teacher = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY.items() if k != "pad_token_id"})).eval()
+    teacher = teacher.to(torch.bfloat16)
+    hidden = torch.randn(2, 12, 64, dtype=torch.bfloat16)
+    rope = teacher.model.rotary_emb(hidden, torch.arange(12)[None])
+    config = tiny_config(RSAConfig, rsa_readout="softmax_count", **RSA_SMALL)
+    config._attn_implementation = "sdpa"
+    mixer = RSAMixer.from_attention(teacher.model.layers[0].self_attn, config, 0, hidden, rope)
+    assert mixer.prototypes.dtype == torch.bfloat16 and torch.isfinite(mixer.prototypes.float()).all()
+    assert mixer(hidden, rope).shape == (2, 12, 64)
