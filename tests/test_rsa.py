@@ -240,3 +240,17 @@ def test_from_attention_with_a_bf16_teacher():
     mixer = RSAMixer.from_attention(teacher.model.layers[0].self_attn, config, 0, hidden, rope)
     assert mixer.prototypes.dtype == torch.bfloat16 and torch.isfinite(mixer.prototypes.float()).all()
     assert mixer(hidden, rope).shape == (2, 12, 64)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    ids = torch.randint(1, 101, (2, 13))
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_rsa_model(rsa_decay=True, rsa_short_conv=3, rsa_query_read=True).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("prototypes" in n for n in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
