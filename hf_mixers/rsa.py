@@ -172,7 +172,7 @@ class RSAMixer(FullAttention):
             raise ValueError(f"RSA layer {layer_idx}: teacher attention has no parameters")
         mixer = cls(config, layer_idx).to(device=reference.device)  # fit on the teacher's device, in fp32
         mixer.reset_rsa_parameters()
-        state = {name: tensor for name, tensor in attention.state_dict().items()}
+        state = attention.state_dict()
         missing, unexpected = mixer.load_state_dict(state, strict=False)
         if unexpected:
             raise ValueError(f"RSA layer {layer_idx}: teacher attention has parameters the mixer does not: {unexpected}")
