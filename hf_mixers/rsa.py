@@ -111,7 +111,8 @@ class RSAMixer(FullAttention):
             read_proj=cast(self.read_proj), mix_proj=cast(self.mix_proj),
             threshold=cast(self.threshold).clamp(0.0, config.rsa_threshold_max), read_scale=cast(self.read_scale),
             query_read=cast(self.query_read), assign_fn=config.rsa_assign_fn, readout=config.rsa_readout,
-            routing=config.rsa_routing, chunk_size=config.rsa_chunk_size, eps=config.rsa_eps)
+            routing=config.rsa_routing, chunk_size=config.rsa_chunk_size, eps=config.rsa_eps,
+            recompute=config.rsa_recompute_chunks)
 
     def memory_read(self, hidden_states, position_embeddings, token_mask=None, state=None, method="chunked"):
         """(B, T, D) -> memory output (B, T, H * hd) before o_proj, and the new state."""

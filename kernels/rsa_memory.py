@@ -33,6 +33,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .feedback_solve import compute_dtype
 
@@ -56,6 +57,7 @@ class RSAParams:
     routing: str = "relation"  # relation | elementwise | none
     chunk_size: int = 64
     eps: float = 1e-6
+    recompute: bool = False  # training: keep only chunk inputs, recompute each chunk in the backward pass
 
 
 @dataclass
@@ -321,9 +323,12 @@ def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=No
     outputs = []
     for start in range(0, padded_length, size):
         stop = start + size
-        out, state = _chunk(q_b[:, :, :, start:stop], k_b[:, :, start:stop], v_b[:, :, start:stop],
-                            valid_b[:, start:stop], state, params,
-                            None if decay_b is None else decay_b[:, :, start:stop])
+        inputs = (q_b[:, :, :, start:stop], k_b[:, :, start:stop], v_b[:, :, start:stop], valid_b[:, start:stop],
+                  state, params, None if decay_b is None else decay_b[:, :, start:stop])
+        if params.recompute and torch.is_grad_enabled():  # memory O(T * state) instead of every intermediate
+            out, state = checkpoint(_chunk, *inputs, use_reentrant=False)
+        else:
+            out, state = _chunk(*inputs)
         outputs.append(out)
         state = _refresh(state, params, phase + real >= stop)  # rows that reached this boundary
     state = replace(state, count=state.count + real)

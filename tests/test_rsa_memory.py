@@ -176,3 +176,18 @@ def test_decay_forgets_old_writes_and_padding_never_decays():
     torch.testing.assert_close(padded.mass, alone.mass, rtol=0, atol=1e-12)
     _, kept = rsa_chunked(q, k, v, None, start, params)
     assert (alone.mass.sum(-1) < kept.mass.sum(-1)).all()  # decayed total mass < number of tokens
+
+
+def test_recomputed_chunks_give_the_same_gradients():
+    params = make_params(levels=2, query_read=True)
+    leaves = [params.prototypes, params.read_proj, params.mix_proj]
+    for leaf in leaves:
+        leaf.requires_grad_()
+    q, k, v, valid = make_inputs(params, length=13)
+    grads = []
+    for recompute in (False, True):
+        params.recompute = recompute
+        out, _ = rsa_chunked(q, k, v, valid, initial_state(params, q.shape[0], v.shape[-1], F64), params)
+        grads.append(torch.autograd.grad(out.pow(2).sum(), leaves))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
