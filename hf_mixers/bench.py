@@ -52,19 +52,19 @@ def _cpu_peak_supported() -> bool:
 
 
 def _build(kind: str, hidden_size: int, num_heads: int, num_kv_heads: int, device, dtype):
-    """A standalone mixer module: sdpa_attention | sessa_chunked | sessa_dense | rsa_chunked."""
+    """A standalone mixer module: sdpa_attention | sessa_chunked | sessa_dense | rsa_chunked | rsa_recompute."""
     from .config import RSAConfig
     from .rsa import RSAMixer
 
     shape = dict(hidden_size=hidden_size, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                  intermediate_size=4 * hidden_size, num_hidden_layers=1, vocab_size=128)
     if kind.startswith("rsa"):
-        config = RSAConfig(**shape)
+        config = RSAConfig(**shape, rsa_recompute_chunks=kind == "rsa_recompute")
     else:
         config = SessaConfig(**shape, sessa_solver="dense" if kind == "sessa_dense" else "chunked",
                              sessa_gamma_bias_init=0.5)  # gain != 0: the real solve runs
     config._attn_implementation = "sdpa"
-    module_class = {"sdpa_attention": FullAttention, "rsa_chunked": RSAMixer}.get(kind, SessaMixer)
+    module_class = FullAttention if kind == "sdpa_attention" else RSAMixer if kind.startswith("rsa") else SessaMixer
     module = module_class(config, 0)
     if kind.startswith("rsa"):
         module.reset_rsa_parameters()  # no model around it to run _init_weights

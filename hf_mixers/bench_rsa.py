@@ -27,7 +27,7 @@ from .cache import cache_nbytes
 from .config import MixerConfig, RSAConfig
 from .modeling import MixerForCausalLM, RSAForCausalLM
 
-TRAIN_MIXERS = ("sdpa_attention", "rsa_chunked")
+TRAIN_MIXERS = ("sdpa_attention", "rsa_chunked", "rsa_recompute")  # rsa_recompute: rsa_recompute_chunks=True
 
 
 def _decode_latency(model, context: int, decode_tokens: int, vocab: int, device) -> tuple[float, int]:
@@ -94,14 +94,15 @@ def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 40
     def pick(rows, key, value, field, name_key, name):
         return next((r[field] for r in rows if r[key] == value and r[name_key] == name), None)
 
-    ratios = [{"T": t, "rsa_time_vs_sdpa": pick(training, "T", t, "fwd_bwd_s", "mixer", "rsa_chunked")
-               / pick(training, "T", t, "fwd_bwd_s", "mixer", "sdpa_attention")} for t in lengths]
+    ratios = [{"T": t, **{f"{kind}_time_vs_sdpa": pick(training, "T", t, "fwd_bwd_s", "mixer", kind)
+                          / pick(training, "T", t, "fwd_bwd_s", "mixer", "sdpa_attention")
+                          for kind in TRAIN_MIXERS[1:]}} for t in lengths]
     first, last = min(contexts), max(contexts)
     rsa_first = pick(decoding, "context", first, "token_latency_s", "model", "rsa")
     rsa_last = pick(decoding, "context", last, "token_latency_s", "model", "rsa")
     attention_last = pick(decoding, "context", last, "token_latency_s", "model", "attention")
     rsa_bytes = {r["cache_bytes"] for r in decoding if r["model"] == "rsa"}
-    train_ratio = next((r["rsa_time_vs_sdpa"] for r in ratios if r["T"] == 8192), None)
+    train_ratio = next((r["rsa_chunked_time_vs_sdpa"] for r in ratios if r["T"] == 8192), None)
     targets = {
         "decode_latency_growth": rsa_last / rsa_first, "decode_latency_growth_contexts": [first, last],
         "decode_latency_growth_met": rsa_last / rsa_first <= 1.2 if (first, last) == (1024, 16384) else None,
@@ -158,13 +159,14 @@ def _plot(report, path):
 
 def _print(report):
     print(f"\nRSA training vs SDPA attention ({report['device']}, {report['threads']} threads)")
-    print(f"{'T':>6} | {'sdpa s':>8} {'rsa s':>8} | {'sdpa MiB':>8} {'rsa MiB':>8} | {'rsa/sdpa':>8}")
+    print(f"{'T':>6} | {'sdpa s':>8} {'rsa s':>8} {'recomp s':>8} | {'sdpa MiB':>8} {'rsa MiB':>8} "
+          f"{'recomp MiB':>10} | {'rsa/sdpa':>8} {'recomp/sdpa':>11}")
     for ratio in report["training_ratios"]:
         row = {r["mixer"]: r for r in report["training"] if r["T"] == ratio["T"]}
-        peaks = [row[k]["peak_bytes"] for k in TRAIN_MIXERS]
-        peaks = ["-" if p is None else f"{p / 2**20:.1f}" for p in peaks]
-        print(f"{ratio['T']:>6} | {row['sdpa_attention']['fwd_bwd_s']:>8.3f} {row['rsa_chunked']['fwd_bwd_s']:>8.3f} | "
-              f"{peaks[0]:>8} {peaks[1]:>8} | {ratio['rsa_time_vs_sdpa']:>8.2f}")
+        times = [f"{row[k]['fwd_bwd_s']:.3f}" for k in TRAIN_MIXERS]
+        peaks = ["-" if row[k]["peak_bytes"] is None else f"{row[k]['peak_bytes'] / 2**20:.1f}" for k in TRAIN_MIXERS]
+        print(f"{ratio['T']:>6} | {times[0]:>8} {times[1]:>8} {times[2]:>8} | {peaks[0]:>8} {peaks[1]:>8} "
+              f"{peaks[2]:>10} | {ratio['rsa_chunked_time_vs_sdpa']:>8.2f} {ratio['rsa_recompute_time_vs_sdpa']:>11.2f}")
     print(f"\nDecoding, {report['shape']['decode_layers']}-layer models")
     print(f"{'context':>8} | {'rsa ms/token':>12} {'attn ms/token':>13} | {'rsa cache MiB':>13} {'attn cache MiB':>14}")
     for context in sorted({r["context"] for r in report["decoding"]}):

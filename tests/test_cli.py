@@ -67,7 +67,7 @@ def test_bench_rsa_writes_training_and_decoding_results(tmp_path):
           "--heads", "2", "--kv-heads", "1", "--repeats", "1", "--decode-tokens", "2"])
     report = json.loads((tmp_path / "bench_rsa.json").read_text())
     assert (tmp_path / "bench_rsa.png").stat().st_size > 10_000
-    assert {r["mixer"] for r in report["training"]} == {"sdpa_attention", "rsa_chunked"}
+    assert {r["mixer"] for r in report["training"]} == {"sdpa_attention", "rsa_chunked", "rsa_recompute"}
     rsa_bytes = [r["cache_bytes"] for r in report["decoding"] if r["model"] == "rsa"]
     attention_bytes = [r["cache_bytes"] for r in report["decoding"] if r["model"] == "attention"]
     assert rsa_bytes[0] == rsa_bytes[1] and attention_bytes[1] > attention_bytes[0]  # constant vs growing cache
