@@ -210,13 +210,18 @@ def bench_sessa(out_dir, lengths=(512, 1024, 2048, 4096), hidden_size=576, num_h
                     "memory_target": "sessa_chunked peak <= 0.25x sessa_dense peak at T=4096",
                     "memory_target_met": None if memory_ratio is None else memory_ratio <= 0.25},
     }
+    return write_report(report, out_dir, "bench_sessa", _plot, _print_table)
+
+
+def write_report(report: dict, out_dir: str, name: str, plot, show) -> dict:
+    """``out_dir/name.json`` (written to a temporary file, then renamed), ``out_dir/name.png``, and a table."""
     os.makedirs(out_dir, exist_ok=True)
-    staging = os.path.join(out_dir, ".bench_sessa.json.partial")
+    staging = os.path.join(out_dir, f".{name}.json.partial")
     with open(staging, "w") as handle:
         json.dump(report, handle, indent=2)
-    os.replace(staging, os.path.join(out_dir, "bench_sessa.json"))
-    _plot(report, os.path.join(out_dir, "bench_sessa.png"))
-    _print_table(report)
+    os.replace(staging, os.path.join(out_dir, f"{name}.json"))
+    plot(report, os.path.join(out_dir, f"{name}.png"))
+    show(report)
     return report
 
 

@@ -12,8 +12,6 @@ Written to bench_rsa.json and bench_rsa.png, with the project's targets evaluate
 from __future__ import annotations
 
 import gc
-import json
-import os
 import statistics
 import time
 
@@ -22,7 +20,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from .bench import (_build, _cpu_peak, _cpu_peak_supported, _cuda_peak, _rotary, _time_interleaved,
-                    format_log_axes)
+                    format_log_axes, write_report)
 from .cache import cache_nbytes
 from .config import MixerConfig, RSAConfig
 from .modeling import MixerForCausalLM, RSAForCausalLM
@@ -120,14 +118,7 @@ def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 40
                         "levels": models["rsa"].config.rsa_num_levels, "slots": models["rsa"].config.rsa_num_slots,
                         "chunk_size": models["rsa"].config.rsa_chunk_size, "decode_layers": decode_layers},
               "training": training, "training_ratios": ratios, "decoding": decoding, "targets": targets}
-    os.makedirs(out_dir, exist_ok=True)
-    staging = os.path.join(out_dir, ".bench_rsa.json.partial")
-    with open(staging, "w") as handle:
-        json.dump(report, handle, indent=2)
-    os.replace(staging, os.path.join(out_dir, "bench_rsa.json"))
-    _plot(report, os.path.join(out_dir, "bench_rsa.png"))
-    _print(report)
-    return report
+    return write_report(report, out_dir, "bench_rsa", _plot, _print)
 
 
 def _plot(report, path):

@@ -39,9 +39,23 @@ def tiny_sessa_model(dtype=torch.float32, seed=0, feedback=True, **overrides):
     return model.to(dtype)
 
 
+def step_through(model, ids, mask, prefill):
+    """Prefill ``prefill`` tokens, then decode the rest one at a time; returns the concatenated logits and cache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = [model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache,
+                        use_cache=True).logits]
+        for t in range(prefill, ids.shape[1]):
+            logits.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
+                                use_cache=True).logits)
+    return torch.cat(logits, dim=1), cache
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
 
 
-__all__ = ["TINY", "tiny_config", "tiny_sessa_model", "turn_on_feedback", "MixerConfig", "SessaConfig"]
+__all__ = ["TINY", "tiny_config", "tiny_sessa_model", "turn_on_feedback", "step_through", "MixerConfig", "SessaConfig"]

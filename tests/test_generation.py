@@ -4,21 +4,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import tiny_sessa_model
+from conftest import step_through, tiny_sessa_model
 from hf_mixers.cache import SessaCacheLayer, cache_nbytes
 
 F64 = torch.float64
-
-
-def step_through(model, ids, mask, prefill):
-    """Prefill ``prefill`` tokens, then decode the rest one at a time; returns the concatenated logits."""
-    cache = DynamicCache(config=model.config)
-    out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache, use_cache=True)
-    logits = [out.logits]
-    for t in range(prefill, ids.shape[1]):
-        out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
-        logits.append(out.logits)
-    return torch.cat(logits, dim=1), cache
 
 
 @pytest.mark.parametrize("layer_types, feedback_heads", [(["sessa", "sessa"], 1), (["full_attention", "sessa"], 1),

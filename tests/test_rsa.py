@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY, tiny_config
+from conftest import TINY, step_through, tiny_config
 from hf_mixers import RSAConfig, RSAForCausalLM
 from hf_mixers.cache import RSACacheLayer, cache_nbytes
 from hf_mixers.rsa import RSAMixer, attention_output_error
@@ -47,13 +47,8 @@ def test_prefill_then_decode_equals_full_forward(layer_types, prefill):
     mask[1, :4] = 0
     with torch.no_grad():
         full = model(ids, attention_mask=mask).logits
-        cache = DynamicCache(config=model.config)
-        logits = [model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache,
-                        use_cache=True).logits]
-        for t in range(prefill, ids.shape[1]):
-            logits.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
-                                use_cache=True).logits)
-    torch.testing.assert_close(torch.cat(logits, 1)[mask.bool()], full[mask.bool()], rtol=0, atol=1e-10)
+    stepped, cache = step_through(model, ids, mask, prefill)
+    torch.testing.assert_close(stepped[mask.bool()], full[mask.bool()], rtol=0, atol=1e-10)
     assert cache.get_seq_length() == 19
 
 
@@ -195,12 +190,8 @@ def test_short_conv_is_identity_at_init_and_decodes_exactly():
         for layer in convolved.model.layers:
             layer.mixer.short_conv.normal_()  # a trained-looking kernel
         full = convolved(ids, attention_mask=mask).logits
-        cache = DynamicCache(config=convolved.config)
-        steps = [convolved(ids[:, :5], attention_mask=mask[:, :5], past_key_values=cache, use_cache=True).logits]
-        for t in range(5, 15):
-            steps.append(convolved(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
-                                   use_cache=True).logits)
-        torch.testing.assert_close(torch.cat(steps, 1)[mask.bool()], full[mask.bool()], rtol=0, atol=1e-10)
+        stepped, cache = step_through(convolved, ids, mask, 5)
+        torch.testing.assert_close(stepped[mask.bool()], full[mask.bool()], rtol=0, atol=1e-10)
         alone = convolved(ids[:1, 3:]).logits  # row 0 without its padding
         torch.testing.assert_close(full[0, 3:], alone[0], rtol=0, atol=1e-10)
     assert cache.layers[0].conv_history.shape == (2, 3, 64)
@@ -221,12 +212,8 @@ def test_decay_option_decodes_exactly():
     mask[1, :3] = 0
     with torch.no_grad():
         full = model(ids, attention_mask=mask).logits
-        cache = DynamicCache(config=model.config)
-        steps = [model(ids[:, :6], attention_mask=mask[:, :6], past_key_values=cache, use_cache=True).logits]
-        for t in range(6, 14):
-            steps.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
-                               use_cache=True).logits)
-    torch.testing.assert_close(torch.cat(steps, 1)[mask.bool()], full[mask.bool()], rtol=0, atol=1e-10)
+    stepped, _ = step_through(model, ids, mask, 6)
+    torch.testing.assert_close(stepped[mask.bool()], full[mask.bool()], rtol=0, atol=1e-10)
     assert tiny_config(RSAConfig).rsa_decay is False  # off by default
 
 
