@@ -42,7 +42,7 @@ def _read_status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def _cpu_peak_supported() -> bool:
+def cpu_peak_supported() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as handle:
             handle.write("5")
@@ -51,7 +51,7 @@ def _cpu_peak_supported() -> bool:
         return False
 
 
-def _build(kind: str, hidden_size: int, num_heads: int, num_kv_heads: int, device, dtype):
+def build_mixer(kind: str, hidden_size: int, num_heads: int, num_kv_heads: int, device, dtype):
     """A standalone mixer module: sdpa_attention | sessa_chunked | sessa_dense | rsa_chunked | rsa_recompute."""
     from .config import RSAConfig
     from .rsa import RSAMixer
@@ -76,7 +76,7 @@ def _step(module, x, position_embeddings):
     module(x, position_embeddings).float().pow(2).mean().backward()
 
 
-def _time_interleaved(runs, repeats, device):
+def time_interleaved(runs, repeats, device):
     """Time every (module, x, position_embeddings) of one T round-robin and keep each one's fastest step.
 
     Interleaving puts the mixers under the same background load; the minimum is the least disturbed run.
@@ -95,7 +95,7 @@ def _time_interleaved(runs, repeats, device):
     return [(min(t), statistics.median(t)) for t in times]
 
 
-def _cuda_peak(module, x, position_embeddings):
+def cuda_peak(module, x, position_embeddings):
     gc.collect()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -104,12 +104,12 @@ def _cuda_peak(module, x, position_embeddings):
 
 
 def cpu_peak_point(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype):
-    """Run in a fresh process (see _cpu_peak): print the peak RSS growth of one step, in bytes."""
+    """Run in a fresh process (see cpu_peak): print the peak RSS growth of one step, in bytes."""
     torch.manual_seed(0)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    module, config = _build(kind, hidden_size, num_heads, num_kv_heads, torch.device("cpu"), torch_dtype)
+    module, config = build_mixer(kind, hidden_size, num_heads, num_kv_heads, torch.device("cpu"), torch_dtype)
     x = torch.randn(batch_size, length, hidden_size, dtype=torch_dtype, requires_grad=True)
-    position_embeddings = _rotary(config, x, length)
+    position_embeddings = rotary_embeddings(config, x, length)
     _step(module, x, position_embeddings)  # warm-up: lazily created buffers, gradients of the parameters
     gc.collect()
     before = _read_status_kib("VmRSS")
@@ -119,7 +119,7 @@ def cpu_peak_point(kind, length, hidden_size, num_heads, num_kv_heads, batch_siz
     print((_read_status_kib("VmHWM") - before) * 1024)
 
 
-def _cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype):
+def cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype):
     code = (f"from hf_mixers.bench import cpu_peak_point; cpu_peak_point({kind!r}, {length}, {hidden_size}, "
             f"{num_heads}, {num_kv_heads}, {batch_size}, {dtype!r})")
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(torch.get_num_threads())}
@@ -149,10 +149,10 @@ def bench_sessa(out_dir, lengths=(512, 1024, 2048, 4096), hidden_size=576, num_h
                          f"--kv-heads ({num_kv_heads}) must divide --heads")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    cpu_peak = device.type == "cpu" and _cpu_peak_supported()
+    measure_cpu_peak = device.type == "cpu" and cpu_peak_supported()
     memory_method = ("torch.cuda.max_memory_allocated" if device.type == "cuda" else
                      "peak RSS growth over one step, in a fresh process with MALLOC_MMAP_THRESHOLD_=65536"
-                     if cpu_peak else
+                     if measure_cpu_peak else
                      "unavailable (/proc/self/clear_refs not writable)")
     torch.manual_seed(0)
     results = []
@@ -162,13 +162,13 @@ def bench_sessa(out_dir, lengths=(512, 1024, 2048, 4096), hidden_size=576, num_h
                  if not (kind == "sessa_dense" and device.type == "cpu" and not _dense_fits(batch_size, length))]
         runs = []
         for kind in kinds:
-            module, config = _build(kind, hidden_size, num_heads, num_kv_heads, device, torch_dtype)
+            module, config = build_mixer(kind, hidden_size, num_heads, num_kv_heads, device, torch_dtype)
             x = torch.randn(batch_size, length, hidden_size, device=device, dtype=torch_dtype, requires_grad=True)
-            runs.append((module, x, _rotary(config, x, length)))
-        timings = dict(zip(kinds, _time_interleaved(runs, repeats, device)))
+            runs.append((module, x, rotary_embeddings(config, x, length)))
+        timings = dict(zip(kinds, time_interleaved(runs, repeats, device)))
         peaks = {}
         for kind, run in zip(kinds, runs):
-            peaks[kind] = _cuda_peak(*run) if device.type == "cuda" else None
+            peaks[kind] = cuda_peak(*run) if device.type == "cuda" else None
         del runs
         gc.collect()
         for kind in MIXERS:
@@ -176,8 +176,8 @@ def bench_sessa(out_dir, lengths=(512, 1024, 2048, 4096), hidden_size=576, num_h
                 results.append({"T": length, "mixer": kind, "fwd_bwd_s": None, "fwd_bwd_median_s": None,
                                 "peak_bytes": None, "skipped": "dense (B, T, T) intermediates would exceed 60% of RAM"})
                 continue
-            if device.type == "cpu" and cpu_peak:
-                peaks[kind] = _cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype)
+            if device.type == "cpu" and measure_cpu_peak:
+                peaks[kind] = cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype)
             results.append({"T": length, "mixer": kind, "fwd_bwd_s": timings[kind][0],
                             "fwd_bwd_median_s": timings[kind][1], "peak_bytes": peaks[kind]})
 
@@ -225,7 +225,7 @@ def write_report(report: dict, out_dir: str, name: str, plot, show) -> dict:
     return report
 
 
-def _rotary(config, x, length):
+def rotary_embeddings(config, x, length):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     rotary = LlamaRotaryEmbedding(config).to(x.device)

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from .bench import (_build, _cpu_peak, _cpu_peak_supported, _cuda_peak, _rotary, _time_interleaved,
+from .bench import (build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, rotary_embeddings, time_interleaved,
                     format_log_axes, write_report)
 from .cache import cache_nbytes
 from .config import MixerConfig, RSAConfig
@@ -58,22 +58,22 @@ def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 40
         raise ValueError(f"bench rsa: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
                          f"--kv-heads ({num_kv_heads}) must divide --heads")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cpu_peak = device.type == "cpu" and _cpu_peak_supported()
+    measure_cpu_peak = device.type == "cpu" and cpu_peak_supported()
     torch.manual_seed(0)
 
     training = []
     for length in tqdm(lengths, desc="bench rsa: training", unit="length"):
         runs, config = [], None
         for kind in TRAIN_MIXERS:
-            module, config = _build(kind, hidden_size, num_heads, num_kv_heads, device, torch.float32)
+            module, config = build_mixer(kind, hidden_size, num_heads, num_kv_heads, device, torch.float32)
             x = torch.randn(1, length, hidden_size, device=device, requires_grad=True)
-            runs.append((module, x, _rotary(config, x, length)))
-        timings = _time_interleaved(runs, repeats, device)
-        peaks = [_cuda_peak(*run) if device.type == "cuda" else None for run in runs]
+            runs.append((module, x, rotary_embeddings(config, x, length)))
+        timings = time_interleaved(runs, repeats, device)
+        peaks = [cuda_peak(*run) if device.type == "cuda" else None for run in runs]
         del runs
         gc.collect()
         for index, kind in enumerate(TRAIN_MIXERS):
-            peak = _cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, 1, "float32") if cpu_peak \
+            peak = cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, 1, "float32") if measure_cpu_peak \
                 else peaks[index]
             training.append({"T": length, "mixer": kind, "fwd_bwd_s": timings[index][0],
                              "fwd_bwd_median_s": timings[index][1], "peak_bytes": peak})

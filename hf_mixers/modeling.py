@@ -105,6 +105,8 @@ class MixerModel(MixerPreTrainedModel):
             [block_class(config, index, MIXER_CLASSES[kind]) for index, kind in enumerate(config.layer_types)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        # only attention-based mixers read the causal mask; building it costs O(context) per decode step
+        self.needs_causal_mask = any(kind in ATTENTION_MIXERS for kind in config.layer_types)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -134,8 +136,8 @@ class MixerModel(MixerPreTrainedModel):
             else:
                 position_ids = (torch.arange(length, device=inputs_embeds.device) + past).unsqueeze(0)
 
-        causal_mask = None  # only attention-based mixers read it; building it costs O(context) per decode step
-        if any(kind in ATTENTION_MIXERS for kind in self.config.layer_types):
+        causal_mask = None
+        if self.needs_causal_mask:
             causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
                                              attention_mask=attention_mask, past_key_values=past_key_values,
                                              position_ids=position_ids)

@@ -241,3 +241,13 @@ def test_activation_checkpointing_gives_the_same_gradients():
     assert grads[0].keys() == grads[1].keys() and any("prototypes" in n for n in grads[0])
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_rsa_cache_refuses_to_crop():
+    model = tiny_rsa_model()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.randint(1, 101, (1, 6)), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="cannot drop tokens"):
+        cache.layers[0].crop(-2)
+    assert not cache.layers[0].is_croppable
