@@ -12,14 +12,20 @@ Every mixer shares this forward signature:
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, eager_attention_forward
+
+TEACHER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")  # what from_attention copies
 
 
 class FullAttention(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
+        if not 0 <= layer_idx < config.num_hidden_layers:
+            raise ValueError(f"layer_idx {layer_idx} is out of range for a config with num_hidden_layers = "
+                             f"{config.num_hidden_layers}")
         self.config = config
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
@@ -41,6 +47,34 @@ class FullAttention(nn.Module):
             self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.use_rope = config.block == "llama" or config.sessa_forward_rope
+        # Mistral / Qwen sliding-window layers kept as attention: the window goes to the kernel (flash) and the mask
+        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
+
+    @classmethod
+    def from_attention(cls, attention: nn.Module, config, layer_idx: int, **calibration):
+        """This mixer for layer ``layer_idx``, with a teacher attention layer's q/k/v/o (and q/k norm) copied in.
+
+        The teacher is a Llama/Mistral/Qwen2/Qwen3 attention module (same parameter names). The mixer's own new
+        parameters get their conversion init (``init_new_parameters``); subclasses that fit on calibration
+        activations take them as keyword arguments, the others ignore them.
+        """
+        reference = next(attention.parameters(), None)
+        if reference is None:
+            raise ValueError(f"layer {layer_idx}: the teacher attention has no parameters")
+        mixer = cls(config, layer_idx).to(device=reference.device)
+        mixer.init_new_parameters()
+        state = attention.state_dict()
+        missing, unexpected = mixer.load_state_dict(state, strict=False)
+        if unexpected:
+            raise ValueError(f"layer {layer_idx}: the teacher attention has parameters {cls.__name__} does not: "
+                             f"{sorted(unexpected)}")
+        uncopied = [name for name in missing if name.split(".")[0] in TEACHER_MODULES]
+        if uncopied:
+            raise ValueError(f"layer {layer_idx}: the teacher attention lacks {uncopied} (it has {sorted(state)})")
+        return mixer.to(dtype=reference.dtype)
+
+    def init_new_parameters(self):
+        """Initialise the parameters a converted layer adds to its teacher attention (none for attention)."""
 
     def project(self, hidden_states, position_embeddings):
         """Queries (B, H, T, hd) and keys, values (B, Hkv, T, hd), after q/k norm and RoPE."""
@@ -65,10 +99,24 @@ class FullAttention(nn.Module):
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward)
         output, _ = attention_interface(
-            self, query, key, value, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
+            self, query, key, value, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)
         return output.reshape(*input_shape, -1).contiguous()
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
                 past_key_values=None, **kwargs):
         return self.o_proj(self.attend(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs))
+
+
+def attention_output_error(mixer: nn.Module, teacher: nn.Module, hidden_states, position_embeddings,
+                           reference=None) -> float:
+    """Relative L2 error ||mixer(h) - teacher(h)|| / ||teacher(h)|| of two attention-like layers on the same input.
+
+    The teacher is called as a transformers attention layer (``teacher(h, position_embeddings, None)``, causal
+    through SDPA) unless its output ``reference`` is given; the mixer with its uniform signature.
+    """
+    with torch.no_grad():
+        if reference is None:
+            reference = teacher(hidden_states, position_embeddings=position_embeddings, attention_mask=None)[0]
+        output = mixer(hidden_states, position_embeddings)
+    return ((output.float() - reference.float()).norm() / reference.float().norm()).item()

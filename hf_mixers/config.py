@@ -12,7 +12,8 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 # Layer kinds a MixerConfig may name. "full_attention" is the teacher's own attention (exact Llama/Qwen math).
-MIXER_TYPES = ("full_attention", "sessa", "rsa")  # never "mamba"/"attention": transformers renames those
+# "sliding_attention" is the teacher's windowed attention (Mistral, Qwen sliding layers), window = sliding_window.
+MIXER_TYPES = ("full_attention", "sliding_attention", "sessa", "rsa")  # never "mamba"/"attention" (renamed)
 BLOCK_TYPES = ("llama", "sessa")  # llama: norm-mixer-norm-MLP; sessa: the paper's gated block (spec §2), no MLP
 SESSA_SOLVERS = ("chunked", "dense")
 RSA_CHOICES = {"rsa_assign_fn": ("softmax", "sigmoid"), "rsa_readout": ("sigmoid", "softmax_count"),
@@ -23,8 +24,9 @@ RSA_CHOICES = {"rsa_assign_fn": ("softmax", "sigmoid"), "rsa_readout": ("sigmoid
 class MixerConfig(PreTrainedConfig):
     r"""Configuration of a hf-mixers causal LM.
 
-    Backbone fields follow ``LlamaConfig`` (plus ``qk_norm`` for Qwen3 and ``attention_out_bias`` for Qwen2, whose
-    o_proj has no bias while q/k/v do). Mixer fields are prefixed by the mixer name.
+    Backbone fields follow ``LlamaConfig`` (plus ``qk_norm`` for Qwen3, ``attention_out_bias`` for Qwen2, whose
+    o_proj has no bias while q/k/v do, and ``sliding_window`` for the "sliding_attention" layers a Mistral or Qwen
+    teacher keeps). Mixer fields are prefixed by the mixer name.
 
     Sessa fields (shared/specs/sessa.md):
         sessa_feedback_dim: total width of the feedback queries/keys (``None`` = hidden_size, the official choice).
@@ -86,6 +88,7 @@ class MixerConfig(PreTrainedConfig):
     attention_dropout: float = 0.0
     mlp_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None
     layer_types: list[str] | None = None
     block: str = "llama"
     sessa_feedback_dim: int | None = None
@@ -170,6 +173,10 @@ def validate_mixer_config(config: MixerConfig) -> None:
     for index, kind in enumerate(config.layer_types):
         if kind not in MIXER_TYPES:
             fail(f"layer_types[{index}] = {kind!r} is not a known mixer; choose from {MIXER_TYPES}")
+    if "sliding_attention" in config.layer_types and (
+            not isinstance(config.sliding_window, int) or config.sliding_window < 1):
+        fail(f"layer_types has 'sliding_attention' layers, so sliding_window must be a positive integer, "
+             f"got {config.sliding_window!r}")
     if config.block == "sessa" and heads * config.head_dim != config.hidden_size:
         fail(f"block='sessa' needs num_attention_heads * head_dim == hidden_size "
              f"({heads} * {config.head_dim} != {config.hidden_size})")

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import initialization as init
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
@@ -32,8 +31,11 @@ from .export import remote_auto_map, write_remote_code
 from .rsa import RSAMixer
 from .sessa import SessaBlock, SessaMixer
 
-MIXER_CLASSES = {"full_attention": FullAttention, "sessa": SessaMixer, "rsa": RSAMixer}
-ATTENTION_MIXERS = ("full_attention", "sessa")  # mixers that run softmax attention over the past (need the mask)
+MIXER_CLASSES = {"full_attention": FullAttention, "sliding_attention": FullAttention, "sessa": SessaMixer,
+                 "rsa": RSAMixer}
+# the attention mask each mixer reads (mixers that run softmax attention over the past); recurrent mixers need none
+MASK_BUILDERS = {"full_attention": create_causal_mask, "sessa": create_causal_mask,
+                 "sliding_attention": create_sliding_window_causal_mask}
 
 
 class LlamaBlock(GradientCheckpointingLayer):
@@ -75,14 +77,7 @@ class MixerPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, SessaMixer):
-            # gamma_bias_init = 0 (llama block): w = b = 0, so gamma == 0 and the layer equals its attention at init.
-            # Otherwise the official init: b = 1 (gamma ~ 0.76) and PyTorch's default U(-1/sqrt(D), 1/sqrt(D)) for w.
-            init.constant_(module.gamma_bias, self.config.sessa_gamma_bias_init)
-            if self.config.sessa_gamma_bias_init == 0.0:
-                init.zeros_(module.gamma_proj.weight)
-            else:
-                bound = self.config.hidden_size**-0.5
-                init.uniform_(module.gamma_proj.weight, -bound, bound)
+            module.reset_sessa_parameters()
         elif isinstance(module, RSAMixer):
             module.reset_rsa_parameters()
 
@@ -105,8 +100,8 @@ class MixerModel(MixerPreTrainedModel):
             [block_class(config, index, MIXER_CLASSES[kind]) for index, kind in enumerate(config.layer_types)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
-        # only attention-based mixers read the causal mask; building it costs O(context) per decode step
-        self.needs_causal_mask = any(kind in ATTENTION_MIXERS for kind in config.layer_types)
+        # only attention-based mixers read a mask; building one costs O(context) per decode step
+        self.mask_builders = {MASK_BUILDERS[kind] for kind in config.layer_types if kind in MASK_BUILDERS}
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -136,16 +131,15 @@ class MixerModel(MixerPreTrainedModel):
             else:
                 position_ids = (torch.arange(length, device=inputs_embeds.device) + past).unsqueeze(0)
 
-        causal_mask = None
-        if self.needs_causal_mask:
-            causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
-                                             attention_mask=attention_mask, past_key_values=past_key_values,
-                                             position_ids=position_ids)
+        masks = {build: build(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                              past_key_values=past_key_values, position_ids=position_ids)
+                 for build in self.mask_builders}
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, position_embeddings=position_embeddings, attention_mask=causal_mask,
-                                  token_mask=token_mask, past_key_values=past_key_values, **kwargs)
+        for layer, kind in zip(self.layers, self.config.layer_types):
+            hidden_states = layer(hidden_states, position_embeddings=position_embeddings,
+                                  attention_mask=masks.get(MASK_BUILDERS.get(kind)), token_mask=token_mask,
+                                  past_key_values=past_key_values, **kwargs)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from .attention import FullAttention
+from .attention import FullAttention, attention_output_error  # noqa: F401  (re-exported)
 from .kernels.feedback_solve import compute_dtype
 from .kernels.rsa_memory import RSAParams, initial_state, rsa_memory
 
@@ -159,6 +159,16 @@ class RSAMixer(FullAttention):
             layer_cache.update_state(state, hidden_states.shape[1], history)
         return self.o_proj(out)
 
+    def init_new_parameters(self):
+        """Conversion init (spec §11.2): the scratch init, then W_r = I at level 0 and 0 below (deeper levels silent),
+        theta = 0 (sparse read off, learnable) and RSA-q off, so the layer starts as level-0 cluster attention."""
+        self.reset_rsa_parameters()
+        with torch.no_grad():
+            self.mix_proj[:, 1:].zero_()
+            self.threshold.zero_()
+            if self.query_read is not None:
+                self.query_read.zero_()
+
     @classmethod
     def from_attention(cls, attention: nn.Module, config, layer_idx: int, calibration_hidden_states=None,
                        calibration_position_embeddings=None, kmeans_iterations: int = 20, seed: int = 0):
@@ -168,32 +178,18 @@ class RSAMixer(FullAttention):
         with their ``calibration_position_embeddings`` (cos, sin); they seed the prototypes by k-means. Without them
         the prototypes keep their random scratch init.
         """
-        reference = next(attention.parameters(), None)
-        if reference is None:
-            raise ValueError(f"RSA layer {layer_idx}: teacher attention has no parameters")
-        mixer = cls(config, layer_idx).to(device=reference.device)  # fit on the teacher's device, in fp32
-        mixer.reset_rsa_parameters()
-        state = attention.state_dict()
-        missing, unexpected = mixer.load_state_dict(state, strict=False)
-        if unexpected:
-            raise ValueError(f"RSA layer {layer_idx}: teacher attention has parameters the mixer does not: {unexpected}")
-        copied = [n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight") if n not in missing]
-        if len(copied) != 4:
-            raise ValueError(f"RSA layer {layer_idx}: teacher attention lacks q/k/v/o_proj weights ({sorted(state)})")
-        with torch.no_grad():
-            mixer.mix_proj[:, 1:].zero_()  # deeper levels silent at init: exactly the level-0 output
-            mixer.threshold.zero_()  # sparse read off at init; learnable
-            if mixer.query_read is not None:
-                mixer.query_read.zero_()
-            if calibration_hidden_states is not None:
-                mixer.fit_prototypes(calibration_hidden_states, calibration_position_embeddings, kmeans_iterations,
-                                     seed)
-        return mixer.to(dtype=reference.dtype)
+        mixer = super().from_attention(attention, config, layer_idx)
+        if calibration_hidden_states is not None:
+            dtype = mixer.q_proj.weight.dtype  # fit in fp32 even for a bf16 teacher
+            mixer.float().fit_prototypes(calibration_hidden_states, calibration_position_embeddings,
+                                         kmeans_iterations, seed)
+            mixer.to(dtype)
+        return mixer
 
     @torch.no_grad()
     def fit_prototypes(self, hidden_states, position_embeddings, iterations=20, seed=0):
         """k-means per KV head: level 0 on the (rotated) keys, level i+1 on the residual keys of level i."""
-        dtype = self.q_proj.weight.dtype  # calibration activations may come from a bf16 teacher
+        dtype = self.q_proj.weight.dtype  # calibration activations may come in another dtype
         position_embeddings = tuple(t.to(dtype) for t in position_embeddings)
         _, keys, _ = self.project(hidden_states.to(dtype), position_embeddings)  # (N, G, T, hd)
         keys = keys.float().transpose(0, 1).flatten(1, 2)  # (G, N*T, hd)
@@ -229,18 +225,6 @@ def kmeans(points: torch.Tensor, clusters: int, iterations: int, generator: torc
         sizes = torch.bincount(assignment, minlength=clusters).to(points.dtype)[:, None]
         centres = torch.where(sizes > 0, sums / sizes.clamp_min(1), centres)  # empty clusters keep their centre
     return centres
-
-
-def attention_output_error(mixer: nn.Module, teacher: nn.Module, hidden_states, position_embeddings) -> float:
-    """Relative L2 error ||mixer(h) - teacher(h)|| / ||teacher(h)|| of two attention-like layers on the same input.
-
-    The teacher is called as a transformers attention layer (``teacher(h, position_embeddings, None)``, causal
-    through SDPA); the mixer with its uniform signature.
-    """
-    with torch.no_grad():
-        reference = teacher(hidden_states, position_embeddings=position_embeddings, attention_mask=None)[0]
-        output = mixer(hidden_states, position_embeddings)
-    return ((output - reference).norm() / reference.norm()).item()
 
 
 def _in_dtype(module: nn.Module, dtype):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention import FullAttention
@@ -37,6 +38,27 @@ class SessaMixer(FullAttention):
         self.feedback_proj = nn.Linear(config.hidden_size, 2 * self.feedback_dim, bias=config.sessa_feedback_bias)
         self.gamma_proj = nn.Linear(config.hidden_size, 1, bias=False)  # w_gamma (official gamma_ctx)
         self.gamma_bias = nn.Parameter(torch.tensor(float(config.sessa_gamma_bias_init)))  # b_gamma, a scalar
+
+    def reset_sessa_parameters(self):
+        """The gain's init, called from the model's _init_weights and by ``from_attention``.
+
+        gamma_bias_init = 0 (llama block): w = b = 0, so gamma == 0 and the layer equals its attention (spec §9.2).
+        Otherwise the official init: b = gamma_bias_init and PyTorch's default U(-1/sqrt(D), 1/sqrt(D)) for w.
+        """
+        bias = self.config.sessa_gamma_bias_init
+        init.constant_(self.gamma_bias, bias)
+        if bias == 0.0:
+            init.zeros_(self.gamma_proj.weight)
+        else:
+            bound = self.config.hidden_size**-0.5
+            init.uniform_(self.gamma_proj.weight, -bound, bound)
+
+    def init_new_parameters(self):
+        """Conversion init: N(0, initializer_range) feedback q/k (they get gradient once gamma moves), then the gain."""
+        init.normal_(self.feedback_proj.weight, 0.0, self.config.initializer_range)
+        if self.feedback_proj.bias is not None:
+            init.zeros_(self.feedback_proj.bias)
+        self.reset_sessa_parameters()
 
     def gain(self, hidden_states):
         """gamma_t = gamma_max * tanh(b + w . x_t), in fp32 (fp64 stays fp64): (B, T, D) -> (B, T)."""

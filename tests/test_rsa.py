@@ -145,11 +145,11 @@ def test_from_attention_starts_closer_to_the_teacher_than_random_init():
 
 def test_from_attention_rejects_modules_that_are_not_attention():
     config = tiny_config(RSAConfig, **RSA_SMALL)
-    with pytest.raises(ValueError, match="has parameters the mixer does not: \\['weight'\\]"):
+    with pytest.raises(ValueError, match="has parameters RSAMixer does not: \\['weight'\\]"):
         RSAMixer.from_attention(torch.nn.Linear(4, 4, bias=False), config, 0)
     only_queries = torch.nn.Module()
     only_queries.q_proj = torch.nn.Linear(64, 64, bias=False)
-    with pytest.raises(ValueError, match="lacks q/k/v/o_proj"):
+    with pytest.raises(ValueError, match="lacks \\['k_proj.weight', 'v_proj.weight', 'o_proj.weight'\\]"):
         RSAMixer.from_attention(only_queries, config, 0)
 
 

@@ -64,6 +64,7 @@ def test_rsa_from_attention_on_smollm2_layers():
     text_config = model.config
     config = RSAConfig(hidden_size=text_config.hidden_size, num_attention_heads=text_config.num_attention_heads,
                        num_key_value_heads=text_config.num_key_value_heads, head_dim=text_config.head_dim,
+                       num_hidden_layers=text_config.num_hidden_layers,
                        rope_parameters=text_config.rope_parameters, rms_norm_eps=text_config.rms_norm_eps,
                        rsa_readout="softmax_count")
     config._attn_implementation = "sdpa"
