@@ -53,9 +53,53 @@ def step_through(model, ids, mask, prefill):
     return torch.cat(logits, dim=1), cache
 
 
+TEACHER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tiny_tokenizer(vocab_size=384):
+    """A byte-level BPE tokenizer trained on a little Shakespeare, offline, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_mixers.corpus import shakespeare
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([shakespeare("train")[:100_000]], trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
+                                      bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    wrapped.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    return wrapped
+
+
+def tiny_teacher(family: str, vocab_size: int, seed: int = 0, **overrides):
+    """A random Llama/Mistral/Qwen2/Qwen3 causal LM of 3 layers (GQA; Llama tied, the others untied)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
+               "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    config_class, model_class = classes[family]
+    fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0,
+                  eos_token_id=0, pad_token_id=0, tie_word_embeddings=family == "llama")
+    if family == "qwen3":
+        fields["head_dim"] = 32  # != hidden / heads, as in real Qwen3
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**fields, **overrides})).eval()
+    with torch.no_grad():  # trained-looking weights: non-zero biases and norms that matter
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    return model
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
 
 
-__all__ = ["TINY", "tiny_config", "tiny_sessa_model", "turn_on_feedback", "step_through", "MixerConfig", "SessaConfig"]
+__all__ = ["TEACHER_FAMILIES", "tiny_teacher", "tiny_tokenizer", "TINY", "tiny_config", "tiny_sessa_model", "turn_on_feedback", "step_through", "MixerConfig", "SessaConfig"]
