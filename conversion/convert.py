@@ -19,7 +19,9 @@ gives byte-identical safetensors.
 from __future__ import annotations
 
 import copy
+import ctypes
 import logging
+import math
 import resource
 import time
 
@@ -201,12 +203,22 @@ def _convert_layers(teacher: Teacher, config, converted, calibration_ids, heldou
     handles = [blocks[i].self_attn.register_forward_hook(hook(i), with_kwargs=True) for i in converted]
     try:
         with torch.no_grad():
-            hidden = teacher.model.model(torch.cat([calibration_ids, heldout_ids])).last_hidden_state
+            hidden = teacher.model.model(torch.cat([calibration_ids, heldout_ids]), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
         bar.close()
+    _release_freed_memory()  # the forward's activations are free now; the student's clones come next
+    hidden = hidden.last_hidden_state
     return mixers, errors, hidden[held]
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by glibc's allocator back to the OS (Linux); elsewhere a no-op."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _worst_layers(errors: dict, k: int) -> list[int]:
@@ -249,21 +261,27 @@ def _verify_copied(teacher_model, student) -> int:
 
 
 @torch.no_grad()
-def _evaluate(teacher_model, student, teacher_hidden, heldout_ids) -> dict:
-    """Held-out perplexity of both, mean KL(teacher || student) per token, and next-token top-1 agreement."""
+def _evaluate(teacher_model, student, teacher_hidden, heldout_ids, positions: int = 128) -> dict:
+    """Held-out perplexity of both, mean KL(teacher || student) per token, and next-token top-1 agreement.
+
+    Logits are formed ``positions`` at a time from the final hidden states: a full (T, vocab) fp32 logit matrix
+    and its softmax copies would otherwise dominate peak memory for large vocabularies.
+    """
     nll_teacher = nll_student = kl = agree = 0.0
     for row in range(heldout_ids.shape[0]):
         ids = heldout_ids[row:row + 1]
-        teacher_logp = F.log_softmax(teacher_model.lm_head(teacher_hidden[row:row + 1]).float(), -1)[0, :-1]
-        student_logp = F.log_softmax(student(ids).logits.float(), -1)[0, :-1]
-        targets = ids[0, 1:]
-        nll_teacher += -teacher_logp.gather(-1, targets[:, None]).sum().item()
-        nll_student += -student_logp.gather(-1, targets[:, None]).sum().item()
-        kl += (teacher_logp.exp() * (teacher_logp - student_logp)).sum().item()
-        agree += (teacher_logp.argmax(-1) == student_logp.argmax(-1)).sum().item()
+        student_hidden = student.model(ids, use_cache=False).last_hidden_state[0, :-1]
+        for start in range(0, ids.shape[1] - 1, positions):
+            span = slice(start, min(start + positions, ids.shape[1] - 1))
+            teacher_logp = F.log_softmax(teacher_model.lm_head(teacher_hidden[row, span]).float(), -1)
+            student_logp = F.log_softmax(student.lm_head(student_hidden[span]).float(), -1)
+            targets = ids[0, 1:][span, None]
+            nll_teacher -= teacher_logp.gather(-1, targets).sum().item()
+            nll_student -= student_logp.gather(-1, targets).sum().item()
+            kl += (teacher_logp.exp() * (teacher_logp - student_logp)).sum().item()
+            agree += (teacher_logp.argmax(-1) == student_logp.argmax(-1)).sum().item()
     tokens = heldout_ids.shape[0] * (heldout_ids.shape[1] - 1)
-    return {"teacher_perplexity": float(torch.tensor(nll_teacher / tokens).exp()),
-            "student_perplexity": float(torch.tensor(nll_student / tokens).exp()),
+    return {"teacher_perplexity": math.exp(nll_teacher / tokens), "student_perplexity": math.exp(nll_student / tokens),
             "kl_teacher_student": kl / tokens, "top1_agreement": agree / tokens}
 
 

