@@ -83,6 +83,11 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
         teacher.tokenizer, calibration, sequence_length, calibration_sequences, heldout_sequences)
 
     options = {**DEFAULT_OPTIONS.get(mixer, {}), **(mixer_options or {})}
+    allowed = sorted(name for name in MODEL_CLASSES[mixer].config_class.__dataclass_fields__
+                     if name.startswith(f"{mixer}_"))
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown {mixer} option(s) {unknown}; the {mixer} options are: {', '.join(allowed)}")
     teacher_kinds = teacher_layer_kinds(teacher.model.config)
     layer_types = [mixer if index in converted else teacher_kinds[index] for index in range(count)]
     config_class = MODEL_CLASSES[mixer].config_class

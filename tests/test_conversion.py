@@ -241,6 +241,10 @@ def test_bad_mixer_and_layer_indices(teachers):
         convert(teachers["llama"], "sessa", keep_attention="auto:4", **SMALL)
     with pytest.raises(ValueError, match="mixer options .*rsa_num_slots"):
         convert(teachers["llama"], "rsa", mixer_options={"rsa_num_slots": 0}, **SMALL)
+    with pytest.raises(ValueError, match="unknown rsa option.*'rsa_slots'.*rsa_num_slots"):
+        convert(teachers["llama"], "rsa", mixer_options={"rsa_slots": 8}, **SMALL)
+    with pytest.raises(ValueError, match="unknown sessa option.*'hidden_size'"):
+        convert(teachers["llama"], "sessa", mixer_options={"hidden_size": 8}, **SMALL)
 
 
 def test_teacher_without_tokenizer(teachers, tmp_path):
