@@ -66,6 +66,20 @@ def test_rsa_conversion_runs_on_every_family(family, teachers, tmp_path):
     assert model.config.qk_norm == (family == "qwen3")
 
 
+def test_rope_scaling_is_carried_over(tokenizer, tmp_path):
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    folder = str(tmp_path / "llama3")
+    teacher = tiny_teacher("llama", len(tokenizer), rope_parameters=rope)
+    teacher.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    model, _ = convert(folder, "sessa", **SMALL)
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+    ids = torch.randint(1, 300, (1, 96))  # beyond original_max_position_embeddings
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, teacher(ids).logits, rtol=0, atol=1e-5)
+
+
 def test_copied_tensors_and_ties(teachers):
     for family, tied in (("llama", True), ("qwen2", False)):
         teacher = AutoModelForCausalLM.from_pretrained(teachers[family])
