@@ -59,6 +59,8 @@ class MixerConfig(PreTrainedConfig):
             4, a half-life of ~600 tokens); the prototype prior does not decay.
         rsa_recompute_chunks: in training, recompute each chunk's intermediates in the backward pass instead of
             storing them (about 10x less activation memory for the RSA memory, about 40% more time; off by default).
+        rsa_compile_decode: run the single-token decode step through torch.compile (one fused graph, about 2.4x
+            faster per step on CPU; the first step compiles for 10-20 s). Off by default.
         rsa_short_conv: kernel size K of a causal depthwise convolution over the mixer input before the q/k/v
             projections (0 = off, the default; identity at init, so turning it on changes nothing until trained).
     """
@@ -114,6 +116,7 @@ class MixerConfig(PreTrainedConfig):
     rsa_short_conv: int = 0
     rsa_decay: bool = False
     rsa_recompute_chunks: bool = False
+    rsa_compile_decode: bool = False
 
     default_mixer = "full_attention"  # class attribute: what layer_types defaults to
 

@@ -23,7 +23,7 @@ from transformers import initialization as init
 
 from .attention import FullAttention, attention_output_error  # noqa: F401  (re-exported)
 from .kernels.feedback_solve import compute_dtype
-from .kernels.rsa_memory import RSAParams, initial_state, rsa_memory
+from .kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, rsa_memory
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,11 @@ class ResidualMLP(nn.Module):
 
     def forward(self, x):
         return x + self.down(F.silu(self.up(x)))
+
+    def weights(self, dtype) -> ResidualMLPWeights:
+        """The same map as plain tensors in ``dtype`` (the memory's compute dtype: fp32 for bf16 models)."""
+        return ResidualMLPWeights(self.up.weight.to(dtype), self.up.bias.to(dtype), self.down.weight.to(dtype),
+                                  self.down.bias.to(dtype))
 
 
 class RSAMixer(FullAttention):
@@ -106,13 +111,13 @@ class RSAMixer(FullAttention):
         cast = (lambda t: None if t is None else t.to(dtype))
         return RSAParams(
             prototypes=cast(self.prototypes), kappa=F.softplus(cast(self.kappa_raw)), beta=cast(self.beta),
-            key_mlps=[_in_dtype(mlp, dtype) for mlp in self.key_mlps],
-            value_mlps=[_in_dtype(mlp, dtype) for mlp in self.value_mlps],
+            key_mlps=[mlp.weights(dtype) for mlp in self.key_mlps],
+            value_mlps=[mlp.weights(dtype) for mlp in self.value_mlps],
             read_proj=cast(self.read_proj), mix_proj=cast(self.mix_proj),
             threshold=cast(self.threshold).clamp(0.0, config.rsa_threshold_max), read_scale=cast(self.read_scale),
             query_read=cast(self.query_read), assign_fn=config.rsa_assign_fn, readout=config.rsa_readout,
             routing=config.rsa_routing, chunk_size=config.rsa_chunk_size, eps=config.rsa_eps,
-            recompute=config.rsa_recompute_chunks)
+            recompute=config.rsa_recompute_chunks, compile_step=config.rsa_compile_decode)
 
     def memory_read(self, hidden_states, position_embeddings, token_mask=None, state=None, method="chunked"):
         """(B, T, D) -> memory output (B, T, H * hd) before o_proj, and the new state."""
@@ -225,9 +230,3 @@ def kmeans(points: torch.Tensor, clusters: int, iterations: int, generator: torc
         sizes = torch.bincount(assignment, minlength=clusters).to(points.dtype)[:, None]
         centres = torch.where(sizes > 0, sums / sizes.clamp_min(1), centres)  # empty clusters keep their centre
     return centres
-
-
-def _in_dtype(module: nn.Module, dtype):
-    """Run ``module`` on inputs cast to its own dtype and return the result in ``dtype`` (state stays fp32)."""
-    parameter_dtype = next(module.parameters()).dtype
-    return lambda x: module(x.to(parameter_dtype)).to(dtype)

@@ -28,14 +28,32 @@ Everything runs in fp32 (fp64 stays fp64).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .feedback_solve import compute_dtype
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ResidualMLPWeights:
+    """x + down(silu(up(x))) from plain tensors, so a compiled step sees tensors (graph inputs), not modules."""
+
+    up_weight: torch.Tensor
+    up_bias: torch.Tensor
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor
+
+    def __call__(self, x):
+        hidden = F.silu(F.linear(x, self.up_weight, self.up_bias))
+        return x + F.linear(hidden, self.down_weight, self.down_bias)
 
 
 @dataclass
@@ -58,6 +76,7 @@ class RSAParams:
     chunk_size: int = 64
     eps: float = 1e-6
     recompute: bool = False  # training: keep only chunk inputs, recompute each chunk in the backward pass
+    compile_step: bool = False  # decoding: run the token step through torch.compile (one fused graph)
 
 
 @dataclass
@@ -120,8 +139,8 @@ def _prior(params: RSAParams, dtype):
 
 def _refresh(state: RSAState, params: RSAParams, rows) -> RSAState:
     """Set the references to the current slots for the batch rows in ``rows`` (bool (B,))."""
-    if not bool(rows.any()):  # most decode steps: no row is at a boundary (one host sync, saves the work)
-        return state
+    if not torch.compiler.is_compiling() and not bool(rows.any()):
+        return state  # most decode steps: no row is at a boundary (one host sync saves the work; not when compiled)
     prior, kappa = _prior(params, state.mass.dtype)
     key_now = (prior + state.key_sum) / (kappa + state.mass).clamp_min(params.eps)[..., None]
     value_now = state.value_sum / state.mass.clamp_min(params.eps)[..., None]
@@ -342,8 +361,33 @@ def rsa_memory(q, k, v, valid, state: RSAState, params: RSAParams, method: str =
     """Dispatch: the chunk form for training and prefill, the token step for single-token decoding."""
     cd = compute_dtype(q.dtype)
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    if method == "chunked" and q.shape[3] == 1 and params.compile_step:
+        valid = torch.ones(q.shape[0], 1, dtype=torch.bool, device=q.device) if valid is None else valid
+        # token 0 of each input, contiguous: strides that change with the context length would recompile
+        step = [x if x is None else x.select(-2 if x.dim() > 3 else -1, 0).contiguous()
+                for x in (q, k, v, valid, log_decay)]
+        out, state = compiled_rsa_step()(*step[:4], state, params, step[4])
+        return (out * valid[:, 0, None, None, None]).unsqueeze(3), state
     if method == "recurrent" or (method == "chunked" and q.shape[3] == 1):
         return rsa_recurrent(q, k, v, valid, state, params, log_decay)
     if method != "chunked":
         raise ValueError(f"rsa_memory: unknown method {method!r}; choose 'chunked' or 'recurrent'")
     return rsa_chunked(q, k, v, valid, state, params, log_decay)
+
+
+_compiled_step = None
+
+
+def compiled_rsa_step():
+    """``rsa_step`` through torch.compile (fullgraph, static shapes), built on first use.
+
+    The eager step is ~100 small ops per token and dispatch-bound; compiled, they fuse into a few kernels. Every
+    layer of a model shares the compiled graph (params are plain tensors, i.e. graph inputs); the first call
+    compiles for 10-20 s on a CPU, so it is opt-in (``rsa_compile_decode``).
+    """
+    global _compiled_step
+    if _compiled_step is None:
+        logger.warning("RSA decoding: compiling the token step with torch.compile (rsa_compile_decode=True); "
+                       "the first decode step takes 10-20 s")
+        _compiled_step = torch.compile(rsa_step, dynamic=False, fullgraph=True)
+    return _compiled_step

@@ -71,4 +71,5 @@ def test_bench_rsa_writes_training_and_decoding_results(tmp_path):
     rsa_bytes = [r["cache_bytes"] for r in report["decoding"] if r["model"] == "rsa"]
     attention_bytes = [r["cache_bytes"] for r in report["decoding"] if r["model"] == "attention"]
     assert rsa_bytes[0] == rsa_bytes[1] and attention_bytes[1] > attention_bytes[0]  # constant vs growing cache
+    assert {r["model"] for r in report["decoding"]} == {"rsa", "rsa_compiled", "attention"}
     assert report["targets"]["cache_bytes_constant"] and report["targets"]["decode_speedup_met"] is None

@@ -251,3 +251,21 @@ def test_rsa_cache_refuses_to_crop():
     with pytest.raises(ValueError, match="cannot drop tokens"):
         cache.layers[0].crop(-2)
     assert not cache.layers[0].is_croppable
+
+
+def test_compiled_decode_step_equals_the_eager_step():
+    """rsa_compile_decode: the torch.compile'd token step (one graph shared by every layer) = the reference."""
+    torch._dynamo.reset()
+    ids = torch.randint(1, 101, (2, 14))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # padded rows must not write, compiled or not
+    options = dict(layer_types=["rsa", "rsa"], rsa_query_read=True, rsa_decay=True)
+    eager = tiny_rsa_model(**options)
+    compiled = tiny_rsa_model(**options, rsa_compile_decode=True)
+    compiled.load_state_dict(eager.state_dict())
+    reference, _ = step_through(eager, ids, mask, prefill=5)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    stepped, _ = step_through(compiled, ids, mask, prefill=5)
+    torch.testing.assert_close(stepped[mask.bool()], reference[mask.bool()], rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for both layers and every step: no recompiles
