@@ -4,10 +4,10 @@
     model, report = convert("smollm2-135m", "sessa", out="converted/")
 
 Files: teacher.py (loading a folder, hub id, GGUF or the embedded default), families.py (what each supported
-architecture maps to), convert.py (the layer-by-layer conversion and checks), report.py (ConversionReport).
+architecture maps to), converter.py (the layer-by-layer conversion and checks), report.py (ConversionReport).
 """
 
-from .convert import CONVERTIBLE_MIXERS, convert
+from .converter import CONVERTIBLE_MIXERS, convert
 from .families import SUPPORTED_FAMILIES, UnsupportedArchitecture
 from .report import ConversionReport, LayerReport
 from .teacher import Teacher, TeacherLoadError, load_teacher

@@ -1,4 +1,4 @@
-"""The ``hf-mixers`` command line: ``convert``, ``demo`` and ``bench sessa|rsa``."""
+"""The ``hf-mixers`` command line: ``convert``, ``distill``, ``demo`` and ``bench sessa|rsa``."""
 
 from __future__ import annotations
 
@@ -59,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--seed", type=int, default=0)
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
 
+    distill = commands.add_parser(
+        "distill", help="stage 1 (attention transfer) and stage 2 (LoRA KD) of a converted model, from YAML recipes",
+        description="Recipes stack left to right; --set key.sub=value overrides any field (e.g. --set "
+                    "stage2.steps=50). Relaunching the same command resumes from the last checkpoint.")
+    distill.add_argument("recipes", nargs="*", help="YAML recipe files (later files win)")
+    distill.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a recipe field (repeatable)")
+
     demo = commands.add_parser("demo", help="build a small Sessa model, generate, save, reload via remote code")
     demo.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
     demo.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
@@ -87,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.command == "convert":
         return _convert(args)
+    if args.command == "distill":
+        return _distill(args)
     if args.command == "demo":
         from .demo import run_demo
 
@@ -120,6 +130,21 @@ def _convert(args) -> int:
         print(f"hf-mixers convert: error: {error}", file=sys.stderr)
         return 2
     print(report.to_markdown())
+    return 0
+
+
+def _distill(args) -> int:
+    from .recipes import RecipeError, distill, load_recipe
+    from .recipes.trainer import NonFiniteLoss
+
+    try:
+        summary = distill(load_recipe(args.recipes, args.overrides))
+    except (RecipeError, ValueError, FileNotFoundError, FileExistsError, ConnectionError, ImportError,
+            NonFiniteLoss) as error:
+        print(f"hf-mixers distill: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary["evaluations"], indent=2))
+    print(f"model: {summary['model_dir']}")
     return 0
 
 

@@ -21,12 +21,10 @@ from __future__ import annotations
 import copy
 import ctypes
 import logging
-import math
 import resource
 import time
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -34,6 +32,7 @@ from .. import __version__
 from ..attention import FullAttention, attention_output_error
 from ..config import MIXER_TYPES
 from ..corpus import shakespeare, read_text, token_blocks
+from ..evaluation import compare_to_teacher
 from ..export import check_output_folder, save_atomically
 from ..modeling import MIXER_CLASSES, MixerForCausalLM, RSAForCausalLM, SessaForCausalLM
 from .families import backbone_fields, student_name, teacher_layer_kinds
@@ -112,7 +111,7 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
     verified = _verify_copied(teacher.model, student)
     student.to(DTYPES[dtype])
     say("evaluating teacher and converted model on held-out text")
-    metrics = _evaluate(teacher.model, student, heldout_final, heldout_ids)
+    metrics = compare_to_teacher(teacher.model, student, heldout_ids, teacher_hidden=heldout_final)
 
     teacher_parameters = sum(p.numel() for p in teacher.model.parameters())
     student_parameters = sum(p.numel() for p in student.parameters())
@@ -263,31 +262,6 @@ def _verify_copied(teacher_model, student) -> int:
         if not torch.equal(target, tensor):
             raise RuntimeError(f"converted model: {student_name(name)} differs from the teacher's {name}")
     return len(teacher_model.state_dict())
-
-
-@torch.no_grad()
-def _evaluate(teacher_model, student, teacher_hidden, heldout_ids, positions: int = 128) -> dict:
-    """Held-out perplexity of both, mean KL(teacher || student) per token, and next-token top-1 agreement.
-
-    Logits are formed ``positions`` at a time from the final hidden states: a full (T, vocab) fp32 logit matrix
-    and its softmax copies would otherwise dominate peak memory for large vocabularies.
-    """
-    nll_teacher = nll_student = kl = agree = 0.0
-    for row in range(heldout_ids.shape[0]):
-        ids = heldout_ids[row:row + 1]
-        student_hidden = student.model(ids, use_cache=False).last_hidden_state[0, :-1]
-        for start in range(0, ids.shape[1] - 1, positions):
-            span = slice(start, min(start + positions, ids.shape[1] - 1))
-            teacher_logp = F.log_softmax(teacher_model.lm_head(teacher_hidden[row, span]).float(), -1)
-            student_logp = F.log_softmax(student.lm_head(student_hidden[span]).float(), -1)
-            targets = ids[0, 1:][span, None]
-            nll_teacher -= teacher_logp.gather(-1, targets).sum().item()
-            nll_student -= student_logp.gather(-1, targets).sum().item()
-            kl += (teacher_logp.exp() * (teacher_logp - student_logp)).sum().item()
-            agree += (teacher_logp.argmax(-1) == student_logp.argmax(-1)).sum().item()
-    tokens = heldout_ids.shape[0] * (heldout_ids.shape[1] - 1)
-    return {"teacher_perplexity": math.exp(nll_teacher / tokens), "student_perplexity": math.exp(nll_student / tokens),
-            "kl_teacher_student": kl / tokens, "top1_agreement": agree / tokens}
 
 
 def _layer_note(index, teacher_kinds, layer_types, kept, config) -> str:

@@ -1,0 +1,13 @@
+"""Training recipes: typed YAML recipes, data packing, the training loop, and the distillation stages.
+
+    from hf_mixers.recipes import load_recipe, distill
+    summary = distill(load_recipe(["recipes/smollm2_rsa.yaml"], ["stage2.steps=50"]))
+
+Files: config.py (Recipe dataclasses, stacking, overrides), data.py (text -> packed token blocks, held-out split),
+trainer.py (the loop: checkpoints, resume, NaN stop, metrics), stages.py (stage 1 and stage 2, export).
+"""
+
+from .config import Recipe, RecipeError, load_recipe
+from .stages import distill
+
+__all__ = ["Recipe", "RecipeError", "load_recipe", "distill"]

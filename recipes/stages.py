@@ -1,0 +1,198 @@
+"""Distillation of a converted model back towards its teacher: stage 1 (attention transfer), stage 2 (LoRA KD).
+
+    stage 1  each converted layer learns to reproduce its teacher layer's attention output (relative MSE). The
+             teacher runs once per batch; its attention inputs and outputs are captured by hooks and every
+             student mixer is trained on the teacher's own inputs ("teacher passthrough"), so layers train
+             independently. Trains only the mixers' new parameters (``stage1.train_qkv`` adds q/k/v).
+    stage 2  peft LoRA (r=8, alpha=16 on q,k,v,o by default) plus the new mixer parameters; loss =
+             T^2 KL(teacher_T || student_T) over the vocabulary (+ ``ce_weight`` x next-token CE). The teacher
+             runs without gradients.
+    then     LoRA merged (``output.merge_lora``), the model saved atomically to ``OUT/model`` (remote code,
+             tokenizer), held-out perplexity / KL / agreement after every stage in ``OUT/summary.json``, the
+             loss curves in ``OUT/loss_curve.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import TEACHER_MODULES
+from ..conversion import convert, load_teacher
+from ..evaluation import compare_to_teacher
+from ..export import save_atomically
+from .config import Recipe
+from .data import pack, split_texts
+from .trainer import run_stage
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+
+
+def converted_layers(model) -> list[int]:
+    return [i for i, kind in enumerate(model.config.layer_types) if kind not in ATTENTION_TYPES]
+
+
+def new_mixer_parameters(model, train_qkv: bool = False) -> dict:
+    """The parameters conversion added (name -> tensor), optionally with the converted layers' q/k/v."""
+    converted = set(converted_layers(model))
+    chosen = {}
+    for name, parameter in model.named_parameters():
+        parts = name.split(".")
+        if "mixer" not in parts or "lora_A" in parts or "lora_B" in parts:
+            continue
+        at = parts.index("mixer")
+        layer, module = int(parts[at - 1]), parts[at + 1]
+        if layer not in converted:
+            continue
+        if module not in TEACHER_MODULES or (train_qkv and module in ("q_proj", "k_proj", "v_proj")):
+            chosen[name] = parameter
+    return chosen
+
+
+def attention_transfer_loss(student, teacher_model, layers):
+    """Stage 1: mean over converted layers of ||mixer(h) - attention(h)||^2 / ||attention(h)||^2 on teacher inputs."""
+    def loss_fn(batch):
+        captured = {}
+
+        def hook(index):
+            def record(module, args, kwargs, output):
+                captured[index] = (kwargs["hidden_states"], kwargs["position_embeddings"], output[0])
+            return record
+
+        blocks = teacher_model.model.layers
+        handles = [blocks[i].self_attn.register_forward_hook(hook(i), with_kwargs=True) for i in layers]
+        try:
+            with torch.no_grad():
+                teacher_model.model(batch, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        losses = []
+        for index in layers:
+            hidden, rope, target = captured[index]
+            output = student.model.layers[index].mixer(hidden, rope)
+            losses.append((output.float() - target.float()).pow(2).mean() / target.float().pow(2).mean().clamp_min(1e-12))
+        return torch.stack(losses).mean(), {}
+    return loss_fn
+
+
+def distillation_loss(student, teacher_model, temperature: float, ce_weight: float):
+    """Stage 2: T^2 KL(softmax(teacher / T) || softmax(student / T)) per token, + ce_weight x CE."""
+    def loss_fn(batch):
+        with torch.no_grad():
+            teacher_logits = teacher_model(batch, use_cache=False).logits.float()
+        student_logits = student(input_ids=batch, use_cache=False).logits.float()
+        vocab = student_logits.shape[-1]
+        kl = F.kl_div(F.log_softmax(student_logits.view(-1, vocab) / temperature, -1),
+                      F.log_softmax(teacher_logits.view(-1, vocab) / temperature, -1),
+                      log_target=True, reduction="batchmean") * temperature**2
+        ce = F.cross_entropy(student_logits[:, :-1].reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        return kl + ce_weight * ce, {"kl": kl.item(), "ce": ce.item()}
+    return loss_fn
+
+
+def add_lora(student, stage2, seed: int):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)  # LoRA A init: the same on every (re)launch, before a checkpoint overwrites it
+    config = LoraConfig(r=stage2.lora_r, lora_alpha=stage2.lora_alpha, target_modules=list(stage2.lora_targets),
+                        lora_dropout=0.0, bias="none")
+    try:
+        peft_model = get_peft_model(student, config)
+    except ValueError as error:
+        raise ValueError(f"stage2.lora_targets {stage2.lora_targets}: {error}") from error
+    for parameter in new_mixer_parameters(peft_model).values():
+        parameter.requires_grad_(True)  # peft froze them; the mixers' own parameters keep training
+    return peft_model
+
+
+def distill(recipe: Recipe, progress: bool = True) -> dict:
+    """Run the recipe's enabled stages; returns the summary (also written to OUT/summary.json)."""
+    out = recipe.output.dir
+    model_dir = os.path.join(out, "model")
+    if os.path.isdir(model_dir) and os.listdir(model_dir) and not recipe.output.overwrite:
+        raise FileExistsError(f"{model_dir} exists: this run already finished; set output.overwrite=true to redo "
+                              "the export, or choose another output.dir")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "recipe.json"), "w", encoding="utf-8") as handle:
+        json.dump(recipe.to_dict(), handle, indent=2)
+    started = time.perf_counter()
+    teacher = load_teacher(recipe.model.teacher)
+    for parameter in teacher.model.parameters():
+        parameter.requires_grad_(False)
+    if recipe.model.student:
+        from transformers import AutoModelForCausalLM
+
+        student = AutoModelForCausalLM.from_pretrained(recipe.model.student, dtype=torch.float32)
+    else:
+        student, _ = convert(teacher, recipe.model.mixer, keep_attention=recipe.model.keep_attention,
+                             mixer_options=recipe.model.mixer_options, seed=recipe.train.seed, progress=progress)
+    train_text, heldout_text, data_name = split_texts(recipe.data.source, recipe.data.heldout_fraction)
+    length = recipe.data.sequence_length
+    train_ids = pack(teacher.tokenizer, train_text, length, recipe.data.max_train_sequences, "training text")
+    heldout_ids = pack(teacher.tokenizer, heldout_text, length, recipe.data.heldout_sequences, "held-out text")
+
+    evaluations = {"init": compare_to_teacher(teacher.model, student, heldout_ids)}
+    histories, torch_seed = {}, recipe.train.seed
+    common = dict(blocks=train_ids, train=recipe.train, out_dir=out, checkpoint_every=recipe.output.checkpoint_every,
+                  log_every=recipe.output.log_every, progress=progress)
+    student.train()
+    if recipe.stage1.enabled and recipe.stage1.steps > 0:
+        layers = converted_layers(student)
+        parameters = new_mixer_parameters(student, recipe.stage1.train_qkv)
+        for parameter in student.parameters():
+            parameter.requires_grad_(False)
+        for parameter in parameters.values():
+            parameter.requires_grad_(True)
+        histories["stage1"] = run_stage("stage1", attention_transfer_loss(student, teacher.model, layers), parameters,
+                                        steps=recipe.stage1.steps, lr=recipe.train.lr, **common)
+        evaluations["stage1"] = compare_to_teacher(teacher.model, student, heldout_ids)
+    if recipe.stage2.enabled and recipe.stage2.steps > 0:
+        peft_model = add_lora(student, recipe.stage2, torch_seed)
+        parameters = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+        loss_fn = distillation_loss(peft_model, teacher.model, recipe.stage2.temperature, recipe.stage2.ce_weight)
+        histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
+                                        lr=recipe.stage2.lr or recipe.train.lr, **common)
+        student = peft_model.merge_and_unload() if recipe.output.merge_lora else peft_model
+        evaluations["stage2"] = compare_to_teacher(teacher.model, student.get_base_model()
+                                                   if hasattr(student, "get_base_model") else student, heldout_ids)
+    student.eval()
+    save_atomically(student, model_dir, tokenizer=teacher.tokenizer, overwrite=True)
+    summary = {"teacher": recipe.model.teacher, "mixer": recipe.model.mixer, "data": data_name,
+               "layer_types": student.config.layer_types, "train_sequences": int(train_ids.shape[0]),
+               "sequence_length": length, "evaluations": evaluations,
+               "stages": {name: {"steps": len(h), "first_loss": h[0]["loss"] if h else None,
+                                 "final_loss": h[-1]["loss"] if h else None,
+                                 "tokens": len(h) * recipe.train.batch_size * recipe.train.grad_accum * length}
+                          for name, h in histories.items()},
+               "seconds": time.perf_counter() - started, "model_dir": model_dir}
+    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as handle:
+        json.dump(summary, handle, indent=2)
+    plot_losses(histories, os.path.join(out, "loss_curve.png"))
+    return summary
+
+
+def plot_losses(histories: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = [name for name, history in histories.items() if history]
+    if not stages:
+        return
+    figure, axes = plt.subplots(1, len(stages), figsize=(5.5 * len(stages), 3.8), squeeze=False)
+    titles = {"stage1": "stage 1: attention transfer (relative MSE)", "stage2": "stage 2: LoRA KD (loss)"}
+    for axis, name in zip(axes[0], stages):
+        axis.plot([row["step"] for row in histories[name]], [row["loss"] for row in histories[name]])
+        axis.set_title(titles.get(name, name))
+        axis.set_xlabel("step")
+        axis.set_yscale("log")
+        axis.grid(True, alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,206 @@
+"""Recipes: YAML loading, data packing, the training loop (resume after a kill, NaN stop) and the two stages."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_teacher, tiny_tokenizer
+from hf_mixers.cli import main as cli_main
+from hf_mixers.recipes import RecipeError, distill, load_recipe
+from hf_mixers.recipes.data import pack, split_texts
+from hf_mixers.recipes.stages import attention_transfer_loss, converted_layers, new_mixer_parameters
+from hf_mixers.recipes.trainer import NonFiniteLoss, batch_at
+from hf_mixers.remote_check import load_in_fresh_process
+
+RSA_SMALL = "{rsa_num_slots: 8, rsa_num_levels: 2}"
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    tokenizer = tiny_tokenizer()
+    folder = str(tmp_path_factory.mktemp("teacher"))
+    tiny_teacher("llama", len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def small(teacher_dir, out, *extra):
+    return [f"model.teacher={teacher_dir}", f"model.mixer_options={RSA_SMALL}", "data.sequence_length=32",
+            "data.max_train_sequences=24", "data.heldout_sequences=2", "stage1.steps=4", "stage2.steps=4",
+            "train.lr=3e-3", f"output.dir={out}", "output.checkpoint_every=2", *extra]
+
+
+# ------------------------------------------------------------------------------------------------- recipes
+
+
+def test_recipes_stack_and_override(tmp_path):
+    base, stage = tmp_path / "base.yaml", tmp_path / "stage2.yaml"
+    base.write_text("model: {mixer: sessa}\ntrain: {lr: 0.01, batch_size: 4}\n")
+    stage.write_text("train: {lr: 0.001}\nstage2: {lora_targets: [q_proj, v_proj]}\n")
+    recipe = load_recipe([base, stage], ["train.lr=3e-4", "stage1.enabled=false", "model.keep_attention=auto:2"])
+    assert recipe.model.mixer == "sessa" and recipe.train.batch_size == 4 and recipe.train.lr == 3e-4
+    assert recipe.stage2.lora_targets == ["q_proj", "v_proj"] and not recipe.stage1.enabled
+    assert recipe.model.keep_attention == "auto:2"
+
+
+def test_recipe_errors_name_the_file_and_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lrr: 1\n")
+    with pytest.raises(RecipeError, match=r"bad.yaml: unknown key 'train.lrr'"):
+        load_recipe([bad])
+    with pytest.raises(RecipeError, match=r"--set train.batch_size=two: 'train.batch_size' must be int"):
+        load_recipe([], ["train.batch_size=two"])
+    with pytest.raises(RecipeError, match="unknown key 'stage9'"):
+        load_recipe([], ["stage9.steps=1"])
+    with pytest.raises(RecipeError, match="cannot read the recipe"):
+        load_recipe([tmp_path / "absent.yaml"])
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(RecipeError, match="a recipe is a mapping"):
+        load_recipe([tmp_path / "list.yaml"])
+
+
+def test_shipped_recipes_load():
+    folder = os.path.join(os.path.dirname(__file__), "..", "recipes")
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".yaml"))
+    assert files
+    for name in files:
+        load_recipe([os.path.join(folder, name)])
+
+
+# ---------------------------------------------------------------------------------------------------- data
+
+
+def test_heldout_split_is_never_trained_on(tmp_path):
+    train, heldout, _ = split_texts(None, 0.2)
+    assert "Macbeth" in heldout[:200] or "Tempest" in heldout[:200]
+    assert "SCENE I. A desert place." not in train  # Macbeth's first scene
+    text = tmp_path / "notes.txt"
+    text.write_text("".join(f"Sentence number {i} of the notes.\n\n" for i in range(1000)))
+    train, heldout, name = split_texts(str(text), 0.25)
+    assert name == str(text) and "number 999" in heldout and "number 999" not in train
+
+
+def test_pack_makes_fixed_length_blocks():
+    tokenizer = tiny_tokenizer()
+    blocks = pack(tokenizer, "To be, or not to be: that is the question.\n\n" * 200, 16)
+    assert blocks.dim() == 2 and blocks.shape[1] == 16 and blocks.shape[0] > 10
+    assert pack(tokenizer, "word " * 2000, 16, max_sequences=5).shape == (5, 16)
+    with pytest.raises(ValueError, match="shorter than one sequence"):
+        pack(tokenizer, "tiny", 64)
+
+
+def test_batch_order_depends_only_on_the_step():
+    blocks = torch.arange(10)[:, None].expand(10, 3)
+    first = [batch_at(blocks, i, 3, seed=1)[:, 0].tolist() for i in range(6)]
+    assert first == [batch_at(blocks, i, 3, seed=1)[:, 0].tolist() for i in range(6)]
+    assert sorted(sum(first[:3], [])) == sorted(set(sum(first[:3], [])))  # no repeats within an epoch
+    assert first != [batch_at(blocks, i, 3, seed=2)[:, 0].tolist() for i in range(6)]
+
+
+# ---------------------------------------------------------------------------------------------------- stages
+
+
+def test_stage1_trains_only_new_mixer_parameters_and_lowers_the_loss(teacher_dir, tmp_path):
+    summary = distill(load_recipe([], small(teacher_dir, tmp_path / "run", "stage1.steps=12", "stage2.enabled=false")),
+                      progress=False)
+    stage = summary["stages"]["stage1"]
+    assert stage["steps"] == 12 and stage["final_loss"] < stage["first_loss"]
+    from hf_mixers.conversion import convert
+
+    student, _ = convert(teacher_dir, "rsa", mixer_options={"rsa_num_slots": 8, "rsa_num_levels": 2}, progress=False)
+    names = set(new_mixer_parameters(student))
+    assert names and not any(n.endswith(("q_proj.weight", "k_proj.weight", "o_proj.weight")) for n in names)
+    assert any(n.endswith("prototypes") for n in names)
+    with_qkv = set(new_mixer_parameters(student, train_qkv=True)) - names
+    assert with_qkv and all(n.split(".")[-2] in ("q_proj", "k_proj", "v_proj") for n in with_qkv)
+
+
+def test_attention_transfer_uses_teacher_inputs(teacher_dir):
+    from hf_mixers.conversion import convert, load_teacher
+
+    teacher = load_teacher(teacher_dir)
+    student, _ = convert(teacher, "sessa", progress=False)  # exact at init: zero transfer loss on every layer
+    loss, _ = attention_transfer_loss(student, teacher.model, converted_layers(student))(torch.randint(1, 300, (2, 20)))
+    assert loss.item() < 1e-10
+
+
+def test_full_run_exports_a_model_that_loads_without_hf_mixers(teacher_dir, tmp_path):
+    out = tmp_path / "run"
+    summary = distill(load_recipe([], small(teacher_dir, out)), progress=False)
+    assert set(summary["evaluations"]) == {"init", "stage1", "stage2"}
+    assert summary["stages"]["stage2"]["steps"] == 4
+    for name in ("summary.json", "metrics.jsonl", "loss_curve.png", "recipe.json", "model/config.json"):
+        assert (out / name).exists(), name
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["stage"], r["step"]) for r in rows] == [("stage1", s) for s in range(1, 5)] + \
+        [("stage2", s) for s in range(1, 5)]
+    assert all(r["tokens_per_s"] > 0 for r in rows) and "kl" in rows[-1]
+    ids = torch.randint(1, 300, (1, 10))
+    remote = load_in_fresh_process(out / "model", ids, max_new_tokens=4)
+    assert not remote["hf_mixers_imported"] and remote["class"] == "RSAForCausalLM"
+    with pytest.raises(FileExistsError, match="already finished"):
+        distill(load_recipe([], small(teacher_dir, out)), progress=False)
+
+
+def test_nan_loss_stops_with_the_step_and_checkpoint(teacher_dir, tmp_path, monkeypatch):
+    import hf_mixers.recipes.stages as stages
+
+    original = stages.distillation_loss
+
+    def poisoned(*args):
+        loss_fn, calls = original(*args), []
+
+        def wrapped(batch):
+            calls.append(1)
+            loss, extra = loss_fn(batch)
+            return (loss * float("nan") if len(calls) == 3 else loss), extra
+        return wrapped
+
+    monkeypatch.setattr(stages, "distillation_loss", poisoned)
+    with pytest.raises(NonFiniteLoss, match=r"stage2: the loss is nan at step 3; last good checkpoint: .*stage2.pt"):
+        distill(load_recipe([], small(teacher_dir, tmp_path / "run", "stage1.enabled=false")), progress=False)
+
+
+def test_killed_run_resumes_with_the_same_losses(teacher_dir, tmp_path):
+    """SIGKILL a real `hf-mixers distill` process mid-stage-2, relaunch, compare with an uninterrupted run."""
+    steps = ["stage1.steps=3", "stage2.steps=8", "output.checkpoint_every=1"]
+    reference = distill(load_recipe([], small(teacher_dir, tmp_path / "reference", *steps)), progress=False)
+    out = tmp_path / "killed"
+    command = [sys.executable, "-m", "hf_mixers.cli", "distill"]
+    for item in small(teacher_dir, out, *steps):
+        command += ["--set", item]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        if sum('"stage2"' in line for line in lines) >= 3:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (out / "model").exists()  # killed before the export
+    assert sum('"stage2"' in line for line in metrics.read_text().splitlines()) < 8  # and in the middle of stage 2
+    assert subprocess.run(command, env=env, capture_output=True).returncode == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    expected = [json.loads(line) for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["stage"], r["step"]) for r in rows] == [(r["stage"], r["step"]) for r in expected]
+    for got, want in zip(rows, expected):
+        assert abs(got["loss"] - want["loss"]) <= 1e-6, (got, want)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["evaluations"]["stage2"]["kl_teacher_student"] == pytest.approx(
+        reference["evaluations"]["stage2"]["kl_teacher_student"], abs=1e-6)
+
+
+def test_cli_distill_reports_recipe_errors(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stage2: {lora_rank: 4}\n")
+    assert cli_main(["distill", str(bad)]) == 2
+    assert "bad.yaml: unknown key 'stage2.lora_rank'" in capsys.readouterr().err
