@@ -1,4 +1,4 @@
-"""The ``hf-mixers`` command line: ``convert``, ``distill``, ``demo`` and ``bench sessa|rsa``."""
+"""The ``hf-mixers`` command line: ``convert``, ``distill``, ``finetune``, ``demo`` and ``bench sessa|rsa``."""
 
 from __future__ import annotations
 
@@ -67,13 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a recipe field (repeatable)")
 
-    demo = commands.add_parser("demo", help="build a small Sessa model, generate, save, reload via remote code")
+    finetune = commands.add_parser(
+        "finetune", help="stage 3: supervised fine-tuning of a converted model on chat data (LoRA or full)",
+        description="Needs model.student (a converted or distilled folder); finetune.source is a JSONL of "
+                    "{\"messages\": [...]} or {\"prompt\", \"response\"} (default: Shakespeare speeches).")
+    finetune.add_argument("recipes", nargs="*", help="YAML recipe files (later files win)")
+    finetune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    demo = commands.add_parser("demo", help="the main job: SmolLM2-135M -> RSA and Sessa, distilled, evaluated "
+                                            "(about 15 minutes on 2 CPU cores)")
     demo.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
     demo.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
-    demo.add_argument("--max-steps", type=int, default=300, help="training steps (a small number = a smoke run)")
+    demo.add_argument("--max-steps", type=int, default=None, help="cap every stage at N steps (a smoke run)")
 
     bench = commands.add_parser("bench", help="benchmarks, written as JSON and PNG")
-    bench.add_argument("target", choices=["sessa", "rsa"], help="what to benchmark")
+    bench.add_argument("target", choices=["sessa", "rsa", "distill"], help="what to benchmark")
     bench.add_argument("--out", default="outputs/bench", help="output folder (default: outputs/bench)")
     bench.add_argument("--lengths", type=_int_list, default=None,
                        help="training sequence lengths (default sessa: 512,...,4096; rsa: 512,...,8192)")
@@ -87,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median reported)")
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    bench.add_argument("--source", default="smollm2-135m", help="distill: the teacher (any convert SOURCE)")
+    bench.add_argument("--mixer", default="rsa", help="distill: the mixer of the student")
+    bench.add_argument("--sequence-length", type=int, default=256, help="distill: tokens per sequence")
     return parser
 
 
@@ -95,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.command == "convert":
         return _convert(args)
-    if args.command == "distill":
-        return _distill(args)
+    if args.command in ("distill", "finetune"):
+        return _train(args)
     if args.command == "demo":
         from .demo import run_demo
 
@@ -107,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         bench_sessa(args.out, lengths=args.lengths or [512, 1024, 2048, 4096], hidden_size=args.hidden_size,
                     num_heads=args.heads, num_kv_heads=args.kv_heads, batch_size=args.batch_size,
                     repeats=args.repeats, dtype=args.dtype, device=args.device)
+    elif args.command == "bench" and args.target == "distill":
+        from .bench_distill import bench_distill
+
+        bench_distill(args.out, source=args.source, mixer=args.mixer, sequence_length=args.sequence_length,
+                      batch_size=args.batch_size, repeats=args.repeats)
     elif args.command == "bench":
         from .bench_rsa import bench_rsa
 
@@ -133,18 +149,18 @@ def _convert(args) -> int:
     return 0
 
 
-def _distill(args) -> int:
-    from .recipes import RecipeError, distill, load_recipe
+def _train(args) -> int:
+    from .recipes import RecipeError, distill, finetune, load_recipe
     from .recipes.trainer import NonFiniteLoss
 
+    run = distill if args.command == "distill" else finetune
     try:
-        summary = distill(load_recipe(args.recipes, args.overrides))
+        summary = run(load_recipe(args.recipes, args.overrides))
     except (RecipeError, ValueError, FileNotFoundError, FileExistsError, ConnectionError, ImportError,
             NonFiniteLoss) as error:
-        print(f"hf-mixers distill: error: {error}", file=sys.stderr)
+        print(f"hf-mixers {args.command}: error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(summary["evaluations"], indent=2))
-    print(f"model: {summary['model_dir']}")
+    print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=2, default=str))
     return 0
 
 

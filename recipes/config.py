@@ -66,11 +66,23 @@ class DistillSection:  # stage 2
 
 
 @dataclass
+class FinetuneSection:  # stage 3 (hf-mixers finetune)
+    steps: int = 100
+    lr: float | None = None  # None = train.lr
+    lora: bool = True  # False: every parameter trains
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    max_length: int = 256
+    source: str | None = None  # JSONL: {"messages": [...]} or {"prompt", "response"}; None = Shakespeare speeches
+
+
+@dataclass
 class OutputSection:
     dir: str = "outputs/distill"
     checkpoint_every: int = 25
     log_every: int = 1
-    merge_lora: bool = True
+    merge_lora: bool = True  # False: OUT/model is the base model and OUT/model-adapter the LoRA adapter
     overwrite: bool = False
 
 
@@ -81,6 +93,7 @@ class Recipe:
     train: TrainSection = field(default_factory=TrainSection)
     stage1: AttentionTransferSection = field(default_factory=AttentionTransferSection)
     stage2: DistillSection = field(default_factory=DistillSection)
+    finetune: FinetuneSection = field(default_factory=FinetuneSection)
     output: OutputSection = field(default_factory=OutputSection)
 
     def to_dict(self) -> dict:

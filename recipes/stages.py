@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -27,7 +28,7 @@ from ..evaluation import compare_to_teacher
 from ..export import save_atomically
 from .config import Recipe
 from .data import pack, split_texts
-from .trainer import run_stage
+from .trainer import Processes, run_stage
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
@@ -110,36 +111,48 @@ def add_lora(student, stage2, seed: int):
     return peft_model
 
 
-def distill(recipe: Recipe, progress: bool = True) -> dict:
-    """Run the recipe's enabled stages; returns the summary (also written to OUT/summary.json)."""
+def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None) -> dict:
+    """Run the recipe's enabled stages; returns the summary (also written to OUT/summary.json).
+
+    ``teacher`` (a conversion.Teacher) and ``student`` (a converted model) may be passed in already loaded (the
+    demo converts once per mixer); otherwise they come from ``recipe.model``. The trained model is
+    ``summary["model"]`` (not serialised).
+    """
     out = recipe.output.dir
     model_dir = os.path.join(out, "model")
     if os.path.isdir(model_dir) and os.listdir(model_dir) and not recipe.output.overwrite:
         raise FileExistsError(f"{model_dir} exists: this run already finished; set output.overwrite=true to redo "
                               "the export, or choose another output.dir")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "recipe.json"), "w", encoding="utf-8") as handle:
-        json.dump(recipe.to_dict(), handle, indent=2)
+    processes = Processes(_accelerator())
+    progress = progress and processes.is_main
+    if processes.is_main:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "recipe.json"), "w", encoding="utf-8") as handle:
+            json.dump(recipe.to_dict(), handle, indent=2)
     started = time.perf_counter()
-    teacher = load_teacher(recipe.model.teacher)
+    teacher = teacher or load_teacher(recipe.model.teacher)
     for parameter in teacher.model.parameters():
         parameter.requires_grad_(False)
-    if recipe.model.student:
+    if student is None and recipe.model.student:
         from transformers import AutoModelForCausalLM
 
         student = AutoModelForCausalLM.from_pretrained(recipe.model.student, dtype=torch.float32)
-    else:
+    elif student is None:
         student, _ = convert(teacher, recipe.model.mixer, keep_attention=recipe.model.keep_attention,
                              mixer_options=recipe.model.mixer_options, seed=recipe.train.seed, progress=progress)
+    device = processes.accelerator.device
+    teacher.model.to(device)
+    student.to(device)
     train_text, heldout_text, data_name = split_texts(recipe.data.source, recipe.data.heldout_fraction)
     length = recipe.data.sequence_length
     train_ids = pack(teacher.tokenizer, train_text, length, recipe.data.max_train_sequences, "training text")
     heldout_ids = pack(teacher.tokenizer, heldout_text, length, recipe.data.heldout_sequences, "held-out text")
+    train_ids, heldout_ids = train_ids.to(device), heldout_ids.to(device)
 
     evaluations = {"init": compare_to_teacher(teacher.model, student, heldout_ids)}
     histories, torch_seed = {}, recipe.train.seed
     common = dict(blocks=train_ids, train=recipe.train, out_dir=out, checkpoint_every=recipe.output.checkpoint_every,
-                  log_every=recipe.output.log_every, progress=progress)
+                  log_every=recipe.output.log_every, progress=progress, processes=processes)
     student.train()
     if recipe.stage1.enabled and recipe.stage1.steps > 0:
         layers = converted_layers(student)
@@ -161,7 +174,6 @@ def distill(recipe: Recipe, progress: bool = True) -> dict:
         evaluations["stage2"] = compare_to_teacher(teacher.model, student.get_base_model()
                                                    if hasattr(student, "get_base_model") else student, heldout_ids)
     student.eval()
-    save_atomically(student, model_dir, tokenizer=teacher.tokenizer, overwrite=True)
     summary = {"teacher": recipe.model.teacher, "mixer": recipe.model.mixer, "data": data_name,
                "layer_types": student.config.layer_types, "train_sequences": int(train_ids.shape[0]),
                "sequence_length": length, "evaluations": evaluations,
@@ -169,11 +181,30 @@ def distill(recipe: Recipe, progress: bool = True) -> dict:
                                  "final_loss": h[-1]["loss"] if h else None,
                                  "tokens": len(h) * recipe.train.batch_size * recipe.train.grad_accum * length}
                           for name, h in histories.items()},
-               "seconds": time.perf_counter() - started, "model_dir": model_dir}
-    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as handle:
-        json.dump(summary, handle, indent=2)
-    plot_losses(histories, os.path.join(out, "loss_curve.png"))
-    return summary
+               "seconds": time.perf_counter() - started, "model_dir": model_dir, "world_size": processes.world}
+    if processes.is_main:
+        save_model(student, model_dir, teacher.tokenizer)
+        with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as handle:
+            json.dump(summary, handle, indent=2)
+        plot_losses(histories, os.path.join(out, "loss_curve.png"))
+    processes.barrier()
+    return {**summary, "model": student}
+
+
+def save_model(model, model_dir: str, tokenizer) -> None:
+    """The full model to ``model_dir``; an unmerged peft model also writes its adapter to ``<model_dir>-adapter``
+    (and ``model_dir`` gets the base model without LoRA, so the two load as base + adapter)."""
+    if hasattr(model, "peft_config"):
+        save_atomically(model, f"{model_dir}-adapter", overwrite=True)
+        model = copy.deepcopy(model).unload()
+    save_atomically(model, model_dir, tokenizer=tokenizer, overwrite=True)
+
+
+def _accelerator():
+    """accelerate's view of the launch (torchrun / accelerate launch / plain python); CPU runs use gloo."""
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=not torch.cuda.is_available())
 
 
 def plot_losses(histories: dict, path: str) -> None:
@@ -191,7 +222,8 @@ def plot_losses(histories: dict, path: str) -> None:
         axis.plot([row["step"] for row in histories[name]], [row["loss"] for row in histories[name]])
         axis.set_title(titles.get(name, name))
         axis.set_xlabel("step")
-        axis.set_yscale("log")
+        if min(row["loss"] for row in histories[name]) > 0:
+            axis.set_yscale("log")
         axis.grid(True, alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -8,7 +8,8 @@
   renamed: the trained parameters, the optimizer state, the step and the loss history. Launching the same run
   again continues after the last checkpoint with the same losses.
 - A NaN or inf loss stops the run with the step and the last good checkpoint named.
-- Progress bar with loss and tokens/s; one JSON line per logged step in ``metrics.jsonl``.
+- Progress bar with loss and tokens/s; one JSON line per logged step in ``metrics.jsonl``, and the same scalars
+  as TensorBoard events under ``tensorboard/``.
 """
 
 from __future__ import annotations
@@ -51,19 +52,69 @@ def _rewrite_metrics(path: str, stage: str, last_step: int) -> None:
         handle.writelines(json.dumps(row) + "\n" for row in kept)
 
 
+class Processes:
+    """Who this process is in a data-parallel run (accelerate/torchrun launch; one process = rank 0 of 1)."""
+
+    def __init__(self, accelerator=None):
+        self.accelerator = accelerator
+        self.rank = accelerator.process_index if accelerator else 0
+        self.world = accelerator.num_processes if accelerator else 1
+        self.is_main = self.rank == 0
+
+    def average_gradients(self, tensors) -> None:
+        """Data parallelism for any loss: every rank's gradients averaged (gloo on CPU, nccl on GPU)."""
+        if self.world == 1:
+            return
+        for tensor in tensors:
+            if tensor.grad is None:
+                tensor.grad = torch.zeros_like(tensor)
+            torch.distributed.all_reduce(tensor.grad)
+            tensor.grad /= self.world
+
+    def mean(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        total = torch.tensor([value], dtype=torch.float64, device=self.accelerator.device)
+        torch.distributed.all_reduce(total)
+        return total.item() / self.world
+
+    def gather(self, value) -> list:
+        if self.world == 1:
+            return [value]
+        values = [None] * self.world
+        torch.distributed.all_gather_object(values, value)
+        return values
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self.accelerator.wait_for_everyone()
+
+
+def _tensorboard(folder: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is a dependency; a broken install must not stop training
+        tqdm.write("tensorboard is not importable: training logs go to metrics.jsonl only")
+        return None
+    return SummaryWriter(folder)
+
+
 def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps: int, train, lr: float,
-              out_dir: str, checkpoint_every: int, log_every: int = 1, progress: bool = True) -> list[dict]:
+              out_dir: str, checkpoint_every: int, log_every: int = 1, progress: bool = True,
+              processes: Processes | None = None) -> list[dict]:
     """Train ``parameters`` (name -> tensor with requires_grad) for ``steps`` optimiser steps on ``blocks``.
 
-    ``loss_fn(batch) -> (loss, metrics)``. Returns the history: one dict per step (step, loss, metrics).
+    ``loss_fn(batch) -> (loss, metrics)``. Returns the history: one dict per step (step, loss, metrics). With
+    several processes each rank takes its own micro-batches, gradients are averaged, rank 0 writes.
     """
+    processes = processes or Processes()
     os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
     path = os.path.join(out_dir, "checkpoints", f"{stage}.pt")
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     optimizer = torch.optim.AdamW(list(parameters.values()), lr=lr, weight_decay=train.weight_decay)
     history, start = [], 0
     if os.path.exists(path):
-        saved = torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=False, map_location="cpu")
         missing = sorted(set(parameters) - set(saved["parameters"]))
         if missing:
             raise ValueError(f"{path}: checkpoint does not match this run (no {missing[:3]}); use another output.dir")
@@ -72,46 +123,64 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
                 tensor.copy_(saved["parameters"][name])
         optimizer.load_state_dict(saved["optimizer"])
         history, start = saved["history"], saved["step"]
-        _rewrite_metrics(metrics_path, stage, start)
+        if processes.is_main:
+            _rewrite_metrics(metrics_path, stage, start)
         if start < steps:
             tqdm.write(f"{stage}: resuming from the checkpoint at step {start} ({path})")
     if start >= steps:
         return history
 
     last_good = path if os.path.exists(path) else None
-    tokens_per_step = train.batch_size * train.grad_accum * blocks.shape[1]
-    bar = tqdm(total=steps, initial=start, desc=stage, disable=not progress, unit="step")
-    with open(metrics_path, "a", encoding="utf-8") as metrics_file:
+    tokens_per_step = train.batch_size * train.grad_accum * blocks.shape[-1] * processes.world
+    bar = tqdm(total=steps, initial=start, desc=stage, disable=not (progress and processes.is_main), unit="step")
+    metrics_file = open(metrics_path, "a", encoding="utf-8") if processes.is_main else None
+    board = _tensorboard(os.path.join(out_dir, "tensorboard")) if processes.is_main else None
+    try:
         for step in range(start + 1, steps + 1):
             began = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = lr * min(1.0, step / train.warmup_steps) if train.warmup_steps else lr
             optimizer.zero_grad(set_to_none=True)
-            total, extra = 0.0, {}
+            total, extra, first_rows = 0.0, {}, None
             for micro in range(train.grad_accum):
-                batch = batch_at(blocks, (step - 1) * train.grad_accum + micro, train.batch_size, train.seed)
+                index = ((step - 1) * train.grad_accum + micro) * processes.world + processes.rank
+                batch = batch_at(blocks, index, train.batch_size, train.seed)
+                first_rows = batch.flatten(1)[:, 0].tolist() if first_rows is None else first_rows
                 loss, extra = loss_fn(batch)
                 if not torch.isfinite(loss):
                     raise NonFiniteLoss(f"{stage}: the loss is {loss.item()} at step {step}; last good checkpoint: "
                                         f"{last_good or 'none (no checkpoint written yet)'}")
                 (loss / train.grad_accum).backward()
                 total += loss.item() / train.grad_accum
+            processes.average_gradients(parameters.values())
             if train.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(list(parameters.values()), train.max_grad_norm)
             optimizer.step()
             seconds = time.perf_counter() - began
-            row = {"stage": stage, "step": step, "loss": total, "lr": optimizer.param_groups[0]["lr"],
-                   "tokens_per_s": tokens_per_step / seconds, **{k: float(v) for k, v in extra.items()}}
+            row = {"stage": stage, "step": step, "loss": processes.mean(total), "lr": optimizer.param_groups[0]["lr"],
+                   "tokens_per_s": tokens_per_step / seconds, "world_size": processes.world,
+                   **{k: processes.mean(float(v)) for k, v in extra.items()}}
+            first_tokens = processes.gather(first_rows)  # which data each rank trained on (first token per row)
             history.append(row)
-            if step % log_every == 0 or step == steps:
-                metrics_file.write(json.dumps(row) + "\n")
+            if metrics_file and (step % log_every == 0 or step == steps):
+                metrics_file.write(json.dumps({**row, "first_tokens_per_rank": first_tokens}) + "\n")
                 metrics_file.flush()
-            bar.set_postfix(loss=f"{total:.4g}", tok_s=f"{row['tokens_per_s']:.0f}")
+                if board:
+                    for key in ("loss", "lr", "tokens_per_s", *extra):
+                        board.add_scalar(f"{stage}/{key}", row[key], step)
+            bar.set_postfix(loss=f"{row['loss']:.4g}", tok_s=f"{row['tokens_per_s']:.0f}")
             bar.update()
             if step % checkpoint_every == 0 or step == steps:
-                _save_atomically({"step": step, "history": history, "optimizer": optimizer.state_dict(),
-                                  "parameters": {n: t.detach().clone() for n, t in parameters.items()}}, path)
+                if processes.is_main:
+                    _save_atomically({"step": step, "history": history, "optimizer": optimizer.state_dict(),
+                                      "parameters": {n: t.detach().cpu().clone() for n, t in parameters.items()}},
+                                     path)
+                processes.barrier()
                 last_good = path
-    bar.close()
+    finally:
+        bar.close()
+        if metrics_file:
+            metrics_file.close()
+        if board:
+            board.close()
     return history
-

@@ -137,6 +137,7 @@ def test_full_run_exports_a_model_that_loads_without_hf_mixers(teacher_dir, tmp_
     assert summary["stages"]["stage2"]["steps"] == 4
     for name in ("summary.json", "metrics.jsonl", "loss_curve.png", "recipe.json", "model/config.json"):
         assert (out / name).exists(), name
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tensorboard"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["stage"], r["step"]) for r in rows] == [("stage1", s) for s in range(1, 5)] + \
         [("stage2", s) for s in range(1, 5)]
@@ -146,6 +147,22 @@ def test_full_run_exports_a_model_that_loads_without_hf_mixers(teacher_dir, tmp_
     assert not remote["hf_mixers_imported"] and remote["class"] == "RSAForCausalLM"
     with pytest.raises(FileExistsError, match="already finished"):
         distill(load_recipe([], small(teacher_dir, out)), progress=False)
+
+
+def test_unmerged_lora_is_saved_as_base_plus_adapter(teacher_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    summary = distill(load_recipe([], small(teacher_dir, out, "stage1.enabled=false", "output.merge_lora=false",
+                                           "stage2.lr=1e-2")), progress=False)
+    assert (out / "model-adapter" / "adapter_config.json").exists()
+    base = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert not any("lora" in name for name, _ in base.named_parameters())
+    restored = PeftModel.from_pretrained(base, out / "model-adapter").eval()
+    ids = torch.randint(1, 300, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(restored(ids).logits, summary["model"].eval()(ids).logits, rtol=0, atol=1e-5)
 
 
 def test_nan_loss_stops_with_the_step_and_checkpoint(teacher_dir, tmp_path, monkeypatch):
@@ -197,6 +214,71 @@ def test_killed_run_resumes_with_the_same_losses(teacher_dir, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["evaluations"]["stage2"]["kl_teacher_student"] == pytest.approx(
         reference["evaluations"]["stage2"]["kl_teacher_student"], abs=1e-6)
+
+
+def test_two_processes_split_the_data_and_average_gradients(teacher_dir, tmp_path):
+    """torchrun, 2 CPU processes (gloo): world size 2, each rank trains on different blocks, one model written."""
+    out = tmp_path / "ddp"
+    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "-m",
+               "hf_mixers.cli", "distill"]
+    for item in small(teacher_dir, out, "stage1.steps=2", "stage2.steps=2", "train.batch_size=1"):
+        command += ["--set", item]
+    result = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(row["world_size"] == 2 for row in rows)  # rank 0 alone writes
+    for row in rows:
+        first, second = row["first_tokens_per_rank"]
+        assert first != second  # each rank saw its own block
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and (out / "model" / "model.safetensors").exists()
+    # rank r takes micro-batch 2 * step + r: the same blocks as one process accumulating 2 micro-batches, so the
+    # averaged gradients must give the same losses
+    single = distill(load_recipe([], small(teacher_dir, tmp_path / "single", "stage1.steps=2", "stage2.steps=2",
+                                           "train.batch_size=1", "train.grad_accum=2")), progress=False)
+    expected = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["first_tokens_per_rank"][0] for row in expected] == [row["first_tokens_per_rank"][0] for row in rows]
+    for got, want in zip(rows, expected):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * max(1.0, abs(want["loss"])), (got, want)
+    assert summary["evaluations"]["stage2"]["kl_teacher_student"] == pytest.approx(
+        single["evaluations"]["stage2"]["kl_teacher_student"], rel=1e-4, abs=1e-7)
+
+
+def test_sft_encoding_trains_only_the_answer():
+    from hf_mixers.recipes.sft import chat_examples, encode
+
+    tokenizer = tiny_tokenizer()
+    messages = [{"role": "user", "content": "Say yes."}, {"role": "assistant", "content": "Yes, my lord."}]
+    encoded = encode(tokenizer, [messages], 40)
+    ids, labels = encoded[0]
+    prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
+    assert (labels[:len(prompt)] == -100).all() and (labels[len(prompt):len(prompt) + 3] == ids[len(prompt):][:3]).all()
+    assert tokenizer.decode([t for t in labels.tolist() if t != -100]).startswith("assistant: Yes, my lord.")
+    speeches = chat_examples(None)
+    assert len(speeches) > 100 and speeches[0][0]["content"].startswith("Continue this speech by")
+
+
+def test_finetune_lowers_the_heldout_answer_loss(teacher_dir, tmp_path):
+    from hf_mixers.conversion import convert
+
+    student = tmp_path / "student"
+    convert(teacher_dir, "rsa", mixer_options={"rsa_num_slots": 8, "rsa_num_levels": 2}, out=str(student),
+            progress=False)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Count to {n}.", "response": " ".join(["one"] * 6)})
+                              for n in range(40)))
+    from hf_mixers.recipes import finetune
+
+    summary = finetune(load_recipe([], [f"model.student={student}", f"finetune.source={data}", "finetune.steps=8",
+                                        "finetune.max_length=32", "finetune.lora=false", "train.lr=1e-2",
+                                        f"output.dir={tmp_path / 'sft'}", "output.checkpoint_every=4"]),
+                       progress=False)
+    assert summary["heldout_assistant_loss_after"] < 0.5 * summary["heldout_assistant_loss_before"]
+    assert summary["train_examples"] == 36 and (tmp_path / "sft" / "model" / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="needs model.student"):
+        finetune(load_recipe([], [f"output.dir={tmp_path / 'x'}"]), progress=False)
 
 
 def test_cli_distill_reports_recipe_errors(capsys, tmp_path):

@@ -10,7 +10,7 @@ import os
 import torch
 
 from hf_mixers import RSAConfig
-from hf_mixers.demo import load_text_bytes
+from hf_mixers.corpus import shakespeare
 from hf_mixers.rsa import RSAMixer, attention_output_error
 
 LAYERS = (0, 7, 15, 22, 29)
@@ -57,7 +57,7 @@ def uniform_mean_error(attention, hidden, rope):
 
 def test_rsa_from_attention_on_smollm2_layers():
     tokenizer, model = smollm2()
-    text = bytes(load_text_bytes()[:200_000].tolist()).decode("utf-8", "ignore")
+    text = shakespeare("train")[:200_000]
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
     calibration = attention_inputs(model, ids[:4 * LENGTH].view(4, LENGTH))
     held_out = attention_inputs(model, ids[4 * LENGTH:6 * LENGTH].view(2, LENGTH))

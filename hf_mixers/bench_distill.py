@@ -1,0 +1,73 @@
+"""``hf-mixers bench distill``: throughput of a stage-2 distillation step against plain LoRA fine-tuning.
+
+Both steps run on the same batch in the same process, interleaved, fastest of ``repeats``:
+  distill   the teacher's forward (no grad) + the converted student's forward/backward with LoRA and its new
+            mixer parameters, KL loss, AdamW step (recipes.stages: add_lora, distillation_loss)
+  baseline  a LoRA fine-tuning step of the teacher alone (same LoRA), next-token CE, AdamW step
+Reported: tokens/s of each and their ratio (target: distill / baseline >= 0.6), as JSON.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa", sequence_length: int = 256,
+                  batch_size: int = 2, repeats: int = 3, mixer_options: dict | None = None) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    from .conversion import convert, load_teacher
+    from .corpus import shakespeare, token_blocks
+    from .recipes.config import DistillSection
+    from .recipes.stages import add_lora, distillation_loss
+
+    if min(sequence_length, batch_size, repeats) < 1:
+        raise ValueError("bench distill: --sequence-length, --batch-size and --repeats must be >= 1")
+    teacher = load_teacher(source)
+    for parameter in teacher.model.parameters():
+        parameter.requires_grad_(False)
+    student, _ = convert(teacher, mixer, mixer_options=mixer_options, progress=False)
+    section = DistillSection()
+    distilled = add_lora(student.train(), section, seed=0)
+    kd = distillation_loss(distilled, teacher.model, section.temperature, section.ce_weight)
+    baseline = get_peft_model(copy.deepcopy(teacher.model).train(),
+                              LoraConfig(r=section.lora_r, lora_alpha=section.lora_alpha,
+                                         target_modules=list(section.lora_targets), lora_dropout=0.0))
+    batch = token_blocks(teacher.tokenizer, shakespeare("train"), sequence_length, batch_size)
+
+    def ce(model):
+        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    steps = {"distill": (lambda: kd(batch)[0], distilled), "baseline_lora": (lambda: ce(baseline), baseline)}
+    optimizers = {name: torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+                  for name, (_, model) in steps.items()}
+    times = {name: [] for name in steps}
+    for _ in range(repeats + 1):  # the first round warms up and is dropped
+        for name, (loss_fn, _) in steps.items():
+            began = time.perf_counter()
+            optimizers[name].zero_grad(set_to_none=True)
+            loss_fn().backward()
+            optimizers[name].step()
+            times[name].append(time.perf_counter() - began)
+    tokens = batch.numel()
+    best = {name: min(values[1:]) for name, values in times.items()}
+    report = {"benchmark": "distill", "source": source, "mixer": mixer, "device": "cpu",
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "batch_size": batch_size,
+              "sequence_length": sequence_length, "repeats": repeats,
+              "step_seconds": best, "tokens_per_s": {name: tokens / s for name, s in best.items()},
+              "ratio": best["baseline_lora"] / best["distill"], "target": 0.6}
+    report["target_met"] = report["ratio"] >= report["target"]
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench_distill.json"), "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2)
+    print(f"stage-2 distill step: {report['tokens_per_s']['distill']:.0f} tokens/s; teacher LoRA fine-tuning: "
+          f"{report['tokens_per_s']['baseline_lora']:.0f} tokens/s; ratio {report['ratio']:.2f} (target >= 0.6: "
+          f"{report['target_met']})")
+    return report
