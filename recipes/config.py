@@ -44,6 +44,8 @@ class TrainSection:
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
     seed: int = 0
+    strategy: str = "ddp"  # "ddp": gradients averaged over processes; "deepspeed": ZeRO partitioning
+    zero_stage: int = 2  # with strategy "deepspeed": 1 (optimizer states) or 2 (+ gradients)
 
 
 @dataclass
@@ -126,7 +128,24 @@ def load_recipe(paths=(), overrides=()) -> Recipe:
         for part in reversed(key.split(".")):
             nested = {part: nested}
         _merge(recipe, nested, f"--set {override}", "")
+    _validate(recipe, ", ".join(map(str, paths)) or "the recipe")
     return recipe
+
+
+def _validate(recipe: Recipe, origin: str) -> None:
+    checks = [
+        (recipe.train.strategy in ("ddp", "deepspeed"), "train.strategy must be 'ddp' or 'deepspeed'"),
+        (recipe.train.zero_stage in (1, 2), "train.zero_stage must be 1 or 2 (ZeRO-3 would partition the "
+                                           "frozen student weights the losses read directly)"),
+        (recipe.train.batch_size >= 1 and recipe.train.grad_accum >= 1, "train.batch_size and train.grad_accum "
+                                                                        "must be >= 1"),
+        (recipe.data.sequence_length >= 2, "data.sequence_length must be >= 2"),
+        (recipe.output.checkpoint_every >= 1 and recipe.output.log_every >= 1, "output.checkpoint_every and "
+                                                                               "output.log_every must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise RecipeError(f"{origin}: {message}")
 
 
 def _merge(target, data: dict, origin: str, prefix: str) -> None:

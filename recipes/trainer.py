@@ -99,38 +99,126 @@ def _tensorboard(folder: str):
     return SummaryWriter(folder)
 
 
+class LocalOptimizer:
+    """AdamW on this process; with several processes the gradients are averaged first (data parallelism)."""
+
+    def __init__(self, parameters: dict, train, lr: float, processes: Processes, path: str):
+        self.parameters, self.train, self.processes, self.path = parameters, train, processes, path
+        self.optimizer = torch.optim.AdamW(list(parameters.values()), lr=lr, weight_decay=train.weight_decay)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss) -> None:
+        (loss / self.train.grad_accum).backward()
+
+    def step(self) -> None:
+        self.processes.average_gradients(self.parameters.values())
+        if self.train.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(list(self.parameters.values()), self.train.max_grad_norm)
+        self.optimizer.step()
+
+    def save(self, step: int, history: list) -> None:
+        if self.processes.is_main:
+            _save_atomically({"step": step, "history": history, "optimizer": self.optimizer.state_dict(),
+                              "parameters": {n: t.detach().cpu().clone() for n, t in self.parameters.items()}},
+                             self.path)
+        self.processes.barrier()
+
+    def load(self):
+        """(step, history) of the checkpoint, restored into the parameters and optimizer; None if there is none."""
+        if not os.path.exists(self.path):
+            return None
+        saved = torch.load(self.path, weights_only=False, map_location="cpu")
+        missing = sorted(set(self.parameters) - set(saved["parameters"]))
+        if missing:
+            raise ValueError(f"{self.path}: checkpoint does not match this run (no {missing[:3]}); "
+                             "use another output.dir")
+        with torch.no_grad():
+            for name, tensor in self.parameters.items():
+                tensor.copy_(saved["parameters"][name])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        return saved["step"], saved["history"]
+
+
+class DeepSpeedOptimizer:
+    """DeepSpeed ZeRO (``train.strategy: deepspeed``): optimizer states (stage 1) and gradients (stage 2)
+    partitioned over the processes; DeepSpeed's own per-rank checkpoints under ``checkpoints/<stage>-deepspeed``."""
+
+    def __init__(self, parameters: dict, train, lr: float, processes: Processes, path: str):
+        import deepspeed
+        from torch import nn
+
+        self.path = path.removesuffix(".pt") + "-deepspeed"
+        holder = nn.Module()  # the trainable tensors only; frozen weights stay outside DeepSpeed
+        holder.trained = nn.ParameterList(list(parameters.values()))
+        config = {"train_micro_batch_size_per_gpu": train.batch_size,
+                  "gradient_accumulation_steps": train.grad_accum,
+                  "zero_optimization": {"stage": train.zero_stage},
+                  "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": train.weight_decay,
+                                                            "torch_adam": True}},
+                  "gradient_clipping": train.max_grad_norm or 0.0, "steps_per_print": 10**9}
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=holder, model_parameters=list(holder.parameters()),
+                                                                 config=config)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def zero_grad(self) -> None:
+        pass  # the engine zeroes after each optimizer step
+
+    def backward(self, loss) -> None:
+        self.engine.backward(loss)
+        self.engine.step()  # a no-op except at the gradient-accumulation boundary
+
+    def step(self) -> None:
+        pass
+
+    def save(self, step: int, history: list) -> None:
+        # every rank writes its partition; DeepSpeed updates the 'latest' pointer only when all are written
+        self.engine.save_checkpoint(self.path, tag=f"step{step}", client_state={"step": step, "history": history})
+
+    def load(self):
+        if not os.path.exists(os.path.join(self.path, "latest")):
+            return None
+        _, client = self.engine.load_checkpoint(self.path)
+        return client["step"], client["history"]
+
+
+STRATEGIES = {"ddp": LocalOptimizer, "deepspeed": DeepSpeedOptimizer}
+
+
 def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps: int, train, lr: float,
               out_dir: str, checkpoint_every: int, log_every: int = 1, progress: bool = True,
               processes: Processes | None = None) -> list[dict]:
     """Train ``parameters`` (name -> tensor with requires_grad) for ``steps`` optimiser steps on ``blocks``.
 
     ``loss_fn(batch) -> (loss, metrics)``. Returns the history: one dict per step (step, loss, metrics). With
-    several processes each rank takes its own micro-batches, gradients are averaged, rank 0 writes.
+    several processes each rank takes its own micro-batches, gradients are averaged (``train.strategy: ddp``) or
+    reduce-scattered by DeepSpeed ZeRO (``deepspeed``); rank 0 writes metrics.
     """
     processes = processes or Processes()
     os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
     path = os.path.join(out_dir, "checkpoints", f"{stage}.pt")
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    optimizer = torch.optim.AdamW(list(parameters.values()), lr=lr, weight_decay=train.weight_decay)
+    optimizer = STRATEGIES[train.strategy](parameters, train, lr, processes, path)
     history, start = [], 0
-    if os.path.exists(path):
-        saved = torch.load(path, weights_only=False, map_location="cpu")
-        missing = sorted(set(parameters) - set(saved["parameters"]))
-        if missing:
-            raise ValueError(f"{path}: checkpoint does not match this run (no {missing[:3]}); use another output.dir")
-        with torch.no_grad():
-            for name, tensor in parameters.items():
-                tensor.copy_(saved["parameters"][name])
-        optimizer.load_state_dict(saved["optimizer"])
-        history, start = saved["history"], saved["step"]
+    restored = optimizer.load()
+    if restored is not None:
+        start, history = restored
         if processes.is_main:
             _rewrite_metrics(metrics_path, stage, start)
         if start < steps:
-            tqdm.write(f"{stage}: resuming from the checkpoint at step {start} ({path})")
+            tqdm.write(f"{stage}: resuming from the checkpoint at step {start} ({optimizer.path})")
     if start >= steps:
         return history
 
-    last_good = path if os.path.exists(path) else None
+    last_good = optimizer.path if restored is not None else None
     tokens_per_step = train.batch_size * train.grad_accum * blocks.shape[-1] * processes.world
     bar = tqdm(total=steps, initial=start, desc=stage, disable=not (progress and processes.is_main), unit="step")
     metrics_file = open(metrics_path, "a", encoding="utf-8") if processes.is_main else None
@@ -138,9 +226,8 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
     try:
         for step in range(start + 1, steps + 1):
             began = time.perf_counter()
-            for group in optimizer.param_groups:
-                group["lr"] = lr * min(1.0, step / train.warmup_steps) if train.warmup_steps else lr
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.set_lr(lr * min(1.0, step / train.warmup_steps) if train.warmup_steps else lr)
+            optimizer.zero_grad()
             total, extra, first_rows = 0.0, {}, None
             for micro in range(train.grad_accum):
                 index = ((step - 1) * train.grad_accum + micro) * processes.world + processes.rank
@@ -150,16 +237,13 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
                 if not torch.isfinite(loss):
                     raise NonFiniteLoss(f"{stage}: the loss is {loss.item()} at step {step}; last good checkpoint: "
                                         f"{last_good or 'none (no checkpoint written yet)'}")
-                (loss / train.grad_accum).backward()
+                optimizer.backward(loss)
                 total += loss.item() / train.grad_accum
-            processes.average_gradients(parameters.values())
-            if train.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(list(parameters.values()), train.max_grad_norm)
             optimizer.step()
             seconds = time.perf_counter() - began
-            row = {"stage": stage, "step": step, "loss": processes.mean(total), "lr": optimizer.param_groups[0]["lr"],
-                   "tokens_per_s": tokens_per_step / seconds, "world_size": processes.world,
-                   **{k: processes.mean(float(v)) for k, v in extra.items()}}
+            row = {"stage": stage, "step": step, "loss": processes.mean(total), "lr": lr if not train.warmup_steps
+                   else lr * min(1.0, step / train.warmup_steps), "tokens_per_s": tokens_per_step / seconds,
+                   "world_size": processes.world, **{k: processes.mean(float(v)) for k, v in extra.items()}}
             first_tokens = processes.gather(first_rows)  # which data each rank trained on (first token per row)
             history.append(row)
             if metrics_file and (step % log_every == 0 or step == steps):
@@ -171,12 +255,8 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
             bar.set_postfix(loss=f"{row['loss']:.4g}", tok_s=f"{row['tokens_per_s']:.0f}")
             bar.update()
             if step % checkpoint_every == 0 or step == steps:
-                if processes.is_main:
-                    _save_atomically({"step": step, "history": history, "optimizer": optimizer.state_dict(),
-                                      "parameters": {n: t.detach().cpu().clone() for n, t in parameters.items()}},
-                                     path)
-                processes.barrier()
-                last_good = path
+                optimizer.save(step, history)
+                last_good = optimizer.path
     finally:
         bar.close()
         if metrics_file:

@@ -1,5 +1,6 @@
 """Recipes: YAML loading, data packing, the training loop (resume after a kill, NaN stop) and the two stages."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -56,6 +57,8 @@ def test_recipe_errors_name_the_file_and_key(tmp_path):
         load_recipe([bad])
     with pytest.raises(RecipeError, match=r"--set train.batch_size=two: 'train.batch_size' must be int"):
         load_recipe([], ["train.batch_size=two"])
+    with pytest.raises(RecipeError, match="train.strategy must be 'ddp' or 'deepspeed'"):
+        load_recipe([], ["train.strategy=fsdp2"])
     with pytest.raises(RecipeError, match="unknown key 'stage9'"):
         load_recipe([], ["stage9.steps=1"])
     with pytest.raises(RecipeError, match="cannot read the recipe"):
@@ -279,6 +282,27 @@ def test_finetune_lowers_the_heldout_answer_loss(teacher_dir, tmp_path):
     assert summary["train_examples"] == 36 and (tmp_path / "sft" / "model" / "model.safetensors").exists()
     with pytest.raises(ValueError, match="needs model.student"):
         finetune(load_recipe([], [f"output.dir={tmp_path / 'x'}"]), progress=False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_deepspeed_zero2_under_torchrun_matches_data_parallel(teacher_dir, tmp_path):
+    """DeepSpeed ZeRO-2, 2 CPU processes under torchrun (gloo): the same losses as plain gradient averaging."""
+    runs = {}
+    for strategy in ("ddp", "deepspeed"):
+        out = tmp_path / strategy
+        command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "-m",
+                   "hf_mixers.cli", "distill"]
+        for item in small(teacher_dir, out, "stage1.enabled=false", "stage2.steps=3", "train.batch_size=1",
+                          f"train.strategy={strategy}", "output.checkpoint_every=3"):
+            command += ["--set", item]
+        result = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+                                              "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[strategy] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert (tmp_path / "deepspeed" / "checkpoints" / "stage2-deepspeed" / "latest").exists()
+    assert [r["world_size"] for r in runs["deepspeed"]] == [2, 2, 2]
+    for got, want in zip(runs["deepspeed"], runs["ddp"]):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * max(1.0, abs(want["loss"])), (got, want)
 
 
 def test_cli_distill_reports_recipe_errors(capsys, tmp_path):
