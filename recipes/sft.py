@@ -110,6 +110,8 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
             raise ValueError("finetune needs model.student: the folder of a converted or distilled model")
         student = AutoModelForCausalLM.from_pretrained(recipe.model.student, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(recipe.model.student)
+    if tokenizer is None:
+        raise ValueError("finetune: a model passed in needs its tokenizer (tokenizer=...)")
     processes = Processes(_accelerator())
     started = time.perf_counter()
     examples = chat_examples(section.source)

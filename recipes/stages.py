@@ -150,7 +150,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None) -
     train_ids, heldout_ids = train_ids.to(device), heldout_ids.to(device)
 
     evaluations = {"init": compare_to_teacher(teacher.model, student, heldout_ids)}
-    histories, torch_seed = {}, recipe.train.seed
+    histories = {}
     common = dict(blocks=train_ids, train=recipe.train, out_dir=out, checkpoint_every=recipe.output.checkpoint_every,
                   log_every=recipe.output.log_every, progress=progress, processes=processes)
     student.train()
@@ -165,7 +165,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None) -
                                         steps=recipe.stage1.steps, lr=recipe.train.lr, **common)
         evaluations["stage1"] = compare_to_teacher(teacher.model, student, heldout_ids)
     if recipe.stage2.enabled and recipe.stage2.steps > 0:
-        peft_model = add_lora(student, recipe.stage2, torch_seed)
+        peft_model = add_lora(student, recipe.stage2, recipe.train.seed)
         parameters = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
         loss_fn = distillation_loss(peft_model, teacher.model, recipe.stage2.temperature, recipe.stage2.ce_weight)
         histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
@@ -179,7 +179,8 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None) -
                "sequence_length": length, "evaluations": evaluations,
                "stages": {name: {"steps": len(h), "first_loss": h[0]["loss"] if h else None,
                                  "final_loss": h[-1]["loss"] if h else None,
-                                 "tokens": len(h) * recipe.train.batch_size * recipe.train.grad_accum * length}
+                                 "tokens": len(h) * recipe.train.batch_size * recipe.train.grad_accum * length
+                                 * processes.world}
                           for name, h in histories.items()},
                "seconds": time.perf_counter() - started, "model_dir": model_dir, "world_size": processes.world}
     if processes.is_main:
