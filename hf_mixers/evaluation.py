@@ -21,14 +21,14 @@ def compare_to_teacher(teacher_model, student, heldout_ids, teacher_hidden=None,
     nll_teacher = nll_student = kl = agree = 0.0
     for row in range(heldout_ids.shape[0]):
         ids = heldout_ids[row:row + 1]
-        hidden = (teacher_model.model(ids, use_cache=False).last_hidden_state if teacher_hidden is None
-                  else teacher_hidden[row:row + 1])[0, :-1]
-        student_hidden = student.model(ids, use_cache=False).last_hidden_state[0, :-1]
+        hidden = (teacher_model.model(ids.to(teacher_model.device), use_cache=False).last_hidden_state
+                  if teacher_hidden is None else teacher_hidden[row:row + 1])[0, :-1]
+        student_hidden = student.model(ids.to(student.device), use_cache=False).last_hidden_state[0, :-1]
         for start in range(0, ids.shape[1] - 1, positions):
             span = slice(start, min(start + positions, ids.shape[1] - 1))
-            teacher_logp = F.log_softmax(teacher_model.lm_head(hidden[span]).float(), -1)
-            student_logp = F.log_softmax(student.lm_head(student_hidden[span]).float(), -1)
-            targets = ids[0, 1:][span, None]
+            teacher_logp = F.log_softmax(teacher_model.lm_head(hidden[span]).float(), -1).cpu()
+            student_logp = F.log_softmax(student.lm_head(student_hidden[span]).float(), -1).cpu()
+            targets = ids[0, 1:][span, None].cpu()
             nll_teacher -= teacher_logp.gather(-1, targets).sum().item()
             nll_student -= student_logp.gather(-1, targets).sum().item()
             kl += (teacher_logp.exp() * (teacher_logp - student_logp)).sum().item()

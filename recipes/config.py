@@ -14,6 +14,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+import torch
 import yaml
 
 
@@ -24,6 +25,7 @@ class ModelSection:
     mixer: str = "rsa"
     keep_attention: str | None = None  # "0,5" or "auto:K"
     mixer_options: dict = field(default_factory=dict)
+    teacher_device: str | None = None  # e.g. "cuda:1": the teacher on its own device (None = the student's)
 
 
 @dataclass
@@ -146,6 +148,11 @@ def _validate(recipe: Recipe, origin: str) -> None:
     for ok, message in checks:
         if not ok:
             raise RecipeError(f"{origin}: {message}")
+    if recipe.model.teacher_device is not None:
+        try:
+            torch.device(recipe.model.teacher_device)
+        except RuntimeError as error:
+            raise RecipeError(f"{origin}: model.teacher_device: {error}") from None
 
 
 def _merge(target, data: dict, origin: str, prefix: str) -> None:

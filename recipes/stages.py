@@ -68,24 +68,29 @@ def attention_transfer_loss(student, teacher_model, layers):
         handles = [blocks[i].self_attn.register_forward_hook(hook(i), with_kwargs=True) for i in layers]
         try:
             with torch.no_grad():
-                teacher_model.model(batch, use_cache=False)
+                teacher_model.model(batch.to(teacher_model.device), use_cache=False)
         finally:
             for handle in handles:
                 handle.remove()
         losses = []
         for index in layers:
-            hidden, rope, target = captured[index]
-            output = student.model.layers[index].mixer(hidden, rope)
+            hidden, (cos, sin), target = (_to(t, student.device) for t in captured[index])
+            output = student.model.layers[index].mixer(hidden, (cos, sin))
             losses.append((output.float() - target.float()).pow(2).mean() / target.float().pow(2).mean().clamp_min(1e-12))
         return torch.stack(losses).mean(), {}
     return loss_fn
 
 
+def _to(value, device):
+    return tuple(_to(v, device) for v in value) if isinstance(value, tuple) else value.to(device)
+
+
 def distillation_loss(student, teacher_model, temperature: float, ce_weight: float):
     """Stage 2: T^2 KL(softmax(teacher / T) || softmax(student / T)) per token, + ce_weight x CE."""
     def loss_fn(batch):
-        with torch.no_grad():
-            teacher_logits = teacher_model(batch, use_cache=False).logits.float()
+        with torch.no_grad():  # the teacher may sit on another device (model.teacher_device)
+            teacher_logits = teacher_model(batch.to(teacher_model.device), use_cache=False).logits.float()
+        teacher_logits = teacher_logits.to(batch.device)
         student_logits = student(input_ids=batch, use_cache=False).logits.float()
         vocab = student_logits.shape[-1]
         kl = F.kl_div(F.log_softmax(student_logits.view(-1, vocab) / temperature, -1),
@@ -141,7 +146,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None) -
         student, _ = convert(teacher, recipe.model.mixer, keep_attention=recipe.model.keep_attention,
                              mixer_options=recipe.model.mixer_options, seed=recipe.train.seed, progress=progress)
     device = processes.accelerator.device
-    teacher.model.to(device)
+    teacher.model.to(recipe.model.teacher_device or device)
     student.to(device)
     train_text, heldout_text, data_name = split_texts(recipe.data.source, recipe.data.heldout_fraction)
     length = recipe.data.sequence_length

@@ -59,6 +59,8 @@ def test_recipe_errors_name_the_file_and_key(tmp_path):
         load_recipe([], ["train.batch_size=two"])
     with pytest.raises(RecipeError, match="train.strategy must be 'ddp' or 'deepspeed'"):
         load_recipe([], ["train.strategy=fsdp2"])
+    with pytest.raises(RecipeError, match="model.teacher_device: .*gpu7"):
+        load_recipe([], ["model.teacher_device=gpu7"])
     with pytest.raises(RecipeError, match="unknown key 'stage9'"):
         load_recipe([], ["stage9.steps=1"])
     with pytest.raises(RecipeError, match="cannot read the recipe"):
@@ -135,7 +137,7 @@ def test_attention_transfer_uses_teacher_inputs(teacher_dir):
 
 def test_full_run_exports_a_model_that_loads_without_hf_mixers(teacher_dir, tmp_path):
     out = tmp_path / "run"
-    summary = distill(load_recipe([], small(teacher_dir, out)), progress=False)
+    summary = distill(load_recipe([], small(teacher_dir, out, "model.teacher_device=cpu")), progress=False)
     assert set(summary["evaluations"]) == {"init", "stage1", "stage2"}
     assert summary["stages"]["stage2"]["steps"] == 4
     for name in ("summary.json", "metrics.jsonl", "loss_curve.png", "recipe.json", "model/config.json"):
