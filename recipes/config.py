@@ -55,6 +55,7 @@ class AttentionTransferSection:  # stage 1
     enabled: bool = True
     steps: int = 100
     train_qkv: bool = False  # also train the converted layers' q/k/v projections
+    blockwise: bool = False  # one layer at a time from teacher activations cached on disk (recipes/blockwise.py)
 
 
 @dataclass

@@ -166,8 +166,12 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None) -
             parameter.requires_grad_(False)
         for parameter in parameters.values():
             parameter.requires_grad_(True)
-        histories["stage1"] = run_stage("stage1", attention_transfer_loss(student, teacher.model, layers), parameters,
-                                        steps=recipe.stage1.steps, lr=recipe.train.lr, **common)
+        if recipe.stage1.blockwise:
+            histories["stage1"] = _blockwise_stage1(student, teacher.model, layers, parameters, recipe, train_ids,
+                                                    common)
+        else:
+            histories["stage1"] = run_stage("stage1", attention_transfer_loss(student, teacher.model, layers),
+                                            parameters, steps=recipe.stage1.steps, lr=recipe.train.lr, **common)
         evaluations["stage1"] = compare_to_teacher(teacher.model, student, heldout_ids)
     if recipe.stage2.enabled and recipe.stage2.steps > 0:
         peft_model = add_lora(student, recipe.stage2, recipe.train.seed)
@@ -195,6 +199,30 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None) -
         plot_losses(histories, os.path.join(out, "loss_curve.png"))
     processes.barrier()
     return {**summary, "model": student}
+
+
+def _blockwise_stage1(student, teacher_model, layers, parameters, recipe, train_ids, common) -> list[dict]:
+    """Stage 1 one layer at a time from cached teacher activations (recipes/blockwise.py); one history row per
+    step with the mean relative MSE over layers (the sum of the scaled per-layer losses), like the joint stage."""
+    from .blockwise import capture_activations, layer_loss
+
+    if common["processes"].world > 1:
+        raise ValueError("stage1.blockwise runs in one process (the cache is written once); launch it without "
+                         "torchrun, or set stage1.blockwise=false")
+    cache = capture_activations(teacher_model, layers, train_ids, recipe.train.batch_size,
+                                os.path.join(recipe.output.dir, "stage1-cache"))
+    row_indices = torch.arange(train_ids.shape[0])[:, None]  # batches of cache rows, drawn like token blocks
+    histories = []
+    for index in layers:
+        prefix = f"model.layers.{index}.mixer."
+        own = {name: p for name, p in parameters.items() if name.startswith(prefix)}
+        mixer = student.model.layers[index].mixer
+        loss_fn = layer_loss(mixer, cache["layers"][index], cache["rope"], student.device, scale=1 / len(layers))
+        histories.append(run_stage(f"stage1-layer{index}", loss_fn,
+                                   own, **{**common, "blocks": row_indices}, steps=recipe.stage1.steps,
+                                   lr=recipe.train.lr, tokens_per_row=train_ids.shape[1]))
+    return [{"stage": "stage1", "step": rows[0]["step"], "loss": sum(r["loss"] for r in rows)}
+            for rows in zip(*histories)]
 
 
 def save_model(model, model_dir: str, tokenizer) -> None:

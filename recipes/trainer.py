@@ -195,12 +195,13 @@ STRATEGIES = {"ddp": LocalOptimizer, "deepspeed": DeepSpeedOptimizer}
 
 def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps: int, train, lr: float,
               out_dir: str, checkpoint_every: int, log_every: int = 1, progress: bool = True,
-              processes: Processes | None = None) -> list[dict]:
+              processes: Processes | None = None, tokens_per_row: int | None = None) -> list[dict]:
     """Train ``parameters`` (name -> tensor with requires_grad) for ``steps`` optimiser steps on ``blocks``.
 
     ``loss_fn(batch) -> (loss, metrics)``. Returns the history: one dict per step (step, loss, metrics). With
     several processes each rank takes its own micro-batches, gradients are averaged (``train.strategy: ddp``) or
-    reduce-scattered by DeepSpeed ZeRO (``deepspeed``); rank 0 writes metrics.
+    reduce-scattered by DeepSpeed ZeRO (``deepspeed``); rank 0 writes metrics. ``tokens_per_row`` (default: the
+    blocks' last dimension) is what one row stands for in the tokens/s figure.
     """
     processes = processes or Processes()
     os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
@@ -219,7 +220,7 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
         return history
 
     last_good = optimizer.path if restored is not None else None
-    tokens_per_step = train.batch_size * train.grad_accum * blocks.shape[-1] * processes.world
+    tokens_per_step = train.batch_size * train.grad_accum * (tokens_per_row or blocks.shape[-1]) * processes.world
     bar = tqdm(total=steps, initial=start, desc=stage, disable=not (progress and processes.is_main), unit="step")
     metrics_file = open(metrics_path, "a", encoding="utf-8") if processes.is_main else None
     board = _tensorboard(os.path.join(out_dir, "tensorboard")) if processes.is_main else None

@@ -126,6 +126,21 @@ def test_stage1_trains_only_new_mixer_parameters_and_lowers_the_loss(teacher_dir
     assert with_qkv and all(n.split(".")[-2] in ("q_proj", "k_proj", "v_proj") for n in with_qkv)
 
 
+def test_blockwise_stage1_equals_joint_stage1(teacher_dir, tmp_path):
+    """One layer at a time from the disk cache = all layers together (clipping off: Adam ignores the 1/L)."""
+    models = {}
+    for mode in ("false", "true"):
+        summary = distill(load_recipe([], small(teacher_dir, tmp_path / mode, "stage1.steps=5", "stage2.enabled=false",
+                                               f"stage1.blockwise={mode}", "train.max_grad_norm=0")), progress=False)
+        models[mode] = summary["model"]
+    joint, blockwise = (new_mixer_parameters(models[m]) for m in ("false", "true"))
+    assert joint.keys() == blockwise.keys()
+    for name in joint:
+        torch.testing.assert_close(blockwise[name], joint[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert sorted(os.listdir(tmp_path / "true" / "checkpoints")) == [f"stage1-layer{i}.pt" for i in range(3)]
+    assert (tmp_path / "true" / "stage1-cache" / "complete").exists()
+
+
 def test_attention_transfer_uses_teacher_inputs(teacher_dir):
     from hf_mixers.conversion import convert, load_teacher
 
