@@ -10,6 +10,8 @@
 - A NaN or inf loss stops the run with the step and the last good checkpoint named.
 - Progress bar with loss and tokens/s; one JSON line per logged step in ``metrics.jsonl``, and the same scalars
   as TensorBoard events under ``tensorboard/``.
+- Several processes (torchrun / accelerate launch): rank r takes micro-batches r, r + world, ...; the gradients
+  are averaged (``LocalOptimizer``) or handed to DeepSpeed ZeRO-1/2 (``DeepSpeedOptimizer``); rank 0 writes.
 """
 
 from __future__ import annotations
