@@ -15,7 +15,12 @@ of the same scores (sigmoid). Reading with query q (per query head) against the 
     act_i = sigmoid(tau q.SK_i) | softmax(tau q.SK_i [+ log mass_0 at level 0])      (readout "sigmoid" | "softmax_count")
     atil_i = w_a relu(act_i @ W_i - theta_i) + theta_i / m
     chain_i = atil_0 (i = 0) | (chain_{i-1} @ R_{i-1}) * atil_i (relation) | chain_{i-1} * atil_i | atil_i (none)
-    a_i = chain_i @ W_r_i;   o = sum_i a_i @ SV_i / max(sum_i sum(a_i), eps)   [+ sum_i (q @ W_qr_i / 16) @ SV_i]
+    a_i = chain_i @ W_r_i;   o = sum_i a_i @ SV_i / max(sum_i sum(|a_i|), eps)   [+ sum_i (q @ W_qr_i / 16) @ SV_i]
+
+The normaliser is the total *absolute* read weight (spec §12 item 13: W and W_r are unconstrained, so a can turn
+negative). With the signed sum it can pass through zero while the numerator does not, and the output explodes:
+seen in a 200-step SmolLM2 distillation (a stage-1 relative MSE of 1.5e6 at one step, stage 2 diverging). With
+|a| the output is bounded by the largest value slot; while a >= 0 (at init) the two are identical.
 
 Optional decay (GLA-style, ``log_decay`` (B, G, T) <= 0): before token t writes, the data sums (key/value sums,
 mass, relations) are multiplied by exp(log_decay_t); the prototype prior never decays, padding never decays.
@@ -206,7 +211,7 @@ def rsa_step(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None)
         else:
             chains.append(sparse[:, :, :, i])
     a = torch.einsum("bghlm,ghlmn->bghln", torch.stack(chains, 3), _per_head(params.mix_proj, groups))
-    out = torch.einsum("bghlm,bglmd->bghd", a, slots_v) / a.sum((-1, -2)).clamp_min(eps)[..., None]
+    out = torch.einsum("bghlm,bglmd->bghd", a, slots_v) / a.abs().sum((-1, -2)).clamp_min(eps)[..., None]
     if params.query_read is not None:
         weights = torch.einsum("bghd,ghldm->bghlm", q, _per_head(params.query_read, groups)) / 16
         out = out + torch.einsum("bghlm,bglmd->bghd", weights, slots_v)
@@ -290,7 +295,7 @@ def _chunk(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None):
             chain = chain * sparse
         a = chain @ mix_proj[None, :, :, i]
         numerator = numerator + causal_read(a, i)
-        denominator = denominator + a.sum(-1)
+        denominator = denominator + a.abs().sum(-1)  # total absolute weight: bounded output (module docstring)
     out = numerator / denominator.clamp_min(eps)[..., None]
     if params.query_read is not None:
         query_read = _per_head(params.query_read, groups)

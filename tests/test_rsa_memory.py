@@ -191,3 +191,16 @@ def test_recomputed_chunks_give_the_same_gradients():
         grads.append(torch.autograd.grad(out.pow(2).sum(), leaves))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["chunked", "recurrent"])
+def test_output_stays_bounded_when_signed_read_weights_cancel(method):
+    """Spec §12.13: W_r rows summing to zero make sum(a) == 0; the |a| normaliser keeps |o| <= max |v|."""
+    params = make_params(routing="none")
+    slots = params.mix_proj.shape[-1]
+    params.mix_proj = (torch.eye(slots, dtype=F64) - 1.0 / slots).expand_as(params.mix_proj).clone()
+    q, k, v, valid = make_inputs(params)
+    state = initial_state(params, q.shape[0], v.shape[-1], F64)
+    out, _ = rsa_memory(q, k, v, valid, state, params, method=method)
+    assert torch.isfinite(out).all()
+    assert out.abs().max() <= v.abs().max() * (1 + 1e-9)
