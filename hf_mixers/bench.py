@@ -246,9 +246,17 @@ def _plot(report: dict, path: str) -> None:
         memory_axis.plot([r["T"] for r in rows], [r["peak_bytes"] / 2**20 for r in rows], marker="o", label=kind)
     format_log_axes([(time_axis, "forward+backward (s)"), (memory_axis, "peak memory (MiB)")], "sequence length T")
     shape = report["shape"]
-    figure.suptitle(f"Sessa mixer vs SDPA attention -- {report['device']}, {report['dtype']}, batch {shape['batch']},"
-                    f" hidden {shape['hidden']}, heads {shape['heads']}/{shape['kv_heads']}, "
-                    f"feedback dim {shape['feedback_dim']}, chunk {shape['chunk_size']}")
+    save_figure(figure, path, f"Sessa mixer vs SDPA attention -- {report['device']}, {report['dtype']}, batch "
+                f"{shape['batch']}, hidden {shape['hidden']}, heads {shape['heads']}/{shape['kv_heads']}, "
+                f"feedback dim {shape['feedback_dim']}, chunk {shape['chunk_size']}")
+
+
+def save_figure(figure, path: str, title: str | None = None) -> None:
+    """Title, tight layout, PNG at 110 dpi, and the figure closed (every plot of the project ends this way)."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

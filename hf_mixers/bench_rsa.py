@@ -21,8 +21,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from .bench import (build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, rotary_embeddings, time_interleaved,
-                    format_log_axes, write_report)
+from .bench import (build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, rotary_embeddings, save_figure,
+                    time_interleaved, format_log_axes, write_report)
 from .cache import cache_nbytes
 from .config import MixerConfig, RSAConfig
 from .modeling import MixerForCausalLM, RSAForCausalLM
@@ -149,12 +149,9 @@ def _plot(report, path):
     titles = ("training fwd+bwd (s)", "training peak memory (MiB)", "decode latency per token (ms)")
     format_log_axes(list(zip(axes, titles)), "context length")
     shape = report["shape"]
-    figure.suptitle(f"RSA vs attention -- {report['device']}, fp32, hidden {shape['hidden']}, heads "
-                    f"{shape['heads']}/{shape['kv_heads']}, {shape['levels']}x{shape['slots']} slots, "
-                    f"chunk {shape['chunk_size']}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path, f"RSA vs attention -- {report['device']}, fp32, hidden {shape['hidden']}, heads "
+                f"{shape['heads']}/{shape['kv_heads']}, {shape['levels']}x{shape['slots']} slots, "
+                f"chunk {shape['chunk_size']}")
 
 
 def _print(report):

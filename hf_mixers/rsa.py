@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from .attention import FullAttention, attention_output_error  # noqa: F401  (re-exported)
+from .attention import FullAttention
 from .kernels.feedback_solve import compute_dtype
 from .kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, rsa_memory
 

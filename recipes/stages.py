@@ -23,14 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import TEACHER_MODULES
+from ..bench import save_figure
+from ..config import ATTENTION_TYPES
+from ..corpus import split_texts
 from ..conversion import convert, load_teacher
 from ..evaluation import compare_to_teacher
 from ..export import save_atomically
 from .config import Recipe
-from .data import pack, split_texts
+from .data import pack
 from .trainer import Processes, run_stage
 
-ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
 
 def converted_layers(model) -> list[int]:
@@ -259,6 +261,4 @@ def plot_losses(histories: dict, path: str) -> None:
         if min(row["loss"] for row in histories[name]) > 0:
             axis.set_yscale("log")
         axis.grid(True, alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path)

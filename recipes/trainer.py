@@ -229,7 +229,8 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
     try:
         for step in range(start + 1, steps + 1):
             began = time.perf_counter()
-            optimizer.set_lr(lr * min(1.0, step / train.warmup_steps) if train.warmup_steps else lr)
+            step_lr = lr * min(1.0, step / train.warmup_steps) if train.warmup_steps else lr
+            optimizer.set_lr(step_lr)
             optimizer.zero_grad()
             total, extra, first_rows = 0.0, {}, None
             for micro in range(train.grad_accum):
@@ -244,8 +245,8 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
                 total += loss.item() / train.grad_accum
             optimizer.step()
             seconds = time.perf_counter() - began
-            row = {"stage": stage, "step": step, "loss": processes.mean(total), "lr": lr if not train.warmup_steps
-                   else lr * min(1.0, step / train.warmup_steps), "tokens_per_s": tokens_per_step / seconds,
+            row = {"stage": stage, "step": step, "loss": processes.mean(total), "lr": step_lr,
+                   "tokens_per_s": tokens_per_step / seconds,
                    "world_size": processes.world, **{k: processes.mean(float(v)) for k, v in extra.items()}}
             first_tokens = processes.gather(first_rows)  # which data each rank trained on (first token per row)
             history.append(row)

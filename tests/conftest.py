@@ -53,6 +53,20 @@ def step_through(model, ids, mask, prefill):
     return torch.cat(logits, dim=1), cache
 
 
+def cache_bytes_in_two_calls(model, ids, split):
+    """Feed ids[:, :split], then the rest, through one cache: (cache, bytes after the first call, after both)."""
+    from transformers import DynamicCache
+
+    from hf_mixers.cache import cache_nbytes
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :split], past_key_values=cache, use_cache=True)
+        first = cache_nbytes(cache)
+        model(ids[:, split:], past_key_values=cache, use_cache=True)
+    return cache, first, cache_nbytes(cache)
+
+
 TEACHER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -102,4 +116,4 @@ def _seed():
     torch.manual_seed(0)
 
 
-__all__ = ["TEACHER_FAMILIES", "tiny_teacher", "tiny_tokenizer", "TINY", "tiny_config", "tiny_sessa_model", "turn_on_feedback", "step_through", "MixerConfig", "SessaConfig"]
+__all__ = ["cache_bytes_in_two_calls", "TEACHER_FAMILIES", "tiny_teacher", "tiny_tokenizer", "TINY", "tiny_config", "tiny_sessa_model", "turn_on_feedback", "step_through", "MixerConfig", "SessaConfig"]

@@ -202,6 +202,18 @@ def test_missing_and_corrupt_weight_files(teachers, tmp_path):
         load_teacher(str(no_config))
 
 
+def test_a_weight_index_naming_a_missing_shard_is_refused(teachers, tmp_path):
+    import shutil
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(teachers["llama"], sharded)
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="lists shards that are missing: .*model-00001-of-00002"):
+        load_teacher(str(sharded))
+
+
 def test_incomplete_weights_are_refused(teachers, tmp_path):
     import shutil
 

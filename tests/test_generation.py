@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import step_through, tiny_sessa_model
-from hf_mixers.cache import SessaCacheLayer, cache_nbytes
+from conftest import cache_bytes_in_two_calls, step_through, tiny_sessa_model
+from hf_mixers.cache import SessaCacheLayer
 
 F64 = torch.float64
 
@@ -115,14 +115,9 @@ def test_generate_with_default_arguments_and_beam_search():
 
 def test_cache_bytes_grow_with_context():
     model = tiny_sessa_model()
-    ids = torch.randint(1, 101, (1, 16))
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(ids[:, :8], past_key_values=cache, use_cache=True)
-        small = cache_nbytes(cache)
-        model(ids[:, 8:], past_key_values=cache, use_cache=True)
+    _, small, full = cache_bytes_in_two_calls(model, torch.randint(1, 101, (1, 16)), 8)
     # per token and layer: K and V (2 kv heads x 16) fp32, feedback keys 64 fp32, outputs 64 fp32
-    assert cache_nbytes(cache) == 2 * small == 2 * 2 * 8 * (2 * 32 + 64 + 64) * 4
+    assert full == 2 * small == 2 * 2 * 8 * (2 * 32 + 64 + 64) * 4
 
 
 def test_mask_that_does_not_cover_the_cache_is_refused():

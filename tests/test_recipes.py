@@ -14,7 +14,8 @@ import torch
 from conftest import tiny_teacher, tiny_tokenizer
 from hf_mixers.cli import main as cli_main
 from hf_mixers.recipes import RecipeError, distill, load_recipe
-from hf_mixers.recipes.data import pack, split_texts
+from hf_mixers.corpus import split_texts
+from hf_mixers.recipes.data import pack
 from hf_mixers.recipes.stages import attention_transfer_loss, converted_layers, new_mixer_parameters
 from hf_mixers.recipes.trainer import NonFiniteLoss, batch_at
 from hf_mixers.remote_check import load_in_fresh_process
@@ -89,6 +90,14 @@ def test_heldout_split_is_never_trained_on(tmp_path):
     text.write_text("".join(f"Sentence number {i} of the notes.\n\n" for i in range(1000)))
     train, heldout, name = split_texts(str(text), 0.25)
     assert name == str(text) and "number 999" in heldout and "number 999" not in train
+    import datasets
+
+    parquet = tmp_path / "notes.parquet"
+    datasets.Dataset.from_dict({"text": [f"Row {i} of the table." for i in range(100)]}).to_parquet(str(parquet))
+    train, heldout, _ = split_texts(str(parquet), 0.1)
+    assert "Row 0 of" in train and "Row 99 of" in heldout and "Row 99 of" not in train
+    with pytest.raises(ValueError, match="heldout_fraction must lie in"):
+        split_texts(str(text), 1.5)
 
 
 def test_pack_makes_fixed_length_blocks():
@@ -278,6 +287,20 @@ def test_sft_encoding_trains_only_the_answer():
     assert tokenizer.decode([t for t in labels.tolist() if t != -100]).startswith("assistant: Yes, my lord.")
     speeches = chat_examples(None)
     assert len(speeches) > 100 and speeches[0][0]["content"].startswith("Continue this speech by")
+
+
+def test_sft_data_errors_name_the_line(tmp_path, capsys):
+    from hf_mixers.recipes.sft import chat_examples
+
+    bad = tmp_path / "chat.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"question": "c"}\n')
+    with pytest.raises(ValueError, match="chat.jsonl, line 2: expected"):
+        chat_examples(str(bad))
+    bad.write_text(json.dumps({"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]}))
+    with pytest.raises(ValueError, match="line 1: the last message must be the assistant's"):
+        chat_examples(str(bad))
+    assert cli_main(["finetune", "--set", f"output.dir={tmp_path / 'out'}"]) == 2
+    assert "finetune needs model.student" in capsys.readouterr().err
 
 
 def test_finetune_lowers_the_heldout_answer_loss(teacher_dir, tmp_path):

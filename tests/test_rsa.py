@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY, step_through, tiny_config
+from conftest import TINY, cache_bytes_in_two_calls, step_through, tiny_config
 from hf_mixers import RSAConfig, RSAForCausalLM
-from hf_mixers.cache import RSACacheLayer, cache_nbytes
-from hf_mixers.rsa import RSAMixer, attention_output_error
+from hf_mixers.cache import RSACacheLayer
+from hf_mixers.attention import attention_output_error
+from hf_mixers.rsa import RSAMixer
 
 F64 = torch.float64
 RSA_SMALL = dict(rsa_num_levels=3, rsa_num_slots=8, rsa_chunk_size=4)
@@ -84,16 +85,11 @@ def test_generate_cached_equals_uncached_greedy_sampling_and_beams():
 
 def test_state_is_per_kv_head_and_constant_in_context_length():
     model = tiny_rsa_model()
-    ids = torch.randint(1, 101, (1, 40))
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(ids[:, :8], past_key_values=cache, use_cache=True)
-        small = cache_nbytes(cache)
-        model(ids[:, 8:], past_key_values=cache, use_cache=True)
+    cache, small, full = cache_bytes_in_two_calls(model, torch.randint(1, 101, (1, 40)), 8)
     layer = cache.layers[0]
     assert isinstance(layer, RSACacheLayer)
     assert layer.state.key_sum.shape == (1, 2, 3, 8, 16)  # (B, KV heads, levels, slots, head_dim): shared by GQA
-    assert cache_nbytes(cache) == small  # constant-size state
+    assert full == small  # constant-size state
 
 
 def test_query_heads_of_one_kv_head_share_its_memory():

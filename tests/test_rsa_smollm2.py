@@ -11,7 +11,8 @@ import torch
 
 from hf_mixers import RSAConfig
 from hf_mixers.corpus import shakespeare
-from hf_mixers.rsa import RSAMixer, attention_output_error
+from hf_mixers.attention import attention_output_error
+from hf_mixers.rsa import RSAMixer
 
 LAYERS = (0, 7, 15, 22, 29)
 LENGTH = 512
