@@ -14,41 +14,17 @@ Written to bench_rsa.json and bench_rsa.png, with the project's targets evaluate
 from __future__ import annotations
 
 import gc
-import statistics
-import time
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from .bench import (build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, rotary_embeddings, save_figure,
                     time_interleaved, format_log_axes, write_report)
-from .cache import cache_nbytes
+from .evaluation import decode_latency
 from .config import MixerConfig, RSAConfig
 from .modeling import MixerForCausalLM, RSAForCausalLM
 
 TRAIN_MIXERS = ("sdpa_attention", "rsa_chunked", "rsa_recompute")  # rsa_recompute: rsa_recompute_chunks=True
-
-
-def _decode_latency(model, context: int, decode_tokens: int, vocab: int, device) -> tuple[float, int]:
-    """Prefill ``context`` random tokens, decode one untimed, then time ``decode_tokens`` single-token steps;
-    returns (median s, cache bytes after the prefill)."""
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (1, context + 1 + decode_tokens), generator=generator).to(device)
-    cache = DynamicCache(config=model.config)
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    with torch.no_grad():
-        model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache_bytes = cache_nbytes(cache)
-        model(ids[:, context:context + 1], past_key_values=cache, use_cache=True)  # warm-up (compiles if asked)
-        times = []
-        for t in range(context + 1, context + 1 + decode_tokens):
-            synchronize()
-            start = time.perf_counter()
-            model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-            synchronize()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), cache_bytes
 
 
 def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4096, 16384), hidden_size=576,
@@ -91,7 +67,7 @@ def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 40
     decoding = []
     for context in tqdm(contexts, desc="bench rsa: decoding", unit="context"):
         for name, model in models.items():
-            latency, cache_bytes = _decode_latency(model.to(device).eval(), context, decode_tokens, 2048, device)
+            latency, cache_bytes = decode_latency(model.to(device).eval(), context, decode_tokens, 2048, device)
             decoding.append({"context": context, "model": name, "token_latency_s": latency,
                              "cache_bytes": cache_bytes})
 

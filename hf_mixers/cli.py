@@ -1,4 +1,5 @@
-"""The ``hf-mixers`` command line: ``convert``, ``distill``, ``finetune``, ``demo`` and ``bench sessa|rsa``."""
+"""The ``hf-mixers`` command line: ``convert``, ``distill``, ``finetune``, ``eval``, ``card``, ``push``, ``demo`` and
+``bench sessa|rsa|distill``."""
 
 from __future__ import annotations
 
@@ -74,6 +75,48 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("recipes", nargs="*", help="YAML recipe files (later files win)")
     finetune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
+    evaluate = commands.add_parser(
+        "eval", help="held-out perplexity, KL and agreement with the teacher, passkey retrieval, samples, decode speed",
+        description="Writes MODEL/eval_report.json and .md (or into --out). The teacher defaults to the one named "
+                    "in MODEL/conversion_report.json.")
+    evaluate.add_argument("model", help="a saved model folder (convert / distill / finetune output)")
+    evaluate.add_argument("--teacher", default="auto",
+                          help="any convert SOURCE; 'auto' (default): from the conversion report; 'none': no teacher")
+    evaluate.add_argument("--data", default=None,
+                          help="held-out text: file, folder or hub dataset, last 20%% held out (default: Shakespeare's "
+                               "held-out plays)")
+    evaluate.add_argument("--sequence-length", type=int, default=512, help="tokens per held-out sequence")
+    evaluate.add_argument("--heldout-sequences", type=int, default=8)
+    evaluate.add_argument("--passkey-lengths", type=_int_list, default=[256, 1024, 2048],
+                          help="passkey context lengths in tokens (default 256,1024,2048)")
+    evaluate.add_argument("--passkey-trials", type=int, default=5, help="prompts per length (default 5)")
+    evaluate.add_argument("--prompt", dest="prompts", action="append", default=None,
+                          help="a generation prompt (repeatable; default: three built-in prompts)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per sample")
+    evaluate.add_argument("--contexts", type=_int_list, default=[512, 2048], help="decode-speed contexts")
+    evaluate.add_argument("--decode-tokens", type=int, default=16, help="timed decode steps per context")
+    evaluate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    evaluate.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    evaluate.add_argument("--out", default=None, help="report folder (default: the model folder)")
+
+    card = commands.add_parser(
+        "card", help="write DIR/README.md: the model card (Hub metadata, conversion, recipe, evaluation, usage)")
+    card.add_argument("model", help="a saved model folder")
+    card.add_argument("--repo-id", default=None, help="the Hub repository it will be pushed to (for the usage "
+                                                      "snippet and the title)")
+    card.add_argument("--base-model", default=None, help="hub id of the teacher for the card metadata "
+                                                         "(default: from the conversion report)")
+    card.add_argument("--license", default=None, help="override the licence inherited from the teacher")
+
+    push = commands.add_parser(
+        "push", help="upload a model folder to the Hub after checking its card, weights and remote-code load",
+        description="The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT picks another endpoint.")
+    push.add_argument("model", help="a saved model folder with a card (hf-mixers card)")
+    push.add_argument("--repo-id", required=True, help="user/name or org/name")
+    push.add_argument("--private", action="store_true", help="create the repository as private")
+    push.add_argument("--revision", default=None, help="branch to push to (created if missing; default main)")
+    push.add_argument("--dry-run", action="store_true", help="list the files that would be uploaded, upload nothing")
+
     demo = commands.add_parser("demo", help="the main job: SmolLM2-135M -> RSA and Sessa, distilled, evaluated "
                                             "(about 15 minutes on 2 CPU cores)")
     demo.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
@@ -103,11 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.command == "convert":
         return _convert(args)
     if args.command in ("distill", "finetune"):
         return _train(args)
+    if args.command in ("eval", "card", "push"):
+        return _last_mile(args)
+    # The demo and the benchmarks run on the embedded assets: nothing may come from the hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.command == "demo":
         from .demo import run_demo
 
@@ -161,6 +207,39 @@ def _train(args) -> int:
         print(f"hf-mixers {args.command}: error: {error}", file=sys.stderr)
         return 2
     print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=2, default=str))
+    return 0
+
+
+def _last_mile(args) -> int:
+    from .model_cards.push import PushError
+
+    try:
+        if args.command == "eval":
+            from .eval_report import DEFAULT_PROMPTS, run_eval
+
+            report = run_eval(args.model, teacher=None if args.teacher == "none" else args.teacher, data=args.data,
+                              sequence_length=args.sequence_length, heldout_sequences=args.heldout_sequences,
+                              passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials,
+                              prompts=args.prompts or DEFAULT_PROMPTS, max_new_tokens=args.max_new_tokens,
+                              decode_contexts=args.contexts, decode_tokens=args.decode_tokens, dtype=args.dtype,
+                              device=args.device, out=args.out)
+            print(report.to_markdown())
+        elif args.command == "card":
+            from .model_cards.card import build_card
+
+            path = build_card(args.model, repo_id=args.repo_id, base_model=args.base_model, license=args.license)
+            print(f"wrote {path}")
+        else:
+            from .model_cards.push import format_files, push_folder
+
+            result = push_folder(args.model, args.repo_id, private=args.private, revision=args.revision,
+                                 dry_run=args.dry_run)
+            print(format_files(result["files"]))
+            print(f"dry run: nothing uploaded to {args.repo_id}" if args.dry_run
+                  else f"pushed to {args.repo_id}@{result['revision']}: {result['commit_url']}")
+    except (PushError, ValueError, FileNotFoundError, ConnectionError, ImportError) as error:
+        print(f"hf-mixers {args.command}: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

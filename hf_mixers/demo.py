@@ -18,24 +18,14 @@ import json
 import os
 import time
 
-import torch
-
 from .conversion import convert, load_teacher
 from .corpus import SMOLLM2_ALIAS
+from .evaluation import generate_sample
 from .export import check_output_folder
 
 PROMPT = "Write one line of verse about the sea."
 # (stage-1 steps, stage-2 steps) per mixer: the 15-minute budget on 2 CPU cores
 BUDGET = {"rsa": (80, 60), "sessa": (0, 60)}
-
-
-def generate_sample(model, tokenizer, max_new_tokens: int = 24) -> str:
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)
-    with torch.no_grad():
-        tokens = model.generate(**chat, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    return tokenizer.decode(tokens[0, chat["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
 def run_demo(out_dir: str, overwrite: bool = False, max_steps: int | None = None, mixers=("rsa", "sessa"),
@@ -47,9 +37,8 @@ def run_demo(out_dir: str, overwrite: bool = False, max_steps: int | None = None
     os.makedirs(out_dir, exist_ok=True)
     started = time.perf_counter()
     teacher = load_teacher(teacher_source)
-    summary = {"teacher": teacher_source, "prompt": PROMPT, "teacher_sample": generate_sample(teacher.model,
-                                                                                            teacher.tokenizer),
-               "mixers": {}}
+    summary = {"teacher": teacher_source, "prompt": PROMPT,
+               "teacher_sample": generate_sample(teacher.model, teacher.tokenizer, PROMPT), "mixers": {}}
     histories = {}
     for mixer in mixers:
         stage1, stage2 = BUDGET[mixer]
@@ -65,7 +54,7 @@ def run_demo(out_dir: str, overwrite: bool = False, max_steps: int | None = None
                                   f"stage2.steps={stage2}", f"stage2.enabled={str(stage2 > 0).lower()}",
                                   "stage2.lr=2e-4", "stage2.ce_weight=0.5", f"output.dir={folder}", "output.overwrite=true",
                                   "output.checkpoint_every=10"])
-        result = distill(recipe, teacher=teacher, student=student)
+        result = distill(recipe, teacher=teacher, student=student, conversion_report=report)
         metrics_path = os.path.join(folder, "metrics.jsonl")
         with open(metrics_path, encoding="utf-8") as handle:
             rows = [json.loads(line) for line in handle if line.strip()]
@@ -73,7 +62,7 @@ def run_demo(out_dir: str, overwrite: bool = False, max_steps: int | None = None
         summary["mixers"][mixer] = {
             "conversion": {"seconds": report.seconds, "layer_errors": [l.error for l in report.layers]},
             "evaluations": result["evaluations"], "stages": result["stages"], "model_dir": result["model_dir"],
-            "sample": generate_sample(result["model"], teacher.tokenizer)}
+            "sample": generate_sample(result["model"], teacher.tokenizer, PROMPT)}
         del student, result  # the next mixer's model takes its place in memory
         gc.collect()
     summary["seconds"] = time.perf_counter() - started

@@ -95,11 +95,14 @@ def heldout_loss(model, encoded, batch_size: int = 4) -> float:
     return sum(losses) / len(losses)
 
 
+FINETUNE_SUMMARY = "finetune_summary.json"
+
+
 def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None) -> dict:
     """Stage 3 on ``recipe.model.student`` (or the given model); returns the summary (OUT/summary.json)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .stages import _accelerator, add_lora, save_model
+    from .stages import _accelerator, add_lora, copy_history, save_model
 
     section, out = recipe.finetune, recipe.output.dir
     model_dir = os.path.join(out, "model")
@@ -138,7 +141,13 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
                "heldout_assistant_loss_before": before, "heldout_assistant_loss_after": heldout_loss(final, heldout_rows),
                "steps": len(history), "seconds": time.perf_counter() - started, "model_dir": model_dir}
     if processes.is_main:
-        save_model(final.eval(), model_dir, tokenizer)
+        def write_history(folder):  # the distilled model's history, and this stage's summary
+            if recipe.model.student:
+                copy_history(recipe.model.student, folder)
+            with open(os.path.join(folder, FINETUNE_SUMMARY), "w", encoding="utf-8") as handle:
+                json.dump({**summary, "model_dir": None, "recipe": recipe.to_dict()}, handle, indent=2)
+
+        save_model(final.eval(), model_dir, tokenizer, extra=write_history)
         with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as handle:
             json.dump(summary, handle, indent=2)
     processes.barrier()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import time
 
 import torch
@@ -118,12 +119,13 @@ def add_lora(student, stage2, seed: int):
     return peft_model
 
 
-def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None) -> dict:
+def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, conversion_report=None) -> dict:
     """Run the recipe's enabled stages; returns the summary (also written to OUT/summary.json).
 
-    ``teacher`` (a conversion.Teacher) and ``student`` (a converted model) may be passed in already loaded (the
-    demo converts once per mixer); otherwise they come from ``recipe.model``. The trained model is
-    ``summary["model"]`` (not serialised).
+    ``teacher`` (a conversion.Teacher) and ``student`` (a converted model, with its ``conversion_report``) may be
+    passed in already loaded (the demo converts once per mixer); otherwise they come from ``recipe.model``. The
+    trained model is ``summary["model"]`` (not serialised). The saved folder carries its history for the model
+    card: the conversion report, ``training_summary.json`` (this summary and the recipe) and ``loss_curve.png``.
     """
     out = recipe.output.dir
     model_dir = os.path.join(out, "model")
@@ -144,8 +146,9 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None) -
         from transformers import AutoModelForCausalLM
 
         student = AutoModelForCausalLM.from_pretrained(recipe.model.student, dtype=torch.float32)
+        conversion_report = read_conversion_report(recipe.model.student)
     elif student is None:
-        student, _ = convert(teacher, recipe.model.mixer, keep_attention=recipe.model.keep_attention,
+        student, conversion_report = convert(teacher, recipe.model.mixer, keep_attention=recipe.model.keep_attention,
                              mixer_options=recipe.model.mixer_options, seed=recipe.train.seed, progress=progress)
     device = processes.accelerator.device
     teacher.model.to(recipe.model.teacher_device or device)
@@ -187,7 +190,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None) -
     student.eval()
     summary = {"teacher": recipe.model.teacher, "mixer": recipe.model.mixer, "data": data_name,
                "layer_types": student.config.layer_types, "train_sequences": int(train_ids.shape[0]),
-               "sequence_length": length, "evaluations": evaluations,
+               "heldout_sequences": int(heldout_ids.shape[0]), "sequence_length": length, "evaluations": evaluations,
                "stages": {name: {"steps": len(h), "first_loss": h[0]["loss"] if h else None,
                                  "final_loss": h[-1]["loss"] if h else None,
                                  "tokens": len(h) * recipe.train.batch_size * recipe.train.grad_accum * length
@@ -195,7 +198,14 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None) -
                           for name, h in histories.items()},
                "seconds": time.perf_counter() - started, "model_dir": model_dir, "world_size": processes.world}
     if processes.is_main:
-        save_model(student, model_dir, teacher.tokenizer)
+        def write_history(folder):
+            if conversion_report is not None:
+                conversion_report.save(folder)
+            with open(os.path.join(folder, TRAINING_SUMMARY), "w", encoding="utf-8") as handle:
+                json.dump({**summary, "model_dir": None, "recipe": recipe.to_dict()}, handle, indent=2)
+            plot_losses(histories, os.path.join(folder, "loss_curve.png"))
+
+        save_model(student, model_dir, teacher.tokenizer, extra=write_history)
         with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as handle:
             json.dump(summary, handle, indent=2)
         plot_losses(histories, os.path.join(out, "loss_curve.png"))
@@ -227,13 +237,32 @@ def _blockwise_stage1(student, teacher_model, layers, parameters, recipe, train_
             for rows in zip(*histories)]
 
 
-def save_model(model, model_dir: str, tokenizer) -> None:
+def save_model(model, model_dir: str, tokenizer, extra=None) -> None:
     """The full model to ``model_dir``; an unmerged peft model also writes its adapter to ``<model_dir>-adapter``
-    (and ``model_dir`` gets the base model without LoRA, so the two load as base + adapter)."""
+    (and ``model_dir`` gets the base model without LoRA, so the two load as base + adapter). ``extra(folder)``
+    writes more files (the history) into the folder before it is renamed into place."""
     if hasattr(model, "peft_config"):
         save_atomically(model, f"{model_dir}-adapter", overwrite=True)
         model = copy.deepcopy(model).unload()
-    save_atomically(model, model_dir, tokenizer=tokenizer, overwrite=True)
+    save_atomically(model, model_dir, tokenizer=tokenizer, overwrite=True, extra=extra)
+
+
+TRAINING_SUMMARY = "training_summary.json"
+HISTORY_FILES = ("conversion_report.json", "conversion_report.md", TRAINING_SUMMARY, "loss_curve.png")
+
+
+def read_conversion_report(folder: str):
+    """The ConversionReport saved in ``folder`` (None when there is none: e.g. a model not made by convert)."""
+    from ..conversion.report import ConversionReport
+
+    return ConversionReport.load(folder) if os.path.isfile(os.path.join(folder, "conversion_report.json")) else None
+
+
+def copy_history(source: str, folder: str) -> None:
+    """Carry ``source``'s history files (conversion report, training summary, loss curve) into ``folder``."""
+    for name in HISTORY_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copy2(os.path.join(source, name), os.path.join(folder, name))
 
 
 def _accelerator():

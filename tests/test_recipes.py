@@ -166,6 +166,11 @@ def test_full_run_exports_a_model_that_loads_without_hf_mixers(teacher_dir, tmp_
     assert summary["stages"]["stage2"]["steps"] == 4
     for name in ("summary.json", "metrics.jsonl", "loss_curve.png", "recipe.json", "model/config.json"):
         assert (out / name).exists(), name
+    # the model folder carries its history for the model card
+    for name in ("conversion_report.json", "conversion_report.md", "training_summary.json", "loss_curve.png"):
+        assert (out / "model" / name).exists(), name
+    history = json.loads((out / "model" / "training_summary.json").read_text())
+    assert history["stages"] == summary["stages"] and history["recipe"]["stage2"]["steps"] == 4
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tensorboard"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["stage"], r["step"]) for r in rows] == [("stage1", s) for s in range(1, 5)] + \
@@ -320,6 +325,10 @@ def test_finetune_lowers_the_heldout_answer_loss(teacher_dir, tmp_path):
                        progress=False)
     assert summary["heldout_assistant_loss_after"] < 0.5 * summary["heldout_assistant_loss_before"]
     assert summary["train_examples"] == 36 and (tmp_path / "sft" / "model" / "model.safetensors").exists()
+    # the conversion report travels on; the stage's own summary joins it
+    assert (tmp_path / "sft" / "model" / "conversion_report.json").read_text() == \
+        (student / "conversion_report.json").read_text()
+    assert json.loads((tmp_path / "sft" / "model" / "finetune_summary.json").read_text())["steps"] == 8
     with pytest.raises(ValueError, match="needs model.student"):
         finetune(load_recipe([], [f"output.dir={tmp_path / 'x'}"]), progress=False)
 

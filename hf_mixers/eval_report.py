@@ -1,0 +1,197 @@
+"""``hf-mixers eval MODEL``: one report on a converted or distilled model, side by side with its teacher.
+
+    model (+ teacher)  ->  held-out perplexity, KL(teacher || model), top-1 agreement       (evaluation.py)
+                           passkey retrieval at several context lengths
+                           greedy samples for a few prompts
+                           decode tokens/s and cache bytes after a prefill of each context
+                       ->  MODEL/eval_report.json (every figure) and MODEL/eval_report.md (for people)
+
+The teacher defaults to the one named in the folder's ``conversion_report.json``; ``teacher=None`` evaluates the
+model alone. The card builder (``hf-mixers card``) puts the report's tables into the model card.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .evaluation import compare_to_teacher, decode_latency, generate_sample, passkey_accuracy
+
+DEFAULT_PROMPTS = ("Write one line of verse about the sea.", "What is the capital of France?",
+                   "Explain in one sentence what a language model is.")
+REPORT_NAME = "eval_report"
+
+
+@dataclass
+class EvalReport:
+    model: str
+    teacher: str | None
+    data: str
+    heldout_sequences: int
+    sequence_length: int
+    dtype: str
+    device: str
+    quality: dict  # student_perplexity (+ teacher_perplexity, kl_teacher_student, top1_agreement with a teacher)
+    passkey_trials: int
+    passkey: list[dict]  # per length: length, prompt_tokens, model_accuracy, teacher_accuracy, answers
+    samples: list[dict]  # per prompt: prompt, model, teacher
+    decode_tokens: int
+    decode: list[dict]  # per context: context, model_tokens_per_s, model_cache_bytes, teacher_... (None: no teacher)
+    seconds: float
+    hf_mixers_version: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_markdown(self) -> str:
+        teacher = self.teacher is not None
+        q = self.quality
+        lines = [f"# Evaluation: {os.path.basename(self.model.rstrip('/')) or self.model}", "",
+                 f"Model `{self.model}`, teacher `{self.teacher or 'none'}`; {self.dtype} on {self.device}; "
+                 f"{self.seconds:.0f} s.", "",
+                 f"## Held-out text ({self.heldout_sequences} sequences of {self.sequence_length} tokens, {self.data})",
+                 "", "| | model | teacher |", "|---|---|---|",
+                 f"| perplexity | {q['student_perplexity']:.3f} | {_number(q.get('teacher_perplexity'), '.3f')} |"]
+        if teacher:
+            lines += [f"| KL(teacher \u2016 model), nats/token | {q['kl_teacher_student']:.4f} | |",
+                      f"| next-token top-1 agreement with the teacher | {q['top1_agreement']:.3f} | |"]
+        lines += ["", f"## Passkey retrieval ({self.passkey_trials} trials per length, needle depths spread evenly)",
+                  "", "| context (tokens) | model | teacher |", "|---|---|---|"]
+        lines += [f"| {row['prompt_tokens']:.0f} | {row['model_accuracy']:.0%} | "
+                  f"{_number(row['teacher_accuracy'], '.0%')} |" for row in self.passkey]
+        lines += ["", f"## Decoding (batch 1, median of {self.decode_tokens} single-token steps after the prefill)", "",
+                  "| context | model tokens/s | model cache MiB | teacher tokens/s | teacher cache MiB | speed-up |",
+                  "|---|---|---|---|---|---|"]
+        for row in self.decode:
+            speedup = (row["model_tokens_per_s"] / row["teacher_tokens_per_s"]) if row["teacher_tokens_per_s"] else None
+            lines.append(f"| {row['context']} | {row['model_tokens_per_s']:.1f} | {row['model_cache_bytes'] / 2**20:.2f} | "
+                         f"{_number(row['teacher_tokens_per_s'], '.1f')} | "
+                         f"{_number(row['teacher_cache_bytes'] and row['teacher_cache_bytes'] / 2**20, '.2f')} | "
+                         f"{_number(speedup, '.2f', 'x')} |")
+        lines += ["", "## Samples (greedy)", ""]
+        for sample in self.samples:
+            lines.append(f"- **{sample['prompt']}**")
+            lines.append(f"  - model: {sample['model']!r}")
+            if sample.get("teacher") is not None:
+                lines.append(f"  - teacher: {sample['teacher']!r}")
+        lines += [""] + [f"Note: {note}" for note in self.notes]
+        return "\n".join(lines).rstrip() + "\n"
+
+    def save(self, folder: str) -> None:
+        """eval_report.json and eval_report.md, each written to a temporary name and renamed when complete."""
+        for suffix, text in ((".json", json.dumps(self.to_dict(), indent=2) + "\n"), (".md", self.to_markdown())):
+            path = os.path.join(folder, REPORT_NAME + suffix)
+            with open(path + ".partial", "w", encoding="utf-8") as handle:
+                handle.write(text)
+            os.replace(path + ".partial", path)
+
+    @classmethod
+    def load(cls, folder: str) -> "EvalReport":
+        with open(os.path.join(folder, REPORT_NAME + ".json"), encoding="utf-8") as handle:
+            return cls(**json.load(handle))
+
+
+def _number(value, spec: str, suffix: str = "") -> str:
+    return "" if value is None else f"{value:{spec}}{suffix}"
+
+
+def teacher_of(model_dir: str) -> str | None:
+    """The teacher named in the folder's conversion report (None when the folder has none)."""
+    path = os.path.join(model_dir, "conversion_report.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle).get("source")
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device):
+    """The model and tokenizer of a saved folder (any causal LM; hf_mixers folders through their remote code)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"{model_dir}: no config.json; pass a saved model folder (convert/distill output)")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=True).to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        tokenizer = None
+    return model, tokenizer
+
+
+def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = None, sequence_length: int = 512,
+             heldout_sequences: int = 8, passkey_lengths=(256, 1024, 2048), passkey_trials: int = 5,
+             prompts=DEFAULT_PROMPTS, max_new_tokens: int = 32, decode_contexts=(512, 2048), decode_tokens: int = 16,
+             dtype: str = "float32", device: str | None = None, out: str | None = None, seed: int = 0,
+             progress: bool = True) -> EvalReport:
+    """Evaluate ``model_dir`` (and its teacher) and write the report into ``out`` (default: ``model_dir``)."""
+    from . import __version__
+    from .conversion import load_teacher
+    from .corpus import split_texts
+    from .recipes.data import pack
+
+    started = time.perf_counter()
+    model_dir = os.path.abspath(model_dir)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch_dtype = getattr(torch, dtype)
+    notes = []
+    if teacher == "auto":
+        teacher = teacher_of(model_dir)
+        if teacher is not None:
+            notes.append(f"teacher {teacher!r} taken from conversion_report.json")
+    model, tokenizer = load_model(model_dir, torch_dtype, device)
+    teacher_model = None
+    if teacher is not None:
+        loaded = load_teacher(teacher)
+        teacher_model = loaded.model.to(device=device, dtype=torch_dtype).eval()
+        tokenizer = tokenizer or loaded.tokenizer
+    if tokenizer is None:
+        raise FileNotFoundError(f"{model_dir}: no tokenizer files, and no teacher to take them from (--teacher)")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    for flag, values in (("--passkey-lengths", passkey_lengths), ("--contexts", decode_contexts),
+                         ("--sequence-length", [sequence_length])):
+        too_long = [v for v in values if limit and v > limit]
+        if too_long:
+            raise ValueError(f"{flag} {too_long} exceed{'s' if len(too_long) == 1 else ''} the model's "
+                             f"max_position_embeddings ({limit}, {model_dir}/config.json)")
+
+    _, heldout_text, data_name = split_texts(data)
+    heldout_ids = pack(tokenizer, heldout_text, sequence_length, heldout_sequences, "held-out text")
+    quality = compare_to_teacher(teacher_model, model, heldout_ids.to(device))
+
+    passkey_model = passkey_accuracy(model, tokenizer, passkey_lengths, passkey_trials, seed, progress)
+    passkey_teacher = (passkey_accuracy(teacher_model, tokenizer, passkey_lengths, passkey_trials, seed, progress)
+                       if teacher_model is not None else {})
+    passkey = [{"length": length, "prompt_tokens": result["prompt_tokens"], "model_accuracy": result["accuracy"],
+                "teacher_accuracy": passkey_teacher[length]["accuracy"] if passkey_teacher else None,
+                "answers": {"model": result["answers"],
+                            "teacher": passkey_teacher[length]["answers"] if passkey_teacher else None}}
+               for length, result in passkey_model.items()]
+
+    samples = [{"prompt": prompt, "model": generate_sample(model, tokenizer, prompt, max_new_tokens),
+                "teacher": generate_sample(teacher_model, tokenizer, prompt, max_new_tokens)
+                if teacher_model is not None else None} for prompt in prompts]
+
+    decode = []
+    for context in decode_contexts:
+        row = {"context": context}
+        for name, candidate in (("model", model), ("teacher", teacher_model)):
+            latency, cache_bytes = (decode_latency(candidate, context, decode_tokens, candidate.config.vocab_size,
+                                                   device) if candidate is not None else (None, None))
+            row[f"{name}_tokens_per_s"] = None if latency is None else 1.0 / latency
+            row[f"{name}_cache_bytes"] = cache_bytes
+        decode.append(row)
+
+    report = EvalReport(model=model_dir, teacher=teacher, data=data_name, heldout_sequences=int(heldout_ids.shape[0]),
+                        sequence_length=sequence_length, dtype=dtype, device=str(device), quality=quality,
+                        passkey_trials=passkey_trials, passkey=passkey, samples=samples, decode_tokens=decode_tokens,
+                        decode=decode, seconds=time.perf_counter() - started, hf_mixers_version=__version__,
+                        notes=notes)
+    out = out or model_dir
+    os.makedirs(out, exist_ok=True)
+    report.save(out)
+    return report
