@@ -11,6 +11,8 @@ from __future__ import annotations
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
+from .kernels.dispatch import BACKENDS as KERNEL_BACKENDS
+
 # Layer kinds a MixerConfig may name. "full_attention" is the teacher's own attention (exact Llama/Qwen math).
 # "sliding_attention" is the teacher's windowed attention (Mistral, Qwen sliding layers), window = sliding_window.
 MIXER_TYPES = ("full_attention", "sliding_attention", "sessa", "rsa")  # never "mamba"/"attention" (renamed)
@@ -28,6 +30,10 @@ class MixerConfig(PreTrainedConfig):
     Backbone fields follow ``LlamaConfig`` (plus ``qk_norm`` for Qwen3, ``attention_out_bias`` for Qwen2, whose
     o_proj has no bias while q/k/v do, and ``sliding_window`` for the "sliding_attention" layers a Mistral or Qwen
     teacher keeps). Mixer fields are prefixed by the mixer name.
+
+    kernel_backend: "auto" (Triton kernels where they can run: CUDA with triton installed, else the PyTorch path,
+        said once in the log), "triton" (the kernels or an error) or "torch" (always the PyTorch path). The
+        environment variable HF_MIXERS_BACKEND overrides it (kernels/dispatch.py).
 
     Sessa fields (shared/specs/sessa.md):
         sessa_feedback_dim: total width of the feedback queries/keys (``None`` = hidden_size, the official choice).
@@ -94,6 +100,7 @@ class MixerConfig(PreTrainedConfig):
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     block: str = "llama"
+    kernel_backend: str = "auto"
     sessa_feedback_dim: int | None = None
     sessa_feedback_heads: int = 1
     sessa_feedback_bias: bool = True
@@ -196,6 +203,8 @@ def validate_mixer_config(config: MixerConfig) -> None:
     if config.sessa_feedback_dim % feedback_heads or config.hidden_size % feedback_heads:
         fail(f"sessa_feedback_heads ({feedback_heads}) must divide sessa_feedback_dim ({config.sessa_feedback_dim}) "
              f"and hidden_size ({config.hidden_size})")
+    if config.kernel_backend not in KERNEL_BACKENDS:
+        fail(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {config.kernel_backend!r}")
     if config.sessa_solver not in SESSA_SOLVERS:
         fail(f"sessa_solver must be one of {SESSA_SOLVERS}, got {config.sessa_solver!r}")
     if not isinstance(config.sessa_chunk_size, int) or config.sessa_chunk_size < 1:

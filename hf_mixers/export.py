@@ -23,7 +23,9 @@ REMOTE_MODULES = {
     "rsa": "rsa",
     "cache": "cache",
     "export": "export",
+    "kernels.dispatch": "dispatch",
     "kernels.feedback_solve": "feedback_solve",
+    "kernels.feedback_solve_triton": "feedback_solve_triton",
     "kernels.rsa_memory": "rsa_memory",
 }
 _RELATIVE_IMPORT = re.compile(r"^(\s*from\s+)\.([\w.]+)(\s+import\b)", re.MULTILINE)

@@ -23,6 +23,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention import FullAttention
+from .kernels.dispatch import use_triton
 from .kernels.feedback_solve import compute_dtype, feedback_solve
 
 
@@ -89,9 +90,12 @@ class SessaMixer(FullAttention):
         """(I - B) s = f, one routing matrix per feedback head; returns s (B, T, D) in fp32 (fp64 for fp64)."""
         heads = self.feedback_heads
         scale = (self.feedback_dim // heads) ** -0.5
+        method = self.solver  # "dense" is the reference, asked for by name; "chunked" has a Triton twin
+        if method == "chunked" and use_triton("Sessa feedback solve", f.device, self.config.kernel_backend):
+            method = "triton"
         if heads == 1:
             return feedback_solve(f, query, key, gamma, key_mask=token_mask, past_k=past_keys, past_s=past_outputs,
-                                  scale=scale, method=self.solver, chunk_size=self.chunk_size)
+                                  scale=scale, method=method, chunk_size=self.chunk_size)
 
         def fold(x):  # (B, T, heads * w) -> (B * heads, T, w): each head is its own sequence
             return None if x is None else x.unflatten(-1, (heads, -1)).transpose(1, 2).flatten(0, 1)
@@ -100,7 +104,7 @@ class SessaMixer(FullAttention):
             return None if x is None else x.repeat_interleave(heads, dim=0)
 
         s = feedback_solve(fold(f), fold(query), fold(key), repeat(gamma), key_mask=repeat(token_mask),
-                           past_k=fold(past_keys), past_s=fold(past_outputs), scale=scale, method=self.solver,
+                           past_k=fold(past_keys), past_s=fold(past_outputs), scale=scale, method=method,
                            chunk_size=self.chunk_size)
         return s.unflatten(0, (-1, heads)).transpose(1, 2).flatten(2)
 

@@ -184,13 +184,23 @@ def feedback_solve_chunked(f, q, k, gain, key_mask=None, past_k=None, past_s=Non
     return _ChunkedFeedbackSolve.apply(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size)
 
 
-SOLVERS = {"dense": feedback_solve_dense, "chunked": feedback_solve_chunked, "recurrent": feedback_solve_recurrent}
+def _feedback_solve_triton(*args, **kwargs):
+    from .feedback_solve_triton import feedback_solve_triton  # needs triton: imported only when chosen
+
+    return feedback_solve_triton(*args, **kwargs)
+
+
+SOLVERS = {"dense": feedback_solve_dense, "chunked": feedback_solve_chunked, "recurrent": feedback_solve_recurrent,
+           "triton": _feedback_solve_triton}
 
 
 def feedback_solve(f, q, k, gain, *, key_mask=None, past_k=None, past_s=None, scale=None, method="chunked",
                    chunk_size=128):
-    """Solve ``(I - B) s = f`` with the chosen method; all methods give the same result to float tolerance."""
+    """Solve ``(I - B) s = f`` with the chosen method; all methods give the same result to float tolerance.
+
+    "triton" is the fused kernel (kernels/feedback_solve_triton.py); kernels/dispatch.py decides when it runs.
+    """
     if method not in SOLVERS:
         raise ValueError(f"feedback_solve: unknown method {method!r}; choose one of {sorted(SOLVERS)}")
-    kwargs = {"chunk_size": chunk_size} if method == "chunked" else {}
+    kwargs = {"chunk_size": chunk_size} if method in ("chunked", "triton") else {}
     return SOLVERS[method](f, q, k, gain, key_mask=key_mask, past_k=past_k, past_s=past_s, scale=scale, **kwargs)

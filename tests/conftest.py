@@ -111,9 +111,21 @@ def tiny_teacher(family: str, vocab_size: int, seed: int = 0, **overrides):
     return model
 
 
+def save_tiny_teacher(folder, family: str = "llama", card: str | None = None):
+    """A tiny teacher of ``family`` and its tokenizer saved in ``folder`` (+ a README.md ``card``); returns the
+    tokenizer."""
+    tokenizer = tiny_tokenizer()
+    tiny_teacher(family, len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if card is not None:
+        with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as handle:
+            handle.write(card)
+    return tokenizer
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
 
 
-__all__ = ["cache_bytes_in_two_calls", "TEACHER_FAMILIES", "tiny_teacher", "tiny_tokenizer", "TINY", "tiny_config", "tiny_sessa_model", "turn_on_feedback", "step_through", "MixerConfig", "SessaConfig"]
+__all__ = ["cache_bytes_in_two_calls", "save_tiny_teacher", "TEACHER_FAMILIES", "tiny_teacher", "tiny_tokenizer", "TINY", "tiny_config", "tiny_sessa_model", "turn_on_feedback", "step_through", "MixerConfig", "SessaConfig"]

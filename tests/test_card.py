@@ -7,7 +7,7 @@ import shutil
 import pytest
 from huggingface_hub import ModelCard
 
-from conftest import tiny_teacher, tiny_tokenizer
+from conftest import save_tiny_teacher
 from hf_mixers.cli import main as cli_main
 from hf_mixers.eval_report import run_eval
 from hf_mixers.model_cards.card import CardError, build_card, check_card
@@ -18,11 +18,8 @@ from hf_mixers.recipes import distill, load_recipe
 def distilled(tmp_path_factory):
     """A tiny MIT-licensed Llama teacher, distilled to RSA (stage 1 + stage 2, 3 steps each), then evaluated."""
     root = tmp_path_factory.mktemp("card")
-    tokenizer = tiny_tokenizer()
     teacher = root / "teacher"
-    tiny_teacher("llama", len(tokenizer)).save_pretrained(teacher)
-    tokenizer.save_pretrained(teacher)
-    (teacher / "README.md").write_text("---\nlicense: mit\n---\n# A tiny teacher\n")
+    save_tiny_teacher(teacher, card="---\nlicense: mit\n---\n# A tiny teacher\n")
     summary = distill(load_recipe([], [f"model.teacher={teacher}", "model.mixer_options={rsa_num_slots: 8}",
                                        "model.keep_attention=1", "data.sequence_length=32",
                                        "data.max_train_sequences=16", "data.heldout_sequences=2", "stage1.steps=3",

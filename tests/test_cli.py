@@ -10,13 +10,11 @@ from hf_mixers.cli import build_parser, main
 
 def test_demo_path_on_a_tiny_teacher(tmp_path, capsys):
     """The demo's whole path (load, convert both mixers, stage 1 + 2, evaluate, sample, summary) in seconds."""
-    from conftest import tiny_teacher, tiny_tokenizer
+    from conftest import save_tiny_teacher
     from hf_mixers.demo import run_demo
 
-    tokenizer = tiny_tokenizer()
     teacher = str(tmp_path / "teacher")
-    tiny_teacher("llama", len(tokenizer)).save_pretrained(teacher)
-    tokenizer.save_pretrained(teacher)
+    save_tiny_teacher(teacher)
     summary = run_demo(str(tmp_path / "demo"), max_steps=2, teacher_source=teacher)
     assert set(summary["mixers"]) == {"rsa", "sessa"}
     rsa, sessa = summary["mixers"]["rsa"], summary["mixers"]["sessa"]
@@ -92,12 +90,10 @@ def test_bench_rsa_writes_training_and_decoding_results(tmp_path):
 
 
 def test_bench_distill_writes_the_ratio(tmp_path):
-    from conftest import tiny_teacher, tiny_tokenizer
+    from conftest import save_tiny_teacher
 
-    tokenizer = tiny_tokenizer()
     teacher = str(tmp_path / "teacher")
-    tiny_teacher("llama", len(tokenizer)).save_pretrained(teacher)
-    tokenizer.save_pretrained(teacher)
+    save_tiny_teacher(teacher)
     main(["bench", "distill", "--out", str(tmp_path / "bench"), "--source", teacher, "--mixer", "sessa",
           "--sequence-length", "32", "--repeats", "1"])
     report = json.loads((tmp_path / "bench" / "bench_distill.json").read_text())

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from conftest import tiny_teacher, tiny_tokenizer
+from conftest import save_tiny_teacher
 from hf_mixers.cli import main as cli_main
 from hf_mixers.conversion import convert
 from hf_mixers.eval_report import EvalReport, run_eval
@@ -21,10 +21,8 @@ SMALL = dict(sequence_length=48, heldout_sequences=2, passkey_lengths=(160, 320)
 def folders(tmp_path_factory):
     """A tiny Llama teacher folder and its RSA conversion (with its conversion report)."""
     root = tmp_path_factory.mktemp("eval")
-    tokenizer = tiny_tokenizer()
     teacher = root / "teacher"
-    tiny_teacher("llama", len(tokenizer)).save_pretrained(teacher)
-    tokenizer.save_pretrained(teacher)
+    tokenizer = save_tiny_teacher(teacher)
     student = root / "rsa"
     convert(str(teacher), "rsa", mixer_options={"rsa_num_slots": 8, "rsa_num_levels": 2}, out=str(student),
             sequence_length=64, calibration_sequences=2, heldout_sequences=1, progress=False)

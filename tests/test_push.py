@@ -12,10 +12,12 @@ from huggingface_hub.utils import _detect_agent
 
 from conftest import tiny_sessa_model
 from fake_hub import FakeHub
+from hf_mixers.cli import main as cli_main
 from hf_mixers.model_cards.push import PushError, check_folder, format_files, push_folder
 
 TOKEN = "hf_fake_write_token"
-CARD = "---\nlibrary_name: transformers\nlicense: apache-2.0\npipeline_tag: text-generation\ntags:\n- hf-mixers\n---\n\n# Tiny Sessa\n\nA test.\n"
+CARD = ("---\nlibrary_name: transformers\nlicense: apache-2.0\npipeline_tag: text-generation\ntags:\n- hf-mixers\n---\n\n"
+        "# Tiny Sessa\n\nA test.\n")
 # Never shipped (IGNORE_PATTERNS): hidden files and folders, compiled Python, training checkpoints.
 JUNK = (".git/HEAD", ".cache/huggingface/upload/model.safetensors.metadata", ".DS_Store", "eval/.ipynb_checkpoints/x",
         "__pycache__/modeling_hf_mixers.cpython-311.pyc", "eval/__pycache__/util.pyc", "stray.pyc",
@@ -234,3 +236,12 @@ def test_remote_code_check_refuses_a_folder_that_needs_hf_mixers(folder):
         check_folder(folder)
     assert "modeling_hf_mixers" in str(error.value)
 
+
+
+def test_cli_dry_run_lists_the_files_and_refusals_exit_2(folder, no_token, capsys):
+    assert cli_main(["push", str(folder), "--repo-id", "user/tiny", "--dry-run"]) == 0  # all checks run
+    out = capsys.readouterr().out
+    assert "model.safetensors" in out and "dry run: nothing uploaded to user/tiny" in out and ".DS_Store" not in out
+    os.remove(folder / "README.md")
+    assert cli_main(["push", str(folder), "--repo-id", "user/tiny", "--dry-run"]) == 2
+    assert "no model card (README.md)" in capsys.readouterr().err

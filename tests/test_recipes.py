@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import tiny_teacher, tiny_tokenizer
+from conftest import save_tiny_teacher, tiny_tokenizer
 from hf_mixers.cli import main as cli_main
 from hf_mixers.recipes import RecipeError, distill, load_recipe
 from hf_mixers.corpus import split_texts
@@ -25,10 +25,8 @@ RSA_SMALL = "{rsa_num_slots: 8, rsa_num_levels: 2}"
 
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
-    tokenizer = tiny_tokenizer()
     folder = str(tmp_path_factory.mktemp("teacher"))
-    tiny_teacher("llama", len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    save_tiny_teacher(folder)
     return folder
 
 

@@ -1,0 +1,71 @@
+"""Which path runs a mixer's hot loop: the Triton kernel or the PyTorch reference path. Decided here only.
+
+    backend = HF_MIXERS_BACKEND (environment) or config.kernel_backend:  "auto" | "triton" | "torch"
+      auto    Triton when it can run on the tensors' device (CUDA + triton; or TRITON_INTERPRET=1, the CPU
+              interpreter used by the tests), else the PyTorch path
+      triton  the kernel, or an error saying why it cannot run
+      torch   the PyTorch path (chunked forms; the reference math itself)
+
+Each decision is logged once per process and kernel, with the reason ("tensors on cpu", "triton is not
+installed", "forced by HF_MIXERS_BACKEND=torch", ...): a missing fast path is said loudly, never silently.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("hf_mixers.kernels")
+
+BACKEND_ENV = "HF_MIXERS_BACKEND"
+BACKENDS = ("auto", "triton", "torch")
+_announced: set = set()
+
+
+def triton_unavailable(device: torch.device) -> str | None:
+    """Why Triton kernels cannot run on ``device`` (None: they can)."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton)"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None if device.type == "cpu" else f"TRITON_INTERPRET=1 runs kernels on CPU tensors, not {device.type}"
+    if device.type != "cuda":
+        return f"tensors on {device.type} (the kernels need CUDA; TRITON_INTERPRET=1 runs them on CPU for tests)"
+    return None
+
+
+def requested_backend(config_value: str = "auto") -> tuple[str, str]:
+    """(backend, who asked): the environment variable wins over the config field."""
+    value = os.environ.get(BACKEND_ENV)
+    backend, source = (value, f"{BACKEND_ENV}={value}") if value else (config_value, f"kernel_backend={config_value!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"{source}: unknown kernel backend; choose one of {', '.join(BACKENDS)}")
+    return backend, source
+
+
+def use_triton(kernel: str, device: torch.device, config_value: str = "auto", unsupported: str | None = None) -> bool:
+    """True when ``kernel`` should run its Triton implementation on ``device``.
+
+    ``unsupported``: why the kernel cannot handle this call's options (None: it can); such calls take the PyTorch
+    path under "auto" and fail under a forced "triton".
+    """
+    backend, source = requested_backend(config_value)
+    if backend == "torch":
+        _announce(kernel, f"PyTorch path (forced by {source})")
+        return False
+    reason = triton_unavailable(device) or unsupported
+    if reason is None:
+        _announce(kernel, "Triton kernel" + (f" (forced by {source})" if backend == "triton" else ""))
+        return True
+    if backend == "triton":
+        raise RuntimeError(f"{kernel}: the Triton kernel was requested ({source}) but cannot run: {reason}")
+    _announce(kernel, f"PyTorch path ({reason})")
+    return False
+
+
+def _announce(kernel: str, decision: str) -> None:
+    if (kernel, decision) not in _announced:
+        _announced.add((kernel, decision))
+        logger.warning("hf_mixers: %s runs on the %s", kernel, decision)

@@ -1,0 +1,476 @@
+"""Triton kernels for the Sessa feedback solve ``(I - B) s = f``, forward and backward.
+
+Same function as ``feedback_solve_chunked`` (see ``feedback_solve.py`` for the math): per batch row (batch*heads),
+
+    B[t, j] = gain[t] * alpha[t, j],   alpha[t, :] = softmax_{j < P+t, key j real}(scale * <q_t, k_j>)
+
+over the P cached keys and the new keys, shared by every feature column of f (B, T, D). Everything is
+accumulated in fp32 whatever the input dtype (fp32 / fp16 / bf16 operands are upcast before every ``tl.dot``,
+which also sidesteps the interpreter's broken bf16 dot), and s is returned in fp32.
+
+Forward (``_fwd_kernel``, grid (B,)): one program per batch row sweeps the query chunks of C rows in order.
+For chunk rows R = c0..c0+C-1:
+  1. old keys (the P cached ones, then new rows < c0, already solved), in blocks of BLOCK_N: the logits are
+     folded into an online softmax (running max m, sum z, flash-attention style) while the numerator
+     ``acc = sum_j exp(l_tj - m) s_j`` is rescaled along, so only (C, BLOCK_N) logits ever exist;
+  2. the chunk's own strictly-earlier keys (a C x C block) join the same running max / sum, so
+     ``alpha = exp(l - m) / z`` uses the full-row normaliser over old *and* intra-chunk keys (spec §4.4);
+  3. rhs = f_R + gain_R * acc / z  (= f_R + B_{R,old} s_old, spec §5.3), then the unit-lower C x C solve
+     (I - W) s_R = rhs with W = gain * alpha_RR, done exactly by doubling: W is nilpotent (W^C = 0), so
+     (I - W)^-1 = (I + W)(I + W^2)(I + W^4)... with ceil(log2 C) factors, i.e. 2*ceil(log2 C) small ``tl.dot``s
+     instead of C sequential row updates;
+  4. s_R is written to the output, which later chunks read back as values (a barrier makes it visible).
+Saved for the backward: s (B, T, D), h = alpha @ s (B, T, D; the feedback read-out, s = f + gain*h) and the
+per-row logsumexp lse (B, T), so alpha[t, j] = exp(scale <q_t, k_j> - lse_t) is recomputed exactly, blockwise.
+h and lse are neither computed nor allocated when no gradient is needed (inference, decoding).
+Memory: O(T*D + T) per batch row; no T x T matrix is ever formed (tiles are C x BLOCK_N and C x C).
+
+Backward, with lam = (I - B)^-T g and the formulas of ``_ChunkedFeedbackSolve``:
+  * ``_bwd_lam_kernel`` (grid (B,), sequential): the reverse chunk sweep. For chunk J it gathers
+    ``g_J + sum_{t in later chunks} B[t, J]^T lam_t`` over later row blocks (their lam is already written), then
+    solves the upper C x C system (I - W_JJ)^T lam_J = that, again by doubling. df = lam; and
+    d_gain_t = lam_t . h_t (exact, no division by gain).
+  * ``_bwd_dq_kernel`` (grid (B, T/BLOCK_M), parallel): per query block, over all admissible keys,
+    d_logits = gain_t alpha_tj (lam_t . s_j - d_gain_t) and dq = scale * d_logits @ k.
+  * ``_bwd_dk_kernel`` (grid (B, (P+T)/BLOCK_N), parallel): per key block (cached and new keys alike), over all
+    later query rows, dk = scale * d_logits^T @ q and, for cached keys, d_past_s = B^T lam (the cached blocks
+    are skipped when past_k / past_s need no gradient, the usual case for a detached cache).
+Both parallel kernels recompute alpha from q, k and lse (like flash attention's dq and dk/dv kernels).
+
+All kernels assume contiguous (B, rows, features) tensors (the wrapper makes them so). Block sizes are powers
+of two >= 16 (a ``tl.dot`` requirement on GPUs); ragged T, d, D and chunk sizes are handled with masks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# A try block on purpose: transformers' remote-code check takes every import outside a try block for a requirement,
+# and a saved folder must load where triton is missing. This module is imported only once kernels/dispatch.py has
+# chosen the Triton path, which needs triton installed.
+try:
+    import triton
+    import triton.language as tl
+finally:
+    pass
+
+from .feedback_solve import _check_shapes, compute_dtype, feedback_solve_chunked
+
+# fp32 ``tl.dot``s in true fp32: the solve feeds its own output back, and tf32 (10-bit mantissa) logits and
+# values would put it ~1e-3 away from the reference. "tf32" is faster on GPUs if that accuracy is acceptable.
+INPUT_PRECISION = "ieee"
+MAX_KEY_BLOCK = 64  # key / query block of the sweeps and the parallel backward kernels (register budget)
+NUM_WARPS = 4  # untuned: tuning (and an autotune config list) needs a GPU
+
+
+@triton.jit
+def _load_rows(past_ptr, new_ptr, pos, P, n_valid, cols, n_cols):
+    """Rows at absolute positions ``pos`` (BLOCK,) of the virtual concat [past (P rows); new], as fp32.
+
+    Rows >= ``n_valid`` (not yet solved, or past the end) and columns >= ``n_cols`` read as 0.
+    Returns (BLOCK, BLOCK_COLS).
+    """
+    col_ok = cols[None, :] < n_cols
+    in_past = pos[:, None] < P
+    in_new = (pos[:, None] >= P) & (pos[:, None] < n_valid)
+    old = tl.load(past_ptr + pos[:, None] * n_cols + cols[None, :], mask=in_past & col_ok, other=0.0)
+    new = tl.load(new_ptr + (pos[:, None] - P) * n_cols + cols[None, :], mask=in_new & col_ok, other=0.0)
+    return old.to(tl.float32) + new.to(tl.float32)
+
+
+@triton.jit
+def _key_ok(mask_ptr, pos, n_valid, HAS_MASK: tl.constexpr):
+    """Which absolute key positions ``pos`` (BLOCK,) exist (< n_valid) and are real tokens."""
+    ok = pos < n_valid
+    if HAS_MASK:
+        ok = ok & (tl.load(mask_ptr + pos, mask=ok, other=0) != 0)
+    return ok
+
+
+@triton.jit
+def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,  # inputs
+                s_ptr, h_ptr, lse_ptr,  # outputs: s, h (B, T, DV) fp32; lse (B, T) fp32
+                T, P, DK, DV, CHUNK, scale,
+                HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, LOG_C: tl.constexpr,
+                PRECISION: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)  # int64 batch offsets: B*T*D may exceed 2^31
+    f_ptr += b * T * DV
+    q_ptr += b * T * DK
+    k_ptr += b * T * DK
+    gain_ptr += b * T
+    mask_ptr += b * (P + T)
+    past_k_ptr += b * P * DK
+    past_s_ptr += b * P * DV
+    s_ptr += b * T * DV
+    h_ptr += b * T * DV
+    lse_ptr += b * T
+
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_n = tl.arange(0, BLOCK_N)
+    cols_k = tl.arange(0, BLOCK_DK)
+    cols_v = tl.arange(0, BLOCK_DV)
+    lower = offs_c[None, :] < offs_c[:, None]  # strictly lower (C, C): key j < row t inside the chunk
+
+    for c0 in range(0, T, CHUNK):
+        rows = c0 + offs_c  # local row index (BLOCK_C,)
+        row_ok = (offs_c < CHUNK) & (rows < T)
+        q_c = tl.load(q_ptr + rows[:, None] * DK + cols_k[None, :],
+                      mask=row_ok[:, None] & (cols_k[None, :] < DK), other=0.0).to(tl.float32)  # (C, DK)
+
+        # (1) old keys: online max / sum and the rescaled numerator acc = sum_j exp(l - m) s_j.
+        m_i = tl.full((BLOCK_C,), -1e30, tl.float32)  # finite start: exp(m_old - m_new) never sees -inf - -inf
+        z_i = tl.zeros((BLOCK_C,), tl.float32)
+        acc = tl.zeros((BLOCK_C, BLOCK_DV), tl.float32)
+        n_old = P + c0  # every old key precedes every row of the chunk
+        for n0 in range(0, n_old, BLOCK_N):
+            pos = n0 + offs_n  # absolute key positions (BLOCK_N,)
+            key_ok = _key_ok(mask_ptr, pos, n_old, HAS_MASK)
+            k_blk = _load_rows(past_k_ptr, k_ptr, pos, P, n_old, cols_k, DK)  # (N, DK)
+            s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, n_old, cols_v, DV)  # (N, DV), solved rows only
+            logits = tl.dot(q_c, tl.trans(k_blk), input_precision=PRECISION) * scale  # (C, N)
+            logits = tl.where(key_ok[None, :], logits, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(logits, 1))
+            corr = tl.exp(m_i - m_new)
+            p = tl.exp(logits - m_new[:, None])
+            z_i = z_i * corr + tl.sum(p, 1)
+            acc = acc * corr[:, None] + tl.dot(p, s_blk, input_precision=PRECISION)
+            m_i = m_new
+
+        # (2) the chunk's own strictly-earlier keys join the normaliser (their s is not known yet).
+        k_c = tl.load(k_ptr + rows[:, None] * DK + cols_k[None, :],
+                      mask=row_ok[:, None] & (cols_k[None, :] < DK), other=0.0).to(tl.float32)  # (C, DK)
+        key_c_ok = _key_ok(mask_ptr, P + rows, P + T, HAS_MASK) & row_ok
+        allowed = lower & key_c_ok[None, :] & row_ok[:, None]  # (C, C)
+        logits = tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION) * scale
+        logits = tl.where(allowed, logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, 1))
+        corr = tl.exp(m_i - m_new)
+        p_cc = tl.exp(logits - m_new[:, None])
+        z_i = z_i * corr + tl.sum(p_cc, 1)
+        acc = acc * corr[:, None]
+        m_i = m_new
+        has_key = z_i > 0  # rows with no admissible key get alpha = 0, so s = f exactly
+        inv_z = tl.where(has_key, 1.0 / tl.where(has_key, z_i, 1.0), 0.0)
+
+        # (3) rhs = f + gain * alpha_old s_old, then (I - W) s = rhs by doubling.
+        gain_c = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)  # (C,)
+        f_c = tl.load(f_ptr + rows[:, None] * DV + cols_v[None, :],
+                      mask=row_ok[:, None] & (cols_v[None, :] < DV), other=0.0).to(tl.float32)  # (C, DV)
+        alpha_cc = p_cc * inv_z[:, None]  # (C, C), exactly 0 off the admissible pattern
+        h_old = acc * inv_z[:, None]  # (C, DV)
+        s_c = f_c + gain_c[:, None] * h_old
+        w_pow = gain_c[:, None] * alpha_cc  # W^(2^i), strictly lower
+        for i in tl.static_range(LOG_C):
+            s_c += tl.dot(w_pow, s_c, input_precision=PRECISION)
+            if i + 1 < LOG_C:
+                w_pow = tl.dot(w_pow, w_pow, input_precision=PRECISION)
+
+        # (4) publish the chunk: later chunks read s_c back as values.
+        out_mask = row_ok[:, None] & (cols_v[None, :] < DV)
+        tl.store(s_ptr + rows[:, None] * DV + cols_v[None, :], s_c, mask=out_mask)
+        if SAVE:  # for the backward: h = alpha @ s over all keys, and the row logsumexp
+            h_c = h_old + tl.dot(alpha_cc, s_c, input_precision=PRECISION)
+            tl.store(h_ptr + rows[:, None] * DV + cols_v[None, :], h_c, mask=out_mask)
+            lse_c = tl.where(has_key, m_i + tl.log(tl.where(has_key, z_i, 1.0)), 0.0)
+            tl.store(lse_ptr + rows, lse_c, mask=row_ok)
+        tl.debug_barrier()  # stores by some threads must be visible to the next chunk's loads by others
+
+
+@triton.jit
+def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # inputs (g: dL/ds, fp32)
+                    lam_ptr, dgain_ptr,  # outputs: lam = df (B, T, DV) fp32; d_gain (B, T) fp32
+                    T, P, DK, DV, CHUNK, N_CHUNKS, scale,
+                    HAS_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, LOG_C: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    q_ptr += b * T * DK
+    k_ptr += b * T * DK
+    gain_ptr += b * T
+    mask_ptr += b * (P + T)
+    lse_ptr += b * T
+    h_ptr += b * T * DV
+    g_ptr += b * T * DV
+    lam_ptr += b * T * DV
+    dgain_ptr += b * T
+
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_m = tl.arange(0, BLOCK_M)
+    cols_k = tl.arange(0, BLOCK_DK)
+    cols_v = tl.arange(0, BLOCK_DV)
+    k_col_ok = cols_k < DK
+    v_col_ok = cols_v < DV
+    lower = offs_c[None, :] < offs_c[:, None]
+
+    for ci in range(N_CHUNKS):
+        c0 = (N_CHUNKS - 1 - ci) * CHUNK  # reverse sweep: later rows' lam is final before it is read
+        rows = c0 + offs_c
+        row_ok = (offs_c < CHUNK) & (rows < T)
+        k_c = tl.load(k_ptr + rows[:, None] * DK + cols_k[None, :],
+                      mask=row_ok[:, None] & k_col_ok[None, :], other=0.0).to(tl.float32)  # (C, DK)
+        key_c_ok = _key_ok(mask_ptr, P + rows, P + T, HAS_MASK) & row_ok
+        adj = tl.load(g_ptr + rows[:, None] * DV + cols_v[None, :],
+                      mask=row_ok[:, None] & v_col_ok[None, :], other=0.0).to(tl.float32)  # (C, DV)
+
+        # adj_J = g_J + sum over later rows t of B[t, J]^T lam_t (a gather, no read-modify-write).
+        for t0 in range(c0 + CHUNK, T, BLOCK_M):
+            t = t0 + offs_m  # (M,)
+            t_ok = t < T
+            q_t = tl.load(q_ptr + t[:, None] * DK + cols_k[None, :],
+                          mask=t_ok[:, None] & k_col_ok[None, :], other=0.0).to(tl.float32)  # (M, DK)
+            lse_t = tl.load(lse_ptr + t, mask=t_ok, other=0.0)
+            gain_t = tl.load(gain_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
+            lam_t = tl.load(lam_ptr + t[:, None] * DV + cols_v[None, :],
+                            mask=t_ok[:, None] & v_col_ok[None, :], other=0.0)  # (M, DV)
+            logits = tl.dot(q_t, tl.trans(k_c), input_precision=PRECISION) * scale  # (M, C)
+            allowed = t_ok[:, None] & key_c_ok[None, :]  # t > j always: t is in a later chunk
+            # W = gain * alpha from the saved lse; exp(-inf) = 0 exactly off the admissible pattern.
+            w = gain_t[:, None] * tl.exp(tl.where(allowed, logits - lse_t[:, None], float("-inf")))
+            adj += tl.dot(tl.trans(w), lam_t, input_precision=PRECISION)
+
+        # (I - W_JJ)^T lam_J = adj_J; W^T is strictly upper and nilpotent, so the same doubling applies.
+        q_c = tl.load(q_ptr + rows[:, None] * DK + cols_k[None, :],
+                      mask=row_ok[:, None] & k_col_ok[None, :], other=0.0).to(tl.float32)
+        lse_c = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        gain_c = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        logits = tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION) * scale  # (C, C)
+        allowed = lower & key_c_ok[None, :] & row_ok[:, None]
+        w_pow = tl.trans(gain_c[:, None] * tl.exp(tl.where(allowed, logits - lse_c[:, None], float("-inf"))))
+        lam = adj
+        for i in tl.static_range(LOG_C):
+            lam += tl.dot(w_pow, lam, input_precision=PRECISION)
+            if i + 1 < LOG_C:
+                w_pow = tl.dot(w_pow, w_pow, input_precision=PRECISION)
+
+        h_c = tl.load(h_ptr + rows[:, None] * DV + cols_v[None, :],
+                      mask=row_ok[:, None] & v_col_ok[None, :], other=0.0)
+        tl.store(lam_ptr + rows[:, None] * DV + cols_v[None, :], lam, mask=row_ok[:, None] & v_col_ok[None, :])
+        tl.store(dgain_ptr + rows, tl.sum(lam * h_c, 1), mask=row_ok)  # d_gain_t = lam_t . h_t
+        tl.debug_barrier()  # the next (earlier) chunk reads this lam back
+
+
+@triton.jit
+def _d_logits(q_t, k_blk, s_blk, lam_t, lse_t, gain_t, dgain_t, allowed, scale, PRECISION: tl.constexpr):
+    """(d_logits, W) for query rows (M,) x keys (N,), both (M, N): W = gain*alpha, alpha recomputed from lse.
+
+    d_logits = W * (lam_t . s_j - d_gain_t) is the gradient w.r.t. the softmax input scale*<q_t, k_j>, so
+    dq = scale * d_logits @ k and dk = scale * d_logits^T @ q (the callers apply ``scale`` once at the end).
+    """
+    logits = tl.dot(q_t, tl.trans(k_blk), input_precision=PRECISION) * scale  # (M, N)
+    w = gain_t[:, None] * tl.exp(tl.where(allowed, logits - lse_t[:, None], float("-inf")))
+    lam_dot_s = tl.dot(lam_t, tl.trans(s_blk), input_precision=PRECISION)  # (M, N)
+    return w * (lam_dot_s - dgain_t[:, None]), w
+
+
+@triton.jit
+def _load_query_rows(q_ptr, lse_ptr, gain_ptr, lam_ptr, dgain_ptr, t, t_ok, cols_k, cols_v, DK, DV):
+    """q (M, DK), lse, gain, d_gain (M,) and lam (M, DV) of local query rows t, all fp32."""
+    q_t = tl.load(q_ptr + t[:, None] * DK + cols_k[None, :],
+                  mask=t_ok[:, None] & (cols_k[None, :] < DK), other=0.0).to(tl.float32)
+    lam_t = tl.load(lam_ptr + t[:, None] * DV + cols_v[None, :],
+                    mask=t_ok[:, None] & (cols_v[None, :] < DV), other=0.0)
+    lse_t = tl.load(lse_ptr + t, mask=t_ok, other=0.0)
+    gain_t = tl.load(gain_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
+    dgain_t = tl.load(dgain_ptr + t, mask=t_ok, other=0.0)
+    return q_t, lse_t, gain_t, lam_t, dgain_t
+
+
+@triton.jit
+def _bwd_dq_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_ptr, lse_ptr, lam_ptr, dgain_ptr,
+                   dq_ptr,  # output (B, T, DK) fp32
+                   T, P, DK, DV, scale,
+                   HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1)
+    q_ptr += b * T * DK
+    k_ptr += b * T * DK
+    gain_ptr += b * T
+    mask_ptr += b * (P + T)
+    past_k_ptr += b * P * DK
+    past_s_ptr += b * P * DV
+    s_ptr += b * T * DV
+    lse_ptr += b * T
+    lam_ptr += b * T * DV
+    dgain_ptr += b * T
+    dq_ptr += b * T * DK
+
+    offs_n = tl.arange(0, BLOCK_N)
+    cols_k = tl.arange(0, BLOCK_DK)
+    cols_v = tl.arange(0, BLOCK_DV)
+    t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (M,)
+    t_ok = t < T
+    q_t, lse_t, gain_t, lam_t, dgain_t = _load_query_rows(q_ptr, lse_ptr, gain_ptr, lam_ptr, dgain_ptr, t, t_ok,
+                                                          cols_k, cols_v, DK, DV)
+    dq = tl.zeros((BLOCK_M, BLOCK_DK), tl.float32)
+    n_end = P + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1  # keys j < P + t <= n_end
+    for n0 in range(0, n_end, BLOCK_N):
+        pos = n0 + offs_n
+        key_ok = _key_ok(mask_ptr, pos, n_end, HAS_MASK)
+        k_blk = _load_rows(past_k_ptr, k_ptr, pos, P, n_end, cols_k, DK)  # (N, DK)
+        s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, n_end, cols_v, DV)  # (N, DV)
+        allowed = t_ok[:, None] & key_ok[None, :] & (pos[None, :] < P + t[:, None])
+        d_logits, _ = _d_logits(q_t, k_blk, s_blk, lam_t, lse_t, gain_t, dgain_t, allowed, scale, PRECISION)
+        dq += tl.dot(d_logits, k_blk, input_precision=PRECISION)
+    tl.store(dq_ptr + t[:, None] * DK + cols_k[None, :], dq * scale,
+             mask=t_ok[:, None] & (cols_k[None, :] < DK))
+
+
+@triton.jit
+def _bwd_dk_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_ptr, lse_ptr, lam_ptr, dgain_ptr,
+                   dk_ptr, d_past_k_ptr, d_past_s_ptr,  # outputs (B, T, DK), (B, P, DK), (B, P, DV) fp32
+                   T, P, DK, DV, KEY_START, scale,
+                   HAS_MASK: tl.constexpr, HAS_PAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    q_ptr += b * T * DK
+    k_ptr += b * T * DK
+    gain_ptr += b * T
+    mask_ptr += b * (P + T)
+    past_k_ptr += b * P * DK
+    past_s_ptr += b * P * DV
+    s_ptr += b * T * DV
+    lse_ptr += b * T
+    lam_ptr += b * T * DV
+    dgain_ptr += b * T
+    dk_ptr += b * T * DK
+    d_past_k_ptr += b * P * DK
+    d_past_s_ptr += b * P * DV
+
+    offs_m = tl.arange(0, BLOCK_M)
+    cols_k = tl.arange(0, BLOCK_DK)
+    cols_v = tl.arange(0, BLOCK_DV)
+    n0 = KEY_START + pid_n * BLOCK_N  # KEY_START = P skips the cached keys when they need no gradient
+    pos = n0 + tl.arange(0, BLOCK_N)  # absolute key positions over [past; new] (N,)
+    key_ok = _key_ok(mask_ptr, pos, P + T, HAS_MASK)
+    k_blk = _load_rows(past_k_ptr, k_ptr, pos, P, P + T, cols_k, DK)  # (N, DK)
+    s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, P + T, cols_v, DV)  # (N, DV)
+    dk = tl.zeros((BLOCK_N, BLOCK_DK), tl.float32)
+    d_s = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    for t0 in range(tl.maximum(n0 - P, 0), T, BLOCK_M):  # rows before n0 - P + 1 cannot see this block
+        t = t0 + offs_m
+        t_ok = t < T
+        q_t, lse_t, gain_t, lam_t, dgain_t = _load_query_rows(q_ptr, lse_ptr, gain_ptr, lam_ptr, dgain_ptr, t,
+                                                              t_ok, cols_k, cols_v, DK, DV)
+        allowed = t_ok[:, None] & key_ok[None, :] & (pos[None, :] < P + t[:, None])  # (M, N)
+        d_logits, w = _d_logits(q_t, k_blk, s_blk, lam_t, lse_t, gain_t, dgain_t, allowed, scale, PRECISION)
+        dk += tl.dot(tl.trans(d_logits), q_t, input_precision=PRECISION)
+        if HAS_PAST:  # d past_s_j = sum_t B[t, j] lam_t (for new keys this is inside lam already)
+            d_s += tl.dot(tl.trans(w), lam_t, input_precision=PRECISION)
+    dk = dk * scale
+    k_cols = cols_k[None, :] < DK
+    tl.store(dk_ptr + (pos[:, None] - P) * DK + cols_k[None, :], dk,
+             mask=(pos[:, None] >= P) & (pos[:, None] < P + T) & k_cols)
+    if HAS_PAST:
+        in_past = pos[:, None] < P
+        tl.store(d_past_k_ptr + pos[:, None] * DK + cols_k[None, :], dk, mask=in_past & k_cols)
+        tl.store(d_past_s_ptr + pos[:, None] * DV + cols_v[None, :], d_s,
+                 mask=in_past & (cols_v[None, :] < DV))
+
+
+def _block(n: int, cap: int | None = None) -> int:
+    """A power-of-two tile edge >= max(n, 16) (``tl.dot`` needs >= 16 on GPUs), optionally capped."""
+    size = max(16, triton.next_power_of_2(max(n, 1)))
+    return size if cap is None else min(size, cap)
+
+
+def _forward(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size, save):
+    """Launch ``_fwd_kernel``. Returns s (B, T, D) fp32 and, when ``save``, what the backward needs."""
+    batch, length, width = f.shape
+    key_dim = q.shape[-1]
+    past = 0 if past_k is None else past_k.shape[1]
+    f, q, k, gain = f.contiguous(), q.contiguous(), k.contiguous(), gain.contiguous()
+    mask = None if key_mask is None else key_mask.bool().contiguous().view(torch.uint8)  # (B, P+T), 1 = real
+    if past:
+        past_k, past_s = past_k.contiguous(), past_s.contiguous()
+    chunk = min(chunk_size, max(length, 1))
+    meta = dict(chunk=chunk, block_c=_block(chunk), log_c=(chunk - 1).bit_length(),
+                block_n=_block(chunk, MAX_KEY_BLOCK), block_dk=_block(key_dim), block_dv=_block(width))
+
+    s = torch.empty(batch, length, width, dtype=torch.float32, device=f.device)  # (B, T, D)
+    h = torch.empty_like(s) if save else s  # alpha @ s, for d_gain (not allocated for inference)
+    lse = torch.empty(batch, length, dtype=torch.float32, device=f.device) if save else s  # (B, T)
+    if batch and length:
+        _fwd_kernel[(batch,)](
+            f, q, k, gain, gain if mask is None else mask, k if not past else past_k, s if not past else past_s,
+            s, h, lse, length, past, key_dim, width, chunk, float(scale),
+            HAS_MASK=mask is not None, SAVE=save, BLOCK_C=meta["block_c"], BLOCK_N=meta["block_n"],
+            BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"], LOG_C=meta["log_c"],
+            PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS)
+    return s, (q, k, gain, mask, past_k, past_s, s, h, lse), meta
+
+
+class _TritonFeedbackSolve(torch.autograd.Function):
+    """Forward: ``_fwd_kernel``; backward: ``_bwd_lam_kernel`` then ``_bwd_dq_kernel`` and ``_bwd_dk_kernel``."""
+
+    @staticmethod
+    def forward(ctx, f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size):
+        s, saved, meta = _forward(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size, save=True)
+        ctx.save_for_backward(*saved)
+        ctx.meta = (meta, 0 if past_k is None else past_k.shape[1], float(scale), f.dtype, gain.dtype)
+        return s
+
+    @staticmethod
+    def backward(ctx, grad_s):
+        q, k, gain, mask, past_k, past_s, s, h, lse = ctx.saved_tensors
+        meta, past, scale, f_dtype, gain_dtype = ctx.meta
+        batch, length, width = s.shape
+        key_dim = q.shape[-1]
+        grad_s = grad_s.contiguous().float()
+        lam = torch.empty_like(s)  # (B, T, D): df in fp32 (it is read back by the sweep)
+        d_gain = torch.empty_like(lse)  # (B, T)
+        need_q, need_k = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        need_past = past > 0 and (ctx.needs_input_grad[5] or ctx.needs_input_grad[6])
+        new_zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=s.device)  # noqa: E731
+        dq = new_zeros(batch, length, key_dim) if need_q else None
+        dk = new_zeros(batch, length, key_dim) if need_k or need_past else None  # the dk kernel writes both
+        d_past_k = new_zeros(batch, past, key_dim) if need_past else None
+        d_past_s = new_zeros(batch, past, width) if need_past else None
+        if batch and length:
+            mask_arg = gain if mask is None else mask
+            common = dict(HAS_MASK=mask is not None, BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"],
+                          PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS)
+            _bwd_lam_kernel[(batch,)](
+                q, k, gain, mask_arg, lse, h, grad_s, lam, d_gain,
+                length, past, key_dim, width, meta["chunk"], triton.cdiv(length, meta["chunk"]), scale,
+                BLOCK_C=meta["block_c"], BLOCK_M=meta["block_n"], LOG_C=meta["log_c"], **common)
+            pk = k if not past else past_k
+            ps = s if not past else past_s
+            block = meta["block_n"]
+            if need_q:
+                _bwd_dq_kernel[(batch, triton.cdiv(length, block))](
+                    q, k, gain, mask_arg, pk, ps, s, lse, lam, d_gain, dq,
+                    length, past, key_dim, width, scale, BLOCK_M=block, BLOCK_N=block, **common)
+            if need_k or need_past:
+                key_start = 0 if need_past else past
+                _bwd_dk_kernel[(batch, triton.cdiv(past + length - key_start, block))](
+                    q, k, gain, mask_arg, pk, ps, s, lse, lam, d_gain,
+                    dk, dk if d_past_k is None else d_past_k, dk if d_past_s is None else d_past_s,
+                    length, past, key_dim, width, key_start, scale,
+                    HAS_PAST=need_past, BLOCK_M=block, BLOCK_N=block, **common)
+        cast = lambda grad, like: None if grad is None else grad.to(like.dtype)  # noqa: E731
+        return (lam.to(f_dtype), cast(dq, q), cast(dk, k), d_gain.to(gain_dtype), None,
+                cast(d_past_k, past_k), cast(d_past_s, past_s), None, None)
+
+
+def feedback_solve_triton(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None, chunk_size=64):
+    """Triton version of ``feedback_solve_chunked``: same arguments, semantics and (fp32) return dtype.
+
+    f (B, T, D), q/k (B, T, d), gain (B, T), key_mask (B, P+T) bool, past_k (B, P, d) / past_s (B, P, D).
+    Needs CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set before triton was first imported
+    (tests only: the interpreter is ~1000x slower). fp64 inputs go to ``feedback_solve_chunked`` (the kernels
+    compute in fp32).
+    """
+    _check_shapes(f, q, k, gain, key_mask, past_k, past_s)
+    if chunk_size < 1:
+        raise ValueError(f"feedback_solve: chunk_size must be >= 1, got {chunk_size}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if compute_dtype(f.dtype) != torch.float32:  # fp64: the kernels accumulate in fp32 only
+        return feedback_solve_chunked(f, q, k, gain, key_mask=key_mask, past_k=past_k, past_s=past_s,
+                                      scale=scale, chunk_size=chunk_size)
+    tensors = (f, q, k, gain) + (() if past_k is None else (past_k, past_s))
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):  # inference: skip h and lse
+        return _forward(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size, save=False)[0]
+    return _TritonFeedbackSolve.apply(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size)

@@ -1,0 +1,234 @@
+"""The Triton feedback solve (kernels/feedback_solve_triton.py) against the dense reference.
+
+On CPU the kernels run under the Triton interpreter, which needs TRITON_INTERPRET=1 in the environment before
+``import triton``: triton decorates its own standard library (``tl.zeros``, ``tl.sum``, ...) at import time.
+conftest.py's ``import hf_mixers`` already imports triton (through torch._dynamo), so setting the variable
+here would be too late. Instead, ``test_under_interpreter_in_subprocess`` re-runs this file in a fresh pytest
+process started with TRITON_INTERPRET=1, where the kernel tests below run; in this process they are skipped.
+With CUDA available they run here, on the GPU, and the subprocess is skipped.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from hf_mixers.kernels.feedback_solve import feedback_solve_dense  # noqa: E402
+
+INTERPRETED = isinstance(triton.language.zeros, InterpretedFunction)  # triton was imported with TRITON_INTERPRET=1
+DEVICE = "cpu" if INTERPRETED else ("cuda" if torch.cuda.is_available() else None)
+
+if DEVICE is not None:
+    from hf_mixers.kernels import feedback_solve_triton as fst
+
+    solve = fst.feedback_solve_triton
+
+needs_kernels = pytest.mark.skipif(DEVICE is None, reason="no GPU here: run by test_under_interpreter_in_subprocess")
+
+
+@pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
+def test_under_interpreter_in_subprocess():
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p",
+                             "no:cacheprovider"], cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"},
+                            capture_output=True, text=True, timeout=600)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0 and " passed" in summary and "failed" not in summary, \
+        result.stdout[-8000:] + result.stderr[-4000:]
+    print("interpreter subprocess:", summary)
+
+
+B, T, D, KD = 3, 37, 20, 12  # ragged on purpose: no size is a multiple of a block
+
+
+def make_inputs(batch=B, length=T, width=D, key_dim=KD, past=0, padded=True, seed=0, dtype=torch.float32,
+                gain_scale=0.9):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE, dtype).requires_grad_()
+
+    f, q, k = randn(batch, length, width), randn(batch, length, key_dim), randn(batch, length, key_dim)
+    gain = ((torch.rand(batch, length, generator=g) * 2 - 1) * gain_scale).to(DEVICE, dtype).requires_grad_()
+    mask = torch.ones(batch, past + length, dtype=torch.bool, device=DEVICE)
+    if padded:
+        mask[0, : past + 3] = False  # left padding: sequence 0's whole cache and first 3 new tokens
+        mask[-1, past + length // 2] = False  # a hole
+    past_k = randn(batch, past, key_dim) if past else None
+    past_s = randn(batch, past, width) if past else None
+    return dict(f=f, q=q, k=k, gain=gain, key_mask=mask, past_k=past_k, past_s=past_s)
+
+
+def _leaves(inputs):
+    return [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+
+
+def _values_and_grads(fn, inputs, **kwargs):
+    out = fn(**inputs, **kwargs)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device)
+    return out, torch.autograd.grad((out * probe).sum(), _leaves(inputs))
+
+
+def _assert_close(actual, expected, rtol=1e-4, atol=1e-5, **kwargs):
+    """rtol per element, atol relative to the tensor's largest entry (near-zero entries of large gradients)."""
+    scale = expected.abs().max().item() if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol * max(scale, 1.0), **kwargs)
+
+
+def _assert_matches_dense(inputs, **kwargs):
+    out, grads = _values_and_grads(solve, inputs, **kwargs)
+    ref, ref_grads = _values_and_grads(feedback_solve_dense, inputs, scale=kwargs.get("scale"))
+    assert out.dtype == torch.float32
+    _assert_close(out, ref)
+    with torch.no_grad():  # the inference launch (no h / lse saved) computes the very same s
+        assert torch.equal(solve(**inputs, **kwargs), out)
+    names = [n for n, v in inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]  # as _leaves
+    for name, grad, ref_grad in zip(names, grads, ref_grads):
+        _assert_close(grad, ref_grad, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter only")
+def test_kernels_are_interpreted():
+    for kernel in (fst._fwd_kernel, fst._bwd_lam_kernel, fst._bwd_dq_kernel, fst._bwd_dk_kernel):
+        assert isinstance(kernel, InterpretedFunction)
+
+
+@needs_kernels
+@pytest.mark.parametrize("past", [0, 6])
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])  # 64 >= T: a single chunk
+def test_matches_dense_values_and_gradients(past, chunk_size):
+    _assert_matches_dense(make_inputs(past=past), chunk_size=chunk_size)
+
+
+@needs_kernels
+@pytest.mark.parametrize("length,past", [(1, 45), (3, 45), (1, 0)])
+def test_decode_and_short_calls(length, past):
+    """Decode-like calls (few new rows, a cache spanning several key blocks) and a single token."""
+    inputs = make_inputs(batch=2, length=length, past=past, padded=past > 0)
+    _assert_matches_dense(inputs, chunk_size=16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("scale", [0.37, 4.0])  # 4.0: logits up to ~50, peaked rows test the online max
+def test_no_mask_custom_scale_and_long_sequence(scale):
+    inputs = make_inputs(batch=1, length=96, width=32, key_dim=16, padded=False, seed=3, gain_scale=0.998)
+    inputs["key_mask"] = None
+    _assert_matches_dense(inputs, chunk_size=16, scale=scale)
+
+
+@needs_kernels
+def test_rows_without_keys_pass_f_through_exactly():
+    inputs = {n: (v.detach() if isinstance(v, torch.Tensor) else v) for n, v in make_inputs(past=6).items()}
+    s = solve(**inputs, chunk_size=16)
+    f = inputs["f"]
+    assert torch.equal(s[0, :4], f[0, :4])  # sequence 0: tokens 0..3 see only padding
+    no_cache = {**inputs, "past_k": None, "past_s": None, "key_mask": None}
+    assert torch.equal(solve(**no_cache, chunk_size=16)[:, 0], f[:, 0])  # t = 0
+
+
+@needs_kernels
+def test_zero_gain_returns_f_bitwise():
+    inputs = {n: (v.detach() if isinstance(v, torch.Tensor) else v) for n, v in make_inputs(past=6).items()}
+    inputs["gain"] = torch.zeros_like(inputs["gain"])
+    assert torch.equal(solve(**inputs, chunk_size=16), inputs["f"])
+
+
+@needs_kernels
+def test_padded_keys_are_never_read():
+    inputs = {n: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+              for n, v in make_inputs(past=6).items()}
+    base = solve(**inputs, chunk_size=16)
+    poisoned = dict(inputs)
+    for name, rows in (("past_k", slice(0, 6)), ("past_s", slice(0, 6)), ("k", slice(0, 3)), ("f", slice(0, 3))):
+        poisoned[name] = inputs[name].clone()
+        poisoned[name][0, rows] = 1e6  # sequence 0's padding
+    out = solve(**poisoned, chunk_size=16)
+    torch.testing.assert_close(out[0, 3:], base[0, 3:], rtol=0, atol=0)
+    torch.testing.assert_close(out[1:], base[1:], rtol=0, atol=0)
+
+
+@needs_kernels
+def test_causality():
+    inputs = {n: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for n, v in make_inputs().items()}
+    base = solve(**inputs, chunk_size=16)
+    for name in ("f", "q", "k", "gain"):
+        bumped = dict(inputs)
+        bumped[name] = inputs[name].clone()
+        bumped[name][:, 10] += 1.0  # inside the first chunk: rows 0..9 of that chunk must not move
+        assert torch.equal(solve(**bumped, chunk_size=16)[:, :10], base[:, :10]), name
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_accumulate_in_fp32(dtype):
+    inputs = make_inputs(past=6, dtype=dtype)
+    out, grads = _values_and_grads(solve, inputs, chunk_size=16)
+    assert out.dtype == torch.float32
+    assert [g.dtype for g in grads] == [dtype] * len(grads)  # gradients come back in each input's dtype
+    upcast = {n: (v.detach().float().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point()
+                  else v) for n, v in inputs.items()}
+    ref, ref_grads = _values_and_grads(feedback_solve_dense, upcast)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)  # same rounded inputs, fp32 math on both sides
+    for grad, ref_grad in zip(grads, ref_grads):  # only the final cast to the input dtype differs
+        torch.testing.assert_close(grad.float(), ref_grad, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
+def test_partial_gradients_detached_cache_and_non_contiguous_inputs():
+    inputs = {n: (v.detach() if isinstance(v, torch.Tensor) else v) for n, v in make_inputs(past=6).items()}
+    q_t = inputs["q"].transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    assert not q_t.is_contiguous()
+    grads = {}
+    for fn, q in ((solve, q_t), (feedback_solve_dense, inputs["q"])):  # only q and k need gradients
+        q, k = q.clone().requires_grad_(), inputs["k"].clone().requires_grad_()
+        kwargs = {"chunk_size": 16} if fn is solve else {}
+        out = fn(inputs["f"], q, k, inputs["gain"], key_mask=inputs["key_mask"], past_k=inputs["past_k"],
+                 past_s=inputs["past_s"], **kwargs)
+        grads[fn] = (out, *torch.autograd.grad(out.square().sum(), (q, k)))
+    for actual, expected in zip(grads[solve], grads[feedback_solve_dense]):
+        _assert_close(actual, expected)
+
+
+@needs_kernels
+def test_fp64_falls_back_and_bad_arguments_are_named():
+    inputs = make_inputs(batch=1, length=5, width=3, key_dim=2, past=2, dtype=torch.float64)
+    out = solve(**inputs)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, feedback_solve_dense(**inputs), rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="key_mask has shape"):
+        solve(**{**inputs, "key_mask": inputs["key_mask"][:, 2:]})
+    with pytest.raises(ValueError, match="chunk_size"):
+        solve(**inputs, chunk_size=0)
+
+
+@needs_kernels
+def test_sessa_model_on_the_triton_path_equals_the_pytorch_path():
+    """The dispatch end to end: a tiny Sessa model with kernel_backend="triton" gives the logits, gradients and
+    cached decoding of the same model on the PyTorch path (left-padded batch, chunks of 16)."""
+    from conftest import step_through, tiny_sessa_model
+
+    models = {backend: tiny_sessa_model(kernel_backend=backend, sessa_chunk_size=16).to(DEVICE)
+              for backend in ("torch", "triton")}
+    ids = torch.randint(1, 101, (2, 29), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    results = {}
+    for backend, model in models.items():
+        model.zero_grad()
+        logits = model(ids, attention_mask=mask).logits
+        (logits[mask.bool()].float().pow(2).mean()).backward()
+        results[backend] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                              if p.grad is not None})
+    _assert_close(results["triton"][0], results["torch"][0])
+    assert results["triton"][1].keys() == results["torch"][1].keys()
+    for name, grad in results["torch"][1].items():
+        _assert_close(results["triton"][1][name], grad, msg=name)
+    decoded, _ = step_through(models["triton"], ids, mask, prefill=20)  # prefill + 9 single-token steps
+    _assert_close(decoded[mask.bool()], results["triton"][0][mask.bool()])
