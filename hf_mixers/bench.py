@@ -77,19 +77,24 @@ def _step(module, x, position_embeddings):
 
 
 def time_interleaved(runs, repeats, device):
-    """Time every (module, x, position_embeddings) of one T round-robin and keep each one's fastest step.
+    """Time every (module, x, position_embeddings) of one T round-robin; (fastest, median) step per run."""
+    return time_calls([lambda run=run: _step(*run) for run in runs], repeats, device)
 
-    Interleaving puts the mixers under the same background load; the minimum is the least disturbed run.
+
+def time_calls(calls, repeats, device):
+    """Time zero-argument ``calls`` round-robin, ``repeats`` times each after one warm-up; (fastest, median) each.
+
+    Interleaving puts the candidates under the same background load; the minimum is the least disturbed run.
     """
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for run in runs:
-        _step(*run)  # warm-up
-    times = [[] for _ in runs]
+    for call in calls:
+        call()  # warm-up (and compilation of Triton kernels)
+    times = [[] for _ in calls]
     for _ in range(repeats):
-        for index, run in enumerate(runs):
+        for index, call in enumerate(calls):
             synchronize()
             start = time.perf_counter()
-            _step(*run)
+            call()
             synchronize()
             times[index].append(time.perf_counter() - start)
     return [(min(t), statistics.median(t)) for t in times]

@@ -1,5 +1,5 @@
 """The ``hf-mixers`` command line: ``convert``, ``distill``, ``finetune``, ``eval``, ``card``, ``push``, ``demo`` and
-``bench sessa|rsa|distill``."""
+``bench sessa|rsa|distill|kernels``."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-steps", type=int, default=None, help="cap every stage at N steps (a smoke run)")
 
     bench = commands.add_parser("bench", help="benchmarks, written as JSON and PNG")
-    bench.add_argument("target", choices=["sessa", "rsa", "distill"], help="what to benchmark")
+    bench.add_argument("target", choices=["sessa", "rsa", "distill", "kernels"], help="what to benchmark")
     bench.add_argument("--out", default="outputs/bench", help="output folder (default: outputs/bench)")
     bench.add_argument("--lengths", type=_int_list, default=None,
                        help="training sequence lengths (default sessa: 512,...,4096; rsa: 512,...,8192)")
@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--source", default="smollm2-135m", help="distill: the teacher (any convert SOURCE)")
     bench.add_argument("--mixer", default="rsa", help="distill: the mixer of the student")
     bench.add_argument("--sequence-length", type=int, default=256, help="distill: tokens per sequence")
+    bench.add_argument("--shapes", default="smollm2-135m,llama3-8b",
+                       help="kernels: model shapes (heads and widths), comma-separated")
+    bench.add_argument("--chunk-size", type=int, default=64, help="kernels: query chunk of the feedback solve")
     return parser
 
 
@@ -169,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
 
         bench_distill(args.out, source=args.source, mixer=args.mixer, sequence_length=args.sequence_length,
                       batch_size=args.batch_size, repeats=args.repeats)
+    elif args.command == "bench" and args.target == "kernels":
+        from .bench_kernels import bench_kernels
+
+        bench_kernels(args.out, lengths=args.lengths, shapes=[s for s in args.shapes.split(",") if s],
+                      repeats=args.repeats, dtype=args.dtype, chunk_size=args.chunk_size, device=args.device)
     elif args.command == "bench":
         from .bench_rsa import bench_rsa
 

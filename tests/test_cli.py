@@ -99,3 +99,22 @@ def test_bench_distill_writes_the_ratio(tmp_path):
     report = json.loads((tmp_path / "bench" / "bench_distill.json").read_text())
     assert set(report["tokens_per_s"]) == {"distill", "baseline_lora"} and report["ratio"] > 0
     assert report["target"] == 0.6 and isinstance(report["target_met"], bool)
+
+
+def test_bench_kernels_on_cpu_compares_the_pytorch_paths_only(tmp_path, monkeypatch):
+    """On CPU the Triton kernels are not timed (the interpreter is no benchmark); the report says why."""
+    assert main(["bench", "kernels", "--out", str(tmp_path), "--lengths", "32,64", "--shapes", "smollm2-135m",
+                 "--repeats", "1"]) == 0
+    report = json.loads((tmp_path / "bench_kernels.json").read_text())
+    assert {(r["T"], r["candidate"]) for r in report["results"]} == {
+        (t, c) for t in (32, 64) for c in ("sdpa", "sessa_torch")}
+    assert all(r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0 and r["peak_bytes"] is None for r in report["results"])
+    assert report["triton"].startswith("tensors on cpu") and (tmp_path / "bench_kernels.png").exists()
+    assert all(r["torch_fwd_bwd_vs_sdpa"] > 0 and r["triton_speedup_fwd"] is None for r in report["ratios"])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from hf_mixers.bench_kernels import bench_kernels
+
+    report = bench_kernels(str(tmp_path), lengths=[32], shapes=["smollm2-135m"], repeats=1)
+    assert report["triton"] == "TRITON_INTERPRET=1: the interpreter is no benchmark"
+    with pytest.raises(ValueError, match="unknown shape"):
+        bench_kernels(str(tmp_path), shapes=["gpt5"])

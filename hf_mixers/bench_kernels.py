@@ -1,0 +1,170 @@
+"""``hf-mixers bench kernels``: the Triton kernels against the PyTorch paths and SDPA attention, kernel level.
+
+For each model shape (heads and widths of SmolLM2-135M and Llama-3-8B) and sequence length T, one batch row:
+
+    sdpa          torch scaled_dot_product_attention, causal, the model's q/kv heads (FlashAttention on CUDA):
+                  the baseline a converted layer replaces
+    sessa_torch   feedback_solve_chunked: the PyTorch chunked solve with its hand-written backward
+    sessa_triton  feedback_solve_triton (CUDA only: the CPU interpreter is no benchmark)
+
+timed round-robin (``bench.time_calls``) for the forward alone (no grad) and forward + backward, with the peak
+CUDA memory of a forward + backward step. On CPU only the PyTorch paths are compared and memory is not measured.
+Written to bench_kernels.json / .png with ratios to the PyTorch path and to SDPA from the same run.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .bench import format_log_axes, save_figure, time_calls, write_report
+from .kernels.dispatch import triton_unavailable
+from .kernels.feedback_solve import feedback_solve
+
+# feedback heads: SmolLM2 as converted (one feedback head over the whole width, the official layout); Llama-3-8B
+# with one feedback head per attention head (D = d = 128 per row), the layout a kernel keeps in registers.
+SHAPES = {
+    "smollm2-135m": dict(heads=9, kv_heads=3, head_dim=64, feedback_heads=1),
+    "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128, feedback_heads=32),
+}
+CANDIDATES = ("sdpa", "sessa_torch", "sessa_triton")
+
+
+def _inputs(candidate: str, shape: dict, length: int, device, dtype, generator) -> dict:
+    def randn(*size):
+        return torch.randn(*size, generator=generator).to(device, dtype).requires_grad_()
+
+    if candidate == "sdpa":
+        heads, kv_heads, head_dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
+        return {"query": randn(1, heads, length, head_dim), "key": randn(1, kv_heads, length, head_dim),
+                "value": randn(1, kv_heads, length, head_dim)}
+    rows = shape["feedback_heads"]
+    width = shape["heads"] * shape["head_dim"] // rows  # f: the attention output, split by feedback head
+    gain = (torch.rand(rows, length, generator=generator) * 1.8 - 0.9).to(device, dtype).requires_grad_()
+    return {"f": randn(rows, length, width), "q": randn(rows, length, width), "k": randn(rows, length, width),
+            "gain": gain}
+
+
+def _run(candidate: str, inputs: dict, chunk_size: int):
+    if candidate == "sdpa":
+        return F.scaled_dot_product_attention(**inputs, is_causal=True, enable_gqa=True)
+    method = "triton" if candidate == "sessa_triton" else "chunked"
+    return feedback_solve(**inputs, method=method, chunk_size=chunk_size)
+
+
+def _calls(candidate, inputs, chunk_size):
+    def forward():
+        with torch.no_grad():
+            _run(candidate, inputs, chunk_size)
+
+    def forward_backward():
+        for tensor in inputs.values():
+            tensor.grad = None
+        _run(candidate, inputs, chunk_size).float().pow(2).mean().backward()
+
+    return forward, forward_backward
+
+
+def _cuda_peak(step) -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def bench_kernels(out_dir, lengths=None, shapes=("smollm2-135m", "llama3-8b"), repeats=3, dtype="bfloat16",
+                  chunk_size=64, device=None) -> dict:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    unknown = [name for name in shapes if name not in SHAPES]
+    if unknown:
+        raise ValueError(f"bench kernels: unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
+    lengths = lengths or ([1024, 2048, 4096, 8192, 16384] if device.type == "cuda" else [256, 512, 1024])
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    why_not = triton_unavailable(device)
+    if why_not is None and os.environ.get("TRITON_INTERPRET") == "1":
+        why_not = "TRITON_INTERPRET=1: the interpreter is no benchmark"
+    candidates = [c for c in CANDIDATES if c != "sessa_triton" or why_not is None]
+    results = []
+    points = [(name, length) for name in shapes for length in lengths]
+    for name, length in tqdm(points, desc="bench kernels", unit="point"):
+        generator = torch.Generator().manual_seed(0)
+        inputs = {c: _inputs(c, SHAPES[name], length, device, torch_dtype, generator) for c in candidates}
+        calls = {c: _calls(c, inputs[c], chunk_size) for c in candidates}
+        forward = time_calls([calls[c][0] for c in candidates], repeats, device)
+        forward_backward = time_calls([calls[c][1] for c in candidates], repeats, device)
+        for index, candidate in enumerate(candidates):
+            results.append({"shape": name, "T": length, "candidate": candidate, "fwd_s": forward[index][0],
+                            "fwd_bwd_s": forward_backward[index][0],
+                            "peak_bytes": _cuda_peak(calls[candidate][1]) if device.type == "cuda" else None})
+        del inputs, calls
+        gc.collect()
+
+    def pick(name, length, candidate, key):
+        return next((r[key] for r in results if (r["shape"], r["T"], r["candidate"]) == (name, length, candidate)),
+                    None)
+
+    def ratio(a, b):
+        return None if a is None or b is None or b == 0 else a / b
+
+    ratios = [{"shape": name, "T": length,
+               "torch_fwd_bwd_vs_sdpa": ratio(pick(name, length, "sessa_torch", "fwd_bwd_s"),
+                                              pick(name, length, "sdpa", "fwd_bwd_s")),
+               "triton_speedup_fwd": ratio(pick(name, length, "sessa_torch", "fwd_s"),
+                                           pick(name, length, "sessa_triton", "fwd_s")),
+               "triton_speedup_fwd_bwd": ratio(pick(name, length, "sessa_torch", "fwd_bwd_s"),
+                                               pick(name, length, "sessa_triton", "fwd_bwd_s")),
+               "triton_fwd_bwd_vs_sdpa": ratio(pick(name, length, "sessa_triton", "fwd_bwd_s"),
+                                               pick(name, length, "sdpa", "fwd_bwd_s")),
+               "triton_peak_vs_torch": ratio(pick(name, length, "sessa_triton", "peak_bytes"),
+                                             pick(name, length, "sessa_torch", "peak_bytes"))}
+              for name, length in points]
+    report = {"benchmark": "kernels",
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "dtype": dtype, "chunk_size": chunk_size, "repeats": repeats,
+              "shapes": {name: SHAPES[name] for name in shapes}, "triton": why_not or "timed",
+              "memory": "torch.cuda.max_memory_allocated over one forward+backward" if device.type == "cuda"
+              else "not measured on CPU", "results": results, "ratios": ratios}
+    return write_report(report, out_dir, "bench_kernels", _plot, _print_table)
+
+
+def _plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(report["shapes"])
+    figure, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4.2), squeeze=False)
+    for axis, name in zip(axes[0], shapes):
+        for candidate in CANDIDATES:
+            rows = [r for r in report["results"] if r["shape"] == name and r["candidate"] == candidate]
+            if rows:
+                axis.plot([r["T"] for r in rows], [r["fwd_bwd_s"] for r in rows], marker="o", label=candidate)
+        axis.set_title(name)
+    format_log_axes([(axis, "forward+backward (s)") for axis in axes[0]], "sequence length T")
+    save_figure(figure, path, f"Sessa feedback solve vs SDPA -- {report['device']}, {report['dtype']}, "
+                f"chunk {report['chunk_size']}; Triton: {report['triton']}")
+
+
+def _print_table(report: dict) -> None:
+    def fmt(value, scale=1.0, digits=4):
+        return "-" if value is None else f"{value / scale:.{digits}f}"
+
+    print(f"\nkernels ({report['device']}, {report['dtype']}; Triton: {report['triton']})")
+    print(f"{'shape':>13} {'T':>6} | {'candidate':>12} {'fwd s':>8} {'fwd+bwd s':>9} {'peak MiB':>9}")
+    for row in report["results"]:
+        print(f"{row['shape']:>13} {row['T']:>6} | {row['candidate']:>12} {fmt(row['fwd_s']):>8} "
+              f"{fmt(row['fwd_bwd_s']):>9} {fmt(row['peak_bytes'], 2**20, 1):>9}")
+    print(f"\n{'shape':>13} {'T':>6} | {'torch/sdpa':>10} {'triton x fwd':>12} {'triton x f+b':>12} "
+          f"{'triton/sdpa':>11} {'triton/torch mem':>16}")
+    for row in report["ratios"]:
+        print(f"{row['shape']:>13} {row['T']:>6} | {fmt(row['torch_fwd_bwd_vs_sdpa'], digits=2):>10} "
+              f"{fmt(row['triton_speedup_fwd'], digits=2):>12} {fmt(row['triton_speedup_fwd_bwd'], digits=2):>12} "
+              f"{fmt(row['triton_fwd_bwd_vs_sdpa'], digits=2):>11} {fmt(row['triton_peak_vs_torch'], digits=2):>16}")
