@@ -51,28 +51,29 @@ class EvalReport:
     def to_markdown(self) -> str:
         teacher = self.teacher is not None
         q = self.quality
-        lines = [f"# Evaluation: {os.path.basename(self.model.rstrip('/')) or self.model}", "",
+        title = "/".join(self.model.rstrip("/").split("/")[-2:])  # e.g. "rsa/model": "model" alone says nothing
+        lines = [f"# Evaluation: {title}", "",
                  f"Model `{self.model}`, teacher `{self.teacher or 'none'}`; {self.dtype} on {self.device}; "
                  f"{self.seconds:.0f} s.", "",
                  f"## Held-out text ({self.heldout_sequences} sequences of {self.sequence_length} tokens, {self.data})",
                  "", "| | model | teacher |", "|---|---|---|",
-                 f"| perplexity | {q['student_perplexity']:.3f} | {_number(q.get('teacher_perplexity'), '.3f')} |"]
+                 f"| perplexity | {q['student_perplexity']:.3f} | {blank_or(q.get('teacher_perplexity'), '.3f')} |"]
         if teacher:
             lines += [f"| KL(teacher \u2016 model), nats/token | {q['kl_teacher_student']:.4f} | |",
                       f"| next-token top-1 agreement with the teacher | {q['top1_agreement']:.3f} | |"]
         lines += ["", f"## Passkey retrieval ({self.passkey_trials} trials per length, needle depths spread evenly)",
                   "", "| context (tokens) | model | teacher |", "|---|---|---|"]
         lines += [f"| {row['prompt_tokens']:.0f} | {row['model_accuracy']:.0%} | "
-                  f"{_number(row['teacher_accuracy'], '.0%')} |" for row in self.passkey]
+                  f"{blank_or(row['teacher_accuracy'], '.0%')} |" for row in self.passkey]
         lines += ["", f"## Decoding (batch 1, median of {self.decode_tokens} single-token steps after the prefill)", "",
                   "| context | model tokens/s | model cache MiB | teacher tokens/s | teacher cache MiB | speed-up |",
                   "|---|---|---|---|---|---|"]
         for row in self.decode:
             speedup = (row["model_tokens_per_s"] / row["teacher_tokens_per_s"]) if row["teacher_tokens_per_s"] else None
+            teacher_mib = None if row["teacher_cache_bytes"] is None else row["teacher_cache_bytes"] / 2**20
             lines.append(f"| {row['context']} | {row['model_tokens_per_s']:.1f} | {row['model_cache_bytes'] / 2**20:.2f} | "
-                         f"{_number(row['teacher_tokens_per_s'], '.1f')} | "
-                         f"{_number(row['teacher_cache_bytes'] and row['teacher_cache_bytes'] / 2**20, '.2f')} | "
-                         f"{_number(speedup, '.2f', 'x')} |")
+                         f"{blank_or(row['teacher_tokens_per_s'], '.1f')} | {blank_or(teacher_mib, '.2f')} | "
+                         f"{blank_or(speedup, '.2f', 'x')} |")
         lines += ["", "## Samples (greedy)", ""]
         for sample in self.samples:
             lines.append(f"- **{sample['prompt']}**")
@@ -96,7 +97,8 @@ class EvalReport:
             return cls(**json.load(handle))
 
 
-def _number(value, spec: str, suffix: str = "") -> str:
+def blank_or(value, spec: str, suffix: str = "") -> str:
+    """``value`` formatted with ``spec`` (+ ``suffix``), or an empty table cell for None."""
     return "" if value is None else f"{value:{spec}}{suffix}"
 
 

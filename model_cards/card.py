@@ -22,6 +22,8 @@ import os
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
+from ..eval_report import blank_or
+
 TEMPLATE = os.path.join(os.path.dirname(__file__), "template.md")
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 MIXERS = {  # layer_types value -> (name, one line)
@@ -93,16 +95,12 @@ def _training_context(training: dict | None) -> dict | None:
     lrs = {"stage1": train.get("lr"), "stage2": recipe.get("stage2", {}).get("lr") or train.get("lr")}
     names = {"stage1": "1: attention transfer", "stage2": "2: LoRA knowledge distillation"}
     stages = [{"name": names.get(name, name), "steps": stage["steps"], "tokens": stage["tokens"],
-               "lr": lrs.get(name, ""), "first_loss": _fmt(stage.get("first_loss"), ".4g"),
-               "final_loss": _fmt(stage.get("final_loss"), ".4g")} for name, stage in training["stages"].items()]
+               "lr": lrs.get(name, ""), "first_loss": blank_or(stage.get("first_loss"), ".4g"),
+               "final_loss": blank_or(stage.get("final_loss"), ".4g")} for name, stage in training["stages"].items()]
     return {"stages": stages, "names": list(training["stages"]), "tokens": sum(stage["tokens"] for stage in stages), "data": training.get("data"),
             "sequence_length": training.get("sequence_length"), "batch_size": train.get("batch_size", "?"),
             "world_size": training.get("world_size", 1),
             "merged": recipe.get("output", {}).get("merge_lora", True), "ce_weight": recipe.get("stage2", {}).get("ce_weight")}
-
-
-def _fmt(value, spec: str, suffix: str = "") -> str:
-    return "" if value is None else f"{value:{spec}}{suffix}"
 
 
 def evaluation_rows(conversion: dict | None, training: dict | None, evaluation: dict | None) -> tuple[str, list]:
@@ -110,17 +108,17 @@ def evaluation_rows(conversion: dict | None, training: dict | None, evaluation: 
     last evaluation of training, else the conversion report's measure at init."""
     if evaluation:
         q = evaluation["quality"]
-        rows = [("held-out perplexity", _fmt(q["student_perplexity"], ".3f"), _fmt(q.get("teacher_perplexity"), ".3f"))]
+        rows = [("held-out perplexity", blank_or(q["student_perplexity"], ".3f"), blank_or(q.get("teacher_perplexity"), ".3f"))]
         if "kl_teacher_student" in q:
-            rows += [("KL(teacher \u2016 model), nats/token", _fmt(q["kl_teacher_student"], ".4f"), ""),
-                     ("next-token top-1 agreement with the teacher", _fmt(q["top1_agreement"], ".3f"), "")]
+            rows += [("KL(teacher \u2016 model), nats/token", blank_or(q["kl_teacher_student"], ".4f"), ""),
+                     ("next-token top-1 agreement with the teacher", blank_or(q["top1_agreement"], ".3f"), "")]
         rows += [(f"passkey retrieval, {row['prompt_tokens']:.0f}-token context ({evaluation['passkey_trials']} trials)",
-                  _fmt(row["model_accuracy"], ".0%"), _fmt(row["teacher_accuracy"], ".0%"))
+                  blank_or(row["model_accuracy"], ".0%"), blank_or(row["teacher_accuracy"], ".0%"))
                  for row in evaluation["passkey"]]
         for row in evaluation["decode"]:
             rows.append((f"decode tokens/s after {row['context']} tokens ({evaluation['device']}, batch 1)",
-                         _fmt(row["model_tokens_per_s"], ".1f"), _fmt(row["teacher_tokens_per_s"], ".1f")))
-            rows.append((f"cache MiB after {row['context']} tokens", _fmt(row["model_cache_bytes"] / 2**20, ".2f"),
+                         blank_or(row["model_tokens_per_s"], ".1f"), blank_or(row["teacher_tokens_per_s"], ".1f")))
+            rows.append((f"cache MiB after {row['context']} tokens", blank_or(row["model_cache_bytes"] / 2**20, ".2f"),
                          "" if row["teacher_cache_bytes"] is None else f"{row['teacher_cache_bytes'] / 2**20:.2f}"))
         source = (f"From `eval_report.md` (`hf-mixers eval`): {evaluation['heldout_sequences']} held-out sequences of "
                   f"{evaluation['sequence_length']} tokens of {evaluation['data']}, {evaluation['dtype']} on "
@@ -139,9 +137,9 @@ def evaluation_rows(conversion: dict | None, training: dict | None, evaluation: 
                   f"{conversion['calibration']}. Run `hf-mixers eval` for passkey retrieval and decode speed.")
     else:
         return "Not evaluated: run `hf-mixers eval` on this folder, then `hf-mixers card` again.", []
-    return source, [("held-out perplexity", _fmt(q["student_perplexity"], ".3f"), _fmt(q["teacher_perplexity"], ".3f")),
-                    ("KL(teacher \u2016 model), nats/token", _fmt(q["kl_teacher_student"], ".4f"), ""),
-                    ("next-token top-1 agreement with the teacher", _fmt(q["top1_agreement"], ".3f"), "")]
+    return source, [("held-out perplexity", blank_or(q["student_perplexity"], ".3f"), blank_or(q["teacher_perplexity"], ".3f")),
+                    ("KL(teacher \u2016 model), nats/token", blank_or(q["kl_teacher_student"], ".4f"), ""),
+                    ("next-token top-1 agreement with the teacher", blank_or(q["top1_agreement"], ".3f"), "")]
 
 
 def limitations(mixers: list[str], kept: list[int], training: dict | None, evaluation: dict | None) -> list[str]:
@@ -213,8 +211,8 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
         conversion.get("mixer_options") else "", num_layers=len(layer_types), converted_count=len(layer_types) - len(kept),
         kept=", ".join(map(str, kept)), parameters=parameters, training=_training_context(training),
         loss_curve=os.path.isfile(os.path.join(folder, "loss_curve.png")),
-        finetune={"steps": finetune["steps"], "before": _fmt(finetune["heldout_assistant_loss_before"], ".4f"),
-                  "after": _fmt(finetune["heldout_assistant_loss_after"], ".4f")} if finetune else None,
+        finetune={"steps": finetune["steps"], "before": blank_or(finetune["heldout_assistant_loss_before"], ".4f"),
+                  "after": blank_or(finetune["heldout_assistant_loss_after"], ".4f")} if finetune else None,
         evaluation_source=source, evaluation=rows, limitations=limitations(mixers, kept, training, evaluation),
         chat_template=bool(tokenizer_config.get("chat_template"))
         or os.path.isfile(os.path.join(folder, "chat_template.jinja")),
