@@ -71,7 +71,8 @@ class EvalReport:
         for row in self.decode:
             speedup = (row["model_tokens_per_s"] / row["teacher_tokens_per_s"]) if row["teacher_tokens_per_s"] else None
             teacher_mib = None if row["teacher_cache_bytes"] is None else row["teacher_cache_bytes"] / 2**20
-            lines.append(f"| {row['context']} | {row['model_tokens_per_s']:.1f} | {row['model_cache_bytes'] / 2**20:.2f} | "
+            lines.append(f"| {row['context']} | {row['model_tokens_per_s']:.1f} | "
+                         f"{row['model_cache_bytes'] / 2**20:.2f} | "
                          f"{blank_or(row['teacher_tokens_per_s'], '.1f')} | {blank_or(teacher_mib, '.2f')} | "
                          f"{blank_or(speedup, '.2f', 'x')} |")
         lines += ["", "## Samples (greedy)", ""]

@@ -97,10 +97,11 @@ def _training_context(training: dict | None) -> dict | None:
     stages = [{"name": names.get(name, name), "steps": stage["steps"], "tokens": stage["tokens"],
                "lr": lrs.get(name, ""), "first_loss": blank_or(stage.get("first_loss"), ".4g"),
                "final_loss": blank_or(stage.get("final_loss"), ".4g")} for name, stage in training["stages"].items()]
-    return {"stages": stages, "names": list(training["stages"]), "tokens": sum(stage["tokens"] for stage in stages), "data": training.get("data"),
-            "sequence_length": training.get("sequence_length"), "batch_size": train.get("batch_size", "?"),
-            "world_size": training.get("world_size", 1),
-            "merged": recipe.get("output", {}).get("merge_lora", True), "ce_weight": recipe.get("stage2", {}).get("ce_weight")}
+    return {"stages": stages, "names": list(training["stages"]), "tokens": sum(stage["tokens"] for stage in stages),
+            "data": training.get("data"), "sequence_length": training.get("sequence_length"),
+            "batch_size": train.get("batch_size", "?"), "world_size": training.get("world_size", 1),
+            "merged": recipe.get("output", {}).get("merge_lora", True),
+            "ce_weight": recipe.get("stage2", {}).get("ce_weight")}
 
 
 def evaluation_rows(conversion: dict | None, training: dict | None, evaluation: dict | None) -> tuple[str, list]:
@@ -108,11 +109,13 @@ def evaluation_rows(conversion: dict | None, training: dict | None, evaluation: 
     last evaluation of training, else the conversion report's measure at init."""
     if evaluation:
         q = evaluation["quality"]
-        rows = [("held-out perplexity", blank_or(q["student_perplexity"], ".3f"), blank_or(q.get("teacher_perplexity"), ".3f"))]
+        rows = [("held-out perplexity", blank_or(q["student_perplexity"], ".3f"),
+                 blank_or(q.get("teacher_perplexity"), ".3f"))]
         if "kl_teacher_student" in q:
             rows += [("KL(teacher \u2016 model), nats/token", blank_or(q["kl_teacher_student"], ".4f"), ""),
                      ("next-token top-1 agreement with the teacher", blank_or(q["top1_agreement"], ".3f"), "")]
-        rows += [(f"passkey retrieval, {row['prompt_tokens']:.0f}-token context ({evaluation['passkey_trials']} trials)",
+        trials = evaluation["passkey_trials"]
+        rows += [(f"passkey retrieval, {row['prompt_tokens']:.0f}-token context ({trials} trials)",
                   blank_or(row["model_accuracy"], ".0%"), blank_or(row["teacher_accuracy"], ".0%"))
                  for row in evaluation["passkey"]]
         for row in evaluation["decode"]:
@@ -137,7 +140,8 @@ def evaluation_rows(conversion: dict | None, training: dict | None, evaluation: 
                   f"{conversion['calibration']}. Run `hf-mixers eval` for passkey retrieval and decode speed.")
     else:
         return "Not evaluated: run `hf-mixers eval` on this folder, then `hf-mixers card` again.", []
-    return source, [("held-out perplexity", blank_or(q["student_perplexity"], ".3f"), blank_or(q["teacher_perplexity"], ".3f")),
+    return source, [("held-out perplexity", blank_or(q["student_perplexity"], ".3f"),
+                     blank_or(q["teacher_perplexity"], ".3f")),
                     ("KL(teacher \u2016 model), nats/token", blank_or(q["kl_teacher_student"], ".4f"), ""),
                     ("next-token top-1 agreement with the teacher", blank_or(q["top1_agreement"], ".3f"), "")]
 
@@ -207,8 +211,8 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
     context = dict(
         model_name=name, repo_id=repo_id or f"<user>/{name}", teacher=teacher or "an unrecorded teacher",
         base_model=base_model, family=(conversion or {}).get("family"), mixer=mixer, mixer_title=title,
-        mixer_summary=summary, mixer_options=json.dumps(conversion["mixer_options"]) if conversion and
-        conversion.get("mixer_options") else "", num_layers=len(layer_types), converted_count=len(layer_types) - len(kept),
+        mixer_summary=summary, mixer_options=json.dumps((conversion or {}).get("mixer_options") or {}).strip("{}"),
+        num_layers=len(layer_types), converted_count=len(layer_types) - len(kept),
         kept=", ".join(map(str, kept)), parameters=parameters, training=_training_context(training),
         loss_curve=os.path.isfile(os.path.join(folder, "loss_curve.png")),
         finetune={"steps": finetune["steps"], "before": blank_or(finetune["heldout_assistant_loss_before"], ".4f"),
