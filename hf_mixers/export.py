@@ -27,6 +27,7 @@ REMOTE_MODULES = {
     "kernels.feedback_solve": "feedback_solve",
     "kernels.feedback_solve_triton": "feedback_solve_triton",
     "kernels.rsa_memory": "rsa_memory",
+    "kernels.rsa_chunk_triton": "rsa_chunk_triton",
 }
 _RELATIVE_IMPORT = re.compile(r"^(\s*from\s+)\.([\w.]+)(\s+import\b)", re.MULTILINE)
 

@@ -23,7 +23,8 @@ from transformers import initialization as init
 
 from .attention import FullAttention
 from .kernels.feedback_solve import compute_dtype
-from .kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, rsa_memory
+from .kernels.dispatch import use_triton
+from .kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, rsa_memory, triton_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,10 @@ class RSAMixer(FullAttention):
         log_decay = None
         if self.decay_proj is not None:  # (B, T, G) -> (B, G, T)
             log_decay = (F.logsigmoid(self.decay_proj(hidden_states).to(cd)) / 16).transpose(1, 2)
+        if method == "chunked" and length > 1 and use_triton(
+                "RSA chunk step", query.device, self.config.kernel_backend,
+                check=lambda: triton_unsupported(params, query, value, log_decay)):
+            method = "triton"
         out, state = rsa_memory(query, key, value, valid, state, params, method=method, log_decay=log_decay)
         out = out.flatten(1, 2).transpose(1, 2).reshape(batch, length, -1)  # (B, T, H * hd)
         return out.to(hidden_states.dtype), state

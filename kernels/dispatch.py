@@ -45,17 +45,17 @@ def requested_backend(config_value: str = "auto") -> tuple[str, str]:
     return backend, source
 
 
-def use_triton(kernel: str, device: torch.device, config_value: str = "auto", unsupported: str | None = None) -> bool:
+def use_triton(kernel: str, device: torch.device, config_value: str = "auto", check=None) -> bool:
     """True when ``kernel`` should run its Triton implementation on ``device``.
 
-    ``unsupported``: why the kernel cannot handle this call's options (None: it can); such calls take the PyTorch
-    path under "auto" and fail under a forced "triton".
+    ``check()``: why the kernel cannot handle this call's options (None: it can), asked only once triton can run
+    (it may import the kernel module); such calls take the PyTorch path under "auto" and fail under "triton".
     """
     backend, source = requested_backend(config_value)
     if backend == "torch":
         _announce(kernel, f"PyTorch path (forced by {source})")
         return False
-    reason = triton_unavailable(device) or unsupported
+    reason = triton_unavailable(device) or (check() if check is not None else None)
     if reason is None:
         _announce(kernel, "Triton kernel" + (f" (forced by {source})" if backend == "triton" else ""))
         return True

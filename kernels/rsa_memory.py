@@ -317,6 +317,45 @@ def _chunk(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None):
     return out, carried
 
 
+@dataclass
+class ChunkLayout:
+    """Each row's real tokens packed into an aligned buffer at offset ``count % C`` (the row's phase), so every
+    row's chunk boundaries fall on multiples of C in the buffer whatever its padding or cached length. Shared by the
+    PyTorch chunk form and the Triton one (kernels/rsa_chunk_triton.py)."""
+
+    phase: torch.Tensor  # (B,) buffer offset of each row's first new token
+    real: torch.Tensor  # (B,) real tokens of each row in this call
+    padded: int  # buffer length, a multiple of C
+    rows: torch.Tensor  # (N,) row and time of every real token ...
+    times: torch.Tensor
+    slots: torch.Tensor  # (N,) ... and its buffer position
+
+    @classmethod
+    def of(cls, valid: torch.Tensor, count: torch.Tensor, size: int) -> "ChunkLayout":
+        phase, real = count % size, valid.sum(1)
+        span = int((phase + real).max().item()) if valid.shape[1] else 0
+        rows, times = valid.nonzero(as_tuple=True)
+        slots = phase[rows] + valid.long().cumsum(1)[rows, times] - 1
+        return cls(phase, real, math.ceil(span / size) * size, rows, times, slots)
+
+    def pack(self, x: torch.Tensor, time_dim: int) -> torch.Tensor:
+        """Scatter the real tokens of ``x`` (time on ``time_dim``) into the buffer; filler is 0."""
+        moved = x.movedim(time_dim, 1)  # time next to batch
+        buffer = moved.new_zeros(moved.shape[0], self.padded, *moved.shape[2:])
+        return buffer.index_put((self.rows, self.slots), moved[self.rows, self.times]).movedim(1, time_dim)
+
+    def valid(self, batch: int, device) -> torch.Tensor:
+        """(B, buffer) True where a real token sits."""
+        return torch.zeros(batch, self.padded, dtype=torch.bool, device=device).index_put(
+            (self.rows, self.slots), torch.ones_like(self.rows, dtype=torch.bool))
+
+    def unpack(self, out_b: torch.Tensor, length: int) -> torch.Tensor:
+        """Buffer outputs (B, G, g, buffer, dv) back to (B, G, g, T, dv); padded positions get 0."""
+        moved = out_b.movedim(3, 1)
+        out = moved.new_zeros(moved.shape[0], length, *moved.shape[2:])
+        return out.index_put((self.rows, self.times), moved[self.rows, self.slots]).movedim(1, 3)
+
+
 def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None):
     """Chunk form, equal to ``rsa_recurrent``. Shapes as there; valid (B, T) bool or None.
 
@@ -328,24 +367,12 @@ def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=No
     size = params.chunk_size
     if valid is None:
         valid = torch.ones(batch, length, dtype=torch.bool, device=q.device)
-    phase = state.count % size
-    real = valid.sum(1)
-    span = int((phase + real).max().item()) if length else 0
-    padded_length = math.ceil(span / size) * size
-    rows, times = valid.nonzero(as_tuple=True)
-    slots = phase[rows] + valid.long().cumsum(1)[rows, times] - 1  # buffer position of each real token
-
-    def pack(x, time_dim):  # move time next to batch, scatter the real tokens, move it back
-        moved = x.movedim(time_dim, 1)
-        buffer = moved.new_zeros(batch, padded_length, *moved.shape[2:])
-        return buffer.index_put((rows, slots), moved[rows, times]).movedim(1, time_dim)
-
-    q_b, k_b, v_b = pack(q, 3), pack(k, 2), pack(v, 2)
-    decay_b = None if log_decay is None else pack(log_decay[..., None], 2)[..., 0]  # (B, G, T_buffer), filler 0
-    valid_b = torch.zeros(batch, padded_length, dtype=torch.bool, device=q.device).index_put(
-        (rows, slots), torch.ones_like(rows, dtype=torch.bool))
+    layout = ChunkLayout.of(valid, state.count, size)
+    q_b, k_b, v_b = layout.pack(q, 3), layout.pack(k, 2), layout.pack(v, 2)
+    decay_b = None if log_decay is None else layout.pack(log_decay[..., None], 2)[..., 0]  # (B, G, T_buffer)
+    valid_b = layout.valid(batch, q.device)
     outputs = []
-    for start in range(0, padded_length, size):
+    for start in range(0, layout.padded, size):
         stop = start + size
         inputs = (q_b[:, :, :, start:stop], k_b[:, :, start:stop], v_b[:, :, start:stop], valid_b[:, start:stop],
                   state, params, None if decay_b is None else decay_b[:, :, start:stop])
@@ -354,18 +381,32 @@ def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=No
         else:
             out, state = _chunk(*inputs)
         outputs.append(out)
-        state = _refresh(state, params, phase + real >= stop)  # rows that reached this boundary
-    state = replace(state, count=state.count + real)
+        state = _refresh(state, params, layout.phase + layout.real >= stop)  # rows that reached this boundary
+    state = replace(state, count=state.count + layout.real)
     out_b = torch.cat(outputs, 3) if outputs else q.new_zeros(batch, groups, group_size, 0, v.shape[-1])
-    moved = out_b.movedim(3, 1)
-    out = moved.new_zeros(batch, length, *moved.shape[2:]).index_put((rows, times), moved[rows, slots])
-    return out.movedim(1, 3), state
+    return layout.unpack(out_b, length), state
+
+
+def triton_unsupported(params: RSAParams, q, v, log_decay) -> str | None:
+    """Why the Triton chunk step cannot run this call (None: it can); imports the kernel module, so triton."""
+    from .rsa_chunk_triton import rsa_chunk_triton_supports
+
+    return rsa_chunk_triton_supports(params, q, v, log_decay)
 
 
 def rsa_memory(q, k, v, valid, state: RSAState, params: RSAParams, method: str = "chunked", log_decay=None):
-    """Dispatch: the chunk form for training and prefill, the token step for single-token decoding."""
+    """Dispatch: the chunk form for training and prefill, the token step for single-token decoding.
+
+    "triton": the chunk form with its read side in Triton kernels (kernels/rsa_chunk_triton.py); kernels/dispatch.py
+    decides when it runs. A single token always takes the token step.
+    """
     cd = compute_dtype(q.dtype)
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    if method == "triton" and q.shape[3] > 1:
+        from .rsa_chunk_triton import rsa_chunked_triton  # needs triton: imported only when chosen
+
+        return rsa_chunked_triton(q, k, v, valid, state, params, log_decay)
+    method = "chunked" if method == "triton" else method
     if method == "chunked" and q.shape[3] == 1 and params.compile_step:
         valid = torch.ones(q.shape[0], 1, dtype=torch.bool, device=q.device) if valid is None else valid
         # token 0 of each input, contiguous: strides that change with the context length would recompile

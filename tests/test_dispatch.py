@@ -31,10 +31,10 @@ def test_the_interpreter_runs_kernels_on_cpu(monkeypatch):
     assert dispatch.triton_unavailable(CPU) is None
     assert dispatch.use_triton("k", CPU) is True
     # an option the kernel does not cover sends "auto" back to PyTorch, and fails a forced "triton"
-    assert dispatch.use_triton("k", CPU, unsupported="rsa_decay is not fused") is False
+    assert dispatch.use_triton("k", CPU, check=lambda: "rsa_decay is not fused") is False
     with pytest.raises(RuntimeError, match=r"k: the Triton kernel was requested \(kernel_backend='triton'\) but "
                                            r"cannot run: rsa_decay is not fused"):
-        dispatch.use_triton("k", CPU, "triton", unsupported="rsa_decay is not fused")
+        dispatch.use_triton("k", CPU, "triton", check=lambda: "rsa_decay is not fused")
 
 
 def test_forcing_either_path(monkeypatch, caplog):
@@ -51,9 +51,14 @@ def test_forcing_either_path(monkeypatch, caplog):
         dispatch.use_triton("k", CPU)
 
 
-def test_missing_triton_is_the_reason(monkeypatch):
+def test_missing_triton_is_the_reason_and_the_options_are_not_asked(monkeypatch):
     monkeypatch.setattr(dispatch.importlib.util, "find_spec", lambda name: None)
     assert dispatch.triton_unavailable(torch.device("cuda")) == "triton is not installed (pip install triton)"
+
+    def check():  # would import the kernel module, which needs triton
+        raise AssertionError("asked although triton cannot run")
+
+    assert dispatch.use_triton("k", torch.device("cuda"), check=check) is False
 
 
 def test_config_field_is_validated():

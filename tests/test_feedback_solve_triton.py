@@ -1,48 +1,26 @@
 """The Triton feedback solve (kernels/feedback_solve_triton.py) against the dense reference.
 
-On CPU the kernels run under the Triton interpreter, which needs TRITON_INTERPRET=1 in the environment before
-``import triton``: triton decorates its own standard library (``tl.zeros``, ``tl.sum``, ...) at import time.
-conftest.py's ``import hf_mixers`` already imports triton (through torch._dynamo), so setting the variable
-here would be too late. Instead, ``test_under_interpreter_in_subprocess`` re-runs this file in a fresh pytest
-process started with TRITON_INTERPRET=1, where the kernel tests below run; in this process they are skipped.
-With CUDA available they run here, on the GPU, and the subprocess is skipped.
+Kernel tests run on CUDA, or on a CPU machine under the Triton interpreter in a fresh pytest process started with
+TRITON_INTERPRET=1 (tests/triton_interpreter.py says why and how).
 """
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-
+from triton_interpreter import DEVICE, interpreter_only, needs_kernels, run_under_interpreter  # skips w/o triton
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from hf_mixers.kernels.feedback_solve import feedback_solve_dense  # noqa: E402
-
-INTERPRETED = isinstance(triton.language.zeros, InterpretedFunction)  # triton was imported with TRITON_INTERPRET=1
-DEVICE = "cpu" if INTERPRETED else ("cuda" if torch.cuda.is_available() else None)
+from hf_mixers.kernels.feedback_solve import feedback_solve_dense
 
 if DEVICE is not None:
     from hf_mixers.kernels import feedback_solve_triton as fst
 
     solve = fst.feedback_solve_triton
 
-needs_kernels = pytest.mark.skipif(DEVICE is None, reason="no GPU here: run by test_under_interpreter_in_subprocess")
-
 
 @pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
 def test_under_interpreter_in_subprocess():
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p",
-                             "no:cacheprovider"], cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"},
-                            capture_output=True, text=True, timeout=600)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0 and " passed" in summary and "failed" not in summary, \
-        result.stdout[-8000:] + result.stderr[-4000:]
-    print("interpreter subprocess:", summary)
+    run_under_interpreter(__file__)
 
 
 B, T, D, KD = 3, 37, 20, 12  # ragged on purpose: no size is a multiple of a block
@@ -94,7 +72,7 @@ def _assert_matches_dense(inputs, **kwargs):
         _assert_close(grad, ref_grad, msg=lambda m, n=name: f"d{n}: {m}")
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter only")
+@interpreter_only
 def test_kernels_are_interpreted():
     for kernel in (fst._fwd_kernel, fst._bwd_lam_kernel, fst._bwd_dq_kernel, fst._bwd_dk_kernel):
         assert isinstance(kernel, InterpretedFunction)

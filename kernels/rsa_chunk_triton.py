@@ -1,0 +1,594 @@
+"""Triton kernels for the RSA chunk step (shared/specs/rsa.md §5.2): the read side, forward and backward.
+
+Same function as ``rsa_chunked`` (``rsa_memory.py`` holds the math, this file only re-factors it). One chunk of
+C tokens, per KV head, given the chunk-start state (sums: key_sum, value_sum, mass, relation_sum; refs for the
+assignments) does two things:
+
+  write side (per KV head, levels in order): F_i = softmax(beta_i tau X_i key_ref_i^T) * valid (C, m) (or the
+      sigmoid), the level inputs X_i (C, d), Y_i (C, dv) (level 0: k, v; level i+1: MLP_K(X_i - p key_ref_i),
+      MLP_V(Y_i - p value_ref_i)), and the state at the chunk end (key_sum += F_i^T X_i, value_sum += F_i^T Y_i,
+      mass += sum_t F_i, relation_sum += F_i^T F_{i+1}; then the refs refresh at a chunk boundary).
+  read side (per query head, every row t of the chunk against its *inclusive* state, i.e. the chunk-start sums
+      plus rows s <= t of the chunk), with M the inclusive causal C x C mask and N_i = n0_i + M F_i (C, m):
+      scores   x_i = tau (q KS0_i^T + ((q X_i^T) . M) F_i) / max(kappa_i + N_i, eps),   KS0 = kappa P + key_sum
+      act_i    = sigmoid(x_i) | softmax(x_i [+ log max(N_0, eps) at level 0])             (readout)
+      sparse_i = w_a relu(act_i W_i - theta_i) + theta_i / m
+      chain_i  = sparse_0 | ((c~ R0_{i-1} + ((c~ F_{i-1}^T) . M) F_i) . sparse_i, c~ = chain_{i-1} / N_{i-1}
+                 (relation) | chain_{i-1} . sparse_i (elementwise) | sparse_i (none)
+      a_i      = chain_i W_r_i
+      read(w)  = w~ VS0_i + ((w~ F_i^T) . M) Y_i,   w~ = w / max(N_i, eps)      (VS0 = value_sum)
+      o        = sum_i read(a_i) / max(sum_i |a_i|, eps)  [+ sum_i read(q W_qr_i / 16)]
+
+The per-row inclusive slot state (C copies of an m x d matrix, what a naive chunk form would build) is never
+formed: every "state at row t" product is factorised into the chunk-start term plus a C x C causal term, as in
+linear attention.
+
+Split of the work:
+  * Write side: PyTorch (``_write_side``), a sequential loop over chunks. Its assignments depend on the state at
+    the chunk start (the refs), so chunks cannot run in parallel; a residual MLP (d -> h -> d, shared across heads,
+    any callable in ``RSAParams``) sits between every two levels; it runs once per KV head (not per query head)
+    and costs O(C m d + C d h) per level, no C x C terms. Autograd differentiates it as usual (refs, MLPs, beta,
+    prototypes, the incoming state), so no hand-written backward is needed for any of that.
+  * Read side: ``_fwd_kernel`` / ``_bwd_kernel``, one launch for *all* chunks of the call (given the write side,
+    the chunks' reads are independent): grid (n_chunks, B * H), one program = one query head x one chunk, all L
+    levels in order inside the program (the chain and the global normaliser couple them). Every tile is at most
+    C x C, C x m, C x d, m x m or m x d, kept in registers; fp32 accumulation, operands upcast before every
+    ``tl.dot`` (q may be fp16 / bf16; the interpreter's bf16 dot is broken, and the math wants fp32 anyway).
+
+Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp / C chunks):
+  * kernel inputs, built by the write side and saved for the backward: F, X, Y (B, G, L, Tp, m | d | dv) and the
+    chunk-start sums KS0 (B, G, NC, L, m, d), VS0 (B, G, NC, L, m, dv), n0 (B, G, NC, L, m),
+    R0 (B, G, NC, L-1, m, m); q (B, H, Tp, d) in its own dtype. That is O(T L (m + d + dv) + T/C L (m d + m dv
+    + m^2)) per KV head and O(T d) per query head: nothing per query head and level beyond q itself.
+  * forward output (B, H, Tp, dv). Nothing else is saved: the backward recomputes the read side.
+  * backward, transient: ``_fwd_kernel`` is re-run to write chain_i (B, H, L-1, Tp, m) (only with routing),
+    the numerator (B, H, Tp, dv) and the normaliser (B, H, Tp); then ``_bwd_kernel`` walks the levels in
+    reverse, accumulating the gradients of the per-KV-head tensors and the parameters with ``tl.atomic_add``
+    (query heads of a group and all chunks / batch rows share them; fp32 atomics make the sums' order, hence the
+    last bits, nondeterministic on GPUs). dq is written directly.
+  Measured (saved-tensor hooks, B=1, T=512, G=3 KV heads x 3 query heads, L=4, m=d=dv=64, C=64): 35 MiB saved
+  for the backward here (of which the kernel inputs ~10 MiB, the rest the PyTorch write side's autograd) against
+  133 MiB through ``_chunk``, whose autograd keeps, per level and chunk, several (B, H, C, C) and (B, H, C, m)
+  tensors per *query* head (q.X^T, the causal intra-chunk weights of the routing and of the value read, scores,
+  activations, chains...).
+
+Scope (``rsa_chunk_triton_supports`` returns the reason for anything else): assign_fn softmax | sigmoid (write
+side, PyTorch), readout sigmoid | softmax_count, routing relation | elementwise | none, RSA-q on or off, any
+L >= 1; no decay (``log_decay`` must be None); fp32 / fp16 / bf16 q, k, v (fp64 is out: fp32 accumulation);
+CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests). Sizes are limited to one tile per operand
+(MAX_TILE).
+
+GPU status: written and tested without a GPU, under the interpreter, which computes every dot in fp32 whatever
+``input_precision`` says. Ahead-of-time compiles for sm_90 (``triton.compile`` with a ``GPUTarget``, which needs
+no GPU) pass for all 72 combinations of L in {1, 2}, readout, routing, RSA-q and kernel, with bf16 q. At
+convert()'s default sizes (C = m = d = dv = 64, L = 4), though, one program holds too many tiles. With "tf32x3"
+dots (the default): forward 96 KiB of shared memory, backward 192 KiB (fits the 227 KiB of an H100 / H200), both
+at 255 registers with spills (tens of KiB in the backward), ~1 and ~5 min to compile. With "tf32": backward
+256 KiB (would not launch; 88 KiB at C = 32). With "ieee": the forward alone took ~5 min to compile and the
+backward had not finished after 25 CPU-minutes. Expect to split the backward per level or to tile the slot
+dimension before this is fast; speed is unmeasured, block sizes and warps are untuned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+# A try block on purpose: transformers' remote-code check takes every import outside a try block for a requirement,
+# and a saved folder must load where triton is missing. This module is imported only once kernels/dispatch.py has
+# chosen the Triton path (or a test asked for it), which needs triton installed.
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+finally:
+    pass
+
+from .feedback_solve import compute_dtype
+from .rsa_memory import ChunkLayout, RSAParams, RSAState, _assign, _prior, _refresh
+
+# fp32-accurate dots on tensor cores: plain tf32 would put the read ~1e-3 off the reference (it divides sums by
+# masses and chains levels); "ieee" (FMA dots) is exact too, but at the default sizes its backward did not finish
+# compiling in 25 CPU-minutes, and tf32's backward needs more shared memory than an H100 has (module docstring).
+INPUT_PRECISION = "tf32x3"
+NUM_WARPS = 4  # untuned (needs a GPU)
+MAX_TILE = 128  # largest chunk size, slot count or head dim held as one tile (see "GPU status" above)
+READOUTS = {"sigmoid": 0, "softmax_count": 1}
+ROUTINGS = {"none": 0, "elementwise": 1, "relation": 2}
+ASSIGN_FNS = ("softmax", "sigmoid")
+
+
+def _interpreted() -> bool:
+    """Whether this module's kernels run under the Triton CPU interpreter (TRITON_INTERPRET=1 at triton import)."""
+    return isinstance(_fwd_kernel, InterpretedFunction)
+
+
+def rsa_chunk_triton_supports(params: RSAParams, q=None, v=None, log_decay=None) -> str | None:
+    """None when ``rsa_chunked_triton`` can run this call, else the reason (for a fallback with a log line)."""
+    if log_decay is not None:
+        return "GLA-style decay (log_decay / rsa_decay=True) is not implemented in the Triton RSA kernel"
+    if params.assign_fn not in ASSIGN_FNS:
+        return f"unknown assign_fn {params.assign_fn!r}"
+    if params.readout not in READOUTS:
+        return f"readout {params.readout!r} is not implemented in the Triton RSA kernel (only {sorted(READOUTS)})"
+    if params.routing not in ROUTINGS:
+        return f"routing {params.routing!r} is not implemented in the Triton RSA kernel (only {sorted(ROUTINGS)})"
+    _, _, slots, key_dim = params.prototypes.shape
+    sizes = {"chunk_size": params.chunk_size, "slots": slots, "key head dim": key_dim}
+    if v is not None:
+        sizes["value head dim"] = v.shape[-1]
+    for name, size in sizes.items():
+        if size > MAX_TILE:
+            return f"{name} {size} > {MAX_TILE}: more than one register tile (not implemented)"
+    for tensor in (q, v):
+        if tensor is not None and tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return f"dtype {tensor.dtype}: the kernels compute in fp32 (fp32 / fp16 / bf16 inputs only)"
+    if q is not None:
+        if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreted()):
+            return f"{q.device.type} tensors: the kernels need CUDA, or TRITON_INTERPRET=1 set before triton is " \
+                   "first imported (CPU interpreter, tests only)"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels. One program = one query head x one chunk. Tiles: rows = chunk rows (BLOCK_C), slots (BLOCK_M),
+# cols_d / cols_v = key / value features; ``off_xy`` / ``ok_xy`` are the row-major offsets / masks of an (x, y)
+# tile with x, y in c (rows), m (slots), d, v. Pointer offsets are int64 (B*H*Tp*d may exceed 2^31). Tile loads
+# and atomics are written inline: under the interpreter every device-function call costs ~1 ms of patching.
+
+
+@triton.jit
+def _tiles(rows, slots, cols_d, cols_v, C, M, D, DV):
+    """Offsets and masks of the (C, m), (C, d), (C, dv), (m, m), (m, d), (m, dv), (d, m) tiles."""
+    row_ok, slot_ok, d_ok, v_ok = rows < C, slots < M, cols_d < D, cols_v < DV
+    return (rows[:, None] * M + slots[None, :], row_ok[:, None] & slot_ok[None, :],
+            rows[:, None] * D + cols_d[None, :], row_ok[:, None] & d_ok[None, :],
+            rows[:, None] * DV + cols_v[None, :], row_ok[:, None] & v_ok[None, :],
+            slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :],
+            slots[:, None] * D + cols_d[None, :], slot_ok[:, None] & d_ok[None, :],
+            slots[:, None] * DV + cols_v[None, :], slot_ok[:, None] & v_ok[None, :],
+            cols_d[:, None] * M + slots[None, :], d_ok[:, None] & slot_ok[None, :])
+
+
+@triton.jit
+def _scores(q, x, f, ks0, kappa, n, causal, slot_ok, tau, eps,
+            LEVEL0: tl.constexpr, READOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """Readout activation of every row against its inclusive key slots. Returns q.X^T masked (C, C), the
+    scores (C, m), their denominator max(kappa + N, eps) (C, m) and the activation (C, m), 0 on padded slots."""
+    qx = tl.dot(q, tl.trans(x), input_precision=PRECISION) * causal
+    num = tl.dot(q, tl.trans(ks0), input_precision=PRECISION) + tl.dot(qx, f, input_precision=PRECISION)
+    den = tl.maximum(kappa + n, eps)
+    score = tau * num / den
+    if READOUT == 1:  # softmax_count: a count prior log N on level 0 only
+        z = score
+        if LEVEL0:
+            z = z + tl.log(tl.maximum(n, eps))
+        z = tl.where(slot_ok[None, :], z, float("-inf"))
+        e = tl.exp(z - tl.max(z, 1)[:, None])
+        act = e / tl.sum(e, 1)[:, None]
+    else:
+        act = tl.where(slot_ok[None, :], tl.sigmoid(score), 0.0)
+    return qx, score, den, act
+
+
+@triton.jit
+def _value_read(w, n, f, y, vs0, causal, eps, PRECISION: tl.constexpr):
+    """read(w) = w~ VS0 + ((w~ F^T) . M) Y with w~ = w / max(N, eps): weights over the inclusive value slots."""
+    scaled = w / tl.maximum(n, eps)
+    intra = tl.dot(scaled, tl.trans(f), input_precision=PRECISION) * causal
+    return tl.dot(scaled, vs0, input_precision=PRECISION) + tl.dot(intra, y, input_precision=PRECISION)
+
+
+@triton.jit
+def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
+                w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
+                out_ptr, chain_ptr, num_ptr, den_ptr,  # out (B, H, Tp, DV); SAVE: chains, numerator, normaliser
+                Tp, NC, H, G, GS, C, M, D, DV, tau, eps,
+                L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
+                SAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    chunk = tl.program_id(0).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)  # b * H + head
+    head = bh % H
+    bg = (bh // H) * G + head // GS  # (b, KV head) of this query head
+    row0 = chunk * C
+    rows = tl.arange(0, BLOCK_C)
+    slots = tl.arange(0, BLOCK_M)
+    slot_ok = slots < M
+    off_cm, ok_cm, off_cd, ok_cd, off_cv, ok_cv, off_mm, ok_mm, off_md, ok_md, off_mv, ok_mv, off_dm, ok_dm = \
+        _tiles(rows, slots, tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), C, M, D, DV)
+    causal = (rows[None, :] <= rows[:, None]).to(tl.float32)  # inclusive: row t reads its own write
+
+    q = tl.load(q_ptr + (bh * Tp + row0) * D + off_cd, mask=ok_cd, other=0.0).to(tl.float32)  # (C, D)
+    chain = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+    num = tl.zeros((BLOCK_C, BLOCK_DV), tl.float32)
+    den = tl.zeros((BLOCK_C,), tl.float32)
+    extra = tl.zeros((BLOCK_C, BLOCK_DV), tl.float32)  # RSA-q branch, outside the normaliser
+    f_prev = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+    n_prev = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+    for i in tl.static_range(L):
+        level_row = (bg * L + i) * Tp + row0  # row of (B, G, L, Tp, .) level tensors
+        state = (bg * NC + chunk) * L + i  # index of (B, G, NC, L, ...) chunk-start sums
+        f = tl.load(f_ptr + level_row * M + off_cm, mask=ok_cm, other=0.0)  # (C, m)
+        x = tl.load(x_ptr + level_row * D + off_cd, mask=ok_cd, other=0.0)  # (C, d)
+        y = tl.load(y_ptr + level_row * DV + off_cv, mask=ok_cv, other=0.0)  # (C, dv)
+        ks0 = tl.load(ks0_ptr + state * M * D + off_md, mask=ok_md, other=0.0)  # (m, d)
+        vs0 = tl.load(vs0_ptr + state * M * DV + off_mv, mask=ok_mv, other=0.0)  # (m, dv)
+        n = tl.load(n0_ptr + state * M + slots, mask=slot_ok, other=0.0)[None, :] \
+            + tl.dot(causal, f, input_precision=PRECISION)  # inclusive running mass N (C, m)
+        kappa = tl.load(kappa_ptr + (bg % G) * L + i)
+        qx, score, den_k, act = _scores(q, x, f, ks0, kappa, n, causal, slot_ok, tau, eps, i == 0, READOUT,
+                                        PRECISION)
+        hl = head * L + i
+        theta = tl.load(theta_ptr + hl)
+        w = tl.load(w_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
+        sparse = tl.load(wa_ptr + hl) * tl.maximum(tl.dot(act, w, input_precision=PRECISION) - theta, 0.0) \
+            + theta / M
+        sparse = tl.where(slot_ok[None, :], sparse, 0.0)  # the floor theta/m only on real slots
+        if i == 0 or ROUTING == 0:
+            chain = sparse
+        elif ROUTING == 1:
+            chain = chain * sparse
+        else:  # relation: chain_{i-1} routed through the inclusive relation matrix (R0 + causal F^T F) / N
+            r0 = tl.load(r0_ptr + ((bg * NC + chunk) * (L - 1) + i - 1) * M * M + off_mm, mask=ok_mm, other=0.0)
+            scaled = chain / tl.maximum(n_prev, eps)
+            intra = tl.dot(scaled, tl.trans(f_prev), input_precision=PRECISION) * causal
+            chain = (tl.dot(scaled, r0, input_precision=PRECISION)
+                     + tl.dot(intra, f, input_precision=PRECISION)) * sparse
+        if SAVE and ROUTING != 0 and i < L - 1:  # the backward reads chain_i back at level i + 1
+            tl.store(chain_ptr + ((bh * (L - 1) + i) * Tp + row0) * M + off_cm, chain, mask=ok_cm)
+        wr = tl.load(wr_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
+        a = tl.dot(chain, wr, input_precision=PRECISION)
+        num += _value_read(a, n, f, y, vs0, causal, eps, PRECISION)
+        den += tl.sum(tl.abs(a), 1)  # total absolute read weight (rsa_memory.py docstring)
+        if QUERY_READ:
+            wqr = tl.load(wqr_ptr + hl * D * M + off_dm, mask=ok_dm, other=0.0)
+            extra += _value_read(tl.dot(q, wqr, input_precision=PRECISION) / 16, n, f, y, vs0, causal, eps,
+                                 PRECISION)
+        f_prev = f
+        n_prev = n
+    out_at = (bh * Tp + row0) * DV + off_cv
+    tl.store(out_ptr + out_at, num / tl.maximum(den, eps)[:, None] + extra, mask=ok_cv)
+    if SAVE:
+        tl.store(num_ptr + out_at, num, mask=ok_cv)
+        tl.store(den_ptr + bh * Tp + row0 + rows, den, mask=rows < C)
+
+
+@triton.jit
+def _read_backward(g, w, n, f, y, vs0, causal, eps, PRECISION: tl.constexpr):
+    """Backward of read(w) for the output gradient g (C, dv). Returns d(w~) (C, m) (then d w = d(w~) / max(N, eps)
+    and d N = -d(w~) w~ / max(N, eps)), w~, dVS0 (m, dv), dY (C, dv), dF (C, m)."""
+    scaled = w / tl.maximum(n, eps)
+    d_intra = tl.dot(g, tl.trans(y), input_precision=PRECISION) * causal  # (C, C)
+    d_scaled = tl.dot(g, tl.trans(vs0), input_precision=PRECISION) + tl.dot(d_intra, f, input_precision=PRECISION)
+    intra = tl.dot(scaled, tl.trans(f), input_precision=PRECISION) * causal
+    d_vs0 = tl.dot(tl.trans(scaled), g, input_precision=PRECISION)
+    d_y = tl.dot(tl.trans(intra), g, input_precision=PRECISION)
+    d_f = tl.dot(tl.trans(d_intra), scaled, input_precision=PRECISION)
+    return d_scaled, scaled, d_vs0, d_y, d_f
+
+
+@triton.jit
+def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
+                w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
+                g_ptr, chain_ptr, num_ptr, den_ptr,  # dL/dout (B, H, Tp, DV) and what _fwd_kernel(SAVE) wrote
+                dq_ptr, df_ptr, dx_ptr, dy_ptr, dks0_ptr, dvs0_ptr, dn0_ptr, dr0_ptr, dkappa_ptr,
+                dw_ptr, dwr_ptr, dtheta_ptr, dwa_ptr, dwqr_ptr,  # fp32 gradients, zero-initialised, added into
+                Tp, NC, H, G, GS, C, M, D, DV, tau, eps,
+                L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
+                BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                PRECISION: tl.constexpr):
+    chunk = tl.program_id(0).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    head = bh % H
+    bg = (bh // H) * G + head // GS
+    row0 = chunk * C
+    rows = tl.arange(0, BLOCK_C)
+    slots = tl.arange(0, BLOCK_M)
+    slot_ok = slots < M
+    row_ok = rows < C
+    off_cm, ok_cm, off_cd, ok_cd, off_cv, ok_cv, off_mm, ok_mm, off_md, ok_md, off_mv, ok_mv, off_dm, ok_dm = \
+        _tiles(rows, slots, tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), C, M, D, DV)
+    causal = (rows[None, :] <= rows[:, None]).to(tl.float32)
+
+    q = tl.load(q_ptr + (bh * Tp + row0) * D + off_cd, mask=ok_cd, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + (bh * Tp + row0) * DV + off_cv, mask=ok_cv, other=0.0)  # dL/dout (C, dv)
+    num = tl.load(num_ptr + (bh * Tp + row0) * DV + off_cv, mask=ok_cv, other=0.0)
+    den = tl.load(den_ptr + bh * Tp + row0 + rows, mask=row_ok, other=0.0)
+    norm = tl.maximum(den, eps)
+    d_num = g / norm[:, None]  # out = num / max(den, eps) + extra
+    d_den = tl.where(den >= eps, -tl.sum(g * num, 1) / (norm * norm), 0.0)  # (C,)
+
+    dq = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
+    d_chain = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)  # into chain_i, from level i + 1's routing
+    df_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)  # into F_i, from level i + 1's relation routing
+    dn_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)  # into N_i, likewise
+    # Levels in reverse: level i + 1 hands its gradients for chain_i, F_i and N_i down. (The loop variable itself
+    # must run backwards: ``i = L - 1 - j`` would make i a tensor, and every ``if i > 0`` a runtime branch.)
+    for i in tl.static_range(L - 1, -1, -1):
+        level_row = (bg * L + i) * Tp + row0
+        state = (bg * NC + chunk) * L + i
+        kappa_at = (bg % G) * L + i
+        f = tl.load(f_ptr + level_row * M + off_cm, mask=ok_cm, other=0.0)
+        x = tl.load(x_ptr + level_row * D + off_cd, mask=ok_cd, other=0.0)
+        y = tl.load(y_ptr + level_row * DV + off_cv, mask=ok_cv, other=0.0)
+        ks0 = tl.load(ks0_ptr + state * M * D + off_md, mask=ok_md, other=0.0)
+        vs0 = tl.load(vs0_ptr + state * M * DV + off_mv, mask=ok_mv, other=0.0)
+        n = tl.load(n0_ptr + state * M + slots, mask=slot_ok, other=0.0)[None, :] \
+            + tl.dot(causal, f, input_precision=PRECISION)
+        kappa = tl.load(kappa_ptr + kappa_at)
+        qx, score, den_k, act = _scores(q, x, f, ks0, kappa, n, causal, slot_ok, tau, eps, i == 0, READOUT,
+                                        PRECISION)
+        hl = head * L + i
+        w = tl.load(w_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
+        wr = tl.load(wr_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
+        theta = tl.load(theta_ptr + hl)
+        scale = tl.load(wa_ptr + hl)
+        a_hat = tl.dot(act, w, input_precision=PRECISION)
+        active = (a_hat > theta) & slot_ok[None, :]  # where the relu passes
+        sparse = tl.where(slot_ok[None, :], scale * tl.maximum(a_hat - theta, 0.0) + theta / M, 0.0)
+
+        # chain_i = routed . sparse, recomputed from the saved chain_{i-1}
+        routed = tl.full((BLOCK_C, BLOCK_M), 1.0, tl.float32)
+        if i > 0 and ROUTING != 0:
+            chain_prev = tl.load(chain_ptr + ((bh * (L - 1) + i - 1) * Tp + row0) * M + off_cm, mask=ok_cm,
+                                 other=0.0)
+            if ROUTING == 1:
+                routed = chain_prev
+            else:
+                r0_at = ((bg * NC + chunk) * (L - 1) + i - 1) * M * M
+                f_prev = tl.load(f_ptr + (level_row - Tp) * M + off_cm, mask=ok_cm, other=0.0)  # F_{i-1}
+                n_prev = tl.load(n0_ptr + (state - 1) * M + slots, mask=slot_ok, other=0.0)[None, :] \
+                    + tl.dot(causal, f_prev, input_precision=PRECISION)
+                r0 = tl.load(r0_ptr + r0_at + off_mm, mask=ok_mm, other=0.0)
+                norm_prev = tl.maximum(n_prev, eps)
+                scaled_prev = chain_prev / norm_prev
+                intra_prev = tl.dot(scaled_prev, tl.trans(f_prev), input_precision=PRECISION) * causal
+                routed = tl.dot(scaled_prev, r0, input_precision=PRECISION) \
+                    + tl.dot(intra_prev, f, input_precision=PRECISION)
+        chain = routed * sparse
+        a = tl.dot(chain, wr, input_precision=PRECISION)
+        norm_n = tl.maximum(n, eps)
+        mass_ok = n >= eps  # where clamp_min passes the gradient
+
+        # num += read(a_i), den += sum |a_i|
+        d_scaled, scaled, d_vs0, d_y, d_f = _read_backward(d_num, a, n, f, y, vs0, causal, eps, PRECISION)
+        sign = tl.where(a > 0, 1.0, tl.where(a < 0, -1.0, 0.0))
+        d_a = d_scaled / norm_n + d_den[:, None] * sign
+        d_n = tl.where(mass_ok, -(d_scaled / norm_n) * scaled, 0.0) + dn_next
+        d_f += df_next
+        if QUERY_READ:  # extra += read(q W_qr / 16)
+            wqr = tl.load(wqr_ptr + hl * D * M + off_dm, mask=ok_dm, other=0.0)
+            d_scaled_q, scaled_q, d_vs0_q, d_y_q, d_f_q = _read_backward(
+                g, tl.dot(q, wqr, input_precision=PRECISION) / 16, n, f, y, vs0, causal, eps, PRECISION)
+            d_weights = d_scaled_q / norm_n
+            d_vs0 += d_vs0_q
+            d_y += d_y_q
+            d_f += d_f_q
+            d_n += tl.where(mass_ok, -d_weights * scaled_q, 0.0)
+            dq += tl.dot(d_weights, tl.trans(wqr), input_precision=PRECISION) / 16
+            tl.atomic_add(dwqr_ptr + hl * D * M + off_dm, tl.dot(tl.trans(q), d_weights, input_precision=PRECISION)
+                          / 16, mask=ok_dm)
+
+        # a = chain W_r
+        d_chain_i = tl.dot(d_a, tl.trans(wr), input_precision=PRECISION) + d_chain
+        tl.atomic_add(dwr_ptr + hl * M * M + off_mm, tl.dot(tl.trans(chain), d_a, input_precision=PRECISION),
+                      mask=ok_mm)
+        d_sparse = d_chain_i * routed
+        d_chain = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+        df_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+        dn_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+        if i > 0 and ROUTING == 1:
+            d_chain = d_chain_i * sparse
+        if i > 0 and ROUTING == 2:  # routed = c~ R0 + ((c~ F_{i-1}^T) . M) F_i, c~ = chain_{i-1} / N_{i-1}
+            d_routed = d_chain_i * sparse
+            tl.atomic_add(dr0_ptr + r0_at + off_mm, tl.dot(tl.trans(scaled_prev), d_routed,
+                                                             input_precision=PRECISION), mask=ok_mm)
+            d_f += tl.dot(tl.trans(intra_prev), d_routed, input_precision=PRECISION)
+            d_intra_prev = tl.dot(d_routed, tl.trans(f), input_precision=PRECISION) * causal
+            d_scaled_prev = tl.dot(d_routed, tl.trans(r0), input_precision=PRECISION) \
+                + tl.dot(d_intra_prev, f_prev, input_precision=PRECISION)
+            df_next = tl.dot(tl.trans(d_intra_prev), scaled_prev, input_precision=PRECISION)
+            d_chain = d_scaled_prev / norm_prev
+            dn_next = tl.where(n_prev >= eps, -d_chain * scaled_prev, 0.0)
+
+        # sparse = w_a relu(act W - theta) + theta / m
+        d_sparse = tl.where(ok_cm, d_sparse, 0.0)
+        d_a_hat = tl.where(active, d_sparse * scale, 0.0)
+        tl.atomic_add(dwa_ptr + hl, tl.sum(tl.sum(tl.where(active, d_sparse * (a_hat - theta), 0.0), 1), 0))
+        tl.atomic_add(dtheta_ptr + hl, tl.sum(tl.sum(d_sparse * (1.0 / M - tl.where(active, scale, 0.0)), 1), 0))
+        tl.atomic_add(dw_ptr + hl * M * M + off_mm, tl.dot(tl.trans(act), d_a_hat, input_precision=PRECISION),
+                      mask=ok_mm)
+        d_act = tl.dot(d_a_hat, tl.trans(w), input_precision=PRECISION)
+        if READOUT == 1:
+            d_score = act * (d_act - tl.sum(act * d_act, 1)[:, None])
+            if i == 0:  # the count prior log max(N, eps)
+                d_n += tl.where(mass_ok, d_score / norm_n, 0.0)
+        else:
+            d_score = d_act * act * (1.0 - act)
+        d_score = tl.where(slot_ok[None, :], d_score, 0.0)
+
+        # score = tau (q KS0^T + ((q X^T) . M) F) / max(kappa + N, eps)
+        d_snum = tau * d_score / den_k
+        d_den_k = tl.where(kappa + n >= eps, -d_score * score / den_k, 0.0)
+        d_n += d_den_k
+        tl.atomic_add(dkappa_ptr + kappa_at, tl.sum(tl.sum(d_den_k, 1), 0))
+        dq += tl.dot(d_snum, ks0, input_precision=PRECISION)
+        tl.atomic_add(dks0_ptr + state * M * D + off_md, tl.dot(tl.trans(d_snum), q, input_precision=PRECISION),
+                      mask=ok_md)
+        d_qx = tl.dot(d_snum, tl.trans(f), input_precision=PRECISION) * causal
+        d_f += tl.dot(tl.trans(qx), d_snum, input_precision=PRECISION)
+        dq += tl.dot(d_qx, x, input_precision=PRECISION)
+        tl.atomic_add(dx_ptr + level_row * D + off_cd, tl.dot(tl.trans(d_qx), q, input_precision=PRECISION),
+                      mask=ok_cd)
+
+        # N = n0 + M F
+        d_n = tl.where(row_ok[:, None], d_n, 0.0)
+        d_f += tl.dot(tl.trans(causal), d_n, input_precision=PRECISION)
+        tl.atomic_add(dn0_ptr + state * M + slots, tl.sum(d_n, 0), mask=slot_ok)
+        tl.atomic_add(df_ptr + level_row * M + off_cm, d_f, mask=ok_cm)
+        tl.atomic_add(dy_ptr + level_row * DV + off_cv, d_y, mask=ok_cv)
+        tl.atomic_add(dvs0_ptr + state * M * DV + off_mv, d_vs0, mask=ok_mv)
+    tl.store(dq_ptr + (bh * Tp + row0) * D + off_cd, dq, mask=ok_cd)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers and the autograd wrapper.
+
+
+def _block(n: int) -> int:
+    """A power-of-two tile edge >= max(n, 16) (``tl.dot`` needs >= 16 on GPUs)."""
+    return max(16, triton.next_power_of_2(max(n, 1)))
+
+
+class _Read:
+    """Static launch arguments of one call: sizes, options and block sizes."""
+
+    def __init__(self, params: RSAParams, q, f, y, n_chunks):
+        batch, heads, self.padded, key_dim = q.shape
+        _, groups, levels, _, slots = f.shape
+        self.grid = (n_chunks, batch * heads)
+        self.sizes = (self.padded, n_chunks, heads, groups, heads // groups, params.chunk_size, slots, key_dim,
+                      y.shape[-1], key_dim**-0.5, params.eps)
+        self.batch, self.heads, self.levels, self.slots, self.value_dim = batch, heads, levels, slots, y.shape[-1]
+        self.options = dict(L=levels, READOUT=READOUTS[params.readout], ROUTING=ROUTINGS[params.routing],
+                            QUERY_READ=params.query_read is not None, BLOCK_C=_block(params.chunk_size),
+                            BLOCK_M=_block(slots), BLOCK_D=_block(key_dim), BLOCK_DV=_block(y.shape[-1]),
+                            PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS)
+
+    def forward(self, inputs, save: bool):
+        """``inputs``: the 14 kernel tensors (q ... wqr). Returns out (B, H, Tp, dv) fp32 [, chains, num, den]."""
+        q = inputs[0]
+        out = q.new_empty(self.batch, self.heads, self.padded, self.value_dim, dtype=torch.float32)
+        chain = num = den = out  # dummies when not saved
+        if save:  # for _bwd_kernel: chain_i (only read back by the routing), numerator, normaliser
+            if self.levels > 1 and self.options["ROUTING"] != 0:
+                chain = out.new_empty(self.batch, self.heads, self.levels - 1, self.padded, self.slots)
+            num, den = torch.empty_like(out), out.new_empty(self.batch, self.heads, self.padded)
+        if out.numel():
+            _fwd_kernel[self.grid](*inputs, out, chain, num, den, *self.sizes, SAVE=save, **self.options)
+        return (out, chain, num, den) if save else out
+
+
+def _kernel_inputs(q_b, f, x, y, ks0, vs0, n0, r0, params: RSAParams, groups):
+    """The 14 tensors the kernels read, contiguous and (but q) fp32, in kernel argument order."""
+    fp32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
+    query_read = params.query_read if params.query_read is not None else params.threshold  # dummy pointer
+    batch, _, group_size, padded, key_dim = q_b.shape
+    return (q_b.reshape(batch, groups * group_size, padded, key_dim).contiguous(), fp32(f), fp32(x), fp32(y),
+            fp32(ks0), fp32(vs0), fp32(n0), fp32(r0), fp32(params.kappa), fp32(params.read_proj),
+            fp32(params.mix_proj), fp32(params.threshold), fp32(params.read_scale), fp32(query_read))
+
+
+class _TritonRSARead(torch.autograd.Function):
+    """Read side of every chunk: ``_fwd_kernel``; backward: ``_fwd_kernel(SAVE)`` then ``_bwd_kernel``."""
+
+    @staticmethod
+    def forward(ctx, read: _Read, *inputs):
+        ctx.read = read
+        ctx.save_for_backward(*inputs)
+        return read.forward(inputs, save=False)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        read: _Read = ctx.read
+        inputs = ctx.saved_tensors
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in inputs]
+        if grad_out.numel():
+            _, chain, num, den = read.forward(inputs, save=True)
+            _bwd_kernel[read.grid](*inputs, grad_out.contiguous().float(), chain, num, den, *grads, *read.sizes,
+                                   **read.options)
+        if not read.options["QUERY_READ"]:
+            grads[-1] = None  # the dummy pointer
+        return (None, *(None if grad is None else grad.to(t.dtype) for grad, t in zip(grads, inputs)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The chunked memory on top of the kernels.
+
+
+def _write_side(k_c, v_c, valid_c, state: RSAState, params: RSAParams):
+    """Write side of one chunk (spec §5.2 steps 1-2, 7): k_c (B, G, C, d), v_c (B, G, C, dv), valid_c (B, C).
+
+    Returns F, X, Y (B, G, L, C, m | d | dv) and the state with the chunk's writes added (refs untouched).
+    """
+    levels = params.prototypes.shape[1]
+    tau = params.prototypes.shape[-1] ** -0.5
+    write = valid_c.to(k_c.dtype)[:, None, :, None]  # (B, 1, C, 1): padding writes nothing
+    x_k, x_v = k_c, v_c
+    assignments, keys, values = [], [], []
+    for i in range(levels):
+        key_ref, value_ref = state.key_ref[:, :, i], state.value_ref[:, :, i]
+        f, p = _assign(x_k, key_ref, params.beta[None, :, i, None, None].to(k_c.dtype), params, tau)
+        assignments.append(f * write)
+        keys.append(x_k)
+        values.append(x_v)
+        if i < levels - 1:
+            x_k = params.key_mlps[i](x_k - p @ key_ref)
+            x_v = params.value_mlps[i](x_v - p @ value_ref)
+    f, x, y = torch.stack(assignments, 2), torch.stack(keys, 2), torch.stack(values, 2)
+    f_t = f.transpose(-1, -2)  # (B, G, L, m, C)
+    state = replace(state, key_sum=state.key_sum + f_t @ x, value_sum=state.value_sum + f_t @ y,
+                    mass=state.mass + f.sum(-2),
+                    relation_sum=state.relation_sum + f_t[:, :, :-1] @ f[:, :, 1:] if levels > 1
+                    else state.relation_sum)
+    return f, x, y, state
+
+
+def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None):
+    """Triton version of ``rsa_chunked``: same arguments, semantics and return values.
+
+    q (B, G, g, T, d), k (B, G, T, d), v (B, G, T, dv), valid (B, T) bool or None -> o (B, G, g, T, dv) fp32 (zero
+    at padded positions) and the new state. q, k, v may be fp32, fp16 or bf16 (computed in fp32, like
+    ``rsa_memory``'s cast); gradients reach q, k, v, every tensor of ``params`` and of the incoming ``state``.
+    Raises NotImplementedError with ``rsa_chunk_triton_supports``' reason for anything outside its scope.
+    ``params.recompute`` is not needed: the read side is recomputed by the backward kernel anyway.
+    """
+    reason = rsa_chunk_triton_supports(params, q, v, log_decay)
+    if reason is not None:
+        raise NotImplementedError(f"rsa_chunked_triton: {reason}")
+    batch, groups, group_size, length, key_dim = q.shape
+    size = params.chunk_size
+    cd = compute_dtype(q.dtype)  # fp32 here
+    k, v = k.to(cd), v.to(cd)
+    if valid is None:
+        valid = torch.ones(batch, length, dtype=torch.bool, device=q.device)
+
+    layout = ChunkLayout.of(valid, state.count, size)  # the buffer of rsa_chunked: chunk boundaries at multiples of C
+    padded = layout.padded
+    q_b, k_b, v_b = layout.pack(q, 3), layout.pack(k, 2), layout.pack(v, 2)
+    valid_b = layout.valid(batch, q.device)
+
+    # Write side, chunk by chunk (sequential: each chunk assigns against the refs of the previous boundary).
+    f, x, y, starts = [], [], [], []
+    for start in range(0, padded, size):
+        stop = start + size
+        starts.append(state)
+        f_c, x_c, y_c, state = _write_side(k_b[:, :, start:stop], v_b[:, :, start:stop], valid_b[:, start:stop],
+                                           state, params)
+        f.append(f_c)
+        x.append(x_c)
+        y.append(y_c)
+        state = _refresh(state, params, layout.phase + layout.real >= stop)  # rows that reached this boundary
+    state = replace(state, count=state.count + layout.real)
+    if not padded:
+        return q.new_zeros(batch, groups, group_size, length, v.shape[-1], dtype=cd), state
+
+    # Read side: all chunks in one launch, from the chunk-start sums.
+    prior = _prior(params, cd)[0]  # kappa P (1, G, L, m, d)
+    levels = params.prototypes.shape[1]
+    ks0 = torch.stack([prior + s.key_sum for s in starts], 2)  # (B, G, NC, L, m, d)
+    vs0 = torch.stack([s.value_sum for s in starts], 2)  # (B, G, NC, L, m, dv)
+    n0 = torch.stack([s.mass for s in starts], 2)  # (B, G, NC, L, m)
+    r0 = torch.stack([s.relation_sum for s in starts], 2) if levels > 1 else n0.new_zeros(1)  # (B, G, NC, L-1, m, m)
+    f, x, y = torch.cat(f, 3), torch.cat(x, 3), torch.cat(y, 3)  # (B, G, L, Tp, m | d | dv)
+    inputs = _kernel_inputs(q_b, f, x, y, ks0, vs0, n0, r0, params, groups)
+    read = _Read(params, inputs[0], f, y, len(starts))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        out_b = _TritonRSARead.apply(read, *inputs)
+    else:  # inference: no autograd bookkeeping, nothing saved
+        out_b = read.forward(inputs, save=False)
+    out_b = out_b.unflatten(1, (groups, group_size))  # (B, G, g, Tp, dv)
+
+    return layout.unpack(out_b, length), state

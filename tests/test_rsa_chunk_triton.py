@@ -1,0 +1,262 @@
+"""The Triton RSA chunk step (kernels/rsa_chunk_triton.py) against the PyTorch chunk form and token recurrence.
+
+Kernel tests run on CUDA, or here under the Triton CPU interpreter in a subprocess (see triton_interpreter.py).
+Shapes are small and ragged on purpose: T = 37, d = 12, dv = 10, m = 6 (no size a power of two or a multiple of
+the chunk), several KV groups with 2 query heads each; in the batch, left padding (a row of 32 real tokens, which
+ends exactly on a chunk boundary, so its references refresh at the end of the call) and a hole.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from triton_interpreter import DEVICE, interpreter_only, needs_kernels, run_under_interpreter
+
+from hf_mixers.kernels import rsa_chunk_triton as rct
+from hf_mixers.kernels.rsa_memory import RSAParams, ResidualMLPWeights, initial_state, rsa_chunked, rsa_recurrent
+
+DEV = DEVICE or "cpu"  # where the tensors live (the parent process of a CPU machine builds some, launches nothing)
+STATE_FIELDS = ("key_sum", "value_sum", "mass", "relation_sum", "key_ref", "value_ref")
+KEY_DIM, VALUE_DIM, SLOTS = 12, 10, 6
+
+
+@pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
+def test_under_interpreter_in_subprocess():
+    run_under_interpreter(__file__)
+
+
+def make_params(groups=2, group_size=2, levels=3, chunk=8, seed=0, query_read=False, **options):
+    """fp32 leaves (all requiring grad) on DEV: near-identity W / W_r, thresholds where the relu both passes
+    and cuts, non-trivial residual MLPs."""
+    g = torch.Generator().manual_seed(seed)
+    heads, m = groups * group_size, SLOTS
+
+    def rand(*shape, scale=1.0, shift=0.0, normal=True):
+        x = torch.randn(*shape, generator=g) if normal else torch.rand(*shape, generator=g)
+        return (x * scale + shift).to(DEV).requires_grad_()
+
+    def mlp(size):
+        return ResidualMLPWeights(rand(size, size, scale=0.3), rand(size, scale=0.1), rand(size, size, scale=0.3),
+                                  rand(size, scale=0.1))
+
+    eye = torch.eye(m)
+    return RSAParams(
+        prototypes=rand(groups, levels, m, KEY_DIM), kappa=rand(groups, levels, normal=False, shift=0.5),
+        beta=rand(groups, levels, normal=False, shift=0.5), key_mlps=[mlp(KEY_DIM) for _ in range(levels - 1)],
+        value_mlps=[mlp(VALUE_DIM) for _ in range(levels - 1)],
+        read_proj=(eye + 0.1 * torch.randn(heads, levels, m, m, generator=g)).to(DEV).requires_grad_(),
+        mix_proj=(eye + 0.1 * torch.randn(heads, levels, m, m, generator=g)).to(DEV).requires_grad_(),
+        threshold=rand(heads, levels, normal=False, scale=0.3), read_scale=rand(heads, levels, normal=False, shift=0.5),
+        query_read=rand(heads, levels, KEY_DIM, m) if query_read else None, chunk_size=chunk, **options)
+
+
+def param_leaves(params):
+    leaves = {name: getattr(params, name) for name in ("prototypes", "kappa", "beta", "read_proj", "mix_proj",
+                                                       "threshold", "read_scale", "query_read")}
+    for kind in ("key_mlps", "value_mlps"):
+        for i, mlp in enumerate(getattr(params, kind)):
+            leaves.update({f"{kind}[{i}].{n}": getattr(mlp, n) for n in ("up_weight", "up_bias", "down_weight",
+                                                                          "down_bias")})
+    return {name: t for name, t in leaves.items() if t is not None}
+
+
+def make_inputs(params, batch=3, length=37, seed=1, dtype=torch.float32):
+    groups = params.prototypes.shape[0]
+    group_size = params.read_proj.shape[0] // groups
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, groups, group_size, length, KEY_DIM, generator=g)
+    k = torch.randn(batch, groups, length, KEY_DIM, generator=g)
+    v = torch.randn(batch, groups, length, VALUE_DIM, generator=g)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    if batch > 1:
+        valid[1, :length - 32] = False  # left padding; 32 real tokens: the row ends on a chunk boundary (refresh)
+    if batch > 2:
+        valid[2, 20] = False  # a hole
+    q, k, v = (t.to(DEV, dtype).requires_grad_() for t in (q, k, v))
+    return q, k, v, valid.to(DEV)
+
+
+def run(fn, params, q, k, v, valid, state, extra_leaves=()):
+    """Output, new state and the gradients of a loss that reads the output *and* every returned state tensor
+    (so the write side's gradients through the carried state are checked too)."""
+    out, new_state = fn(q, k, v, valid, state, params)
+    g = torch.Generator().manual_seed(7)
+    loss = (out * torch.randn(out.shape, generator=g).to(out.device)).sum()
+    for name in STATE_FIELDS:
+        tensor = getattr(new_state, name)
+        loss = loss + 0.1 * (tensor * torch.randn(tensor.shape, generator=g).to(tensor.device)).sum()
+    leaves = {"q": q, "k": k, "v": v, **param_leaves(params), **dict(extra_leaves)}
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return out, new_state, dict(zip(leaves, grads))
+
+
+def assert_close(actual, expected, name, rtol=1e-4, atol=1e-5):
+    """rtol per element, atol relative to the tensor's largest entry (near-zero entries of large gradients)."""
+    scale = expected.abs().max().item() if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol * max(scale, 1.0),
+                               msg=lambda m: f"{name}: {m}")
+
+
+def assert_matches(params, inputs, state, extra_leaves=(), **tolerances):
+    out, new_state, grads = run(rct.rsa_chunked_triton, params, *inputs, state, extra_leaves)
+    ref, ref_state, ref_grads = run(rsa_chunked, params, *inputs, state, extra_leaves)
+    assert out.dtype == torch.float32
+    assert_close(out, ref, "output", **tolerances)
+    for name in STATE_FIELDS:
+        assert_close(getattr(new_state, name), getattr(ref_state, name), name, **tolerances)
+    assert torch.equal(new_state.count, ref_state.count)
+    for name, grad in grads.items():
+        assert grad is not None, name
+        assert_close(grad.float(), ref_grads[name].float(), f"d {name}", **tolerances)
+    return out, new_state
+
+
+@interpreter_only
+def test_kernels_are_interpreted():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(rct._fwd_kernel, InterpretedFunction) and isinstance(rct._bwd_kernel, InterpretedFunction)
+
+
+@needs_kernels
+@pytest.mark.parametrize("chunk", [8, 16])
+def test_converted_default_matches_reference(chunk):
+    """convert()'s options (softmax assign, softmax_count readout, relation routing, no RSA-q, no decay): output,
+    state and every gradient equal rsa_chunked; the output also equals the token recurrence; no-grad is the
+    same launch without autograd."""
+    params = make_params(chunk=chunk, readout="softmax_count")
+    inputs = make_inputs(params)
+    state = initial_state(params, 3, VALUE_DIM, torch.float32)
+    out, new_state = assert_matches(params, inputs, state)
+    with torch.no_grad():
+        token, token_state = rsa_recurrent(*inputs, state, params)
+        assert torch.equal(rct.rsa_chunked_triton(*inputs, state, params)[0], out)
+    assert_close(out, token, "output vs token recurrence")
+    assert_close(new_state.key_sum, token_state.key_sum, "key_sum vs token recurrence")
+    assert torch.count_nonzero(out[1, ..., :5, :]) == 0  # padded positions output 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("assign_fn, readout, routing, query_read", [
+    ("sigmoid", "sigmoid", "elementwise", True),
+    ("softmax", "softmax_count", "none", True),
+    ("softmax", "sigmoid", "relation", True),
+])
+def test_options_match_reference(assign_fn, readout, routing, query_read):
+    params = make_params(chunk=16, assign_fn=assign_fn, readout=readout, routing=routing, query_read=query_read)
+    inputs = make_inputs(params, batch=2)
+    assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
+
+
+@needs_kernels
+def test_conversion_init_and_single_level():
+    """The converted layer at init: W_r = 0 below level 0 (a_i = 0 exactly: |a| has a zero subgradient) and
+    theta = 0, 4 levels; and a single level (no routing, no relation sums)."""
+    params = make_params(levels=4, chunk=16, readout="softmax_count")
+    with torch.no_grad():
+        params.mix_proj[:, 1:] = 0.0
+        params.threshold.zero_()
+    inputs = make_inputs(params, batch=2)
+    assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
+    params = make_params(levels=1, chunk=16, routing="relation", query_read=True)
+    assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
+
+
+@needs_kernels
+def test_continues_from_a_non_initial_state():
+    """Two calls: a first one that stops mid-chunk, then a second from its state, with gradients into the incoming
+    state (sums, references) as well."""
+    params = make_params(chunk=8, readout="softmax_count", query_read=True)
+    q, k, v, valid = make_inputs(params, batch=2)
+    with torch.no_grad():
+        _, state = rct.rsa_chunked_triton(q[..., :14, :], k[:, :, :14], v[:, :, :14], valid[:, :14],
+                                          initial_state(params, 2, VALUE_DIM, torch.float32), params)
+    assert (state.count % 8 != 0).all()  # mid-chunk: the second call starts at a phase
+    leaves = {name: getattr(state, name).detach().clone().requires_grad_() for name in STATE_FIELDS}
+    state = replace(state, **leaves)
+    rest = (q[..., 14:, :], k[:, :, 14:], v[:, :, 14:], valid[:, 14:])
+    assert_matches(params, rest, state, extra_leaves=[(f"state.{n}", t) for n, t in leaves.items()])
+
+
+@needs_kernels
+def test_row_without_real_tokens_and_empty_call():
+    params = make_params(chunk=8)
+    q, k, v, valid = make_inputs(params, batch=2, length=5)
+    valid[1] = False
+    state = initial_state(params, 2, VALUE_DIM, torch.float32)
+    out, new_state = assert_matches(params, (q, k, v, valid), state)
+    assert torch.count_nonzero(out[1]) == 0 and new_state.count.tolist() == [5, 0]
+    empty, same = rct.rsa_chunked_triton(q[..., :0, :], k[:, :, :0], v[:, :, :0], valid[:, :0], state, params)
+    assert empty.shape == (2, 2, 2, 0, VALUE_DIM) and torch.equal(same.mass, state.mass)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_accumulate_in_fp32(dtype):
+    """Half q, k, v: the same function as fp32 on the same rounded inputs (q is upcast in the kernel, k and v
+    before the write side); gradients come back in the input dtype."""
+    params = make_params(chunk=16, readout="softmax_count")
+    q, k, v, valid = make_inputs(params, batch=2, dtype=dtype)
+    state = initial_state(params, 2, VALUE_DIM, torch.float32)
+    out, new_state, grads = run(rct.rsa_chunked_triton, params, q, k, v, valid, state)
+    assert out.dtype == torch.float32 and [grads[n].dtype for n in "qkv"] == [dtype] * 3
+    upcast = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref, ref_state, ref_grads = run(rsa_chunked, params, *upcast, valid, state)
+    assert_close(out, ref, "output")
+    assert_close(new_state.key_sum, ref_state.key_sum, "key_sum")
+    for name, grad in grads.items():  # q, k, v gradients are rounded to the input dtype
+        assert_close(grad.float(), ref_grads[name], f"d {name}", rtol=2e-2, atol=2e-2)
+
+
+def test_supports_names_what_is_not_implemented():
+    """Every unsupported option comes with its reason, and rsa_chunked_triton raises it. No kernel launch: this
+    test also runs in the parent process, where the kernels cannot run (CPU tensors, no interpreter)."""
+    params = make_params(chunk=8)
+    q = torch.zeros(1, 2, 2, 3, KEY_DIM, device=DEV)
+    state = initial_state(params, 1, KEY_DIM, torch.float32)
+    if DEVICE is None:
+        assert "TRITON_INTERPRET=1" in rct.rsa_chunk_triton_supports(params, q)
+        with pytest.raises(NotImplementedError, match="rsa_chunked_triton: cpu tensors: the kernels need CUDA"):
+            rct.rsa_chunked_triton(q, q[:, :, 0], q[:, :, 0], None, state, params)
+    else:
+        assert rct.rsa_chunk_triton_supports(params, q, q[:, :, 0]) is None
+    decay = torch.zeros(1, 2, 3, device=DEV)
+    assert "decay" in rct.rsa_chunk_triton_supports(params, q, log_decay=decay)
+    with pytest.raises(NotImplementedError, match="rsa_chunked_triton: GLA-style decay"):
+        rct.rsa_chunked_triton(q, q[:, :, 0], q[:, :, 0], None, state, params, log_decay=decay)
+    assert "dtype torch.float64" in rct.rsa_chunk_triton_supports(params, q.double())
+    cases = {"readout": ("softmax", "readout 'softmax'"), "routing": ("dense", "routing 'dense'"),
+             "assign_fn": ("argmax", "assign_fn 'argmax'"), "chunk_size": (256, "chunk_size 256 > 128")}
+    for field, (value, message) in cases.items():
+        assert message in rct.rsa_chunk_triton_supports(replace(params, **{field: value})), field
+    wide = torch.zeros(1, 2, 3, 200, device=DEV)
+    assert "value head dim 200 > 128" in rct.rsa_chunk_triton_supports(params, v=wide)
+
+
+@needs_kernels
+def test_rsa_model_on_the_triton_path_equals_the_pytorch_path():
+    """The dispatch end to end: a tiny RSA model with kernel_backend="triton" gives the logits and gradients of the
+    same model on the PyTorch path (left-padded batch), and its prefill + token-by-token decode the full forward."""
+    from conftest import step_through, tiny_config
+    from hf_mixers import RSAConfig, RSAForCausalLM
+
+    models = {}
+    for backend in ("torch", "triton"):
+        torch.manual_seed(0)
+        models[backend] = RSAForCausalLM(tiny_config(RSAConfig, kernel_backend=backend, rsa_num_levels=2,
+                                                     rsa_num_slots=8, rsa_chunk_size=8)).to(DEV)
+    ids = torch.randint(1, 101, (2, 21), generator=torch.Generator().manual_seed(0)).to(DEV)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    results = {}
+    for backend, model in models.items():
+        logits = model(ids, attention_mask=mask).logits
+        logits[mask.bool()].pow(2).mean().backward()
+        results[backend] = (logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-4, atol=1e-5)
+    assert results["triton"][1].keys() == results["torch"][1].keys()
+    for name, grad in results["torch"][1].items():
+        torch.testing.assert_close(results["triton"][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    decoded, _ = step_through(models["triton"].eval(), ids, mask, prefill=13)  # prefill 13 (two chunks), decode 8
+    torch.testing.assert_close(decoded[mask.bool()], results["triton"][0][mask.bool()], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,49 @@
+"""Running Triton kernel tests on a CPU-only machine: the interpreter, in a fresh pytest process.
+
+The Triton interpreter needs TRITON_INTERPRET=1 in the environment before ``import triton``: triton decorates its
+own standard library (``tl.zeros``, ``tl.sum``, ...) and every ``@triton.jit`` kernel at import time. conftest.py's
+``import hf_mixers`` already imports triton (through torch._dynamo), so setting the variable inside a test is too
+late. A kernel test file therefore:
+
+    from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter   # skips the file without triton
+
+    @pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
+    def test_under_interpreter_in_subprocess():
+        run_under_interpreter(__file__)
+
+    @needs_kernels
+    def test_something(): ...      # on DEVICE: "cuda" on a GPU machine, "cpu" in the interpreter subprocess
+
+On a GPU machine the kernel tests run in-process on CUDA and the subprocess test is skipped; on a CPU machine the
+parent process skips them and re-runs the file with TRITON_INTERPRET=1, where DEVICE is "cpu".
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+INTERPRETED = isinstance(triton.language.zeros, InterpretedFunction)  # triton was imported with TRITON_INTERPRET=1
+DEVICE = "cpu" if INTERPRETED else ("cuda" if torch.cuda.is_available() else None)
+
+needs_kernels = pytest.mark.skipif(DEVICE is None, reason="no GPU here: run by test_under_interpreter_in_subprocess")
+interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter only")
+
+
+def run_under_interpreter(test_file, timeout=600):
+    """Run ``test_file`` in a fresh pytest process with TRITON_INTERPRET=1; fail with its output unless it passed."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-m", "pytest", str(Path(test_file).resolve()), "-q", "-p",
+                             "no:cacheprovider"], cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"},
+                            capture_output=True, text=True, timeout=timeout)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0 and " passed" in summary and "failed" not in summary, \
+        result.stdout[-8000:] + result.stderr[-4000:]
+    print("interpreter subprocess:", summary)
