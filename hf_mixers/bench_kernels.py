@@ -6,6 +6,8 @@ For each model shape (heads and widths of SmolLM2-135M and Llama-3-8B) and seque
                   the baseline a converted layer replaces
     sessa_torch   feedback_solve_chunked: the PyTorch chunked solve with its hand-written backward
     sessa_triton  feedback_solve_triton (CUDA only: the CPU interpreter is no benchmark)
+    rsa_torch     rsa_chunked: the RSA memory of a layer of this shape (4 levels x 64 slots, chunks of 64)
+    rsa_triton    rsa_chunked_triton: its read side in Triton kernels (CUDA only)
 
 timed round-robin (``bench.time_calls``) for the forward alone (no grad) and forward + backward, with the peak
 CUDA memory of a forward + backward step. On CPU only the PyTorch paths are compared and memory is not measured.
@@ -21,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .bench import format_log_axes, save_figure, time_calls, write_report
+from .bench import build_mixer, format_log_axes, save_figure, time_calls, write_report
 from .kernels.dispatch import triton_unavailable
 from .kernels.feedback_solve import feedback_solve
+from .kernels.rsa_memory import initial_state, rsa_memory
 
 # feedback heads: SmolLM2 as converted (one feedback head over the whole width, the official layout); Llama-3-8B
 # with one feedback head per attention head (D = d = 128 per row), the layout a kernel keeps in registers.
@@ -31,40 +34,48 @@ SHAPES = {
     "smollm2-135m": dict(heads=9, kv_heads=3, head_dim=64, feedback_heads=1),
     "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128, feedback_heads=32),
 }
-CANDIDATES = ("sdpa", "sessa_torch", "sessa_triton")
+CANDIDATES = ("sdpa", "sessa_torch", "sessa_triton", "rsa_torch", "rsa_triton")
 
 
-def _inputs(candidate: str, shape: dict, length: int, device, dtype, generator) -> dict:
+def _candidate(candidate: str, shape: dict, length: int, device, dtype, generator, chunk_size: int):
+    """(input tensors that take gradients, run(): the output) of one candidate at one point."""
     def randn(*size):
         return torch.randn(*size, generator=generator).to(device, dtype).requires_grad_()
 
+    heads, kv_heads, head_dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
     if candidate == "sdpa":
-        heads, kv_heads, head_dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
-        return {"query": randn(1, heads, length, head_dim), "key": randn(1, kv_heads, length, head_dim),
-                "value": randn(1, kv_heads, length, head_dim)}
+        tensors = {"query": randn(1, heads, length, head_dim), "key": randn(1, kv_heads, length, head_dim),
+                   "value": randn(1, kv_heads, length, head_dim)}
+        return tensors, lambda: F.scaled_dot_product_attention(**tensors, is_causal=True, enable_gqa=True)
+    if candidate.startswith("rsa"):  # the memory of an RSA layer of this shape (conversion defaults, 4 x 64 slots)
+        module, _ = build_mixer("rsa_chunked", heads * head_dim, heads, kv_heads, device, torch.float32)
+        tensors = {"q": randn(1, kv_heads, heads // kv_heads, length, head_dim),
+                   "k": randn(1, kv_heads, length, head_dim), "v": randn(1, kv_heads, length, head_dim)}
+        method = "triton" if candidate == "rsa_triton" else "chunked"
+
+        def run():
+            params = module.memory_params(torch.float32)  # rebuilt per call: a fresh autograd graph
+            state = initial_state(params, 1, head_dim, torch.float32)
+            return rsa_memory(**tensors, valid=None, state=state, params=params, method=method)[0]
+        return tensors, run
     rows = shape["feedback_heads"]
-    width = shape["heads"] * shape["head_dim"] // rows  # f: the attention output, split by feedback head
+    width = heads * head_dim // rows  # f: the attention output, split by feedback head
     gain = (torch.rand(rows, length, generator=generator) * 1.8 - 0.9).to(device, dtype).requires_grad_()
-    return {"f": randn(rows, length, width), "q": randn(rows, length, width), "k": randn(rows, length, width),
-            "gain": gain}
-
-
-def _run(candidate: str, inputs: dict, chunk_size: int):
-    if candidate == "sdpa":
-        return F.scaled_dot_product_attention(**inputs, is_causal=True, enable_gqa=True)
+    tensors = {"f": randn(rows, length, width), "q": randn(rows, length, width), "k": randn(rows, length, width),
+               "gain": gain}
     method = "triton" if candidate == "sessa_triton" else "chunked"
-    return feedback_solve(**inputs, method=method, chunk_size=chunk_size)
+    return tensors, lambda: feedback_solve(**tensors, method=method, chunk_size=chunk_size)
 
 
-def _calls(candidate, inputs, chunk_size):
+def _calls(tensors, run):
     def forward():
         with torch.no_grad():
-            _run(candidate, inputs, chunk_size)
+            run()
 
     def forward_backward():
-        for tensor in inputs.values():
+        for tensor in tensors.values():
             tensor.grad = None
-        _run(candidate, inputs, chunk_size).float().pow(2).mean().backward()
+        run().float().pow(2).mean().backward()
 
     return forward, forward_backward
 
@@ -90,13 +101,14 @@ def bench_kernels(out_dir, lengths=None, shapes=("smollm2-135m", "llama3-8b"), r
     why_not = triton_unavailable(device)
     if why_not is None and os.environ.get("TRITON_INTERPRET") == "1":
         why_not = "TRITON_INTERPRET=1: the interpreter is no benchmark"
-    candidates = [c for c in CANDIDATES if c != "sessa_triton" or why_not is None]
+    candidates = [c for c in CANDIDATES if not c.endswith("triton") or why_not is None]
     results = []
     points = [(name, length) for name in shapes for length in lengths]
     for name, length in tqdm(points, desc="bench kernels", unit="point"):
         generator = torch.Generator().manual_seed(0)
-        inputs = {c: _inputs(c, SHAPES[name], length, device, torch_dtype, generator) for c in candidates}
-        calls = {c: _calls(c, inputs[c], chunk_size) for c in candidates}
+        inputs = {c: _candidate(c, SHAPES[name], length, device, torch_dtype, generator, chunk_size)
+                  for c in candidates}
+        calls = {c: _calls(*inputs[c]) for c in candidates}
         forward = time_calls([calls[c][0] for c in candidates], repeats, device)
         forward_backward = time_calls([calls[c][1] for c in candidates], repeats, device)
         for index, candidate in enumerate(candidates):
@@ -123,7 +135,13 @@ def bench_kernels(out_dir, lengths=None, shapes=("smollm2-135m", "llama3-8b"), r
                "triton_fwd_bwd_vs_sdpa": ratio(pick(name, length, "sessa_triton", "fwd_bwd_s"),
                                                pick(name, length, "sdpa", "fwd_bwd_s")),
                "triton_peak_vs_torch": ratio(pick(name, length, "sessa_triton", "peak_bytes"),
-                                             pick(name, length, "sessa_torch", "peak_bytes"))}
+                                             pick(name, length, "sessa_torch", "peak_bytes")),
+               "rsa_torch_fwd_bwd_vs_sdpa": ratio(pick(name, length, "rsa_torch", "fwd_bwd_s"),
+                                                  pick(name, length, "sdpa", "fwd_bwd_s")),
+               "rsa_triton_speedup_fwd_bwd": ratio(pick(name, length, "rsa_torch", "fwd_bwd_s"),
+                                                   pick(name, length, "rsa_triton", "fwd_bwd_s")),
+               "rsa_triton_peak_vs_torch": ratio(pick(name, length, "rsa_triton", "peak_bytes"),
+                                                 pick(name, length, "rsa_torch", "peak_bytes"))}
               for name, length in points]
     report = {"benchmark": "kernels",
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -149,7 +167,7 @@ def _plot(report: dict, path: str) -> None:
                 axis.plot([r["T"] for r in rows], [r["fwd_bwd_s"] for r in rows], marker="o", label=candidate)
         axis.set_title(name)
     format_log_axes([(axis, "forward+backward (s)") for axis in axes[0]], "sequence length T")
-    save_figure(figure, path, f"Sessa feedback solve vs SDPA -- {report['device']}, {report['dtype']}, "
+    save_figure(figure, path, f"Sessa feedback solve and RSA memory vs SDPA -- {report['device']}, {report['dtype']}, "
                 f"chunk {report['chunk_size']}; Triton: {report['triton']}")
 
 
@@ -162,9 +180,12 @@ def _print_table(report: dict) -> None:
     for row in report["results"]:
         print(f"{row['shape']:>13} {row['T']:>6} | {row['candidate']:>12} {fmt(row['fwd_s']):>8} "
               f"{fmt(row['fwd_bwd_s']):>9} {fmt(row['peak_bytes'], 2**20, 1):>9}")
-    print(f"\n{'shape':>13} {'T':>6} | {'torch/sdpa':>10} {'triton x fwd':>12} {'triton x f+b':>12} "
-          f"{'triton/sdpa':>11} {'triton/torch mem':>16}")
+    columns = {"sessa torch/sdpa": "torch_fwd_bwd_vs_sdpa", "sessa triton x": "triton_speedup_fwd_bwd",
+               "sessa triton/sdpa": "triton_fwd_bwd_vs_sdpa", "sessa mem tri/torch": "triton_peak_vs_torch",
+               "rsa torch/sdpa": "rsa_torch_fwd_bwd_vs_sdpa", "rsa triton x": "rsa_triton_speedup_fwd_bwd",
+               "rsa mem tri/torch": "rsa_triton_peak_vs_torch"}
+    print("\nforward+backward ratios (x: speed-up of the Triton kernel over the PyTorch path)")
+    print(f"{'shape':>13} {'T':>6} | " + " ".join(f"{label:>19}" for label in columns))
     for row in report["ratios"]:
-        print(f"{row['shape']:>13} {row['T']:>6} | {fmt(row['torch_fwd_bwd_vs_sdpa'], digits=2):>10} "
-              f"{fmt(row['triton_speedup_fwd'], digits=2):>12} {fmt(row['triton_speedup_fwd_bwd'], digits=2):>12} "
-              f"{fmt(row['triton_fwd_bwd_vs_sdpa'], digits=2):>11} {fmt(row['triton_peak_vs_torch'], digits=2):>16}")
+        print(f"{row['shape']:>13} {row['T']:>6} | "
+              + " ".join(f"{fmt(row[key], digits=2):>19}" for key in columns.values()))

@@ -107,10 +107,11 @@ def test_bench_kernels_on_cpu_compares_the_pytorch_paths_only(tmp_path, monkeypa
                  "--repeats", "1"]) == 0
     report = json.loads((tmp_path / "bench_kernels.json").read_text())
     assert {(r["T"], r["candidate"]) for r in report["results"]} == {
-        (t, c) for t in (32, 64) for c in ("sdpa", "sessa_torch")}
+        (t, c) for t in (32, 64) for c in ("sdpa", "sessa_torch", "rsa_torch")}
     assert all(r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0 and r["peak_bytes"] is None for r in report["results"])
     assert report["triton"].startswith("tensors on cpu") and (tmp_path / "bench_kernels.png").exists()
-    assert all(r["torch_fwd_bwd_vs_sdpa"] > 0 and r["triton_speedup_fwd"] is None for r in report["ratios"])
+    assert all(r["torch_fwd_bwd_vs_sdpa"] > 0 and r["rsa_torch_fwd_bwd_vs_sdpa"] > 0 and r["triton_speedup_fwd"] is None
+               and r["rsa_triton_speedup_fwd_bwd"] is None for r in report["ratios"])
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from hf_mixers.bench_kernels import bench_kernels
 
