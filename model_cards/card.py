@@ -57,15 +57,16 @@ def _read_json(folder: str, name: str) -> dict | None:
             raise CardError(f"{path}: not valid JSON ({error})") from None
 
 
-def base_model_of(teacher: str | None) -> str | None:
-    """The teacher's hub id, when it is one (an alias maps to the model it embeds; a local path has none)."""
+def hub_id_of(source: str | None) -> str | None:
+    """The hub id behind a teacher or data source, when it has one (an alias maps to the model it embeds; a local
+    path or a description has none)."""
     from ..corpus import HUB_ID
 
-    if teacher is None:
+    if source is None:
         return None
-    if teacher in ALIAS_HUB_IDS:
-        return ALIAS_HUB_IDS[teacher]
-    return teacher if HUB_ID.fullmatch(teacher) and not os.path.exists(teacher) else None
+    if source in ALIAS_HUB_IDS:
+        return ALIAS_HUB_IDS[source]
+    return source if HUB_ID.fullmatch(source) and not os.path.exists(source) else None
 
 
 def card_metadata(config: dict, conversion: dict | None, training: dict | None, base_model: str | None,
@@ -79,7 +80,7 @@ def card_metadata(config: dict, conversion: dict | None, training: dict | None, 
     if any(kind in ATTENTION_KINDS for kind in config.get("layer_types", [])) and mixers:
         tags.append("hybrid")
     data = (training or {}).get("data")
-    datasets = [data] if data and base_model_of(data) == data else None  # a hub dataset id, not a local file
+    datasets = [data] if data and hub_id_of(data) == data else None  # a hub dataset id, not a local file or Shakespeare
     fields = dict(license=licence if licence in HUB_LICENSES else "other", library_name="transformers",
                   pipeline_tag="text-generation", tags=tags, datasets=datasets, **extra)
     if base_model:
@@ -192,7 +193,7 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
     finetune = _read_json(folder, FINETUNE_SUMMARY)
     evaluation = _read_json(folder, "eval_report.json")
     teacher = (conversion or {}).get("source") or (training or {}).get("teacher")
-    base_model = base_model or base_model_of(teacher)
+    base_model = base_model or hub_id_of(teacher)
     layer_types = config.get("layer_types", [])
     kept = [i for i, kind in enumerate(layer_types) if kind in ATTENTION_KINDS]
     mixers = sorted({kind for kind in layer_types if kind not in ATTENTION_KINDS})

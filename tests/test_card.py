@@ -88,3 +88,12 @@ def test_check_card_refuses_what_the_hub_would_misread(tmp_path, capsys):
         check_card(str(path))
     assert cli_main(["card", str(tmp_path / "nowhere")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_hub_dataset_goes_into_the_metadata(distilled, tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(distilled["folder"], folder)
+    history = json.loads((folder / "training_summary.json").read_text())
+    (folder / "training_summary.json").write_text(json.dumps({**history, "data": "someone/corpus"}))
+    card = ModelCard.load(build_card(str(folder)))
+    assert card.data.datasets == ["someone/corpus"] and "tokens of someone/corpus" in card.text
