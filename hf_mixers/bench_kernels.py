@@ -80,6 +80,19 @@ def _calls(tensors, run):
     return forward, forward_backward
 
 
+# report key -> (numerator candidate, denominator candidate, measure): ratios from the same run
+RATIOS = {
+    "torch_fwd_bwd_vs_sdpa": ("sessa_torch", "sdpa", "fwd_bwd_s"),
+    "triton_speedup_fwd": ("sessa_torch", "sessa_triton", "fwd_s"),
+    "triton_speedup_fwd_bwd": ("sessa_torch", "sessa_triton", "fwd_bwd_s"),
+    "triton_fwd_bwd_vs_sdpa": ("sessa_triton", "sdpa", "fwd_bwd_s"),
+    "triton_peak_vs_torch": ("sessa_triton", "sessa_torch", "peak_bytes"),
+    "rsa_torch_fwd_bwd_vs_sdpa": ("rsa_torch", "sdpa", "fwd_bwd_s"),
+    "rsa_triton_speedup_fwd_bwd": ("rsa_torch", "rsa_triton", "fwd_bwd_s"),
+    "rsa_triton_peak_vs_torch": ("rsa_triton", "rsa_torch", "peak_bytes"),
+}
+
+
 def _cuda_peak(step) -> int:
     gc.collect()
     torch.cuda.synchronize()
@@ -126,22 +139,8 @@ def bench_kernels(out_dir, lengths=None, shapes=("smollm2-135m", "llama3-8b"), r
         return None if a is None or b is None or b == 0 else a / b
 
     ratios = [{"shape": name, "T": length,
-               "torch_fwd_bwd_vs_sdpa": ratio(pick(name, length, "sessa_torch", "fwd_bwd_s"),
-                                              pick(name, length, "sdpa", "fwd_bwd_s")),
-               "triton_speedup_fwd": ratio(pick(name, length, "sessa_torch", "fwd_s"),
-                                           pick(name, length, "sessa_triton", "fwd_s")),
-               "triton_speedup_fwd_bwd": ratio(pick(name, length, "sessa_torch", "fwd_bwd_s"),
-                                               pick(name, length, "sessa_triton", "fwd_bwd_s")),
-               "triton_fwd_bwd_vs_sdpa": ratio(pick(name, length, "sessa_triton", "fwd_bwd_s"),
-                                               pick(name, length, "sdpa", "fwd_bwd_s")),
-               "triton_peak_vs_torch": ratio(pick(name, length, "sessa_triton", "peak_bytes"),
-                                             pick(name, length, "sessa_torch", "peak_bytes")),
-               "rsa_torch_fwd_bwd_vs_sdpa": ratio(pick(name, length, "rsa_torch", "fwd_bwd_s"),
-                                                  pick(name, length, "sdpa", "fwd_bwd_s")),
-               "rsa_triton_speedup_fwd_bwd": ratio(pick(name, length, "rsa_torch", "fwd_bwd_s"),
-                                                   pick(name, length, "rsa_triton", "fwd_bwd_s")),
-               "rsa_triton_peak_vs_torch": ratio(pick(name, length, "rsa_triton", "peak_bytes"),
-                                                 pick(name, length, "rsa_torch", "peak_bytes"))}
+               **{key: ratio(pick(name, length, top, field), pick(name, length, bottom, field))
+                  for key, (top, bottom, field) in RATIOS.items()}}
               for name, length in points]
     report = {"benchmark": "kernels",
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
