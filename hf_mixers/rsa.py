@@ -13,6 +13,7 @@ level 0 and 0 below, theta = 0, RSA-q off: the converted layer starts as level-0
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -118,7 +119,7 @@ class RSAMixer(FullAttention):
             threshold=cast(self.threshold).clamp(0.0, config.rsa_threshold_max), read_scale=cast(self.read_scale),
             query_read=cast(self.query_read), assign_fn=config.rsa_assign_fn, readout=config.rsa_readout,
             routing=config.rsa_routing, chunk_size=config.rsa_chunk_size, eps=config.rsa_eps,
-            recompute=config.rsa_recompute_chunks, compile_step=config.rsa_compile_decode)
+            recompute=config.rsa_recompute_chunks)
 
     def memory_read(self, hidden_states, position_embeddings, token_mask=None, state=None, method="chunked"):
         """(B, T, D) -> memory output (B, T, H * hd) before o_proj, and the new state."""
@@ -156,18 +157,30 @@ class RSAMixer(FullAttention):
         out = F.conv1d(padded.transpose(1, 2), self.short_conv[:, None, :].to(hidden_states.dtype), groups=size)
         return out.transpose(1, 2), padded[:, -(width - 1):]
 
+    def mix(self, hidden_states, position_embeddings, token_mask=None, state=None, conv_history=None):
+        """The layer without its cache object: (B, T, D) -> output (B, T, D), new memory state, new conv history."""
+        if self.short_conv is not None:
+            hidden_states, conv_history = self.convolve(hidden_states, token_mask, conv_history)
+        out, state = self.memory_read(hidden_states, position_embeddings, token_mask, state)
+        return self.o_proj(out), state, conv_history
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
                 past_key_values=None, **kwargs):
         layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
         state = None if layer_cache is None else layer_cache.state
-        history = None
-        if self.short_conv is not None:
-            hidden_states, history = self.convolve(hidden_states, token_mask,
-                                                   None if layer_cache is None else layer_cache.conv_history)
-        out, state = self.memory_read(hidden_states, position_embeddings, token_mask, state)
+        history = None if layer_cache is None else layer_cache.conv_history
+        mix = self.mix
+        if self.config.rsa_compile_decode and hidden_states.shape[1] == 1 and state is not None:
+            # One token through a compiled graph of the whole layer (projections, memory step, o_proj), shared by
+            # every layer. Static shapes: the mask is cut to this token, and every input made contiguous, so
+            # neither the context length nor a strided state recompiles it.
+            mix = functools.partial(compiled_mix(), self)
+            token_mask = None if token_mask is None else token_mask[:, -1:].contiguous()
+            state = state.map(torch.Tensor.contiguous)
+        output, state, history = mix(hidden_states.contiguous(), position_embeddings, token_mask, state, history)
         if layer_cache is not None:
             layer_cache.update_state(state, hidden_states.shape[1], history)
-        return self.o_proj(out)
+        return output
 
     def init_new_parameters(self):
         """Conversion init (spec §11.2): the scratch init, then W_r = I at level 0 and 0 below (deeper levels silent),
@@ -211,6 +224,25 @@ class RSAMixer(FullAttention):
             if level < self.levels - 1:
                 weights = torch.softmax(tau * keys @ centres.transpose(-1, -2), dim=-1)  # SA over the prototypes
                 keys = self.key_mlps[level](keys - weights @ centres)
+
+
+_compiled_mix = None
+
+
+def compiled_mix():
+    """``RSAMixer.mix`` through torch.compile (fullgraph, static shapes), built on first use.
+
+    Eager, a decode step of the memory is ~100 small ops and dispatch-bound; compiled with the projections and o_proj
+    around it, the layer is one graph of a few fused kernels. The mixer is an argument, so its parameters are graph
+    inputs and every RSA layer of every model shares the graph. The first call compiles for 10-30 s on a CPU, so it
+    is opt-in (``rsa_compile_decode``).
+    """
+    global _compiled_mix
+    if _compiled_mix is None:
+        logger.warning("RSA decoding: compiling the layer's token step with torch.compile (rsa_compile_decode=True); "
+                       "the first decode step takes 10-30 s")
+        _compiled_mix = torch.compile(RSAMixer.mix, dynamic=False, fullgraph=True)
+    return _compiled_mix
 
 
 def kmeans(points: torch.Tensor, clusters: int, iterations: int, generator: torch.Generator) -> torch.Tensor:

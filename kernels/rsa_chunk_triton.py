@@ -24,11 +24,12 @@ formed: every "state at row t" product is factorised into the chunk-start term p
 linear attention.
 
 Split of the work:
-  * Write side: PyTorch (``_write_side``), a sequential loop over chunks. Its assignments depend on the state at
-    the chunk start (the refs), so chunks cannot run in parallel; a residual MLP (d -> h -> d, shared across heads,
-    any callable in ``RSAParams``) sits between every two levels; it runs once per KV head (not per query head)
-    and costs O(C m d + C d h) per level, no C x C terms. Autograd differentiates it as usual (refs, MLPs, beta,
-    prototypes, the incoming state), so no hand-written backward is needed for any of that.
+  * Write side: PyTorch (``rsa_memory.write_chunks``, shared with the PyTorch chunk form), a sequential loop over
+    chunks. Its assignments depend on the state at the chunk start (the refs), so chunks cannot run in parallel;
+    a residual MLP (d -> h -> d, shared across heads, any callable in ``RSAParams``) sits between every two levels;
+    it runs once per KV head (not per query head) and costs O(C m d + C d h) per level, no C x C terms. Autograd
+    differentiates it as usual (refs, MLPs, beta, prototypes, the incoming state), so no hand-written backward is
+    needed for any of that.
   * Read side: ``_fwd_kernel`` / ``_bwd_kernel``, one launch for *all* chunks of the call (given the write side,
     the chunks' reads are independent): grid (n_chunks, B * H), one program = one query head x one chunk, all L
     levels in order inside the program (the chain and the global normaliser couple them). Every tile is at most
@@ -48,8 +49,9 @@ Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp
     last bits, nondeterministic on GPUs). dq is written directly.
   Measured (saved-tensor hooks, B=1, T=512, G=3 KV heads x 3 query heads, L=4, m=d=dv=64, C=64): 35 MiB saved
   for the backward here (of which the kernel inputs ~10 MiB, the rest the PyTorch write side's autograd) against
-  133 MiB through ``_chunk``, whose autograd keeps, per level and chunk, several (B, H, C, C) and (B, H, C, m)
-  tensors per *query* head (q.X^T, the causal intra-chunk weights of the routing and of the value read, scores,
+  133 MiB through the PyTorch chunk form (measured before its read side was batched over chunks; its autograd keeps
+  the same tensors either way), which keeps, per level and chunk, several (B, H, C, C) and (B, H, C, m) tensors per
+  *query* head (q.X^T, the causal intra-chunk weights of the routing and of the value read, scores,
   activations, chains...).
 
 Scope (``rsa_chunk_triton_supports`` returns the reason for anything else): assign_fn softmax | sigmoid (write
@@ -71,7 +73,6 @@ dimension before this is fast; speed is unmeasured, block sizes and warps are un
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import torch
 
@@ -86,7 +87,7 @@ finally:
     pass
 
 from .feedback_solve import compute_dtype
-from .rsa_memory import ChunkLayout, RSAParams, RSAState, _assign, _prior, _refresh
+from .rsa_memory import ChunkLayout, RSAParams, RSAState, _prior, write_chunks
 
 # fp32-accurate dots on tensor cores: plain tf32 would put the read ~1e-3 off the reference (it divides sums by
 # masses and chains levels); "ieee" (FMA dots) is exact too, but at the default sizes its backward did not finish
@@ -508,34 +509,6 @@ class _TritonRSARead(torch.autograd.Function):
 # The chunked memory on top of the kernels.
 
 
-def _write_side(k_c, v_c, valid_c, state: RSAState, params: RSAParams):
-    """Write side of one chunk (spec §5.2 steps 1-2, 7): k_c (B, G, C, d), v_c (B, G, C, dv), valid_c (B, C).
-
-    Returns F, X, Y (B, G, L, C, m | d | dv) and the state with the chunk's writes added (refs untouched).
-    """
-    levels = params.prototypes.shape[1]
-    tau = params.prototypes.shape[-1] ** -0.5
-    write = valid_c.to(k_c.dtype)[:, None, :, None]  # (B, 1, C, 1): padding writes nothing
-    x_k, x_v = k_c, v_c
-    assignments, keys, values = [], [], []
-    for i in range(levels):
-        key_ref, value_ref = state.key_ref[:, :, i], state.value_ref[:, :, i]
-        f, p = _assign(x_k, key_ref, params.beta[None, :, i, None, None].to(k_c.dtype), params, tau)
-        assignments.append(f * write)
-        keys.append(x_k)
-        values.append(x_v)
-        if i < levels - 1:
-            x_k = params.key_mlps[i](x_k - p @ key_ref)
-            x_v = params.value_mlps[i](x_v - p @ value_ref)
-    f, x, y = torch.stack(assignments, 2), torch.stack(keys, 2), torch.stack(values, 2)
-    f_t = f.transpose(-1, -2)  # (B, G, L, m, C)
-    state = replace(state, key_sum=state.key_sum + f_t @ x, value_sum=state.value_sum + f_t @ y,
-                    mass=state.mass + f.sum(-2),
-                    relation_sum=state.relation_sum + f_t[:, :, :-1] @ f[:, :, 1:] if levels > 1
-                    else state.relation_sum)
-    return f, x, y, state
-
-
 def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None):
     """Triton version of ``rsa_chunked``: same arguments, semantics and return values.
 
@@ -556,35 +529,18 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
         valid = torch.ones(batch, length, dtype=torch.bool, device=q.device)
 
     layout = ChunkLayout.of(valid, state.count, size)  # the buffer of rsa_chunked: chunk boundaries at multiples of C
-    padded = layout.padded
+    if not layout.padded:
+        return q.new_zeros(batch, groups, group_size, length, v.shape[-1], dtype=cd), state  # no real token
     q_b, k_b, v_b = layout.pack(q, 3), layout.pack(k, 2), layout.pack(v, 2)
-    valid_b = layout.valid(batch, q.device)
-
-    # Write side, chunk by chunk (sequential: each chunk assigns against the refs of the previous boundary).
-    f, x, y, starts = [], [], [], []
-    for start in range(0, padded, size):
-        stop = start + size
-        starts.append(state)
-        f_c, x_c, y_c, state = _write_side(k_b[:, :, start:stop], v_b[:, :, start:stop], valid_b[:, start:stop],
-                                           state, params)
-        f.append(f_c)
-        x.append(x_c)
-        y.append(y_c)
-        state = _refresh(state, params, layout.phase + layout.real >= stop)  # rows that reached this boundary
-    state = replace(state, count=state.count + layout.real)
-    if not padded:
-        return q.new_zeros(batch, groups, group_size, length, v.shape[-1], dtype=cd), state
+    writes, state = write_chunks(k_b, v_b, layout.valid(batch, q.device), layout, state, params)  # PyTorch, in order
 
     # Read side: all chunks in one launch, from the chunk-start sums.
-    prior = _prior(params, cd)[0]  # kappa P (1, G, L, m, d)
     levels = params.prototypes.shape[1]
-    ks0 = torch.stack([prior + s.key_sum for s in starts], 2)  # (B, G, NC, L, m, d)
-    vs0 = torch.stack([s.value_sum for s in starts], 2)  # (B, G, NC, L, m, dv)
-    n0 = torch.stack([s.mass for s in starts], 2)  # (B, G, NC, L, m)
-    r0 = torch.stack([s.relation_sum for s in starts], 2) if levels > 1 else n0.new_zeros(1)  # (B, G, NC, L-1, m, m)
-    f, x, y = torch.cat(f, 3), torch.cat(x, 3), torch.cat(y, 3)  # (B, G, L, Tp, m | d | dv)
-    inputs = _kernel_inputs(q_b, f, x, y, ks0, vs0, n0, r0, params, groups)
-    read = _Read(params, inputs[0], f, y, len(starts))
+    ks0 = _prior(params, cd)[0][:, :, None] + writes.key_sum  # kappa P + sums: (B, G, NC, L, m, d)
+    r0 = writes.relation_sum if levels > 1 else writes.mass.new_zeros(1)  # (B, G, NC, L-1, m, m)
+    f, x, y = writes.f, writes.x, writes.y  # (B, G, L, Tp, m | d | dv)
+    inputs = _kernel_inputs(q_b, f, x, y, ks0, writes.value_sum, writes.mass, r0, params, groups)
+    read = _Read(params, inputs[0], f, y, layout.padded // size)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         out_b = _TritonRSARead.apply(read, *inputs)
     else:  # inference: no autograd bookkeeping, nothing saved

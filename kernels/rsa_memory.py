@@ -28,12 +28,13 @@ mass, relations) are multiplied by exp(log_decay_t); the prototype prior never d
 Because the state is sums, the token recurrence (``rsa_recurrent``, also the decode step) and the chunk form
 (``rsa_chunked``) compute the same function: assignments inside a chunk use the references, everything else is a
 causal cumulative sum. Chunk boundaries count each row's real tokens, so a padded row equals the sequence alone.
-Everything runs in fp32 (fp64 stays fp64).
+The chunk form writes chunk by chunk (``write_chunks``, the only sequential part: assignments need the references
+of the previous boundary) and then reads every chunk at once (``read_chunks``, chunks as a batch dimension), so its
+op count does not grow with T. Everything runs in fp32 (fp64 stays fp64).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, fields, replace
 from typing import Callable
@@ -43,8 +44,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .feedback_solve import compute_dtype
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,7 +80,6 @@ class RSAParams:
     chunk_size: int = 64
     eps: float = 1e-6
     recompute: bool = False  # training: keep only chunk inputs, recompute each chunk in the backward pass
-    compile_step: bool = False  # decoding: run the token step through torch.compile (one fused graph)
 
 
 @dataclass
@@ -142,6 +140,13 @@ def _prior(params: RSAParams, dtype):
     return kappa[..., None] * params.prototypes.to(dtype)[None], kappa
 
 
+def _decayed(state: RSAState, factor) -> RSAState:
+    """The data sums times ``factor`` (B, G); the prototype prior, references and count never decay."""
+    scale = factor[:, :, None, None]
+    return replace(state, key_sum=state.key_sum * scale[..., None], value_sum=state.value_sum * scale[..., None],
+                   mass=state.mass * scale, relation_sum=state.relation_sum * scale[..., None])
+
+
 def _refresh(state: RSAState, params: RSAParams, rows) -> RSAState:
     """Set the references to the current slots for the batch rows in ``rows`` (bool (B,))."""
     if not torch.compiler.is_compiling() and not bool(rows.any()):
@@ -163,11 +168,7 @@ def rsa_step(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None)
     prior, kappa = _prior(params, k.dtype)  # (1, G, L, m, d), (1, G, L, 1)
     write = valid.to(k.dtype)[:, None, None]
     if log_decay is not None:  # decay the data sums before this token writes (never on padding)
-        decay = torch.exp(log_decay.to(k.dtype) * write[..., 0])  # (B, G)
-        state = replace(state, key_sum=state.key_sum * decay[:, :, None, None, None],
-                        value_sum=state.value_sum * decay[:, :, None, None, None],
-                        mass=state.mass * decay[:, :, None, None],
-                        relation_sum=state.relation_sum * decay[:, :, None, None, None])
+        state = _decayed(state, torch.exp(log_decay.to(k.dtype) * write[..., 0]))
     x_k, x_v = k, v
     key_sum, value_sum, mass, assignments = [], [], [], []
     for i in range(levels):
@@ -231,90 +232,54 @@ def rsa_recurrent(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=
     return torch.stack(outputs, 3), state
 
 
-def _chunk(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None):
-    """One aligned chunk (spec §5.2): q (B, G, g, C, d), k (B, G, C, d), v (B, G, C, dv), valid (B, C),
-    log_decay (B, G, C) or None.
+def _decay_masks(log_decay_c, write, size, device, dtype):
+    """``carry[t, s]``: how much of what row s wrote row t still sees (the inclusive causal mask, times the decay in
+    between, exp(Lambda_t - Lambda_s)); ``start[t]``: how much of the chunk-start state row t still sees.
 
-    ``carry[t, s]`` weighs what row s wrote as seen by row t: the inclusive causal mask, times the decay in between
-    (exp(Lambda_t - Lambda_s)); ``start[t]`` is how much of the chunk-start state row t still sees.
+    No decay: carry (C, C), start (C,). Decay (``log_decay_c`` (B, G, ..., C)): carry (B, G, ..., C, C),
+    start (B, G, ..., C); padding never decays (``write`` broadcastable to ``log_decay_c``).
     """
-    groups, levels, slots, key_dim = params.prototypes.shape
-    tau, eps, size = key_dim**-0.5, params.eps, q.shape[3]
-    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # inclusive: token t reads itself
-    prior, kappa = _prior(params, k.dtype)
-    write = valid.to(k.dtype)[:, None, :, None]  # (B, 1, C, 1)
-    if log_decay is None:
-        carry, start = causal.to(k.dtype), torch.ones(1, 1, size, dtype=k.dtype, device=k.device)
-    else:
-        total = (log_decay.to(k.dtype) * write[..., 0]).cumsum(-1)  # Lambda_t (B, G, C), padding never decays
-        gap = (total[..., :, None] - total[..., None, :]).masked_fill(~causal, float("-inf"))
-        carry, start = torch.exp(gap), torch.exp(total)  # (B, G, C, C), (B, G, C)
-    carry_q = carry if carry.dim() == 2 else carry[:, :, None]  # broadcast over the query heads of a KV group
-    start_q = start[:, :, None, :, None]  # (B|1, G|1, 1, C, 1): per row, broadcast over query heads
+    causal = torch.ones(size, size, dtype=torch.bool, device=device).tril()  # inclusive: token t reads itself
+    if log_decay_c is None:
+        return causal.to(dtype), torch.ones(size, dtype=dtype, device=device)
+    total = (log_decay_c.to(dtype) * write).cumsum(-1)  # Lambda_t
+    gap = (total[..., :, None] - total[..., None, :]).masked_fill(~causal, float("-inf"))
+    return torch.exp(gap), torch.exp(total)
 
-    x_k, x_v = k, v
-    assignments, keys, values, running_mass = [], [], [], []
-    for i in range(levels):  # write side: assignments against the references, levels in order
+
+def write_chunk(k_c, v_c, valid_c, state: RSAState, params: RSAParams, log_decay_c=None):
+    """Write side of one aligned chunk (spec §5.2 steps 1-2, 7): k_c (B, G, C, d), v_c (B, G, C, dv), valid_c (B, C),
+    log_decay_c (B, G, C) or None.
+
+    Assignments run against the references of the last boundary, level by level (each level writes the MLP residual
+    of the one above). Returns F, X, Y (B, G, L, C, m | d | dv): every row's assignment, key and value per level,
+    and the state with the chunk's writes added (references untouched, count not advanced).
+    """
+    levels = params.prototypes.shape[1]
+    tau = params.prototypes.shape[-1] ** -0.5
+    write = valid_c.to(k_c.dtype)[:, None, :, None]  # (B, 1, C, 1): padding writes nothing
+    x_k, x_v = k_c, v_c
+    assignments, keys, values = [], [], []
+    for i in range(levels):
         key_ref, value_ref = state.key_ref[:, :, i], state.value_ref[:, :, i]
-        f, p = _assign(x_k, key_ref, params.beta[None, :, i, None, None].to(k.dtype), params, tau)
-        f = f * write  # (B, G, C, m)
-        assignments.append(f)
+        f, p = _assign(x_k, key_ref, params.beta[None, :, i, None, None].to(k_c.dtype), params, tau)
+        assignments.append(f * write)
         keys.append(x_k)
         values.append(x_v)
-        running_mass.append(start[..., None] * state.mass[:, :, i, None] + carry @ f)  # N: inclusive mass
         if i < levels - 1:
             x_k = params.key_mlps[i](x_k - p @ key_ref)
             x_v = params.value_mlps[i](x_v - p @ value_ref)
-
-    def causal_read(weights, level):
-        """weights (B, G, g, C, m) @ (sum-state_0 + causal sum f v) / mass: the value read of the inclusive slots."""
-        scaled = weights / running_mass[level][:, :, None].clamp_min(eps)
-        intra = (scaled @ assignments[level][:, :, None].transpose(-1, -2)) * carry_q
-        return (scaled * start_q) @ state.value_sum[:, :, level, None] + intra @ values[level][:, :, None]
-
-    read_proj, mix_proj = _per_head(params.read_proj, groups), _per_head(params.mix_proj, groups)
-    threshold, read_scale = _per_head(params.threshold, groups), _per_head(params.read_scale, groups)
-    numerator, denominator, chain = 0.0, 0.0, None
-    for i in range(levels):
-        f = assignments[i][:, :, None]  # (B, G, 1, C, m)
-        q_dot_k = (q @ keys[i][:, :, None].transpose(-1, -2)) * carry_q  # (B, G, g, C, C)
-        x = tau * (q @ prior[:, :, i, None].transpose(-1, -2) + start_q * (q @ state.key_sum[:, :, i, None]
-                                                                          .transpose(-1, -2)) + q_dot_k @ f) \
-            / (kappa[:, :, i, None, None] + running_mass[i][:, :, None]).clamp_min(eps)
-        act = _activation(x, i, running_mass[i][:, :, None], params)
-        sparse = read_scale[None, :, :, i, None, None] * torch.relu(
-            act @ read_proj[None, :, :, i] - threshold[None, :, :, i, None, None]) \
-            + threshold[None, :, :, i, None, None] / slots
-        if i == 0 or params.routing == "none":
-            chain = sparse
-        elif params.routing == "relation":  # chain @ R_t with R_t the inclusive relation matrix of each row
-            scaled = chain / running_mass[i - 1][:, :, None].clamp_min(eps)
-            intra = (scaled @ assignments[i - 1][:, :, None].transpose(-1, -2)) * carry_q
-            chain = ((scaled * start_q) @ state.relation_sum[:, :, i - 1, None] + intra @ f) * sparse
-        else:
-            chain = chain * sparse
-        a = chain @ mix_proj[None, :, :, i]
-        numerator = numerator + causal_read(a, i)
-        denominator = denominator + a.abs().sum(-1)  # total absolute weight: bounded output (module docstring)
-    out = numerator / denominator.clamp_min(eps)[..., None]
-    if params.query_read is not None:
-        query_read = _per_head(params.query_read, groups)
-        for i in range(levels):
-            out = out + causal_read(q @ query_read[None, :, :, i] / 16, i)
-
-    end = carry[..., -1, :, None]  # (.., C, 1): what each row's write still weighs at the chunk end
-    keep = start[..., -1].reshape(*start.shape[:-1], 1, 1, 1) if start.dim() == 3 else 1.0  # decay of the old state
-    carried = RSAState(
-        key_sum=keep * state.key_sum + torch.stack([(a * end).transpose(-1, -2) @ x
-                                                    for a, x in zip(assignments, keys)], 2),
-        value_sum=keep * state.value_sum + torch.stack([(a * end).transpose(-1, -2) @ x
-                                                        for a, x in zip(assignments, values)], 2),
-        mass=torch.stack([m[:, :, -1] for m in running_mass], 2),
-        relation_sum=keep * state.relation_sum + torch.stack(
-            [(assignments[i] * end).transpose(-1, -2) @ assignments[i + 1] for i in range(levels - 1)], 2)
-        if levels > 1 else state.relation_sum,
-        key_ref=state.key_ref, value_ref=state.value_ref, count=state.count)
-    return out, carried
+    f, x, y = torch.stack(assignments, 2), torch.stack(keys, 2), torch.stack(values, 2)
+    weighed = f  # each row's write as the chunk end sees it
+    if log_decay_c is not None:
+        carry, start = _decay_masks(log_decay_c, write[..., 0], k_c.shape[2], k_c.device, k_c.dtype)
+        weighed = f * carry[:, :, -1, None, :, None]  # (B, G, 1, C, 1): the decay from row s to the chunk end
+        state = _decayed(state, start[:, :, -1])  # the chunk-start sums, decayed over the whole chunk
+    weighed_t = weighed.transpose(-1, -2)  # (B, G, L, m, C)
+    relation = weighed_t[:, :, :-1] @ f[:, :, 1:] if levels > 1 else 0.0
+    state = replace(state, key_sum=state.key_sum + weighed_t @ x, value_sum=state.value_sum + weighed_t @ y,
+                    mass=state.mass + weighed.sum(-2), relation_sum=state.relation_sum + relation)
+    return f, x, y, state
 
 
 @dataclass
@@ -356,34 +321,138 @@ class ChunkLayout:
         return out.index_put((self.rows, self.times), moved[self.rows, self.slots]).movedim(1, 3)
 
 
+@dataclass
+class ChunkWrites:
+    """What the write side of every chunk hands the read side (N chunks of C rows, Tp = N * C buffer rows)."""
+
+    f: torch.Tensor  # (B, G, L, Tp, m) every row's assignment per level (0 for padding)
+    x: torch.Tensor  # (B, G, L, Tp, d) the key each level wrote (level 0: k; deeper: MLP residuals)
+    y: torch.Tensor  # (B, G, L, Tp, dv) the value each level wrote
+    key_sum: torch.Tensor  # (B, G, N, L, m, d) the sums at each chunk's start ...
+    value_sum: torch.Tensor  # (B, G, N, L, m, dv)
+    mass: torch.Tensor  # (B, G, N, L, m)
+    relation_sum: torch.Tensor  # (B, G, N, L - 1, m, m)
+
+
+def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params: RSAParams, decay_b=None):
+    """The write side of every chunk of the aligned buffer, in order: k_b (B, G, Tp, d), v_b (B, G, Tp, dv),
+    valid_b (B, Tp), decay_b (B, G, Tp) or None -> (ChunkWrites, the state after the last chunk, count advanced).
+    The buffer holds at least one chunk.
+
+    Sequential, and the only sequential part of the chunk form: a chunk assigns against the references refreshed
+    at the previous boundary, which depend on every earlier write. Shared by the PyTorch and Triton chunk forms.
+    """
+    size = params.chunk_size
+    f, x, y, starts = [], [], [], []
+    for start in range(0, layout.padded, size):
+        stop = start + size
+        starts.append(state)
+        f_c, x_c, y_c, state = write_chunk(k_b[:, :, start:stop], v_b[:, :, start:stop], valid_b[:, start:stop], state,
+                                           params, None if decay_b is None else decay_b[:, :, start:stop])
+        f.append(f_c)
+        x.append(x_c)
+        y.append(y_c)
+        state = _refresh(state, params, layout.phase + layout.real >= stop)  # rows that reached this boundary
+    state = replace(state, count=state.count + layout.real)
+    sums = (torch.stack([getattr(s, name) for s in starts], 2)
+            for name in ("key_sum", "value_sum", "mass", "relation_sum"))
+    return ChunkWrites(torch.cat(f, 3), torch.cat(x, 3), torch.cat(y, 3), *sums), state
+
+
+def read_chunks(q_b, writes: ChunkWrites, params: RSAParams, valid_b, decay_b=None):
+    """The read side of every chunk at once (spec §5.2 steps 3-6): row t of a chunk reads its inclusive state, the
+    chunk-start sums plus the causal sums of its chunk's writes up to t. q_b (B, G, g, Tp, d) -> (B, G, g, Tp, dv).
+
+    Chunks are a batch dimension here: all tensors below are (B, G, N, g | 1, C, ...), so the op count does not grow
+    with the sequence length.
+    """
+    groups, levels, slots, key_dim = params.prototypes.shape
+    tau, eps, size = key_dim**-0.5, params.eps, params.chunk_size
+    count = q_b.shape[3] // size
+    q = q_b.unflatten(3, (count, size)).transpose(2, 3)  # (B, G, N, g, C, d)
+    f, x, y = (t.unflatten(3, (count, size)).transpose(2, 3)[:, :, :, :, None] for t in (writes.f, writes.x, writes.y))
+    f, x, y = f.unbind(3), x.unbind(3), y.unbind(3)  # per level: (B, G, N, 1, C, m | d | dv)
+    write = valid_b.to(q.dtype).unflatten(1, (count, size))[:, None]  # (B, 1, N, C)
+    carry, start = _decay_masks(None if decay_b is None else decay_b.unflatten(2, (count, size)), write, size,
+                                q.device, q.dtype)
+    if decay_b is not None:  # (B, G, N, C, C), (B, G, N, C) -> broadcast over the query heads
+        carry, start = carry[:, :, :, None], start[:, :, :, None]
+    start = start[..., None]  # (.., C, 1): how much of the chunk-start sums each row sees
+    prior, kappa = _prior(params, q.dtype)  # (1, G, L, m, d), (1, G, L, 1)
+    at_start = lambda t, i: t[:, :, :, i, None]  # noqa: E731  (B, G, N, L, ...) -> level i, (B, G, N, 1, ...)
+    running_mass = [start * at_start(writes.mass, i)[..., None, :] + carry @ f[i] for i in range(levels)]
+
+    def causal_read(weights, level, sums, of):
+        """weights (B, G, N, g, C, m) @ (chunk-start sums + causal sums of the chunk's writes ``of``) / mass."""
+        scaled = weights / running_mass[level].clamp_min(eps)
+        intra = (scaled @ f[level].transpose(-1, -2)) * carry
+        return (scaled * start) @ at_start(sums, level) + intra @ of
+
+    per_head = (lambda t, i: _per_head(t, groups)[None, :, None, :, i])  # noqa: E731  (H, L, ..) -> (1, G, 1, g, ..)
+    numerator, denominator, chain = 0.0, 0.0, None
+    for i in range(levels):
+        q_dot_k = (q @ x[i].transpose(-1, -2)) * carry  # (B, G, N, g, C, C)
+        scores = tau * (q @ prior[:, :, None, None, i].transpose(-1, -2)
+                        + start * (q @ at_start(writes.key_sum, i).transpose(-1, -2)) + q_dot_k @ f[i]) \
+            / (kappa[:, :, i, :, None, None, None] + running_mass[i]).clamp_min(eps)
+        act = _activation(scores, i, running_mass[i], params)
+        threshold = per_head(params.threshold, i)[..., None, None]
+        sparse = per_head(params.read_scale, i)[..., None, None] * torch.relu(
+            act @ per_head(params.read_proj, i) - threshold) + threshold / slots
+        if i == 0 or params.routing == "none":
+            chain = sparse
+        elif params.routing == "relation":  # chain @ R_t, R_t the inclusive relation matrix of each row
+            chain = causal_read(chain, i - 1, writes.relation_sum, f[i]) * sparse
+        else:
+            chain = chain * sparse
+        a = chain @ per_head(params.mix_proj, i)
+        numerator = numerator + causal_read(a, i, writes.value_sum, y[i])
+        denominator = denominator + a.abs().sum(-1)  # total absolute weight: bounded output (module docstring)
+    out = numerator / denominator.clamp_min(eps)[..., None]
+    if params.query_read is not None:
+        for i in range(levels):
+            out = out + causal_read(q @ per_head(params.query_read, i) / 16, i, writes.value_sum, y[i])
+    return out.transpose(2, 3).flatten(3, 4)  # (B, G, g, Tp, dv)
+
+
+def _chunk_step(q_c, k_c, v_c, valid_c, state: RSAState, params: RSAParams, decay_c=None):
+    """Write and read one chunk (the recompute unit): -> out (B, G, g, C, dv), the state after its writes."""
+    f, x, y, written = write_chunk(k_c, v_c, valid_c, state, params, decay_c)
+    at_start = (t[:, :, None] for t in (state.key_sum, state.value_sum, state.mass, state.relation_sum))
+    return read_chunks(q_c, ChunkWrites(f, x, y, *at_start), params, valid_c, decay_c), written
+
+
 def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None):
     """Chunk form, equal to ``rsa_recurrent``. Shapes as there; valid (B, T) bool or None.
 
     Each row's real tokens are packed into an aligned buffer at offset ``count % C`` (its phase), so every row's
     chunk boundaries fall on multiples of C in the buffer whatever its padding or cached length; outputs are
-    scattered back (padded positions get 0).
+    scattered back (padded positions get 0). The write side runs chunk by chunk, then the read side of all chunks
+    at once; with ``params.recompute``, each chunk is written and read in turn and recomputed in the backward pass.
     """
     batch, groups, group_size, length, key_dim = q.shape
     size = params.chunk_size
     if valid is None:
         valid = torch.ones(batch, length, dtype=torch.bool, device=q.device)
     layout = ChunkLayout.of(valid, state.count, size)
+    if not layout.padded:
+        return q.new_zeros(batch, groups, group_size, length, v.shape[-1]), state  # no real token
     q_b, k_b, v_b = layout.pack(q, 3), layout.pack(k, 2), layout.pack(v, 2)
     decay_b = None if log_decay is None else layout.pack(log_decay[..., None], 2)[..., 0]  # (B, G, T_buffer)
     valid_b = layout.valid(batch, q.device)
-    outputs = []
-    for start in range(0, layout.padded, size):
-        stop = start + size
-        inputs = (q_b[:, :, :, start:stop], k_b[:, :, start:stop], v_b[:, :, start:stop], valid_b[:, start:stop],
-                  state, params, None if decay_b is None else decay_b[:, :, start:stop])
-        if params.recompute and torch.is_grad_enabled():  # memory O(T * state) instead of every intermediate
-            out, state = checkpoint(_chunk, *inputs, use_reentrant=False)
-        else:
-            out, state = _chunk(*inputs)
-        outputs.append(out)
-        state = _refresh(state, params, layout.phase + layout.real >= stop)  # rows that reached this boundary
-    state = replace(state, count=state.count + layout.real)
-    out_b = torch.cat(outputs, 3) if outputs else q.new_zeros(batch, groups, group_size, 0, v.shape[-1])
+    if params.recompute and torch.is_grad_enabled():  # memory O(T * state) instead of every chunk's intermediates
+        parts = []
+        for start in range(0, layout.padded, size):  # one chunk at a time, each recomputed in the backward pass
+            rows = slice(start, start + size)
+            out_c, state = checkpoint(_chunk_step, q_b[:, :, :, rows], k_b[:, :, rows], v_b[:, :, rows],
+                                      valid_b[:, rows], state, params, None if decay_b is None else decay_b[:, :, rows],
+                                      use_reentrant=False)
+            parts.append(out_c)
+            state = _refresh(state, params, layout.phase + layout.real >= start + size)
+        out_b, state = torch.cat(parts, 3), replace(state, count=state.count + layout.real)
+    else:  # write chunk by chunk, then read all chunks at once
+        writes, state = write_chunks(k_b, v_b, valid_b, layout, state, params, decay_b)
+        out_b = read_chunks(q_b, writes, params, valid_b, decay_b)
     return layout.unpack(out_b, length), state
 
 
@@ -407,33 +476,8 @@ def rsa_memory(q, k, v, valid, state: RSAState, params: RSAParams, method: str =
 
         return rsa_chunked_triton(q, k, v, valid, state, params, log_decay)
     method = "chunked" if method == "triton" else method
-    if method == "chunked" and q.shape[3] == 1 and params.compile_step:
-        valid = torch.ones(q.shape[0], 1, dtype=torch.bool, device=q.device) if valid is None else valid
-        # token 0 of each input, contiguous: strides that change with the context length would recompile
-        step = [x if x is None else x.select(-2 if x.dim() > 3 else -1, 0).contiguous()
-                for x in (q, k, v, valid, log_decay)]
-        out, state = compiled_rsa_step()(*step[:4], state, params, step[4])
-        return (out * valid[:, 0, None, None, None]).unsqueeze(3), state
     if method == "recurrent" or (method == "chunked" and q.shape[3] == 1):
         return rsa_recurrent(q, k, v, valid, state, params, log_decay)
     if method != "chunked":
         raise ValueError(f"rsa_memory: unknown method {method!r}; choose 'chunked' or 'recurrent'")
     return rsa_chunked(q, k, v, valid, state, params, log_decay)
-
-
-_compiled_step = None
-
-
-def compiled_rsa_step():
-    """``rsa_step`` through torch.compile (fullgraph, static shapes), built on first use.
-
-    The eager step is ~100 small ops per token and dispatch-bound; compiled, they fuse into a few kernels. Every
-    layer of a model shares the compiled graph (params are plain tensors, i.e. graph inputs); the first call
-    compiles for 10-20 s on a CPU, so it is opt-in (``rsa_compile_decode``).
-    """
-    global _compiled_step
-    if _compiled_step is None:
-        logger.warning("RSA decoding: compiling the token step with torch.compile (rsa_compile_decode=True); "
-                       "the first decode step takes 10-20 s")
-        _compiled_step = torch.compile(rsa_step, dynamic=False, fullgraph=True)
-    return _compiled_step
