@@ -103,6 +103,10 @@ class FullAttention(nn.Module):
             scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)
         return output.reshape(*input_shape, -1).contiguous()
 
+    def compiles_decode(self, hidden_states, past_key_values) -> bool:
+        """Whether the block runs this step as one compiled graph (RSA's ``rsa_compile_decode``; never attention)."""
+        return False
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
                 past_key_values=None, **kwargs):
         return self.o_proj(self.attend(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs))

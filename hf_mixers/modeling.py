@@ -28,7 +28,7 @@ from .cache import RSACacheLayer, SessaCacheLayer  # noqa: F401  (importing regi
 from .attention import FullAttention
 from .config import MixerConfig, RSAConfig, SessaConfig
 from .export import remote_auto_map, write_remote_code
-from .rsa import RSAMixer
+from .rsa import RSAMixer, decode_compiled
 from .sessa import SessaBlock, SessaMixer
 
 MIXER_CLASSES = {"full_attention": FullAttention, "sliding_attention": FullAttention, "sessa": SessaMixer,
@@ -48,14 +48,17 @@ class LlamaBlock(GradientCheckpointingLayer):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
+    def around(self, hidden_states, mix):
+        """The block's own layers around ``mix`` (normed input -> mixer output)."""
+        hidden_states = hidden_states + mix(self.input_layernorm(hidden_states))
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
                 past_key_values=None, **kwargs):
-        residual = hidden_states
-        hidden_states = self.mixer(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
-                                   token_mask, past_key_values, **kwargs)
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+        if self.mixer.compiles_decode(hidden_states, past_key_values):
+            return decode_compiled(self, hidden_states, position_embeddings, token_mask, past_key_values)
+        return self.around(hidden_states, lambda x: self.mixer(x, position_embeddings, attention_mask, token_mask,
+                                                              past_key_values, **kwargs))
 
 
 BLOCK_CLASSES = {"llama": LlamaBlock, "sessa": SessaBlock}

@@ -13,7 +13,6 @@ level 0 and 0 below, theta = 0, RSA-q off: the converted layer starts as level-0
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 
@@ -155,7 +154,7 @@ class RSAMixer(FullAttention):
             history = hidden_states.new_zeros(batch, width - 1, size)
         padded = torch.cat([history.to(hidden_states.dtype), hidden_states], dim=1)  # (B, K - 1 + T, D)
         out = F.conv1d(padded.transpose(1, 2), self.short_conv[:, None, :].to(hidden_states.dtype), groups=size)
-        return out.transpose(1, 2), padded[:, -(width - 1):]
+        return out.transpose(1, 2), padded[:, -(width - 1):].clone()  # a copy: a view would keep all T inputs alive
 
     def mix(self, hidden_states, position_embeddings, token_mask=None, state=None, conv_history=None):
         """The layer without its cache object: (B, T, D) -> output (B, T, D), new memory state, new conv history."""
@@ -169,18 +168,15 @@ class RSAMixer(FullAttention):
         layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
         state = None if layer_cache is None else layer_cache.state
         history = None if layer_cache is None else layer_cache.conv_history
-        mix = self.mix
-        if self.config.rsa_compile_decode and hidden_states.shape[1] == 1 and state is not None:
-            # One token through a compiled graph of the whole layer (projections, memory step, o_proj), shared by
-            # every layer. Static shapes: the mask is cut to this token, and every input made contiguous, so
-            # neither the context length nor a strided state recompiles it.
-            mix = functools.partial(compiled_mix(), self)
-            token_mask = None if token_mask is None else token_mask[:, -1:].contiguous()
-            state = state.map(torch.Tensor.contiguous)
-        output, state, history = mix(hidden_states.contiguous(), position_embeddings, token_mask, state, history)
+        output, state, history = self.mix(hidden_states, position_embeddings, token_mask, state, history)
         if layer_cache is not None:
             layer_cache.update_state(state, hidden_states.shape[1], history)
         return output
+
+    def compiles_decode(self, hidden_states, past_key_values) -> bool:
+        """Whether the block runs this step as one compiled graph (``rsa_compile_decode``, one token, state cached)."""
+        return (self.config.rsa_compile_decode and hidden_states.shape[1] == 1 and past_key_values is not None
+                and past_key_values.layers[self.layer_idx].state is not None)
 
     def init_new_parameters(self):
         """Conversion init (spec §11.2): the scratch init, then W_r = I at level 0 and 0 below (deeper levels silent),
@@ -226,23 +222,43 @@ class RSAMixer(FullAttention):
                 keys = self.key_mlps[level](keys - weights @ centres)
 
 
-_compiled_mix = None
+def block_step(block, hidden_states, position_embeddings, token_mask, state, conv_history):
+    """A decoder block around its RSA mixer, without cache objects: -> output, new memory state, new conv history.
+
+    ``block.around(x, mix)`` runs the block's own layers (norms, MLP or gate) around ``mix``, the mixer."""
+    new = {}
+
+    def mix(x):
+        out, new["state"], new["history"] = block.mixer.mix(x, position_embeddings, token_mask, state, conv_history)
+        return out
+
+    return block.around(hidden_states, mix), new["state"], new["history"]
 
 
-def compiled_mix():
-    """``RSAMixer.mix`` through torch.compile (fullgraph, static shapes), built on first use.
+_compiled_block_step = None
 
-    Eager, a decode step of the memory is ~100 small ops and dispatch-bound; compiled with the projections and o_proj
-    around it, the layer is one graph of a few fused kernels. The mixer is an argument, so its parameters are graph
-    inputs and every RSA layer of every model shares the graph. The first call compiles for 10-30 s on a CPU, so it
-    is opt-in (``rsa_compile_decode``).
+
+def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_key_values):
+    """One token through ``block_step`` compiled with torch.compile (fullgraph, static shapes; built on first use).
+
+    Eager, a decode step of the memory is ~100 small ops and dispatch-bound; compiled with the whole block around it
+    (projections, o_proj, norms, MLP), it is one graph of a few fused kernels. The block is an argument, so its
+    parameters are graph inputs and every RSA block of every model shares the graph. Static shapes: the mask is cut
+    to this token and every input made contiguous, so neither the context length nor a strided state recompiles it.
+    The first call compiles for 10-30 s on a CPU, hence opt-in (``rsa_compile_decode``).
     """
-    global _compiled_mix
-    if _compiled_mix is None:
-        logger.warning("RSA decoding: compiling the layer's token step with torch.compile (rsa_compile_decode=True); "
-                       "the first decode step takes 10-30 s")
-        _compiled_mix = torch.compile(RSAMixer.mix, dynamic=False, fullgraph=True)
-    return _compiled_mix
+    global _compiled_block_step
+    if _compiled_block_step is None:
+        logger.warning("RSA decoding: compiling the decoder block's token step with torch.compile "
+                       "(rsa_compile_decode=True); the first decode step takes 10-30 s")
+        _compiled_block_step = torch.compile(block_step, dynamic=False, fullgraph=True)
+    layer_cache = past_key_values.layers[block.mixer.layer_idx]
+    output, state, history = _compiled_block_step(
+        block, hidden_states.contiguous(), position_embeddings,
+        None if token_mask is None else token_mask[:, -1:].contiguous(),
+        layer_cache.state.map(torch.Tensor.contiguous), layer_cache.conv_history)
+    layer_cache.update_state(state, 1, history)
+    return output
 
 
 def kmeans(points: torch.Tensor, clusters: int, iterations: int, generator: torch.Generator) -> torch.Tensor:

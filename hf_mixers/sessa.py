@@ -25,6 +25,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .attention import FullAttention
 from .kernels.dispatch import use_triton
 from .kernels.feedback_solve import compute_dtype, feedback_solve
+from .rsa import decode_compiled
 
 
 class SessaMixer(FullAttention):
@@ -124,11 +125,17 @@ class SessaBlock(GradientCheckpointingLayer):
         self.mixer = mixer_class(config, layer_idx)
         self.out_proj = nn.Linear(size, size, bias=True)
 
+    def around(self, hidden_states, mix):
+        """The block's own layers around ``mix`` (gated input -> mixer output)."""
+        value, gate = self.in_proj(self.norm(hidden_states)).chunk(2, dim=-1)
+        return hidden_states + self.out_proj(mix(F.gelu(value)) * gate)
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
                 past_key_values=None, **kwargs):
-        value, gate = self.in_proj(self.norm(hidden_states)).chunk(2, dim=-1)
-        mixed = self.mixer(F.gelu(value), position_embeddings, attention_mask, token_mask, past_key_values, **kwargs)
-        return hidden_states + self.out_proj(mixed * gate)
+        if self.mixer.compiles_decode(hidden_states, past_key_values):  # an RSA layer in a native-block model
+            return decode_compiled(self, hidden_states, position_embeddings, token_mask, past_key_values)
+        return self.around(hidden_states, lambda x: self.mixer(x, position_embeddings, attention_mask, token_mask,
+                                                              past_key_values, **kwargs))
 
 
 class StandaloneSessaBlock(nn.Module):
