@@ -46,8 +46,8 @@ class TrainSection:
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
     seed: int = 0
-    strategy: str = "ddp"  # "ddp": gradients averaged over processes; "deepspeed": ZeRO partitioning
-    zero_stage: int = 2  # with strategy "deepspeed": 1 (optimizer states) or 2 (+ gradients)
+    strategy: str = "ddp"  # "ddp": gradients averaged; "deepspeed": ZeRO partitioning; "fsdp": FSDP2 sharding
+    zero_stage: int = 2  # with "deepspeed": 1 (optimizer states), 2 (+ gradients), 3 (+ the whole student)
 
 
 @dataclass
@@ -135,11 +135,22 @@ def load_recipe(paths=(), overrides=()) -> Recipe:
     return recipe
 
 
+def shards_the_model(train: TrainSection) -> bool:
+    """fsdp and ZeRO-3 partition the whole student over the processes (not only the trainable tensors)."""
+    return train.strategy == "fsdp" or (train.strategy == "deepspeed" and train.zero_stage == 3)
+
+
 def _validate(recipe: Recipe, origin: str) -> None:
+    train = recipe.train
+    sharding = f"train.strategy={train.strategy}" + (f" with train.zero_stage={train.zero_stage}"
+                                                     if train.strategy == "deepspeed" else "")
     checks = [
-        (recipe.train.strategy in ("ddp", "deepspeed"), "train.strategy must be 'ddp' or 'deepspeed'"),
-        (recipe.train.zero_stage in (1, 2), "train.zero_stage must be 1 or 2 (ZeRO-3 would partition the "
-                                           "frozen student weights the losses read directly)"),
+        (recipe.train.strategy in ("ddp", "deepspeed", "fsdp"), "train.strategy must be 'ddp', 'deepspeed' or "
+                                                                "'fsdp'"),
+        (recipe.train.zero_stage in (1, 2, 3), "train.zero_stage must be 1, 2 or 3"),
+        (not (recipe.stage1.enabled and recipe.stage1.blockwise and shards_the_model(train)),
+         f"stage1.blockwise trains one layer at a time in one process, but {sharding} shards the student over "
+         "processes: set stage1.blockwise=false, or run stage 1 with train.strategy=ddp"),
         (recipe.train.batch_size >= 1 and recipe.train.grad_accum >= 1, "train.batch_size and train.grad_accum "
                                                                         "must be >= 1"),
         (recipe.data.sequence_length >= 2, "data.sequence_length must be >= 2"),

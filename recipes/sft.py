@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..corpus import shakespeare
 from .config import Recipe
+from .strategies import check_launch
 from .trainer import Processes, run_stage
 
 
@@ -102,7 +103,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     """Stage 3 on ``recipe.model.student`` (or the given model); returns the summary (OUT/summary.json)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .stages import _accelerator, add_lora, copy_history, save_model
+    from .stages import _accelerator, add_lora, copy_history, save_model, sharding_for
 
     section, out = recipe.finetune, recipe.output.dir
     model_dir = os.path.join(out, "model")
@@ -116,6 +117,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     if tokenizer is None:
         raise ValueError("finetune: a model passed in needs its tokenizer (tokenizer=...)")
     processes = Processes(_accelerator())
+    check_launch(recipe.train)
     started = time.perf_counter()
     examples = chat_examples(section.source)
     held = max(1, len(examples) // 10)
@@ -135,7 +137,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     history = run_stage("finetune", lambda batch: (assistant_loss(model, batch), {}), parameters, train_rows,
                         steps=section.steps, train=recipe.train, lr=section.lr or recipe.train.lr, out_dir=out,
                         checkpoint_every=recipe.output.checkpoint_every, log_every=recipe.output.log_every,
-                        progress=progress and processes.is_main, processes=processes)
+                        progress=progress and processes.is_main, processes=processes, sharding=sharding_for(model))
     final = model.merge_and_unload() if section.lora and recipe.output.merge_lora else model
     summary = {"examples": len(examples), "train_examples": len(train_rows), "heldout_examples": len(heldout_rows),
                "heldout_assistant_loss_before": before, "heldout_assistant_loss_after": heldout_loss(final, heldout_rows),

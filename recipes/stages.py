@@ -32,6 +32,7 @@ from ..evaluation import compare_to_teacher
 from ..export import save_atomically
 from .config import Recipe
 from .data import pack
+from .strategies import Sharding, check_launch
 from .trainer import Processes, run_stage
 
 
@@ -55,6 +56,20 @@ def new_mixer_parameters(model, train_qkv: bool = False) -> dict:
         if module not in TEACHER_MODULES or (train_qkv and module in ("q_proj", "k_proj", "v_proj")):
             chosen[name] = parameter
     return chosen
+
+
+def sharding_for(model, layers: list[int] | None = None) -> Sharding:
+    """What ``train.strategy: fsdp`` / ZeRO-3 shard: the whole model (a peft model or a MixerForCausalLM), with the
+    decoder blocks as the units the loss runs and the transformers model as FSDP's root.
+
+    Stage 1 (``layers``) calls the converted mixers directly on the teacher's inputs: those mixers are the units,
+    the blocks are sharded around them, and FSDP leaves the root (embeddings, final norm, head) whole, since the
+    loss never runs it (and FSDP can shard a module object once per process: stage 2 shards it as its root)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    blocks = list(base.model.layers)
+    if layers is None:
+        return Sharding(model=model, units=blocks, blocks=blocks, root=base)
+    return Sharding(model=model, units=[blocks[i].mixer for i in layers], blocks=blocks, root=None)
 
 
 def attention_transfer_loss(student, teacher_model, layers):
@@ -133,6 +148,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         raise FileExistsError(f"{model_dir} exists: this run already finished; set output.overwrite=true to redo "
                               "the export, or choose another output.dir")
     processes = Processes(_accelerator())
+    check_launch(recipe.train)
     progress = progress and processes.is_main
     if processes.is_main:
         os.makedirs(out, exist_ok=True)
@@ -176,14 +192,16 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
                                                     common)
         else:
             histories["stage1"] = run_stage("stage1", attention_transfer_loss(student, teacher.model, layers),
-                                            parameters, steps=recipe.stage1.steps, lr=recipe.train.lr, **common)
+                                            parameters, steps=recipe.stage1.steps, lr=recipe.train.lr,
+                                            sharding=sharding_for(student, layers), **common)
         evaluations["stage1"] = compare_to_teacher(teacher.model, student, heldout_ids)
     if recipe.stage2.enabled and recipe.stage2.steps > 0:
         peft_model = add_lora(student, recipe.stage2, recipe.train.seed)
         parameters = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
         loss_fn = distillation_loss(peft_model, teacher.model, recipe.stage2.temperature, recipe.stage2.ce_weight)
         histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
-                                        lr=recipe.stage2.lr or recipe.train.lr, **common)
+                                        lr=recipe.stage2.lr or recipe.train.lr, sharding=sharding_for(peft_model),
+                                        **common)
         student = peft_model.merge_and_unload() if recipe.output.merge_lora else peft_model
         evaluations["stage2"] = compare_to_teacher(teacher.model, student.get_base_model()
                                                    if hasattr(student, "get_base_model") else student, heldout_ids)

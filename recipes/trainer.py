@@ -4,14 +4,16 @@
 
 - Step s reads micro-batches from a permutation of the blocks seeded by (seed, epoch): the order depends only on
   the step, so a resumed run sees exactly the batches the interrupted one would have.
-- Every ``checkpoint_every`` steps (and at the end) ``checkpoints/<stage>.pt`` is written to a temporary file and
-  renamed: the trained parameters, the optimizer state, the step and the loss history. Launching the same run
-  again continues after the last checkpoint with the same losses.
+- Every ``checkpoint_every`` steps (and at the end) the strategy writes a checkpoint atomically (ddp:
+  ``checkpoints/<stage>.pt``, written to a temporary file and renamed): the trained parameters, the optimizer
+  state, the step and the loss history. Launching the same run again continues after the last checkpoint with the
+  same losses.
 - A NaN or inf loss stops the run with the step and the last good checkpoint named.
 - Progress bar with loss and tokens/s; one JSON line per logged step in ``metrics.jsonl``, and the same scalars
   as TensorBoard events under ``tensorboard/``.
-- Several processes (torchrun / accelerate launch): rank r takes micro-batches r, r + world, ...; the gradients
-  are averaged (``LocalOptimizer``) or handed to DeepSpeed ZeRO-1/2 (``DeepSpeedOptimizer``); rank 0 writes.
+- Several processes (torchrun / accelerate launch): rank r takes micro-batches r, r + world, ...; how they share
+  the work is the strategy's (recipes/strategies.py: ddp gradient averaging, DeepSpeed ZeRO-1/2/3, FSDP2);
+  rank 0 writes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import time
 
 import torch
 from tqdm.auto import tqdm
+
+from .strategies import STRATEGIES, Sharding
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -35,12 +39,6 @@ def batch_at(blocks: torch.Tensor, index: int, batch_size: int, seed: int) -> to
     epoch, position = divmod(index, per_epoch)
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     return blocks[order[torch.arange(position * batch_size, (position + 1) * batch_size) % count]]
-
-
-def _save_atomically(state: dict, path: str) -> None:
-    temporary = f"{path}.partial"
-    torch.save(state, temporary)
-    os.replace(temporary, path)
 
 
 def _rewrite_metrics(path: str, stage: str, last_step: int) -> None:
@@ -101,124 +99,33 @@ def _tensorboard(folder: str):
     return SummaryWriter(folder)
 
 
-class LocalOptimizer:
-    """AdamW on this process; with several processes the gradients are averaged first (data parallelism)."""
-
-    def __init__(self, parameters: dict, train, lr: float, processes: Processes, path: str):
-        self.parameters, self.train, self.processes, self.path = parameters, train, processes, path
-        self.optimizer = torch.optim.AdamW(list(parameters.values()), lr=lr, weight_decay=train.weight_decay)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def backward(self, loss) -> None:
-        (loss / self.train.grad_accum).backward()
-
-    def step(self) -> None:
-        self.processes.average_gradients(self.parameters.values())
-        if self.train.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(list(self.parameters.values()), self.train.max_grad_norm)
-        self.optimizer.step()
-
-    def save(self, step: int, history: list) -> None:
-        if self.processes.is_main:
-            _save_atomically({"step": step, "history": history, "optimizer": self.optimizer.state_dict(),
-                              "parameters": {n: t.detach().cpu().clone() for n, t in self.parameters.items()}},
-                             self.path)
-        self.processes.barrier()
-
-    def load(self):
-        """(step, history) of the checkpoint, restored into the parameters and optimizer; None if there is none."""
-        if not os.path.exists(self.path):
-            return None
-        saved = torch.load(self.path, weights_only=False, map_location="cpu")
-        missing = sorted(set(self.parameters) - set(saved["parameters"]))
-        if missing:
-            raise ValueError(f"{self.path}: checkpoint does not match this run (no {missing[:3]}); "
-                             "use another output.dir")
-        with torch.no_grad():
-            for name, tensor in self.parameters.items():
-                tensor.copy_(saved["parameters"][name])
-        self.optimizer.load_state_dict(saved["optimizer"])
-        return saved["step"], saved["history"]
-
-
-class DeepSpeedOptimizer:
-    """DeepSpeed ZeRO (``train.strategy: deepspeed``): optimizer states (stage 1) and gradients (stage 2)
-    partitioned over the processes; DeepSpeed's own per-rank checkpoints under ``checkpoints/<stage>-deepspeed``."""
-
-    def __init__(self, parameters: dict, train, lr: float, processes: Processes, path: str):
-        import deepspeed
-        from torch import nn
-
-        self.path = path.removesuffix(".pt") + "-deepspeed"
-        holder = nn.Module()  # the trainable tensors only; frozen weights stay outside DeepSpeed
-        holder.trained = nn.ParameterList(list(parameters.values()))
-        config = {"train_micro_batch_size_per_gpu": train.batch_size,
-                  "gradient_accumulation_steps": train.grad_accum,
-                  "zero_optimization": {"stage": train.zero_stage},
-                  "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": train.weight_decay,
-                                                            "torch_adam": True}},
-                  "gradient_clipping": train.max_grad_norm or 0.0, "steps_per_print": 10**9}
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=holder, model_parameters=list(holder.parameters()),
-                                                                 config=config)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def zero_grad(self) -> None:
-        pass  # the engine zeroes after each optimizer step
-
-    def backward(self, loss) -> None:
-        self.engine.backward(loss)
-        self.engine.step()  # a no-op except at the gradient-accumulation boundary
-
-    def step(self) -> None:
-        pass
-
-    def save(self, step: int, history: list) -> None:
-        # every rank writes its partition; DeepSpeed updates the 'latest' pointer only when all are written
-        self.engine.save_checkpoint(self.path, tag=f"step{step}", client_state={"step": step, "history": history})
-
-    def load(self):
-        if not os.path.exists(os.path.join(self.path, "latest")):
-            return None
-        _, client = self.engine.load_checkpoint(self.path)
-        return client["step"], client["history"]
-
-
-STRATEGIES = {"ddp": LocalOptimizer, "deepspeed": DeepSpeedOptimizer}
-
-
 def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps: int, train, lr: float,
               out_dir: str, checkpoint_every: int, log_every: int = 1, progress: bool = True,
-              processes: Processes | None = None, tokens_per_row: int | None = None) -> list[dict]:
+              processes: Processes | None = None, tokens_per_row: int | None = None,
+              sharding: Sharding | None = None) -> list[dict]:
     """Train ``parameters`` (name -> tensor with requires_grad) for ``steps`` optimiser steps on ``blocks``.
 
     ``loss_fn(batch) -> (loss, metrics)``. Returns the history: one dict per step (step, loss, metrics). With
-    several processes each rank takes its own micro-batches, gradients are averaged (``train.strategy: ddp``) or
-    reduce-scattered by DeepSpeed ZeRO (``deepspeed``); rank 0 writes metrics. ``tokens_per_row`` (default: the
-    blocks' last dimension) is what one row stands for in the tokens/s figure.
+    several processes each rank takes its own micro-batches, gradients are averaged (``train.strategy: ddp``),
+    reduce-scattered by DeepSpeed ZeRO (``deepspeed``) or by FSDP2 (``fsdp``); rank 0 writes metrics.
+    ``tokens_per_row`` (default: the blocks' last dimension) is what one row stands for in the tokens/s figure.
+    ``sharding`` says what ``fsdp`` / ZeRO-3 shard (the model, sharded for the stage, is whole again on return).
     """
     processes = processes or Processes()
     os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
     path = os.path.join(out_dir, "checkpoints", f"{stage}.pt")
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    optimizer = STRATEGIES[train.strategy](parameters, train, lr, processes, path)
+    optimizer = STRATEGIES[train.strategy](parameters, train, lr, processes, path, loss_fn, sharding)
     history, start = [], 0
     restored = optimizer.load()
     if restored is not None:
         start, history = restored
         if processes.is_main:
             _rewrite_metrics(metrics_path, stage, start)
-        if start < steps:
+        if start < steps and processes.is_main:
             tqdm.write(f"{stage}: resuming from the checkpoint at step {start} ({optimizer.path})")
     if start >= steps:
+        optimizer.finish()  # a sharded model comes back whole, with the checkpoint's weights
         return history
 
     last_good = optimizer.path if restored is not None else None
@@ -237,7 +144,7 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
                 index = ((step - 1) * train.grad_accum + micro) * processes.world + processes.rank
                 batch = batch_at(blocks, index, train.batch_size, train.seed)
                 first_rows = batch.flatten(1)[:, 0].tolist() if first_rows is None else first_rows
-                loss, extra = loss_fn(batch)
+                loss, extra = optimizer.loss(batch)
                 if not torch.isfinite(loss):
                     raise NonFiniteLoss(f"{stage}: the loss is {loss.item()} at step {step}; last good checkpoint: "
                                         f"{last_good or 'none (no checkpoint written yet)'}")
@@ -267,4 +174,5 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
             metrics_file.close()
         if board:
             board.close()
+    optimizer.finish()
     return history

@@ -56,7 +56,7 @@ def test_recipe_errors_name_the_file_and_key(tmp_path):
         load_recipe([bad])
     with pytest.raises(RecipeError, match=r"--set train.batch_size=two: 'train.batch_size' must be int"):
         load_recipe([], ["train.batch_size=two"])
-    with pytest.raises(RecipeError, match="train.strategy must be 'ddp' or 'deepspeed'"):
+    with pytest.raises(RecipeError, match="train.strategy must be 'ddp', 'deepspeed' or 'fsdp'"):
         load_recipe([], ["train.strategy=fsdp2"])
     with pytest.raises(RecipeError, match="model.teacher_device: .*gpu7"):
         load_recipe([], ["model.teacher_device=gpu7"])

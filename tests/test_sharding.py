@@ -1,0 +1,153 @@
+"""Sharding the whole student over processes: FSDP2 (train.strategy=fsdp) and DeepSpeed ZeRO-3, on CPU.
+
+Each run is `hf-mixers distill` under torchrun with 2 CPU processes (gloo), stage 1 and stage 2, world size 2,
+each rank its own micro-batches. A sharded run must give the losses and the saved weights of the data-parallel run
+(`train.strategy=ddp`), and a relaunch with more steps must resume from its checkpoints with the same losses.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import save_tiny_teacher, tiny_sessa_model
+from hf_mixers.recipes import RecipeError, distill, load_recipe
+from hf_mixers.recipes.stages import sharding_for
+from hf_mixers.recipes.strategies import _meta_skeleton, _restore_whole
+from test_recipes import small
+
+STEPS = ["stage1.steps=2", "train.batch_size=1", "output.checkpoint_every=1"]
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="deepspeed is not installed")
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("teacher"))
+    save_tiny_teacher(folder)
+    return folder
+
+
+def torchrun_distill(teacher_dir, out, *settings) -> str:
+    """`hf-mixers distill` on 2 CPU processes; returns its stdout (rank 0 reports what it sharded there)."""
+    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "-m",
+               "hf_mixers.cli", "distill"]
+    for item in small(teacher_dir, out, *STEPS, *settings):
+        command += ["--set", item]
+    result = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+                                          "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def data_parallel(teacher_dir, tmp_path_factory):
+    """The reference: train.strategy=ddp, 2 stage-1 and 4 stage-2 steps, uninterrupted."""
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    torchrun_distill(teacher_dir, out, "stage2.steps=4")
+    return out
+
+
+def check_sharded_run(teacher_dir, reference, out, strategy: list[str], checkpoint: str, between=None):
+    # 2 stage-2 steps, then the same run relaunched for 4: stage 1 comes back from its checkpoint, stage 2 resumes
+    first = torchrun_distill(teacher_dir, out, "stage2.steps=2", *strategy)
+    assert [(r["stage"], r["step"]) for r in metrics(out)] == [("stage1", 1), ("stage1", 2), ("stage2", 1),
+                                                                ("stage2", 2)]
+    if between:
+        between(out)
+    torchrun_distill(teacher_dir, out, "stage2.steps=4", "output.overwrite=true", *strategy)
+    rows, expected = metrics(out), metrics(reference)
+    assert [(r["stage"], r["step"]) for r in rows] == [(r["stage"], r["step"]) for r in expected]
+    assert all(r["world_size"] == 2 for r in rows)
+    for got, want in zip(rows, expected):
+        first_tokens, second_tokens = got["first_tokens_per_rank"]
+        assert first_tokens != second_tokens and got["first_tokens_per_rank"] == want["first_tokens_per_rank"]
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * max(1.0, abs(want["loss"])), (got, want)
+    # rank 0 said how much of the student it kept: about half of it in stage 2 (frozen weights included)
+    stored = dict(re.findall(r"(stage[12]): .*this rank stores ([\d.]+)% of them", first))
+    assert set(stored) == {"stage1", "stage2"} and float(stored["stage2"]) < 60, first
+    assert (out / "checkpoints" / checkpoint / "latest").exists()
+    # the exported folder: the same tensors as the data-parallel run's, and it loads. Adam turns float-level
+    # gradient differences (ZeRO-3 reduces in other buckets) into weight differences up to ~1e-5; a missed or doubled
+    # update would differ by about lr = 3e-3
+    saved, wanted = load_file(out / "model" / "model.safetensors"), load_file(reference / "model" / "model.safetensors")
+    assert saved.keys() == wanted.keys()
+    for name in wanted:
+        torch.testing.assert_close(saved[name], wanted[name], rtol=1e-4, atol=1e-4, msg=name)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    for name, tensor in model.state_dict().items():
+        if name in saved:
+            torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0, msg=name)
+
+
+def test_fsdp_under_torchrun_matches_data_parallel_and_resumes(teacher_dir, data_parallel, tmp_path):
+    def killed_while_saving(out):  # a step-3 checkpoint half written: not named in `latest`, so never loaded
+        (out / "checkpoints" / "stage2-fsdp" / "step3").mkdir()
+        (out / "checkpoints" / "stage2-fsdp" / "step3" / "__0_0.distcp").write_bytes(b"cut short")
+
+    check_sharded_run(teacher_dir, data_parallel, tmp_path / "fsdp", ["train.strategy=fsdp"], "stage2-fsdp",
+                      between=killed_while_saving)
+    # each rank's shards of the trainable tensors and their Adam states; earlier steps removed once superseded
+    assert sorted(os.listdir(tmp_path / "fsdp" / "checkpoints" / "stage2-fsdp")) == ["latest", "step4"]
+    assert (tmp_path / "fsdp" / "checkpoints" / "stage2-fsdp" / "latest").read_text() == "step4"
+
+
+@needs_deepspeed
+def test_deepspeed_zero3_under_torchrun_matches_data_parallel_and_resumes(teacher_dir, data_parallel, tmp_path):
+    check_sharded_run(teacher_dir, data_parallel, tmp_path / "zero3",
+                      ["train.strategy=deepspeed", "train.zero_stage=3"], "stage2-deepspeed")
+
+
+def test_sharding_recipes_are_checked(teacher_dir, tmp_path):
+    with pytest.raises(RecipeError, match="train.zero_stage must be 1, 2 or 3"):
+        load_recipe([], ["train.strategy=deepspeed", "train.zero_stage=4"])
+    for strategy in (["train.strategy=fsdp"], ["train.strategy=deepspeed", "train.zero_stage=3"]):
+        with pytest.raises(RecipeError, match=r"stage1.blockwise trains one layer at a time in one process, but "
+                                              r"train.strategy=(fsdp|deepspeed with train.zero_stage=3) shards"):
+            load_recipe([], [*strategy, "stage1.blockwise=true"])
+        load_recipe([], [*strategy, "stage1.blockwise=true", "stage1.enabled=false"])  # stage 2 alone is fine
+        # without torchrun there is nothing to shard over: said before any model is loaded
+        with pytest.raises(ValueError, match="shards the student over the processes .* launch it with torchrun"):
+            distill(load_recipe([], small(teacher_dir, tmp_path / "run", *strategy)), progress=False)
+    load_recipe([], ["train.strategy=deepspeed", "train.zero_stage=2", "stage1.blockwise=true"])  # ZeRO-2 is not
+
+
+def test_an_accelerate_sharding_plugin_the_recipe_does_not_ask_for_is_refused(teacher_dir, tmp_path, monkeypatch):
+    """`accelerate launch` with an FSDP / DeepSpeed config: the trainer would not use the plugin, so it says so."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match=r"turns on fsdp \(ACCELERATE_USE_FSDP\), but the recipe has "
+                                         r"train.strategy=ddp.*Stack recipes/fsdp.yaml"):
+        distill(load_recipe([], small(teacher_dir, tmp_path / "run")), progress=False)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="turns on deepspeed .* train.strategy=fsdp"):
+        distill(load_recipe([], small(teacher_dir, tmp_path / "run", "train.strategy=fsdp")), progress=False)
+
+
+def test_a_sharded_model_comes_back_whole_in_place():
+    """The gathered weights go back into the same module object: plain tensors, tied weights still one tensor."""
+    model = tiny_sessa_model(feedback=False, tie_word_embeddings=True)
+    sharding = sharding_for(model)
+    assert sharding.units == list(model.model.layers) and sharding.root is model
+    assert [unit is block.mixer for unit, block in zip(sharding_for(model, [1]).units, model.model.layers[1:])] == [True]
+    skeleton = _meta_skeleton(model)
+    assert all(p.is_meta for p in skeleton.parameters())
+    assert skeleton.lm_head.weight is skeleton.model.embed_tokens.weight
+    trained = {name: torch.randn_like(p) for name, p in model.named_parameters()}
+    _restore_whole(model, skeleton, trained)
+    for name, parameter in model.named_parameters():
+        assert not parameter.is_meta and torch.equal(parameter, trained[name]), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model(torch.randint(0, 101, (1, 5))).logits.shape == (1, 5, 101)
