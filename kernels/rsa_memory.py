@@ -232,6 +232,11 @@ def rsa_recurrent(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=
     return torch.stack(outputs, 3), state
 
 
+def _decay_total(log_decay_c, write, dtype):
+    """Lambda_t: the cumulative log decay inside a chunk (..., C); padding (``write`` 0) never decays."""
+    return (log_decay_c.to(dtype) * write).cumsum(-1)
+
+
 def _decay_masks(log_decay_c, write, size, device, dtype):
     """``carry[t, s]``: how much of what row s wrote row t still sees (the inclusive causal mask, times the decay in
     between, exp(Lambda_t - Lambda_s)); ``start[t]``: how much of the chunk-start state row t still sees.
@@ -242,7 +247,7 @@ def _decay_masks(log_decay_c, write, size, device, dtype):
     causal = torch.ones(size, size, dtype=torch.bool, device=device).tril()  # inclusive: token t reads itself
     if log_decay_c is None:
         return causal.to(dtype), torch.ones(size, dtype=dtype, device=device)
-    total = (log_decay_c.to(dtype) * write).cumsum(-1)  # Lambda_t
+    total = _decay_total(log_decay_c, write, dtype)
     gap = (total[..., :, None] - total[..., None, :]).masked_fill(~causal, float("-inf"))
     return torch.exp(gap), torch.exp(total)
 
@@ -272,9 +277,9 @@ def write_chunk(k_c, v_c, valid_c, state: RSAState, params: RSAParams, log_decay
     f, x, y = torch.stack(assignments, 2), torch.stack(keys, 2), torch.stack(values, 2)
     weighed = f  # each row's write as the chunk end sees it
     if log_decay_c is not None:
-        carry, start = _decay_masks(log_decay_c, write[..., 0], k_c.shape[2], k_c.device, k_c.dtype)
-        weighed = f * carry[:, :, -1, None, :, None]  # (B, G, 1, C, 1): the decay from row s to the chunk end
-        state = _decayed(state, start[:, :, -1])  # the chunk-start sums, decayed over the whole chunk
+        total = _decay_total(log_decay_c, write[..., 0], k_c.dtype)  # (B, G, C)
+        weighed = f * torch.exp(total[..., -1:] - total)[:, :, None, :, None]  # the decay from row s to the chunk end
+        state = _decayed(state, torch.exp(total[..., -1]))  # the chunk-start sums, decayed over the whole chunk
     weighed_t = weighed.transpose(-1, -2)  # (B, G, L, m, C)
     relation = weighed_t[:, :, :-1] @ f[:, :, 1:] if levels > 1 else 0.0
     state = replace(state, key_sum=state.key_sum + weighed_t @ x, value_sum=state.value_sum + weighed_t @ y,
