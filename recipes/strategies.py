@@ -326,8 +326,8 @@ class DeepSpeedOptimizer:
                   "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": train.weight_decay,
                                                             "torch_adam": True}},
                   "gradient_clipping": train.max_grad_norm or 0.0, "steps_per_print": 10**9}
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=holder, model_parameters=list(parameters.values()),
-                                                                 config=config)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=holder, model_parameters=list(parameters.values()), config=config)
         if self.zero3:  # at rest a partitioned tensor's data is empty; a persistent one keeps it whole as well
             stored = sum(p.ds_tensor.numel() + p.numel() for p in self.model.parameters())
             total = sum(p.ds_numel for p in self.model.parameters())
