@@ -4,7 +4,8 @@ Both steps run on the same batch in the same process, interleaved, fastest of ``
   distill   the teacher's forward (no grad) + the converted student's forward/backward with LoRA and its new
             mixer parameters, KL loss, AdamW step (recipes.stages: add_lora, distillation_loss)
   baseline  a LoRA fine-tuning step of the teacher alone (same LoRA), next-token CE, AdamW step
-Reported: tokens/s of each and their ratio (target: distill / baseline >= 0.6), as JSON.
+Reported: tokens/s of each and their ratio (target: distill / baseline >= 0.6), as JSON. Runs on the GPU when
+there is one (``device``), in ``dtype`` (bfloat16 is the GPU recipe's precision; the CPU default is float32).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 
 
 def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa", sequence_length: int = 256,
-                  batch_size: int = 2, repeats: int = 3, mixer_options: dict | None = None) -> dict:
+                  batch_size: int = 2, repeats: int = 3, mixer_options: dict | None = None, device=None,
+                  dtype: str = "float32") -> dict:
     from peft import LoraConfig, get_peft_model
 
     from .conversion import convert, load_teacher
@@ -29,17 +31,21 @@ def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa"
 
     if min(sequence_length, batch_size, repeats) < 1:
         raise ValueError("bench distill: --sequence-length, --batch-size and --repeats must be >= 1")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     teacher = load_teacher(source)
     for parameter in teacher.model.parameters():
         parameter.requires_grad_(False)
-    student, _ = convert(teacher, mixer, mixer_options=mixer_options, progress=False)
+    student, _ = convert(teacher, mixer, mixer_options=mixer_options, progress=False)  # on CPU, in fp32 (k-means)
+    teacher.model.to(device=device, dtype=getattr(torch, dtype))
+    student.to(device=device, dtype=getattr(torch, dtype))
     section = DistillSection()
     distilled = add_lora(student.train(), section, seed=0)
     kd = distillation_loss(distilled, teacher.model, section.temperature, section.ce_weight)
     baseline = get_peft_model(copy.deepcopy(teacher.model).train(),
                               LoraConfig(r=section.lora_r, lora_alpha=section.lora_alpha,
                                          target_modules=list(section.lora_targets), lora_dropout=0.0))
-    batch = token_blocks(teacher.tokenizer, shakespeare("train"), sequence_length, batch_size)
+    batch = token_blocks(teacher.tokenizer, shakespeare("train"), sequence_length, batch_size).to(device)
 
     def ce(model):
         logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
@@ -55,10 +61,12 @@ def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa"
             optimizers[name].zero_grad(set_to_none=True)
             loss_fn().backward()
             optimizers[name].step()
+            synchronize()
             times[name].append(time.perf_counter() - began)
     tokens = batch.numel()
     best = {name: min(values[1:]) for name, values in times.items()}
-    report = {"benchmark": "distill", "source": source, "mixer": mixer, "device": "cpu",
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report = {"benchmark": "distill", "source": source, "mixer": mixer, "device": device_name, "dtype": dtype,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "batch_size": batch_size,
               "sequence_length": sequence_length, "repeats": repeats,
               "step_seconds": best, "tokens_per_s": {name: tokens / s for name, s in best.items()},

@@ -28,7 +28,7 @@ TRAIN_MIXERS = ("sdpa_attention", "rsa_chunked", "rsa_recompute")  # rsa_recompu
 
 
 def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4096, 16384), hidden_size=576,
-              num_heads=9, num_kv_heads=3, decode_layers=2, decode_tokens=16, repeats=3, device=None) -> dict:
+              num_heads=9, num_kv_heads=3, decode_layers=2, decode_tokens=64, repeats=3, device=None) -> dict:
     if not lengths or not contexts or min(*lengths, *contexts) < 2:
         raise ValueError(f"bench rsa: lengths and contexts must be non-empty lists of integers >= 2, "
                          f"got {lengths} and {contexts}")

@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="training sequence lengths (default sessa: 512,...,4096; rsa: 512,...,8192)")
     bench.add_argument("--contexts", type=_int_list, default=[1024, 4096, 16384], help="rsa: decoding contexts")
     bench.add_argument("--decode-layers", type=int, default=2, help="rsa: layers of the decoding models")
-    bench.add_argument("--decode-tokens", type=int, default=16, help="rsa: decode steps timed per context")
+    bench.add_argument("--decode-tokens", type=int, default=64, help="rsa: decode steps timed per context")
     bench.add_argument("--hidden-size", type=int, default=576, help="model width (default: SmolLM2-135M's 576)")
     bench.add_argument("--heads", type=int, default=9, help="attention heads (default 9)")
     bench.add_argument("--kv-heads", type=int, default=3, help="key/value heads (default 3)")
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_distill import bench_distill
 
         bench_distill(args.out, source=args.source, mixer=args.mixer, sequence_length=args.sequence_length,
-                      batch_size=args.batch_size, repeats=args.repeats)
+                      batch_size=args.batch_size, repeats=args.repeats, device=args.device, dtype=args.dtype)
     elif args.command == "bench" and args.target == "kernels":
         from .bench_kernels import bench_kernels
 

@@ -99,6 +99,7 @@ def test_bench_distill_writes_the_ratio(tmp_path):
     report = json.loads((tmp_path / "bench" / "bench_distill.json").read_text())
     assert set(report["tokens_per_s"]) == {"distill", "baseline_lora"} and report["ratio"] > 0
     assert report["target"] == 0.6 and isinstance(report["target_met"], bool)
+    assert report["dtype"] == "float32" and report["device"]  # the GPU when there is one, else "cpu"
 
 
 def test_bench_kernels_on_cpu_compares_the_pytorch_paths_only(tmp_path, monkeypatch):
