@@ -65,10 +65,10 @@ class MixerConfig(PreTrainedConfig):
             slot sums, masses and relations are multiplied by exp(logsigmoid(x W + b) / 16) per KV head (b starts at
             4, a half-life of ~600 tokens); the prototype prior does not decay.
         rsa_recompute_chunks: in training, recompute each chunk's intermediates in the backward pass instead of
-            storing them (about 10x less activation memory for the RSA memory, about 2.7x the time at T = 8192 on
+            storing them (about 10x less activation memory for the RSA memory, 2-2.7x the time at T = 8192 on
             CPU, where the default path reads all chunks in one batched pass; off by default).
         rsa_compile_decode: run each single-token decode step of an RSA decoder block (norms, projections, memory,
-            MLP) as one torch.compile graph shared by every RSA layer (about 1.9x faster per token on CPU; the first
+            MLP) as one torch.compile graph shared by every RSA layer (about 2x faster per token on CPU; the first
             step compiles for 10-30 s). Off by default.
         rsa_short_conv: kernel size K of a causal depthwise convolution over the mixer input before the q/k/v
             projections (0 = off, the default; identity at init, so turning it on changes nothing until trained).
