@@ -6,8 +6,8 @@
 (b) Decoding: small models of the same shape, with RSA layers (eager token step, and the torch.compile'd step of
     ``rsa_compile_decode``) and with full attention; each context of C tokens is prefilled, one token is decoded
     untimed (warm-up, and the compile), then ``decode_tokens`` tokens are decoded one at a time with the cache.
-    Reported: median per-token latency and the cache's bytes (RSA: constant-size state; attention: K/V growing
-    with C).
+    Reported: median per-token latency (per decode step of ``decode_batch`` rows) and the cache's bytes (RSA:
+    constant-size state; attention: K/V growing with C and with the batch).
 Written to bench_rsa.json and bench_rsa.png, with the project's targets evaluated in the same run.
 """
 
@@ -28,12 +28,14 @@ TRAIN_MIXERS = ("sdpa_attention", "rsa_chunked", "rsa_recompute")  # rsa_recompu
 
 
 def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4096, 16384), hidden_size=576,
-              num_heads=9, num_kv_heads=3, decode_layers=2, decode_tokens=64, repeats=3, device=None) -> dict:
+              num_heads=9, num_kv_heads=3, decode_layers=2, decode_tokens=64, repeats=3, device=None,
+              decode_batch=1) -> dict:
     if not lengths or not contexts or min(*lengths, *contexts) < 2:
         raise ValueError(f"bench rsa: lengths and contexts must be non-empty lists of integers >= 2, "
                          f"got {lengths} and {contexts}")
-    if min(hidden_size, num_heads, num_kv_heads, decode_layers, decode_tokens, repeats) < 1:
-        raise ValueError("bench rsa: sizes, --decode-layers, --decode-tokens and --repeats must be >= 1")
+    if min(hidden_size, num_heads, num_kv_heads, decode_layers, decode_tokens, decode_batch, repeats) < 1:
+        raise ValueError("bench rsa: sizes, --decode-layers, --decode-tokens, --decode-batch and --repeats must be "
+                         ">= 1")
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(f"bench rsa: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
                          f"--kv-heads ({num_kv_heads}) must divide --heads")
@@ -67,7 +69,8 @@ def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 40
     decoding = []
     for context in tqdm(contexts, desc="bench rsa: decoding", unit="context"):
         for name, model in models.items():
-            latency, cache_bytes = decode_latency(model.to(device).eval(), context, decode_tokens, 2048, device)
+            latency, cache_bytes = decode_latency(model.to(device).eval(), context, decode_tokens, 2048, device,
+                                                  batch=decode_batch)
             decoding.append({"context": context, "model": name, "token_latency_s": latency,
                              "cache_bytes": cache_bytes})
 
@@ -84,14 +87,15 @@ def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 40
     compiled_last = pick(decoding, "context", last, "token_latency_s", "model", "rsa_compiled")
     rsa_bytes = {r["cache_bytes"] for r in decoding if r["model"] == "rsa"}
     train_ratio = next((r["rsa_chunked_time_vs_sdpa"] for r in ratios if r["T"] == 8192), None)
+    target_setting = last == 16384 and decode_batch == 1  # the 4x target is for one sequence at 16K
     targets = {
         "decode_latency_growth": rsa_last / rsa_first, "decode_latency_growth_contexts": [first, last],
         "decode_latency_growth_met": rsa_last / rsa_first <= 1.2 if (first, last) == (1024, 16384) else None,
         "cache_bytes_constant": len(rsa_bytes) == 1,
         "decode_speedup_vs_attention": attention_last / rsa_last,
-        "decode_speedup_met": attention_last / rsa_last >= 4.0 if last == 16384 else None,
+        "decode_speedup_met": attention_last / rsa_last >= 4.0 if target_setting else None,
         "decode_speedup_vs_attention_compiled": attention_last / compiled_last,
-        "decode_speedup_compiled_met": attention_last / compiled_last >= 4.0 if last == 16384 else None,
+        "decode_speedup_compiled_met": attention_last / compiled_last >= 4.0 if target_setting else None,
         "training_time_ratio_at_8192": train_ratio,
         "training_time_met": None if train_ratio is None else train_ratio <= 3.0,
         "definitions": "decode latency at 16K within 1.2x of 1K; constant RSA cache bytes; RSA decoding >= 4x "
@@ -101,7 +105,8 @@ def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 40
               "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": "float32",
               "shape": {"hidden": hidden_size, "heads": num_heads, "kv_heads": num_kv_heads,
                         "levels": models["rsa"].config.rsa_num_levels, "slots": models["rsa"].config.rsa_num_slots,
-                        "chunk_size": models["rsa"].config.rsa_chunk_size, "decode_layers": decode_layers},
+                        "chunk_size": models["rsa"].config.rsa_chunk_size, "decode_layers": decode_layers,
+                        "decode_batch": decode_batch},
               "training": training, "training_ratios": ratios, "decoding": decoding, "targets": targets}
     return write_report(report, out_dir, "bench_rsa", _plot, _print)
 
@@ -122,7 +127,9 @@ def _plot(report, path):
         rows = [r for r in report["decoding"] if r["model"] == name]
         axes[2].plot([r["context"] for r in rows], [1e3 * r["token_latency_s"] for r in rows], marker="o",
                      label=f"{name} ({rows[-1]['cache_bytes'] / 2**20:.1f} MiB cache at {rows[-1]['context']})")
-    titles = ("training fwd+bwd (s)", "training peak memory (MiB)", "decode latency per token (ms)")
+    batch = report["shape"]["decode_batch"]
+    titles = ("training fwd+bwd (s)", "training peak memory (MiB)",
+              "decode latency per token (ms)" if batch == 1 else f"decode latency per step of {batch} rows (ms)")
     format_log_axes(list(zip(axes, titles)), "context length")
     shape = report["shape"]
     save_figure(figure, path, f"RSA vs attention -- {report['device']}, fp32, hidden {shape['hidden']}, heads "
@@ -140,7 +147,7 @@ def _print(report):
         peaks = ["-" if row[k]["peak_bytes"] is None else f"{row[k]['peak_bytes'] / 2**20:.1f}" for k in TRAIN_MIXERS]
         print(f"{ratio['T']:>6} | {times[0]:>8} {times[1]:>8} {times[2]:>8} | {peaks[0]:>8} {peaks[1]:>8} "
               f"{peaks[2]:>10} | {ratio['rsa_chunked_time_vs_sdpa']:>8.2f} {ratio['rsa_recompute_time_vs_sdpa']:>11.2f}")
-    print(f"\nDecoding, {report['shape']['decode_layers']}-layer models")
+    print(f"\nDecoding, {report['shape']['decode_layers']}-layer models, batch {report['shape']['decode_batch']}")
     print(f"{'context':>8} | {'rsa ms/token':>12} {'compiled ms/token':>17} {'attn ms/token':>13} | "
           f"{'rsa cache MiB':>13} {'attn cache MiB':>14}")
     for context in sorted({r["context"] for r in report["decoding"]}):

@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--contexts", type=_int_list, default=[1024, 4096, 16384], help="rsa: decoding contexts")
     bench.add_argument("--decode-layers", type=int, default=2, help="rsa: layers of the decoding models")
     bench.add_argument("--decode-tokens", type=int, default=64, help="rsa: decode steps timed per context")
+    bench.add_argument("--decode-batch", type=int, default=1, help="rsa: rows decoded together (default 1)")
     bench.add_argument("--hidden-size", type=int, default=576, help="model width (default: SmolLM2-135M's 576)")
     bench.add_argument("--heads", type=int, default=9, help="attention heads (default 9)")
     bench.add_argument("--kv-heads", type=int, default=3, help="key/value heads (default 3)")
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_rsa(args.out, lengths=args.lengths or [512, 1024, 2048, 4096, 8192], contexts=args.contexts,
                   hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
                   decode_layers=args.decode_layers, decode_tokens=args.decode_tokens, repeats=args.repeats,
-                  device=args.device)
+                  device=args.device, decode_batch=args.decode_batch)
     return 0
 
 

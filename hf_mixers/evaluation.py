@@ -130,12 +130,13 @@ def passkey_accuracy(model, tokenizer, lengths, trials: int = 5, seed: int = 0, 
 
 
 @torch.no_grad()
-def decode_latency(model, context: int, decode_tokens: int, vocab: int, device, warmup: int = 3) -> tuple[float, int]:
-    """Prefill ``context`` random tokens, decode ``warmup`` tokens untimed, then time ``decode_tokens``
-    single-token steps; returns (median s, cache bytes after the prefill)."""
+def decode_latency(model, context: int, decode_tokens: int, vocab: int, device, warmup: int = 3,
+                   batch: int = 1) -> tuple[float, int]:
+    """Prefill ``batch`` rows of ``context`` random tokens, decode ``warmup`` tokens untimed, then time
+    ``decode_tokens`` single-token steps; returns (median s per step, cache bytes after the prefill)."""
     device = torch.device(device)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (1, context + warmup + decode_tokens), generator=generator).to(device)
+    ids = torch.randint(0, vocab, (batch, context + warmup + decode_tokens), generator=generator).to(device)
     cache = DynamicCache(config=model.config)
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -78,13 +78,16 @@ def test_full_default_demo_learns(tmp_path):
 
 def test_bench_rsa_writes_training_and_decoding_results(tmp_path):
     main(["bench", "rsa", "--out", str(tmp_path), "--lengths", "64", "--contexts", "16,48", "--hidden-size", "32",
-          "--heads", "2", "--kv-heads", "1", "--repeats", "1", "--decode-tokens", "2"])
+          "--heads", "2", "--kv-heads", "1", "--repeats", "1", "--decode-tokens", "2", "--decode-batch", "2"])
     report = json.loads((tmp_path / "bench_rsa.json").read_text())
+    assert report["shape"]["decode_batch"] == 2
     assert (tmp_path / "bench_rsa.png").stat().st_size > 10_000
     assert {r["mixer"] for r in report["training"]} == {"sdpa_attention", "rsa_chunked", "rsa_recompute"}
     rsa_bytes = [r["cache_bytes"] for r in report["decoding"] if r["model"] == "rsa"]
     attention_bytes = [r["cache_bytes"] for r in report["decoding"] if r["model"] == "attention"]
     assert rsa_bytes[0] == rsa_bytes[1] and attention_bytes[1] > attention_bytes[0]  # constant vs growing cache
+    # K and V of 2 layers x 2 rows x 16 tokens x 1 KV head x head_dim 16 in fp32
+    assert attention_bytes[0] == 2 * 2 * 2 * 16 * 16 * 4
     assert {r["model"] for r in report["decoding"]} == {"rsa", "rsa_compiled", "attention"}
     assert report["targets"]["cache_bytes_constant"] and report["targets"]["decode_speedup_met"] is None
 
