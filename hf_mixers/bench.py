@@ -51,6 +51,15 @@ def cpu_peak_supported() -> bool:
         return False
 
 
+def bench_device(device, benchmark: str) -> torch.device:
+    """``--device`` (default: cuda when available, else cpu); a CUDA device that is not there is refused by name."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"bench {benchmark}: --device {device} asked for, but torch sees no CUDA device "
+                         f"(torch {torch.__version__}); leave --device out to run on the CPU")
+    return device
+
+
 def build_mixer(kind: str, hidden_size: int, num_heads: int, num_kv_heads: int, device, dtype):
     """A standalone mixer module: sdpa_attention | sessa_chunked | sessa_dense | rsa_chunked | rsa_recompute."""
     from .config import RSAConfig
@@ -152,7 +161,7 @@ def bench_sessa(out_dir, lengths=(512, 1024, 2048, 4096), hidden_size=576, num_h
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(f"bench sessa: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
                          f"--kv-heads ({num_kv_heads}) must divide --heads")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = bench_device(device, "sessa")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     measure_cpu_peak = device.type == "cpu" and cpu_peak_supported()
     memory_method = ("torch.cuda.max_memory_allocated" if device.type == "cuda" else

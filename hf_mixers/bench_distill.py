@@ -24,6 +24,7 @@ def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa"
                   dtype: str = "float32") -> dict:
     from peft import LoraConfig, get_peft_model
 
+    from .bench import bench_device
     from .conversion import convert, load_teacher
     from .corpus import shakespeare, token_blocks
     from .recipes.config import DistillSection
@@ -31,7 +32,7 @@ def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa"
 
     if min(sequence_length, batch_size, repeats) < 1:
         raise ValueError("bench distill: --sequence-length, --batch-size and --repeats must be >= 1")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = bench_device(device, "distill")
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     teacher = load_teacher(source)
     for parameter in teacher.model.parameters():

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .bench import build_mixer, format_log_axes, save_figure, time_calls, write_report
+from .bench import bench_device, build_mixer, format_log_axes, save_figure, time_calls, write_report
 from .kernels.dispatch import triton_unavailable
 from .kernels.feedback_solve import feedback_solve
 from .kernels.rsa_memory import initial_state, rsa_memory
@@ -105,7 +105,7 @@ def _cuda_peak(step) -> int:
 
 def bench_kernels(out_dir, lengths=None, shapes=("smollm2-135m", "llama3-8b"), repeats=3, dtype="bfloat16",
                   chunk_size=64, device=None) -> dict:
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = bench_device(device, "kernels")
     unknown = [name for name in shapes if name not in SHAPES]
     if unknown:
         raise ValueError(f"bench kernels: unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")

@@ -18,8 +18,8 @@ import gc
 import torch
 from tqdm.auto import tqdm
 
-from .bench import (build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, rotary_embeddings, save_figure,
-                    time_interleaved, format_log_axes, write_report)
+from .bench import (bench_device, build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, rotary_embeddings,
+                    save_figure, time_interleaved, format_log_axes, write_report)
 from .evaluation import decode_latency
 from .config import MixerConfig, RSAConfig
 from .modeling import MixerForCausalLM, RSAForCausalLM
@@ -39,7 +39,7 @@ def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 40
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(f"bench rsa: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
                          f"--kv-heads ({num_kv_heads}) must divide --heads")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = bench_device(device, "rsa")
     measure_cpu_peak = device.type == "cpu" and cpu_peak_supported()
     torch.manual_seed(0)
 

@@ -162,29 +162,41 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         run_demo(args.out, overwrite=args.overwrite, max_steps=args.max_steps)
-    elif args.command == "bench" and args.target == "sessa":
-        from .bench import bench_sessa
+    else:
+        return _bench(args)
+    return 0
 
-        bench_sessa(args.out, lengths=args.lengths or [512, 1024, 2048, 4096], hidden_size=args.hidden_size,
-                    num_heads=args.heads, num_kv_heads=args.kv_heads, batch_size=args.batch_size,
-                    repeats=args.repeats, dtype=args.dtype, device=args.device)
-    elif args.command == "bench" and args.target == "distill":
-        from .bench_distill import bench_distill
 
-        bench_distill(args.out, source=args.source, mixer=args.mixer, sequence_length=args.sequence_length,
-                      batch_size=args.batch_size, repeats=args.repeats, device=args.device, dtype=args.dtype)
-    elif args.command == "bench" and args.target == "kernels":
-        from .bench_kernels import bench_kernels
+def _bench(args) -> int:
+    """``hf-mixers bench TARGET``: a mistaken argument (or a --device that is not there) is one line, exit 2."""
+    try:
+        if args.target == "sessa":
+            from .bench import bench_sessa
 
-        bench_kernels(args.out, lengths=args.lengths, shapes=[s for s in args.shapes.split(",") if s],
-                      repeats=args.repeats, dtype=args.dtype, chunk_size=args.chunk_size, device=args.device)
-    elif args.command == "bench":
-        from .bench_rsa import bench_rsa
+            bench_sessa(args.out, lengths=args.lengths or [512, 1024, 2048, 4096], hidden_size=args.hidden_size,
+                        num_heads=args.heads, num_kv_heads=args.kv_heads, batch_size=args.batch_size,
+                        repeats=args.repeats, dtype=args.dtype, device=args.device)
+        elif args.target == "distill":
+            from .bench_distill import bench_distill
 
-        bench_rsa(args.out, lengths=args.lengths or [512, 1024, 2048, 4096, 8192], contexts=args.contexts,
-                  hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                  decode_layers=args.decode_layers, decode_tokens=args.decode_tokens, repeats=args.repeats,
-                  device=args.device, decode_batch=args.decode_batch)
+            bench_distill(args.out, source=args.source, mixer=args.mixer, sequence_length=args.sequence_length,
+                          batch_size=args.batch_size, repeats=args.repeats, device=args.device, dtype=args.dtype)
+        elif args.target == "kernels":
+            from .bench_kernels import bench_kernels
+
+            bench_kernels(args.out, lengths=args.lengths, shapes=[s for s in args.shapes.split(",") if s],
+                          repeats=args.repeats, dtype=args.dtype, chunk_size=args.chunk_size, device=args.device)
+        else:
+            from .bench_rsa import bench_rsa
+
+            bench_rsa(args.out, lengths=args.lengths or [512, 1024, 2048, 4096, 8192], contexts=args.contexts,
+                      hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                      decode_layers=args.decode_layers, decode_tokens=args.decode_tokens, repeats=args.repeats,
+                      device=args.device, decode_batch=args.decode_batch)
+    except (ValueError, FileNotFoundError, ConnectionError) as error:
+        prefix = f"bench {args.target}: "  # the benchmarks' own messages start with it
+        print(f"hf-mixers {prefix}error: {str(error).removeprefix(prefix)}", file=sys.stderr)
+        return 2
     return 0
 
 

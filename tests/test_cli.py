@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from hf_mixers.cli import build_parser, main
 
@@ -62,9 +63,13 @@ def test_bench_sessa_writes_json_and_plot(tmp_path):
     assert report["targets"]["time_ratio_at_2048"] is None  # T = 2048 was not run
 
 
-def test_bench_rejects_inconsistent_shapes(tmp_path):
-    with pytest.raises(ValueError, match="--heads \\(5\\) must divide --hidden-size \\(32\\)"):
-        main(["bench", "sessa", "--out", str(tmp_path), "--hidden-size", "32", "--heads", "5", "--kv-heads", "1"])
+def test_bench_rejects_inconsistent_shapes_and_a_missing_gpu_in_one_line(tmp_path, capsys):
+    code = main(["bench", "sessa", "--out", str(tmp_path), "--hidden-size", "32", "--heads", "5", "--kv-heads", "1"])
+    assert code == 2
+    assert "hf-mixers bench sessa: error: --heads (5) must divide --hidden-size (32)" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "rsa", "--out", str(tmp_path), "--device", "cuda"]) == 2
+        assert "hf-mixers bench rsa: error: --device cuda asked for, but torch sees no CUDA" in capsys.readouterr().err
 
 
 @pytest.mark.slow
