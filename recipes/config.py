@@ -145,14 +145,12 @@ def _validate(recipe: Recipe, origin: str) -> None:
     sharding = f"train.strategy={train.strategy}" + (f" with train.zero_stage={train.zero_stage}"
                                                      if train.strategy == "deepspeed" else "")
     checks = [
-        (recipe.train.strategy in ("ddp", "deepspeed", "fsdp"), "train.strategy must be 'ddp', 'deepspeed' or "
-                                                                "'fsdp'"),
-        (recipe.train.zero_stage in (1, 2, 3), "train.zero_stage must be 1, 2 or 3"),
+        (train.strategy in ("ddp", "deepspeed", "fsdp"), "train.strategy must be 'ddp', 'deepspeed' or 'fsdp'"),
+        (train.zero_stage in (1, 2, 3), "train.zero_stage must be 1, 2 or 3"),
         (not (recipe.stage1.enabled and recipe.stage1.blockwise and shards_the_model(train)),
          f"stage1.blockwise trains one layer at a time in one process, but {sharding} shards the student over "
          "processes: set stage1.blockwise=false, or run stage 1 with train.strategy=ddp"),
-        (recipe.train.batch_size >= 1 and recipe.train.grad_accum >= 1, "train.batch_size and train.grad_accum "
-                                                                        "must be >= 1"),
+        (train.batch_size >= 1 and train.grad_accum >= 1, "train.batch_size and train.grad_accum must be >= 1"),
         (recipe.data.sequence_length >= 2, "data.sequence_length must be >= 2"),
         (recipe.output.checkpoint_every >= 1 and recipe.output.log_every >= 1, "output.checkpoint_every and "
                                                                                "output.log_every must be >= 1"),
