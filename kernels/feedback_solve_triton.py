@@ -14,8 +14,8 @@ For chunk rows R = c0..c0+C-1:
      folded into an online softmax (running max m, sum z, flash-attention style) while the numerator
      ``acc = sum_j exp(l_tj - m) s_j`` is rescaled along, so only (C, BLOCK_N) logits ever exist;
   2. the chunk's own strictly-earlier keys (a C x C block) join the same running max / sum, so
-     ``alpha = exp(l - m) / z`` uses the full-row normaliser over old *and* intra-chunk keys (spec §4.4);
-  3. rhs = f_R + gain_R * acc / z  (= f_R + B_{R,old} s_old, spec §5.3), then the unit-lower C x C solve
+     ``alpha = exp(l - m) / z`` uses the full-row normaliser over old *and* intra-chunk keys;
+  3. rhs = f_R + gain_R * acc / z  (= f_R + B_{R,old} s_old), then the unit-lower C x C solve
      (I - W) s_R = rhs with W = gain * alpha_RR, done exactly by doubling: W is nilpotent (W^C = 0), so
      (I - W)^-1 = (I + W)(I + W^2)(I + W^4)... with ceil(log2 C) factors, i.e. 2*ceil(log2 C) small ``tl.dot``s
      instead of C sequential row updates;
@@ -54,7 +54,8 @@ try:
 finally:
     pass
 
-from .feedback_solve import _check_shapes, compute_dtype, feedback_solve_chunked
+from .common import compute_dtype
+from .feedback_solve import _check_shapes, feedback_solve_chunked
 
 # fp32 ``tl.dot``s in true fp32: the solve feeds its own output back, and tf32 (10-bit mantissa) logits and
 # values would put it ~1e-3 away from the reference. "tf32" is faster on GPUs if that accuracy is acceptable.

@@ -1,4 +1,4 @@
-"""Triton kernels for the RSA chunk step (shared/specs/rsa.md §5.2): the read side, forward and backward.
+"""Triton kernels for the RSA chunk step (docs/mixers/rsa.md): the read side, forward and backward.
 
 Same function as ``rsa_chunked`` (``rsa_memory.py`` holds the math, this file only re-factors it). One chunk of
 C tokens, per KV head, given the chunk-start state (sums: key_sum, value_sum, mass, relation_sum; refs for the
@@ -86,7 +86,7 @@ try:
 finally:
     pass
 
-from .feedback_solve import compute_dtype
+from .common import compute_dtype
 from .rsa_memory import ChunkLayout, RSAParams, RSAState, _prior, write_chunks
 
 # fp32-accurate dots on tensor cores: plain tf32 would put the read ~1e-3 off the reference (it divides sums by

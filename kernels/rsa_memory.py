@@ -1,4 +1,4 @@
-"""RSA memory (shared/specs/rsa.md §4.3, §5.2): the exact token recurrence and its chunk-parallel form.
+"""RSA memory (docs/mixers/rsa.md): the exact token recurrence and its chunk-parallel form.
 
 Per KV head, ``L`` levels of ``m`` slots. The state is kept as mass-weighted sums and normalised only when read:
 
@@ -17,7 +17,7 @@ of the same scores (sigmoid). Reading with query q (per query head) against the 
     chain_i = atil_0 (i = 0) | (chain_{i-1} @ R_{i-1}) * atil_i (relation) | chain_{i-1} * atil_i | atil_i (none)
     a_i = chain_i @ W_r_i;   o = sum_i a_i @ SV_i / max(sum_i sum(|a_i|), eps)   [+ sum_i (q @ W_qr_i / 16) @ SV_i]
 
-The normaliser is the total *absolute* read weight (spec §12 item 13: W and W_r are unconstrained, so a can turn
+The normaliser is the total *absolute* read weight (W and W_r are unconstrained, so a can turn
 negative). With the signed sum it can pass through zero while the numerator does not, and the output explodes:
 seen in a 200-step SmolLM2 distillation (a stage-1 relative MSE of 1.5e6 at one step, stage 2 diverging). With
 |a| the output is bounded by the largest value slot; while a >= 0 (at init) the two are identical.
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .feedback_solve import compute_dtype
+from .common import compute_dtype
 
 
 @dataclass
@@ -253,7 +253,7 @@ def _decay_masks(log_decay_c, write, size, device, dtype):
 
 
 def write_chunk(k_c, v_c, valid_c, state: RSAState, params: RSAParams, log_decay_c=None):
-    """Write side of one aligned chunk (spec §5.2 steps 1-2, 7): k_c (B, G, C, d), v_c (B, G, C, dv), valid_c (B, C),
+    """Write side of one aligned chunk (steps 1-2 and 7 of a chunk): k_c (B, G, C, d), v_c (B, G, C, dv), valid_c (B, C),
     log_decay_c (B, G, C) or None.
 
     Assignments run against the references of the last boundary, level by level (each level writes the MLP residual
@@ -365,7 +365,7 @@ def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params
 
 
 def read_chunks(q_b, writes: ChunkWrites, params: RSAParams, valid_b, decay_b=None):
-    """The read side of every chunk at once (spec §5.2 steps 3-6): row t of a chunk reads its inclusive state, the
+    """The read side of every chunk at once (steps 3-6 of a chunk): row t of a chunk reads its inclusive state, the
     chunk-start sums plus the causal sums of its chunk's writes up to t. q_b (B, G, g, Tp, d) -> (B, G, g, Tp, dv).
 
     Chunks are a batch dimension here: all tensors below are (B, G, N, g | 1, C, ...), so the op count does not grow

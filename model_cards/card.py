@@ -22,16 +22,11 @@ import os
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
-from ..eval_report import blank_or
+from ..common.history import FINETUNE_SUMMARY, TRAINING_SUMMARY, blank_or
+from ..core.registry import TEACHER_ATTENTION, get_mixer, list_mixers
+from ..model.config import saved_layer_types
 
 TEMPLATE = os.path.join(os.path.dirname(__file__), "template.md")
-ATTENTION_KINDS = ("full_attention", "sliding_attention")
-MIXERS = {  # layer_types value -> (name, one line)
-    "sessa": ("Sessa", "selective state-space attention: attention whose outputs feed back through a triangular "
-                       "solve over the past, so information travels beyond one attention hop"),
-    "rsa": ("RSA", "recursive sparse attention: a fixed-size deep-shallow memory of slots read sparsely, so the "
-                   "decoding state does not grow with the context"),
-}
 # Licence identifiers the Hub knows; any other teacher licence is written as license: other + license_name.
 HUB_LICENSES = {"apache-2.0", "mit", "bsd-3-clause", "bsd-2-clause", "gpl-3.0", "lgpl-3.0", "agpl-3.0", "cc-by-4.0",
                 "cc-by-sa-4.0", "cc-by-nc-4.0", "cc-by-nc-sa-4.0", "openrail", "openrail++", "bigscience-openrail-m",
@@ -60,7 +55,7 @@ def _read_json(folder: str, name: str) -> dict | None:
 def hub_id_of(source: str | None) -> str | None:
     """The hub id behind a teacher or data source, when it has one (an alias maps to the model it embeds; a local
     path or a description has none)."""
-    from ..corpus import HUB_ID
+    from ..common.corpus import HUB_ID
 
     if source is None:
         return None
@@ -73,11 +68,11 @@ def card_metadata(config: dict, conversion: dict | None, training: dict | None, 
                   license: str | None) -> ModelCardData:
     licence = (license or (conversion or {}).get("teacher_license") or "unknown").strip().lower()
     extra = {} if licence in HUB_LICENSES else {"license_name": licence.replace(" ", "-")}
-    mixers = sorted({kind for kind in config.get("layer_types", []) if kind not in ATTENTION_KINDS})
+    mixers = sorted({kind for kind in saved_layer_types(config) if kind not in TEACHER_ATTENTION})
     tags = ["hf-mixers", *mixers, "converted-attention", "text-generation"]
     if training:
         tags.append("distillation")
-    if any(kind in ATTENTION_KINDS for kind in config.get("layer_types", [])) and mixers:
+    if any(kind in TEACHER_ATTENTION for kind in saved_layer_types(config)) and mixers:
         tags.append("hybrid")
     data = (training or {}).get("data")
     datasets = [data] if data and hub_id_of(data) == data else None  # a hub dataset id, not a local file or Shakespeare
@@ -162,12 +157,9 @@ def limitations(mixers: list[str], kept: list[int], training: dict | None, evalu
         if failed:
             lines.append("Retrieves a passkey less reliably than the teacher at "
                          + ", ".join(f"{row['prompt_tokens']:.0f}" for row in failed) + " tokens of context.")
-    if "rsa" in mixers:
-        lines.append("RSA layers keep a fixed number of memory slots: exact recall of long-past tokens is lossy "
-                     "by design, in exchange for a decoding state that does not grow with the context.")
-    if "sessa" in mixers:
-        lines.append("Sessa layers solve a triangular system over the whole past: training and prefill cost grows "
-                     "with the square of the sequence length, and decoding keeps a cache that grows with it.")
+    for spec in list_mixers():
+        if spec.name in mixers:
+            lines.extend(spec.limitations)
     if len(kept) == 1:
         lines.append(f"Layer {kept[0]} is still full attention, with its KV cache.")
     elif kept:
@@ -181,8 +173,6 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
                 license: str | None = None) -> ModelCard:
     """The card of ``folder`` (not written)."""
     from .. import __version__
-    from ..recipes.sft import FINETUNE_SUMMARY
-    from ..recipes.stages import TRAINING_SUMMARY
 
     folder = os.path.abspath(folder)
     config = _read_json(folder, "config.json")
@@ -194,11 +184,14 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
     evaluation = _read_json(folder, "eval_report.json")
     teacher = (conversion or {}).get("source") or (training or {}).get("teacher")
     base_model = base_model or hub_id_of(teacher)
-    layer_types = config.get("layer_types", [])
-    kept = [i for i, kind in enumerate(layer_types) if kind in ATTENTION_KINDS]
-    mixers = sorted({kind for kind in layer_types if kind not in ATTENTION_KINDS})
+    layer_types = saved_layer_types(config)
+    kept = [i for i, kind in enumerate(layer_types) if kind in TEACHER_ATTENTION]
+    mixers = sorted({kind for kind in layer_types if kind not in TEACHER_ATTENTION})
     mixer = mixers[0] if len(mixers) == 1 else "+".join(mixers) or config.get("model_type", "?")
-    title, summary = MIXERS.get(mixer, (mixer, "a hf-mixers sequence mixer"))
+    try:
+        title, summary = get_mixer(mixer).title, get_mixer(mixer).summary
+    except KeyError:  # a hybrid of several mixers, or one not registered in this process
+        title, summary = mixer, "a hf-mixers sequence mixer"
     name = repo_id.split("/")[-1] if repo_id else os.path.basename(folder)
     if conversion:
         parameters = (f"{conversion['student_parameters']:,} ({conversion['parameters_added']:+,} over the teacher's "

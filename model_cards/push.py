@@ -136,7 +136,7 @@ def _check_remote_code(root: Path, config: dict) -> None:
     """Load the folder as a Hub user without hf_mixers would (trust_remote_code, hf_mixers imports blocked)."""
     import torch
 
-    from ..remote_check import load_in_fresh_process
+    from ..common.remote_check import load_in_fresh_process
 
     vocab_size = int(config.get("vocab_size") or 8)
     input_ids = (torch.arange(1, 5) % vocab_size).unsqueeze(0)

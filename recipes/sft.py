@@ -18,7 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..corpus import shakespeare
+from ..common.corpus import shakespeare
+from ..common.history import FINETUNE_SUMMARY
 from .config import Recipe
 from .strategies import check_launch
 from .trainer import Processes, run_stage
@@ -96,7 +97,6 @@ def heldout_loss(model, encoded, batch_size: int = 4) -> float:
     return sum(losses) / len(losses)
 
 
-FINETUNE_SUMMARY = "finetune_summary.json"
 
 
 def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None) -> dict:

@@ -23,13 +23,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..attention import TEACHER_MODULES
-from ..bench import save_figure
-from ..config import ATTENTION_TYPES
-from ..corpus import split_texts
+from ..core.attention import TEACHER_MODULES
+from ..common.history import HISTORY_FILES, TRAINING_SUMMARY, save_figure
+from ..core.registry import TEACHER_ATTENTION
+from ..common.corpus import split_texts
 from ..conversion import convert, load_teacher
-from ..evaluation import compare_to_teacher
-from ..export import save_atomically
+from ..common.measures import compare_to_teacher
+from ..model.export import save_atomically
 from .config import Recipe
 from .data import pack
 from .strategies import Sharding, check_launch
@@ -38,7 +38,7 @@ from .trainer import Processes, run_stage
 
 
 def converted_layers(model) -> list[int]:
-    return [i for i, kind in enumerate(model.config.layer_types) if kind not in ATTENTION_TYPES]
+    return [i for i, kind in enumerate(model.config.layer_types) if kind not in TEACHER_ATTENTION]
 
 
 def new_mixer_parameters(model, train_qkv: bool = False) -> dict:
@@ -265,8 +265,6 @@ def save_model(model, model_dir: str, tokenizer, extra=None) -> None:
     save_atomically(model, model_dir, tokenizer=tokenizer, overwrite=True, extra=extra)
 
 
-TRAINING_SUMMARY = "training_summary.json"
-HISTORY_FILES = ("conversion_report.json", "conversion_report.md", TRAINING_SUMMARY, "loss_curve.png")
 
 
 def read_conversion_report(folder: str):

@@ -57,7 +57,7 @@ def cache_bytes_in_two_calls(model, ids, split):
     """Feed ids[:, :split], then the rest, through one cache: (cache, bytes after the first call, after both)."""
     from transformers import DynamicCache
 
-    from hf_mixers.cache import cache_nbytes
+    from hf_mixers.core.cache import cache_nbytes
 
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -75,7 +75,7 @@ def tiny_tokenizer(vocab_size=384):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from hf_mixers.corpus import shakespeare
+    from hf_mixers.common.corpus import shakespeare
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

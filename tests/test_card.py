@@ -8,8 +8,8 @@ import pytest
 from huggingface_hub import ModelCard
 
 from conftest import save_tiny_teacher
-from hf_mixers.cli import main as cli_main
-from hf_mixers.eval_report import run_eval
+from hf_mixers.apps.cli import main as cli_main
+from hf_mixers.apps.eval_report import run_eval
 from hf_mixers.model_cards.card import CardError, build_card, check_card
 from hf_mixers.recipes import distill, load_recipe
 

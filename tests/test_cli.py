@@ -6,13 +6,13 @@ import os
 import pytest
 import torch
 
-from hf_mixers.cli import build_parser, main
+from hf_mixers.apps.cli import build_parser, main
 
 
 def test_demo_path_on_a_tiny_teacher(tmp_path, capsys):
     """The demo's whole path (load, convert both mixers, stage 1 + 2, evaluate, sample, summary) in seconds."""
     from conftest import save_tiny_teacher
-    from hf_mixers.demo import run_demo
+    from hf_mixers.apps.demo import run_demo
 
     teacher = str(tmp_path / "teacher")
     save_tiny_teacher(teacher)
@@ -122,7 +122,7 @@ def test_bench_kernels_on_cpu_compares_the_pytorch_paths_only(tmp_path, monkeypa
     assert all(r["torch_fwd_bwd_vs_sdpa"] > 0 and r["rsa_torch_fwd_bwd_vs_sdpa"] > 0 and r["triton_speedup_fwd"] is None
                and r["rsa_triton_speedup_fwd_bwd"] is None for r in report["ratios"])
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from hf_mixers.bench_kernels import bench_kernels
+    from hf_mixers.apps.bench.kernels import bench_kernels
 
     report = bench_kernels(str(tmp_path), lengths=[32], shapes=["smollm2-135m"], repeats=1)
     assert report["triton"] == "TRITON_INTERPRET=1: the interpreter is no benchmark"

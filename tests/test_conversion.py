@@ -9,10 +9,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from conftest import TEACHER_FAMILIES, tiny_teacher, tiny_tokenizer
-from hf_mixers.cli import main as cli_main
+from hf_mixers.apps.cli import main as cli_main
 from hf_mixers.conversion import (ConversionReport, TeacherLoadError, UnsupportedArchitecture, convert,
                                   load_teacher)
-from hf_mixers.remote_check import load_in_fresh_process
+from hf_mixers.common.remote_check import load_in_fresh_process
 
 SMALL = dict(sequence_length=48, calibration_sequences=4, heldout_sequences=2, progress=False)
 RSA_SMALL = {"rsa_num_slots": 8, "rsa_num_levels": 2}
@@ -104,6 +104,7 @@ def test_output_folder_loads_without_hf_mixers_and_generates(teachers, tmp_path)
     ids = torch.randint(1, 300, (1, 12))
     remote = load_in_fresh_process(out, ids, max_new_tokens=6)
     assert not remote["hf_mixers_imported"] and remote["class"] == "RSAForCausalLM"
+    assert remote["tokenizer"] is not None  # AutoTokenizer without trust_remote_code accepts the saved config
     with torch.no_grad():
         torch.testing.assert_close(remote["logits"], model(ids).logits, rtol=0, atol=1e-5)
     assert remote["tokens"].shape == (1, 18)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_mixers.conversion import convert, load_teacher
-from hf_mixers.remote_check import load_in_fresh_process
+from hf_mixers.common.remote_check import load_in_fresh_process
 
 SMALL = dict(sequence_length=256, calibration_sequences=2, heldout_sequences=2, progress=False)
 

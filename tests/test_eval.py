@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import save_tiny_teacher
-from hf_mixers.cli import main as cli_main
+from hf_mixers.apps.cli import main as cli_main
 from hf_mixers.conversion import convert
-from hf_mixers.eval_report import EvalReport, run_eval
-from hf_mixers.evaluation import compare_to_teacher, passkey_accuracy, passkey_prompt
+from hf_mixers.apps.eval_report import EvalReport, run_eval
+from hf_mixers.common.measures import compare_to_teacher, passkey_accuracy, passkey_prompt
 
 SMALL = dict(sequence_length=48, heldout_sequences=2, passkey_lengths=(160, 320), passkey_trials=2,
              prompts=("Write a line.",), max_new_tokens=6, decode_contexts=(64, 256), decode_tokens=3,

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import cache_bytes_in_two_calls, step_through, tiny_sessa_model
-from hf_mixers.cache import SessaCacheLayer
+from hf_mixers.mixers.sessa import SessaCacheLayer
 
 F64 = torch.float64
 

@@ -12,7 +12,7 @@ from huggingface_hub.utils import _detect_agent
 
 from conftest import tiny_sessa_model
 from fake_hub import FakeHub
-from hf_mixers.cli import main as cli_main
+from hf_mixers.apps.cli import main as cli_main
 from hf_mixers.model_cards.push import PushError, check_folder, format_files, push_folder
 
 TOKEN = "hf_fake_write_token"

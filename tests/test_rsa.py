@@ -8,9 +8,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY, cache_bytes_in_two_calls, step_through, tiny_config
 from hf_mixers import RSAConfig, RSAForCausalLM
-from hf_mixers.cache import RSACacheLayer
-from hf_mixers.attention import attention_output_error
-from hf_mixers.rsa import RSAMixer
+from hf_mixers.mixers.rsa import RSACacheLayer
+from hf_mixers.core.attention import attention_output_error
+from hf_mixers.mixers.rsa import RSAMixer
 
 F64 = torch.float64
 RSA_SMALL = dict(rsa_num_levels=3, rsa_num_slots=8, rsa_chunk_size=4)
@@ -97,7 +97,7 @@ def test_query_heads_of_one_kv_head_share_its_memory():
     config = tiny_config(RSAConfig, num_hidden_layers=1, **RSA_SMALL)
     config._attn_implementation = "sdpa"
     mixer = RSAMixer(config, 0).double()
-    mixer.reset_rsa_parameters()
+    mixer.reset_parameters()
     x = torch.randn(1, 9, 64, dtype=F64)
     cos = torch.ones(1, 9, 16, dtype=F64)
     rope = (cos, torch.zeros_like(cos))
@@ -110,7 +110,7 @@ def test_query_heads_of_one_kv_head_share_its_memory():
 
 
 def test_zero_state_init_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="hf_mixers.rsa"):
+    with caplog.at_level(logging.WARNING, logger="hf_mixers.mixers.rsa"):
         tiny_rsa_model(rsa_state_init="zeros")
     assert "can never separate" in caplog.text
 
@@ -130,7 +130,7 @@ def test_from_attention_starts_closer_to_the_teacher_than_random_init():
         assert torch.equal(getattr(converted, name).weight, getattr(attention, name).weight)
     scratch = RSAMixer(tiny_config(RSAConfig, rsa_num_levels=2, rsa_num_slots=16, rsa_chunk_size=16), 0).eval()
     scratch.config._attn_implementation = "sdpa"
-    scratch.reset_rsa_parameters()
+    scratch.reset_parameters()
     scratch.load_state_dict(attention.state_dict(), strict=False)
     held_out = (hidden[2:], rope)
     converted_error = attention_output_error(converted, attention, *held_out)

@@ -10,9 +10,9 @@ import os
 import torch
 
 from hf_mixers import RSAConfig
-from hf_mixers.corpus import shakespeare
-from hf_mixers.attention import attention_output_error
-from hf_mixers.rsa import RSAMixer
+from hf_mixers.common.corpus import shakespeare
+from hf_mixers.core.attention import attention_output_error
+from hf_mixers.mixers.rsa import RSAMixer
 
 LAYERS = (0, 7, 15, 22, 29)
 LENGTH = 512

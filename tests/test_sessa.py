@@ -7,9 +7,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from conftest import TINY, tiny_config, tiny_sessa_model
 from hf_mixers import MixerForCausalLM, SessaForCausalLM
-from hf_mixers.attention import FullAttention
+from hf_mixers.core.attention import FullAttention
 from hf_mixers.kernels.feedback_solve import feedback_solve_dense
-from hf_mixers.sessa import SessaMixer, from_official_layer
+from hf_mixers.conversion.official_sessa import from_official_layer
+from hf_mixers.mixers.sessa import SessaMixer
 
 
 def load_teacher_weights(student, teacher):

@@ -37,7 +37,7 @@ def teacher_dir(tmp_path_factory):
 def torchrun_distill(teacher_dir, out, *settings) -> str:
     """`hf-mixers distill` on 2 CPU processes; returns its stdout (rank 0 reports what it sharded there)."""
     command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "-m",
-               "hf_mixers.cli", "distill"]
+               "hf_mixers.apps.cli", "distill"]
     for item in small(teacher_dir, out, *STEPS, *settings):
         command += ["--set", item]
     result = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",

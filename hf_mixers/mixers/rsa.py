@@ -1,4 +1,4 @@
-"""RSA: recursive sparse attention over a deep-shallow slot memory (shared/specs/rsa.md).
+"""RSA: recursive sparse attention over a deep-shallow slot memory (docs/mixers/rsa.md).
 
 The teacher's q/k/v/o projections and RoPE are kept (``FullAttention.project``); softmax attention over all past
 keys is replaced by a constant-size memory per KV head: L levels of m slots, written by online soft k-means (each
@@ -6,7 +6,7 @@ slot is the assignment-weighted mean of the keys/values routed to it), deeper le
 residuals, read by a sparse thresholded score chained down the levels. The math lives in
 ``kernels/rsa_memory.py`` (token recurrence = decode path, chunk form = training path, equal in fp64).
 
-Conversion (``from_attention``) follows spec §11: copied projections, identity residual MLPs, prototypes from
+Conversion (``from_attention``): copied projections, identity residual MLPs, prototypes from
 k-means of the caller's calibration keys (level 0 on rotated keys, deeper levels on residuals), W = I, W_r = I at
 level 0 and 0 below, theta = 0, RSA-q off: the converted layer starts as level-0 cluster attention.
 """
@@ -21,10 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from .attention import FullAttention
-from .kernels.feedback_solve import compute_dtype
-from .kernels.dispatch import use_triton
-from .kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, rsa_memory, triton_unsupported
+from ..core.attention import FullAttention
+from ..core.cache import RecurrentStateLayer
+from ..core.registry import MixerOption, MixerSpec, boolean, one_of, positive_int, register_mixer
+from ..kernels.common import compute_dtype
+from ..kernels.dispatch import use_triton
+from ..kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, rsa_memory, triton_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +75,8 @@ class RSAMixer(FullAttention):
             logger.warning("RSA layer %d: rsa_state_init='zeros' (paper-literal) makes every slot receive the same "
                            "assignment forever, so the slots can never separate; use 'prototypes'.", layer_idx)
 
-    def reset_rsa_parameters(self):
-        """Scratch initialisation (spec §4.1), called from the model's _init_weights.
+    def reset_parameters(self):
+        """Scratch initialisation, called from the model's _init_weights.
 
         transformers.initialization functions skip tensors loaded from a checkpoint, so from_pretrained never
         overwrites trained RSA parameters.
@@ -166,8 +168,7 @@ class RSAMixer(FullAttention):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
                 past_key_values=None, **kwargs):
         layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
-        state = None if layer_cache is None else layer_cache.state
-        history = None if layer_cache is None else layer_cache.conv_history
+        state, history = (None, None) if layer_cache is None else (layer_cache.state, layer_cache.conv_history)
         output, state, history = self.mix(hidden_states, position_embeddings, token_mask, state, history)
         if layer_cache is not None:
             layer_cache.update_state(state, hidden_states.shape[1], history)
@@ -179,9 +180,9 @@ class RSAMixer(FullAttention):
                 and past_key_values.layers[self.layer_idx].state is not None)
 
     def init_new_parameters(self):
-        """Conversion init (spec §11.2): the scratch init, then W_r = I at level 0 and 0 below (deeper levels silent),
+        """Conversion init: the scratch init, then W_r = I at level 0 and 0 below (deeper levels silent),
         theta = 0 (sparse read off, learnable) and RSA-q off, so the layer starts as level-0 cluster attention."""
-        self.reset_rsa_parameters()
+        self.reset_parameters()
         with torch.no_grad():
             self.mix_proj[:, 1:].zero_()
             self.threshold.zero_()
@@ -222,50 +223,6 @@ class RSAMixer(FullAttention):
                 keys = self.key_mlps[level](keys - weights @ centres)
 
 
-def block_step(block, hidden_states, position_embeddings, token_mask, state, conv_history):
-    """A decoder block around its RSA mixer, without cache objects: -> output, new memory state, new conv history.
-
-    ``block.around(x, mix)`` runs the block's own layers (norms, MLP or gate) around ``mix``, the mixer."""
-    new = {}
-
-    def mix(x):
-        out, new["state"], new["history"] = block.mixer.mix(x, position_embeddings, token_mask, state, conv_history)
-        return out
-
-    return block.around(hidden_states, mix), new["state"], new["history"]
-
-
-_compiled_block_steps = {}  # device type -> the compiled block_step
-
-
-def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_key_values):
-    """One token through ``block_step`` compiled with torch.compile (fullgraph, static shapes; built on first use).
-
-    Eager, a decode step of the memory is ~100 small ops and dispatch-bound; compiled with the whole block around it
-    (projections, o_proj, norms, MLP), it is one graph of a few fused kernels. The block is an argument, so its
-    parameters are graph inputs and every RSA block of every model shares the graph. Static shapes: the mask is cut
-    to this token and every input made contiguous, so neither the context length nor a strided state recompiles it.
-    On CPU the graph's launcher is C++ (``cpp_wrapper``): the default Python launcher of ~50 kernels cost ~0.13 ms
-    per block call, a tenth of the step. The first call compiles for 10-30 s on a CPU, hence opt-in
-    (``rsa_compile_decode``).
-    """
-    device = hidden_states.device.type
-    step = _compiled_block_steps.get(device)
-    if step is None:
-        logger.warning("RSA decoding: compiling the decoder block's token step with torch.compile "
-                       "(rsa_compile_decode=True); the first decode step takes 10-30 s")
-        options = {"cpp_wrapper": True} if device == "cpu" else None
-        step = _compiled_block_steps[device] = torch.compile(block_step, dynamic=False, fullgraph=True,
-                                                             options=options)
-    layer_cache = past_key_values.layers[block.mixer.layer_idx]
-    output, state, history = step(
-        block, hidden_states.contiguous(), position_embeddings,
-        None if token_mask is None else token_mask[:, -1:].contiguous(),
-        layer_cache.state.map(torch.Tensor.contiguous), layer_cache.conv_history)
-    layer_cache.update_state(state, 1, history)
-    return output
-
-
 def kmeans(points: torch.Tensor, clusters: int, iterations: int, generator: torch.Generator) -> torch.Tensor:
     """Lloyd's k-means with k-means++ seeding on (N, d) points; returns (clusters, d) centres."""
     count = points.shape[0]
@@ -288,3 +245,74 @@ def kmeans(points: torch.Tensor, clusters: int, iterations: int, generator: torc
         sizes = torch.bincount(assignment, minlength=clusters).to(points.dtype)[:, None]
         centres = torch.where(sizes > 0, sums / sizes.clamp_min(1), centres)  # empty clusters keep their centre
     return centres
+
+
+class RSACacheLayer(RecurrentStateLayer):
+    """RSA's constant-size memory (kernels.rsa_memory.RSAState), the short-conv history and the token count."""
+
+    _layer_type = "rsa"
+
+
+def _derived_defaults(config) -> dict:
+    return {"rsa_threshold_init": 0.5 if config.rsa_readout == "sigmoid" else 0.0, "rsa_mlp_hidden": config.head_dim}
+
+
+def _validate(config) -> str | None:
+    if not 0.0 <= config.rsa_threshold_init <= config.rsa_threshold_max < 1.0:
+        return (f"rsa_threshold_init ({config.rsa_threshold_init}) must lie in [0, rsa_threshold_max] and "
+                f"rsa_threshold_max ({config.rsa_threshold_max}) below 1")
+    return None
+
+
+def _short_conv(value) -> str | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and (value == 0 or value >= 2)
+    return None if ok else "must be 0 (off) or a kernel size >= 2"
+
+
+def _number(value) -> str | None:
+    return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "must be a number"
+
+
+RSA = register_mixer(MixerSpec(
+    name="rsa", mixer_class=RSAMixer, title="RSA",
+    summary="recursive sparse attention: a fixed-size deep-shallow memory of slots read sparsely, so the decoding "
+            "state does not grow with the context",
+    paper="RSA: Recursive Sparse Attention with Hierarchical Deep-Shallow Memory and Sparse Activation "
+          "(anonymous ICML submission, no arXiv id)",
+    options=(
+        MixerOption("rsa_num_levels", 4, "memory levels L (paper: 4)", positive_int),
+        MixerOption("rsa_num_slots", 64, "slots m per level and KV head (paper: 64)", positive_int),
+        MixerOption("rsa_assign_fn", "softmax", "slot assignment: 'softmax' over slots or 'sigmoid'",
+                    one_of("softmax", "sigmoid")),
+        MixerOption("rsa_readout", "sigmoid", "'sigmoid' (the paper's sigma(q.S)W) or 'softmax_count' (count-aware "
+                    "softmax: level-0 cluster attention, the conversion choice)", one_of("sigmoid", "softmax_count")),
+        MixerOption("rsa_routing", "relation", "how scores chain down the levels: 'relation' (through the relation "
+                    "matrices), 'elementwise' (the paper's literal product) or 'none'",
+                    one_of("relation", "elementwise", "none")),
+        MixerOption("rsa_threshold_init", None, "initial theta = 1/z of the sparse read (None: 0.5 for the sigmoid "
+                    "readout, 0.0 for softmax_count); learned, clamped to [0, rsa_threshold_max]", _number),
+        MixerOption("rsa_threshold_max", 0.99, "upper clamp of theta", _number),
+        MixerOption("rsa_chunk_size", 64, "chunk size C; assignment references refresh every C real tokens",
+                    positive_int),
+        MixerOption("rsa_state_init", "prototypes", "'prototypes' (learned initial key slots with a pseudo-count) or "
+                    "'zeros' (paper-literal; slots can never separate)", one_of("prototypes", "zeros")),
+        MixerOption("rsa_query_read", False, "the RSA-q branch, sum_i (q W_qr_i / 16) @ SV_i", boolean),
+        MixerOption("rsa_mlp_hidden", None, "hidden width of the residual inter-level MLPs (None: head_dim)",
+                    positive_int),
+        MixerOption("rsa_eps", 1e-6, "floor of the slot masses", _number),
+        MixerOption("rsa_short_conv", 0, "kernel size K of a causal depthwise convolution before the q/k/v "
+                    "projections (0: off; identity at init)", _short_conv),
+        MixerOption("rsa_decay", False, "data-dependent decay of the memory, exp(logsigmoid(x W + b) / 16) per KV "
+                    "head before each write (b starts at 4, a half-life of ~600 tokens)", boolean),
+        MixerOption("rsa_recompute_chunks", False, "recompute each chunk's intermediates in the backward pass (about "
+                    "10x less activation memory, 2-2.7x the time at T = 8192 on CPU)", boolean),
+        MixerOption("rsa_compile_decode", False, "run each one-token decode step of an RSA block as one "
+                    "torch.compile graph (about 2x faster per token on CPU; the first step compiles for 10-30 s)",
+                    boolean),
+    ),
+    derived_defaults=_derived_defaults, validate=_validate, cache_layer=RSACacheLayer, constant_state=True,
+    conversion_options={"rsa_readout": "softmax_count"},  # count-aware softmax: the layer starts as cluster attention
+    limitations=("RSA layers keep a fixed number of memory slots: exact recall of long-past tokens is lossy by "
+                 "design, in exchange for a decoding state that does not grow with the context.",),
+    tiny_options={"rsa_num_levels": 2, "rsa_num_slots": 4, "rsa_chunk_size": 4, "rsa_short_conv": 3,
+                  "rsa_decay": True, "rsa_query_read": True}))

@@ -1,13 +1,14 @@
-"""The "full_attention" mixer: exactly the causal self-attention of Llama, Mistral, Qwen2 and Qwen3.
+"""The teacher's attention: exactly the causal self-attention of Llama, Mistral, Qwen2 and Qwen3.
+
+It is a mixer itself ("full_attention", "sliding_attention": mixers/full_attention.py) and the shared base of the
+mixers that keep the teacher's projections (Sessa attends with it, RSA projects with it).
 
 Same parameter names (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm) and the same op order as transformers'
 modeling files, so a teacher layer's weights load verbatim and the outputs agree bit for bit. The attention
 kernel comes from transformers' ``ALL_ATTENTION_FUNCTIONS`` (sdpa, eager, flash_attention_2, ...), chosen by
 ``config._attn_implementation``.
 
-Every mixer shares this forward signature:
-    forward(hidden_states (B, T, D), position_embeddings (cos, sin), attention_mask (backend mask or None),
-            token_mask (B, P+T) bool or None, past_key_values Cache or None) -> (B, T, D)
+The forward signature is every mixer's (core/mixer.py).
 """
 
 from __future__ import annotations
@@ -17,17 +18,16 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, eager_attention_forward
 
+from .mixer import SequenceMixer
+
 TEACHER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")  # what from_attention copies
 
 
-class FullAttention(nn.Module):
+class FullAttention(SequenceMixer):
+    teacher_modules = TEACHER_MODULES
+
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        if not 0 <= layer_idx < config.num_hidden_layers:
-            raise ValueError(f"layer_idx {layer_idx} is out of range for a config with num_hidden_layers = "
-                             f"{config.num_hidden_layers}")
-        self.config = config
-        self.layer_idx = layer_idx
+        super().__init__(config, layer_idx)
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
@@ -46,35 +46,9 @@ class FullAttention(nn.Module):
         if config.qk_norm:  # Qwen3: RMSNorm over each head's channels, before RoPE
             self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.use_rope = config.block == "llama" or config.sessa_forward_rope
+        self.use_rope = True  # a mixer may turn RoPE off on its attention branch (Sessa's NoPE option)
         # Mistral / Qwen sliding-window layers kept as attention: the window goes to the kernel (flash) and the mask
         self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
-
-    @classmethod
-    def from_attention(cls, attention: nn.Module, config, layer_idx: int, **calibration):
-        """This mixer for layer ``layer_idx``, with a teacher attention layer's q/k/v/o (and q/k norm) copied in.
-
-        The teacher is a Llama/Mistral/Qwen2/Qwen3 attention module (same parameter names). The mixer's own new
-        parameters get their conversion init (``init_new_parameters``); subclasses that fit on calibration
-        activations take them as keyword arguments, the others ignore them.
-        """
-        reference = next(attention.parameters(), None)
-        if reference is None:
-            raise ValueError(f"layer {layer_idx}: the teacher attention has no parameters")
-        mixer = cls(config, layer_idx).to(device=reference.device)
-        mixer.init_new_parameters()
-        state = attention.state_dict()
-        missing, unexpected = mixer.load_state_dict(state, strict=False)
-        if unexpected:
-            raise ValueError(f"layer {layer_idx}: the teacher attention has parameters {cls.__name__} does not: "
-                             f"{sorted(unexpected)}")
-        uncopied = [name for name in missing if name.split(".")[0] in TEACHER_MODULES]
-        if uncopied:
-            raise ValueError(f"layer {layer_idx}: the teacher attention lacks {uncopied} (it has {sorted(state)})")
-        return mixer.to(dtype=reference.dtype)
-
-    def init_new_parameters(self):
-        """Initialise the parameters a converted layer adds to its teacher attention (none for attention)."""
 
     def project(self, hidden_states, position_embeddings):
         """Queries (B, H, T, hd) and keys, values (B, Hkv, T, hd), after q/k norm and RoPE."""
@@ -102,10 +76,6 @@ class FullAttention(nn.Module):
             self, query, key, value, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)
         return output.reshape(*input_shape, -1).contiguous()
-
-    def compiles_decode(self, hidden_states, past_key_values) -> bool:
-        """Whether the block runs this step as one compiled graph (RSA's ``rsa_compile_decode``; never attention)."""
-        return False
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
                 past_key_values=None, **kwargs):

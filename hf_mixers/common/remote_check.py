@@ -26,10 +26,14 @@ class BlockHfMixers(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, BlockHfMixers())
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model_dir, input_path, output_path, resave_dir = sys.argv[1:5]
 inputs = torch.load(input_path)
+# what pipelines, evaluation harnesses and most scripts call first, without trust_remote_code
+tokenizer = None
+if os.path.exists(os.path.join(model_dir, "tokenizer_config.json")):
+    tokenizer = type(AutoTokenizer.from_pretrained(model_dir)).__name__
 model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True).eval()
 with torch.no_grad():
     logits = model(inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
@@ -38,6 +42,7 @@ tokens = model.generate(inputs["input_ids"], attention_mask=inputs["attention_ma
 if resave_dir:
     model.save_pretrained(resave_dir)
 torch.save({"logits": logits, "tokens": tokens, "class": type(model).__name__, "module": type(model).__module__,
+            "tokenizer": tokenizer,
             "hf_mixers_imported": any(m == "hf_mixers" or m.startswith("hf_mixers.") for m in sys.modules)},
            output_path)
 """
@@ -45,7 +50,9 @@ torch.save({"logits": logits, "tokens": tokens, "class": type(model).__name__, "
 
 def load_in_fresh_process(model_dir, input_ids, attention_mask=None, max_new_tokens=8, pad_token_id=0,
                           resave_dir=None, timeout=900) -> dict:
-    """Returns {"logits", "tokens", "class", "module", "hf_mixers_imported", "seconds"} from the child process.
+    """Returns {"logits", "tokens", "class", "module", "tokenizer", "hf_mixers_imported", "seconds"} from the child
+    process; "tokenizer" is the class ``AutoTokenizer.from_pretrained(model_dir)`` gives without trust_remote_code
+    (None when the folder has no tokenizer).
 
     Raises RuntimeError with the child's stderr if loading fails (e.g. a missing remote-code file).
     """

@@ -19,11 +19,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .evaluation import compare_to_teacher, decode_latency, generate_sample, passkey_accuracy
+from ..common.history import EVAL_REPORT, blank_or
+from ..common.measures import compare_to_teacher, decode_latency, generate_sample, passkey_accuracy
 
 DEFAULT_PROMPTS = ("Write one line of verse about the sea.", "What is the capital of France?",
                    "Explain in one sentence what a language model is.")
-REPORT_NAME = "eval_report"
+REPORT_NAME = EVAL_REPORT
 
 
 @dataclass
@@ -98,10 +99,6 @@ class EvalReport:
             return cls(**json.load(handle))
 
 
-def blank_or(value, spec: str, suffix: str = "") -> str:
-    """``value`` formatted with ``spec`` (+ ``suffix``), or an empty table cell for None."""
-    return "" if value is None else f"{value:{spec}}{suffix}"
-
 
 def teacher_of(model_dir: str) -> str | None:
     """The teacher named in the folder's conversion report (None when the folder has none)."""
@@ -132,10 +129,10 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
              dtype: str = "float32", device: str | None = None, out: str | None = None, seed: int = 0,
              progress: bool = True) -> EvalReport:
     """Evaluate ``model_dir`` (and its teacher) and write the report into ``out`` (default: ``model_dir``)."""
-    from . import __version__
-    from .conversion import load_teacher
-    from .corpus import split_texts
-    from .recipes.data import pack
+    from .. import __version__
+    from ..conversion import load_teacher
+    from ..common.corpus import split_texts
+    from ..recipes.data import pack
 
     started = time.perf_counter()
     model_dir = os.path.abspath(model_dir)

@@ -36,6 +36,9 @@ def _option(text: str) -> tuple[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..core.registry import list_mixers
+
+    mixers = [spec.name for spec in list_mixers(convertible=True)]  # every registered mixer, yours included
     parser = argparse.ArgumentParser(prog="hf-mixers", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -44,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="SOURCE: a local model folder, a hub id (online), a .gguf file, or 'smollm2-135m' (the "
                     "embedded SmolLM2-135M-Instruct). Families: Llama, Mistral, Qwen2, Qwen3.")
     convert.add_argument("source", help="model folder, hub id, .gguf file or smollm2-135m")
-    convert.add_argument("--mixer", required=True, help="sessa or rsa")
+    convert.add_argument("--mixer", required=True, choices=mixers, help="the mixer that replaces attention")
     convert.add_argument("--out", required=True, help="output folder (written atomically)")
     convert.add_argument("--layers", type=_layer_list, default=None, help="layers to convert, e.g. 0,1,2 (default all)")
     convert.add_argument("--keep-attention", type=_keep_attention, default=None,
@@ -140,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     bench.add_argument("--source", default="smollm2-135m", help="distill: the teacher (any convert SOURCE)")
-    bench.add_argument("--mixer", default="rsa", help="distill: the mixer of the student")
+    bench.add_argument("--mixer", default="rsa", choices=mixers, help="distill: the mixer of the student")
     bench.add_argument("--sequence-length", type=int, default=256, help="distill: tokens per sequence")
     bench.add_argument("--shapes", default="smollm2-135m,llama3-8b",
                        help="kernels: model shapes (heads and widths), comma-separated")
@@ -171,23 +174,23 @@ def _bench(args) -> int:
     """``hf-mixers bench TARGET``: a mistaken argument (or a --device that is not there) is one line, exit 2."""
     try:
         if args.target == "sessa":
-            from .bench import bench_sessa
+            from .bench.harness import bench_sessa
 
             bench_sessa(args.out, lengths=args.lengths or [512, 1024, 2048, 4096], hidden_size=args.hidden_size,
                         num_heads=args.heads, num_kv_heads=args.kv_heads, batch_size=args.batch_size,
                         repeats=args.repeats, dtype=args.dtype, device=args.device)
         elif args.target == "distill":
-            from .bench_distill import bench_distill
+            from .bench.distill import bench_distill
 
             bench_distill(args.out, source=args.source, mixer=args.mixer, sequence_length=args.sequence_length,
                           batch_size=args.batch_size, repeats=args.repeats, device=args.device, dtype=args.dtype)
         elif args.target == "kernels":
-            from .bench_kernels import bench_kernels
+            from .bench.kernels import bench_kernels
 
             bench_kernels(args.out, lengths=args.lengths, shapes=[s for s in args.shapes.split(",") if s],
                           repeats=args.repeats, dtype=args.dtype, chunk_size=args.chunk_size, device=args.device)
         else:
-            from .bench_rsa import bench_rsa
+            from .bench.rsa import bench_rsa
 
             bench_rsa(args.out, lengths=args.lengths or [512, 1024, 2048, 4096, 8192], contexts=args.contexts,
                       hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
@@ -201,7 +204,7 @@ def _bench(args) -> int:
 
 
 def _convert(args) -> int:
-    from .conversion import convert
+    from ..conversion import convert
 
     try:
         _, report = convert(args.source, args.mixer, layers=args.layers, keep_attention=args.keep_attention,
@@ -217,8 +220,8 @@ def _convert(args) -> int:
 
 
 def _train(args) -> int:
-    from .recipes import RecipeError, distill, finetune, load_recipe
-    from .recipes.trainer import NonFiniteLoss
+    from ..recipes import RecipeError, distill, finetune, load_recipe
+    from ..recipes.trainer import NonFiniteLoss
 
     run = distill if args.command == "distill" else finetune
     try:
@@ -232,7 +235,7 @@ def _train(args) -> int:
 
 
 def _last_mile(args) -> int:
-    from .model_cards.push import PushError
+    from ..model_cards.push import PushError
 
     try:
         if args.command == "eval":
@@ -246,12 +249,12 @@ def _last_mile(args) -> int:
                               device=args.device, out=args.out)
             print(report.to_markdown())
         elif args.command == "card":
-            from .model_cards.card import build_card
+            from ..model_cards.card import build_card
 
             path = build_card(args.model, repo_id=args.repo_id, base_model=args.base_model, license=args.license)
             print(f"wrote {path}")
         else:
-            from .model_cards.push import format_files, push_folder
+            from ..model_cards.push import format_files, push_folder
 
             result = push_folder(args.model, args.repo_id, private=args.private, revision=args.revision,
                                  dry_run=args.dry_run)

@@ -18,11 +18,12 @@ import gc
 import torch
 from tqdm.auto import tqdm
 
-from .bench import (bench_device, build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, rotary_embeddings,
-                    save_figure, time_interleaved, format_log_axes, write_report)
-from .evaluation import decode_latency
-from .config import MixerConfig, RSAConfig
-from .modeling import MixerForCausalLM, RSAForCausalLM
+from .harness import (bench_device, build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, rotary_embeddings,
+                    time_interleaved, format_log_axes, write_report)
+from ...common.history import save_figure
+from ...common.measures import decode_latency
+from ...model.config import MixerConfig, config_class
+from ...model.modeling import MixerForCausalLM, model_classes
 
 TRAIN_MIXERS = ("sdpa_attention", "rsa_chunked", "rsa_recompute")  # rsa_recompute: rsa_recompute_chunks=True
 
@@ -63,8 +64,9 @@ def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 40
     shape = dict(vocab_size=2048, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
                  num_hidden_layers=decode_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                  max_position_embeddings=max(contexts) + 1 + decode_tokens)
-    models = {"rsa": RSAForCausalLM(RSAConfig(**shape)),
-              "rsa_compiled": RSAForCausalLM(RSAConfig(**shape, rsa_compile_decode=True)),
+    rsa_config, (_, rsa_model) = config_class("rsa"), model_classes("rsa")
+    models = {"rsa": rsa_model(rsa_config(**shape)),
+              "rsa_compiled": rsa_model(rsa_config(**shape, rsa_compile_decode=True)),
               "attention": MixerForCausalLM(MixerConfig(**shape))}
     decoding = []
     for context in tqdm(contexts, desc="bench rsa: decoding", unit="context"):

@@ -1,9 +1,9 @@
-"""One model family for every mixer: MixerModel / MixerForCausalLM, and the per-mixer registered subclasses.
+"""One model family for every mixer: MixerModel / MixerForCausalLM, and the per-mixer subclasses derived from the
+registry (``SessaModel`` / ``SessaForCausalLM`` for the "sessa" spec, ...).
 
     input_ids -> embed_tokens -> [block_0 .. block_{L-1}] -> norm -> lm_head
-    block ("llama"): x + mixer(RMSNorm(x)), then + MLP(RMSNorm(.))  -- a converted teacher keeps its norms and MLPs
-    block ("sessa"): the paper's gated block (sessa.SessaBlock), no MLP
-    mixer of layer i: MIXER_CLASSES[config.layer_types[i]]
+    block: BLOCK_CLASSES[config.block] (blocks.py)
+    mixer of layer i: get_mixer(config.layer_types[i]).mixer_class
 
 The backbone is op-for-op Llama (and Qwen2/Qwen3 through config flags), so an all-"full_attention" model gives
 the teacher's logits exactly. ``save_pretrained`` also writes the remote code (export.py), so every saved
@@ -12,56 +12,27 @@ folder loads with ``trust_remote_code=True`` where hf_mixers is not installed.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache import RSACacheLayer, SessaCacheLayer  # noqa: F401  (importing registers the cache layers)
-from .attention import FullAttention
-from .config import MixerConfig, RSAConfig, SessaConfig
+from ..core.mixer import SequenceMixer
+from ..core.registry import get_mixer, on_register
+from .blocks import BLOCK_CLASSES, LlamaBlock, SessaBlock
+from .config import MixerConfig, config_class
 from .export import remote_auto_map, write_remote_code
-from .rsa import RSAMixer, decode_compiled
-from .sessa import SessaBlock, SessaMixer
 
-MIXER_CLASSES = {"full_attention": FullAttention, "sliding_attention": FullAttention, "sessa": SessaMixer,
-                 "rsa": RSAMixer}
-# the attention mask each mixer reads (mixers that run softmax attention over the past); recurrent mixers need none
-MASK_BUILDERS = {"full_attention": create_causal_mask, "sessa": create_causal_mask,
-                 "sliding_attention": create_sliding_window_causal_mask}
-
-
-class LlamaBlock(GradientCheckpointingLayer):
-    """The Llama decoder layer with its attention replaced by the layer's mixer (names kept: input_layernorm, ...)."""
-
-    def __init__(self, config, layer_idx: int, mixer_class):
-        super().__init__()
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mixer = mixer_class(config, layer_idx)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
-
-    def around(self, hidden_states, mix):
-        """The block's own layers around ``mix`` (normed input -> mixer output)."""
-        hidden_states = hidden_states + mix(self.input_layernorm(hidden_states))
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
-                past_key_values=None, **kwargs):
-        if self.mixer.compiles_decode(hidden_states, past_key_values):
-            return decode_compiled(self, hidden_states, position_embeddings, token_mask, past_key_values)
-        return self.around(hidden_states, lambda x: self.mixer(x, position_embeddings, attention_mask, token_mask,
-                                                              past_key_values, **kwargs))
-
-
-BLOCK_CLASSES = {"llama": LlamaBlock, "sessa": SessaBlock}
+# the backend masks a mixer may ask for (MixerSpec.attention_mask)
+MASK_BUILDERS = {"causal": create_causal_mask, "sliding": create_sliding_window_causal_mask}
 
 
 class MixerPreTrainedModel(PreTrainedModel):
@@ -74,22 +45,20 @@ class MixerPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _keep_in_fp32_modules_strict = ["gamma_bias"]  # b_gamma stays an fp32 scalar when loading in bf16/fp16
+    _keep_in_fp32_modules_strict = []  # the specs' keep_in_fp32 names (e.g. Sessa's scalar gain bias), on register
     _can_record_outputs = {"hidden_states": [LlamaBlock, SessaBlock]}
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, SessaMixer):
-            module.reset_sessa_parameters()
-        elif isinstance(module, RSAMixer):
-            module.reset_rsa_parameters()
+        if isinstance(module, SequenceMixer):
+            module.reset_parameters()
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save weights and config as usual, plus the self-contained remote code named in ``config.auto_map``."""
         self.config.auto_map = remote_auto_map(self.config)
         super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
-            write_remote_code(save_directory)
+            write_remote_code(save_directory, self.config.layer_types)
 
 
 class MixerModel(MixerPreTrainedModel):
@@ -100,11 +69,11 @@ class MixerModel(MixerPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         block_class = BLOCK_CLASSES[config.block]
         self.layers = nn.ModuleList(
-            [block_class(config, index, MIXER_CLASSES[kind]) for index, kind in enumerate(config.layer_types)])
+            [block_class(config, index, get_mixer(kind).mixer_class) for index, kind in enumerate(config.layer_types)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         # only attention-based mixers read a mask; building one costs O(context) per decode step
-        self.mask_builders = {MASK_BUILDERS[kind] for kind in config.layer_types if kind in MASK_BUILDERS}
+        self.mask_kinds = {get_mixer(kind).attention_mask for kind in config.layer_types} - {None}
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -134,14 +103,15 @@ class MixerModel(MixerPreTrainedModel):
             else:
                 position_ids = (torch.arange(length, device=inputs_embeds.device) + past).unsqueeze(0)
 
-        masks = {build: build(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                              past_key_values=past_key_values, position_ids=position_ids)
-                 for build in self.mask_builders}
+        masks = {kind: MASK_BUILDERS[kind](config=self.config, inputs_embeds=inputs_embeds,
+                                           attention_mask=attention_mask, past_key_values=past_key_values,
+                                           position_ids=position_ids)
+                 for kind in self.mask_kinds}
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for layer, kind in zip(self.layers, self.config.layer_types):
             hidden_states = layer(hidden_states, position_embeddings=position_embeddings,
-                                  attention_mask=masks.get(MASK_BUILDERS.get(kind)), token_mask=token_mask,
+                                  attention_mask=masks.get(get_mixer(kind).attention_mask), token_mask=token_mask,
                                   past_key_values=past_key_values, **kwargs)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
@@ -171,19 +141,28 @@ class MixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
-class SessaModel(MixerModel):
-    config_class = SessaConfig
+def model_classes(name: str) -> tuple[type, type]:
+    """(``<Title>Model``, ``<Title>ForCausalLM``) of a registered mixer (MixerModel / MixerForCausalLM for the
+    teacher's attention)."""
+    spec = get_mixer(name)
+    if spec.is_teacher_attention:
+        return MixerModel, MixerForCausalLM
+    module = sys.modules[__name__]
+    return getattr(module, f"{spec.title}Model"), getattr(module, f"{spec.title}ForCausalLM")
 
 
-class SessaForCausalLM(MixerForCausalLM):
-    config_class = SessaConfig
-    base_model_class = SessaModel
+def _derive_model_classes(spec) -> None:
+    for name in spec.keep_in_fp32:
+        if name not in MixerPreTrainedModel._keep_in_fp32_modules_strict:
+            MixerPreTrainedModel._keep_in_fp32_modules_strict.append(name)
+    if spec.is_teacher_attention:
+        return
+    config = config_class(spec.name)
+    model = type(f"{spec.title}Model", (MixerModel,), {"__module__": __name__, "config_class": config})
+    causal_lm = type(f"{spec.title}ForCausalLM", (MixerForCausalLM,), {
+        "__module__": __name__, "config_class": config, "base_model_class": model})
+    for cls in (model, causal_lm):
+        setattr(sys.modules[__name__], cls.__name__, cls)
 
 
-class RSAModel(MixerModel):
-    config_class = RSAConfig
-
-
-class RSAForCausalLM(MixerForCausalLM):
-    config_class = RSAConfig
-    base_model_class = RSAModel
+on_register(_derive_model_classes)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .cache import cache_nbytes
+from ..core.cache import cache_nbytes
 
 
 @torch.no_grad()

@@ -27,9 +27,10 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .attention import FullAttention
-from .config import SessaConfig
-from .sessa import SessaMixer
+from ...common.history import save_figure
+from ...core.attention import FullAttention
+from ...core.registry import get_mixer
+from ...model.config import config_class
 
 MIXERS = ("sdpa_attention", "sessa_chunked", "sessa_dense")
 
@@ -62,21 +63,18 @@ def bench_device(device, benchmark: str) -> torch.device:
 
 def build_mixer(kind: str, hidden_size: int, num_heads: int, num_kv_heads: int, device, dtype):
     """A standalone mixer module: sdpa_attention | sessa_chunked | sessa_dense | rsa_chunked | rsa_recompute."""
-    from .config import RSAConfig
-    from .rsa import RSAMixer
-
     shape = dict(hidden_size=hidden_size, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                  intermediate_size=4 * hidden_size, num_hidden_layers=1, vocab_size=128)
     if kind.startswith("rsa"):
-        config = RSAConfig(**shape, rsa_recompute_chunks=kind == "rsa_recompute")
+        config = config_class("rsa")(**shape, rsa_recompute_chunks=kind == "rsa_recompute")
     else:
-        config = SessaConfig(**shape, sessa_solver="dense" if kind == "sessa_dense" else "chunked",
+        config = config_class("sessa")(**shape, sessa_solver="dense" if kind == "sessa_dense" else "chunked",
                              sessa_gamma_bias_init=0.5)  # gain != 0: the real solve runs
     config._attn_implementation = "sdpa"
-    module_class = FullAttention if kind == "sdpa_attention" else RSAMixer if kind.startswith("rsa") else SessaMixer
+    module_class = FullAttention if kind == "sdpa_attention" else get_mixer(kind.split("_")[0]).mixer_class
     module = module_class(config, 0)
     if kind.startswith("rsa"):
-        module.reset_rsa_parameters()  # no model around it to run _init_weights
+        module.reset_parameters()  # no model around it to run _init_weights
     return module.to(device=device, dtype=dtype), config
 
 
@@ -134,7 +132,7 @@ def cpu_peak_point(kind, length, hidden_size, num_heads, num_kv_heads, batch_siz
 
 
 def cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype):
-    code = (f"from hf_mixers.bench import cpu_peak_point; cpu_peak_point({kind!r}, {length}, {hidden_size}, "
+    code = (f"from hf_mixers.apps.bench.harness import cpu_peak_point; cpu_peak_point({kind!r}, {length}, {hidden_size}, "
             f"{num_heads}, {num_kv_heads}, {batch_size}, {dtype!r})")
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(torch.get_num_threads())}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -264,16 +262,6 @@ def _plot(report: dict, path: str) -> None:
                 f"{shape['batch']}, hidden {shape['hidden']}, heads {shape['heads']}/{shape['kv_heads']}, "
                 f"feedback dim {shape['feedback_dim']}, chunk {shape['chunk_size']}")
 
-
-def save_figure(figure, path: str, title: str | None = None) -> None:
-    """Title, tight layout, PNG at 110 dpi, and the figure closed (every plot of the project ends this way)."""
-    import matplotlib.pyplot as plt
-
-    if title:
-        figure.suptitle(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
 
 
 def format_log_axes(axes_and_labels, x_label: str) -> None:

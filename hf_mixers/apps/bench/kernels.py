@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .bench import bench_device, build_mixer, format_log_axes, save_figure, time_calls, write_report
-from .kernels.dispatch import triton_unavailable
-from .kernels.feedback_solve import feedback_solve
-from .kernels.rsa_memory import initial_state, rsa_memory
+from ...common.history import save_figure
+from .harness import bench_device, build_mixer, format_log_axes, time_calls, write_report
+from ...kernels.dispatch import triton_unavailable
+from ...kernels.feedback_solve import feedback_solve
+from ...kernels.rsa_memory import initial_state, rsa_memory
 
 # feedback heads: SmolLM2 as converted (one feedback head over the whole width, the official layout); Llama-3-8B
 # with one feedback head per attention head (D = d = 128 per row), the layout a kernel keeps in registers.

@@ -18,10 +18,10 @@ import json
 import os
 import time
 
-from .conversion import convert, load_teacher
-from .corpus import SMOLLM2_ALIAS
-from .evaluation import generate_sample
-from .export import check_output_folder
+from ..conversion import convert, load_teacher
+from ..common.corpus import SMOLLM2_ALIAS
+from ..common.measures import generate_sample
+from ..model.export import check_output_folder
 
 PROMPT = "Write one line of verse about the sea."
 # (stage-1 steps, stage-2 steps) per mixer: the 15-minute budget on 2 CPU cores
@@ -30,8 +30,8 @@ BUDGET = {"rsa": (80, 60), "sessa": (0, 60)}
 
 def run_demo(out_dir: str, overwrite: bool = False, max_steps: int | None = None, mixers=("rsa", "sessa"),
              teacher_source: str = SMOLLM2_ALIAS) -> dict:
-    from .recipes import load_recipe
-    from .recipes.stages import distill, plot_losses
+    from ..recipes import load_recipe
+    from ..recipes.stages import distill, plot_losses
 
     out_dir = check_output_folder(out_dir, overwrite)
     os.makedirs(out_dir, exist_ok=True)

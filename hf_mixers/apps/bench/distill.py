@@ -24,11 +24,11 @@ def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa"
                   dtype: str = "float32") -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from .bench import bench_device
-    from .conversion import convert, load_teacher
-    from .corpus import shakespeare, token_blocks
-    from .recipes.config import DistillSection
-    from .recipes.stages import add_lora, distillation_loss
+    from .harness import bench_device
+    from ...conversion import convert, load_teacher
+    from ...common.corpus import shakespeare, token_blocks
+    from ...recipes.config import DistillSection
+    from ...recipes.stages import add_lora, distillation_loss
 
     if min(sequence_length, batch_size, repeats) < 1:
         raise ValueError("bench distill: --sequence-length, --batch-size and --repeats must be >= 1")

@@ -1,0 +1,153 @@
+"""Cache-layer bases on the transformers 5 Cache API, written once for every mixer.
+
+transformers' ``DynamicCache(config=...)`` builds one layer object per ``config.layer_types`` entry from
+``DYNAMIC_LAYER_TYPE_MAPPING``; a layer class that sets ``_layer_type`` registers itself there. So the one cache
+class for every layer kind is transformers' own ``DynamicCache``: "full_attention" layers get a ``DynamicLayer`` and
+each mixer's spec names its own layer class, a few lines on top of one of these bases:
+
+    KVPlusLayer           attention K/V plus extra per-token tensors (B, t, ...) appended along the sequence
+                          (Sessa: feedback keys and solved outputs)
+    RecurrentStateLayer   a fixed-size state (a tensor, a tuple of tensors, or an object with ``map``), an optional
+                          short-convolution history, and a token count (RSA)
+
+``generate()``, beam search (``reorder_cache``), ``crop`` where it is possible and batch selection then work without
+a custom Cache subclass. Both bases subclass ``DynamicLayer`` (not ``LinearAttentionLayer``): they keep a sequence
+length, so ``get_seq_length`` and the causal-mask sizes stay valid in a stack with no attention layer at all
+(transformers' own linear-attention layers raise there).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+def map_tensors(value, fn):
+    """``fn`` applied to every tensor of ``value``: None, a tensor, a tuple/list of them, or an object with ``map``."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(item, fn) for item in value)
+    return value.map(fn) if hasattr(value, "map") else value  # e.g. RSAState
+
+
+class KVPlusLayer(DynamicLayer):
+    """K/V of the attention branch plus the per-token tensors named in ``extra_names``, each (B, t, ...)."""
+
+    extra_names: tuple[str, ...] = ()
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        for name in self.extra_names:
+            setattr(self, name, None)
+
+    @property
+    def extras(self) -> tuple:
+        """The extra tensors of the cached tokens, in ``extra_names`` order (all None when empty)."""
+        return tuple(getattr(self, name) for name in self.extra_names)
+
+    def append_extras(self, *tensors: torch.Tensor) -> None:
+        for name, tensor in zip(self.extra_names, tensors, strict=True):
+            old = getattr(self, name)
+            setattr(self, name, tensor if old is None else torch.cat([old, tensor], dim=1))
+
+    def _map_extras(self, fn):
+        for name in self.extra_names:
+            setattr(self, name, map_tensors(getattr(self, name), fn))
+
+    def reset(self) -> None:
+        super().reset()
+        self._map_extras(lambda x: None)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_extras(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0:
+            self._map_extras(lambda x: x[:, :tokens_to_remove])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_extras(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_extras(lambda x: x[indices, ...])
+
+    def offload(self):
+        super().offload()
+        self._map_extras(lambda x: x.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        super().prefetch()
+        self._map_extras(lambda x: x if x.device == self.device else x.to(self.device, non_blocking=True))
+
+
+class RecurrentStateLayer(DynamicLayer):
+    """A constant-size recurrent state, the short-convolution history (the last K - 1 inputs, if the layer has one)
+    and the number of tokens seen.
+
+    It keeps no K/V; ``get_seq_length`` counts tokens (padding included, as attention caches do), so positions and
+    mask sizes stay right even when no layer is attention. A recurrent state cannot drop tokens, so ``crop`` refuses.
+    """
+
+    is_croppable = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.state = None
+        self.conv_history = None
+        self.seen_tokens = 0
+
+    def update_state(self, state, new_tokens: int, conv_history=None) -> None:
+        self.state, self.conv_history = state, conv_history
+        self.seen_tokens += new_tokens
+        first = []
+        map_tensors(state, lambda x: first.append(x))
+        self.device, self.is_initialized = first[0].device, True
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen_tokens + query_length, 0
+
+    def _map_state(self, fn):
+        self.state = map_tensors(self.state, fn)
+        self.conv_history = map_tensors(self.conv_history, fn)
+
+    def reset(self) -> None:
+        self.state, self.conv_history, self.seen_tokens, self.is_initialized = None, None, 0, False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_state(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise ValueError(f"{type(self).__name__}: a fixed-size recurrent state cannot drop tokens (crop)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_state(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_state(lambda x: x[indices, ...])
+
+    def offload(self):
+        self._map_state(lambda x: x.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        self._map_state(lambda x: x if x.device == self.device else x.to(self.device, non_blocking=True))
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes held by every tensor of every layer of ``cache`` (for benchmarks and reports)."""
+    total = []
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            if isinstance(value, (torch.Tensor, tuple, list)) or hasattr(value, "map"):
+                map_tensors(value, lambda x: total.append(x.numel() * x.element_size()))
+    return sum(total)

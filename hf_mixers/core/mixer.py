@@ -1,0 +1,77 @@
+"""SequenceMixer: the base class of every mixer, and the one forward signature the blocks call.
+
+    forward(hidden_states (B, T, D), position_embeddings (cos, sin) or None, attention_mask (backend mask or None),
+            token_mask (B, P+T) bool or None, past_key_values Cache or None) -> (B, T, D)
+
+``token_mask`` marks the real tokens of the cached and new positions (False = padding), so a mixer keeps padding out
+of its memory; ``attention_mask`` is the backend mask the spec asked for (``MixerSpec.attention_mask``). A mixer
+reads and writes its own layer of ``past_key_values`` (``past_key_values.layers[self.layer_idx]``), an instance of
+its spec's ``cache_layer``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SequenceMixer(nn.Module):
+    """Subclass this, implement ``forward``, and register a ``MixerSpec`` naming the class.
+
+    Hooks a mixer may override:
+        reset_parameters(): scratch initialisation of the mixer's own parameters (the model's ``_init_weights``
+            calls it; use ``transformers.initialization`` functions so weights loaded from a checkpoint are kept).
+        init_new_parameters(): the conversion initialisation of what a converted layer adds to its teacher's
+            attention (default: ``reset_parameters``).
+        teacher_modules: names of submodules ``from_attention`` must fill from the teacher attention.
+    """
+
+    teacher_modules: tuple[str, ...] = ()
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        if not 0 <= layer_idx < config.num_hidden_layers:
+            raise ValueError(f"layer_idx {layer_idx} is out of range for a config with num_hidden_layers = "
+                             f"{config.num_hidden_layers}")
+        self.config = config
+        self.layer_idx = layer_idx
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
+                past_key_values=None, **kwargs) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement forward")
+
+    def reset_parameters(self) -> None:
+        """Scratch initialisation of the mixer's own parameters (none by default)."""
+
+    def init_new_parameters(self) -> None:
+        """Conversion initialisation of the parameters the mixer adds to its teacher's attention."""
+        self.reset_parameters()
+
+    def compiles_decode(self, hidden_states, past_key_values) -> bool:
+        """Whether the block runs this step as one compiled graph (see model/blocks.py); never by default."""
+        return False
+
+    @classmethod
+    def from_attention(cls, attention: nn.Module, config, layer_idx: int, **calibration) -> "SequenceMixer":
+        """This mixer for layer ``layer_idx``, initialised from a teacher attention layer.
+
+        The teacher's parameters whose names the mixer shares (q_proj, k_proj, ... for Llama/Mistral/Qwen teachers)
+        are copied; every ``teacher_modules`` entry must be among them. The mixer's other parameters get
+        ``init_new_parameters``. Mixers that fit on calibration activations take them as keyword arguments and
+        override this; the others ignore them.
+        """
+        reference = next(attention.parameters(), None)
+        if reference is None:
+            raise ValueError(f"layer {layer_idx}: the teacher attention has no parameters")
+        mixer = cls(config, layer_idx).to(device=reference.device)
+        mixer.init_new_parameters()
+        state = attention.state_dict()
+        missing, unexpected = mixer.load_state_dict(state, strict=False)
+        if unexpected and cls.teacher_modules:  # a mixer that takes the teacher's projections takes all of them
+            raise ValueError(f"layer {layer_idx}: the teacher attention has parameters {cls.__name__} does not: "
+                             f"{sorted(unexpected)}")
+        uncopied = [name for name in missing if name.split(".")[0] in cls.teacher_modules
+                    and hasattr(mixer, name.split(".")[0])]
+        if uncopied:
+            raise ValueError(f"layer {layer_idx}: the teacher attention lacks {uncopied} (it has {sorted(state)})")
+        return mixer.to(dtype=reference.dtype)

@@ -1,0 +1,178 @@
+"""The mixer registry: one ``MixerSpec`` per sequence mixer, and everything else derived from it.
+
+A mixer module declares its spec once (layer-type name, class, config options, cache layer, conversion defaults,
+card text) and ends with ``register_mixer(SPEC)``. The config's fields and validation, the ``<Title>Config`` /
+``<Title>Model`` / ``<Title>ForCausalLM`` classes and their Auto registration, the cache layers, the CLI choices,
+the converter's tables, the card text and the contract test suite are all read from ``list_mixers()``.
+
+Names are checked when a mixer registers, not when it is first used: a layer-type name must not be one of
+transformers' own layer kinds or model types (registering ``mamba`` would silently replace transformers' class).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+# transformers' layer kinds (configuration_utils.ALLOWED_LAYER_TYPES) and old names it renames; only the teacher's own
+# attention kinds may use them (the built-in "full_attention" / "sliding_attention" mixers).
+RESERVED_NAMES = {"mamba", "mamba2", "attention", "linear_attention", "conv", "hybrid", "moe", "mlp", "dense", "sparse",
+                  "dummy"}
+TEACHER_ATTENTION = ("full_attention", "sliding_attention")
+
+
+def positive_int(value) -> str | None:
+    """An option check: None when ``value`` is a positive integer, else what is wrong."""
+    return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "must be a positive integer"
+
+
+def one_of(*choices) -> Callable[[Any], str | None]:
+    """An option check: the value must be one of ``choices``."""
+    return lambda value: None if value in choices else f"must be one of {choices}"
+
+
+def boolean(value) -> str | None:
+    return None if isinstance(value, bool) else "must be true or false"
+
+
+@dataclass(frozen=True)
+class MixerOption:
+    """One config field of a mixer: its name (prefixed by the mixer's name), default, documentation and check.
+
+    ``check(value)`` returns None or what is wrong ("must be a positive integer"); the config names the field. A
+    default of None means "derived from other fields" by the spec's ``derived_defaults``, before the checks.
+    """
+
+    name: str
+    default: Any
+    doc: str
+    check: Callable[[Any], str | None] | None = None
+
+
+@dataclass(frozen=True)
+class MixerSpec:
+    """Everything about one sequence mixer. See docs/adding-a-mixer.md for a walk-through.
+
+    name: the ``config.layer_types`` entry and the ``model_type`` of the mixer's own config class.
+    mixer_class: a ``SequenceMixer`` subclass: ``mixer_class(config, layer_idx)``, uniform forward.
+    title: the class-name prefix (``Sessa`` -> ``SessaConfig``, ``SessaForCausalLM``) and the card's name.
+    summary: one line for model cards and ``--help``.
+    paper: the paper the mixer implements, by title and arXiv id ("" for the teacher's attention).
+    options: the mixer's config fields.
+    derived_defaults(config) -> dict: values for the options left None, computed from the other fields.
+    validate(config) -> str | None: what is wrong with a combination the per-option checks cannot see alone (the
+        config prefixes its class name); runs after the option checks.
+    cache_layer: the transformers cache-layer class of one layer of this mixer (its ``_layer_type`` is ``name``),
+        or None for a plain K/V layer (the teacher's attention).
+    attention_mask: the backend mask the mixer reads ("causal", "sliding") or None: built once per forward, only
+        for mixers that attend over the past, since building it costs O(context) per decode step.
+    keep_in_fp32: parameter names kept in fp32 when a model loads in bf16/fp16.
+    conversion_options: config values ``convert`` uses unless the user sets them (the conversion defaults).
+    exact_at_init: ``from_attention`` reproduces the teacher layer exactly (checked by the contract suite).
+    constant_state: the decode state does not grow with the context.
+    limitations: sentences the model card says about a model with this mixer.
+    sliding_note: what the conversion report adds when the mixer replaces a sliding-window teacher layer.
+    tiny_options: option values for the contract suite's tiny models (small, so every check runs in seconds).
+    """
+
+    name: str
+    mixer_class: type
+    title: str
+    summary: str
+    paper: str = ""
+    options: tuple[MixerOption, ...] = ()
+    derived_defaults: Callable[[Any], dict] | None = None
+    validate: Callable[[Any], str | None] | None = None
+    cache_layer: type | None = None
+    attention_mask: str | None = None
+    keep_in_fp32: tuple[str, ...] = ()
+    conversion_options: dict = field(default_factory=dict)
+    exact_at_init: bool = False
+    constant_state: bool = False
+    limitations: tuple[str, ...] = ()
+    sliding_note: str = ""
+    tiny_options: dict = field(default_factory=dict)
+
+    @property
+    def is_teacher_attention(self) -> bool:
+        return self.name in TEACHER_ATTENTION
+
+
+_MIXERS: dict[str, MixerSpec] = {}
+_LISTENERS: list[Callable[[MixerSpec], None]] = []
+
+
+def _check(spec: MixerSpec) -> None:
+    from transformers.configuration_utils import ALLOWED_LAYER_TYPES
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from .mixer import SequenceMixer
+
+    def fail(message):
+        raise ValueError(f"register_mixer({spec.name!r}): {message}")
+
+    if not isinstance(spec.name, str) or not NAME.match(spec.name):
+        fail("the name must match [a-z][a-z0-9_]* (it is a config layer type and a model type)")
+    if not spec.is_teacher_attention and (spec.name in RESERVED_NAMES or spec.name in ALLOWED_LAYER_TYPES):
+        fail("the name is one of transformers' own layer kinds; choose another")
+    if spec.name in CONFIG_MAPPING_NAMES:
+        fail(f"the name is transformers' model type of {CONFIG_MAPPING_NAMES[spec.name]}; choose another")
+    if not (isinstance(spec.mixer_class, type) and issubclass(spec.mixer_class, SequenceMixer)):
+        fail(f"mixer_class must subclass hf_mixers.SequenceMixer, got {spec.mixer_class!r}")
+    if not spec.title.isidentifier():
+        fail(f"title {spec.title!r} must be a Python identifier (it prefixes the class names)")
+    for option in spec.options:
+        if not option.name.startswith(f"{spec.name}_"):
+            fail(f"option {option.name!r} must start with '{spec.name}_' (options of all mixers share one config)")
+    names = {option.name for option in spec.options}
+    for other in _MIXERS.values():
+        if other.title == spec.title:
+            fail(f"title {spec.title!r} is already used by mixer {other.name!r}")
+        clash = names & {option.name for option in other.options}
+        if clash:
+            fail(f"options {sorted(clash)} are already declared by mixer {other.name!r}")
+    if spec.cache_layer is not None and getattr(spec.cache_layer, "_layer_type", None) != spec.name:
+        fail(f"cache_layer {spec.cache_layer.__name__} must set _layer_type = {spec.name!r}")
+    if spec.attention_mask not in (None, "causal", "sliding"):
+        fail(f"attention_mask must be None, 'causal' or 'sliding', got {spec.attention_mask!r}")
+
+
+def register_mixer(spec: MixerSpec) -> MixerSpec:
+    """Make ``spec`` known: its layer type, config options, classes and Auto registration. Returns the spec.
+
+    Registering the same spec object again is a no-op (a module imported twice); another spec under a known name
+    is an error, as is a name transformers already uses.
+    """
+    known = _MIXERS.get(spec.name)
+    if known is spec:
+        return spec
+    if known is not None:
+        raise ValueError(f"register_mixer({spec.name!r}): a mixer of that name is already registered "
+                         f"({known.mixer_class.__module__}.{known.mixer_class.__qualname__})")
+    _check(spec)
+    _MIXERS[spec.name] = spec
+    for listener in list(_LISTENERS):
+        listener(spec)
+    return spec
+
+
+def get_mixer(name: str) -> MixerSpec:
+    try:
+        return _MIXERS[name]
+    except KeyError:
+        raise KeyError(f"unknown mixer {name!r}; registered: {', '.join(_MIXERS)}") from None
+
+
+def list_mixers(convertible: bool = False) -> list[MixerSpec]:
+    """Every registered spec in registration order; ``convertible``: only the mixers that replace attention."""
+    return [spec for spec in _MIXERS.values() if not (convertible and spec.is_teacher_attention)]
+
+
+def on_register(listener: Callable[[MixerSpec], None]) -> None:
+    """Call ``listener(spec)`` for every spec registered so far and every one registered later."""
+    _LISTENERS.append(listener)
+    for spec in list(_MIXERS.values()):
+        listener(spec)
+

@@ -1,0 +1,170 @@
+"""Sessa: attention inside a feedback loop (docs/mixers/sessa.md).
+
+    f = o_proj(CausalAttention(q, k, v))             the teacher's attention, unchanged (forward branch)
+    alpha[t, j] = softmax_{j<t}(<qb_t, kb_j> / sqrt(d_fb))   feedback attention over the strict past, no positions
+    gamma_t = gamma_max * tanh(b + w . x_t)           signed gain, |gamma| < gamma_max < 1
+    (I - gamma * alpha) s = f                          s_t = f_t + gamma_t sum_{j<t} alpha[t, j] s_j
+
+With w = b = 0 (the llama-block default) gamma == 0 and s == f bit for bit, so a converted layer starts as its
+teacher. The solve itself lives in ``kernels/feedback_solve.py`` (shared with GLTM). With several feedback
+heads, head h routes channel group h of f with its own alpha_h (the official code has one head for all channels);
+heads are folded into the batch so the kernel stays single-head.
+
+Cache per layer: the attention K/V, plus the feedback keys kb and the solved outputs s (kept in fp32), so a
+prefill onto a non-empty cache and token-by-token decoding continue exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+from ..core.attention import FullAttention
+from ..core.cache import KVPlusLayer
+from ..core.registry import MixerOption, MixerSpec, boolean, one_of, positive_int, register_mixer
+from ..kernels.common import compute_dtype
+from ..kernels.dispatch import use_triton
+from ..kernels.feedback_solve import feedback_solve
+
+
+class SessaMixer(FullAttention):
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.use_rope = config.block == "llama" or config.sessa_forward_rope  # the native block may run NoPE
+        self.feedback_dim = config.sessa_feedback_dim
+        self.feedback_heads = config.sessa_feedback_heads
+        self.gamma_max = float(config.sessa_gamma_max)
+        self.solver = config.sessa_solver
+        self.chunk_size = config.sessa_chunk_size
+        # [qb | kb]: first feedback_dim channels are queries, last feedback_dim are keys (official proj_fb layout)
+        self.feedback_proj = nn.Linear(config.hidden_size, 2 * self.feedback_dim, bias=config.sessa_feedback_bias)
+        self.gamma_proj = nn.Linear(config.hidden_size, 1, bias=False)  # w_gamma (official gamma_ctx)
+        self.gamma_bias = nn.Parameter(torch.tensor(float(config.sessa_gamma_bias_init)))  # b_gamma, a scalar
+
+    def reset_parameters(self):
+        """The gain's init, called from the model's _init_weights and by ``from_attention``.
+
+        gamma_bias_init = 0 (llama block): w = b = 0, so gamma == 0 and the layer equals its attention.
+        Otherwise the official init: b = gamma_bias_init and PyTorch's default U(-1/sqrt(D), 1/sqrt(D)) for w.
+        """
+        bias = self.config.sessa_gamma_bias_init
+        init.constant_(self.gamma_bias, bias)
+        if bias == 0.0:
+            init.zeros_(self.gamma_proj.weight)
+        else:
+            bound = self.config.hidden_size**-0.5
+            init.uniform_(self.gamma_proj.weight, -bound, bound)
+
+    def init_new_parameters(self):
+        """Conversion init: N(0, initializer_range) feedback q/k (they get gradient once gamma moves), then the gain."""
+        init.normal_(self.feedback_proj.weight, 0.0, self.config.initializer_range)
+        if self.feedback_proj.bias is not None:
+            init.zeros_(self.feedback_proj.bias)
+        self.reset_parameters()
+
+    def gain(self, hidden_states):
+        """gamma_t = gamma_max * tanh(b + w . x_t), in fp32 (fp64 stays fp64): (B, T, D) -> (B, T)."""
+        dtype = compute_dtype(hidden_states.dtype)
+        logit = self.gamma_proj(hidden_states).squeeze(-1).to(dtype) + self.gamma_bias.to(dtype)
+        return self.gamma_max * torch.tanh(logit)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
+                past_key_values=None, **kwargs):
+        length = hidden_states.shape[1]
+        f = super().forward(hidden_states, position_embeddings, attention_mask, past_key_values=past_key_values,
+                            **kwargs)  # (B, T, D): the attention output; K/V appended to the cache
+        if token_mask is not None:  # padded rows carry no signal (and no NaN) into anyone's feedback
+            f = f.masked_fill(~token_mask[:, -length:, None], 0.0)
+        query, key = self.feedback_proj(hidden_states).split(self.feedback_dim, dim=-1)  # (B, T, d_fb) each
+        gamma = self.gain(hidden_states)
+        layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
+        past_keys, past_outputs = (None, None) if layer_cache is None else layer_cache.extras
+        if not torch.is_grad_enabled() and not gamma.any():
+            s = f.to(compute_dtype(f.dtype))  # gamma == 0: s = f exactly, no solve needed
+        else:
+            s = self.solve(f, query, key, gamma, token_mask, past_keys, past_outputs)
+        if layer_cache is not None:
+            layer_cache.append_extras(key, s)
+        return s.to(f.dtype)
+
+    def solve(self, f, query, key, gamma, token_mask, past_keys, past_outputs):
+        """(I - B) s = f, one routing matrix per feedback head; returns s (B, T, D) in fp32 (fp64 for fp64)."""
+        heads = self.feedback_heads
+        scale = (self.feedback_dim // heads) ** -0.5
+        method = self.solver  # "dense" is the reference, asked for by name; "chunked" has a Triton twin
+        if method == "chunked" and use_triton("Sessa feedback solve", f.device, self.config.kernel_backend):
+            method = "triton"
+        if heads == 1:
+            return feedback_solve(f, query, key, gamma, key_mask=token_mask, past_k=past_keys, past_s=past_outputs,
+                                  scale=scale, method=method, chunk_size=self.chunk_size)
+
+        def fold(x):  # (B, T, heads * w) -> (B * heads, T, w): each head is its own sequence
+            return None if x is None else x.unflatten(-1, (heads, -1)).transpose(1, 2).flatten(0, 1)
+
+        def repeat(x):  # per-token tensors are shared by the heads
+            return None if x is None else x.repeat_interleave(heads, dim=0)
+
+        s = feedback_solve(fold(f), fold(query), fold(key), repeat(gamma), key_mask=repeat(token_mask),
+                           past_k=fold(past_keys), past_s=fold(past_outputs), scale=scale, method=method,
+                           chunk_size=self.chunk_size)
+        return s.unflatten(0, (-1, heads)).transpose(1, 2).flatten(2)
+
+
+class SessaCacheLayer(KVPlusLayer):
+    """Attention K/V (B, Hkv, t, hd) plus the feedback keys (B, t, d_fb) and solved outputs s (B, t, D, fp32)."""
+
+    _layer_type = "sessa"
+    extra_names = ("feedback_keys", "outputs")
+
+
+def _derived_defaults(config) -> dict:
+    # b = 0 in a converted llama block (gamma == 0: exactly the teacher); the official init 1.0 in the native block
+    return {"sessa_feedback_dim": config.hidden_size,
+            "sessa_gamma_bias_init": 1.0 if config.block == "sessa" else 0.0}
+
+
+def _validate(config) -> str | None:
+    heads = config.sessa_feedback_heads
+    if config.sessa_feedback_dim % heads or config.hidden_size % heads:
+        return (f"sessa_feedback_heads ({heads}) must divide sessa_feedback_dim ({config.sessa_feedback_dim}) and "
+                f"hidden_size ({config.hidden_size})")
+    if config.block == "sessa" and config.sessa_forward_rope and config.head_dim % 2:
+        return f"head_dim ({config.head_dim}) must be even for rotary embeddings (or set sessa_forward_rope=False)"
+    return None
+
+
+def _open_unit_interval(value) -> str | None:
+    return None if isinstance(value, (int, float)) and 0.0 < value < 1.0 else "must lie in (0, 1)"
+
+
+def _number(value) -> str | None:
+    return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "must be a number"
+
+
+SESSA = register_mixer(MixerSpec(
+    name="sessa", mixer_class=SessaMixer, title="Sessa",
+    summary="attention inside a feedback loop: each output feeds back into later ones through a triangular solve "
+            "over the past, so information travels further than one attention hop",
+    paper="Sessa: Selective State Space Attention (arXiv:2604.18580)",
+    options=(
+        MixerOption("sessa_feedback_dim", None, "total width of the feedback queries/keys (None: hidden_size, the "
+                    "official choice)", positive_int),
+        MixerOption("sessa_feedback_heads", 1, "feedback heads; head h routes channel group h of f with its own "
+                    "routing matrix (official: 1)", positive_int),
+        MixerOption("sessa_feedback_bias", True, "biases on the feedback q/k projection (official: true)", boolean),
+        MixerOption("sessa_gamma_max", 0.999, "gain bound: gamma = gamma_max * tanh(b + w.x)", _open_unit_interval),
+        MixerOption("sessa_gamma_bias_init", None, "initial b (None: 0.0 in the llama block, so a converted layer is "
+                    "exactly its teacher; 1.0 in the native block, the official init)", _number),
+        MixerOption("sessa_forward_rope", True, "RoPE on the attention branch of the native block (false: NoPE, the "
+                    "official default)", boolean),
+        MixerOption("sessa_solver", "chunked", "'chunked' (O(T*C) memory, Triton kernel on CUDA) or 'dense' (the "
+                    "reference)", one_of("chunked", "dense")),
+        MixerOption("sessa_chunk_size", 128, "query chunk size C of the chunked solve", positive_int),
+    ),
+    derived_defaults=_derived_defaults, validate=_validate, cache_layer=SessaCacheLayer, attention_mask="causal",
+    keep_in_fp32=("gamma_bias",), exact_at_init=True,
+    limitations=("Sessa layers solve a triangular system over the whole past: training and prefill cost grows with "
+                 "the square of the sequence length, and decoding keeps a cache that grows with it.",),
+    sliding_note="the mixer's attention branch is global (identical up to that length)",
+    tiny_options={"sessa_chunk_size": 4, "sessa_gamma_bias_init": 0.4}))

@@ -1,0 +1,114 @@
+"""Decoder blocks around a mixer, and the compiled single-token decode step of a recurrent block.
+
+    LlamaBlock ("llama"):  x + mixer(RMSNorm(x)), then + MLP(RMSNorm(.))   a converted teacher keeps its norms and MLP
+    SessaBlock ("sessa"):  x + W_out(mixer(GELU(a)) * g), [a | g] = W_in(LayerNorm(x))   the Sessa paper's native
+                           block: no MLP, a linear gate, exact erf GELU, LayerNorm eps 1e-5
+
+A block's ``around(x, mix)`` runs its own layers around ``mix`` (normed input -> mixer output); ``forward`` calls
+it with the mixer, or with the compiled step when the mixer asks for one (``mixer.compiles_decode``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+from ..core.cache import map_tensors
+
+logger = logging.getLogger(__name__)
+
+
+class MixerBlock(GradientCheckpointingLayer):
+    def around(self, hidden_states, mix):
+        raise NotImplementedError
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
+                past_key_values=None, **kwargs):
+        if self.mixer.compiles_decode(hidden_states, past_key_values):
+            return decode_compiled(self, hidden_states, position_embeddings, token_mask, past_key_values)
+        return self.around(hidden_states, lambda x: self.mixer(x, position_embeddings, attention_mask, token_mask,
+                                                              past_key_values, **kwargs))
+
+
+class LlamaBlock(MixerBlock):
+    """The Llama decoder layer with its attention replaced by the layer's mixer (names kept: input_layernorm, ...)."""
+
+    def __init__(self, config, layer_idx: int, mixer_class):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mixer = mixer_class(config, layer_idx)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def around(self, hidden_states, mix):
+        hidden_states = hidden_states + mix(self.input_layernorm(hidden_states))
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class SessaBlock(MixerBlock):
+    """The Sessa paper's native layer: y = x + W_out(mixer(GELU(a)) * g), [a | g] = W_in(LN(x)), with any mixer."""
+
+    def __init__(self, config, layer_idx: int, mixer_class):
+        super().__init__()
+        size = config.hidden_size
+        self.norm = nn.LayerNorm(size, eps=1e-5)
+        self.in_proj = nn.Linear(size, 2 * size, bias=True)
+        self.mixer = mixer_class(config, layer_idx)
+        self.out_proj = nn.Linear(size, size, bias=True)
+
+    def around(self, hidden_states, mix):
+        value, gate = self.in_proj(self.norm(hidden_states)).chunk(2, dim=-1)
+        return hidden_states + self.out_proj(mix(F.gelu(value)) * gate)
+
+
+BLOCK_CLASSES = {"llama": LlamaBlock, "sessa": SessaBlock}
+
+
+def block_step(block, hidden_states, position_embeddings, token_mask, state, conv_history):
+    """A block around a recurrent mixer, without cache objects: -> output, new state, new conv history.
+
+    The mixer's ``mix(x, position_embeddings, token_mask, state, conv_history)`` is its layer without the cache
+    (a ``RecurrentStateLayer`` holds exactly that state and history)."""
+    new = {}
+
+    def mix(x):
+        out, new["state"], new["history"] = block.mixer.mix(x, position_embeddings, token_mask, state, conv_history)
+        return out
+
+    return block.around(hidden_states, mix), new["state"], new["history"]
+
+
+_compiled_block_steps = {}  # device type -> the compiled block_step
+
+
+def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_key_values):
+    """One token through ``block_step`` compiled with torch.compile (fullgraph, static shapes; built on first use).
+
+    Eager, a decode step of a recurrent memory is ~100 small ops and dispatch-bound; compiled with the whole block
+    around it (projections, o_proj, norms, MLP), it is one graph of a few fused kernels. The block is an argument,
+    so its parameters are graph inputs and every block of every model shares the graph. Static shapes: the mask is
+    cut to this token and every input made contiguous, so neither the context length nor a strided state recompiles
+    it. On CPU the graph's launcher is C++ (``cpp_wrapper``): the default Python launcher of ~50 kernels cost ~0.13 ms
+    per block call, a tenth of an RSA step. The first call compiles for 10-30 s on a CPU, hence opt-in
+    (``rsa_compile_decode``).
+    """
+    device = hidden_states.device.type
+    step = _compiled_block_steps.get(device)
+    if step is None:
+        logger.warning("compiling the decoder block's token step with torch.compile (rsa_compile_decode=True); "
+                       "the first decode step takes 10-30 s")
+        options = {"cpp_wrapper": True} if device == "cpu" else None
+        step = _compiled_block_steps[device] = torch.compile(block_step, dynamic=False, fullgraph=True,
+                                                             options=options)
+    layer_cache = past_key_values.layers[block.mixer.layer_idx]
+    output, state, history = step(
+        block, hidden_states.contiguous(), position_embeddings,
+        None if token_mask is None else token_mask[:, -1:].contiguous(),
+        map_tensors(layer_cache.state, torch.Tensor.contiguous), layer_cache.conv_history)
+    layer_cache.update_state(state, 1, history)
+    return output

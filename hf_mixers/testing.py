@@ -1,0 +1,260 @@
+"""The mixer contract: the properties every registered mixer must have, as plain functions (pytest not required).
+
+``check_mixer(name)`` runs them all on a registered mixer and raises ``AssertionError`` naming the property that
+failed; tests/test_mixer_contract.py runs each one over every registered mixer and a hybrid. A new mixer gets all of
+them by registering. Models are tiny (hidden 32, 2 layers, T <= 12) and equivalences are checked in fp64 on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from .core.registry import get_mixer, list_mixers
+from .model.config import config_class
+
+TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            sliding_window=4)
+HYBRID = "hybrid"  # every convertible mixer, plus full and sliding attention, in one model
+TOLERANCE = {torch.float64: dict(rtol=1e-7, atol=1e-9), torch.float32: dict(rtol=1e-4, atol=1e-5)}
+
+
+def _layer_types(name: str) -> list[str]:
+    if name == HYBRID:
+        return [spec.name for spec in list_mixers(convertible=True)] + ["full_attention", "sliding_attention"]
+    return [name, name]
+
+
+def tiny_config(name: str, **overrides):
+    """A tiny config of mixer ``name`` (or ``HYBRID``) with every spec's ``tiny_options``."""
+    layer_types = _layer_types(name)
+    options = {}
+    for kind in set(layer_types):
+        options.update(get_mixer(kind).tiny_options)
+    cls = config_class(name) if name != HYBRID else config_class("full_attention")
+    config = cls(**{**TINY, "num_hidden_layers": len(layer_types), "layer_types": layer_types, **options,
+                    **overrides})
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def tiny_model(name: str, dtype=torch.float64, seed: int = 0, **overrides):
+    from .model.modeling import MixerForCausalLM
+
+    torch.manual_seed(seed)
+    return MixerForCausalLM(tiny_config(name, **overrides)).to(dtype).eval()
+
+
+def _inputs(batch=2, length=12, seed=1, pad=3):
+    """Token ids (B, T) and a mask whose last row is left-padded by ``pad`` tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, TINY["vocab_size"], (batch, length), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[-1, :pad] = 0
+    ids[-1, :pad] = TINY["pad_token_id"]
+    return ids, mask
+
+
+def _close(actual, expected, what, dtype=torch.float64):
+    try:
+        torch.testing.assert_close(actual, expected, **TOLERANCE[dtype])
+    except AssertionError as error:
+        raise AssertionError(f"{what}: {error}") from None
+
+
+def _logits(model, ids, mask, **kwargs):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, **kwargs).logits
+
+
+def check_config(name):
+    """The config round-trips through to_dict / from_dict and every option's check rejects a wrong value by name."""
+    config = tiny_config(name)
+    again = type(config).from_dict(config.to_dict())
+    assert again.layer_types == config.layer_types, "config round trip: layer_types changed"
+    assert "layer_types" not in config.to_dict(), "config: the saved dict must name layers in mixer_types"
+    for kind in set(config.layer_types):
+        for option in get_mixer(kind).options:
+            assert getattr(again, option.name) == getattr(config, option.name), f"config round trip: {option.name}"
+            if option.check is None:
+                continue
+            try:
+                tiny_config(name, **{option.name: "not a valid value"})
+            except ValueError as error:
+                assert option.name in str(error), f"config: the error for a bad {option.name} does not name it"
+            else:
+                raise AssertionError(f"config: {option.name}='not a valid value' was accepted")
+
+
+def check_forward_backward(name):
+    """Forward shapes and dtype, no NaN, and a non-zero gradient reaches every parameter (after moving every
+    parameter off its init: zero-initialised output weights would hide what feeds them)."""
+    model = tiny_model(name, dtype=torch.float32).train()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.02 * torch.randn_like(parameter))
+    ids, mask = _inputs()
+    logits = model(ids, attention_mask=mask).logits
+    assert logits.shape == (*ids.shape, TINY["vocab_size"]) and logits.dtype == torch.float32, "forward: shape/dtype"
+    assert torch.isfinite(logits).all(), "forward: non-finite logits"
+    logits[mask.bool()].float().pow(2).mean().backward()
+    silent = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.any())]
+    silent = [n for n in silent if not n.endswith("embed_tokens.weight")]
+    assert not silent, f"backward: no gradient reaches {silent}"
+
+
+def check_gradcheck(name):
+    """fp64 gradcheck of one mixer layer with respect to its input."""
+    from .model.modeling import MixerModel
+
+    model = MixerModel(tiny_config(name)).double()
+    mixer, length = model.layers[0].mixer, 5
+    x = torch.randn(1, length, TINY["hidden_size"], dtype=torch.float64, requires_grad=True)
+    positions = model.rotary_emb(x, torch.arange(length)[None])
+    assert torch.autograd.gradcheck(lambda h: mixer(h, positions), (x,), eps=1e-6, atol=1e-5), "gradcheck"
+
+
+def check_decode_equals_forward(name):
+    """Prefill + token-by-token decode of a left-padded batch equals one full forward."""
+    from transformers import DynamicCache
+
+    model = tiny_model(name)
+    ids, mask = _inputs()
+    full = _logits(model, ids, mask)
+    cache = DynamicCache(config=model.config)
+    steps = [_logits(model, ids[:, :5], mask[:, :5], past_key_values=cache, use_cache=True)]
+    for t in range(5, ids.shape[1]):
+        steps.append(_logits(model, ids[:, t:t + 1], mask[:, :t + 1], past_key_values=cache, use_cache=True))
+    valid = mask.bool()
+    _close(torch.cat(steps, 1)[valid], full[valid], "prefill + decode vs one forward")
+
+
+def check_chunked_prefill(name):
+    """A prefill in two chunks (the second onto a non-empty cache) equals one full forward."""
+    from transformers import DynamicCache
+
+    model = tiny_model(name)
+    ids, mask = _inputs()
+    full = _logits(model, ids, mask)
+    cache = DynamicCache(config=model.config)
+    first = _logits(model, ids[:, :7], mask[:, :7], past_key_values=cache, use_cache=True)
+    second = _logits(model, ids[:, 7:], mask, past_key_values=cache, use_cache=True)
+    valid = mask.bool()
+    _close(torch.cat([first, second], 1)[valid], full[valid], "two-chunk prefill vs one forward")
+
+
+def check_padding(name):
+    """Each row of a left-padded batch equals that sequence run alone."""
+    model = tiny_model(name)
+    ids, mask = _inputs()
+    batch = _logits(model, ids, mask)
+    for row in range(ids.shape[0]):
+        real = mask[row].bool()
+        alone = _logits(model, ids[row:row + 1, real], mask[row:row + 1, real])
+        _close(batch[row, real], alone[0], f"left-padded row {row} vs the sequence alone")
+
+
+def check_generate(name):
+    """generate() with the cache equals generate() without it: greedy, seeded sampling and beam search."""
+    model = tiny_model(name)
+    ids, mask = _inputs(length=6, pad=2)
+    for mode, kwargs in (("greedy", dict(do_sample=False)), ("sampling", dict(do_sample=True, top_k=0)),
+                         ("beam search", dict(do_sample=False, num_beams=2))):
+        outputs = []
+        for use_cache in (True, False):
+            torch.manual_seed(0)
+            outputs.append(model.generate(ids, attention_mask=mask, max_new_tokens=5, use_cache=use_cache,
+                                          pad_token_id=0, **kwargs))
+        assert torch.equal(*outputs), f"generate ({mode}): cached and uncached tokens differ"
+
+
+def check_remote_code(name):
+    """Saved, the folder loads through remote code in a fresh process without hf_mixers and gives the same logits."""
+    from .common.remote_check import load_in_fresh_process
+
+    model = tiny_model(name, dtype=torch.float32)
+    ids, mask = _inputs()
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(os.path.join(folder, "model"))
+        remote = load_in_fresh_process(os.path.join(folder, "model"), ids, mask, max_new_tokens=3)
+    assert not remote["hf_mixers_imported"], "remote code: the child process imported hf_mixers"
+    _close(remote["logits"], _logits(model, ids, mask), "remote-code logits vs the model's", torch.float32)
+
+
+def check_bf16(name):
+    """A bf16 forward stays close to fp32 (relative RMS error below 5%)."""
+    model = tiny_model(name, dtype=torch.float32)
+    ids, mask = _inputs()
+    reference = _logits(model, ids, mask)
+    low = _logits(model.to(torch.bfloat16), ids, mask).float()
+    valid = mask.bool()
+    error = ((low - reference)[valid].pow(2).mean() / reference[valid].pow(2).mean()).sqrt().item()
+    assert error < 0.05, f"bf16: relative RMS error {error:.3f} vs fp32"
+
+
+def check_gradient_checkpointing(name):
+    """Gradient checkpointing gives the same gradients."""
+    ids, mask = _inputs()
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model(name).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model(ids, attention_mask=mask, use_cache=False).logits.pow(2).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys(), "gradient checkpointing: other parameters get gradients"
+    for key in grads[0]:
+        _close(grads[1][key], grads[0][key], f"gradient checkpointing: gradient of {key}")
+
+
+def check_from_attention(name):
+    """from_attention on tiny Llama, Qwen2 and Qwen3 teachers: a finite output and a measured at-init error (zero
+    for a spec that declares exact_at_init). Returns {family: error}."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    from .conversion.families import backbone_fields
+    from .core.attention import attention_output_error
+
+    errors = {}
+    for kind in sorted({k for k in _layer_types(name) if not get_mixer(k).is_teacher_attention} or {name}):
+        spec = get_mixer(kind)
+        for family, (config_cls, model_cls) in {"llama": (LlamaConfig, LlamaForCausalLM),
+                                                "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                                "qwen3": (Qwen3Config, Qwen3ForCausalLM)}.items():
+            torch.manual_seed(0)
+            teacher = model_cls(config_cls(**{**TINY, "num_hidden_layers": 1, "sliding_window": None,
+                                              **({"head_dim": 16} if family == "qwen3" else {})})).double().eval()
+            options = {**spec.tiny_options, **spec.conversion_options}
+            for option in ("sessa_gamma_bias_init",):  # a conversion starts from the teacher, gain 0
+                options.pop(option, None)
+            # a window longer than the 10 test tokens: a sliding layer then equals its (full-attention) teacher
+            fields = {**backbone_fields(teacher.config), "sliding_window": 16}
+            config = config_class(kind)(**fields, layer_types=[kind], **options)
+            config._attn_implementation = "sdpa"
+            hidden = torch.randn(2, 10, TINY["hidden_size"], dtype=torch.float64)
+            positions = teacher.model.rotary_emb(hidden, torch.arange(10)[None])
+            attention = teacher.model.layers[0].self_attn
+            mixer = spec.mixer_class.from_attention(attention, config, 0, calibration_hidden_states=hidden,
+                                                    calibration_position_embeddings=positions).eval()
+            error = attention_output_error(mixer, attention, hidden, positions)
+            assert error == error and error < float("inf"), f"from_attention ({kind}, {family}): non-finite output"
+            if spec.exact_at_init:
+                assert error < 1e-9, f"from_attention ({kind}, {family}): error {error:.2e} but exact_at_init"
+            errors[f"{kind}/{family}"] = error
+    return errors
+
+
+CHECKS = (check_config, check_forward_backward, check_gradcheck, check_decode_equals_forward, check_chunked_prefill,
+          check_padding, check_generate, check_remote_code, check_bf16, check_gradient_checkpointing,
+          check_from_attention)
+
+
+def check_mixer(name: str) -> None:
+    """Run every contract check on registered mixer ``name``; an AssertionError names the failed property."""
+    get_mixer(name)  # unknown names fail here, by name
+    for check in CHECKS:
+        check(name)

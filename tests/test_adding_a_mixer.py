@@ -1,0 +1,63 @@
+"""docs/adding-a-mixer.md: a mixer defined outside the package (docs/examples/ema_mixer.py) registers with one call
+and then passes the contract suite, converts a teacher, distils through the recipes, and ships as remote code."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import save_tiny_teacher
+from hf_mixers import get_mixer, list_mixers, register_mixer
+from hf_mixers.common.remote_check import load_in_fresh_process
+from hf_mixers.testing import check_mixer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "docs", "examples"))
+import ema_mixer  # noqa: E402  (registers "ema")
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("teacher"))
+    save_tiny_teacher(folder)
+    return folder
+
+
+def test_the_example_mixer_passes_the_contract():
+    assert get_mixer("ema") is ema_mixer.EMA and "ema" in [spec.name for spec in list_mixers(convertible=True)]
+    check_mixer("ema")
+
+
+def test_the_example_mixer_converts_distils_and_loads_without_hf_mixers(teacher_dir, tmp_path):
+    from hf_mixers import EMAForCausalLM
+    from hf_mixers.recipes import distill, load_recipe
+
+    out = tmp_path / "run"
+    summary = distill(load_recipe([], [f"model.teacher={teacher_dir}", "model.mixer=ema", "data.sequence_length=32",
+                                       "data.max_train_sequences=8", "data.heldout_sequences=2", "stage1.steps=2",
+                                       "stage2.steps=2", f"output.dir={out}"]), progress=False)
+    assert isinstance(summary["model"], EMAForCausalLM)
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["model_type"] == "ema" and set(config["mixer_types"]) == {"ema"}
+    files = set(os.listdir(out / "model"))
+    assert {"ema_mixer.py", "mixers.py"} <= files and not {"rsa.py", "sessa.py"} & files
+    saved = (out / "model" / "ema_mixer.py").read_text()
+    assert "from .mixer import SequenceMixer" in saved and "hf_mixers" not in saved.split('"""')[-1]
+    ids = torch.randint(1, 300, (2, 10))
+    remote = load_in_fresh_process(out / "model", ids, max_new_tokens=4)
+    assert not remote["hf_mixers_imported"] and remote["class"] == "EMAForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(remote["logits"], summary["model"].eval()(ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_names_are_checked_at_registration():
+    spec = ema_mixer.EMA
+    for name, message in (("mamba", "one of transformers' own layer kinds"), ("linear_attention", "own layer kinds"),
+                          ("llama", "transformers' model type"), ("Bad-Name", "must match"),
+                          ("ema", "already registered")):
+        with pytest.raises(ValueError, match=message):
+            register_mixer(type(spec)(**{**spec.__dict__, "name": name, "title": "Other", "options": ()}))
+    assert register_mixer(spec) is spec  # the same spec again (a module imported twice) is a no-op
+    with pytest.raises(ValueError, match="must start with 'other_'"):
+        register_mixer(type(spec)(**{**spec.__dict__, "name": "other", "title": "Other"}))
