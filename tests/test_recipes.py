@@ -221,7 +221,7 @@ def test_killed_run_resumes_with_the_same_losses(teacher_dir, tmp_path):
     steps = ["stage1.steps=3", "stage2.steps=8", "output.checkpoint_every=1"]
     reference = distill(load_recipe([], small(teacher_dir, tmp_path / "reference", *steps)), progress=False)
     out = tmp_path / "killed"
-    command = [sys.executable, "-m", "hf_mixers.apps.cli", "distill"]
+    command = [sys.executable, "-m", "hf_mixers", "distill"]
     for item in small(teacher_dir, out, *steps):
         command += ["--set", item]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -252,7 +252,7 @@ def test_two_processes_split_the_data_and_average_gradients(teacher_dir, tmp_pat
     """torchrun, 2 CPU processes (gloo): world size 2, each rank trains on different blocks, one model written."""
     out = tmp_path / "ddp"
     command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "-m",
-               "hf_mixers.apps.cli", "distill"]
+               "hf_mixers", "distill"]
     for item in small(teacher_dir, out, "stage1.steps=2", "stage2.steps=2", "train.batch_size=1"):
         command += ["--set", item]
     result = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
@@ -338,7 +338,7 @@ def test_deepspeed_zero2_under_torchrun_matches_data_parallel(teacher_dir, tmp_p
     for strategy in ("ddp", "deepspeed"):
         out = tmp_path / strategy
         command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "-m",
-                   "hf_mixers.apps.cli", "distill"]
+                   "hf_mixers", "distill"]
         for item in small(teacher_dir, out, "stage1.enabled=false", "stage2.steps=3", "train.batch_size=1",
                           f"train.strategy={strategy}", "output.checkpoint_every=3"):
             command += ["--set", item]

