@@ -61,3 +61,21 @@ def test_names_are_checked_at_registration():
     assert register_mixer(spec) is spec  # the same spec again (a module imported twice) is a no-op
     with pytest.raises(ValueError, match="must start with 'other_'"):
         register_mixer(type(spec)(**{**spec.__dict__, "name": "other", "title": "Other"}))
+
+
+def test_the_command_line_loads_mixer_plugins(teacher_dir, tmp_path):
+    import subprocess
+
+    examples = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "examples")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [examples, os.environ.get("PYTHONPATH")])),
+           "HF_MIXERS_PLUGINS": "ema_mixer"}
+    command = [sys.executable, "-m", "hf_mixers", "convert", teacher_dir, "--mixer", "ema", "--out",
+               str(tmp_path / "ema"), "--sequence-length", "32", "--calibration-sequences", "2",
+               "--heldout-sequences", "1"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((tmp_path / "ema" / "config.json").read_text())["model_type"] == "ema"
+    broken = subprocess.run(command[:3] + ["--help"], env={**env, "HF_MIXERS_PLUGINS": "no_such_mixer_module"},
+                            capture_output=True, text=True, timeout=600)
+    assert broken.returncode == 2
+    assert "HF_MIXERS_PLUGINS: module 'no_such_mixer_module' failed to load" in broken.stderr

@@ -36,8 +36,9 @@ def _option(text: str) -> tuple[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..core.registry import list_mixers
+    from ..core.registry import list_mixers, load_plugins
 
+    load_plugins()  # mixers of other packages (entry points) and of $HF_MIXERS_PLUGINS
     mixers = [spec.name for spec in list_mixers(convertible=True)]  # every registered mixer, yours included
     parser = argparse.ArgumentParser(prog="hf-mixers", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -152,7 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except RuntimeError as error:  # a mixer plugin that does not load
+        print(f"hf-mixers: error: {error}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     if args.command == "convert":
         return _convert(args)
     if args.command in ("distill", "finetune"):

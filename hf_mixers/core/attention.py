@@ -39,10 +39,7 @@ class FullAttention(SequenceMixer):
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
-        if config.block == "sessa" and self.num_heads == 1:
-            self.o_proj = nn.Identity()  # the official Sessa mixer has no head merge for a single head
-        else:
-            self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_out_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_out_bias)
         if config.qk_norm:  # Qwen3: RMSNorm over each head's channels, before RoPE
             self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)

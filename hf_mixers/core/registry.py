@@ -11,6 +11,9 @@ transformers' own layer kinds or model types (registering ``mamba`` would silent
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -176,3 +179,33 @@ def on_register(listener: Callable[[MixerSpec], None]) -> None:
     for spec in list(_MIXERS.values()):
         listener(spec)
 
+
+
+PLUGIN_GROUP = "hf_mixers.mixers"  # entry points: a zero-argument function (or module) that registers mixers
+PLUGIN_MODULES = "HF_MIXERS_PLUGINS"  # environment: comma-separated modules to import, e.g. "my_mixers.ema"
+_plugins_loaded = False
+
+
+def load_plugins() -> list[str]:
+    """Import the mixers of other packages once per process: every ``hf_mixers.mixers`` entry point, then the modules
+    named in $HF_MIXERS_PLUGINS. A plugin that fails to load raises, naming it. Returns what was loaded."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return []
+    _plugins_loaded = True
+    loaded = []
+    for entry in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+        try:
+            target = entry.load()
+            if callable(target):
+                target()
+        except Exception as error:
+            raise RuntimeError(f"hf_mixers plugin {entry.name!r} ({entry.value}) failed to load: {error}") from error
+        loaded.append(entry.value)
+    for name in filter(None, (part.strip() for part in os.environ.get(PLUGIN_MODULES, "").split(","))):
+        try:
+            importlib.import_module(name)
+        except Exception as error:
+            raise RuntimeError(f"{PLUGIN_MODULES}: module {name!r} failed to load: {error}") from error
+        loaded.append(name)
+    return loaded

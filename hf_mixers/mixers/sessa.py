@@ -32,6 +32,8 @@ class SessaMixer(FullAttention):
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.use_rope = config.block == "llama" or config.sessa_forward_rope  # the native block may run NoPE
+        if config.block == "sessa" and self.num_heads == 1:
+            self.o_proj = nn.Identity()  # the official Sessa mixer has no head merge for a single head
         self.feedback_dim = config.sessa_feedback_dim
         self.feedback_heads = config.sessa_feedback_heads
         self.gamma_max = float(config.sessa_gamma_max)
