@@ -15,6 +15,7 @@ from transformers import initialization as init
 
 from hf_mixers import MixerOption, MixerSpec, SequenceMixer, register_mixer
 from hf_mixers.core.cache import RecurrentStateLayer
+from hf_mixers.core.registry import number
 from hf_mixers.kernels.common import compute_dtype
 
 
@@ -59,14 +60,10 @@ class EMACacheLayer(RecurrentStateLayer):
     _layer_type = "ema"
 
 
-def _decay_init(value):
-    return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "must be a number"
-
-
 EMA = register_mixer(MixerSpec(
     name="ema", mixer_class=EMAMixer, title="EMA",
     summary="a causal exponential moving average of the teacher's values (an example mixer)",
     options=(MixerOption("ema_decay_init", 2.0, "initial logit of the per-head decay a = sigmoid(logit)",
-                         _decay_init),),
+                         number),),
     cache_layer=EMACacheLayer, constant_state=True,
     limitations=("EMA layers average the past with one decay per head: they cannot retrieve a specific token.",)))

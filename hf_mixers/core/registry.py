@@ -40,6 +40,10 @@ def boolean(value) -> str | None:
     return None if isinstance(value, bool) else "must be true or false"
 
 
+def number(value) -> str | None:
+    return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "must be a number"
+
+
 @dataclass(frozen=True)
 class MixerOption:
     """One config field of a mixer: its name (prefixed by the mixer's name), default, documentation and check.

@@ -23,7 +23,7 @@ from transformers import initialization as init
 
 from ..core.attention import FullAttention
 from ..core.cache import RecurrentStateLayer
-from ..core.registry import MixerOption, MixerSpec, boolean, one_of, positive_int, register_mixer
+from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
 from ..kernels.common import compute_dtype
 from ..kernels.dispatch import use_triton
 from ..kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, rsa_memory, triton_unsupported
@@ -269,10 +269,6 @@ def _short_conv(value) -> str | None:
     return None if ok else "must be 0 (off) or a kernel size >= 2"
 
 
-def _number(value) -> str | None:
-    return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "must be a number"
-
-
 RSA = register_mixer(MixerSpec(
     name="rsa", mixer_class=RSAMixer, title="RSA",
     summary="recursive sparse attention: a fixed-size deep-shallow memory of slots read sparsely, so the decoding "
@@ -290,8 +286,8 @@ RSA = register_mixer(MixerSpec(
                     "matrices), 'elementwise' (the paper's literal product) or 'none'",
                     one_of("relation", "elementwise", "none")),
         MixerOption("rsa_threshold_init", None, "initial theta = 1/z of the sparse read (None: 0.5 for the sigmoid "
-                    "readout, 0.0 for softmax_count); learned, clamped to [0, rsa_threshold_max]", _number),
-        MixerOption("rsa_threshold_max", 0.99, "upper clamp of theta", _number),
+                    "readout, 0.0 for softmax_count); learned, clamped to [0, rsa_threshold_max]", number),
+        MixerOption("rsa_threshold_max", 0.99, "upper clamp of theta", number),
         MixerOption("rsa_chunk_size", 64, "chunk size C; assignment references refresh every C real tokens",
                     positive_int),
         MixerOption("rsa_state_init", "prototypes", "'prototypes' (learned initial key slots with a pseudo-count) or "
@@ -299,7 +295,7 @@ RSA = register_mixer(MixerSpec(
         MixerOption("rsa_query_read", False, "the RSA-q branch, sum_i (q W_qr_i / 16) @ SV_i", boolean),
         MixerOption("rsa_mlp_hidden", None, "hidden width of the residual inter-level MLPs (None: head_dim)",
                     positive_int),
-        MixerOption("rsa_eps", 1e-6, "floor of the slot masses", _number),
+        MixerOption("rsa_eps", 1e-6, "floor of the slot masses", number),
         MixerOption("rsa_short_conv", 0, "kernel size K of a causal depthwise convolution before the q/k/v "
                     "projections (0: off; identity at init)", _short_conv),
         MixerOption("rsa_decay", False, "data-dependent decay of the memory, exp(logsigmoid(x W + b) / 16) per KV "

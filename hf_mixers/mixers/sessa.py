@@ -22,7 +22,7 @@ from transformers import initialization as init
 
 from ..core.attention import FullAttention
 from ..core.cache import KVPlusLayer
-from ..core.registry import MixerOption, MixerSpec, boolean, one_of, positive_int, register_mixer
+from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
 from ..kernels.common import compute_dtype
 from ..kernels.dispatch import use_triton
 from ..kernels.feedback_solve import feedback_solve
@@ -140,10 +140,6 @@ def _open_unit_interval(value) -> str | None:
     return None if isinstance(value, (int, float)) and 0.0 < value < 1.0 else "must lie in (0, 1)"
 
 
-def _number(value) -> str | None:
-    return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "must be a number"
-
-
 SESSA = register_mixer(MixerSpec(
     name="sessa", mixer_class=SessaMixer, title="Sessa",
     summary="attention inside a feedback loop: each output feeds back into later ones through a triangular solve "
@@ -157,7 +153,7 @@ SESSA = register_mixer(MixerSpec(
         MixerOption("sessa_feedback_bias", True, "biases on the feedback q/k projection (official: true)", boolean),
         MixerOption("sessa_gamma_max", 0.999, "gain bound: gamma = gamma_max * tanh(b + w.x)", _open_unit_interval),
         MixerOption("sessa_gamma_bias_init", None, "initial b (None: 0.0 in the llama block, so a converted layer is "
-                    "exactly its teacher; 1.0 in the native block, the official init)", _number),
+                    "exactly its teacher; 1.0 in the native block, the official init)", number),
         MixerOption("sessa_forward_rope", True, "RoPE on the attention branch of the native block (false: NoPE, the "
                     "official default)", boolean),
         MixerOption("sessa_solver", "chunked", "'chunked' (O(T*C) memory, Triton kernel on CUDA) or 'dense' (the "
