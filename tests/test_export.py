@@ -93,6 +93,8 @@ def test_flatten_imports_rewrites_each_import_at_its_position():
         flatten_imports("from ..core import cache\n", "mixers.rsa", modules)
     with pytest.raises(ValueError, match="import hf_mixers...' cannot be rewritten"):
         flatten_imports("import hf_mixers.core\n", "mixers.rsa", modules)
+    with pytest.raises(ValueError, match="imports hf_mixers.common.corpus, which a saved folder does not ship"):
+        flatten_imports("from ..common.corpus import shakespeare\n", "mixers.rsa", modules)
 
 
 def test_the_saved_folder_holds_the_import_closure_of_the_mixers_it_uses(tmp_path):

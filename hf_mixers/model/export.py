@@ -25,6 +25,7 @@ ENTRY_POINTS = ("model.config", "model.modeling")  # what config.auto_map names
 # flat names transformers users expect for the entry points; every other module is saved under its own last name
 FLAT_ENTRY_NAMES = {"model.config": "configuration_hf_mixers", "model.modeling": "modeling_hf_mixers"}
 REGISTRATION_LIST = "mixers"  # hf_mixers/mixers/__init__.py: generated in a saved folder
+SHIPPED = ("core", "mixers", "model", "kernels")  # what a saved folder may hold; never common/, apps/, recipes/...
 EXTERNAL = "ext:"  # key prefix of a module outside hf_mixers (a user's mixer), by its absolute name
 IN_PACKAGE = __package__.split(".")[0] == "hf_mixers"  # False inside a remote-code folder (already flat)
 
@@ -109,6 +110,9 @@ def _imports(module: str, source: str, is_package: bool) -> list:
         found.append((node, [(target, node.names)]))
     for node, groups in found:
         for target, aliases in groups:
+            if IN_PACKAGE and target.split(".")[0] not in SHIPPED:
+                raise ValueError(f"remote-code export: {_where(module, node)} imports hf_mixers.{target}, which a "
+                                 f"saved folder does not ship (only {', '.join(SHIPPED)})")
             if target != REGISTRATION_LIST and _spec(target) is None:
                 raise ValueError(f"remote-code export: {_where(module, node)} imports {target}, which cannot be found")
             modules = [a.name for a in aliases if _spec(f"{target}.{a.name}")]
