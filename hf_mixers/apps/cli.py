@@ -180,7 +180,7 @@ def _bench(args) -> int:
     """``hf-mixers bench TARGET``: a mistaken argument (or a --device that is not there) is one line, exit 2."""
     try:
         if args.target == "sessa":
-            from .bench.harness import bench_sessa
+            from .bench.sessa import bench_sessa
 
             bench_sessa(args.out, lengths=args.lengths or [512, 1024, 2048, 4096], hidden_size=args.hidden_size,
                         num_heads=args.heads, num_kv_heads=args.kv_heads, batch_size=args.batch_size,
