@@ -34,7 +34,7 @@ from ..core.registry import TEACHER_ATTENTION, get_mixer, list_mixers
 from ..model.config import config_class
 from ..common.corpus import split_texts, token_blocks
 from ..common.measures import compare_to_teacher
-from ..model.export import check_output_folder, save_atomically
+from ..common.files import check_output_folder, save_atomically
 from ..model.modeling import MixerForCausalLM, model_classes
 from .families import backbone_fields, student_name, teacher_layer_kinds
 from .report import ConversionReport, LayerReport
@@ -57,6 +57,10 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
     out: if given, the folder written (refused if non-empty unless ``overwrite``).
     """
     start = time.perf_counter()
+    for name, value, least in (("sequence_length", sequence_length, 2), ("calibration_sequences",
+                               calibration_sequences, 1), ("heldout_sequences", heldout_sequences, 1), ("seed", seed, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     convertible = convertible_mixers()
     if mixer not in convertible:
         raise ValueError(f"unknown mixer {mixer!r}; choose from {convertible}")

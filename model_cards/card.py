@@ -22,6 +22,7 @@ import os
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
+from ..common.files import write_atomically
 from ..common.history import FINETUNE_SUMMARY, TRAINING_SUMMARY, blank_or
 from ..core.registry import TEACHER_ATTENTION, get_mixer, list_mixers
 from ..model.config import saved_layer_types
@@ -248,7 +249,9 @@ def build_card(folder: str, repo_id: str | None = None, base_model: str | None =
     """Write ``folder``/README.md (replacing any earlier card) and return its path."""
     card = render_card(folder, repo_id=repo_id, base_model=base_model, license=license)
     path = os.path.join(os.path.abspath(folder), "README.md")
-    card.save(path + ".partial")
-    check_card(path + ".partial")
-    os.replace(path + ".partial", path)
-    return path
+
+    def write(temporary):
+        card.save(temporary)
+        check_card(temporary)
+
+    return write_atomically(path, write)

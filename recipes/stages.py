@@ -29,7 +29,7 @@ from ..core.registry import TEACHER_ATTENTION
 from ..common.corpus import split_texts
 from ..conversion import convert, load_teacher
 from ..common.measures import compare_to_teacher
-from ..model.export import save_atomically
+from ..common.files import save_atomically
 from .config import Recipe
 from .data import pack
 from .strategies import Sharding, check_launch

@@ -23,20 +23,18 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..common.files import write_atomically
+
 if TYPE_CHECKING:
     from .trainer import Processes
 
 
 def _save_atomically(state: dict, path: str) -> None:
-    temporary = f"{path}.partial"
-    torch.save(state, temporary)
-    os.replace(temporary, path)
+    write_atomically(path, lambda temporary: torch.save(state, temporary))
 
 
 def _write_atomically(text: str, path: str) -> None:
-    with open(f"{path}.partial", "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(f"{path}.partial", path)
+    write_atomically(path, text)
 
 
 @dataclass

@@ -10,7 +10,8 @@ from transformers.dynamic_module_utils import get_imports
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_sessa_model
-from hf_mixers.model.export import flatten_imports, import_closure, save_atomically
+from hf_mixers.common.files import save_atomically
+from hf_mixers.model.export import flatten_imports, import_closure
 from hf_mixers.common.remote_check import load_in_fresh_process
 
 
@@ -116,3 +117,29 @@ def test_fresh_process_load_reports_a_broken_folder(tmp_path):
     os.remove(tmp_path / "feedback_solve.py")
     with pytest.raises(RuntimeError, match="failed in a fresh process without hf_mixers"):
         load_in_fresh_process(tmp_path, torch.randint(1, 101, (1, 4)))
+
+
+def test_outputs_get_the_umask_modes_and_a_killed_writer_leaves_nothing_behind(tmp_path):
+    import subprocess
+    import sys
+
+    from hf_mixers.common.files import write_atomically
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # a process that has exited: its staging leftovers are stale
+    stale = tmp_path / f".out.partial-{dead_pid}-abc"
+    stale.mkdir()
+    (stale / "model.safetensors").write_text("half")
+    live = tmp_path / f".out.partial-{os.getppid()}-xyz"  # a live writer's staging folder is left alone
+    live.mkdir()
+    old_mask = os.umask(0o022)
+    try:
+        save_atomically(tiny_sessa_model(), tmp_path / "out")
+        write_atomically(str(tmp_path / "report.json"), "{}")
+    finally:
+        os.umask(old_mask)
+    assert not stale.exists() and live.exists()
+    assert os.stat(tmp_path / "out").st_mode & 0o777 == 0o755
+    assert os.stat(tmp_path / "out" / "config.json").st_mode & 0o777 == 0o644
+    assert os.stat(tmp_path / "report.json").st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir() if ".partial" in p.name) == [live.name]

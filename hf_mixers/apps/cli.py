@@ -20,6 +20,27 @@ def _layer_list(text: str) -> list[int]:
     return _int_list(text)
 
 
+def _at_least(least: int):
+    """An argparse type: an integer >= ``least`` (argparse names the flag in the error, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {least}"
+    return parse
+
+
+def _positive_list(text: str) -> list[int]:
+    values = _int_list(text)
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
 def _keep_attention(text: str):
     return text if text.startswith("auto:") else _int_list(text)
 
@@ -58,10 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     convert.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                          help="a mixer config field, e.g. --option rsa_num_slots=32 (repeatable)")
-    convert.add_argument("--sequence-length", type=int, default=512, help="tokens per calibration sequence")
-    convert.add_argument("--calibration-sequences", type=int, default=8)
-    convert.add_argument("--heldout-sequences", type=int, default=4)
-    convert.add_argument("--seed", type=int, default=0)
+    convert.add_argument("--sequence-length", type=_at_least(2), default=512, help="tokens per calibration sequence")
+    convert.add_argument("--calibration-sequences", type=_at_least(1), default=8)
+    convert.add_argument("--heldout-sequences", type=_at_least(1), default=4)
+    convert.add_argument("--seed", type=_at_least(0), default=0)
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
 
     distill = commands.add_parser(
@@ -89,16 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--data", default=None,
                           help="held-out text: file, folder or hub dataset, last 20%% held out (default: Shakespeare's "
                                "held-out plays)")
-    evaluate.add_argument("--sequence-length", type=int, default=512, help="tokens per held-out sequence")
-    evaluate.add_argument("--heldout-sequences", type=int, default=8)
-    evaluate.add_argument("--passkey-lengths", type=_int_list, default=[256, 1024, 2048],
+    evaluate.add_argument("--sequence-length", type=_at_least(2), default=512, help="tokens per held-out sequence")
+    evaluate.add_argument("--heldout-sequences", type=_at_least(1), default=8)
+    evaluate.add_argument("--passkey-lengths", type=_positive_list, default=[256, 1024, 2048],
                           help="passkey context lengths in tokens (default 256,1024,2048)")
-    evaluate.add_argument("--passkey-trials", type=int, default=5, help="prompts per length (default 5)")
+    evaluate.add_argument("--passkey-trials", type=_at_least(1), default=5, help="prompts per length (default 5)")
     evaluate.add_argument("--prompt", dest="prompts", action="append", default=None,
                           help="a generation prompt (repeatable; default: three built-in prompts)")
-    evaluate.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per sample")
-    evaluate.add_argument("--contexts", type=_int_list, default=[512, 2048], help="decode-speed contexts")
-    evaluate.add_argument("--decode-tokens", type=int, default=16, help="timed decode steps per context")
+    evaluate.add_argument("--max-new-tokens", type=_at_least(1), default=32, help="tokens generated per sample")
+    evaluate.add_argument("--contexts", type=_positive_list, default=[512, 2048], help="decode-speed contexts")
+    evaluate.add_argument("--decode-tokens", type=_at_least(1), default=16, help="timed decode steps per context")
     evaluate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     evaluate.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     evaluate.add_argument("--out", default=None, help="report folder (default: the model folder)")
@@ -125,30 +146,30 @@ def build_parser() -> argparse.ArgumentParser:
                                             "(about 15 minutes on 2 CPU cores)")
     demo.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
     demo.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
-    demo.add_argument("--max-steps", type=int, default=None, help="cap every stage at N steps (a smoke run)")
+    demo.add_argument("--max-steps", type=_at_least(1), default=None, help="cap every stage at N steps (a smoke run)")
 
     bench = commands.add_parser("bench", help="benchmarks, written as JSON and PNG")
     bench.add_argument("target", choices=["sessa", "rsa", "distill", "kernels"], help="what to benchmark")
     bench.add_argument("--out", default="outputs/bench", help="output folder (default: outputs/bench)")
-    bench.add_argument("--lengths", type=_int_list, default=None,
+    bench.add_argument("--lengths", type=_positive_list, default=None,
                        help="training sequence lengths (default sessa: 512,...,4096; rsa: 512,...,8192)")
-    bench.add_argument("--contexts", type=_int_list, default=[1024, 4096, 16384], help="rsa: decoding contexts")
-    bench.add_argument("--decode-layers", type=int, default=2, help="rsa: layers of the decoding models")
-    bench.add_argument("--decode-tokens", type=int, default=64, help="rsa: decode steps timed per context")
-    bench.add_argument("--decode-batch", type=int, default=1, help="rsa: rows decoded together (default 1)")
-    bench.add_argument("--hidden-size", type=int, default=576, help="model width (default: SmolLM2-135M's 576)")
-    bench.add_argument("--heads", type=int, default=9, help="attention heads (default 9)")
-    bench.add_argument("--kv-heads", type=int, default=3, help="key/value heads (default 3)")
-    bench.add_argument("--batch-size", type=int, default=1)
-    bench.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median reported)")
+    bench.add_argument("--contexts", type=_positive_list, default=[1024, 4096, 16384], help="rsa: decoding contexts")
+    bench.add_argument("--decode-layers", type=_at_least(1), default=2, help="rsa: layers of the decoding models")
+    bench.add_argument("--decode-tokens", type=_at_least(1), default=64, help="rsa: decode steps timed per context")
+    bench.add_argument("--decode-batch", type=_at_least(1), default=1, help="rsa: rows decoded together (default 1)")
+    bench.add_argument("--hidden-size", type=_at_least(1), default=576, help="model width (default: SmolLM2-135M's 576)")
+    bench.add_argument("--heads", type=_at_least(1), default=9, help="attention heads (default 9)")
+    bench.add_argument("--kv-heads", type=_at_least(1), default=3, help="key/value heads (default 3)")
+    bench.add_argument("--batch-size", type=_at_least(1), default=1)
+    bench.add_argument("--repeats", type=_at_least(1), default=3, help="timed repeats per point (median reported)")
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     bench.add_argument("--source", default="smollm2-135m", help="distill: the teacher (any convert SOURCE)")
     bench.add_argument("--mixer", default="rsa", choices=mixers, help="distill: the mixer of the student")
-    bench.add_argument("--sequence-length", type=int, default=256, help="distill: tokens per sequence")
+    bench.add_argument("--sequence-length", type=_at_least(2), default=256, help="distill: tokens per sequence")
     bench.add_argument("--shapes", default="smollm2-135m,llama3-8b",
                        help="kernels: model shapes (heads and widths), comma-separated")
-    bench.add_argument("--chunk-size", type=int, default=64, help="kernels: query chunk of the feedback solve")
+    bench.add_argument("--chunk-size", type=_at_least(1), default=64, help="kernels: query chunk of the feedback solve")
     return parser
 
 

@@ -22,7 +22,7 @@ from ..conversion import convert, load_teacher
 from ..common.corpus import SMOLLM2_ALIAS
 from ..common.measures import generate_sample
 from ..core.registry import get_mixer
-from ..model.export import check_output_folder
+from ..common.files import check_output_folder
 
 PROMPT = "Write one line of verse about the sea."
 STAGE1_STEPS, STAGE2_STEPS = 80, 60  # the 15-minute budget of two mixers on 2 CPU cores

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..common.files import write_atomically
 from ..common.history import EVAL_REPORT, blank_or
 from ..common.measures import compare_to_teacher, decode_latency, generate_sample, passkey_accuracy
 
@@ -88,10 +89,7 @@ class EvalReport:
     def save(self, folder: str) -> None:
         """eval_report.json and eval_report.md, each written to a temporary name and renamed when complete."""
         for suffix, text in ((".json", json.dumps(self.to_dict(), indent=2) + "\n"), (".md", self.to_markdown())):
-            path = os.path.join(folder, REPORT_NAME + suffix)
-            with open(path + ".partial", "w", encoding="utf-8") as handle:
-                handle.write(text)
-            os.replace(path + ".partial", path)
+            write_atomically(os.path.join(folder, REPORT_NAME + suffix), text)
 
     @classmethod
     def load(cls, folder: str) -> "EvalReport":

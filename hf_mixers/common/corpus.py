@@ -149,6 +149,9 @@ def read_text(source: str) -> str:
 
 def token_blocks(tokenizer, text: str, length: int, count: int, what: str = "text") -> torch.Tensor:
     """The first ``count`` consecutive blocks of ``length`` tokens of ``text``: LongTensor (count, length)."""
+    for name, value in (("length", length), ("count", count)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{what}: token blocks need a positive integer {name}, got {value!r}")
     needed = length * count
     characters = 8 * needed  # tokenise a prefix (English BPE: ~4 characters per token), grow it if too short
     while True:

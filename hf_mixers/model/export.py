@@ -15,9 +15,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-import shutil
 import sys
-import tempfile
 
 from ..core.registry import TEACHER_ATTENTION, get_mixer
 
@@ -217,38 +215,3 @@ def write_remote_code(save_directory: str, layer_types=()) -> list[str]:
             handle.write(source)
         written.append(f"{flat_name}.py")
     return written
-
-
-def check_output_folder(out_dir: str, overwrite: bool) -> str:
-    """The absolute output path; an existing non-empty folder is refused unless ``overwrite``."""
-    out_dir = os.path.abspath(out_dir)
-    if os.path.isfile(out_dir):
-        raise FileExistsError(f"{out_dir} is a file, not a folder")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
-    return out_dir
-
-
-def save_atomically(model, out_dir: str, tokenizer=None, overwrite: bool = False, extra=None, **save_kwargs) -> str:
-    """Save ``model`` (and ``tokenizer``) into ``out_dir`` via a temporary sibling folder renamed when complete.
-
-    ``extra(folder)`` may write more files (reports) into the folder before the rename. An existing non-empty
-    ``out_dir`` is refused unless ``overwrite``; nothing half-written is ever left there.
-    """
-    out_dir = check_output_folder(out_dir, overwrite)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=parent)
-    try:
-        model.save_pretrained(staging, **save_kwargs)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        if extra is not None:
-            extra(staging)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out_dir

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from ...common.files import write_atomically
 from ...core.attention import FullAttention
 from ...core.registry import get_mixer
 from ...model.config import config_class
@@ -133,11 +134,7 @@ def cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dty
 
 def write_report(report: dict, out_dir: str, name: str, plot, show) -> dict:
     """``out_dir/name.json`` (written to a temporary file, then renamed), ``out_dir/name.png``, and a table."""
-    os.makedirs(out_dir, exist_ok=True)
-    staging = os.path.join(out_dir, f".{name}.json.partial")
-    with open(staging, "w") as handle:
-        json.dump(report, handle, indent=2)
-    os.replace(staging, os.path.join(out_dir, f"{name}.json"))
+    write_atomically(os.path.join(out_dir, f"{name}.json"), json.dumps(report, indent=2))
     plot(report, os.path.join(out_dir, f"{name}.png"))
     show(report)
     return report

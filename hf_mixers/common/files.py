@@ -1,0 +1,121 @@
+"""Writing outputs so that nothing half-written is ever seen: one place for every command.
+
+    write_atomically(path, write)       a file: ``write(temporary path)``, then renamed onto ``path``
+    save_atomically(model, out_dir)     a model folder: saved into a sibling staging folder, renamed when complete
+    check_output_folder(out_dir)        refuse a non-empty folder unless overwrite, before any work starts
+
+Staging names carry the writer's process id (``.NAME.partial-<pid>-...``), so a later run removes the leftovers of a
+writer that was killed (its pid is gone) and leaves a live writer's alone. Finished outputs get the usual mode for
+new files under the process's umask (``mkdtemp`` alone would leave the folder 0700, unreadable to a team).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import tempfile
+
+_PARTIAL = re.compile(r"\.partial-(\d+)-")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_partials(path: str) -> list[str]:
+    """Remove the staging leftovers of ``path`` whose writer process is gone; returns what was removed."""
+    parent, name = os.path.split(os.path.abspath(path))
+    removed = []
+    for leftover in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.partial-*")):
+        match = _PARTIAL.search(os.path.basename(leftover))
+        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+            shutil.rmtree(leftover, ignore_errors=True) if os.path.isdir(leftover) else os.remove(leftover)
+            removed.append(leftover)
+    return removed
+
+
+def _finish_modes(path: str) -> None:
+    """Directories rwx and files rw for everyone the umask allows (what a plain mkdir / open would have given)."""
+    mask = _umask()
+    if os.path.isdir(path):
+        for root, dirs, files in os.walk(path):
+            os.chmod(root, 0o777 & ~mask)
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o666 & ~mask)
+    else:
+        os.chmod(path, 0o666 & ~mask)
+
+
+def write_atomically(path: str, write) -> str:
+    """Call ``write(temporary)`` to write a file, then rename it onto ``path`` (text: pass a str instead)."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    remove_stale_partials(path)
+    handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.partial-{os.getpid()}-",
+                                         dir=os.path.dirname(path))
+    os.close(handle)
+    try:
+        if isinstance(write, str):
+            with open(temporary, "w", encoding="utf-8") as stream:
+                stream.write(write)
+        else:
+            write(temporary)
+        _finish_modes(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    return path
+
+
+def check_output_folder(out_dir: str, overwrite: bool) -> str:
+    """The absolute output path; an existing non-empty folder is refused unless ``overwrite``."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.isfile(out_dir):
+        raise FileExistsError(f"{out_dir} is a file, not a folder")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    return out_dir
+
+
+def save_atomically(model, out_dir: str, tokenizer=None, overwrite: bool = False, extra=None, **save_kwargs) -> str:
+    """Save ``model`` (and ``tokenizer``) into ``out_dir`` via a temporary sibling folder renamed when complete.
+
+    ``extra(folder)`` may write more files (reports) into the folder before the rename. An existing non-empty
+    ``out_dir`` is refused unless ``overwrite``; nothing half-written is ever left there, and the leftovers of a
+    killed earlier run are removed.
+    """
+    out_dir = check_output_folder(out_dir, overwrite)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    remove_stale_partials(out_dir)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-{os.getpid()}-", dir=parent)
+    try:
+        model.save_pretrained(staging, **save_kwargs)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        if extra is not None:
+            extra(staging)
+        _finish_modes(staging)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
