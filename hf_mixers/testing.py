@@ -228,9 +228,7 @@ def check_from_attention(name):
             torch.manual_seed(0)
             teacher = model_cls(config_cls(**{**TINY, "num_hidden_layers": 1, "sliding_window": None,
                                               **({"head_dim": 16} if family == "qwen3" else {})})).double().eval()
-            options = {**spec.tiny_options, **spec.conversion_options}
-            for option in ("sessa_gamma_bias_init",):  # a conversion starts from the teacher, gain 0
-                options.pop(option, None)
+            options = {**spec.tiny_options, **spec.conversion_options}  # what convert would use
             # a window longer than the 10 test tokens: a sliding layer then equals its (full-attention) teacher
             fields = {**backbone_fields(teacher.config), "sliding_window": 16}
             config = config_class(kind)(**fields, layer_types=[kind], **options)
