@@ -57,8 +57,9 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
     out: if given, the folder written (refused if non-empty unless ``overwrite``).
     """
     start = time.perf_counter()
-    for name, value, least in (("sequence_length", sequence_length, 2), ("calibration_sequences",
-                               calibration_sequences, 1), ("heldout_sequences", heldout_sequences, 1), ("seed", seed, 0)):
+    counts = {"sequence_length": (sequence_length, 2), "calibration_sequences": (calibration_sequences, 1),
+              "heldout_sequences": (heldout_sequences, 1), "seed": (seed, 0)}
+    for name, (value, least) in counts.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     convertible = convertible_mixers()

@@ -58,7 +58,8 @@ def from_official_layer(state_dict, n_heads, n_kv_heads=None, gamma_max=0.999, u
     hidden = state_dict["W_in.weight"].shape[1]
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
     config = config_class("sessa")(
-        vocab_size=1, bos_token_id=None, eos_token_id=None, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=n_heads,
+        vocab_size=1, bos_token_id=None, eos_token_id=None, hidden_size=hidden, num_hidden_layers=1,
+        num_attention_heads=n_heads,
         num_key_value_heads=n_kv_heads, block="sessa", attention_bias=True, attention_out_bias=False,
         sessa_feedback_dim=hidden, sessa_feedback_bias=True, sessa_gamma_max=gamma_max,
         sessa_forward_rope=use_forward_rope, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

@@ -12,6 +12,9 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from ..common.files import write_atomically
+from ..common.history import CONVERSION_REPORT
+
 
 @dataclass
 class LayerReport:
@@ -98,14 +101,12 @@ class ConversionReport:
         return "\n".join(lines) + "\n"
 
     def save(self, folder: str) -> None:
-        with open(os.path.join(folder, "conversion_report.json"), "w", encoding="utf-8") as handle:
-            handle.write(self.to_json() + "\n")
-        with open(os.path.join(folder, "conversion_report.md"), "w", encoding="utf-8") as handle:
-            handle.write(self.to_markdown())
+        write_atomically(os.path.join(folder, f"{CONVERSION_REPORT}.json"), self.to_json() + "\n")
+        write_atomically(os.path.join(folder, f"{CONVERSION_REPORT}.md"), self.to_markdown())
 
     @classmethod
     def load(cls, folder: str) -> "ConversionReport":
-        with open(os.path.join(folder, "conversion_report.json"), encoding="utf-8") as handle:
+        with open(os.path.join(folder, f"{CONVERSION_REPORT}.json"), encoding="utf-8") as handle:
             data = json.load(handle)
         data.pop("perplexity_ratio", None)
         data["layers"] = [LayerReport(**layer) for layer in data["layers"]]

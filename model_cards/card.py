@@ -23,7 +23,8 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..common.files import write_atomically
-from ..common.history import FINETUNE_SUMMARY, TRAINING_SUMMARY, blank_or
+from ..common.history import (CONVERSION_REPORT, EVAL_REPORT, FINETUNE_SUMMARY, LOSS_CURVE, TRAINING_SUMMARY,
+                               blank_or)
 from ..core.registry import TEACHER_ATTENTION, get_mixer, list_mixers
 from ..model.config import saved_layer_types
 
@@ -179,10 +180,10 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
     config = _read_json(folder, "config.json")
     if config is None:
         raise CardError(f"{folder}: no config.json; pass a saved model folder (convert / distill / finetune output)")
-    conversion = _read_json(folder, "conversion_report.json")
+    conversion = _read_json(folder, f"{CONVERSION_REPORT}.json")
     training = _read_json(folder, TRAINING_SUMMARY)
     finetune = _read_json(folder, FINETUNE_SUMMARY)
-    evaluation = _read_json(folder, "eval_report.json")
+    evaluation = _read_json(folder, f"{EVAL_REPORT}.json")
     teacher = (conversion or {}).get("source") or (training or {}).get("teacher")
     base_model = base_model or hub_id_of(teacher)
     layer_types = saved_layer_types(config)
@@ -200,7 +201,7 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
     else:
         parameters = "not recorded (no conversion_report.json)"
     source, rows = evaluation_rows(conversion, training, evaluation)
-    reports = [f"`{n}`" for n in ("conversion_report.md", TRAINING_SUMMARY, FINETUNE_SUMMARY, "eval_report.md")
+    reports = [f"`{n}`" for n in (f"{CONVERSION_REPORT}.md", TRAINING_SUMMARY, FINETUNE_SUMMARY, f"{EVAL_REPORT}.md")
                if os.path.isfile(os.path.join(folder, n))]
     tokenizer_config = _read_json(folder, "tokenizer_config.json") or {}
     context = dict(
@@ -209,7 +210,7 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
         mixer_summary=summary, mixer_options=json.dumps((conversion or {}).get("mixer_options") or {}).strip("{}"),
         num_layers=len(layer_types), converted_count=len(layer_types) - len(kept),
         kept=", ".join(map(str, kept)), parameters=parameters, training=_training_context(training),
-        loss_curve=os.path.isfile(os.path.join(folder, "loss_curve.png")),
+        loss_curve=os.path.isfile(os.path.join(folder, LOSS_CURVE)),
         finetune={"steps": finetune["steps"], "before": blank_or(finetune["heldout_assistant_loss_before"], ".4f"),
                   "after": blank_or(finetune["heldout_assistant_loss_after"], ".4f")} if finetune else None,
         evaluation_source=source, evaluation=rows, limitations=limitations(mixers, kept, training, evaluation),

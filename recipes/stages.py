@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.attention import TEACHER_MODULES
-from ..common.history import HISTORY_FILES, TRAINING_SUMMARY, save_figure
+from ..common.history import CONVERSION_REPORT, HISTORY_FILES, LOSS_CURVE, TRAINING_SUMMARY, save_figure
 from ..core.registry import TEACHER_ATTENTION
 from ..common.corpus import split_texts
 from ..conversion import convert, load_teacher
@@ -221,12 +221,12 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
                 conversion_report.save(folder)
             with open(os.path.join(folder, TRAINING_SUMMARY), "w", encoding="utf-8") as handle:
                 json.dump({**summary, "model_dir": None, "recipe": recipe.to_dict()}, handle, indent=2)
-            plot_losses(histories, os.path.join(folder, "loss_curve.png"))
+            plot_losses(histories, os.path.join(folder, LOSS_CURVE))
 
         save_model(student, model_dir, teacher.tokenizer, extra=write_history)
         with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as handle:
             json.dump(summary, handle, indent=2)
-        plot_losses(histories, os.path.join(out, "loss_curve.png"))
+        plot_losses(histories, os.path.join(out, LOSS_CURVE))
     processes.barrier()
     return {**summary, "model": student}
 
@@ -271,7 +271,7 @@ def read_conversion_report(folder: str):
     """The ConversionReport saved in ``folder`` (None when there is none: e.g. a model not made by convert)."""
     from ..conversion.report import ConversionReport
 
-    return ConversionReport.load(folder) if os.path.isfile(os.path.join(folder, "conversion_report.json")) else None
+    return ConversionReport.load(folder) if os.path.isfile(os.path.join(folder, f"{CONVERSION_REPORT}.json")) else None
 
 
 def copy_history(source: str, folder: str) -> None:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..common.files import write_atomically
-from ..common.history import EVAL_REPORT, blank_or
+from ..common.history import CONVERSION_REPORT, EVAL_REPORT, blank_or
 from ..common.measures import compare_to_teacher, decode_latency, generate_sample, passkey_accuracy
 
 DEFAULT_PROMPTS = ("Write one line of verse about the sea.", "What is the capital of France?",
@@ -100,7 +100,7 @@ class EvalReport:
 
 def teacher_of(model_dir: str) -> str | None:
     """The teacher named in the folder's conversion report (None when the folder has none)."""
-    path = os.path.join(model_dir, "conversion_report.json")
+    path = os.path.join(model_dir, f"{CONVERSION_REPORT}.json")
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8") as handle:
