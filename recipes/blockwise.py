@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 
 def capture_activations(teacher_model, layers, blocks, batch_size: int, folder: str) -> dict:
@@ -31,7 +32,7 @@ def capture_activations(teacher_model, layers, blocks, batch_size: int, folder: 
     arrays = {i: tuple(np.lib.format.open_memmap(os.path.join(folder, f"layer{i}_{part}.npy"), mode=mode,
                                                   dtype=np.float32, shape=(count, length, width))
                        for part in ("inputs", "outputs")) for i in layers}
-    rope_path = os.path.join(folder, "rope.pt")
+    rope_path = os.path.join(folder, "rope.safetensors")
     if mode == "w+":
         rows = slice(0, 0)
         rope = {}
@@ -56,9 +57,10 @@ def capture_activations(teacher_model, layers, blocks, batch_size: int, folder: 
         for inputs, outputs in arrays.values():
             inputs.flush()
             outputs.flush()
-        torch.save(rope["cos_sin"], rope_path)
+        save_file(dict(zip(("cos", "sin"), rope["cos_sin"])), rope_path)
         open(done, "w").close()  # written last: a killed capture is redone, never half-used
-    return {"layers": arrays, "rope": torch.load(rope_path)}
+    rope = load_file(rope_path)  # tensors only: nothing in the cache folder is unpickled
+    return {"layers": arrays, "rope": (rope["cos"], rope["sin"])}
 
 
 def layer_loss(mixer, arrays, rope, device, scale: float = 1.0):

@@ -23,14 +23,68 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from ..common.files import write_atomically
 
 if TYPE_CHECKING:
     from .trainer import Processes
 
 
-def _save_atomically(state: dict, path: str) -> None:
-    write_atomically(path, lambda temporary: torch.save(state, temporary))
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read: the message names its path and what to do."""
+
+
+def previous_checkpoint(path: str) -> str:
+    return path.removesuffix(".safetensors") + ".previous.safetensors"
+
+
+def save_checkpoint(path: str, step: int, history: list, parameters: dict, optimizer) -> None:
+    """Tensors (trained parameters, optimizer states) as safetensors, everything else as JSON in its metadata: a
+    checkpoint is read without unpickling anything. The checkpoint it replaces is kept as ``.previous``."""
+    state = optimizer.state_dict()
+    tensors = {f"parameter/{name}": tensor.detach().cpu().contiguous().clone() for name, tensor in parameters.items()}
+    values = {}
+    for index, entries in state["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer/{index}/{key}"] = value.detach().cpu().contiguous().clone()
+            else:
+                values.setdefault(str(index), {})[key] = value
+    meta = {"format": 1, "step": step, "history": history, "param_groups": state["param_groups"], "state": values}
+    if os.path.exists(path):
+        os.replace(path, previous_checkpoint(path))  # the last good one, until this one is complete
+    write_atomically(path, lambda temporary: save_file(tensors, temporary, metadata={"hf_mixers": json.dumps(meta)}))
+
+
+def _read_checkpoint(path: str) -> tuple[dict, dict]:
+    with safe_open(path, framework="pt") as handle:
+        meta = json.loads((handle.metadata() or {})["hf_mixers"])
+        return {key: handle.get_tensor(key) for key in handle.keys()}, meta
+
+
+def load_checkpoint(path: str):
+    """(tensors, meta) of the checkpoint at ``path``; its ``.previous`` when a save was killed before completing;
+    None when there is neither. A checkpoint that cannot be read is a CheckpointError naming it and the way out."""
+    previous = previous_checkpoint(path)
+    if not os.path.exists(path):
+        path = previous if os.path.exists(previous) else None
+        if path is None:
+            return None
+    try:
+        return _read_checkpoint(path)
+    except Exception as error:  # truncated, corrupted, or not a checkpoint of this format
+        advice = "start the stage over in a new output.dir (or delete the file)"
+        if path != previous and os.path.exists(previous):
+            try:
+                step = _read_checkpoint(previous)[1]["step"]
+                advice = (f"the previous checkpoint {previous} (step {step}) is intact: delete {path} to resume from "
+                          f"it, or {advice}")
+            except Exception:
+                pass
+        raise CheckpointError(f"{path}: the checkpoint cannot be read ({type(error).__name__}: {error}); "
+                              f"{advice}") from None
 
 
 def _write_atomically(text: str, path: str) -> None:
@@ -111,7 +165,7 @@ def _restore_whole(model: nn.Module, skeleton: nn.Module, full: dict) -> None:
 
 def _report_sharding(path: str, processes, what: str, stored: int, total: int) -> None:
     if processes.is_main:
-        stage = os.path.basename(path).removesuffix(".pt")
+        stage = os.path.basename(path).removesuffix(".safetensors")
         tqdm.write(f"{stage}: {what}: the student's {total / 1e6:.2f}M parameters sharded over {processes.world} "
                    f"processes; this rank stores {stored / total:.1%} of them")
 
@@ -165,25 +219,29 @@ class LocalOptimizer:
 
     def save(self, step: int, history: list) -> None:
         if self.processes.is_main:
-            _save_atomically({"step": step, "history": history, "optimizer": self.optimizer.state_dict(),
-                              "parameters": {n: t.detach().cpu().clone() for n, t in self.parameters.items()}},
-                             self.path)
+            save_checkpoint(self.path, step, history, self.parameters, self.optimizer)
         self.processes.barrier()
 
     def load(self):
         """(step, history) of the checkpoint, restored into the parameters and optimizer; None if there is none."""
-        if not os.path.exists(self.path):
+        loaded = load_checkpoint(self.path)
+        if loaded is None:
             return None
-        saved = torch.load(self.path, weights_only=False, map_location="cpu")
-        missing = sorted(set(self.parameters) - set(saved["parameters"]))
+        tensors, meta = loaded
+        missing = sorted(set(self.parameters) - {key.removeprefix("parameter/") for key in tensors})
         if missing:
-            raise ValueError(f"{self.path}: checkpoint does not match this run (no {missing[:3]}); "
-                             "use another output.dir")
+            raise CheckpointError(f"{self.path}: checkpoint does not match this run (no {missing[:3]}); "
+                                  "use another output.dir")
         with torch.no_grad():
             for name, tensor in self.parameters.items():
-                tensor.copy_(saved["parameters"][name])
-        self.optimizer.load_state_dict(saved["optimizer"])
-        return saved["step"], saved["history"]
+                tensor.copy_(tensors[f"parameter/{name}"])
+        state = {int(index): dict(values) for index, values in meta["state"].items()}
+        for key, tensor in tensors.items():
+            if key.startswith("optimizer/"):
+                _, index, name = key.split("/", 2)
+                state.setdefault(int(index), {})[name] = tensor
+        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        return meta["step"], meta["history"]
 
     def finish(self) -> None:
         pass  # the model was trained in place
@@ -217,7 +275,7 @@ class FSDPOptimizer(LocalOptimizer):
         if outside:
             raise ValueError(f"train.strategy=fsdp: trainable parameters outside every sharded module: {outside[:3]}")
         super().__init__(sharded, train, lr, processes, path, loss_fn)
-        self.path = path.removesuffix(".pt") + "-fsdp"
+        self.path = path.removesuffix(".safetensors") + "-fsdp"
         stored = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
         _report_sharding(path, processes, "fsdp", stored, sum(p.numel() for p in model.parameters()))
 
@@ -302,7 +360,7 @@ class DeepSpeedOptimizer:
                  sharding: Sharding | None = None):
         import deepspeed
 
-        self.path = path.removesuffix(".pt") + "-deepspeed"
+        self.path = path.removesuffix(".safetensors") + "-deepspeed"
         self.zero3 = train.zero_stage == 3
         holder = _LossModule(loss_fn)
         zero = {"stage": train.zero_stage}

@@ -5,7 +5,8 @@
 - Step s reads micro-batches from a permutation of the blocks seeded by (seed, epoch): the order depends only on
   the step, so a resumed run sees exactly the batches the interrupted one would have.
 - Every ``checkpoint_every`` steps (and at the end) the strategy writes a checkpoint atomically (ddp:
-  ``checkpoints/<stage>.pt``, written to a temporary file and renamed): the trained parameters, the optimizer
+  ``checkpoints/<stage>.safetensors``, tensors as safetensors and the rest as JSON, nothing pickled; written to a
+  temporary file and renamed, the one before kept as ``.previous``): the trained parameters, the optimizer
   state, the step and the loss history. Launching the same run again continues after the last checkpoint with the
   same losses.
 - A NaN or inf loss stops the run with the step and the last good checkpoint named.
@@ -113,7 +114,7 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
     """
     processes = processes or Processes()
     os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
-    path = os.path.join(out_dir, "checkpoints", f"{stage}.pt")
+    path = os.path.join(out_dir, "checkpoints", f"{stage}.safetensors")
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     optimizer = STRATEGIES[train.strategy](parameters, train, lr, processes, path, loss_fn, sharding)
     history, start = [], 0

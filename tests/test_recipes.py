@@ -144,7 +144,8 @@ def test_blockwise_stage1_equals_joint_stage1(teacher_dir, tmp_path):
     assert joint.keys() == blockwise.keys()
     for name in joint:
         torch.testing.assert_close(blockwise[name], joint[name], rtol=1e-4, atol=1e-5, msg=name)
-    assert sorted(os.listdir(tmp_path / "true" / "checkpoints")) == [f"stage1-layer{i}.pt" for i in range(3)]
+    saved = sorted(os.listdir(tmp_path / "true" / "checkpoints"))
+    assert [name for name in saved if ".previous." not in name] == [f"stage1-layer{i}.safetensors" for i in range(3)]
     assert (tmp_path / "true" / "stage1-cache" / "complete").exists()
 
 
@@ -212,7 +213,7 @@ def test_nan_loss_stops_with_the_step_and_checkpoint(teacher_dir, tmp_path, monk
         return wrapped
 
     monkeypatch.setattr(stages, "distillation_loss", poisoned)
-    with pytest.raises(NonFiniteLoss, match=r"stage2: the loss is nan at step 3; last good checkpoint: .*stage2.pt"):
+    with pytest.raises(NonFiniteLoss, match=r"stage2: the loss is nan at step 3; last good checkpoint: .*stage2.safetensors"):
         distill(load_recipe([], small(teacher_dir, tmp_path / "run", "stage1.enabled=false")), progress=False)
 
 
