@@ -101,6 +101,7 @@ class OutputSection:
     log_every: int = bounded(1, 1)
     merge_lora: bool = True  # False: OUT/model is the base model and OUT/model-adapter the LoRA adapter
     overwrite: bool = False
+    allow_recipe_change: bool = False  # resume checkpoints made with another recipe (the changes are recorded)
 
 
 @dataclass
@@ -145,6 +146,32 @@ def load_recipe(paths=(), overrides=()) -> Recipe:
         _merge(recipe, nested, f"--set {override}", "")
     _validate(recipe, ", ".join(map(str, paths)) or "the recipe")
     return recipe
+
+
+# what a relaunch may change and still resume its checkpoints: how often to save and log, how long to train, where
+# the teacher sits; anything else (data, learning rates, the model, the mixer's options) makes the checkpoints
+# belong to another run
+RESUMABLE_CHANGES = ("output.checkpoint_every", "output.log_every", "output.overwrite", "output.allow_recipe_change",
+                     "stage1.steps", "stage2.steps", "finetune.steps", "model.teacher_device")
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "mixer_options":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def recipe_changes(recorded: dict, recipe: Recipe) -> list[str]:
+    """The fields that differ between a run's recorded recipe and ``recipe`` and make its checkpoints meaningless,
+    as "key: old -> new"."""
+    old = _flatten({k: v for k, v in recorded.items() if k in {f.name for f in dataclasses.fields(Recipe)}})
+    new = _flatten(recipe.to_dict())
+    return [f"{key}: {json.dumps(old.get(key))} -> {json.dumps(new.get(key))}" for key in sorted(set(old) | set(new))
+            if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]
 
 
 def shards_the_model(train: TrainSection) -> bool:

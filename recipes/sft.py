@@ -103,7 +103,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     """Stage 3 on ``recipe.model.student`` (or the given model); returns the summary (OUT/summary.json)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .stages import _accelerator, add_lora, copy_history, save_model, sharding_for
+    from .stages import _accelerator, add_lora, copy_history, record_recipe, save_model, sharding_for
 
     section, out = recipe.finetune, recipe.output.dir
     model_dir = os.path.join(out, "model")
@@ -118,6 +118,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
         raise ValueError("finetune: a model passed in needs its tokenizer (tokenizer=...)")
     processes = Processes(_accelerator())
     check_launch(recipe.train)
+    record_recipe(recipe, processes)
     started = time.perf_counter()
     examples = chat_examples(section.source)
     held = max(1, len(examples) // 10)

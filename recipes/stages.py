@@ -29,8 +29,8 @@ from ..core.registry import TEACHER_ATTENTION
 from ..common.corpus import split_texts
 from ..conversion import convert, load_teacher
 from ..common.measures import compare_to_teacher
-from ..common.files import save_atomically
-from .config import Recipe
+from ..common.files import save_atomically, write_atomically
+from .config import Recipe, RecipeError, recipe_changes
 from .data import pack
 from .strategies import Sharding, check_launch
 from .trainer import Processes, run_stage
@@ -150,10 +150,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     processes = Processes(_accelerator())
     check_launch(recipe.train)
     progress = progress and processes.is_main
-    if processes.is_main:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "recipe.json"), "w", encoding="utf-8") as handle:
-            json.dump(recipe.to_dict(), handle, indent=2)
+    record_recipe(recipe, processes)
     started = time.perf_counter()
     teacher = teacher or load_teacher(recipe.model.teacher)
     for parameter in teacher.model.parameters():
@@ -265,6 +262,30 @@ def save_model(model, model_dir: str, tokenizer, extra=None) -> None:
     save_atomically(model, model_dir, tokenizer=tokenizer, overwrite=True, extra=extra)
 
 
+
+
+def record_recipe(recipe: Recipe, processes: Processes) -> None:
+    """Write OUT/recipe.json, after checking that a relaunch onto existing checkpoints has the recipe they were made
+    with (fields that only say how long to train or how often to save may change): resuming with other data, rates
+    or mixer options would mix two runs. ``output.allow_recipe_change`` resumes anyway and records the changes."""
+    out = recipe.output.dir
+    path, checkpoints = os.path.join(out, "recipe.json"), os.path.join(out, "checkpoints")
+    record = recipe.to_dict()
+    if os.path.isfile(path) and os.path.isdir(checkpoints) and os.listdir(checkpoints):
+        try:
+            with open(path, encoding="utf-8") as handle:
+                recorded = json.load(handle)
+        except (OSError, ValueError) as error:
+            raise RecipeError(f"{path}: the recorded recipe of the checkpoints in {checkpoints} cannot be read "
+                              f"({error}); use a new output.dir") from None
+        changes = recipe_changes(recorded, recipe)
+        if changes and not recipe.output.allow_recipe_change:
+            raise RecipeError(f"{out}: its checkpoints were made with another recipe ({'; '.join(changes)}); resuming "
+                              "would mix two runs. Use a new output.dir, or set output.allow_recipe_change=true to "
+                              "resume anyway (the changes are recorded in recipe.json)")
+        record["changed_on_resume"] = recorded.get("changed_on_resume", []) + changes
+    if processes.is_main:
+        write_atomically(path, json.dumps(record, indent=2))
 
 
 def read_conversion_report(folder: str):

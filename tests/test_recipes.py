@@ -1,6 +1,7 @@
 """Recipes: YAML loading, data packing, the training loop (resume after a kill, NaN stop) and the two stages."""
 
 import importlib.util
+import re
 import json
 import os
 import signal
@@ -358,3 +359,27 @@ def test_cli_distill_reports_recipe_errors(capsys, tmp_path):
     bad.write_text("stage2: {lora_rank: 4}\n")
     assert cli_main(["distill", str(bad)]) == 2
     assert "bad.yaml: unknown key 'stage2.lora_rank'" in capsys.readouterr().err
+
+
+def test_a_relaunch_with_another_recipe_is_refused_before_anything_is_rewritten(teacher_dir, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    base = small(teacher_dir, out, "stage1.enabled=false", "stage2.steps=2")
+    distill(load_recipe([], base), progress=False)
+    shutil.rmtree(out / "model")  # as if the run had been killed after its last checkpoint
+    recorded = (out / "recipe.json").read_bytes()
+    for change, named in (("train.lr=0.01", "train.lr: 0.003 -> 0.01"), ("data.sequence_length=64",
+                          "data.sequence_length: 32 -> 64"), ("model.mixer_options={rsa_num_slots: 4}",
+                          "model.mixer_options")):
+        with pytest.raises(RecipeError, match=rf"checkpoints were made with another recipe \(.*{re.escape(named)}"
+                                              r".*output.allow_recipe_change=true"):
+            distill(load_recipe([], base + [change]), progress=False)
+        assert (out / "recipe.json").read_bytes() == recorded  # the recorded history is still true
+    # training longer is a continuation, not another run
+    summary = distill(load_recipe([], base + ["stage2.steps=3"]), progress=False)
+    assert summary["stages"]["stage2"]["steps"] == 3
+    shutil.rmtree(out / "model")
+    distill(load_recipe([], base + ["stage2.steps=4", "train.lr=0.01", "output.allow_recipe_change=true"]),
+            progress=False)
+    assert json.loads((out / "recipe.json").read_text())["changed_on_resume"] == ["train.lr: 0.003 -> 0.01"]
