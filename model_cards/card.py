@@ -23,6 +23,7 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..common.files import write_atomically
+from ..common.folder import FolderError, check_model_weights
 from ..common.history import (CONVERSION_REPORT, EVAL_REPORT, FINETUNE_SUMMARY, LOSS_CURVE, TRAINING_SUMMARY,
                                blank_or)
 from ..core.registry import TEACHER_ATTENTION, get_mixer, list_mixers
@@ -180,6 +181,10 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
     config = _read_json(folder, "config.json")
     if config is None:
         raise CardError(f"{folder}: no config.json; pass a saved model folder (convert / distill / finetune output)")
+    try:  # a card describes the model the folder holds: its weights must be that model's
+        check_model_weights(folder)
+    except FolderError as error:
+        raise CardError(str(error)) from None
     conversion = _read_json(folder, f"{CONVERSION_REPORT}.json")
     training = _read_json(folder, TRAINING_SUMMARY)
     finetune = _read_json(folder, FINETUNE_SUMMARY)

@@ -20,6 +20,8 @@ import os
 import posixpath
 from pathlib import Path
 
+from ..common.folder import FolderError, check_model_weights
+
 # Never shipped. Patterns are matched by huggingface_hub's ``filter_repo_objects`` (fnmatch on the path relative
 # to the folder, where ``*`` also matches "/"), here and in ``upload_folder``, so the two lists agree.
 IGNORE_PATTERNS = (
@@ -101,6 +103,10 @@ def _check_weights(root: Path, names: set) -> None:
     tensors = {name: _read_safetensors(root / name) for name in sorted(names) if name.endswith(".safetensors")}
     for index in sorted(name for name in names if name.endswith(".safetensors.index.json")):
         _check_index(root, index, tensors)
+    try:  # every tensor readable is not enough: the config's model must find each of its tensors, shaped right
+        check_model_weights(str(root))
+    except FolderError as error:
+        raise PushError(str(error)) from None
 
 
 def _read_safetensors(path: Path) -> set:

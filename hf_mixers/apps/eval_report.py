@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..common.files import write_atomically
+from ..common.folder import check_model_weights
 from ..common.history import CONVERSION_REPORT, EVAL_REPORT, blank_or
 from ..common.measures import compare_to_teacher, decode_latency, generate_sample, passkey_accuracy
 
@@ -113,6 +114,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device):
 
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"{model_dir}: no config.json; pass a saved model folder (convert/distill output)")
+    check_model_weights(model_dir, trust_remote_code=True)  # a missing tensor would load as random weights
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=True).to(device).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
