@@ -152,7 +152,8 @@ def limitations(mixers: list[str], kept: list[int], training: dict | None, evalu
         lines.append(f"Distilled on only {tokens:,} tokens of {training['data']}: expect it to trail the teacher "
                      "outside that text, and to have picked up its style.")
     else:
-        lines.append("Not distilled after the conversion: outputs differ from the teacher's by the conversion error.")
+        lines.append("No training is recorded in this folder (no training_summary.json): expect the outputs to differ "
+                     "from the teacher's by the conversion error.")
     if evaluation and evaluation["quality"].get("teacher_perplexity"):
         q = evaluation["quality"]
         lines.append(f"Held-out perplexity is {q['student_perplexity'] / q['teacher_perplexity']:.2f}x the teacher's.")
@@ -185,6 +186,10 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
         check_model_weights(folder)
     except FolderError as error:
         raise CardError(str(error)) from None
+    converted = [kind for kind in saved_layer_types(config) if kind not in TEACHER_ATTENTION]
+    if config.get("model_type") not in {"hf_mixer", *(spec.name for spec in list_mixers())} or not converted:
+        raise CardError(f"{folder}: not a model converted by hf-mixers (model_type {config.get('model_type')!r}, "
+                        f"{len(converted)} mixer layers); hf-mixers card writes the cards of converted models")
     conversion = _read_json(folder, f"{CONVERSION_REPORT}.json")
     training = _read_json(folder, TRAINING_SUMMARY)
     finetune = _read_json(folder, FINETUNE_SUMMARY)
@@ -221,7 +226,9 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
         evaluation_source=source, evaluation=rows, limitations=limitations(mixers, kept, training, evaluation),
         chat_template=bool(tokenizer_config.get("chat_template"))
         or os.path.isfile(os.path.join(folder, "chat_template.jinja")),
-        version=__version__, reports=", ".join(reports) or "none")
+        version=__version__, reports=", ".join(reports) or "none",
+        conversion_report=os.path.isfile(os.path.join(folder, f"{CONVERSION_REPORT}.md")),
+        remote_code=os.path.isfile(os.path.join(folder, "modeling_hf_mixers.py")))
     metadata = card_metadata(config, conversion, training, base_model, license)
     return ModelCard.from_template(metadata, template_path=TEMPLATE, **context)
 

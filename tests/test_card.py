@@ -2,6 +2,7 @@
 huggingface_hub's card classes."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -65,7 +66,26 @@ def test_card_without_history_says_so(distilled, tmp_path):
     card = ModelCard.load(build_card(str(folder)))
     assert card.data.license == "unknown" and card.data.base_model is None
     assert "Not evaluated: run `hf-mixers eval`" in card.text and "not recorded (no conversion_report.json)" in card.text
-    assert "not trained after the conversion" in card.text and "loss_curve.png" not in card.text
+    # the folder proves no training either way: the card says what is missing instead of claiming there was none
+    assert "No training is recorded in this folder (no `training_summary.json`)." in card.text
+    assert "not trained after the conversion" not in card.text and "loss_curve.png" not in card.text
+    assert "see `conversion_report.md`" not in card.text
+
+
+def test_a_card_claims_only_what_the_folder_proves(distilled, tmp_path):
+    plain = tmp_path / "llama"
+    save_tiny_teacher(str(plain))
+    with pytest.raises(CardError, match=r"llama: not a model converted by hf-mixers \(model_type 'llama', 0 mixer"):
+        build_card(str(plain))
+    assert not (plain / "README.md").exists()
+    folder = tmp_path / "no-code"
+    shutil.copytree(distilled["folder"], folder)
+    for name in os.listdir(folder):
+        if name.endswith(".py"):
+            (folder / name).unlink()
+    card = ModelCard.load(build_card(str(folder)))
+    assert "ships in this repository" not in card.text and "holds no modeling code" in card.text
+    assert "trust_remote_code" not in card.text
 
 
 def test_licence_outside_the_hub_list_becomes_other(distilled, tmp_path):
