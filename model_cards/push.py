@@ -163,7 +163,14 @@ def push_folder(folder, repo_id, private=False, revision=None, dry_run=False, to
     (default main; another branch is created from main). Returns {"repo_id", "revision", "files", "commit_url",
     "dry_run"}; ``files`` is the uploaded list, ``commit_url`` None for a dry run. Raises PushError."""
     from huggingface_hub import get_token
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    try:  # the same rule the Hub applies, checked before anything else (a dry run too)
+        validate_repo_id(repo_id)
+        if repo_id.count("/") != 1:
+            raise HFValidationError("it must be owner/name")
+    except HFValidationError as error:
+        raise PushError(f"--repo-id {repo_id!r} is not a valid model repository id: {error}") from None
     revision = revision or "main"
     if not dry_run:
         _refuse_offline()

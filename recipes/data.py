@@ -16,6 +16,8 @@ def pack(tokenizer, text: str, length: int, max_sequences: int | None = None, wh
     if max_sequences is not None:  # tokenise only what is needed (~4 characters per token; 2x margin)
         text = text[: 8 * length * max_sequences]
     paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    if not paragraphs:
+        raise ValueError(f"{what} is empty: no sequence of {length} tokens can be cut from it")
     table = datasets.Dataset.from_dict({"text": [p + "\n\n" for p in paragraphs]})
     tokens = table.map(lambda batch: {"ids": tokenizer(batch["text"], add_special_tokens=False)["input_ids"]},
                        batched=True, remove_columns=["text"], desc=f"tokenising {what}")

@@ -103,7 +103,8 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     """Stage 3 on ``recipe.model.student`` (or the given model); returns the summary (OUT/summary.json)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .stages import _accelerator, add_lora, copy_history, record_recipe, save_model, sharding_for
+    from .stages import (_accelerator, add_lora, checked_recipe, copy_history, local_student, save_model,
+                         sharding_for, write_recipe)
 
     section, out = recipe.finetune, recipe.output.dir
     model_dir = os.path.join(out, "model")
@@ -112,13 +113,13 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     if student is None:
         if not recipe.model.student:
             raise ValueError("finetune needs model.student: the folder of a converted or distilled model")
-        student = AutoModelForCausalLM.from_pretrained(recipe.model.student, dtype=torch.float32)
+        student = AutoModelForCausalLM.from_pretrained(local_student(recipe.model.student), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(recipe.model.student)
     if tokenizer is None:
         raise ValueError("finetune: a model passed in needs its tokenizer (tokenizer=...)")
     processes = Processes(_accelerator())
     check_launch(recipe.train)
-    record_recipe(recipe, processes)
+    write_recipe(recipe, checked_recipe(recipe), processes)
     started = time.perf_counter()
     examples = chat_examples(section.source)
     held = max(1, len(examples) // 10)

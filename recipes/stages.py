@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..core.attention import TEACHER_MODULES
 from ..common.history import CONVERSION_REPORT, HISTORY_FILES, LOSS_CURVE, TRAINING_SUMMARY, save_figure
 from ..core.registry import TEACHER_ATTENTION
-from ..common.corpus import split_texts
+from ..common.corpus import HUB_ID, hub_offline, split_texts
 from ..conversion import convert, load_teacher
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
@@ -150,15 +150,22 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     processes = Processes(_accelerator())
     check_launch(recipe.train)
     progress = progress and processes.is_main
-    record_recipe(recipe, processes)
+    record = checked_recipe(recipe)
     started = time.perf_counter()
     teacher = teacher or load_teacher(recipe.model.teacher)
     for parameter in teacher.model.parameters():
         parameter.requires_grad_(False)
+    # the data first: a file that cannot make one sequence fails before minutes of conversion
+    train_text, heldout_text, data_name = split_texts(recipe.data.source, recipe.data.heldout_fraction)
+    length = recipe.data.sequence_length
+    train_ids = pack(teacher.tokenizer, train_text, length, recipe.data.max_train_sequences,
+                     f"the training text of {data_name}")
+    heldout_ids = pack(teacher.tokenizer, heldout_text, length, recipe.data.heldout_sequences,
+                       f"the held-out text of {data_name}")
     if student is None and recipe.model.student:
         from transformers import AutoModelForCausalLM
 
-        student = AutoModelForCausalLM.from_pretrained(recipe.model.student, dtype=torch.float32)
+        student = AutoModelForCausalLM.from_pretrained(local_student(recipe.model.student), dtype=torch.float32)
         conversion_report = read_conversion_report(recipe.model.student)
     elif student is None:
         student, conversion_report = convert(teacher, recipe.model.mixer, keep_attention=recipe.model.keep_attention,
@@ -166,11 +173,8 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     device = processes.accelerator.device
     teacher.model.to(recipe.model.teacher_device or device)
     student.to(device)
-    train_text, heldout_text, data_name = split_texts(recipe.data.source, recipe.data.heldout_fraction)
-    length = recipe.data.sequence_length
-    train_ids = pack(teacher.tokenizer, train_text, length, recipe.data.max_train_sequences, "training text")
-    heldout_ids = pack(teacher.tokenizer, heldout_text, length, recipe.data.heldout_sequences, "held-out text")
     train_ids, heldout_ids = train_ids.to(device), heldout_ids.to(device)
+    write_recipe(recipe, record, processes)
 
     evaluations = {"init": compare_to_teacher(teacher.model, student, heldout_ids)}
     histories = {}
@@ -264,10 +268,11 @@ def save_model(model, model_dir: str, tokenizer, extra=None) -> None:
 
 
 
-def record_recipe(recipe: Recipe, processes: Processes) -> None:
-    """Write OUT/recipe.json, after checking that a relaunch onto existing checkpoints has the recipe they were made
-    with (fields that only say how long to train or how often to save may change): resuming with other data, rates
-    or mixer options would mix two runs. ``output.allow_recipe_change`` resumes anyway and records the changes."""
+def checked_recipe(recipe: Recipe) -> dict:
+    """What OUT/recipe.json will record, after checking that a relaunch onto existing checkpoints has the recipe they
+    were made with (fields that only say how long to train or how often to save may change): resuming with other
+    data, rates or mixer options would mix two runs. ``output.allow_recipe_change`` resumes anyway and records the
+    changes. Nothing is written here: ``write_recipe`` does, once the run's inputs are known to be good."""
     out = recipe.output.dir
     path, checkpoints = os.path.join(out, "recipe.json"), os.path.join(out, "checkpoints")
     record = recipe.to_dict()
@@ -284,8 +289,23 @@ def record_recipe(recipe: Recipe, processes: Processes) -> None:
                               "would mix two runs. Use a new output.dir, or set output.allow_recipe_change=true to "
                               "resume anyway (the changes are recorded in recipe.json)")
         record["changed_on_resume"] = recorded.get("changed_on_resume", []) + changes
+    return record
+
+
+def write_recipe(recipe: Recipe, record: dict, processes: Processes) -> None:
     if processes.is_main:
-        write_atomically(path, json.dumps(record, indent=2))
+        write_atomically(os.path.join(recipe.output.dir, "recipe.json"), json.dumps(record, indent=2))
+
+
+def local_student(student: str) -> str:
+    """``model.student`` as given: a folder, or an ``owner/name`` hub id; anything else is a folder that is not there."""
+    if os.path.isdir(student):
+        return student
+    if HUB_ID.fullmatch(student) and not student.startswith((".", "/", "~")) and not hub_offline():
+        return student
+    raise FileNotFoundError(f"model.student: {student} is not a folder (the output of convert or distill"
+                            + (", and HF_HUB_OFFLINE is set, so it cannot be a hub id)" if hub_offline() else
+                               ", or an owner/name hub id)"))
 
 
 def read_conversion_report(folder: str):

@@ -4,6 +4,8 @@ Each class is tested as a class (every flag, every field), not only by the examp
 """
 
 import argparse
+import os
+import shutil
 import dataclasses
 import typing
 
@@ -93,3 +95,98 @@ def test_the_library_refuses_the_same_numbers_before_any_work():
         convert("no/such/teacher", "rsa", heldout_sequences=0)
     with pytest.raises(ValueError, match="calibration text: token blocks need a positive integer length, got 0"):
         token_blocks(None, "to be or not to be", 0, 4, what="calibration text")
+
+
+# ------------------------------------------------------------------ raw tracebacks that became one named line
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    from conftest import save_tiny_teacher
+
+    folder = str(tmp_path_factory.mktemp("teacher"))
+    save_tiny_teacher(folder)
+    return folder
+
+
+def _one_line(capsys, *fragments):
+    """stderr holds one error line (progress bars aside), no traceback, and it names ``fragments``."""
+    stderr = capsys.readouterr().err
+    errors = [line for line in stderr.replace("\r", "\n").splitlines() if line.startswith("hf-mixers")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], (fragment, errors[0])
+
+
+def _distill(teacher_dir, out, *extra):
+    return main(["distill", "--set", f"model.teacher={teacher_dir}", "--set", "data.sequence_length=32",
+                 "--set", "data.max_train_sequences=4", "--set", "stage1.steps=1", "--set", "stage2.steps=1",
+                 "--set", f"output.dir={out}", *[item for pair in extra for item in ("--set", pair)]])
+
+
+def test_data_that_cannot_make_one_sequence_is_named_and_leaves_nothing(teacher_dir, tmp_path, capsys):
+    empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
+    empty.write_text("\n\n  \n")
+    short.write_text("To be, or not to be.\n\nThat is the question.\n")
+    assert _distill(teacher_dir, tmp_path / "a", f"data.source={empty}") == 2
+    _one_line(capsys, f"{empty}: no text in it")
+    assert _distill(teacher_dir, tmp_path / "b", f"data.source={short}") == 2
+    _one_line(capsys, f"the training text of {short} is shorter than one sequence of 32 tokens")
+    assert not (tmp_path / "a" / "recipe.json").exists() and not (tmp_path / "b" / "recipe.json").exists()
+
+
+def test_a_missing_student_folder_is_named_as_a_folder(teacher_dir, tmp_path, capsys):
+    for student in (tmp_path / "no" / "such" / "model", "out/model"):  # the second looks like a hub id
+        assert _distill(teacher_dir, tmp_path / "run", f"model.student={student}") == 2
+        _one_line(capsys, f"model.student: {student} is not a folder")
+
+
+def test_a_binary_calibration_file_is_named(teacher_dir, tmp_path, capsys):
+    binary = tmp_path / "calibration.txt"
+    binary.write_bytes(bytes(range(256)) * 64)
+    assert main(["convert", teacher_dir, "--mixer", "rsa", "--out", str(tmp_path / "out"), "--calibration",
+                 str(binary)]) == 2
+    _one_line(capsys, f"{binary}: not UTF-8 text")
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_nothing_is_left(teacher_dir, tmp_path, capsys,
+                                                                          monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    options = ["--sequence-length", "16", "--calibration-sequences", "1", "--heldout-sequences", "1",
+               "--option", "rsa_num_slots=4", "--option", "rsa_num_levels=1"]
+    assert main(["convert", teacher_dir, "--mixer", "rsa", "--out", str(blocker / "out"), *options]) == 2
+    _one_line(capsys, f"cannot create it, {blocker} is a file, not a folder")
+
+    import errno
+
+    from hf_mixers.model.modeling import MixerPreTrainedModel
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(MixerPreTrainedModel, "save_pretrained", full_disk)
+    assert main(["convert", teacher_dir, "--mixer", "rsa", "--out", str(tmp_path / "full"), *options]) == 2
+    _one_line(capsys, "No space left on device", "nothing was half-written")
+    assert not [p for p in os.listdir(tmp_path) if p.startswith((".full", "full"))]
+
+
+def test_eval_refuses_a_teacher_of_another_vocabulary_and_a_folder_without_weights(teacher_dir, tmp_path, capsys):
+    from conftest import tiny_teacher, tiny_tokenizer
+
+    other = tmp_path / "other-teacher"
+    tiny_teacher("llama", 500).save_pretrained(other)
+    tiny_tokenizer().save_pretrained(other)
+    assert main(["eval", teacher_dir, "--teacher", str(other), "--heldout-sequences", "1"]) == 2
+    _one_line(capsys, "its vocabulary has 500 tokens", "has 384")
+    empty = tmp_path / "no-weights"
+    shutil.copytree(teacher_dir, empty)
+    os.remove(empty / "model.safetensors")
+    assert main(["eval", str(empty), "--teacher", "none"]) == 2
+    _one_line(capsys, "no *.safetensors weights")
+
+
+@pytest.mark.parametrize("repo_id", ["not a repo", "user/tiny/extra", "-user/tiny", "user/" + "x" * 100])
+def test_push_refuses_an_invalid_repo_id_even_in_a_dry_run(tmp_path, capsys, repo_id):
+    assert main(["push", str(tmp_path), f"--repo-id={repo_id}", "--dry-run"]) == 2
+    _one_line(capsys, f"--repo-id {repo_id!r} is not a valid model repository id")

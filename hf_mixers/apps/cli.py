@@ -9,6 +9,19 @@ import os
 import sys
 
 
+# what a command reports as one line and exit 2 (a bad input or a fault outside the program), never a traceback
+EXPECTED_ERRORS = (ValueError, OSError, ConnectionError, ImportError)
+
+
+def _fail(command: str, error: Exception, message: str | None = None) -> int:
+    message = str(error) if message is None else message
+    if isinstance(error, OSError) and not isinstance(error, (FileNotFoundError, FileExistsError)):
+        # a read-only location, a full disk: outputs are renamed into place only when complete, so nothing is lost
+        message += " (nothing was half-written: outputs are renamed into place only when complete)"
+    print(f"hf-mixers {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part]
@@ -223,10 +236,9 @@ def _bench(args) -> int:
                       hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
                       decode_layers=args.decode_layers, decode_tokens=args.decode_tokens, repeats=args.repeats,
                       device=args.device, decode_batch=args.decode_batch)
-    except (ValueError, FileNotFoundError, ConnectionError) as error:
+    except EXPECTED_ERRORS as error:
         prefix = f"bench {args.target}: "  # the benchmarks' own messages start with it
-        print(f"hf-mixers {prefix}error: {str(error).removeprefix(prefix)}", file=sys.stderr)
-        return 2
+        return _fail(f"bench {args.target}", error, str(error).removeprefix(prefix))
     return 0
 
 
@@ -239,24 +251,21 @@ def _convert(args) -> int:
                             mixer_options=dict(args.option), sequence_length=args.sequence_length,
                             calibration_sequences=args.calibration_sequences,
                             heldout_sequences=args.heldout_sequences, seed=args.seed)
-    except (ValueError, FileNotFoundError, FileExistsError, ConnectionError, ImportError) as error:
-        print(f"hf-mixers convert: error: {error}", file=sys.stderr)
-        return 2
+    except EXPECTED_ERRORS as error:
+        return _fail("convert", error)
     print(report.to_markdown())
     return 0
 
 
 def _train(args) -> int:
-    from ..recipes import RecipeError, distill, finetune, load_recipe
+    from ..recipes import distill, finetune, load_recipe
     from ..recipes.trainer import NonFiniteLoss
 
     run = distill if args.command == "distill" else finetune
     try:
         summary = run(load_recipe(args.recipes, args.overrides))
-    except (RecipeError, ValueError, FileNotFoundError, FileExistsError, ConnectionError, ImportError,
-            NonFiniteLoss) as error:
-        print(f"hf-mixers {args.command}: error: {error}", file=sys.stderr)
-        return 2
+    except (*EXPECTED_ERRORS, NonFiniteLoss) as error:
+        return _fail(args.command, error)
     print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=2, default=str))
     return 0
 
@@ -288,9 +297,8 @@ def _last_mile(args) -> int:
             print(format_files(result["files"]))
             print(f"dry run: nothing uploaded to {args.repo_id}" if args.dry_run
                   else f"pushed to {args.repo_id}@{result['revision']}: {result['commit_url']}")
-    except (PushError, ValueError, FileNotFoundError, ConnectionError, ImportError) as error:
-        print(f"hf-mixers {args.command}: error: {error}", file=sys.stderr)
-        return 2
+    except (*EXPECTED_ERRORS, PushError) as error:
+        return _fail(args.command, error)
     return 0
 
 

@@ -147,6 +147,10 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
     teacher_model = None
     if teacher is not None:
         loaded = load_teacher(teacher)
+        mine, theirs = model.get_output_embeddings().weight.shape[0], loaded.model.get_output_embeddings().weight.shape[0]
+        if mine != theirs:  # token ids would mean different things: KL and agreement are meaningless
+            raise ValueError(f"--teacher {teacher}: its vocabulary has {theirs} tokens, {model_dir}'s has {mine}; "
+                             "compare a model with the teacher it was converted from (or --teacher none)")
         teacher_model = loaded.model.to(device=device, dtype=torch_dtype).eval()
         tokenizer = tokenizer or loaded.tokenizer
     if tokenizer is None:

@@ -92,6 +92,8 @@ def split_texts(source: str | None, heldout_fraction: float = 0.2) -> tuple[str,
     if not 0.0 < heldout_fraction < 1.0:
         raise ValueError(f"data.heldout_fraction must lie in (0, 1), got {heldout_fraction}")
     text = read_text(source)
+    if not text.strip():
+        raise ValueError(f"{source}: no text in it")
     cut = int(len(text) * (1.0 - heldout_fraction))
     return text[:cut], text[cut:], source
 
@@ -106,6 +108,13 @@ def _read_parquet(path: str) -> str:
 
 
 def _read_file(path: str) -> str:
+    try:
+        return _read_utf8(path)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason}); pass a text file") from None
+
+
+def _read_utf8(path: str) -> str:
     if path.endswith(".parquet"):
         return _read_parquet(path)
     with open(path, encoding="utf-8") as handle:

@@ -88,6 +88,11 @@ def check_output_folder(out_dir: str, overwrite: bool) -> str:
     out_dir = os.path.abspath(out_dir)
     if os.path.isfile(out_dir):
         raise FileExistsError(f"{out_dir} is a file, not a folder")
+    ancestor = os.path.dirname(out_dir)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise FileExistsError(f"{out_dir}: cannot create it, {ancestor} is a file, not a folder")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
     return out_dir
