@@ -148,11 +148,12 @@ def load_recipe(paths=(), overrides=()) -> Recipe:
     return recipe
 
 
-# what a relaunch may change and still resume its checkpoints: how often to save and log, how long to train, where
-# the teacher sits; anything else (data, learning rates, the model, the mixer's options) makes the checkpoints
-# belong to another run
-RESUMABLE_CHANGES = ("output.checkpoint_every", "output.log_every", "output.overwrite", "output.allow_recipe_change",
-                     "stage1.steps", "stage2.steps", "finetune.steps", "model.teacher_device")
+# what a relaunch may change and still resume its checkpoints: where the run lives (a moved folder), how often to
+# save and log, how the result is exported, how long to train, where the teacher sits; anything else (data, learning
+# rates, the model, the mixer's options) makes the checkpoints belong to another run
+RESUMABLE_CHANGES = ("output.dir", "output.checkpoint_every", "output.log_every", "output.overwrite",
+                     "output.merge_lora", "output.allow_recipe_change", "stage1.steps", "stage2.steps",
+                     "finetune.steps", "model.teacher_device")
 
 
 def _flatten(data: dict, prefix: str = "") -> dict:
