@@ -190,3 +190,12 @@ def test_eval_refuses_a_teacher_of_another_vocabulary_and_a_folder_without_weigh
 def test_push_refuses_an_invalid_repo_id_even_in_a_dry_run(tmp_path, capsys, repo_id):
     assert main(["push", str(tmp_path), f"--repo-id={repo_id}", "--dry-run"]) == 2
     _one_line(capsys, f"--repo-id {repo_id!r} is not a valid model repository id")
+
+
+def test_a_moved_run_folder_is_the_same_run():
+    from hf_mixers.recipes.config import recipe_changes
+
+    recorded = load_recipe([], ["output.dir=/old/place", "train.lr=0.01"]).to_dict()
+    assert recipe_changes(recorded, load_recipe([], ["output.dir=/new/place", "train.lr=0.01",
+                                                     "stage2.steps=500", "output.merge_lora=false"])) == []
+    assert recipe_changes(recorded, load_recipe([], ["output.dir=/new/place"])) == ["train.lr: 0.01 -> 0.001"]
