@@ -140,7 +140,8 @@ def survey(module: str, work: str) -> list[dict]:
                               and not leftovers)
         results.append({"case": name, **outcome})
         print(f"{'ok  ' if outcome['handled'] else 'BAD '} {name}: exit {outcome['exit']}, "
-              f"{(outcome['errors'] or outcome.get('tail') or ['(hang)'])[-1][:150]}", flush=True)
+              f"{(outcome['errors'] or outcome.get('tail') or ['(hang)' if outcome['hang'] else '(no stderr)'])[-1][:150]}",
+              flush=True)
     return results
 
 
