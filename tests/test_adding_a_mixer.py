@@ -53,8 +53,9 @@ def test_the_example_mixer_converts_distils_and_loads_without_hf_mixers(teacher_
 
 def test_names_are_checked_at_registration():
     spec = ema_mixer.EMA
-    for name, message in (("mamba", "one of transformers' own layer kinds"), ("linear_attention", "own layer kinds"),
+    for name, message in (("mamba", "reserved: one of transformers' own layer kinds"), ("linear_attention", "reserved"),
                           ("llama", "transformers' model type"), ("Bad-Name", "must match"),
+                          ("hf_mixer", "MixerConfig's model type"),
                           ("ema", "already registered")):
         with pytest.raises(ValueError, match=message):
             register_mixer(type(spec)(**{**spec.__dict__, "name": name, "title": "Other", "options": ()}))

@@ -22,13 +22,14 @@ NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # transformers' layer kinds (configuration_utils.ALLOWED_LAYER_TYPES) and old names it renames; only the teacher's own
 # attention kinds may use them (the built-in "full_attention" / "sliding_attention" mixers).
 RESERVED_NAMES = {"mamba", "mamba2", "attention", "linear_attention", "conv", "hybrid", "moe", "mlp", "dense", "sparse",
-                  "dummy"}
+                  "dummy", "hf_mixer"}  # hf_mixer: the model type of MixerConfig itself
 TEACHER_ATTENTION = ("full_attention", "sliding_attention")
 
 
 def positive_int(value) -> str | None:
     """An option check: None when ``value`` is a positive integer, else what is wrong."""
-    return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "must be a positive integer"
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return None if ok else "must be a positive integer"
 
 
 def one_of(*choices) -> Callable[[Any], str | None]:
@@ -123,7 +124,8 @@ def _check(spec: MixerSpec) -> None:
     if not isinstance(spec.name, str) or not NAME.match(spec.name):
         fail("the name must match [a-z][a-z0-9_]* (it is a config layer type and a model type)")
     if not spec.is_teacher_attention and (spec.name in RESERVED_NAMES or spec.name in ALLOWED_LAYER_TYPES):
-        fail("the name is one of transformers' own layer kinds; choose another")
+        fail("the name is reserved: one of transformers' own layer kinds (or MixerConfig's model type); "
+             "choose another")
     if spec.name in CONFIG_MAPPING_NAMES:
         fail(f"the name is transformers' model type of {CONFIG_MAPPING_NAMES[spec.name]}; choose another")
     if not (isinstance(spec.mixer_class, type) and issubclass(spec.mixer_class, SequenceMixer)):
@@ -160,8 +162,12 @@ def register_mixer(spec: MixerSpec) -> MixerSpec:
                          f"({known.mixer_class.__module__}.{known.mixer_class.__qualname__})")
     _check(spec)
     _MIXERS[spec.name] = spec
-    for listener in list(_LISTENERS):
-        listener(spec)
+    try:
+        for listener in list(_LISTENERS):
+            listener(spec)
+    except BaseException:
+        del _MIXERS[spec.name]  # a half-derived mixer is not registered
+        raise
     return spec
 
 
