@@ -87,10 +87,6 @@ def load_checkpoint(path: str):
                               f"{advice}") from None
 
 
-def _write_atomically(text: str, path: str) -> None:
-    write_atomically(path, text)
-
-
 @dataclass
 class Sharding:
     """What ``train.strategy: fsdp`` and DeepSpeed ZeRO-3 partition for one stage (``stages.sharding_for``).
@@ -303,7 +299,7 @@ class FSDPOptimizer(LocalOptimizer):
         if self.processes.is_main:
             with open(os.path.join(folder, "trainer_state.json"), "w", encoding="utf-8") as handle:
                 json.dump({"step": step, "history": history}, handle)
-            _write_atomically(f"step{step}", os.path.join(self.path, "latest"))  # the completion marker
+            write_atomically(os.path.join(self.path, "latest"), f"step{step}")  # the completion marker
             for name in os.listdir(self.path):  # earlier checkpoints are superseded
                 if name.startswith("step") and name != f"step{step}":
                     shutil.rmtree(os.path.join(self.path, name), ignore_errors=True)
