@@ -73,7 +73,8 @@ class MixerModel(MixerPreTrainedModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         # only attention-based mixers read a mask; building one costs O(context) per decode step
-        self.mask_kinds = {get_mixer(kind).attention_mask for kind in config.layer_types} - {None}
+        self.layer_masks = [get_mixer(kind).attention_mask for kind in config.layer_types]  # per layer, or None
+        self.mask_kinds = set(self.layer_masks) - {None}
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -109,9 +110,9 @@ class MixerModel(MixerPreTrainedModel):
                  for kind in self.mask_kinds}
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        for layer, kind in zip(self.layers, self.config.layer_types):
+        for layer, mask_kind in zip(self.layers, self.layer_masks):
             hidden_states = layer(hidden_states, position_embeddings=position_embeddings,
-                                  attention_mask=masks.get(get_mixer(kind).attention_mask), token_mask=token_mask,
+                                  attention_mask=masks.get(mask_kind), token_mask=token_mask,
                                   past_key_values=past_key_values, **kwargs)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
