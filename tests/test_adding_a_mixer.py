@@ -80,3 +80,33 @@ def test_the_command_line_loads_mixer_plugins(teacher_dir, tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert broken.returncode == 2
     assert "HF_MIXERS_PLUGINS: module 'no_such_mixer_module' failed to load" in broken.stderr
+
+
+def test_entry_point_plugins_load_once_and_a_failing_one_is_named(monkeypatch):
+    import importlib.metadata
+
+    from hf_mixers.core import registry
+
+    calls = []
+
+    class Entry:
+        def __init__(self, name, target):
+            self.name, self.value, self._target = name, f"pkg:{name}", target
+
+        def load(self):
+            return self._target
+
+    entries = [Entry("good", lambda: calls.append("good"))]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: entries if group == registry.PLUGIN_GROUP
+                        else [])
+    monkeypatch.delenv(registry.PLUGIN_MODULES, raising=False)
+    monkeypatch.setattr(registry, "_plugins_loaded", False)
+    assert registry.load_plugins() == ["pkg:good"] and registry.load_plugins() == [] and calls == ["good"]
+
+    def broken():
+        raise ImportError("no module named mixer_dependency")
+
+    entries[:] = [Entry("broken", broken)]
+    monkeypatch.setattr(registry, "_plugins_loaded", False)
+    with pytest.raises(RuntimeError, match="hf_mixers plugin 'broken' \\(pkg:broken\\) failed to load: no module"):
+        registry.load_plugins()
