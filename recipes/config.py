@@ -153,7 +153,7 @@ def load_recipe(paths=(), overrides=()) -> Recipe:
 # rates, the model, the mixer's options) makes the checkpoints belong to another run
 RESUMABLE_CHANGES = ("output.dir", "output.checkpoint_every", "output.log_every", "output.overwrite",
                      "output.merge_lora", "output.allow_recipe_change", "stage1.steps", "stage2.steps",
-                     "finetune.steps", "model.teacher_device")
+                     "finetune.steps", "model.teacher_device", "train.strategy", "train.zero_stage")
 
 
 def _flatten(data: dict, prefix: str = "") -> dict:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,19 +39,21 @@ def previous_checkpoint(path: str) -> str:
     return path.removesuffix(".safetensors") + ".previous.safetensors"
 
 
-def save_checkpoint(path: str, step: int, history: list, parameters: dict, optimizer) -> None:
-    """Tensors (trained parameters, optimizer states) as safetensors, everything else as JSON in its metadata: a
-    checkpoint is read without unpickling anything. The checkpoint it replaces is kept as ``.previous``."""
-    state = optimizer.state_dict()
+def save_checkpoint(path: str, step: int, history: list, parameters: dict, optimizer_state: dict) -> None:
+    """One checkpoint format for every strategy: ``parameters`` (name -> whole tensor) and ``optimizer_state``
+    (torch's optimizer ``state_dict`` layout, states indexed by the parameters' order) as safetensors, everything else
+    as JSON in its metadata, so a checkpoint is read without unpickling anything and resumes under any strategy and
+    process count. The checkpoint it replaces is kept as ``.previous``."""
     tensors = {f"parameter/{name}": tensor.detach().cpu().contiguous().clone() for name, tensor in parameters.items()}
     values = {}
-    for index, entries in state["state"].items():
+    for index, entries in optimizer_state["state"].items():
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
                 tensors[f"optimizer/{index}/{key}"] = value.detach().cpu().contiguous().clone()
             else:
                 values.setdefault(str(index), {})[key] = value
-    meta = {"format": 1, "step": step, "history": history, "param_groups": state["param_groups"], "state": values}
+    meta = {"format": 1, "step": step, "history": history, "param_groups": optimizer_state["param_groups"],
+            "state": values}
     if os.path.exists(path):
         os.replace(path, previous_checkpoint(path))  # the last good one, until this one is complete
     write_atomically(path, lambda temporary: save_file(tensors, temporary, metadata={"hf_mixers": json.dumps(meta)}))
@@ -67,6 +68,7 @@ def _read_checkpoint(path: str) -> tuple[dict, dict]:
 def load_checkpoint(path: str):
     """(tensors, meta) of the checkpoint at ``path``; its ``.previous`` when a save was killed before completing;
     None when there is neither. A checkpoint that cannot be read is a CheckpointError naming it and the way out."""
+    _refuse_pickled_checkpoints(path)
     previous = previous_checkpoint(path)
     if not os.path.exists(path):
         path = previous if os.path.exists(previous) else None
@@ -85,6 +87,52 @@ def load_checkpoint(path: str):
                 pass
         raise CheckpointError(f"{path}: the checkpoint cannot be read ({type(error).__name__}: {error}); "
                               f"{advice}") from None
+
+
+def _refuse_pickled_checkpoints(path: str) -> None:
+    """Before this format, deepspeed and fsdp kept their libraries' checkpoints (``<stage>-deepspeed/``,
+    ``<stage>-fsdp/``), which are unpickled on load: never read, never silently restarted over."""
+    for suffix in ("-deepspeed", "-fsdp"):
+        folder = path.removesuffix(".safetensors") + suffix
+        if os.path.isdir(folder) and not os.path.exists(path) and not os.path.exists(previous_checkpoint(path)):
+            raise CheckpointError(f"{folder}: a checkpoint in the pickled format of earlier versions, which is no "
+                                  "longer read (loading it could run code stored in it); start the stage over in a "
+                                  "new output.dir, or delete the folder")
+
+
+def load_training_state(path: str, names: list[str]):
+    """(parameters, optimizer_state, step, history) of the checkpoint at ``path`` for a run training ``names`` (the
+    layout ``save_checkpoint`` takes); None when there is no checkpoint."""
+    loaded = load_checkpoint(path)
+    if loaded is None:
+        return None
+    tensors, meta = loaded
+    missing = [name for name in names if f"parameter/{name}" not in tensors]
+    if missing or len(names) != sum(key.startswith("parameter/") for key in tensors):
+        raise CheckpointError(f"{path}: checkpoint does not match this run (it trains other tensors"
+                              f"{': no ' + str(missing[:3]) if missing else ''}); use another output.dir")
+    parameters = {name: tensors[f"parameter/{name}"] for name in names}
+    state = {int(index): dict(values) for index, values in meta["state"].items()}
+    for key, tensor in tensors.items():
+        if key.startswith("optimizer/"):
+            _, index, name = key.split("/", 2)
+            state.setdefault(int(index), {})[name] = tensor
+    return parameters, {"state": state, "param_groups": meta["param_groups"]}, meta["step"], meta["history"]
+
+
+def _by_name(optimizer_state: dict, names: list[str]) -> dict:
+    """An optimizer state indexed by parameter position, keyed by parameter name instead (and back: ``_by_index``),
+    the layout torch.distributed.checkpoint.state_dict uses."""
+    return {"state": {names[index]: values for index, values in optimizer_state["state"].items()},
+            "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                             for group in optimizer_state["param_groups"]]}
+
+
+def _by_index(optimizer_state: dict, names: list[str]) -> dict:
+    position = {name: index for index, name in enumerate(names)}
+    return {"state": {position[name]: values for name, values in optimizer_state["state"].items()},
+            "param_groups": [{**group, "params": [position[name] for name in group["params"]]}
+                             for group in optimizer_state["param_groups"]]}
 
 
 @dataclass
@@ -215,29 +263,20 @@ class LocalOptimizer:
 
     def save(self, step: int, history: list) -> None:
         if self.processes.is_main:
-            save_checkpoint(self.path, step, history, self.parameters, self.optimizer)
+            save_checkpoint(self.path, step, history, self.parameters, self.optimizer.state_dict())
         self.processes.barrier()
 
     def load(self):
         """(step, history) of the checkpoint, restored into the parameters and optimizer; None if there is none."""
-        loaded = load_checkpoint(self.path)
+        loaded = load_training_state(self.path, list(self.parameters))
         if loaded is None:
             return None
-        tensors, meta = loaded
-        missing = sorted(set(self.parameters) - {key.removeprefix("parameter/") for key in tensors})
-        if missing:
-            raise CheckpointError(f"{self.path}: checkpoint does not match this run (no {missing[:3]}); "
-                                  "use another output.dir")
+        parameters, optimizer_state, step, history = loaded
         with torch.no_grad():
             for name, tensor in self.parameters.items():
-                tensor.copy_(tensors[f"parameter/{name}"])
-        state = {int(index): dict(values) for index, values in meta["state"].items()}
-        for key, tensor in tensors.items():
-            if key.startswith("optimizer/"):
-                _, index, name = key.split("/", 2)
-                state.setdefault(int(index), {})[name] = tensor
-        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-        return meta["step"], meta["history"]
+                tensor.copy_(parameters[name])
+        self.optimizer.load_state_dict(optimizer_state)
+        return step, history
 
     def finish(self) -> None:
         pass  # the model was trained in place
@@ -247,8 +286,7 @@ class FSDPOptimizer(LocalOptimizer):
     """PyTorch FSDP2 (``train.strategy: fsdp``): every weight of the student, frozen ones included, sharded over
     the processes (``fully_shard`` on each unit, each decoder block, then the root); gathered for a unit's forward
     and backward, gradients reduce-scattered; AdamW over the sharded trainable parameters. Checkpoints: the
-    trainable parameters and optimizer states, each rank its own shards (torch.distributed.checkpoint), in
-    ``checkpoints/<stage>-fsdp/step<N>/``, named in ``latest`` once complete."""
+    trainable parameters and optimizer states gathered whole to rank 0, in the one format (``save_checkpoint``)."""
 
     def __init__(self, parameters: dict, train, lr: float, processes: Processes, path: str, loss_fn,
                  sharding: Sharding | None = None):
@@ -271,60 +309,41 @@ class FSDPOptimizer(LocalOptimizer):
         if outside:
             raise ValueError(f"train.strategy=fsdp: trainable parameters outside every sharded module: {outside[:3]}")
         super().__init__(sharded, train, lr, processes, path, loss_fn)
-        self.path = path.removesuffix(".safetensors") + "-fsdp"
         stored = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
         _report_sharding(path, processes, "fsdp", stored, sum(p.numel() for p in model.parameters()))
 
     def reduce_gradients(self) -> None:
         pass  # reduce-scattered (averaged) by FSDP during backward
 
-    def _state(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    def _options(self, **extra):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        # the trainable parameters only: frozen weights never change and come from the model as built
-        options = StateDictOptions(ignore_frozen_params=True, strict=False)
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
-        return {"model": model_state, "optimizer": optimizer_state}, options
+        # whole tensors, of the trainable parameters only: frozen weights never change and come from the model as built
+        return StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False, **extra)
 
     def save(self, step: int, history: list) -> None:
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        folder = os.path.join(self.path, f"step{step}")
-        if self.processes.is_main and os.path.isdir(folder):
-            shutil.rmtree(folder)  # a killed run's incomplete attempt at this step
-        self.processes.barrier()
-        state, _ = self._state()
-        dcp.save(state, checkpoint_id=folder)  # every rank writes its shards
-        self.processes.barrier()
+        # every rank takes part in gathering the shards; rank 0 receives the whole tensors, on CPU
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer,
+                                                      options=self._options(cpu_offload=True))
         if self.processes.is_main:
-            with open(os.path.join(folder, "trainer_state.json"), "w", encoding="utf-8") as handle:
-                json.dump({"step": step, "history": history}, handle)
-            write_atomically(os.path.join(self.path, "latest"), f"step{step}")  # the completion marker
-            for name in os.listdir(self.path):  # earlier checkpoints are superseded
-                if name.startswith("step") and name != f"step{step}":
-                    shutil.rmtree(os.path.join(self.path, name), ignore_errors=True)
+            names = list(self.parameters)
+            save_checkpoint(self.path, step, history, {name: model_state[name] for name in names},
+                            _by_index(optimizer_state, names))
         self.processes.barrier()
 
     def load(self):
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        marker = os.path.join(self.path, "latest")
-        if not os.path.exists(marker):
+        names = list(self.parameters)
+        loaded = load_training_state(self.path, names)  # every rank reads the whole checkpoint, keeps its shards
+        if loaded is None:
             return None
-        with open(marker, encoding="utf-8") as handle:
-            folder = os.path.join(self.path, handle.read().strip())
-        state, options = self._state()
-        try:
-            dcp.load(state, checkpoint_id=folder)
-        except Exception as error:  # DCP wraps every rank's failure; say which checkpoint and what to do
-            raise ValueError(f"{folder}: checkpoint does not match this run ({error}); use another output.dir") \
-                from error
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=options)
-        with open(os.path.join(folder, "trainer_state.json"), encoding="utf-8") as handle:
-            client = json.load(handle)
-        return client["step"], client["history"]
+        parameters, optimizer_state, step, history = loaded
+        set_state_dict(self.model, self.optimizer, model_state_dict=parameters,
+                       optim_state_dict=_by_name(optimizer_state, names), options=self._options())
+        return step, history
 
     def finish(self) -> None:
         from torch.distributed.tensor import DTensor
@@ -350,13 +369,14 @@ class DeepSpeedOptimizer:
     """DeepSpeed ZeRO (``train.strategy: deepspeed``): optimizer states (stage 1) and gradients (stage 2) of the
     trainable parameters partitioned over the processes; with stage 3 the whole student too (frozen weights
     included), gathered module by module for the forward and backward and gathered whole when the stage ends.
-    DeepSpeed's own per-rank checkpoints under ``checkpoints/<stage>-deepspeed``."""
+    Checkpoints: the trainable parameters and their Adam states gathered whole (DeepSpeed's ``safe_get_full_*``),
+    in the one format (``save_checkpoint``), not DeepSpeed's own pickled files."""
 
     def __init__(self, parameters: dict, train, lr: float, processes: Processes, path: str, loss_fn,
                  sharding: Sharding | None = None):
         import deepspeed
 
-        self.path = path.removesuffix(".safetensors") + "-deepspeed"
+        self.processes, self.parameters, self.path = processes, parameters, path
         self.zero3 = train.zero_stage == 3
         holder = _LossModule(loss_fn)
         zero = {"stage": train.zero_stage}
@@ -402,15 +422,58 @@ class DeepSpeedOptimizer:
     def step(self) -> None:
         pass
 
+    def _flat_partitions(self) -> list:
+        """The flat fp32 partitions ZeRO made of this rank's share of the parameters: the tensors torch's AdamW (the
+        base optimizer) steps and keys its states by (ZeRO-3 swaps them in and out of its param_groups per step)."""
+        if self.zero3:
+            return self.optimizer.fp32_partitioned_groups_flat
+        return self.optimizer.single_partition_of_fp32_groups
+
     def save(self, step: int, history: list) -> None:
-        # every rank writes its partition; DeepSpeed updates the 'latest' pointer only when all are written
-        self.engine.save_checkpoint(self.path, tag=f"step{step}", client_state={"step": step, "history": history})
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        # each call gathers one whole tensor from the partitions (every rank takes part; the keys come in one order)
+        flat = self.optimizer.optimizer.state[self._flat_partitions()[0]]
+        keys = [key for key, value in flat.items() if torch.is_tensor(value) and value.dim() > 0]  # exp_avg, ...
+        parameters, state = {}, {}
+        for index, (name, parameter) in enumerate(self.parameters.items()):
+            parameters[name] = safe_get_full_fp32_param(parameter).cpu()
+            state[index] = {"step": flat["step"].clone(),  # one Adam step count per partition, the same in all
+                            **{key: safe_get_full_optimizer_state(parameter, key).cpu() for key in keys}}
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(range(len(parameters)))}
+                  for group in self.optimizer.optimizer.param_groups[:1]]
+        if self.processes.is_main:
+            save_checkpoint(self.path, step, history, parameters, {"state": state, "param_groups": groups})
+        self.processes.barrier()
 
     def load(self):
-        if not os.path.exists(os.path.join(self.path, "latest")):
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        loaded = load_training_state(self.path, list(self.parameters))
+        if loaded is None:
             return None
-        _, client = self.engine.load_checkpoint(self.path)
-        return client["step"], client["history"]
+        parameters, optimizer_state, step, history = loaded
+        saved = optimizer_state["state"][0]
+        keys = [key for key, value in saved.items() if key != "step" and torch.is_tensor(value)]
+        # torch's Adam creates its states at the first step: create them now (what its first step would), so that
+        # ZeRO's per-parameter views into them exist and the saved values can be scattered into the partitions
+        for flat in self._flat_partitions():
+            self.optimizer.optimizer.state[flat] = {"step": saved["step"].clone(),
+                                                    **{key: torch.zeros_like(flat) for key in keys}}
+        if not self.zero3:
+            self.optimizer._lazy_init_hp_params_optimizer_state()  # ZeRO-1/2 link those views after a first step
+        for index, (name, parameter) in enumerate(self.parameters.items()):
+            value = parameters[name].to(parameter.device)
+            safe_set_full_fp32_param(parameter, value)  # the fp32 master copy the optimizer updates
+            for key in keys:
+                safe_set_full_optimizer_state(parameter, optimizer_state["state"][index][key].to(value.device), key)
+            if self.zero3:  # the partitioned working copy the forward gathers
+                with deepspeed.zero.GatheredParameters([parameter], modifier_rank=0):
+                    parameter.data.copy_(value)
+            else:
+                parameter.data.copy_(value)
+        return step, history
 
     def finish(self) -> None:
         if not self.zero3:

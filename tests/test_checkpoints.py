@@ -79,3 +79,32 @@ def test_a_save_killed_before_completing_resumes_from_the_previous(tmp_path):
     os.replace(path, previous_checkpoint(str(path)))  # what a kill between the rotation and the write leaves
     assert _optimizer(path).load() == (4, [{"step": 4}])
     assert _optimizer(tmp_path / "none.safetensors").load() is None
+
+
+@pytest.mark.parametrize("library", ["deepspeed", "fsdp"])
+def test_a_pickled_checkpoint_of_an_earlier_version_is_refused_unread(tmp_path, library):
+    """deepspeed and fsdp runs of earlier versions kept their libraries' pickled checkpoints: never loaded, and
+    never silently trained over from step 0 either."""
+    marker = tmp_path / "unpickled"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    folder = tmp_path / f"stage2-{library}" / "step2"
+    folder.mkdir(parents=True)
+    (folder / "mp_rank_00_model_states.pt").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match=rf"stage2-{library}: a checkpoint in the pickled format of earlier "
+                                              r"versions, which is no longer read .*new output.dir"):
+        _optimizer(tmp_path / "stage2.safetensors").load()
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_other_tensors_is_refused(tmp_path):
+    _optimizer(tmp_path / "stage2.safetensors").save(1, [])
+    torch.manual_seed(0)
+    other = LocalOptimizer({"w": torch.nn.Parameter(torch.randn(3, 4)), "c": torch.nn.Parameter(torch.zeros(4))},
+                           TrainSection(), 1e-2, Processes(), str(tmp_path / "stage2.safetensors"), loss_fn=None)
+    with pytest.raises(CheckpointError, match=r"stage2.safetensors: checkpoint does not match this run \(it trains "
+                                              r"other tensors: no \['c'\]\); use another output.dir"):
+        other.load()

@@ -334,24 +334,29 @@ def test_finetune_lowers_the_heldout_answer_loss(teacher_dir, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
-def test_deepspeed_zero2_under_torchrun_matches_data_parallel(teacher_dir, tmp_path):
-    """DeepSpeed ZeRO-2, 2 CPU processes under torchrun (gloo): the same losses as plain gradient averaging."""
-    runs = {}
-    for strategy in ("ddp", "deepspeed"):
-        out = tmp_path / strategy
+def test_deepspeed_zero2_under_torchrun_matches_data_parallel_and_resumes(teacher_dir, tmp_path):
+    """DeepSpeed ZeRO-2, 2 CPU processes under torchrun (gloo): the same losses as plain gradient averaging, also
+    across a relaunch that resumes from its step-2 checkpoint (parameters and the partitioned Adam states)."""
+    def launch(strategy, steps, *extra):
         command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "-m",
                    "hf_mixers", "distill"]
-        for item in small(teacher_dir, out, "stage1.enabled=false", "stage2.steps=3", "train.batch_size=1",
-                          f"train.strategy={strategy}", "output.checkpoint_every=3"):
+        for item in small(teacher_dir, tmp_path / strategy, "stage1.enabled=false", f"stage2.steps={steps}",
+                          "train.batch_size=1", f"train.strategy={strategy}", "output.checkpoint_every=1", *extra):
             command += ["--set", item]
         result = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                                               "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, result.stderr[-3000:]
-        runs[strategy] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert (tmp_path / "deepspeed" / "checkpoints" / "stage2-deepspeed" / "latest").exists()
-    assert [r["world_size"] for r in runs["deepspeed"]] == [2, 2, 2]
-    for got, want in zip(runs["deepspeed"], runs["ddp"]):
-        assert abs(got["loss"] - want["loss"]) <= 1e-5 * max(1.0, abs(want["loss"])), (got, want)
+        return [json.loads(line) for line in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()]
+
+    want = launch("ddp", 4)
+    launch("deepspeed", 2)
+    # step 4's loss follows step 3's update, which used the restored Adam states
+    got = launch("deepspeed", 4, "output.overwrite=true")
+    assert [r["step"] for r in got] == [1, 2, 3, 4] and [r["world_size"] for r in got] == [2, 2, 2, 2]
+    for row, expected in zip(got, want):
+        assert abs(row["loss"] - expected["loss"]) <= 1e-5 * max(1.0, abs(expected["loss"])), (row, expected)
+    assert sorted(os.listdir(tmp_path / "deepspeed" / "checkpoints")) == ["stage2.previous.safetensors",
+                                                                          "stage2.safetensors"]
 
 
 def test_cli_distill_reports_recipe_errors(capsys, tmp_path):

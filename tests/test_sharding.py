@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import save_tiny_teacher, tiny_sessa_model
@@ -58,9 +59,10 @@ def data_parallel(teacher_dir, tmp_path_factory):
     return out
 
 
-def check_sharded_run(teacher_dir, reference, out, strategy: list[str], checkpoint: str, between=None):
+def check_sharded_run(teacher_dir, reference, out, strategy: list[str], between=None, first_strategy=None):
     # 2 stage-2 steps, then the same run relaunched for 4: stage 1 comes back from its checkpoint, stage 2 resumes
-    first = torchrun_distill(teacher_dir, out, "stage2.steps=2", *strategy)
+    # (under `first_strategy`, when given, for the first launch)
+    first = torchrun_distill(teacher_dir, out, "stage2.steps=2", *(first_strategy or strategy))
     assert [(r["stage"], r["step"]) for r in metrics(out)] == [("stage1", 1), ("stage1", 2), ("stage2", 1),
                                                                 ("stage2", 2)]
     if between:
@@ -76,7 +78,11 @@ def check_sharded_run(teacher_dir, reference, out, strategy: list[str], checkpoi
     # rank 0 said how much of the student it kept: about half of it in stage 2 (frozen weights included)
     stored = dict(re.findall(r"(stage[12]): .*this rank stores ([\d.]+)% of them", first))
     assert set(stored) == {"stage1", "stage2"} and float(stored["stage2"]) < 60, first
-    assert (out / "checkpoints" / checkpoint / "latest").exists()
+    # one checkpoint format whatever the strategy: whole tensors as safetensors, nothing pickled
+    assert sorted(os.listdir(out / "checkpoints")) == ["stage1.previous.safetensors", "stage1.safetensors",
+                                                       "stage2.previous.safetensors", "stage2.safetensors"]
+    with safe_open(str(out / "checkpoints" / "stage2.safetensors"), framework="pt") as handle:
+        assert json.loads(handle.metadata()["hf_mixers"])["step"] == 4
     # the exported folder: the same tensors as the data-parallel run's, and it loads. Adam turns float-level
     # gradient differences (ZeRO-3 reduces in other buckets) into weight differences up to ~1e-5; a missed or doubled
     # update would differ by about lr = 3e-3
@@ -93,21 +99,24 @@ def check_sharded_run(teacher_dir, reference, out, strategy: list[str], checkpoi
 
 
 def test_fsdp_under_torchrun_matches_data_parallel_and_resumes(teacher_dir, data_parallel, tmp_path):
-    def killed_while_saving(out):  # a step-3 checkpoint half written: not named in `latest`, so never loaded
-        (out / "checkpoints" / "stage2-fsdp" / "step3").mkdir()
-        (out / "checkpoints" / "stage2-fsdp" / "step3" / "__0_0.distcp").write_bytes(b"cut short")
+    def killed_while_saving_step_2(out):  # step 1's checkpoint set aside as .previous, step 2's never written
+        os.remove(out / "checkpoints" / "stage2.safetensors")
 
-    check_sharded_run(teacher_dir, data_parallel, tmp_path / "fsdp", ["train.strategy=fsdp"], "stage2-fsdp",
-                      between=killed_while_saving)
-    # each rank's shards of the trainable tensors and their Adam states; earlier steps removed once superseded
-    assert sorted(os.listdir(tmp_path / "fsdp" / "checkpoints" / "stage2-fsdp")) == ["latest", "step4"]
-    assert (tmp_path / "fsdp" / "checkpoints" / "stage2-fsdp" / "latest").read_text() == "step4"
+    check_sharded_run(teacher_dir, data_parallel, tmp_path / "fsdp", ["train.strategy=fsdp"],
+                      between=killed_while_saving_step_2)
 
 
 @needs_deepspeed
 def test_deepspeed_zero3_under_torchrun_matches_data_parallel_and_resumes(teacher_dir, data_parallel, tmp_path):
     check_sharded_run(teacher_dir, data_parallel, tmp_path / "zero3",
-                      ["train.strategy=deepspeed", "train.zero_stage=3"], "stage2-deepspeed")
+                      ["train.strategy=deepspeed", "train.zero_stage=3"])
+
+
+@needs_deepspeed
+def test_a_run_resumes_under_another_strategy(teacher_dir, data_parallel, tmp_path):
+    """The checkpoint holds whole tensors: ZeRO-3's two steps continue under FSDP as if uninterrupted."""
+    check_sharded_run(teacher_dir, data_parallel, tmp_path / "switch", ["train.strategy=fsdp"],
+                      first_strategy=["train.strategy=deepspeed", "train.zero_stage=3"])
 
 
 def test_sharding_recipes_are_checked(teacher_dir, tmp_path):
