@@ -22,7 +22,28 @@ HYBRID = "hybrid"  # every convertible mixer, plus full and sliding attention, i
 TOLERANCE = {torch.float64: dict(rtol=1e-7, atol=1e-9), torch.float32: dict(rtol=1e-4, atol=1e-5)}
 
 
+def contract_names() -> list[str]:
+    """What the contract suite checks: every registered mixer, each of its ``tiny_variants`` as ``"name[variant]"``,
+    and the hybrid."""
+    names = []
+    for spec in list_mixers():
+        names += [spec.name, *(f"{spec.name}[{variant}]" for variant in spec.tiny_variants)]
+    return names + [HYBRID]
+
+
+def _variant(name: str) -> tuple[str, dict]:
+    """``"rsa[window]"`` -> ("rsa", the spec's window options); a plain name -> (name, {})."""
+    if not name.endswith("]"):
+        return name, {}
+    mixer, variant = name[:-1].split("[", 1)
+    variants = get_mixer(mixer).tiny_variants
+    if variant not in variants:
+        raise KeyError(f"mixer {mixer!r} has no contract variant {variant!r} (it has {sorted(variants)})")
+    return mixer, variants[variant]
+
+
 def _layer_types(name: str) -> list[str]:
+    name = _variant(name)[0]
     if name == HYBRID:
         return [spec.name for spec in list_mixers(convertible=True)] + ["full_attention", "sliding_attention"]
     return [name, name]
@@ -31,9 +52,11 @@ def _layer_types(name: str) -> list[str]:
 def tiny_config(name: str, **overrides):
     """A tiny config of mixer ``name`` (or ``HYBRID``) with every spec's ``tiny_options``."""
     layer_types = _layer_types(name)
+    name, variant = _variant(name)
     options = {}
     for kind in set(layer_types):
         options.update(get_mixer(kind).tiny_options)
+    options.update(variant)
     cls = config_class(name) if name != HYBRID else config_class("full_attention")
     config = cls(**{**TINY, "num_hidden_layers": len(layer_types), "layer_types": layer_types, **options,
                     **overrides})
@@ -210,9 +233,9 @@ def check_gradient_checkpointing(name):
         _close(grads[1][key], grads[0][key], f"gradient checkpointing: gradient of {key}")
 
 
-def check_from_attention(name):
-    """from_attention on tiny Llama, Qwen2 and Qwen3 teachers: a finite output and a measured at-init error (zero
-    for a spec that declares exact_at_init). Returns {family: error}."""
+def _from_attention_errors(name, length: int = 10, **overrides) -> dict:
+    """{"kind/family": relative error} of from_attention on tiny Llama, Qwen2 and Qwen3 teachers, on ``length``
+    tokens, for every converted kind of ``name`` with the options convert would use (plus ``overrides``)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                               Qwen3ForCausalLM)
 
@@ -228,31 +251,56 @@ def check_from_attention(name):
             torch.manual_seed(0)
             teacher = model_cls(config_cls(**{**TINY, "num_hidden_layers": 1, "sliding_window": None,
                                               **({"head_dim": 16} if family == "qwen3" else {})})).double().eval()
-            options = {**spec.tiny_options, **spec.conversion_options}  # what convert would use
-            # a window longer than the 10 test tokens: a sliding layer then equals its (full-attention) teacher
-            fields = {**backbone_fields(teacher.config), "sliding_window": 16}
+            options = {**spec.tiny_options, **spec.conversion_options, **_variant(name)[1]}  # what convert uses
+            options.update({key: value for key, value in overrides.items() if key.startswith(f"{kind}_")})
+            # a window longer than the test tokens: a sliding layer then equals its (full-attention) teacher
+            fields = {**backbone_fields(teacher.config), "sliding_window": length + 6}
             config = config_class(kind)(**fields, layer_types=[kind], **options)
             config._attn_implementation = "sdpa"
-            hidden = torch.randn(2, 10, TINY["hidden_size"], dtype=torch.float64)
-            positions = teacher.model.rotary_emb(hidden, torch.arange(10)[None])
+            hidden = torch.randn(2, length, TINY["hidden_size"], dtype=torch.float64)
+            positions = teacher.model.rotary_emb(hidden, torch.arange(length)[None])
             attention = teacher.model.layers[0].self_attn
             mixer = spec.mixer_class.from_attention(attention, config, 0, calibration_hidden_states=hidden,
                                                     calibration_position_embeddings=positions).eval()
             error = attention_output_error(mixer, attention, hidden, positions)
             assert error == error and error < float("inf"), f"from_attention ({kind}, {family}): non-finite output"
-            if spec.exact_at_init:
-                assert error < 1e-9, f"from_attention ({kind}, {family}): error {error:.2e} but exact_at_init"
             errors[f"{kind}/{family}"] = error
     return errors
 
 
+def check_from_attention(name):
+    """from_attention on tiny Llama, Qwen2 and Qwen3 teachers: a finite output and a measured at-init error (zero
+    for a spec that declares exact_at_init). Returns {family: error}."""
+    errors = _from_attention_errors(name)
+    for key, error in errors.items():
+        if get_mixer(key.split("/")[0]).exact_at_init:
+            assert error < 1e-9, f"from_attention ({key}): error {error:.2e} but exact_at_init"
+    return errors
+
+
+def check_window_exact_at_init(name):
+    """A mixer with a local-window option (``<mixer>_window``, core/window.py), converted: on sequences no longer
+    than the window it is its teacher exactly; on longer ones its memory takes part (a nonzero error)."""
+    windowed = [kind for kind in set(_layer_types(name))
+                if any(option.name == f"{kind}_window" for option in get_mixer(kind).options)]
+    for kind in windowed:
+        within = _from_attention_errors(name, length=10, **{f"{kind}_window": 10})
+        beyond = _from_attention_errors(name, length=10, **{f"{kind}_window": 4})
+        for key, error in within.items():
+            if key.startswith(f"{kind}/"):
+                assert error < 1e-12, f"{kind}_window=10 on 10 tokens: error {error:.2e}, not the teacher"
+                assert beyond[key] > 1e-6, f"{kind}_window=4 on 10 tokens: the memory never took part"
+
+
 CHECKS = (check_config, check_forward_backward, check_gradcheck, check_decode_equals_forward, check_chunked_prefill,
           check_padding, check_generate, check_remote_code, check_bf16, check_gradient_checkpointing,
-          check_from_attention)
+          check_from_attention, check_window_exact_at_init)
 
 
 def check_mixer(name: str) -> None:
     """Run every contract check on registered mixer ``name``; an AssertionError names the failed property."""
-    get_mixer(name)  # unknown names fail here, by name
+    mixer, _ = _variant(name)  # unknown names fail here, by name
+    if mixer != HYBRID:
+        get_mixer(mixer)
     for check in CHECKS:
         check(name)

@@ -109,6 +109,8 @@ def rsa_chunk_triton_supports(params: RSAParams, q=None, v=None, log_decay=None)
     """None when ``rsa_chunked_triton`` can run this call, else the reason (for a fallback with a log line)."""
     if log_decay is not None:
         return "GLA-style decay (log_decay / rsa_decay=True) is not implemented in the Triton RSA kernel"
+    if params.log_weight:
+        return "the local window's log weight (rsa_window > 0) is not returned by the Triton RSA kernel"
     if params.assign_fn not in ASSIGN_FNS:
         return f"unknown assign_fn {params.assign_fn!r}"
     if params.readout not in READOUTS:

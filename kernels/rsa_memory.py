@@ -17,6 +17,10 @@ of the same scores (sigmoid). Reading with query q (per query head) against the 
     chain_i = atil_0 (i = 0) | (chain_{i-1} @ R_{i-1}) * atil_i (relation) | chain_{i-1} * atil_i | atil_i (none)
     a_i = chain_i @ W_r_i;   o = sum_i a_i @ SV_i / max(sum_i sum(|a_i|), eps)   [+ sum_i (q @ W_qr_i / 16) @ SV_i]
 
+With ``params.log_weight`` each read also returns, as one more output channel, the log of the memory's total read
+weight log sum_j mass_j exp(tau q.SK_j) over the level-0 slots: the softmax mass its tokens would have had, as
+cluster attention estimates it, which the local window (hf_mixers/core/window.py) weighs the memory's output by.
+
 The normaliser is the total *absolute* read weight (W and W_r are unconstrained, so a can turn
 negative). With the signed sum it can pass through zero while the numerator does not, and the output explodes:
 seen in a 200-step SmolLM2 distillation (a stage-1 relative MSE of 1.5e6 at one step, stage 2 diverging). With
@@ -80,6 +84,7 @@ class RSAParams:
     chunk_size: int = 64
     eps: float = 1e-6
     recompute: bool = False  # training: keep only chunk inputs, recompute each chunk in the backward pass
+    log_weight: bool = False  # append each read's log weight as one more output channel (the local window's merge)
 
 
 @dataclass
@@ -216,6 +221,9 @@ def rsa_step(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None)
     if params.query_read is not None:
         weights = torch.einsum("bghd,ghldm->bghlm", q, _per_head(params.query_read, groups)) / 16
         out = out + torch.einsum("bghlm,bglmd->bghd", weights, slots_v)
+    if params.log_weight:
+        log_weight = torch.logsumexp(x[:, :, :, 0] + torch.log(state.mass[:, :, 0].clamp_min(eps))[:, :, None], -1)
+        out = torch.cat([out, log_weight[..., None]], dim=-1)
     return out, state
 
 
@@ -394,13 +402,15 @@ def read_chunks(q_b, writes: ChunkWrites, params: RSAParams, valid_b, decay_b=No
         return (scaled * start) @ at_start(sums, level) + intra @ of
 
     per_head = (lambda t, i: _per_head(t, groups)[None, :, None, :, i])  # noqa: E731  (H, L, ..) -> (1, G, 1, g, ..)
-    numerator, denominator, chain = 0.0, 0.0, None
+    numerator, denominator, chain, log_weight = 0.0, 0.0, None, None
     for i in range(levels):
         q_dot_k = (q @ x[i].transpose(-1, -2)) * carry  # (B, G, N, g, C, C)
         scores = tau * (q @ prior[:, :, None, None, i].transpose(-1, -2)
                         + start * (q @ at_start(writes.key_sum, i).transpose(-1, -2)) + q_dot_k @ f[i]) \
             / (kappa[:, :, i, :, None, None, None] + running_mass[i]).clamp_min(eps)
         act = _activation(scores, i, running_mass[i], params)
+        if i == 0 and params.log_weight:
+            log_weight = torch.logsumexp(scores + torch.log(running_mass[0].clamp_min(eps)), -1)
         threshold = per_head(params.threshold, i)[..., None, None]
         sparse = per_head(params.read_scale, i)[..., None, None] * torch.relu(
             act @ per_head(params.read_proj, i) - threshold) + threshold / slots
@@ -417,7 +427,9 @@ def read_chunks(q_b, writes: ChunkWrites, params: RSAParams, valid_b, decay_b=No
     if params.query_read is not None:
         for i in range(levels):
             out = out + causal_read(q @ per_head(params.query_read, i) / 16, i, writes.value_sum, y[i])
-    return out.transpose(2, 3).flatten(3, 4)  # (B, G, g, Tp, dv)
+    if log_weight is not None:
+        out = torch.cat([out, log_weight[..., None]], dim=-1)
+    return out.transpose(2, 3).flatten(3, 4)  # (B, G, g, Tp, dv), or dv + 1 with the log weight
 
 
 def _chunk_step(q_c, k_c, v_c, valid_c, state: RSAState, params: RSAParams, decay_c=None):
@@ -441,7 +453,7 @@ def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=No
         valid = torch.ones(batch, length, dtype=torch.bool, device=q.device)
     layout = ChunkLayout.of(valid, state.count, size)
     if not layout.padded:
-        return q.new_zeros(batch, groups, group_size, length, v.shape[-1]), state  # no real token
+        return q.new_zeros(batch, groups, group_size, length, v.shape[-1] + params.log_weight), state  # no real token
     q_b, k_b, v_b = layout.pack(q, 3), layout.pack(k, 2), layout.pack(v, 2)
     decay_b = None if log_decay is None else layout.pack(log_decay[..., None], 2)[..., 0]  # (B, G, T_buffer)
     valid_b = layout.valid(batch, q.device)
@@ -476,6 +488,8 @@ def rsa_memory(q, k, v, valid, state: RSAState, params: RSAParams, method: str =
     """
     cd = compute_dtype(q.dtype)
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    if method == "triton" and params.log_weight:
+        method = "chunked"  # the Triton read does not return the log weight: the PyTorch chunk form does
     if method == "triton" and q.shape[3] > 1:
         from .rsa_chunk_triton import rsa_chunked_triton  # needs triton: imported only when chosen
 

@@ -48,3 +48,20 @@ def test_rsa_hybrid_report_on_smollm2(teacher):
     assert report.teacher_perplexity < report.student_perplexity < 50 * report.teacher_perplexity
     assert 0 < report.kl_teacher_student and 0 < report.top1_agreement < 1
     assert report.parameters_added > 0 and report.peak_rss_mib > 0
+
+
+def test_rsa_with_a_local_window_is_the_teacher_within_the_window(teacher):
+    """rsa_window=64: every layer RSA, yet on up to 64 tokens the student is the teacher (the memory is empty); on
+    longer inputs the memory takes part, its weight shared with the window through one normaliser."""
+    model, report = convert(teacher, "rsa", mixer_options={"rsa_window": 64}, **SMALL)
+    assert model.config.rsa_window == 64 and report.layers_converted == list(range(30))
+    ids = teacher.tokenizer(" ".join(["Shall I compare thee to a summer's day?"] * 30), return_tensors="pt")
+    ids = ids.input_ids[:, :160]
+    with torch.no_grad():
+        expected, got = teacher.model(ids).logits, model(ids).logits
+    # fp32 rounding only (the window sums in another order than SDPA; in fp64 the contract suite finds 1e-12)
+    assert (got[:, :64] - expected[:, :64]).abs().max().item() <= 5e-4
+    beyond = (got[:, 64:] - expected[:, 64:]).abs().max().item()
+    assert 1e-3 < beyond < float("inf")
+    # a far better start than RSA reading everything from its memory (the report measures 256-token sequences)
+    assert report.student_perplexity < 1.5 * report.teacher_perplexity

@@ -83,6 +83,8 @@ class MixerSpec:
     limitations: sentences the model card says about a model with this mixer.
     sliding_note: what the conversion report adds when the mixer replaces a sliding-window teacher layer.
     tiny_options: option values for the contract suite's tiny models (small, so every check runs in seconds).
+    tiny_variants: further option sets the contract suite also checks, by name (``{"window": {"rsa_window": 3}}``
+        is checked as ``"rsa[window]"``): the mixer's optional branches get the same contract.
     """
 
     name: str
@@ -102,6 +104,7 @@ class MixerSpec:
     limitations: tuple[str, ...] = ()
     sliding_note: str = ""
     tiny_options: dict = field(default_factory=dict)
+    tiny_variants: dict = field(default_factory=dict)
 
     @property
     def is_teacher_attention(self) -> bool:

@@ -24,6 +24,7 @@ from transformers import initialization as init
 from ..core.attention import FullAttention
 from ..core.cache import RecurrentStateLayer
 from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
+from ..core.window import window_option, windowed
 from ..kernels.common import compute_dtype
 from ..kernels.dispatch import use_triton
 from ..kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, rsa_memory, triton_unsupported
@@ -120,26 +121,40 @@ class RSAMixer(FullAttention):
             threshold=cast(self.threshold).clamp(0.0, config.rsa_threshold_max), read_scale=cast(self.read_scale),
             query_read=cast(self.query_read), assign_fn=config.rsa_assign_fn, readout=config.rsa_readout,
             routing=config.rsa_routing, chunk_size=config.rsa_chunk_size, eps=config.rsa_eps,
-            recompute=config.rsa_recompute_chunks)
+            recompute=config.rsa_recompute_chunks, log_weight=config.rsa_window > 0)
 
     def memory_read(self, hidden_states, position_embeddings, token_mask=None, state=None, method="chunked"):
-        """(B, T, D) -> memory output (B, T, H * hd) before o_proj, and the new state."""
+        """(B, T, D) -> memory output (B, T, H * hd) before o_proj, and the new state (an RSAState, or with
+        ``rsa_window`` a core.window.WindowState around one)."""
         batch, length = hidden_states.shape[:2]
         query, key, value = self.project(hidden_states, position_embeddings)  # (B, H, T, hd), (B, Hkv, T, hd)
         cd = compute_dtype(hidden_states.dtype)
         params = self.memory_params(cd)
-        if state is None:
-            state = initial_state(params, batch, self.head_dim, cd)
         query = query.unflatten(1, (self.num_key_value_heads, self.num_key_value_groups))  # (B, G, g, T, hd)
         valid = None if token_mask is None else token_mask[:, -length:]
-        log_decay = None
+        extras = ()  # per-token write inputs: the decay, if any, travels with its token into the memory
         if self.decay_proj is not None:  # (B, T, G) -> (B, G, T)
-            log_decay = (F.logsigmoid(self.decay_proj(hidden_states).to(cd)) / 16).transpose(1, 2)
-        if method == "chunked" and length > 1 and use_triton(
-                "RSA chunk step", query.device, self.config.kernel_backend,
-                check=lambda: triton_unsupported(params, query, value, log_decay)):
-            method = "triton"
-        out, state = rsa_memory(query, key, value, valid, state, params, method=method, log_decay=log_decay)
+            extras = ((F.logsigmoid(self.decay_proj(hidden_states).to(cd)) / 16).transpose(1, 2),)
+
+        def memory(q, k, v, written, extras, memory_state):
+            log_decay = extras[0] if extras else None
+            if memory_state is None:
+                memory_state = initial_state(params, batch, self.head_dim, cd)
+            how = method
+            if how == "chunked" and q.shape[3] > 1 and use_triton(
+                    "RSA chunk step", q.device, self.config.kernel_backend,
+                    check=lambda: triton_unsupported(params, q, v, log_decay)):
+                how = "triton"
+            out, memory_state = rsa_memory(q, k, v, written, memory_state, params, method=how, log_decay=log_decay)
+            if params.log_weight:
+                return out[..., :-1], out[..., -1], memory_state
+            return out, None, memory_state
+
+        if self.config.rsa_window:
+            out, state = windowed(query.to(cd), key.to(cd), value.to(cd), valid, extras, state,
+                                  self.config.rsa_window, self.scaling, memory)
+        else:
+            out, _, state = memory(query, key, value, valid, extras, state)
         out = out.flatten(1, 2).transpose(1, 2).reshape(batch, length, -1)  # (B, T, H * hd)
         return out.to(hidden_states.dtype), state
 
@@ -302,6 +317,7 @@ RSA = register_mixer(MixerSpec(
                     "head before each write (b starts at 4, a half-life of ~600 tokens)", boolean),
         MixerOption("rsa_recompute_chunks", False, "recompute each chunk's intermediates in the backward pass (about "
                     "10x less activation memory, 2-2.7x the time at T = 8192 on CPU)", boolean),
+        window_option("rsa"),
         MixerOption("rsa_compile_decode", False, "run each one-token decode step of an RSA block as one "
                     "torch.compile graph (about 2x faster per token on CPU; the first step compiles for 10-30 s)",
                     boolean),
@@ -311,4 +327,5 @@ RSA = register_mixer(MixerSpec(
     limitations=("RSA layers keep a fixed number of memory slots: exact recall of long-past tokens is lossy by "
                  "design, in exchange for a decoding state that does not grow with the context.",),
     tiny_options={"rsa_num_levels": 2, "rsa_num_slots": 4, "rsa_chunk_size": 4, "rsa_short_conv": 3,
-                  "rsa_decay": True, "rsa_query_read": True}))
+                  "rsa_decay": True, "rsa_query_read": True},
+    tiny_variants={"window": {"rsa_window": 3}}))

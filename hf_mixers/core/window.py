@@ -1,0 +1,147 @@
+"""The local-window branch any constant-state mixer can put in front of its memory (``<mixer>_window`` = w).
+
+Token t reads the last w tokens (t-w, t] with exact softmax attention (the teacher's q/k/v and RoPE), and the
+mixer's memory for everything older: a token's write into the memory is delayed until it leaves the window, so the
+memory at t holds exactly the tokens <= t - w. The two reads are combined with one shared normaliser when the memory
+has one (it returns the log of its total read weight, e.g. RSA's log sum_j mass_j exp(q.SK_j / sqrt(d)), the
+cluster approximation of the softmax mass its tokens would have had):
+
+    o_t = (Z_window o_window + Z_memory o_memory) / (Z_window + Z_memory)
+
+and through a learned per-head gate g (o = o_window + sigmoid(g) (o_memory - o_window)) when it has not. A memory
+that has received nothing yet has weight exactly 0, so any sequence no longer than the window gives the teacher's
+attention exactly.
+
+The decode state stays constant in the context length: the last w keys, values and validity flags (plus whatever
+per-token inputs the memory's write needs, e.g. RSA's decay), the memory's own state and the count of written
+tokens (``WindowState``).
+
+Shapes: queries (B, G, g, T, d) (G KV heads of g query heads each), keys (B, G, T, d), values (B, G, T, dv),
+valid (B, T) bool. The window is by position, as sliding-window attention is: with left padding (what
+``generate`` uses) every row reads exactly what it would alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+
+from .registry import MixerOption
+
+
+def _window_size(value) -> str | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return None if ok else "must be 0 (off) or a window length >= 1"
+
+
+def window_option(mixer: str) -> MixerOption:
+    """The ``<mixer>_window`` option, declared by every mixer that supports the branch."""
+    return MixerOption(f"{mixer}_window", 0, "local window w: exact softmax attention over the last w tokens, the "
+                       "memory for the older ones (0: off, the memory reads everything)", _window_size)
+
+
+@dataclass
+class WindowState:
+    """The decode state of a windowed mixer: the last w tokens and the memory of the ones before them."""
+
+    keys: torch.Tensor  # (B, G, w, d) rotated keys of the last w positions (zeros where invalid)
+    values: torch.Tensor  # (B, G, w, dv)
+    valid: torch.Tensor  # (B, w) bool: a real token sits there
+    extras: tuple  # per-token write inputs of the memory, each (B, G, w) (RSA: log decay)
+    memory: object  # the mixer's own state (anything ``map_tensors`` handles), None before the first write
+    written: torch.Tensor  # (B,) tokens written into the memory so far
+
+    def map(self, fn) -> "WindowState":
+        from .cache import map_tensors
+
+        return WindowState(**{f.name: map_tensors(getattr(self, f.name), fn) for f in fields(self)})
+
+
+def empty_window(keys: torch.Tensor, values: torch.Tensor, extras: tuple, window: int) -> WindowState:
+    """The state before the first token: w invalid positions, nothing written."""
+    batch, groups = keys.shape[:2]
+    return WindowState(keys=keys.new_zeros(batch, groups, window, keys.shape[-1]),
+                       values=values.new_zeros(batch, groups, window, values.shape[-1]),
+                       valid=torch.zeros(batch, window, dtype=torch.bool, device=keys.device),
+                       extras=tuple(e.new_zeros(batch, groups, window) for e in extras), memory=None,
+                       written=torch.zeros(batch, dtype=torch.long, device=keys.device))
+
+
+def window_attention(query, keys, values, valid, window: int, scale: float):
+    """Softmax attention of T queries over the window before each: ``keys`` / ``values`` / ``valid`` hold w earlier
+    positions then the T new ones ((B, G, w + T, ...)), query i (position w + i) reads positions i+1 .. w+i.
+
+    Returns the output (B, G, g, T, dv) and the log of its softmax normaliser (B, G, g, T), both in the queries'
+    dtype. Queries of long inputs go in blocks of w, each reading a span of 2w keys: O(T w), not O(T^2).
+    """
+    batch, groups, per_group, length, _ = query.shape
+    if length <= window:  # one block (decode, short prefill): every query against all w + T positions
+        spans_k, spans_v, spans_valid = keys[:, :, None], values[:, :, None], valid[:, None]
+        query_b = query[:, :, :, None]
+        offsets = torch.arange(window + length, device=query.device)[None, :] - window  # key index - query's index 0
+        rows = torch.arange(length, device=query.device)[:, None]
+    else:
+        blocks = -(-length // window)
+        pad = blocks * window - length
+        if pad:
+            query = torch.nn.functional.pad(query, (0, 0, 0, pad))
+            keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
+            values = torch.nn.functional.pad(values, (0, 0, 0, pad))
+            valid = torch.nn.functional.pad(valid, (0, pad))
+        query_b = query.unflatten(3, (blocks, window))  # (B, G, g, N, w, d)
+        spans_k = keys.unfold(2, 2 * window, window).transpose(-1, -2)  # (B, G, N, 2w, d): positions bw .. bw+2w-1
+        spans_v = values.unfold(2, 2 * window, window).transpose(-1, -2)
+        spans_valid = valid.unfold(1, 2 * window, window)  # (B, N, 2w)
+        offsets = torch.arange(2 * window, device=query.device)[None, :] - window
+        rows = torch.arange(window, device=query.device)[:, None]
+    # key at span index c is position (first query's position - w + c); query r reads it when 0 <= r - (c - w) < w
+    gap = rows - offsets  # (block, span)
+    allowed = (gap >= 0) & (gap < window) & spans_valid[:, None, :, None, :]  # (B, 1, N, block, span)
+    scores = torch.einsum("bgjnrd,bgncd->bgjnrc", query_b, spans_k) * scale  # (B, G, g, N, block, span)
+    scores = scores.masked_fill(~allowed[:, :, None], torch.finfo(scores.dtype).min)
+    log_normaliser = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - log_normaliser[..., None])
+    out = torch.einsum("bgjnrc,bgncd->bgjnrd", weights, spans_v)
+    out, log_normaliser = out.flatten(3, 4)[:, :, :, :length], log_normaliser.flatten(3, 4)[:, :, :, :length]
+    return out, log_normaliser
+
+
+# memory(query, keys, values, valid, extras, memory_state) -> (output (B, G, g, T, dv), log weight (B, G, g, T) or
+# None, new memory state): the mixer's constant-state read after writing, at each step, the token leaving the window
+Memory = Callable[..., tuple]
+
+
+def windowed(query, keys, values, valid, extras: tuple, state: WindowState | None, window: int, scale: float,
+             memory: Memory, gate: torch.Tensor | None = None):
+    """The mixer's output with a local window of ``window`` tokens in front of ``memory`` -> (B, G, g, T, dv) and
+    the new ``WindowState``. ``extras``: per-token write inputs (B, G, T) the memory also receives delayed.
+    ``gate`` (G, g): the per-head gate logit, used when the memory returns no log weight."""
+    length = query.shape[3]
+    if valid is None:
+        valid = torch.ones(query.shape[0], length, dtype=torch.bool, device=query.device)
+    if state is None:
+        state = empty_window(keys, values, extras, window)
+    keys = torch.cat([state.keys.to(keys.dtype), keys], dim=2)  # (B, G, w + T, d): position w + i is new token i
+    values = torch.cat([state.values.to(values.dtype), values], dim=2)
+    valid = torch.cat([state.valid, valid], dim=1)
+    extras = tuple(torch.cat([old.to(new.dtype), new], dim=2) for old, new in zip(state.extras, extras, strict=True))
+    local, local_log = window_attention(query, keys, values, valid, window, scale)
+    # query i sees the memory after the write of position i: the token that has just left its window
+    leaving = valid[:, :length]
+    remote, remote_log, memory_state = memory(query, keys[:, :, :length], values[:, :, :length], leaving,
+                                              tuple(e[..., :length] for e in extras), state.memory)
+    written = state.written[:, None] + leaving.long().cumsum(1)  # (B, T) tokens in the memory at each query
+    # a query whose leaving token is padding reads the window alone (with left padding its memory is empty anyway)
+    seen = ((written > 0) & leaving)[:, None, None]  # (B, 1, 1, T)
+    if remote_log is not None:
+        share = torch.sigmoid(remote_log - local_log)  # Z_memory / (Z_window + Z_memory)
+    else:
+        share = torch.sigmoid(gate.to(local.dtype))[None, :, :, None].expand_as(local_log)
+    share = torch.where(seen, share.to(local.dtype), torch.zeros((), dtype=local.dtype, device=local.device))
+    out = local + share[..., None] * (remote.to(local.dtype) - local)
+    state = WindowState(keys=keys[:, :, length:], values=values[:, :, length:], valid=valid[:, length:],
+                        extras=tuple(e[..., length:] for e in extras), memory=memory_state,
+                        written=state.written + leaving.long().sum(1))
+    return out, state
