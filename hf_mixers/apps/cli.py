@@ -1,5 +1,5 @@
-"""The ``hf-mixers`` command line: ``convert``, ``distill``, ``finetune``, ``eval``, ``card``, ``push``, ``demo`` and
-``bench sessa|rsa|distill|kernels``."""
+"""The ``hf-mixers`` command line: ``convert``, ``distill``, ``finetune``, ``eval``, ``card``, ``push``, ``compare``,
+``demo`` and ``bench sessa|rsa|distill|kernels``."""
 
 from __future__ import annotations
 
@@ -155,6 +155,27 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--revision", default=None, help="branch to push to (created if missing; default main)")
     push.add_argument("--dry-run", action="store_true", help="list the files that would be uploaded, upload nothing")
 
+    compare = commands.add_parser(
+        "compare", help="one teacher, several mixers, the same recipe and budget: one table and one plot",
+        description="Each --mixer entry is converted, distilled with the same recipe (stacked YAML files and --set "
+                    "overrides, as for distill) and measured; the teacher is measured the same way. Writes "
+                    "OUT/compare.json, compare.md and compare.png; relaunching skips finished entries.")
+    compare.add_argument("recipes", nargs="*", help="YAML recipe files (later files win)")
+    compare.add_argument("--mixer", dest="entries", action="append", required=True, metavar="MIXER[:KEY=VALUE,...]",
+                         help="an entry: a mixer and option values, e.g. rsa:rsa_window=64 (repeatable)")
+    compare.add_argument("--teacher", default="smollm2-135m", help="any convert SOURCE (default: smollm2-135m)")
+    compare.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a recipe field for every entry (repeatable)")
+    compare.add_argument("--out", default="outputs/compare", help="output folder (default: outputs/compare)")
+    compare.add_argument("--passkey-lengths", type=_positive_list, default=[1024, 2048],
+                         help="passkey prompt lengths in tokens (default 1024,2048)")
+    compare.add_argument("--passkey-trials", type=_at_least(1), default=5, help="prompts per passkey length")
+    compare.add_argument("--cache-contexts", type=_positive_list, default=[4096, 16384],
+                         help="contexts whose cache bytes are reported (default 4096,16384)")
+    compare.add_argument("--decode-context", type=_at_least(1), default=512, help="prefill before timing decode")
+    compare.add_argument("--decode-tokens", type=_at_least(1), default=16, help="decode steps timed")
+    compare.add_argument("--overwrite", action="store_true", help="redo entries finished under other settings")
+
     demo = commands.add_parser("demo", help="the main job: SmolLM2-135M -> RSA and Sessa, distilled, evaluated "
                                             "(about 15 minutes on 2 CPU cores)")
     demo.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
@@ -199,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.command in ("eval", "card", "push"):
         return _last_mile(args)
+    if args.command == "compare":
+        return _compare(args)
     # The demo and the benchmarks run on the embedded assets: nothing may come from the hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.command == "demo":
@@ -267,6 +290,24 @@ def _train(args) -> int:
     except (*EXPECTED_ERRORS, NonFiniteLoss) as error:
         return _fail(args.command, error)
     print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=2, default=str))
+    return 0
+
+
+def _compare(args) -> int:
+    from ..recipes.trainer import NonFiniteLoss
+    from .compare import parse_entry, run_compare
+
+    try:
+        report = run_compare(args.out, [parse_entry(text) for text in args.entries], teacher_source=args.teacher,
+                             recipes=args.recipes, overrides=args.overrides, passkey_lengths=args.passkey_lengths,
+                             passkey_trials=args.passkey_trials, cache_contexts=args.cache_contexts,
+                             decode_context=args.decode_context, decode_tokens=args.decode_tokens,
+                             overwrite=args.overwrite)
+    except (*EXPECTED_ERRORS, NonFiniteLoss) as error:
+        return _fail("compare", error)
+    from .compare import to_markdown
+
+    print(to_markdown(report))
     return 0
 
 

@@ -1,0 +1,251 @@
+"""``hf-mixers compare``: one teacher, several mixers, the same recipe and token budget -> one table, one plot.
+
+    each entry (a mixer and chosen options: ``rsa``, ``rsa:rsa_window=64``, ``sessa``)
+        convert -> distil with the recipe -> held-out perplexity and KL at init and after; passkey retrieval;
+        cache bytes at long contexts; decode ms/token; training tokens/s
+    -> OUT/<entry>/      the distilled model, its reports, and ``entry.json`` once the entry is finished
+    -> OUT/compare.json, OUT/compare.md, OUT/compare.png       (the teacher measured the same way, in the same run)
+
+Resumable: relaunching the same command redoes nothing that finished (an entry with its ``entry.json``), and an
+entry that was killed resumes from its training checkpoints. An entry finished under other settings (recipe,
+measures) is refused, naming what changed: it would not be comparable.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass
+
+from ..common.files import write_atomically
+from ..common.history import save_figure
+from ..common.measures import decode_latency, passkey_accuracy
+
+ENTRY_FILE = "entry.json"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One compared configuration: a registered mixer and option values (``MixerOption`` names)."""
+
+    mixer: str
+    options: dict
+
+    @property
+    def label(self) -> str:
+        options = ",".join(f"{key}={json.dumps(value)}" for key, value in sorted(self.options.items()))
+        return f"{self.mixer}:{options}" if options else self.mixer
+
+    @property
+    def folder(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.=-]+", "_", self.label.replace(":", "__"))
+
+
+def parse_entry(text: str) -> Entry:
+    """``MIXER`` or ``MIXER:KEY=VALUE,KEY=VALUE`` (values as JSON when they are JSON) -> an Entry; an unknown mixer
+    or option is a ValueError naming it and what there is."""
+    from ..core.registry import get_mixer, list_mixers
+
+    mixer, _, rest = text.partition(":")
+    names = [spec.name for spec in list_mixers(convertible=True)]
+    if mixer not in names:
+        raise ValueError(f"compare entry {text!r}: unknown mixer {mixer!r}; choose from {names}")
+    known = {option.name for option in get_mixer(mixer).options}
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in known:
+            raise ValueError(f"compare entry {text!r}: {item!r} is not KEY=VALUE with KEY an option of {mixer} "
+                             f"({sorted(known)})")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return Entry(mixer, options)
+
+
+def cache_bytes(model, contexts, vocab: int, device, probes=(64, 128)) -> dict:
+    """{context: cache bytes} after a prefill, from two measured prefills: every cache here is affine in the context
+    (attention K/V grow by a fixed amount per token, a constant-state mixer stays put), so two points give any
+    context exactly without prefilling 16K tokens. (A sliding-window attention cache stops growing at its window:
+    extrapolated, it is overestimated.)"""
+    measured = [decode_latency(model, probe, 1, vocab, device, warmup=0)[1] for probe in probes]
+    slope = (measured[1] - measured[0]) / (probes[1] - probes[0])
+    return {context: int(round(measured[1] + slope * (context - probes[1]))) for context in contexts}
+
+
+def _measure(model, tokenizer, settings: dict, device, progress: bool) -> dict:
+    vocab = model.config.vocab_size
+    passkey = passkey_accuracy(model, tokenizer, settings["passkey_lengths"], trials=settings["passkey_trials"],
+                               progress=progress)
+    seconds, _ = decode_latency(model, settings["decode_context"], settings["decode_tokens"], vocab, device)
+    return {"passkey": {str(length): result["accuracy"] for length, result in passkey.items()},
+            "cache_bytes": {str(c): b for c, b in cache_bytes(model, settings["cache_contexts"], vocab,
+                                                              device).items()},
+            "decode_ms_per_token": seconds * 1e3}
+
+
+def _tokens_per_s(folder: str) -> dict:
+    """Median training tokens/s per stage, from the entry's metrics.jsonl."""
+    path = os.path.join(folder, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        rows = [json.loads(line) for line in handle if line.strip()]
+    return {stage: statistics.median(r["tokens_per_s"] for r in rows if r["stage"] == stage)
+            for stage in sorted({r["stage"] for r in rows})}
+
+
+def _finished(folder: str, settings: dict, label: str, overwrite: bool):
+    """The finished entry's result, None if it has not finished; refused if it finished under other settings."""
+    path = os.path.join(folder, ENTRY_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        result = json.load(handle)
+    if result["settings"] == settings:
+        return result
+    changed = sorted(key for key in set(settings) | set(result["settings"])
+                     if settings.get(key) != result["settings"].get(key))
+    if overwrite:
+        return None
+    raise ValueError(f"{path}: entry {label} finished under other settings (changed: {', '.join(changed)}); use "
+                     "another --out, or --overwrite to redo it")
+
+
+def run_compare(out: str, entries: list[Entry], teacher_source: str = "smollm2-135m", recipes=(), overrides=(),
+                passkey_lengths=(1024, 2048), passkey_trials: int = 5, cache_contexts=(4096, 16384),
+                decode_context: int = 512, decode_tokens: int = 16, overwrite: bool = False,
+                progress: bool = True) -> dict:
+    """Compare ``entries`` (see the module docstring); returns what OUT/compare.json holds."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..conversion import load_teacher
+    from ..recipes import load_recipe
+    from ..recipes.stages import distill
+
+    if not entries:
+        raise ValueError("compare: name at least one entry (--mixer rsa --mixer rsa:rsa_window=64 ...)")
+    labels = [entry.label for entry in entries]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"compare: an entry is named twice ({labels})")
+    base = load_recipe(list(recipes), [*overrides, f"model.teacher={teacher_source}"])  # checked before any work
+    settings = {"teacher": teacher_source, "recipe": {k: v for k, v in base.to_dict().items() if k != "output"},
+                "passkey_lengths": list(passkey_lengths), "passkey_trials": passkey_trials,
+                "cache_contexts": list(cache_contexts), "decode_context": decode_context,
+                "decode_tokens": decode_tokens}
+    # what each row was measured under; the teacher's row does not depend on the recipe
+    plan = {"teacher": (os.path.join(out, "teacher"), {k: v for k, v in settings.items() if k != "recipe"}, None)}
+    for entry in entries:
+        plan[entry.label] = (os.path.join(out, entry.folder), {**settings, "mixer": entry.mixer,
+                                                                "options": entry.options}, entry)
+    results = {label: _finished(folder, row_settings, label, overwrite)  # a changed row fails before any work
+               for label, (folder, row_settings, _) in plan.items()}
+    os.makedirs(out, exist_ok=True)
+    started = time.perf_counter()
+    say = tqdm.write if progress else print
+    teacher, device = load_teacher(teacher_source), torch.device("cpu")
+    for label, (folder, row_settings, entry) in plan.items():
+        if results[label] is not None:
+            say(f"compare: {label} finished earlier ({folder}), kept")
+            continue
+        say(f"compare: {label}")
+        if entry is None:  # the teacher
+            os.makedirs(folder, exist_ok=True)
+            result = {"settings": row_settings, **_measure(teacher.model, teacher.tokenizer, settings, device,
+                                                           progress)}
+        else:
+            recipe = load_recipe(list(recipes), [*overrides, f"model.teacher={teacher_source}",
+                                                 f"model.mixer={entry.mixer}",
+                                                 f"model.mixer_options={json.dumps(entry.options)}",
+                                                 f"output.dir={folder}", "output.overwrite=true"])
+            summary = distill(recipe, progress=progress, teacher=teacher)
+            model = summary.pop("model")
+            result = {"settings": row_settings, "evaluations": summary["evaluations"], "stages": summary["stages"],
+                      "train_tokens_per_s": _tokens_per_s(folder), "seconds": summary["seconds"],
+                      "model_dir": summary["model_dir"],
+                      **_measure(model, teacher.tokenizer, settings, device, progress)}
+            del model, summary
+            gc.collect()
+        write_atomically(os.path.join(folder, ENTRY_FILE), json.dumps(result, indent=2))
+        results[label] = result
+    report = {"teacher": teacher_source, "entries": labels, "results": results,
+              "seconds": time.perf_counter() - started}
+    write_atomically(os.path.join(out, "compare.json"), json.dumps(report, indent=2))
+    write_atomically(os.path.join(out, "compare.md"), to_markdown(report))
+    _plot(report, os.path.join(out, "compare.png"))
+    return report
+
+
+def _after(result: dict) -> dict:
+    """The evaluation after the last stage that ran (init if none did)."""
+    return result["evaluations"][list(result["evaluations"])[-1]]
+
+
+def to_markdown(report: dict) -> str:
+    results, labels = report["results"], report["entries"]
+    teacher = results["teacher"]
+    settings = teacher["settings"]
+    lengths, contexts = settings["passkey_lengths"], settings["cache_contexts"]
+    first = results[labels[0]]["evaluations"]["init"]
+    teacher_ppl = first["teacher_perplexity"]
+    recipe = results[labels[0]]["settings"]["recipe"]
+    steps = {stage: recipe[stage]["steps"] if recipe[stage]["enabled"] else 0 for stage in ("stage1", "stage2")}
+    lines = [f"# hf-mixers compare: {report['teacher']}", "",
+             f"Same recipe and budget for every entry: stage 1 {steps['stage1']} steps, stage 2 {steps['stage2']} "
+             "steps, "
+             f"{recipe['data']['sequence_length']}-token sequences, batch {recipe['train']['batch_size']}. "
+             f"Held-out perplexity and KL(teacher ‖ model) at init and after distillation; passkey accuracy over "
+             f"{settings['passkey_trials']} trials; cache bytes after a prefill; decode ms/token after "
+             f"{settings['decode_context']} tokens; {report['seconds'] / 60:.1f} min in all.", "",
+             "| model | ppl init | ppl after | x teacher | KL init | KL after | "
+             + " | ".join(f"passkey {n}" for n in lengths) + " | "
+             + " | ".join(f"cache {c} (MB)" for c in contexts) + " | decode ms/token | train tokens/s |",
+             "|---" * (8 + len(lengths) + len(contexts)) + "|"]
+
+    def measures(result):
+        return (" | ".join(f"{result['passkey'][str(n)]:.0%}" for n in lengths) + " | "
+                + " | ".join(f"{result['cache_bytes'][str(c)] / 1e6:.1f}" for c in contexts)
+                + f" | {result['decode_ms_per_token']:.1f}")
+
+    lines.append(f"| teacher | {teacher_ppl:.2f} | {teacher_ppl:.2f} | 1.00 | | | {measures(teacher)} | |")
+    for label in labels:
+        result = results[label]
+        init, after = result["evaluations"]["init"], _after(result)
+        speed = ", ".join(f"{stage} {value:.0f}" for stage, value in result["train_tokens_per_s"].items())
+        lines.append(f"| {label} | {init['student_perplexity']:.2f} | {after['student_perplexity']:.2f} | "
+                     f"{after['student_perplexity'] / after['teacher_perplexity']:.2f} | "
+                     f"{init['kl_teacher_student']:.3f} | {after['kl_teacher_student']:.3f} | {measures(result)} | "
+                     f"{speed} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results, labels = report["results"], report["entries"]
+    contexts = results["teacher"]["settings"]["cache_contexts"]
+    longest = str(max(contexts))
+    names = ["teacher", *labels]
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    teacher_ppl = results[labels[0]]["evaluations"]["init"]["teacher_perplexity"]
+    ratio = [1.0] + [_after(results[label])["student_perplexity"] / teacher_ppl for label in labels]
+    axes[0].bar(names, ratio, color=["grey"] + ["C0"] * len(labels))
+    axes[0].set_ylabel("held-out perplexity / teacher's, after distillation")
+    axes[0].set_yscale("log")
+    axes[1].bar(names, [results[name]["cache_bytes"][longest] / 1e6 for name in names])
+    axes[1].set_ylabel(f"cache MB at {int(longest):,} tokens")
+    axes[1].set_yscale("log")
+    axes[2].bar(names, [results[name]["decode_ms_per_token"] for name in names])
+    axes[2].set_ylabel("decode ms/token")
+    for axis in axes:
+        axis.tick_params(axis="x", labelrotation=30)
+    save_figure(figure, path, title=f"hf-mixers compare: {report['teacher']}")

@@ -1,0 +1,89 @@
+"""``hf-mixers compare`` on a tiny teacher: every entry converted, distilled with the same recipe and measured; the
+table, JSON and plot written; a relaunch redoes nothing; entries and settings checked before any work."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import save_tiny_teacher
+from hf_mixers.apps.cli import main as cli_main
+from hf_mixers.apps.compare import Entry, cache_bytes, parse_entry, run_compare
+from hf_mixers.testing import tiny_model
+
+RECIPE = ["data.sequence_length=32", "data.max_train_sequences=8", "data.heldout_sequences=2", "stage1.steps=2",
+          "stage2.steps=2", "output.checkpoint_every=2", "train.lr=3e-3"]
+MEASURES = dict(passkey_lengths=[48], passkey_trials=1, cache_contexts=[256, 1024], decode_context=16,
+                decode_tokens=2)
+SMALL_RSA = {"rsa_num_levels": 1, "rsa_num_slots": 4, "rsa_chunk_size": 8}
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("teacher"))
+    save_tiny_teacher(folder)
+    return folder
+
+
+def test_entries_are_parsed_and_checked():
+    assert parse_entry("sessa") == Entry("sessa", {})
+    entry = parse_entry("rsa:rsa_window=64,rsa_readout=softmax_count")
+    assert entry.options == {"rsa_window": 64, "rsa_readout": "softmax_count"}
+    assert entry.label == 'rsa:rsa_readout="softmax_count",rsa_window=64' and "/" not in entry.folder
+    with pytest.raises(ValueError, match=r"unknown mixer 'mamba'; choose from \["):
+        parse_entry("mamba")
+    with pytest.raises(ValueError, match=r"'window=64' is not KEY=VALUE with KEY an option of rsa"):
+        parse_entry("rsa:window=64")
+
+
+def test_cache_bytes_are_exact_for_growing_and_constant_caches():
+    """Extrapolated from two short prefills; equal to a real prefill of the longer context."""
+    from hf_mixers.common.measures import decode_latency
+
+    for name, grows in (("full_attention", True), ("rsa[window]", False)):
+        model = tiny_model(name, dtype=torch.float32)
+        predicted = cache_bytes(model, [200], model.config.vocab_size, "cpu", probes=(16, 48))[200]
+        measured = decode_latency(model, 200, 1, model.config.vocab_size, "cpu", warmup=0)[1]
+        assert predicted == measured
+        assert (cache_bytes(model, [400], model.config.vocab_size, "cpu", probes=(16, 48))[400] > measured) == grows
+
+
+def test_compare_runs_every_entry_and_resumes(teacher_dir, tmp_path, capsys):
+    out = tmp_path / "compare"
+    entries = [parse_entry("sessa"), Entry("rsa", {**SMALL_RSA, "rsa_window": 8})]
+    report = run_compare(str(out), entries, teacher_source=teacher_dir, overrides=RECIPE, progress=False,
+                         **MEASURES)
+    assert report["entries"] == [entry.label for entry in entries]
+    for entry in entries:
+        result = report["results"][entry.label]
+        assert set(result["evaluations"]) == {"init", "stage1", "stage2"}
+        assert result["stages"]["stage2"]["steps"] == 2 and set(result["train_tokens_per_s"]) == {"stage1", "stage2"}
+        assert set(result["passkey"]) == {"48"} and result["decode_ms_per_token"] > 0
+        assert (out / entry.folder / "model" / "model.safetensors").exists()
+    sessa, rsa, teacher = (report["results"][key] for key in ("sessa", entries[1].label, "teacher"))
+    assert sessa["evaluations"]["init"]["kl_teacher_student"] < 1e-6  # exact at init
+    # the teacher and Sessa caches grow with the context; windowed RSA's stays put
+    assert teacher["cache_bytes"]["1024"] > teacher["cache_bytes"]["256"]
+    assert sessa["cache_bytes"]["1024"] > sessa["cache_bytes"]["256"]
+    assert rsa["cache_bytes"]["1024"] == rsa["cache_bytes"]["256"]
+    table = (out / "compare.md").read_text()
+    assert "| teacher |" in table and "| sessa |" in table and f"| {entries[1].label} |" in table
+    assert json.loads((out / "compare.json").read_text())["results"].keys() == report["results"].keys()
+    assert (out / "compare.png").stat().st_size > 0
+    # relaunched: nothing redone (the saved figures come back as they were)
+    stamps = {entry.label: (out / entry.folder / "entry.json").stat().st_mtime_ns for entry in entries}
+    again = run_compare(str(out), entries, teacher_source=teacher_dir, overrides=RECIPE, progress=False, **MEASURES)
+    assert again["results"] == report["results"]
+    assert {entry.label: (out / entry.folder / "entry.json").stat().st_mtime_ns for entry in entries} == stamps
+    # the same entries under another budget are not comparable: refused, naming what changed
+    with pytest.raises(ValueError, match=r"entry sessa finished under other settings \(changed: recipe\)"):
+        run_compare(str(out), entries[:1], teacher_source=teacher_dir, overrides=[*RECIPE, "stage2.steps=3"],
+                    progress=False, **MEASURES)
+
+
+def test_compare_cli_reports_bad_entries_before_any_work(tmp_path, capsys):
+    assert cli_main(["compare", "--mixer", "rsa:nonsense=1", "--out", str(tmp_path / "c")]) == 2
+    assert "compare entry 'rsa:nonsense=1'" in capsys.readouterr().err
+    assert cli_main(["compare", "--mixer", "sessa", "--set", "stage2.steps=-1", "--out", str(tmp_path / "c")]) == 2
+    assert "stage2.steps" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
