@@ -32,8 +32,9 @@ def test_entries_are_parsed_and_checked():
     assert entry.label == 'rsa:rsa_readout="softmax_count",rsa_window=64' and "/" not in entry.folder
     with pytest.raises(ValueError, match=r"unknown mixer 'mamba'; choose from \["):
         parse_entry("mamba")
-    with pytest.raises(ValueError, match=r"'window=64' is not KEY=VALUE with KEY an option of rsa"):
-        parse_entry("rsa:window=64")
+    assert parse_entry("rsa:window=64") == Entry("rsa", {"rsa_window": 64})  # the short form
+    with pytest.raises(ValueError, match=r"'slots=64' is not KEY=VALUE with KEY an option of rsa"):
+        parse_entry("rsa:slots=64")
 
 
 def test_cache_bytes_are_exact_for_growing_and_constant_caches():

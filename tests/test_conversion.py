@@ -302,12 +302,14 @@ def test_existing_output_is_refused_and_never_half_written(teachers, tmp_path, m
 def test_cli_convert(teachers, tmp_path, capsys):
     out = tmp_path / "cli"
     args = [teachers["llama"], "--mixer", "rsa", "--out", str(out), "--keep-attention", "0", "--option",
-            "rsa_num_slots=8", "--option", "rsa_num_levels=2", "--sequence-length", "48", "--calibration-sequences",
-            "4", "--heldout-sequences", "2"]
+            "rsa_num_slots=8", "--option", "num_levels=2", "--option", "window=16", "--sequence-length", "48",
+            "--calibration-sequences", "4", "--heldout-sequences", "2"]
     assert cli_main(["convert", *args]) == 0
     assert "# Conversion report" in capsys.readouterr().out
     report = json.loads((out / "conversion_report.json").read_text())
     assert report["layers_kept"] == [0] and report["mixer_options"]["rsa_num_slots"] == 8
+    # options without the mixer's prefix are the mixer's own
+    assert report["mixer_options"]["rsa_num_levels"] == 2 and report["mixer_options"]["rsa_window"] == 16
     assert cli_main(["convert", *args]) == 2  # exists, no --overwrite
     assert "exists and is not empty" in capsys.readouterr().err
     assert cli_main(["convert", teachers["llama"], "--mixer", "sessa", "--out", str(tmp_path / "x"),

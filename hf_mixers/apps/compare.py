@@ -46,7 +46,8 @@ class Entry:
 
 
 def parse_entry(text: str) -> Entry:
-    """``MIXER`` or ``MIXER:KEY=VALUE,KEY=VALUE`` (values as JSON when they are JSON) -> an Entry; an unknown mixer
+    """``MIXER`` or ``MIXER:KEY=VALUE,KEY=VALUE`` (values as JSON when they are JSON; KEY with or without the
+    mixer's prefix) -> an Entry; an unknown mixer
     or option is a ValueError naming it and what there is."""
     from ..core.registry import get_mixer, list_mixers
 
@@ -54,10 +55,12 @@ def parse_entry(text: str) -> Entry:
     names = [spec.name for spec in list_mixers(convertible=True)]
     if mixer not in names:
         raise ValueError(f"compare entry {text!r}: unknown mixer {mixer!r}; choose from {names}")
-    known = {option.name for option in get_mixer(mixer).options}
+    spec = get_mixer(mixer)
+    known = {option.name for option in spec.options}
     options = {}
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
+        key = spec.option_name(key)  # window=64 -> rsa_window=64
         if not sep or key not in known:
             raise ValueError(f"compare entry {text!r}: {item!r} is not KEY=VALUE with KEY an option of {mixer} "
                              f"({sorted(known)})")

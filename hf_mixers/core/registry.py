@@ -106,6 +106,12 @@ class MixerSpec:
     tiny_options: dict = field(default_factory=dict)
     tiny_variants: dict = field(default_factory=dict)
 
+    def option_name(self, key: str) -> str:
+        """The option ``key`` names: itself, or ``<mixer>_<key>`` for the short form (``window`` -> ``rsa_window``);
+        anything else comes back unchanged (the config then names it as unknown)."""
+        names = {option.name for option in self.options}
+        return f"{self.name}_{key}" if key not in names and f"{self.name}_{key}" in names else key
+
     @property
     def is_teacher_attention(self) -> bool:
         return self.name in TEACHER_ATTENTION
