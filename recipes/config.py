@@ -47,6 +47,8 @@ class DataSection:
     heldout_fraction: float = bounded(0.2, 0.0, 1.0, True, True)  # of a user source; the embedded default holds out whole plays instead
     max_train_sequences: int | None = bounded(None, 1)
     heldout_sequences: int = bounded(4, 1)
+    # also measure quality at 4x the training length and on a domain the run never trains on (python-docs)
+    wider_evaluations: bool = True
 
 
 @dataclass
@@ -171,8 +173,11 @@ def recipe_changes(recorded: dict, recipe: Recipe) -> list[str]:
     as "key: old -> new"."""
     old = _flatten({k: v for k, v in recorded.items() if k in {f.name for f in dataclasses.fields(Recipe)}})
     new = _flatten(recipe.to_dict())
+    defaults = _flatten(Recipe().to_dict())
+    # a field a later version added, left at its default, is not a change to a run recorded before it existed
     return [f"{key}: {json.dumps(old.get(key))} -> {json.dumps(new.get(key))}" for key in sorted(set(old) | set(new))
-            if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]
+            if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)
+            and not (key not in old and new.get(key) == defaults.get(key))]
 
 
 def shards_the_model(train: TrainSection) -> bool:

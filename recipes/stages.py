@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shutil
 import time
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from ..core.attention import TEACHER_MODULES
 from ..common.history import CONVERSION_REPORT, HISTORY_FILES, LOSS_CURVE, TRAINING_SUMMARY, save_figure
 from ..core.registry import TEACHER_ATTENTION
-from ..common.corpus import HUB_ID, hub_offline, split_texts
+from ..common.corpus import HUB_ID, PYTHON_DOCS, PYTHON_DOCS_NAME, hub_offline, python_docs, split_texts
 from ..conversion import convert, load_teacher
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
@@ -34,6 +35,8 @@ from .config import Recipe, RecipeError, recipe_changes
 from .data import pack
 from .strategies import Sharding, check_launch
 from .trainer import Processes, run_stage
+
+logger = logging.getLogger(__name__)
 
 
 
@@ -134,6 +137,25 @@ def add_lora(student, stage2, seed: int):
     return peft_model
 
 
+def wider_evaluation_sets(recipe: Recipe, tokenizer, heldout_text: str, data_name: str) -> dict:
+    """{name: token blocks} of the wider evaluations (``data.wider_evaluations``): the held-out text at 4x the
+    training length, and the Python docs (a domain the run does not train on, unless it is its source) at 1x and 4x,
+    each with as many tokens as the main held-out set. A text too short for one long sequence is left out."""
+    if not recipe.data.wider_evaluations:
+        return {}
+    length, count = recipe.data.sequence_length, recipe.data.heldout_sequences
+    texts = [(f"{data_name}, {4 * length} tokens", heldout_text, 4 * length)]
+    if recipe.data.source != PYTHON_DOCS:
+        texts += [(f"{PYTHON_DOCS_NAME}, {size} tokens", python_docs(), size) for size in (length, 4 * length)]
+    sets = {}
+    for name, text, size in texts:
+        try:
+            sets[name] = pack(tokenizer, text, size, max(1, count * length // size), name)
+        except ValueError:  # shorter than one sequence of that length: measured at the training length only
+            logger.info("%s: not enough text for one sequence, not evaluated", name)
+    return sets
+
+
 def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, conversion_report=None) -> dict:
     """Run the recipe's enabled stages; returns the summary (also written to OUT/summary.json).
 
@@ -176,7 +198,16 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     train_ids, heldout_ids = train_ids.to(device), heldout_ids.to(device)
     write_recipe(recipe, record, processes)
 
-    evaluations = {"init": compare_to_teacher(teacher.model, student, heldout_ids)}
+    wider_ids = {name: ids.to(device) for name, ids in
+                 wider_evaluation_sets(recipe, teacher.tokenizer, heldout_text, data_name).items()}
+    evaluations, wider = {}, {name: {} for name in wider_ids}
+
+    def evaluate(stage: str, model) -> None:
+        evaluations[stage] = compare_to_teacher(teacher.model, model, heldout_ids)
+        for name, ids in wider_ids.items():
+            wider[name][stage] = compare_to_teacher(teacher.model, model, ids)
+
+    evaluate("init", student)
     histories = {}
     common = dict(blocks=train_ids, train=recipe.train, out_dir=out, checkpoint_every=recipe.output.checkpoint_every,
                   log_every=recipe.output.log_every, progress=progress, processes=processes)
@@ -195,7 +226,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
             histories["stage1"] = run_stage("stage1", attention_transfer_loss(student, teacher.model, layers),
                                             parameters, steps=recipe.stage1.steps, lr=recipe.train.lr,
                                             sharding=sharding_for(student, layers), **common)
-        evaluations["stage1"] = compare_to_teacher(teacher.model, student, heldout_ids)
+        evaluate("stage1", student)
     if recipe.stage2.enabled and recipe.stage2.steps > 0:
         peft_model = add_lora(student, recipe.stage2, recipe.train.seed)
         parameters = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
@@ -204,12 +235,12 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
                                         lr=recipe.stage2.lr or recipe.train.lr, sharding=sharding_for(peft_model),
                                         **common)
         student = peft_model.merge_and_unload() if recipe.output.merge_lora else peft_model
-        evaluations["stage2"] = compare_to_teacher(teacher.model, student.get_base_model()
-                                                   if hasattr(student, "get_base_model") else student, heldout_ids)
+        evaluate("stage2", student.get_base_model() if hasattr(student, "get_base_model") else student)
     student.eval()
     summary = {"teacher": recipe.model.teacher, "mixer": recipe.model.mixer, "data": data_name,
                "layer_types": student.config.layer_types, "train_sequences": int(train_ids.shape[0]),
                "heldout_sequences": int(heldout_ids.shape[0]), "sequence_length": length, "evaluations": evaluations,
+               "wider_evaluations": wider,
                "stages": {name: {"steps": len(h), "first_loss": h[0]["loss"] if h else None,
                                  "final_loss": h[-1]["loss"] if h else None,
                                  "tokens": len(h) * recipe.train.batch_size * recipe.train.grad_accum * length

