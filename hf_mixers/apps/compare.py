@@ -170,6 +170,7 @@ def run_compare(out: str, entries: list[Entry], teacher_source: str = "smollm2-1
             summary = distill(recipe, progress=progress, teacher=teacher)
             model = summary.pop("model")
             result = {"settings": row_settings, "evaluations": summary["evaluations"], "stages": summary["stages"],
+                      "wider_evaluations": summary["wider_evaluations"],
                       "train_tokens_per_s": _tokens_per_s(folder), "seconds": summary["seconds"],
                       "model_dir": summary["model_dir"],
                       **_measure(model, teacher.tokenizer, settings, device, progress)}
@@ -225,6 +226,18 @@ def to_markdown(report: dict) -> str:
                      f"{after['student_perplexity'] / after['teacher_perplexity']:.2f} | "
                      f"{init['kl_teacher_student']:.3f} | {after['kl_teacher_student']:.3f} | {measures(result)} | "
                      f"{speed} |")
+    wider = list(results[labels[0]].get("wider_evaluations", {}))
+    if wider:  # where the teacher is strong, and beyond the training length: what the main table cannot show
+        lines += ["", "Perplexity / the teacher's (KL) beyond the training text, at init -> after distillation:", "",
+                  "| model | " + " | ".join(wider) + " |", "|---" * (1 + len(wider)) + "|"]
+        for label in labels:
+            cells = []
+            for name in wider:
+                stages = results[label]["wider_evaluations"].get(name, {})
+                ends = [stages[stage] for stage in (list(stages)[:1] + list(stages)[-1:])] if stages else []
+                cells.append(" -> ".join(f"{m['student_perplexity'] / m['teacher_perplexity']:.2f}x "
+                                         f"({m['kl_teacher_student']:.2f})" for m in ends))
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
