@@ -15,7 +15,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..common.measures import compare_to_teacher
+from ..core.attention import FullAttention
 from ..core.mixer import SequenceMixer
+from ..core.registry import TEACHER_ATTENTION
+from .families import teacher_layer_kinds
 
 
 def worst_layers(errors: dict, k: int) -> list[int]:
@@ -57,3 +60,33 @@ def marginal_kl_drops(teacher_model, student, ids, layers, progress: bool = Fals
             block.mixer = mixer
         drops[index] = base - restored
     return drops
+
+
+def restore_attention(student, teacher_model, layers) -> None:
+    """Converted layers ``layers`` of ``student`` become exact copies of their teacher attention again."""
+    kinds = teacher_layer_kinds(teacher_model.config)
+    for index in layers:
+        attention = teacher_model.model.layers[index].self_attn
+        reference = next(student.model.layers[index].mixer.parameters())
+        student.model.replace_mixer(index, kinds[index], lambda: FullAttention.from_attention(
+            attention, student.config, index).to(device=reference.device, dtype=reference.dtype))
+
+
+def keep_by_marginal_kl(student, teacher_model, ids, count: int, report=None, when: str = "") -> list[int]:
+    """kl:K on a student already converted (and perhaps trained a little): rank its converted layers by
+    ``marginal_kl_drops`` on ``ids``, restore the ``count`` largest to attention, record it in the conversion
+    ``report``; returns the restored layers."""
+    converted = [i for i, kind in enumerate(student.config.layer_types) if kind not in TEACHER_ATTENTION]
+    drops = marginal_kl_drops(teacher_model, student, ids, converted)
+    chosen = largest_drops(drops, count)
+    restore_attention(student, teacher_model, chosen)
+    if report is not None:
+        report.layers_kept = sorted(set(report.layers_kept) | set(chosen))
+        report.layers_converted = [i for i in report.layers_converted if i not in chosen]
+        report.keep_attention = f"kl:{count}"
+        for layer in report.layers:
+            layer.kl_drop = drops.get(layer.index)
+            if layer.index in chosen:
+                layer.kind = student.config.layer_types[layer.index]
+                layer.note = f"kept as attention (kl:{count}{', ' + when if when else ''})"
+    return chosen

@@ -91,8 +91,10 @@ def _training_context(training: dict | None) -> dict | None:
         return None
     recipe = training.get("recipe", {})
     train = recipe.get("train", {})
-    lrs = {"stage1": train.get("lr"), "stage2": recipe.get("stage2", {}).get("lr") or train.get("lr")}
-    names = {"stage1": "1: attention transfer", "stage2": "2: LoRA knowledge distillation"}
+    lrs = {"stage1-selection": train.get("lr"), "stage1": train.get("lr"),
+           "stage2": recipe.get("stage2", {}).get("lr") or train.get("lr")}
+    names = {"stage1-selection": "1: attention transfer, before the kl:K layer choice",
+             "stage1": "1: attention transfer", "stage2": "2: LoRA knowledge distillation"}
     stages = [{"name": names.get(name, name), "steps": stage["steps"], "tokens": stage["tokens"],
                "lr": lrs.get(name, ""), "first_loss": blank_or(stage.get("first_loss"), ".4g"),
                "final_loss": blank_or(stage.get("final_loss"), ".4g")} for name, stage in training["stages"].items()]

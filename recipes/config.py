@@ -70,6 +70,9 @@ class AttentionTransferSection:  # stage 1
     steps: int = bounded(100, 0)
     train_qkv: bool = False  # also train the converted layers' q/k/v projections
     blockwise: bool = False  # one layer at a time from teacher activations cached on disk (recipes/blockwise.py)
+    # model.keep_attention kl:K: the first selection_steps of stage 1 train every layer converted, then the K layers
+    # whose restoration lowers the KL most go back to attention and stage 1 goes on (0: rank at conversion)
+    selection_steps: int = bounded(20, 0)
 
 
 @dataclass
@@ -185,6 +188,13 @@ def shards_the_model(train: TrainSection) -> bool:
     return train.strategy == "fsdp" or (train.strategy == "deepspeed" and train.zero_stage == 3)
 
 
+def selects_after_stage1(recipe: Recipe) -> bool:
+    """kl:K ranked after the first stage1.selection_steps (a student converted here, stage 1 on), not at conversion."""
+    keep = recipe.model.keep_attention
+    return (isinstance(keep, str) and keep.startswith("kl:") and not recipe.model.student and recipe.stage1.enabled
+            and recipe.stage1.steps > 0 and recipe.stage1.selection_steps > 0)
+
+
 def _validate(recipe: Recipe, origin: str) -> None:
     train = recipe.train
     sharding = f"train.strategy={train.strategy}" + (f" with train.zero_stage={train.zero_stage}"
@@ -195,6 +205,12 @@ def _validate(recipe: Recipe, origin: str) -> None:
         (not (recipe.stage1.enabled and recipe.stage1.blockwise and shards_the_model(train)),
          f"stage1.blockwise trains one layer at a time in one process, but {sharding} shards the student over "
          "processes: set stage1.blockwise=false, or run stage 1 with train.strategy=ddp"),
+        (not (selects_after_stage1(recipe) and recipe.stage1.selection_steps > recipe.stage1.steps),
+         f"stage1.selection_steps ({recipe.stage1.selection_steps}) is part of stage1.steps "
+         f"({recipe.stage1.steps}) and cannot exceed it"),
+        (not (selects_after_stage1(recipe) and recipe.stage1.blockwise),
+         "model.keep_attention kl:K ranks the layers after stage1.selection_steps of joint stage 1: set "
+         "stage1.blockwise=false or stage1.selection_steps=0 (rank at conversion)"),
     ]
     for section in dataclasses.fields(recipe):
         values = getattr(recipe, section.name)

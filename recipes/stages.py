@@ -23,15 +23,18 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from ..core.attention import TEACHER_MODULES
 from ..common.history import CONVERSION_REPORT, HISTORY_FILES, LOSS_CURVE, TRAINING_SUMMARY, save_figure
 from ..core.registry import TEACHER_ATTENTION
 from ..common.corpus import HUB_ID, PYTHON_DOCS, PYTHON_DOCS_NAME, hub_offline, python_docs, split_texts
 from ..conversion import convert, load_teacher
+from ..conversion.converter import KL_RANKING_SEQUENCES
+from ..conversion.selection import keep_by_marginal_kl
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
-from .config import Recipe, RecipeError, recipe_changes
+from .config import Recipe, RecipeError, recipe_changes, selects_after_stage1
 from .data import pack
 from .strategies import Sharding, check_launch
 from .trainer import Processes, run_stage
@@ -190,8 +193,10 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         student = AutoModelForCausalLM.from_pretrained(local_student(recipe.model.student), dtype=torch.float32)
         conversion_report = read_conversion_report(recipe.model.student)
     elif student is None:
-        student, conversion_report = convert(teacher, recipe.model.mixer, keep_attention=recipe.model.keep_attention,
-                             mixer_options=recipe.model.mixer_options, seed=recipe.train.seed, progress=progress)
+        keep = None if selects_after_stage1(recipe) else recipe.model.keep_attention  # kl:K: ranked in stage 1
+        student, conversion_report = convert(teacher, recipe.model.mixer, keep_attention=keep,
+                                             mixer_options=recipe.model.mixer_options, seed=recipe.train.seed,
+                                             progress=progress)
     device = processes.accelerator.device
     teacher.model.to(recipe.model.teacher_device or device)
     student.to(device)
@@ -212,7 +217,9 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     common = dict(blocks=train_ids, train=recipe.train, out_dir=out, checkpoint_every=recipe.output.checkpoint_every,
                   log_every=recipe.output.log_every, progress=progress, processes=processes)
     student.train()
-    if recipe.stage1.enabled and recipe.stage1.steps > 0:
+
+    def transfer(stage: str, steps: int) -> list[dict]:
+        """``steps`` of attention transfer on the layers converted now (stage 1, or its selection part)."""
         layers = converted_layers(student)
         parameters = new_mixer_parameters(student, recipe.stage1.train_qkv)
         for parameter in student.parameters():
@@ -220,12 +227,23 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         for parameter in parameters.values():
             parameter.requires_grad_(True)
         if recipe.stage1.blockwise:
-            histories["stage1"] = _blockwise_stage1(student, teacher.model, layers, parameters, recipe, train_ids,
-                                                    common)
-        else:
-            histories["stage1"] = run_stage("stage1", attention_transfer_loss(student, teacher.model, layers),
-                                            parameters, steps=recipe.stage1.steps, lr=recipe.train.lr,
-                                            sharding=sharding_for(student, layers), **common)
+            return _blockwise_stage1(student, teacher.model, layers, parameters, recipe, train_ids, common)
+        return run_stage(stage, attention_transfer_loss(student, teacher.model, layers), parameters, steps=steps,
+                         lr=recipe.train.lr, sharding=sharding_for(student, layers), **common)
+
+    stage1_steps = recipe.stage1.steps if recipe.stage1.enabled else 0
+    if selects_after_stage1(recipe):  # kl:K: a short stage 1 on every layer, then the ranking, then the rest
+        selection = recipe.stage1.selection_steps
+        histories["stage1-selection"] = transfer("stage1-selection", selection)
+        count = int(recipe.model.keep_attention.removeprefix("kl:"))
+        kept = keep_by_marginal_kl(student, teacher.model, train_ids[:KL_RANKING_SEQUENCES], count,
+                                   conversion_report, f"ranked after {selection} stage-1 steps")
+        if progress:
+            tqdm.write(f"kl:{count}: layers {kept} back to attention (ranked after {selection} stage-1 steps)")
+        evaluate("stage1-selection", student)
+        stage1_steps -= selection
+    if stage1_steps > 0:
+        histories["stage1"] = transfer("stage1", stage1_steps)
         evaluate("stage1", student)
     if recipe.stage2.enabled and recipe.stage2.steps > 0:
         peft_model = add_lora(student, recipe.stage2, recipe.train.seed)

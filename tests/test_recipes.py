@@ -396,3 +396,30 @@ def test_a_relaunch_with_another_recipe_is_refused_before_anything_is_rewritten(
     distill(load_recipe([], base + ["stage2.steps=4", "train.lr=0.01", "output.allow_recipe_change=true"]),
             progress=False)
     assert json.loads((out / "recipe.json").read_text())["changed_on_resume"] == ["train.lr: 0.003 -> 0.01"]
+
+
+def test_kl_selection_after_a_short_stage_1(teacher_dir, tmp_path):
+    """model.keep_attention kl:K: stage 1 trains every layer for selection_steps, the layer whose restoration lowers
+    the KL most goes back to attention, stage 1 goes on for the rest of its steps; the export and its report say so,
+    and a relaunch resumes to the same choice."""
+    out = tmp_path / "kl"
+    settings = small(teacher_dir, out, "model.keep_attention=kl:1", "stage1.selection_steps=2", "stage2.steps=2")
+    summary = distill(load_recipe([], settings), progress=False)
+    assert {name: stage["steps"] for name, stage in summary["stages"].items()} == \
+        {"stage1-selection": 2, "stage1": 2, "stage2": 2}
+    assert list(summary["evaluations"]) == ["init", "stage1-selection", "stage1", "stage2"]
+    kinds = summary["layer_types"]
+    assert kinds.count("full_attention") == 1
+    report = json.loads((out / "model" / "conversion_report.json").read_text())
+    kept = report["layers_kept"]
+    assert kinds[kept[0]] == "full_attention" and report["keep_attention"] == "kl:1"
+    drops = {layer["index"]: layer["kl_drop"] for layer in report["layers"]}
+    assert kept == [max(drops, key=drops.get)]
+    assert "ranked after 2 stage-1 steps" in report["layers"][kept[0]]["note"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in rows] == ["stage1-selection"] * 2 + ["stage1"] * 2 + ["stage2"] * 2
+    # relaunched for a longer stage 2: everything before resumes from its checkpoints, to the same layer choice
+    again = distill(load_recipe([], [*settings[:-1], "stage2.steps=3", "output.overwrite=true"]), progress=False)
+    assert again["layer_types"] == kinds and again["stages"]["stage2"]["steps"] == 3
+    with pytest.raises(RecipeError, match=r"stage1.selection_steps \(9\) is part of stage1.steps \(4\)"):
+        load_recipe([], small(teacher_dir, out, "model.keep_attention=kl:1", "stage1.selection_steps=9"))

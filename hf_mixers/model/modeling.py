@@ -78,6 +78,15 @@ class MixerModel(MixerPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    def replace_mixer(self, index: int, kind: str, build) -> None:
+        """Make layer ``index`` a layer of type ``kind`` (e.g. a converted layer restored to attention): the config
+        names the kind first (a mixer reads its own kind when built), then ``build()`` makes the new mixer, and the
+        backend masks follow."""
+        self.config.layer_types[index] = kind
+        self.layers[index].mixer = build()
+        self.layer_masks[index] = get_mixer(kind).attention_mask
+        self.mask_kinds = set(self.layer_masks) - {None}
+
     @merge_with_config_defaults
     @capture_outputs
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
