@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from ..common.files import write_atomically
-from ..common.history import save_figure
+from ..common.history import save_figure, wider_table
 from ..common.measures import decode_latency, passkey_accuracy
 
 ENTRY_FILE = "entry.json"
@@ -226,18 +226,9 @@ def to_markdown(report: dict) -> str:
                      f"{after['student_perplexity'] / after['teacher_perplexity']:.2f} | "
                      f"{init['kl_teacher_student']:.3f} | {after['kl_teacher_student']:.3f} | {measures(result)} | "
                      f"{speed} |")
-    wider = list(results[labels[0]].get("wider_evaluations", {}))
+    wider = {label: results[label]["wider_evaluations"] for label in labels if results[label].get("wider_evaluations")}
     if wider:  # where the teacher is strong, and beyond the training length: what the main table cannot show
-        lines += ["", "Perplexity / the teacher's (KL) beyond the training text, at init -> after distillation:", "",
-                  "| model | " + " | ".join(wider) + " |", "|---" * (1 + len(wider)) + "|"]
-        for label in labels:
-            cells = []
-            for name in wider:
-                stages = results[label]["wider_evaluations"].get(name, {})
-                ends = [stages[stage] for stage in (list(stages)[:1] + list(stages)[-1:])] if stages else []
-                cells.append(" -> ".join(f"{m['student_perplexity'] / m['teacher_perplexity']:.2f}x "
-                                         f"({m['kl_teacher_student']:.2f})" for m in ends))
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines += ["", *wider_table(wider)]
     return "\n".join(lines) + "\n"
 
 

@@ -24,6 +24,7 @@ from ..common.corpus import SMOLLM2_ALIAS
 from ..common.measures import generate_sample
 from ..core.registry import get_mixer
 from ..common.files import check_output_folder
+from ..common.history import wider_table
 
 PROMPT = "Write one line of verse about the sea."
 # mixer -> (options, stage-1 steps, stage-2 steps): the best configurations the 15-minute budget of 2 CPU cores
@@ -109,17 +110,10 @@ def summary_table(summary: dict) -> str:
             lines.append(f"| {name(mixer, result)} | {'at init' if stage == 'init' else stage} | {steps} | "
                          f"{metrics['student_perplexity']:.2f} | {metrics['kl_teacher_student']:.4f} | "
                          f"{metrics['top1_agreement']:.3f} |")
-    wider = list(first.get("wider_evaluations", {}))
+    wider = {name(mixer, result): result["wider_evaluations"] for mixer, result in summary["mixers"].items()
+             if result.get("wider_evaluations")}
     if wider:  # where the teacher is strong and the student never trained, and beyond the training length
-        lines += ["", "Beyond the training text: perplexity / the teacher's (KL), at init -> after distillation:", "",
-                  "| model | " + " | ".join(wider) + " |", "|---" * (1 + len(wider)) + "|"]
-        for mixer, result in summary["mixers"].items():
-            cells = []
-            for text in wider:
-                stages = list(result["wider_evaluations"][text].values())
-                cells.append(" -> ".join(f"{m['student_perplexity'] / m['teacher_perplexity']:.2f}x "
-                                         f"({m['kl_teacher_student']:.2f})" for m in (stages[0], stages[-1])))
-            lines.append(f"| {name(mixer, result)} | " + " | ".join(cells) + " |")
+        lines += ["", *wider_table(wider)]
     lines += ["", f"Samples for \"{summary['prompt']}\":", "", f"- teacher: {summary['teacher_sample']!r}"]
     lines += [f"- {mixer}: {result['sample']!r}" for mixer, result in summary["mixers"].items()]
     return "\n".join(lines) + "\n"

@@ -35,3 +35,22 @@ def save_figure(figure, path: str, title: str | None = None) -> None:
 def blank_or(value, spec: str, suffix: str = "") -> str:
     """``value`` formatted with ``spec`` (+ ``suffix``), or an empty table cell for None."""
     return "" if value is None else f"{value:{spec}}{suffix}"
+
+
+def wider_table(rows: dict) -> list[str]:
+    """Markdown lines: for each model (label -> its ``wider_evaluations``, text -> stage -> metrics), perplexity / the
+    teacher's and KL at init -> after the last stage, one column per text (the distill summary's wider evaluations)."""
+    texts = list(next(iter(rows.values()), {}))
+    if not texts:
+        return []
+    lines = ["Beyond the training text: perplexity / the teacher's (KL), at init -> after distillation:", "",
+             "| model | " + " | ".join(texts) + " |", "|---" * (1 + len(texts)) + "|"]
+    for label, wider in rows.items():
+        cells = []
+        for text in texts:
+            stages = list(wider.get(text, {}).values())
+            ends = (stages[0], stages[-1]) if stages else ()
+            cells.append(" -> ".join(f"{m['student_perplexity'] / m['teacher_perplexity']:.2f}x "
+                                     f"({m['kl_teacher_student']:.2f})" for m in ends))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
