@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from .cache import map_tensors
 from .registry import MixerOption
 
 
@@ -54,8 +55,6 @@ class WindowState:
     written: torch.Tensor  # (B,) tokens written into the memory so far
 
     def map(self, fn) -> "WindowState":
-        from .cache import map_tensors
-
         return WindowState(**{f.name: map_tensors(getattr(self, f.name), fn) for f in fields(self)})
 
 
