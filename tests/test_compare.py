@@ -83,6 +83,10 @@ def test_compare_runs_every_entry_and_resumes(teacher_dir, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"entry sessa finished under other settings \(changed: recipe\)"):
         run_compare(str(out), entries[:1], teacher_source=teacher_dir, overrides=[*RECIPE, "stage2.steps=3"],
                     progress=False, **MEASURES)
+    # --overwrite redoes it from scratch under the new settings (its old checkpoints would not resume)
+    redone = run_compare(str(out), entries[:1], teacher_source=teacher_dir, overrides=[*RECIPE, "stage2.steps=3"],
+                         overwrite=True, progress=False, **MEASURES)
+    assert redone["results"]["sessa"]["stages"]["stage2"]["steps"] == 3
 
 
 def test_compare_cli_reports_bad_entries_before_any_work(tmp_path, capsys):

@@ -17,6 +17,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -81,8 +82,8 @@ def cache_bytes(model, contexts, vocab: int, device, probes=(64, 128)) -> dict:
     return {context: int(round(measured[1] + slope * (context - probes[1]))) for context in contexts}
 
 
-def _measure(model, tokenizer, settings: dict, device, progress: bool) -> dict:
-    vocab = model.config.vocab_size
+def _measure(model, tokenizer, settings: dict, progress: bool) -> dict:
+    vocab, device = model.config.vocab_size, next(model.parameters()).device
     passkey = passkey_accuracy(model, tokenizer, settings["passkey_lengths"], trials=settings["passkey_trials"],
                                progress=progress)
     seconds, _ = decode_latency(model, settings["decode_context"], settings["decode_tokens"], vocab, device)
@@ -125,7 +126,6 @@ def run_compare(out: str, entries: list[Entry], teacher_source: str = "smollm2-1
                 decode_context: int = 512, decode_tokens: int = 16, overwrite: bool = False,
                 progress: bool = True) -> dict:
     """Compare ``entries`` (see the module docstring); returns what OUT/compare.json holds."""
-    import torch
     from tqdm.auto import tqdm
 
     from ..conversion import load_teacher
@@ -152,16 +152,17 @@ def run_compare(out: str, entries: list[Entry], teacher_source: str = "smollm2-1
     os.makedirs(out, exist_ok=True)
     started = time.perf_counter()
     say = tqdm.write if progress else print
-    teacher, device = load_teacher(teacher_source), torch.device("cpu")
+    teacher = load_teacher(teacher_source)
     for label, (folder, row_settings, entry) in plan.items():
         if results[label] is not None:
             say(f"compare: {label} finished earlier ({folder}), kept")
             continue
         say(f"compare: {label}")
+        if os.path.exists(os.path.join(folder, ENTRY_FILE)):  # finished under other settings, and --overwrite
+            shutil.rmtree(folder)
         if entry is None:  # the teacher
             os.makedirs(folder, exist_ok=True)
-            result = {"settings": row_settings, **_measure(teacher.model, teacher.tokenizer, settings, device,
-                                                           progress)}
+            result = {"settings": row_settings, **_measure(teacher.model, teacher.tokenizer, settings, progress)}
         else:
             recipe = load_recipe(list(recipes), [*overrides, f"model.teacher={teacher_source}",
                                                  f"model.mixer={entry.mixer}",
@@ -173,7 +174,7 @@ def run_compare(out: str, entries: list[Entry], teacher_source: str = "smollm2-1
                       "wider_evaluations": summary["wider_evaluations"],
                       "train_tokens_per_s": _tokens_per_s(folder), "seconds": summary["seconds"],
                       "model_dir": summary["model_dir"],
-                      **_measure(model, teacher.tokenizer, settings, device, progress)}
+                      **_measure(model, teacher.tokenizer, settings, progress)}
             del model, summary
             gc.collect()
         write_atomically(os.path.join(folder, ENTRY_FILE), json.dumps(result, indent=2))
