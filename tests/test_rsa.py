@@ -249,14 +249,16 @@ def test_rsa_cache_refuses_to_crop():
     assert not cache.layers[0].is_croppable
 
 
-@pytest.mark.parametrize("block", ["llama", "sessa"])
-def test_compiled_decode_step_equals_the_eager_step(block):
-    """rsa_compile_decode: the torch.compile'd block step (one graph shared by every layer) = the reference."""
+@pytest.mark.parametrize("block, window", [("llama", 0), ("sessa", 0), ("llama", 4)])
+def test_compiled_decode_step_equals_the_eager_step(block, window):
+    """rsa_compile_decode: the torch.compile'd block step (one graph shared by every layer) = the reference, with the
+    local window too."""
     torch._dynamo.reset()
     ids = torch.randint(1, 101, (2, 14))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # padded rows must not write, compiled or not
-    options = dict(layer_types=["rsa", "rsa"], rsa_query_read=True, rsa_decay=True, rsa_short_conv=3, block=block)
+    options = dict(layer_types=["rsa", "rsa"], rsa_query_read=True, rsa_decay=True, rsa_short_conv=3, block=block,
+                   rsa_window=window)
     eager = tiny_rsa_model(**options)
     compiled = tiny_rsa_model(**options, rsa_compile_decode=True)
     compiled.load_state_dict(eager.state_dict())
