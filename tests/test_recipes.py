@@ -449,3 +449,17 @@ def test_the_teacher_writes_its_own_distillation_data(teacher_dir, tmp_path):
     assert "teacher-512tok-32len-seed0.txt" in summary["data"]
     assert os.path.exists(tmp_path / "cache" / "teacher-512tok-32len-seed0.txt")
     assert any("Python language reference" in name for name in summary["wider_evaluations"])
+
+
+def test_every_shipped_recipe_loads():
+    """Each YAML under recipes/ validates, stacked as its header says (on base.yaml and stage2_lora_kd.yaml)."""
+    import glob
+
+    folder = os.path.join(os.path.dirname(__file__), "..", "recipes")
+    shipped = sorted(glob.glob(os.path.join(folder, "*.yaml")))
+    assert len(shipped) >= 8
+    for path in shipped:
+        load_recipe([os.path.join(folder, "base.yaml"), os.path.join(folder, "stage2_lora_kd.yaml"), path])
+    window = load_recipe([os.path.join(folder, name) for name in ("base.yaml", "stage2_lora_kd.yaml",
+                                                                   "smollm2_rsa_hybrid_window.yaml")])
+    assert window.model.keep_attention == "kl:8" and window.model.mixer_options == {"rsa_window": 64}
