@@ -224,11 +224,20 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     wider_ids = {name: ids.to(device) for name, ids in
                  wider_evaluation_sets(recipe, teacher.tokenizer, heldout_text, data_name).items()}
     evaluations, wider = {}, {name: {} for name in wider_ids}
+    teacher_hidden = {}  # the frozen teacher's final states per evaluation set: computed once, not once per stage
+
+    def against_teacher(name: str, model, ids) -> dict:
+        if name not in teacher_hidden:
+            with torch.no_grad():
+                teacher_hidden[name] = torch.cat([teacher.model.model(ids[row:row + 1].to(teacher.model.device),
+                                                                      use_cache=False).last_hidden_state
+                                                  for row in range(ids.shape[0])])
+        return compare_to_teacher(teacher.model, model, ids, teacher_hidden=teacher_hidden[name])
 
     def evaluate(stage: str, model) -> None:
-        evaluations[stage] = compare_to_teacher(teacher.model, model, heldout_ids)
+        evaluations[stage] = against_teacher("heldout", model, heldout_ids)
         for name, ids in wider_ids.items():
-            wider[name][stage] = compare_to_teacher(teacher.model, model, ids)
+            wider[name][stage] = against_teacher(name, model, ids)
 
     evaluate("init", student)
     histories = {}
