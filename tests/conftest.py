@@ -123,6 +123,14 @@ def save_tiny_teacher(folder, family: str = "llama", card: str | None = None):
     return tokenizer
 
 
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """A tiny Llama teacher and its tokenizer saved in a folder, once per test module."""
+    folder = str(tmp_path_factory.mktemp("teacher"))
+    save_tiny_teacher(folder)
+    return folder
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

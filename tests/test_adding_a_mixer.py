@@ -8,20 +8,12 @@ import sys
 import pytest
 import torch
 
-from conftest import save_tiny_teacher
 from hf_mixers import get_mixer, list_mixers, register_mixer
 from hf_mixers.common.remote_check import load_in_fresh_process
 from hf_mixers.testing import check_mixer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "docs", "examples"))
 import ema_mixer  # noqa: E402  (registers "ema")
-
-
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("teacher"))
-    save_tiny_teacher(folder)
-    return folder
 
 
 def test_the_example_mixer_passes_the_contract():

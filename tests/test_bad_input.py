@@ -100,15 +100,6 @@ def test_the_library_refuses_the_same_numbers_before_any_work():
 # ------------------------------------------------------------------ raw tracebacks that became one named line
 
 
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    from conftest import save_tiny_teacher
-
-    folder = str(tmp_path_factory.mktemp("teacher"))
-    save_tiny_teacher(folder)
-    return folder
-
-
 def _one_line(capsys, *fragments):
     """stderr holds one error line (progress bars aside), no traceback, and it names ``fragments``."""
     stderr = capsys.readouterr().err

@@ -6,7 +6,6 @@ import json
 import pytest
 import torch
 
-from conftest import save_tiny_teacher
 from hf_mixers.apps.cli import main as cli_main
 from hf_mixers.apps.compare import Entry, cache_bytes, parse_entry, run_compare
 from hf_mixers.testing import tiny_model
@@ -16,13 +15,6 @@ RECIPE = ["data.sequence_length=32", "data.max_train_sequences=8", "data.heldout
 MEASURES = dict(passkey_lengths=[48], passkey_trials=1, cache_contexts=[256, 1024], decode_context=16,
                 decode_tokens=2)
 SMALL_RSA = {"rsa_num_levels": 1, "rsa_num_slots": 4, "rsa_chunk_size": 8}
-
-
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("teacher"))
-    save_tiny_teacher(folder)
-    return folder
 
 
 def test_entries_are_parsed_and_checked():

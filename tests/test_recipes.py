@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import save_tiny_teacher, tiny_tokenizer
+from conftest import tiny_tokenizer
 from hf_mixers.apps.cli import main as cli_main
 from hf_mixers.recipes import RecipeError, distill, load_recipe
 from hf_mixers.common.corpus import split_texts
@@ -22,13 +22,6 @@ from hf_mixers.recipes.trainer import NonFiniteLoss, batch_at
 from hf_mixers.common.remote_check import load_in_fresh_process
 
 RSA_SMALL = "{rsa_num_slots: 8, rsa_num_levels: 2}"
-
-
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("teacher"))
-    save_tiny_teacher(folder)
-    return folder
 
 
 def small(teacher_dir, out, *extra):

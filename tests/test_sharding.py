@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import save_tiny_teacher, tiny_sessa_model
+from conftest import tiny_sessa_model
 from hf_mixers.recipes import RecipeError, distill, load_recipe
 from hf_mixers.recipes.stages import sharding_for
 from hf_mixers.recipes.strategies import _meta_skeleton, _restore_whole
@@ -26,13 +26,6 @@ from test_recipes import small
 STEPS = ["stage1.steps=2", "train.batch_size=1", "output.checkpoint_every=1"]
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="deepspeed is not installed")
-
-
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("teacher"))
-    save_tiny_teacher(folder)
-    return folder
 
 
 def torchrun_distill(teacher_dir, out, *settings) -> str:
