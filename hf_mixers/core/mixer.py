@@ -52,6 +52,12 @@ class SequenceMixer(nn.Module):
         return False
 
     @classmethod
+    def teacher_state(cls, attention: nn.Module, config) -> dict:
+        """The teacher tensors ``from_attention`` copies (default: all of them; a mixer without some of the teacher's
+        projections, e.g. one with constant B and C, leaves those out here)."""
+        return attention.state_dict()
+
+    @classmethod
     def from_attention(cls, attention: nn.Module, config, layer_idx: int, **calibration) -> "SequenceMixer":
         """This mixer for layer ``layer_idx``, initialised from a teacher attention layer.
 
@@ -65,7 +71,7 @@ class SequenceMixer(nn.Module):
             raise ValueError(f"layer {layer_idx}: the teacher attention has no parameters")
         mixer = cls(config, layer_idx).to(device=reference.device)
         mixer.init_new_parameters()
-        state = attention.state_dict()
+        state = cls.teacher_state(attention, config)
         missing, unexpected = mixer.load_state_dict(state, strict=False)
         if unexpected and cls.teacher_modules:  # a mixer that takes the teacher's projections takes all of them
             raise ValueError(f"layer {layer_idx}: the teacher attention has parameters {cls.__name__} does not: "

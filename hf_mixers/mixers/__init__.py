@@ -5,6 +5,7 @@ A saved model folder gets its own copy of this file, naming only the mixers that
 
 from .full_attention import FULL_ATTENTION, SLIDING_ATTENTION
 from .rsa import RSA
+from .selective_ssm import SELECTIVE_SSM
 from .sessa import SESSA
 
-MIXERS = (FULL_ATTENTION, SLIDING_ATTENTION, RSA, SESSA)
+MIXERS = (FULL_ATTENTION, SLIDING_ATTENTION, RSA, SESSA, SELECTIVE_SSM)

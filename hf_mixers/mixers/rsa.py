@@ -24,6 +24,7 @@ from transformers import initialization as init
 from ..core.attention import FullAttention
 from ..core.cache import RecurrentStateLayer
 from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
+from ..core.short_conv import causal_conv
 from ..core.window import window_option, windowed
 from ..kernels.common import compute_dtype
 from ..kernels.dispatch import use_triton
@@ -159,19 +160,8 @@ class RSAMixer(FullAttention):
         return out.to(hidden_states.dtype), state
 
     def convolve(self, hidden_states, token_mask=None, history=None):
-        """Causal depthwise convolution: (B, T, D) -> (B, T, D) and the last K - 1 inputs (the decode history).
-
-        Padded inputs are zeroed first, so a padded row sees exactly the zero history a sequence alone starts with.
-        """
-        batch, length, size = hidden_states.shape
-        width = self.short_conv.shape[1]
-        if token_mask is not None:
-            hidden_states = hidden_states * token_mask[:, -length:, None].to(hidden_states.dtype)
-        if history is None:
-            history = hidden_states.new_zeros(batch, width - 1, size)
-        padded = torch.cat([history.to(hidden_states.dtype), hidden_states], dim=1)  # (B, K - 1 + T, D)
-        out = F.conv1d(padded.transpose(1, 2), self.short_conv[:, None, :].to(hidden_states.dtype), groups=size)
-        return out.transpose(1, 2), padded[:, -(width - 1):].clone()  # a copy: a view would keep all T inputs alive
+        """The causal depthwise convolution (core/short_conv.py): (B, T, D) -> (B, T, D) and the decode history."""
+        return causal_conv(hidden_states, self.short_conv, None, token_mask, history)
 
     def mix(self, hidden_states, position_embeddings, token_mask=None, state=None, conv_history=None):
         """The layer without its cache object: (B, T, D) -> output (B, T, D), new memory state, new conv history."""

@@ -1,0 +1,163 @@
+"""The selective state-space recurrence of S6, S4D, Mamba-2 and Mamba-Δᵀ, in its three forms (one definition).
+
+    h_t = exp(L_t) ⊙ h_{t-1} + u_t ⊗ B_t          y_t = h_t C_t          (h: (H, P, N) per sequence)
+
+Shapes (the canonical layout every caller converts to):
+    u          (B, T, H, P)       the write input, already scaled by Δ where the variant says so (Euler: Δ x)
+    log_decay  (B, T, H, Pd, Nd)  log of the per-step decay, A Δ <= 0; Pd in {1, P}, Nd in {1, N}, broadcast over
+                                  the state: Mamba-2 (1, 1), Mamba-Δᵀ with per-state A (1, N), S6 / S4D (P, N)
+    B, C       (B, T, G, N)       G groups of heads (G divides H; head h reads group h // (H / G))
+    state      (B, H, P, N)       the state before token 0 (None: zeros)
+
+Forms, equal in fp64 (tests/test_selective_scan.py):
+    ssm_recurrent   token by token; the definition, and the decode step (``ssm_step``)
+    ssm_chunked     chunks of ``chunk_size`` tokens: the contribution of tokens inside a chunk (intra), the chunk's
+                    own state (write), and the state passed between chunks (one cheap step per chunk), read back
+                    through the decay since the chunk start. Intra-chunk is a masked matmul, as in SSD (Dao & Gu,
+                    2024), when the decay is one scalar per head ("ssd") or one per state slot ("gated": a
+                    (chunk, chunk, N) decay tensor); a decay per channel and slot (S6, S4D) would need a
+                    (chunk, chunk, P, N) tensor, so there the chunk's tokens are scanned in a loop vectorised over all
+                    chunks at once ("scan"): chunk_size + T / chunk_size steps instead of T.
+
+States and outputs are computed in fp32 whatever the input dtype (fp64 stays fp64); the output is in that dtype.
+Padding is the caller's: a step with u = 0 and log_decay = 0 is an exact no-op.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import compute_dtype
+
+
+def _prepare(u, log_decay, B, C, state):
+    """Shape checks, heads expanded from groups, compute dtype, zero state."""
+    if u.dim() != 4:
+        raise ValueError(f"selective scan: u must be (batch, length, heads, head_dim), got {tuple(u.shape)}")
+    batch, length, heads, width = u.shape
+    for name, x in (("B", B), ("C", C)):
+        if x.dim() != 4 or x.shape[:2] != (batch, length) or heads % x.shape[2]:
+            raise ValueError(f"selective scan: {name} must be (batch, length, groups, state) with groups dividing "
+                             f"{heads} heads, got {tuple(x.shape)} for u {tuple(u.shape)}")
+    size = B.shape[-1]
+    if C.shape[-1] != size:
+        raise ValueError(f"selective scan: B and C state sizes differ: {B.shape[-1]} vs {C.shape[-1]}")
+    if log_decay.dim() != 5 or log_decay.shape[:3] != (batch, length, heads) \
+            or log_decay.shape[3] not in (1, width) or log_decay.shape[4] not in (1, size):
+        raise ValueError(f"selective scan: log_decay must be (batch, length, heads, 1 or {width}, 1 or {size}), got "
+                         f"{tuple(log_decay.shape)}")
+    if state is not None and tuple(state.shape) != (batch, heads, width, size):
+        raise ValueError(f"selective scan: state must be {(batch, heads, width, size)}, got {tuple(state.shape)}")
+    dtype = compute_dtype(u.dtype)
+    B = B.repeat_interleave(heads // B.shape[2], dim=2) if B.shape[2] != heads else B
+    C = C.repeat_interleave(heads // C.shape[2], dim=2) if C.shape[2] != heads else C
+    if state is None:
+        state = u.new_zeros(batch, heads, width, size, dtype=dtype)
+    return u.to(dtype), log_decay.to(dtype), B.to(dtype), C.to(dtype), state.to(dtype)
+
+
+def ssm_step(state, u, log_decay, B, C):
+    """One token: state (B, H, P, N), u (B, H, P), log_decay (B, H, Pd, Nd), B / C (B, H, N) -> y (B, H, P), state."""
+    state = torch.exp(log_decay) * state + u[..., None] * B[:, :, None, :]
+    return torch.einsum("bhpn,bhn->bhp", state, C), state
+
+
+def ssm_recurrent(u, log_decay, B, C, state=None):
+    """The recurrence token by token -> y (B, T, H, P), final state (B, H, P, N)."""
+    u, log_decay, B, C, state = _prepare(u, log_decay, B, C, state)
+    outputs = []
+    for t in range(u.shape[1]):
+        y, state = ssm_step(state, u[:, t], log_decay[:, t], B[:, t], C[:, t])
+        outputs.append(y)
+    return torch.stack(outputs, dim=1), state
+
+
+def _chunks(x, chunk_size):
+    """(B, T, ...) zero-padded to whole chunks -> (B, T / chunk, chunk, ...). Zero u and log decay are no-op steps."""
+    pad = (-x.shape[1]) % chunk_size
+    if pad:
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    return x.unflatten(1, (-1, chunk_size))
+
+
+def _causal_decay(cumulative):
+    """exp(L_i + ... + L_{j+1}) for j <= i, 0 above: (B, c, L, H, ...) cumulative log decay -> (B, c, L, S, H, ...)."""
+    length = cumulative.shape[2]
+    gap = cumulative[:, :, :, None] - cumulative[:, :, None, :]
+    causal = torch.ones(length, length, dtype=torch.bool, device=cumulative.device).tril()
+    causal = causal.view(1, 1, length, length, *([1] * (gap.dim() - 4)))
+    return torch.exp(gap.masked_fill(~causal, float("-inf")))
+
+
+def _intra_matmul(u, cumulative, B, C):
+    """Tokens of the same chunk, as a masked matmul: decay per head (Pd = Nd = 1) or per state slot (Pd = 1)."""
+    decay = _causal_decay(cumulative[..., 0, :])  # (B, c, L, S, H, Nd)
+    if decay.shape[-1] == 1:
+        scores = torch.einsum("bclhn,bcshn->bclsh", C, B) * decay[..., 0]
+    else:
+        scores = torch.einsum("bclhn,bcshn,bclshn->bclsh", C, B, decay)
+    return torch.einsum("bclsh,bcshp->bclhp", scores, u), None
+
+
+def _intra_scan(u, log_decay, B, C):
+    """Tokens of the same chunk, scanned step by step from a zero state in every chunk at once; returns the chunk
+    states too (the scan ends on them)."""
+    batch, chunks, length, heads, width = u.shape
+    state = u.new_zeros(batch, chunks, heads, width, B.shape[-1])
+    outputs = []
+    for i in range(length):
+        state = torch.exp(log_decay[:, :, i]) * state + u[:, :, i, ..., None] * B[:, :, i, :, None, :]
+        outputs.append(torch.einsum("bchpn,bchn->bchp", state, C[:, :, i]))
+    return torch.stack(outputs, dim=2), state
+
+
+def _chunk_write(u, B, tail):
+    """A chunk's own state, sum_i tail_i * (u_i outer B_i): (B, c, L, ...) -> (B, c, H, P, N)."""
+    if tail.shape[-2] == 1:  # the decay folds into B
+        return torch.einsum("bclhp,bclhn->bchpn", u, B * tail[..., 0, :])
+    return torch.einsum("bclhp,bclhn,bclhpn->bchpn", u, B, tail)
+
+
+def ssm_chunked(u, log_decay, B, C, state=None, chunk_size: int = 64, intra: str = "auto"):
+    """The same recurrence chunk by chunk -> y (B, T, H, P), final state (B, H, P, N).
+
+    ``intra``: "auto" (matmul when the decay is per head, or per slot with P > 1; else the scan), "matmul", "scan".
+    """
+    u, log_decay, B, C, state = _prepare(u, log_decay, B, C, state)
+    length, width = u.shape[1], u.shape[-1]
+    if intra == "auto":
+        intra = "matmul" if log_decay.shape[3] == 1 and (log_decay.shape[4] == 1 or width > 1) else "scan"
+    if intra == "matmul" and log_decay.shape[3] != 1:
+        raise ValueError("selective scan: the matmul form needs a decay shared by the head's channels (Pd = 1)")
+    u, log_decay, B, C = (_chunks(x, chunk_size) for x in (u, log_decay, B, C))  # (B, c, L, ...)
+    cumulative = log_decay.cumsum(2)  # log decay from the chunk start through token i: (B, c, L, H, Pd, Nd)
+    total = cumulative[:, :, -1]  # over the whole chunk: (B, c, H, Pd, Nd)
+    if intra == "matmul":
+        outputs, local = _intra_matmul(u, cumulative, B, C)
+        tail = torch.exp(total[:, :, None] - cumulative)  # decay from after token i to the chunk end
+        local = _chunk_write(u, B, tail)  # the chunk's own state: (B, c, H, P, N)
+    elif intra == "scan":
+        outputs, local = _intra_scan(u, log_decay, B, C)
+    else:
+        raise ValueError(f"selective scan: intra must be 'auto', 'matmul' or 'scan', got {intra!r}")
+    starts = []  # the state entering each chunk: one step per chunk
+    for c in range(u.shape[1]):
+        starts.append(state)
+        state = torch.exp(total[:, c]) * state + local[:, c]
+    starts = torch.stack(starts, dim=1)  # (B, c, H, P, N)
+    decay = torch.exp(cumulative)  # chunk start -> token i
+    if decay.shape[3] == 1:
+        outputs = outputs + torch.einsum("bclhn,bchpn->bclhp", C * decay[..., 0, :], starts)
+    else:
+        outputs = outputs + torch.einsum("bclhn,bclhpn,bchpn->bclhp", C, decay, starts)
+    return outputs.flatten(1, 2)[:, :length], state
+
+
+def ssm_scan(u, log_decay, B, C, state=None, method: str = "chunked", chunk_size: int = 64):
+    """``method``: "chunked" (training, prefill) or "recurrent" (the definition; decoding)."""
+    if method == "recurrent":
+        return ssm_recurrent(u, log_decay, B, C, state)
+    if method == "chunked":
+        return ssm_chunked(u, log_decay, B, C, state, chunk_size)
+    raise ValueError(f"selective scan: unknown method {method!r} (chunked, recurrent)")
