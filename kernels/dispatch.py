@@ -6,6 +6,9 @@
       triton  the kernel, or an error saying why it cannot run
       torch   the PyTorch path (chunked forms; the reference math itself)
 
+Maintained libraries' CUDA kernels (mamba_ssm's selective scan and SSD, flash-linear-attention's GLA) are picked
+here too, by ``library_kernel``: the same backends ("triton" forces the fast kernel), the same one log line.
+
 Each decision is logged once per process and kernel, with the reason ("tensors on cpu", "triton is not
 installed", "forced by HF_MIXERS_BACKEND=torch", ...): a missing fast path is said loudly, never silently.
 """
@@ -63,6 +66,32 @@ def use_triton(kernel: str, device: torch.device, config_value: str = "auto", ch
         raise RuntimeError(f"{kernel}: the Triton kernel was requested ({source}) but cannot run: {reason}")
     _announce(kernel, f"PyTorch path ({reason})")
     return False
+
+
+def library_kernel(kernel: str, module: str, attribute: str, device: torch.device, config_value: str = "auto"):
+    """The maintained library's ``module.attribute`` when it should run ``kernel`` on ``device`` (CUDA tensors and the
+    library importable), else None: the caller's PyTorch path. Logged once per kernel and decision."""
+    backend, source = requested_backend(config_value)
+    if backend == "torch":
+        _announce(kernel, f"PyTorch path (forced by {source})")
+        return None
+    package = module.split(".")[0]
+    if device.type != "cuda":
+        reason = f"tensors on {device.type} (the {package} kernel needs CUDA)"
+    elif importlib.util.find_spec(package) is None:
+        reason = f"{package} is not installed"
+    else:
+        try:
+            function = getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError) as error:
+            reason = f"{module}.{attribute} cannot be imported ({error})"
+        else:
+            _announce(kernel, f"{package} kernel {module}.{attribute}")
+            return function
+    if backend == "triton":
+        raise RuntimeError(f"{kernel}: the fast kernel was requested ({source}) but cannot run: {reason}")
+    _announce(kernel, f"PyTorch path ({reason})")
+    return None
 
 
 def _announce(kernel: str, decision: str) -> None:

@@ -37,6 +37,7 @@ from ..core.mixer import SequenceMixer
 from ..core.registry import MixerOption, MixerSpec, boolean, one_of, positive_int, register_mixer
 from ..core.short_conv import causal_conv
 from ..kernels.common import compute_dtype
+from ..kernels.mamba_ops import ssd_scan
 from ..kernels.selective_scan import ssm_scan
 
 VARIANTS = ("s6", "s4d", "mamba2", "delta_t")
@@ -189,9 +190,13 @@ class SelectiveSSMMixer(SequenceMixer):
                 write = write * factor[..., 0]
             else:  # a per-slot scale: on B (groups expanded to heads first)
                 keys_w = keys.repeat_interleave(heads // groups, dim=2) * factor[..., 0, :]
-        y, state = ssm_scan(write, log_decay, keys_w, queries, state,
-                            method="recurrent" if length == 1 else "chunked",
-                            chunk_size=self.config.selective_ssm_chunk_size)  # (B, T, H, P)
+        chunk = self.config.selective_ssm_chunk_size
+        if length > 1 and log_decay.shape[3:] == (1, 1) and scaling == "euler":  # Mamba-2: mamba_ssm's SSD on CUDA
+            y, state = ssd_scan(u_hat * keep[..., None, None], delta[..., 0, 0], A[:, 0, 0], keys, queries, chunk,
+                                initial_states=state, return_final_states=True)
+        else:
+            y, state = ssm_scan(write, log_decay, keys_w, queries, state,
+                                method="recurrent" if length == 1 else "chunked", chunk_size=chunk)  # (B, T, H, P)
         if self.D is not None:
             y = y + self.D.to(cd) * u_hat
         if self.z_proj is not None:
