@@ -50,7 +50,7 @@ class WindowState:
     keys: torch.Tensor  # (B, G, w, d) rotated keys of the last w positions (zeros where invalid)
     values: torch.Tensor  # (B, G, w, dv)
     valid: torch.Tensor  # (B, w) bool: a real token sits there
-    extras: tuple  # per-token write inputs of the memory, each (B, G, w) (RSA: log decay)
+    extras: tuple  # per-token write inputs of the memory, each (B, G, w, ...) (RSA: log decay; SSMs: u, B, decay)
     memory: object  # the mixer's own state (anything ``map_tensors`` handles), None before the first write
     written: torch.Tensor  # (B,) tokens written into the memory so far
 
@@ -64,7 +64,7 @@ def empty_window(keys: torch.Tensor, values: torch.Tensor, extras: tuple, window
     return WindowState(keys=keys.new_zeros(batch, groups, window, keys.shape[-1]),
                        values=values.new_zeros(batch, groups, window, values.shape[-1]),
                        valid=torch.zeros(batch, window, dtype=torch.bool, device=keys.device),
-                       extras=tuple(e.new_zeros(batch, groups, window) for e in extras), memory=None,
+                       extras=tuple(e.new_zeros(batch, groups, window, *e.shape[3:]) for e in extras), memory=None,
                        written=torch.zeros(batch, dtype=torch.long, device=keys.device))
 
 
@@ -115,7 +115,7 @@ Memory = Callable[..., tuple]
 def windowed(query, keys, values, valid, extras: tuple, state: WindowState | None, window: int, scale: float,
              memory: Memory, gate: torch.Tensor | None = None):
     """The mixer's output with a local window of ``window`` tokens in front of ``memory`` -> (B, G, g, T, dv) and
-    the new ``WindowState``. ``extras``: per-token write inputs (B, G, T) the memory also receives delayed.
+    the new ``WindowState``. ``extras``: per-token write inputs (B, G, T, ...) the memory also receives delayed.
     ``gate`` (G, g): the per-head gate logit, used when the memory returns no log weight."""
     length = query.shape[3]
     if valid is None:
@@ -130,7 +130,7 @@ def windowed(query, keys, values, valid, extras: tuple, state: WindowState | Non
     # query i sees the memory after the write of position i: the token that has just left its window
     leaving = valid[:, :length]
     remote, remote_log, memory_state = memory(query, keys[:, :, :length], values[:, :, :length], leaving,
-                                              tuple(e[..., :length] for e in extras), state.memory)
+                                              tuple(e[:, :, :length] for e in extras), state.memory)
     written = state.written[:, None] + leaving.long().cumsum(1)  # (B, T) tokens in the memory at each query
     # a query whose leaving token is padding reads the window alone (with left padding its memory is empty anyway)
     seen = ((written > 0) & leaving)[:, None, None]  # (B, 1, 1, T)
@@ -141,6 +141,6 @@ def windowed(query, keys, values, valid, extras: tuple, state: WindowState | Non
     share = torch.where(seen, share.to(local.dtype), torch.zeros((), dtype=local.dtype, device=local.device))
     out = local + share[..., None] * (remote.to(local.dtype) - local)
     state = WindowState(keys=keys[:, :, length:], values=values[:, :, length:], valid=valid[:, length:],
-                        extras=tuple(e[..., length:] for e in extras), memory=memory_state,
+                        extras=tuple(e[:, :, length:] for e in extras), memory=memory_state,
                         written=state.written + leaving.long().sum(1))
     return out, state

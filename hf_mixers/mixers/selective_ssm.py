@@ -24,18 +24,20 @@ init. The converted layer starts as decayed, unnormalised linear attention and n
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from ..core.attention import TEACHER_MODULES
+from ..core.attention import TEACHER_MODULES, FullAttention
 from ..core.cache import RecurrentStateLayer
 from ..core.mixer import SequenceMixer
 from ..core.registry import MixerOption, MixerSpec, boolean, one_of, positive_int, register_mixer
 from ..core.short_conv import causal_conv
+from ..core.window import window_option, windowed
 from ..kernels.common import compute_dtype
 from ..kernels.mamba_ops import ssd_scan
 from ..kernels.selective_scan import ssm_scan
@@ -45,6 +47,21 @@ A_SHAPES = {"channel_state": lambda h, p, n: (h, p, n), "state": lambda h, p, n:
             "head": lambda h, p, n: (h, 1, 1)}
 ACTIVATIONS = {"silu": F.silu, "relu": F.relu, "identity": lambda x: x}
 GATE_BIAS = 1.2785  # silu(1.2785) = 1.000: a gate that starts transparent
+WINDOW_GATE_INIT = -4.0  # converted with a window: the memory starts at sigmoid(-4) = 1.8% of the output (SmolLM2:
+# 8.0x the teacher's perplexity at init, as the window alone; at -2, 45x: the untrained memory only adds noise)
+
+
+class ScanInputs(NamedTuple):
+    """What the scan of one call reads (kernels/selective_scan.py's layout) and what the rest of the layer needs."""
+
+    write: torch.Tensor  # (B, T, H, P): û, times Δ for Euler, zero at padding
+    log_decay: torch.Tensor  # (B, T, H, Pd, Nd): A Δ
+    write_keys: torch.Tensor  # (B, T, G, N), or (B, T, H, N) when Δ scales B per slot
+    queries: torch.Tensor  # (B, T, H, N): C
+    u_hat: torch.Tensor  # (B, T, H, P): the conv output (the D skip reads it)
+    history: torch.Tensor | None  # the conv's decode history
+    projected: tuple  # q, k, v projections before the conv: the local window attends with them
+    ssd: tuple | None  # (x, Δ, A, B) for Mamba-2's SSD form, when the variant has it
 
 
 class SelectiveSSMMixer(SequenceMixer):
@@ -85,6 +102,8 @@ class SelectiveSSMMixer(SequenceMixer):
             if config.selective_ssm_use_d else None
         self.z_proj = nn.Linear(hidden, heads * width) if config.selective_ssm_gate else None
         self.norm_weight = nn.Parameter(torch.ones(heads, width)) if config.selective_ssm_rmsnorm else None
+        # the local window's merge: out = window + sigmoid(gate) (memory - window), one gate per head
+        self.window_gate = nn.Parameter(torch.zeros(heads)) if config.selective_ssm_window else None
 
     def reset_parameters(self):
         """Scratch initialisation (Mamba's): conv uniform, Δ log-uniform in [1e-3, 1e-1], S4D-real A (1..N per slot)
@@ -111,6 +130,8 @@ class SelectiveSSMMixer(SequenceMixer):
             init.normal_(self.C, 0.0, self.state_size ** -0.5)
         if self.norm_weight is not None:
             init.ones_(self.norm_weight)
+        if self.window_gate is not None:
+            init.zeros_(self.window_gate)
 
     def init_new_parameters(self):
         """Conversion: identity conv (the projections pass through), D = 0 (attention has no skip), a transparent
@@ -125,6 +146,8 @@ class SelectiveSSMMixer(SequenceMixer):
             if self.z_proj is not None:
                 self.z_proj.weight.zero_()
                 self.z_proj.bias.fill_(GATE_BIAS)
+            if self.window_gate is not None:
+                self.window_gate.fill_(WINDOW_GATE_INIT)
 
     @classmethod
     def teacher_state(cls, attention, config) -> dict:
@@ -136,22 +159,43 @@ class SelectiveSSMMixer(SequenceMixer):
             state = {key: value for key, value in state.items() if key.split(".")[0] in ("v_proj", "o_proj")}
         return state
 
+    @classmethod
+    def from_attention(cls, attention, config, layer_idx: int, calibration_hidden_states=None,
+                       calibration_position_embeddings=None, **unused):
+        """The teacher's projections copied (``teacher_state``), the new parameters at their conversion init; with
+        calibration inputs and the output RMSNorm on, the norm's weight starts at the RMS of each channel of the
+        teacher's attention output (before o_proj), so the layer's output starts at the teacher's scale."""
+        mixer = super().from_attention(attention, config, layer_idx)
+        if calibration_hidden_states is not None and mixer.norm_weight is not None:
+            mixer.match_output_scale(attention, calibration_hidden_states, calibration_position_embeddings)
+        return mixer
+
+    @torch.no_grad()
+    def match_output_scale(self, attention, hidden_states, position_embeddings):
+        """norm_weight <- per-channel RMS of the teacher attention's output before o_proj on ``hidden_states``
+        (computed by our exact copy of the teacher layer, so hooks on the teacher module do not fire)."""
+        teacher = FullAttention.from_attention(attention, self.config, self.layer_idx)
+        output = teacher.attend(hidden_states.to(teacher.o_proj.weight.dtype), position_embeddings, None, None)
+        rms = output.float().pow(2).mean(dim=(0, 1)).sqrt().view(self.heads, self.head_dim)
+        self.norm_weight.copy_(rms.to(self.norm_weight.dtype))
+
     def _delta(self, source, dtype):
         """softplus(dt_proj(source)) in ``dtype``: (B, T, delta_width)."""
         raw = self.dt_proj(self.dt_down(source)) if self.dt_down is not None else self.dt_proj(source)
         return F.softplus(raw.to(dtype))
 
-    def mix(self, hidden_states, token_mask=None, state=None, history=None):
-        """(B, T, D) -> output (B, T, D), the new SSM state (B, H, P, N) and conv history."""
+    def scan_inputs(self, hidden_states, token_mask=None, history=None) -> "ScanInputs":
+        """Everything the scan reads, from the block input (B, T, D): conv, Δ, decay, the write; padding made exact
+        no-ops (Δ = 0 and a zero write)."""
         batch, length, _ = hidden_states.shape
         heads, groups, width, size = self.heads, self.groups, self.head_dim, self.state_size
         cd = compute_dtype(hidden_states.dtype)
-        valid = None if token_mask is None else token_mask[:, -length:]
         activation = ACTIVATIONS[self.config.selective_ssm_conv_activation]
-        u = self.v_proj(hidden_states)  # (B, T, G P)
+        u = projected_u = self.v_proj(hidden_states)  # (B, T, G P)
         keys = queries = None
         if self.variant != "s4d" and self.conv_mode != "shared":
             keys, queries = self._project_bc(hidden_states)
+        projected = (queries, keys, projected_u)  # before the conv: what the local window attends with
         if self.conv_mode == "independent":
             parts = [u] if keys is None else [u, keys, queries]
             mixed, history = causal_conv(torch.cat(parts, dim=-1), self.conv_weight, self.conv_bias, token_mask,
@@ -168,10 +212,11 @@ class SelectiveSSMMixer(SequenceMixer):
         if self.variant == "s4d":
             keys = self.B.expand(batch, length, groups, size)
             queries = self.C.expand(batch, length, heads, size)
-        keys, queries = keys.reshape(batch, length, groups, size).to(cd), queries.reshape(batch, length, heads,
-                                                                                          size).to(cd)
+        keys = keys.reshape(batch, length, groups, size).to(cd)
+        queries = queries.reshape(batch, length, heads, size).to(cd)
         u_hat = u.reshape(batch, length, groups, width).to(cd).repeat_interleave(heads // groups, dim=2)  # (B,T,H,P)
-        keep = torch.ones(batch, length, dtype=cd, device=u.device) if valid is None else valid.to(cd)  # (B, T)
+        keep = torch.ones(batch, length, dtype=cd, device=u.device) if token_mask is None \
+            else token_mask[:, -length:].to(cd)  # (B, T)
         # Δ, shaped to broadcast against the state (H, P, N): per channel (P, 1), head (1, 1), slot (1, N)
         if self.variant == "s4d":
             delta = keep[:, :, None, None, None]
@@ -182,28 +227,86 @@ class SelectiveSSMMixer(SequenceMixer):
                                                         "delta_t": (1, size)}[self.variant])
         A = -torch.exp(self.A_log.to(cd))  # (H, Pa, Na)
         log_decay = A * delta  # (B, T, H, Pd, Nd)
-        write, keys_w = u_hat * keep[..., None, None], keys
+        write, write_keys = u_hat * keep[..., None, None], keys
         scaling = self.config.selective_ssm_input_scaling
         if scaling != "none":
             factor = delta if scaling == "euler" else _zoh(A, delta, log_decay)  # (B, T, H, Pd or 1, Nd or 1)
             if factor.shape[-1] == 1:
                 write = write * factor[..., 0]
             else:  # a per-slot scale: on B (groups expanded to heads first)
-                keys_w = keys.repeat_interleave(heads // groups, dim=2) * factor[..., 0, :]
-        chunk = self.config.selective_ssm_chunk_size
-        if length > 1 and log_decay.shape[3:] == (1, 1) and scaling == "euler":  # Mamba-2: mamba_ssm's SSD on CUDA
-            y, state = ssd_scan(u_hat * keep[..., None, None], delta[..., 0, 0], A[:, 0, 0], keys, queries, chunk,
-                                initial_states=state, return_final_states=True)
-        else:
-            y, state = ssm_scan(write, log_decay, keys_w, queries, state,
-                                method="recurrent" if length == 1 else "chunked", chunk_size=chunk)  # (B, T, H, P)
+                write_keys = keys.repeat_interleave(heads // groups, dim=2) * factor[..., 0, :]
+        ssd = log_decay.shape[3:] == (1, 1) and scaling == "euler"  # Mamba-2's form: mamba_ssm's SSD on CUDA
+        return ScanInputs(write, log_decay, write_keys, queries, u_hat, history, projected,
+                          (u_hat * keep[..., None, None], delta[..., 0, 0], A[:, 0, 0], keys) if ssd else None)
+
+    def scan(self, inputs: "ScanInputs", state=None):
+        """The SSM over ``inputs`` from ``state`` -> y (B, T, H, P), final state (B, H, P, N)."""
+        length, chunk = inputs.write.shape[1], self.config.selective_ssm_chunk_size
+        if length > 1 and inputs.ssd is not None:
+            x, delta, A, keys = inputs.ssd
+            return ssd_scan(x, delta, A, keys, inputs.queries, chunk, initial_states=state, return_final_states=True)
+        return ssm_scan(inputs.write, inputs.log_decay, inputs.write_keys, inputs.queries, state,
+                        method="recurrent" if length == 1 else "chunked", chunk_size=chunk)
+
+    def finish(self, y, u_hat, hidden_states):
+        """The D skip, the silu(z) gate and the per-head RMSNorm: (B, T, H, P) -> (B, T, H, P)."""
+        batch, length = y.shape[:2]
         if self.D is not None:
-            y = y + self.D.to(cd) * u_hat
+            y = y + self.D.to(y.dtype) * u_hat
         if self.z_proj is not None:
-            y = y * F.silu(self.z_proj(hidden_states).to(cd).view(batch, length, heads, width))
+            y = y * F.silu(self.z_proj(hidden_states).to(y.dtype).view(batch, length, self.heads, self.head_dim))
         if self.norm_weight is not None:
-            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * self.norm_weight.to(cd)
-        return self.o_proj(y.flatten(2).to(hidden_states.dtype)), state, history
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * self.norm_weight.to(
+                y.dtype)
+        return y
+
+    def mix(self, hidden_states, position_embeddings=None, token_mask=None, state=None, history=None):
+        """(B, T, D) -> output (B, T, D), the new state (SSM state (B, H, P, N), or a WindowState around it) and the
+        conv history."""
+        inputs = self.scan_inputs(hidden_states, token_mask, history)
+        if self.config.selective_ssm_window:
+            y, state = self.windowed(inputs, hidden_states, position_embeddings, token_mask, state)
+        else:
+            y, state = self.scan(inputs, state)
+            y = self.finish(y, inputs.u_hat, hidden_states)
+        return self.o_proj(y.flatten(2).to(hidden_states.dtype)), state, inputs.history
+
+    def windowed(self, inputs: "ScanInputs", hidden_states, position_embeddings, token_mask, state):
+        """Exact softmax attention over the last w tokens (the teacher's q, k, v and RoPE, before the conv), the SSM
+        over the tokens that have left the window, merged through a learned per-head gate (core/window.py)."""
+        batch, length, _ = hidden_states.shape
+        heads, groups, cd = self.heads, self.groups, inputs.write.dtype
+        per_group = heads // groups
+        queries, keys, values = inputs.projected
+        queries = queries.view(batch, length, heads, -1).transpose(1, 2)
+        keys = keys.view(batch, length, groups, -1).transpose(1, 2)
+        cos, sin = position_embeddings
+        queries, keys = apply_rotary_pos_emb(queries, keys, cos, sin)  # (B, H, T, d), (B, G, T, d)
+        values = values.view(batch, length, groups, -1).transpose(1, 2)
+
+        def by_group(x):  # (B, T, H, ...) -> (B, G, T, g, ...): the window's extras layout
+            return x.unflatten(2, (groups, per_group)).transpose(1, 2)
+
+        write_keys = inputs.write_keys
+        extras = (by_group(inputs.write), by_group(inputs.log_decay),
+                  write_keys.transpose(1, 2) if write_keys.shape[2] == groups else by_group(write_keys))
+
+        def memory(query, key, value, leaving, extras, memory_state):
+            keep = leaving.to(cd)[:, None, :, None]  # the delayed token's write happens only if it is real
+            write, log_decay, keys_w = (extras[0] * keep[..., None], extras[1] * keep[..., None, None], extras[2])
+            write, log_decay = write.transpose(1, 2).flatten(2, 3), log_decay.transpose(1, 2).flatten(2, 3)
+            keys_w = keys_w.transpose(1, 2) if keys_w.dim() == 4 else keys_w.transpose(1, 2).flatten(2, 3)
+            y, memory_state = ssm_scan(write, log_decay, keys_w, inputs.queries, memory_state,
+                                       method="recurrent" if length == 1 else "chunked",
+                                       chunk_size=self.config.selective_ssm_chunk_size)
+            y = self.finish(y, inputs.u_hat, hidden_states)  # (B, T, H, P)
+            return by_group(y).permute(0, 1, 3, 2, 4), None, memory_state  # (B, G, g, T, P)
+
+        valid = None if token_mask is None else token_mask[:, -length:]
+        out, state = windowed(queries.unflatten(1, (groups, per_group)).to(cd), keys.to(cd), values.to(cd), valid,
+                              extras, state, self.config.selective_ssm_window, self.head_dim ** -0.5, memory,
+                              gate=self.window_gate.view(groups, per_group))
+        return out.flatten(1, 2).transpose(1, 2), state  # (B, T, H, P)
 
     def _project_bc(self, source):
         """B and C from ``source`` (the block input, or û in shared mode), with Qwen3's q/k norms."""
@@ -217,7 +320,7 @@ class SelectiveSSMMixer(SequenceMixer):
                 past_key_values=None, **kwargs):
         layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
         state, history = (None, None) if layer_cache is None else (layer_cache.state, layer_cache.conv_history)
-        output, state, history = self.mix(hidden_states, token_mask, state, history)
+        output, state, history = self.mix(hidden_states, position_embeddings, token_mask, state, history)
         if layer_cache is not None:
             layer_cache.update_state(state, hidden_states.shape[1], history)
         return output
@@ -246,6 +349,14 @@ def _derived_defaults(config) -> dict:
 
 
 def _validate(config) -> str | None:
+    if config.selective_ssm_window:
+        if config.selective_ssm_variant == "s4d" or config.selective_ssm_conv_mode == "shared":
+            return ("selective_ssm_window attends with the q/k projections of the block input: it needs B and C "
+                    "from projections (not s4d) and selective_ssm_conv_mode 'independent' or 'none'")
+        if config.selective_ssm_state_size != config.head_dim:
+            return (f"selective_ssm_window attends with B and C's projections as keys and queries: "
+                    f"selective_ssm_state_size ({config.selective_ssm_state_size}) must equal head_dim "
+                    f"({config.head_dim})")
     if config.selective_ssm_input_scaling == "zoh" and config.selective_ssm_state_size > 1:
         shape, variant = config.selective_ssm_a_shape, config.selective_ssm_variant
         if (variant == "s6" or shape == "channel_state") and (variant == "delta_t" or shape != "head"):
@@ -292,6 +403,7 @@ SELECTIVE_SSM = register_mixer(MixerSpec(
                     "(None: on for mamba2)", boolean),
         MixerOption("selective_ssm_chunk_size", 64, "chunk length of the chunked scan (training, prefill)",
                     positive_int),
+        window_option("selective_ssm"),
     ),
     derived_defaults=_derived_defaults, validate=_validate, cache_layer=SelectiveSSMCacheLayer, constant_state=True,
     keep_in_fp32=("A_log",),
@@ -301,4 +413,7 @@ SELECTIVE_SSM = register_mixer(MixerSpec(
     tiny_options={"selective_ssm_chunk_size": 4, "selective_ssm_conv_width": 3},
     tiny_variants={"s6": {"selective_ssm_variant": "s6"}, "s4d": {"selective_ssm_variant": "s4d"},
                    "delta_t": {"selective_ssm_variant": "delta_t"},
-                   "delta_t_state": {"selective_ssm_variant": "delta_t", "selective_ssm_a_shape": "state"}}))
+                   "delta_t_state": {"selective_ssm_variant": "delta_t", "selective_ssm_a_shape": "state"},
+                   "window": {"selective_ssm_window": 3, "selective_ssm_conv_mode": "independent"},
+                   "s6_window": {"selective_ssm_variant": "s6", "selective_ssm_window": 3,
+                                 "selective_ssm_conv_mode": "independent"}}))
