@@ -100,6 +100,20 @@ def test_bench_rsa_writes_training_and_decoding_results(tmp_path):
     assert report["targets"]["cache_bytes_constant"] and report["targets"]["decode_speedup_met"] is None
 
 
+def test_bench_selective_ssm_writes_training_scan_forms_and_decoding(tmp_path):
+    main(["bench", "selective_ssm", "--out", str(tmp_path), "--lengths", "64", "--contexts", "16,48",
+          "--hidden-size", "32", "--heads", "2", "--kv-heads", "1", "--repeats", "1", "--decode-tokens", "2",
+          "--variants", "mamba2,s6"])
+    report = json.loads((tmp_path / "bench_selective_ssm.json").read_text())
+    assert (tmp_path / "bench_selective_ssm.png").stat().st_size > 10_000
+    assert {r["mixer"] for r in report["training"]} == {"sdpa_attention", "selective_ssm:mamba2", "selective_ssm:s6"}
+    assert {(r["T"], r["decay"]) for r in report["scan_forms"]} >= {(512, "mamba2"), (2048, "s6 / s4d")}
+    assert report["targets"]["cache_bytes_constant"] == {"mamba2": True, "s6": True}
+    attention_bytes = [r["cache_bytes"] for r in report["decoding"] if r["model"] == "attention"]
+    assert attention_bytes[1] > attention_bytes[0] and report["targets"]["decode_speedup_met"] is None
+    assert main(["bench", "selective_ssm", "--out", str(tmp_path), "--variants", "mamba"]) == 2
+
+
 def test_bench_distill_writes_the_ratio(tmp_path):
     from conftest import save_tiny_teacher
 

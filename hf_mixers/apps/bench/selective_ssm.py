@@ -1,0 +1,197 @@
+"""``hf-mixers bench selective_ssm``: the selective-SSM variants' training cost vs SDPA attention, the chunked scan vs
+the token recurrence, and decoding vs a KV-cache attention model.
+
+(a) Training: forward+backward time and peak memory of each variant's layer (chunked scan) against the attention
+    mixer on SDPA with the same width and heads, at each T (the shared harness: interleaved timing, fastest of
+    ``repeats``; CPU peak memory in a fresh process).
+(b) Scan forms: forward+backward of ``ssm_chunked`` against ``ssm_recurrent`` on one layer's shapes, per decay
+    shape, at the shorter T (the recurrence is the slow reference).
+(c) Decoding: small models of the same shape, each variant and full attention; each context is prefilled, then
+    ``decode_tokens`` single-token steps are timed (median); with the cache's bytes.
+Written to bench_selective_ssm.json and .png, with the project's targets evaluated in the same run.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from ...common.history import save_figure
+from ...common.measures import decode_latency
+from ...kernels.selective_scan import ssm_chunked, ssm_recurrent
+from ...model.config import MixerConfig, config_class
+from ...model.modeling import MixerForCausalLM, model_classes
+from .harness import (bench_device, build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, format_log_axes,
+                      rotary_embeddings, time_calls, time_interleaved, write_report)
+
+VARIANTS = ("mamba2", "s6", "delta_t", "s4d")
+DECAY_SHAPES = {"mamba2": (1, 1), "delta_t (A per slot)": (1, None), "s6 / s4d": (None, None)}  # None: P or N
+
+
+def bench_selective_ssm(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4096, 16384),
+                        hidden_size=576, num_heads=9, num_kv_heads=3, variants=VARIANTS, decode_layers=2,
+                        decode_tokens=64, repeats=3, scan_lengths=(512, 2048), device=None) -> dict:
+    if not lengths or not contexts or min(*lengths, *contexts) < 2:
+        raise ValueError(f"bench selective_ssm: lengths and contexts must be non-empty lists of integers >= 2, got "
+                         f"{lengths} and {contexts}")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or not variants:
+        raise ValueError(f"bench selective_ssm: variants must be among {VARIANTS}, got {list(variants)}")
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError(f"bench selective_ssm: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
+                         f"--kv-heads ({num_kv_heads}) must divide --heads")
+    device = bench_device(device, "selective_ssm")
+    measure_cpu_peak = device.type == "cpu" and cpu_peak_supported()
+    kinds = ("sdpa_attention", *(f"selective_ssm:{variant}" for variant in variants))
+    torch.manual_seed(0)
+
+    training = []
+    for length in tqdm(lengths, desc="bench selective_ssm: training", unit="length"):
+        runs = []
+        for kind in kinds:
+            module, config = build_mixer(kind, hidden_size, num_heads, num_kv_heads, device, torch.float32)
+            x = torch.randn(1, length, hidden_size, device=device, requires_grad=True)
+            runs.append((module, x, rotary_embeddings(config, x, length)))
+        timings = time_interleaved(runs, repeats, device)
+        peaks = [cuda_peak(*run) if device.type == "cuda" else None for run in runs]
+        del runs
+        gc.collect()
+        for index, kind in enumerate(kinds):
+            peak = cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, 1, "float32") if measure_cpu_peak \
+                else peaks[index]
+            training.append({"T": length, "mixer": kind, "fwd_bwd_s": timings[index][0],
+                             "fwd_bwd_median_s": timings[index][1], "peak_bytes": peak})
+
+    scans = _scan_forms(scan_lengths, num_heads, hidden_size // num_heads, repeats, device)
+
+    shape = dict(vocab_size=2048, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+                 num_hidden_layers=decode_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                 max_position_embeddings=max(contexts) + 8 + decode_tokens)
+    ssm_config, (_, ssm_model) = config_class("selective_ssm"), model_classes("selective_ssm")
+    models = {**{variant: ssm_model(ssm_config(**shape, selective_ssm_variant=variant)) for variant in variants},
+              "attention": MixerForCausalLM(MixerConfig(**shape))}
+    decoding = []
+    for context in tqdm(contexts, desc="bench selective_ssm: decoding", unit="context"):
+        for name, model in models.items():
+            latency, cache_bytes = decode_latency(model.to(device).eval(), context, decode_tokens, 2048, device)
+            decoding.append({"context": context, "model": name, "token_latency_s": latency,
+                             "cache_bytes": cache_bytes})
+
+    def pick(rows, key, value, field, name_key, name):
+        return next((r[field] for r in rows if r[key] == value and r[name_key] == name), None)
+
+    ratios = [{"T": t, **{f"{kind}_time_vs_sdpa": pick(training, "T", t, "fwd_bwd_s", "mixer", kind)
+                          / pick(training, "T", t, "fwd_bwd_s", "mixer", "sdpa_attention") for kind in kinds[1:]}}
+              for t in lengths]
+    first, last = min(contexts), max(contexts)
+    main = "mamba2" if "mamba2" in variants else variants[0]
+    attention_last = pick(decoding, "context", last, "token_latency_s", "model", "attention")
+    mamba2_ratio = next((r.get("selective_ssm:mamba2_time_vs_sdpa") for r in ratios if r["T"] == 8192), None)
+    memory = [r for r in training if r["mixer"] == f"selective_ssm:{main}" and r["peak_bytes"]]
+    targets = {
+        "mamba2_time_vs_sdpa_at_8192": mamba2_ratio,
+        "mamba2_time_met": None if mamba2_ratio is None else mamba2_ratio <= 0.5,
+        "memory_growth_per_doubling": _growth(memory),
+        "cache_bytes_constant": {v: len({r["cache_bytes"] for r in decoding if r["model"] == v}) == 1
+                                 for v in variants},
+        "decode_latency_growth": {v: pick(decoding, "context", last, "token_latency_s", "model", v)
+                                  / pick(decoding, "context", first, "token_latency_s", "model", v) for v in variants},
+        "decode_speedup_vs_attention": {v: attention_last / pick(decoding, "context", last, "token_latency_s",
+                                                                  "model", v) for v in variants},
+        "decode_speedup_met": {v: attention_last / pick(decoding, "context", last, "token_latency_s", "model", v)
+                               >= 4.0 for v in variants} if last == 16384 else None,
+        "definitions": "Mamba-2 chunked fwd+bwd at T=8192 at most 0.5x SDPA's time; peak memory linear in T (growth "
+                       "per doubling of T near 2); constant cache bytes; decoding at 16K at least 4x faster than "
+                       "attention",
+    }
+    report = {"benchmark": "selective_ssm",
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": "float32",
+              "shape": {"hidden": hidden_size, "heads": num_heads, "kv_heads": num_kv_heads,
+                        "state_size": models[main].config.selective_ssm_state_size,
+                        "chunk_size": models[main].config.selective_ssm_chunk_size, "decode_layers": decode_layers},
+              "training": training, "training_ratios": ratios, "scan_forms": scans, "decoding": decoding,
+              "targets": targets}
+    return write_report(report, out_dir, "bench_selective_ssm", _plot, _print)
+
+
+def _growth(rows):
+    """Peak memory ratio per doubling of T, between consecutive measured lengths."""
+    rows = sorted(rows, key=lambda r: r["T"])
+    return [round((b["peak_bytes"] / a["peak_bytes"]) ** (1 / math.log2(b["T"] / a["T"])), 3)
+            for a, b in zip(rows, rows[1:])]
+
+
+def _scan_forms(lengths, heads, width, repeats, device):
+    """fwd+bwd of the chunked scan and the token recurrence on one layer's shapes, per decay shape."""
+    rows = []
+    for length in lengths:
+        for name, (pd, nd) in DECAY_SHAPES.items():
+            generator = torch.Generator().manual_seed(0)
+
+            def tensor(*shape, scale=1.0):
+                return (scale * torch.randn(*shape, generator=generator)).to(device).requires_grad_()
+
+            u, B, C = tensor(1, length, heads, width), tensor(1, length, heads, width), tensor(1, length, heads,
+                                                                                                width)
+            log_decay = (-0.05 * torch.rand(1, length, heads, pd or width, nd or width, generator=generator)).to(
+                device).requires_grad_()
+
+            def step(form):
+                y, state = form(u, log_decay, B, C)
+                (y.pow(2).mean() + state.pow(2).mean()).backward()
+
+            timings = time_calls([lambda: step(ssm_chunked), lambda: step(ssm_recurrent)], repeats, device)
+            rows.append({"T": length, "decay": name, "chunked_s": timings[0][0], "recurrent_s": timings[1][0],
+                         "speedup": timings[1][0] / timings[0][0]})
+    return rows
+
+
+def _plot(report, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for kind in sorted({r["mixer"] for r in report["training"]}):
+        rows = [r for r in report["training"] if r["mixer"] == kind]
+        axes[0].plot([r["T"] for r in rows], [r["fwd_bwd_s"] for r in rows], marker="o", label=kind)
+        rows = [r for r in rows if r["peak_bytes"]]
+        axes[1].plot([r["T"] for r in rows], [r["peak_bytes"] / 2**20 for r in rows], marker="o", label=kind)
+    for name in sorted({r["model"] for r in report["decoding"]}):
+        rows = [r for r in report["decoding"] if r["model"] == name]
+        axes[2].plot([r["context"] for r in rows], [1e3 * r["token_latency_s"] for r in rows], marker="o",
+                     label=f"{name} ({rows[-1]['cache_bytes'] / 2**20:.1f} MiB cache at {rows[-1]['context']})")
+    format_log_axes(list(zip(axes, ("training fwd+bwd (s)", "training peak memory (MiB)",
+                                    "decode latency per token (ms)"))), "context length")
+    shape = report["shape"]
+    save_figure(figure, path, f"selective SSMs vs attention -- {report['device']}, fp32, hidden {shape['hidden']}, "
+                f"heads {shape['heads']}/{shape['kv_heads']}, state {shape['state_size']}, chunk {shape['chunk_size']}")
+
+
+def _print(report):
+    kinds = sorted({r["mixer"] for r in report["training"]}, key=lambda k: k != "sdpa_attention")
+    print(f"\nSelective SSM training vs SDPA attention ({report['device']}, {report['threads']} threads): fwd+bwd s "
+          "(peak MiB)")
+    print(f"{'T':>6} | " + " ".join(f"{kind.removeprefix('selective_ssm:'):>18}" for kind in kinds))
+    for length in sorted({r["T"] for r in report["training"]}):
+        row = {r["mixer"]: r for r in report["training"] if r["T"] == length}
+        cells = [f"{row[k]['fwd_bwd_s']:.3f}" + ("" if row[k]["peak_bytes"] is None
+                                                 else f" ({row[k]['peak_bytes'] / 2**20:.0f})") for k in kinds]
+        print(f"{length:>6} | " + " ".join(f"{cell:>18}" for cell in cells))
+    print("\nScan forms, fwd+bwd s: chunked vs recurrent")
+    for row in report["scan_forms"]:
+        print(f"  T={row['T']:>5} {row['decay']:<22} chunked {row['chunked_s']:.3f}  recurrent "
+              f"{row['recurrent_s']:.3f}  ({row['speedup']:.1f}x)")
+    print(f"\nDecoding, {report['shape']['decode_layers']}-layer models: ms/token (cache MiB)")
+    names = sorted({r["model"] for r in report["decoding"]})
+    print(f"{'context':>8} | " + " ".join(f"{name:>16}" for name in names))
+    for context in sorted({r["context"] for r in report["decoding"]}):
+        row = {r["model"]: r for r in report["decoding"] if r["context"] == context}
+        print(f"{context:>8} | " + " ".join(f"{1e3 * row[n]['token_latency_s']:>7.2f} ({row[n]['cache_bytes'] / 2**20:>6.2f})"
+                                             for n in names))
+    print(f"targets: {report['targets']}")
