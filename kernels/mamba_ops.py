@@ -13,7 +13,6 @@ kernels/selective_scan.py, which is also the reference the tests compare every p
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from .common import compute_dtype

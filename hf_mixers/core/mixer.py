@@ -81,3 +81,21 @@ class SequenceMixer(nn.Module):
         if uncopied:
             raise ValueError(f"layer {layer_idx}: the teacher attention lacks {uncopied} (it has {sorted(state)})")
         return mixer.to(dtype=reference.dtype)
+
+
+class RecurrentMixer(SequenceMixer):
+    """A mixer whose decode state lives in a ``core.cache.RecurrentStateLayer`` (a constant-size state and a short
+    conv history). Subclasses implement ``mix(hidden_states, position_embeddings, token_mask, state, history) ->
+    (output, state, history)``; this forward reads the layer's cache and writes the new state back."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
+                past_key_values=None, **kwargs):
+        layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
+        state, history = (None, None) if layer_cache is None else (layer_cache.state, layer_cache.conv_history)
+        output, state, history = self.mix(hidden_states, position_embeddings, token_mask, state, history)
+        if layer_cache is not None:
+            layer_cache.update_state(state, hidden_states.shape[1], history)
+        return output
+
+    def mix(self, hidden_states, position_embeddings=None, token_mask=None, state=None, history=None):
+        raise NotImplementedError(f"{type(self).__name__} must implement mix")

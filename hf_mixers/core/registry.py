@@ -32,6 +32,12 @@ def positive_int(value) -> str | None:
     return None if ok else "must be a positive integer"
 
 
+def non_negative_int(value) -> str | None:
+    """An option check: None when ``value`` is an integer >= 0 (0 often meaning "off")."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return None if ok else "must be an integer >= 0"
+
+
 def one_of(*choices) -> Callable[[Any], str | None]:
     """An option check: the value must be one of ``choices``."""
     return lambda value: None if value in choices else f"must be one of {choices}"

@@ -23,6 +23,7 @@ from transformers import initialization as init
 
 from ..core.attention import FullAttention
 from ..core.cache import RecurrentStateLayer
+from ..core.mixer import RecurrentMixer
 from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
 from ..core.short_conv import causal_conv
 from ..core.window import window_option, windowed
@@ -50,7 +51,7 @@ class ResidualMLP(nn.Module):
                                   self.down.bias.to(dtype))
 
 
-class RSAMixer(FullAttention):
+class RSAMixer(RecurrentMixer, FullAttention):
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         levels, slots, head_dim = config.rsa_num_levels, config.rsa_num_slots, self.head_dim
@@ -169,15 +170,6 @@ class RSAMixer(FullAttention):
             hidden_states, conv_history = self.convolve(hidden_states, token_mask, conv_history)
         out, state = self.memory_read(hidden_states, position_embeddings, token_mask, state)
         return self.o_proj(out), state, conv_history
-
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
-                past_key_values=None, **kwargs):
-        layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
-        state, history = (None, None) if layer_cache is None else (layer_cache.state, layer_cache.conv_history)
-        output, state, history = self.mix(hidden_states, position_embeddings, token_mask, state, history)
-        if layer_cache is not None:
-            layer_cache.update_state(state, hidden_states.shape[1], history)
-        return output
 
     def compiles_decode(self, hidden_states, past_key_values) -> bool:
         """Whether the block runs this step as one compiled graph (``rsa_compile_decode``, one token, state cached)."""

@@ -34,8 +34,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from ..core.attention import TEACHER_MODULES, FullAttention
 from ..core.cache import RecurrentStateLayer
-from ..core.mixer import SequenceMixer
-from ..core.registry import MixerOption, MixerSpec, boolean, one_of, positive_int, register_mixer
+from ..core.mixer import RecurrentMixer
+from ..core.registry import (MixerOption, MixerSpec, boolean, non_negative_int, one_of, positive_int,
+                             register_mixer)
 from ..core.short_conv import causal_conv
 from ..core.window import window_option, windowed
 from ..kernels.common import compute_dtype
@@ -64,7 +65,7 @@ class ScanInputs(NamedTuple):
     ssd: tuple | None  # (x, Δ, A, B) for Mamba-2's SSD form, when the variant has it
 
 
-class SelectiveSSMMixer(SequenceMixer):
+class SelectiveSSMMixer(RecurrentMixer):
     teacher_modules = TEACHER_MODULES
 
     def __init__(self, config, layer_idx: int):
@@ -316,15 +317,6 @@ class SelectiveSSMMixer(SequenceMixer):
             queries = self.q_norm(queries.unflatten(-1, (-1, self.state_size))).flatten(-2)
         return keys, queries
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
-                past_key_values=None, **kwargs):
-        layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
-        state, history = (None, None) if layer_cache is None else (layer_cache.state, layer_cache.conv_history)
-        output, state, history = self.mix(hidden_states, position_embeddings, token_mask, state, history)
-        if layer_cache is not None:
-            layer_cache.update_state(state, hidden_states.shape[1], history)
-        return output
-
 
 def _zoh(A, delta, log_decay):
     """Zero-order hold's write scale (e^{AΔ} - 1) / A, Δ where A = 0 (its limit)."""
@@ -365,11 +357,6 @@ def _validate(config) -> str | None:
     return None
 
 
-def _non_negative_int(value) -> str | None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-    return None if ok else "must be an integer >= 0"
-
-
 SELECTIVE_SSM = register_mixer(MixerSpec(
     name="selective_ssm", mixer_class=SelectiveSSMMixer, title="SelectiveSSM",
     summary="selective state-space layer (S6 / Mamba, S4D, Mamba-2 or Mamba-Δᵀ): a constant-size recurrent state "
@@ -389,7 +376,7 @@ SELECTIVE_SSM = register_mixer(MixerSpec(
                     "((e^{AΔ} - 1) / A B) or 'none' (None: 'none' for delta_t, else 'euler')",
                     one_of("euler", "zoh", "none")),
         MixerOption("selective_ssm_dt_rank", None, "rank of the Δ projection (0: full; None: ceil(hidden / 16) for "
-                    "s6 and delta_t, full for mamba2)", _non_negative_int),
+                    "s6 and delta_t, full for mamba2)", non_negative_int),
         MixerOption("selective_ssm_conv_mode", None, "'independent' (one depthwise conv over u, B and C, Mamba-2), "
                     "'shared' (conv over u, then B, C, Δ from its output, the paper's S6) or 'none' (None: "
                     "independent for mamba2, else shared)", one_of("independent", "shared", "none")),

@@ -86,6 +86,31 @@ def time_interleaved(runs, repeats, device):
     return time_calls([lambda run=run: _step(*run) for run in runs], repeats, device)
 
 
+def training_rows(kinds, lengths, hidden_size, num_heads, num_kv_heads, repeats, device, desc) -> list[dict]:
+    """Forward+backward time (fastest and median of ``repeats``, interleaved) and peak memory of each standalone
+    mixer ``kind`` (``build_mixer``) at each T, batch 1, fp32: one row per (T, kind)."""
+    from tqdm.auto import tqdm
+
+    measure_cpu_peak = device.type == "cpu" and cpu_peak_supported()
+    rows = []
+    for length in tqdm(lengths, desc=desc, unit="length"):
+        runs = []
+        for kind in kinds:
+            module, config = build_mixer(kind, hidden_size, num_heads, num_kv_heads, device, torch.float32)
+            x = torch.randn(1, length, hidden_size, device=device, requires_grad=True)
+            runs.append((module, x, rotary_embeddings(config, x, length)))
+        timings = time_interleaved(runs, repeats, device)
+        peaks = [cuda_peak(*run) if device.type == "cuda" else None for run in runs]
+        del runs
+        gc.collect()
+        for index, kind in enumerate(kinds):
+            peak = cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, 1, "float32") if measure_cpu_peak \
+                else peaks[index]
+            rows.append({"T": length, "mixer": kind, "fwd_bwd_s": timings[index][0],
+                         "fwd_bwd_median_s": timings[index][1], "peak_bytes": peak})
+    return rows
+
+
 def time_calls(calls, repeats, device):
     """Time zero-argument ``calls`` round-robin, ``repeats`` times each after one warm-up; (fastest, median) each.
 

@@ -13,13 +13,10 @@ Written to bench_rsa.json and bench_rsa.png, with the project's targets evaluate
 
 from __future__ import annotations
 
-import gc
-
 import torch
 from tqdm.auto import tqdm
 
-from .harness import (bench_device, build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, rotary_embeddings,
-                    time_interleaved, format_log_axes, write_report)
+from .harness import bench_device, format_log_axes, training_rows, write_report
 from ...common.history import save_figure
 from ...common.measures import decode_latency
 from ...model.config import MixerConfig, config_class
@@ -41,25 +38,10 @@ def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 40
         raise ValueError(f"bench rsa: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
                          f"--kv-heads ({num_kv_heads}) must divide --heads")
     device = bench_device(device, "rsa")
-    measure_cpu_peak = device.type == "cpu" and cpu_peak_supported()
     torch.manual_seed(0)
 
-    training = []
-    for length in tqdm(lengths, desc="bench rsa: training", unit="length"):
-        runs, config = [], None
-        for kind in TRAIN_MIXERS:
-            module, config = build_mixer(kind, hidden_size, num_heads, num_kv_heads, device, torch.float32)
-            x = torch.randn(1, length, hidden_size, device=device, requires_grad=True)
-            runs.append((module, x, rotary_embeddings(config, x, length)))
-        timings = time_interleaved(runs, repeats, device)
-        peaks = [cuda_peak(*run) if device.type == "cuda" else None for run in runs]
-        del runs
-        gc.collect()
-        for index, kind in enumerate(TRAIN_MIXERS):
-            peak = cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, 1, "float32") if measure_cpu_peak \
-                else peaks[index]
-            training.append({"T": length, "mixer": kind, "fwd_bwd_s": timings[index][0],
-                             "fwd_bwd_median_s": timings[index][1], "peak_bytes": peak})
+    training = training_rows(TRAIN_MIXERS, lengths, hidden_size, num_heads, num_kv_heads, repeats, device,
+                             "bench rsa: training")
 
     shape = dict(vocab_size=2048, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
                  num_hidden_layers=decode_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,

@@ -13,7 +13,6 @@ Written to bench_selective_ssm.json and .png, with the project's targets evaluat
 
 from __future__ import annotations
 
-import gc
 import math
 
 import torch
@@ -24,8 +23,7 @@ from ...common.measures import decode_latency
 from ...kernels.selective_scan import ssm_chunked, ssm_recurrent
 from ...model.config import MixerConfig, config_class
 from ...model.modeling import MixerForCausalLM, model_classes
-from .harness import (bench_device, build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, format_log_axes,
-                      rotary_embeddings, time_calls, time_interleaved, write_report)
+from .harness import bench_device, format_log_axes, time_calls, training_rows, write_report
 
 VARIANTS = ("mamba2", "s6", "delta_t", "s4d")
 DECAY_SHAPES = {"mamba2": (1, 1), "delta_t (A per slot)": (1, None), "s6 / s4d": (None, None)}  # None: P or N
@@ -44,26 +42,11 @@ def bench_selective_ssm(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts
         raise ValueError(f"bench selective_ssm: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
                          f"--kv-heads ({num_kv_heads}) must divide --heads")
     device = bench_device(device, "selective_ssm")
-    measure_cpu_peak = device.type == "cpu" and cpu_peak_supported()
     kinds = ("sdpa_attention", *(f"selective_ssm:{variant}" for variant in variants))
     torch.manual_seed(0)
 
-    training = []
-    for length in tqdm(lengths, desc="bench selective_ssm: training", unit="length"):
-        runs = []
-        for kind in kinds:
-            module, config = build_mixer(kind, hidden_size, num_heads, num_kv_heads, device, torch.float32)
-            x = torch.randn(1, length, hidden_size, device=device, requires_grad=True)
-            runs.append((module, x, rotary_embeddings(config, x, length)))
-        timings = time_interleaved(runs, repeats, device)
-        peaks = [cuda_peak(*run) if device.type == "cuda" else None for run in runs]
-        del runs
-        gc.collect()
-        for index, kind in enumerate(kinds):
-            peak = cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, 1, "float32") if measure_cpu_peak \
-                else peaks[index]
-            training.append({"T": length, "mixer": kind, "fwd_bwd_s": timings[index][0],
-                             "fwd_bwd_median_s": timings[index][1], "peak_bytes": peak})
+    training = training_rows(kinds, lengths, hidden_size, num_heads, num_kv_heads, repeats, device,
+                             "bench selective_ssm: training")
 
     scans = _scan_forms(scan_lengths, num_heads, hidden_size // num_heads, repeats, device)
 
