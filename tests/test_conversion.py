@@ -66,6 +66,19 @@ def test_rsa_conversion_runs_on_every_family(family, teachers, tmp_path):
     assert model.config.qk_norm == (family == "qwen3")
 
 
+@pytest.mark.parametrize("family", TEACHER_FAMILIES)
+@pytest.mark.parametrize("variant", ["s6", "s4d", "mamba2", "delta_t"])
+def test_selective_ssm_conversion_runs_on_every_family_and_variant(family, variant, teachers):
+    model, report = convert(teachers[family], "selective_ssm", mixer_options={"selective_ssm_variant": variant},
+                            **SMALL)
+    assert [layer.kind for layer in report.layers] == ["selective_ssm"] * 3
+    assert all(0 < layer.error < float("inf") for layer in report.layers)
+    assert torch.isfinite(torch.tensor(report.student_perplexity)) and report.kl_teacher_student >= 0
+    config = model.config
+    assert (config.selective_ssm_conv_mode, config.selective_ssm_conv_activation) == ("independent", "identity")
+    assert config.qk_norm == (family == "qwen3") and config.selective_ssm_variant == variant
+
+
 def test_rope_scaling_is_carried_over(tokenizer, tmp_path):
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}

@@ -127,6 +127,27 @@ def test_stage1_trains_only_new_mixer_parameters_and_lowers_the_loss(teacher_dir
     assert with_qkv and all(n.split(".")[-2] in ("q_proj", "k_proj", "v_proj") for n in with_qkv)
 
 
+@pytest.mark.parametrize("options", ["{selective_ssm_variant: mamba2, selective_ssm_window: 8}",
+                                     "{selective_ssm_variant: s4d}"])
+def test_selective_ssm_distils_end_to_end(teacher_dir, tmp_path, options):
+    """Stage 1 trains what conversion added (Δ, A, D, conv, gate, norm, the window gate) and lowers its loss; stage 2
+    puts LoRA on the projections the layer has (s4d has no q/k); the folder loads through remote code."""
+    out = tmp_path / "run"
+    summary = distill(load_recipe([], small(teacher_dir, out, "model.mixer=selective_ssm", "stage1.steps=8",
+                                        f"model.mixer_options={options}")), progress=False)
+    stage1 = summary["stages"]["stage1"]
+    assert stage1["final_loss"] < stage1["first_loss"] and summary["stages"]["stage2"]["steps"] == 4
+    from hf_mixers.conversion import convert
+
+    student, _ = convert(teacher_dir, "selective_ssm", mixer_options={"selective_ssm_variant": "mamba2",
+                                                                      "selective_ssm_window": 8}, progress=False)
+    trained = {name.split(".mixer.")[1] for name in new_mixer_parameters(student)}
+    assert trained == {"conv_weight", "conv_bias", "dt_proj.weight", "dt_proj.bias", "A_log", "D", "z_proj.weight",
+                       "z_proj.bias", "norm_weight", "window_gate"}
+    remote = load_in_fresh_process(out / "model", torch.randint(1, 300, (1, 10)), max_new_tokens=4)
+    assert not remote["hf_mixers_imported"] and remote["class"] == "SelectiveSSMForCausalLM"
+
+
 def test_blockwise_stage1_equals_joint_stage1(teacher_dir, tmp_path):
     """One layer at a time from the disk cache = all layers together (clipping off: Adam ignores the 1/L)."""
     models = {}
