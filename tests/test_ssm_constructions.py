@@ -287,3 +287,39 @@ def test_lemma_1_sensitivity_decays_by_exactly_exp_minus_lambda_per_step_for_s4d
                                for t in range(length)])  # d y_t / d x_0
     torch.testing.assert_close(sensitivity[1:] / sensitivity[:-1], torch.full((length - 1,), math.exp(-lam),
                                                                                    dtype=F64))
+
+
+def sensitivity_mixer():
+    """S6, d = 4 channels: [signal, a constant 1, Δ control, unused]; B = C = the constant channel, λ = 1, Δ_t =
+    softplus(control_t) on every channel."""
+    mixer = hand_set_mixer("s6", 4, 1, conv_mode="none")
+    with torch.no_grad():
+        mixer.k_proj.weight[0, 1] = 1.0
+        mixer.q_proj.weight[0, 1] = 1.0
+        mixer.A_log.zero_()
+        mixer.dt_proj.weight[:, 2] = 1.0
+    return mixer
+
+
+def sensitivities_to(mixer, control, source):
+    """d y_t[0] / d x_source[0] for every t, on a random signal with the given Δ controls."""
+    length = control.shape[0]
+    x = torch.zeros(1, length, 4, dtype=F64)
+    x[0, :, 0], x[0, :, 1], x[0, :, 2] = torch.randn(length, dtype=F64), 1.0, control
+    x.requires_grad_()
+    out = mixer.mix(x)[0][0, :, 0]
+    return torch.stack([torch.autograd.grad(out[t], x, retain_graph=True)[0][0, source, 0] for t in range(length)])
+
+
+def test_lemma_2_s6_with_zero_steps_after_j_remembers_x_j_without_decay():
+    control = torch.full((12,), INV_SOFTPLUS_1, dtype=F64)
+    control[4:] = -800.0  # softplus(-800) = 0 in fp64: no decay, no write
+    sensitivity = sensitivities_to(sensitivity_mixer(), control, source=3)
+    assert (sensitivity[4:] == sensitivity[3]).all() and sensitivity[3] != 0
+
+
+def test_one_large_step_erases_everything_before_it():
+    control = torch.full((12,), INV_SOFTPLUS_1, dtype=F64)
+    control[6] = 50.0  # Δ = 50, λ = 1: the state is multiplied by e^{-50}
+    sensitivity = sensitivities_to(sensitivity_mixer(), control, source=2)
+    assert sensitivity[5].abs() > 1e-3 and (sensitivity[6:].abs() < 1e-20).all()
