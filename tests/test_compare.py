@@ -25,6 +25,8 @@ def test_entries_are_parsed_and_checked():
     with pytest.raises(ValueError, match=r"unknown mixer 'mamba'; choose from \["):
         parse_entry("mamba")
     assert parse_entry("rsa:window=64") == Entry("rsa", {"rsa_window": 64})  # the short form
+    assert parse_entry("selective_ssm:variant=s6,window=64") == Entry(
+        "selective_ssm", {"selective_ssm_variant": "s6", "selective_ssm_window": 64})
     with pytest.raises(ValueError, match=r"'slots=64' is not KEY=VALUE with KEY an option of rsa"):
         parse_entry("rsa:slots=64")
 
@@ -33,7 +35,7 @@ def test_cache_bytes_are_exact_for_growing_and_constant_caches():
     """Extrapolated from two short prefills; equal to a real prefill of the longer context."""
     from hf_mixers.common.measures import decode_latency
 
-    for name, grows in (("full_attention", True), ("rsa[window]", False)):
+    for name, grows in (("full_attention", True), ("rsa[window]", False), ("selective_ssm[window]", False)):
         model = tiny_model(name, dtype=torch.float32)
         predicted = cache_bytes(model, [200], model.config.vocab_size, "cpu", probes=(16, 48))[200]
         measured = decode_latency(model, 200, 1, model.config.vocab_size, "cpu", warmup=0)[1]
