@@ -67,8 +67,8 @@ def ssm_recurrent(u, log_decay, B, C, state=None):
     """The recurrence token by token -> y (B, T, H, P), final state (B, H, P, N)."""
     u, log_decay, B, C, state = _prepare(u, log_decay, B, C, state)
     outputs = []
-    for t in range(u.shape[1]):
-        y, state = ssm_step(state, u[:, t], log_decay[:, t], B[:, t], C[:, t])
+    for step in zip(u.unbind(1), log_decay.unbind(1), B.unbind(1), C.unbind(1)):  # unbound once (see _intra_scan)
+        y, state = ssm_step(state, *step)
         outputs.append(y)
     return torch.stack(outputs, dim=1), state
 
@@ -102,13 +102,14 @@ def _intra_matmul(u, cumulative, B, C):
 
 def _intra_scan(u, log_decay, B, C):
     """Tokens of the same chunk, scanned step by step from a zero state in every chunk at once; returns the chunk
-    states too (the scan ends on them)."""
+    states too (the scan ends on them). Inputs are unbound once: indexing them per step would make the backward
+    fill a full-size zero gradient per step."""
     batch, chunks, length, heads, width = u.shape
     state = u.new_zeros(batch, chunks, heads, width, B.shape[-1])
     outputs = []
-    for i in range(length):
-        state = torch.exp(log_decay[:, :, i]) * state + u[:, :, i, ..., None] * B[:, :, i, :, None, :]
-        outputs.append(torch.einsum("bchpn,bchn->bchp", state, C[:, :, i]))
+    for u_i, decay_i, B_i, C_i in zip(u.unbind(2), torch.exp(log_decay).unbind(2), B.unbind(2), C.unbind(2)):
+        state = decay_i * state + u_i[..., None] * B_i[:, :, :, None, :]
+        outputs.append(torch.einsum("bchpn,bchn->bchp", state, C_i))
     return torch.stack(outputs, dim=2), state
 
 
