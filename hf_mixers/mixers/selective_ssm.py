@@ -394,7 +394,9 @@ SELECTIVE_SSM = register_mixer(MixerSpec(
     ),
     derived_defaults=_derived_defaults, validate=_validate, cache_layer=SelectiveSSMCacheLayer, constant_state=True,
     keep_in_fp32=("A_log",),
-    conversion_options={"selective_ssm_conv_mode": "independent", "selective_ssm_conv_activation": "identity"},
+    # identity conv: the projections pass through; the output norm, started at the teacher's scale, for every variant
+    conversion_options={"selective_ssm_conv_mode": "independent", "selective_ssm_conv_activation": "identity",
+                        "selective_ssm_rmsnorm": True},
     limitations=("Selective-SSM layers compress the whole past into a fixed state: exact recall of long-past tokens "
                  "is lossy, in exchange for a decoding state that does not grow with the context.",),
     tiny_options={"selective_ssm_chunk_size": 4, "selective_ssm_conv_width": 3},
