@@ -225,3 +225,21 @@ def test_the_ops_hand_the_library_mamba_ssm_arguments(fresh_dispatch, monkeypatc
     ssd_scan(x, torch.randn(1, 4, 2), -torch.ones(2), torch.randn(1, 4, 1, 5), torch.randn(1, 4, 1, 5), 8,
              dt_softplus=True)
     assert calls[-1][0] == "mamba_chunk_scan_combined" and calls[-1][2]["dt_softplus"] is True
+
+
+def test_auto_picks_the_recurrence_only_for_large_per_channel_states(monkeypatch):
+    from hf_mixers.kernels import selective_scan as scan
+
+    calls = []
+    recurrent, chunked = scan.ssm_recurrent, scan.ssm_chunked
+    monkeypatch.setattr(scan, "ssm_recurrent", lambda *a, **k: calls.append("recurrent") or recurrent(*a))
+    monkeypatch.setattr(scan, "ssm_chunked", lambda *a, **k: calls.append("chunked") or chunked(*a, **k))
+    for Pd, Nd, width, size, expected in ((64, 64, 64, 64, "recurrent"), (1, 64, 64, 64, "chunked"),
+                                          (32, 8, 32, 8, "chunked"), (1, 1, 64, 64, "chunked")):
+        u = torch.zeros(1, 8, 16, width, dtype=F64)  # 16 heads: B H P N = 65536 for the first
+        scan.ssm_scan(u, torch.zeros(1, 8, 16, Pd, Nd, dtype=F64), torch.zeros(1, 8, 1, size, dtype=F64),
+                      torch.zeros(1, 8, 1, size, dtype=F64))
+        assert calls[-1] == expected, (Pd, Nd, width, size)
+    scan.ssm_scan(u[:, :1], torch.zeros(1, 1, 16, 1, 1, dtype=F64), torch.zeros(1, 1, 1, 64, dtype=F64),
+                  torch.zeros(1, 1, 1, 64, dtype=F64))
+    assert calls[-1] == "recurrent"  # one token: the decode step

@@ -246,8 +246,7 @@ class SelectiveSSMMixer(RecurrentMixer):
         if length > 1 and inputs.ssd is not None:
             x, delta, A, keys = inputs.ssd
             return ssd_scan(x, delta, A, keys, inputs.queries, chunk, initial_states=state, return_final_states=True)
-        return ssm_scan(inputs.write, inputs.log_decay, inputs.write_keys, inputs.queries, state,
-                        method="recurrent" if length == 1 else "chunked", chunk_size=chunk)
+        return ssm_scan(inputs.write, inputs.log_decay, inputs.write_keys, inputs.queries, state, chunk_size=chunk)
 
     def finish(self, y, u_hat, hidden_states):
         """The D skip, the silu(z) gate and the per-head RMSNorm: (B, T, H, P) -> (B, T, H, P)."""
@@ -298,7 +297,6 @@ class SelectiveSSMMixer(RecurrentMixer):
             write, log_decay = write.transpose(1, 2).flatten(2, 3), log_decay.transpose(1, 2).flatten(2, 3)
             keys_w = keys_w.transpose(1, 2) if keys_w.dim() == 4 else keys_w.transpose(1, 2).flatten(2, 3)
             y, memory_state = ssm_scan(write, log_decay, keys_w, inputs.queries, memory_state,
-                                       method="recurrent" if length == 1 else "chunked",
                                        chunk_size=self.config.selective_ssm_chunk_size)
             y = self.finish(y, inputs.u_hat, hidden_states)  # (B, T, H, P)
             return by_group(y).permute(0, 1, 3, 2, 4), None, memory_state  # (B, G, g, T, P)
