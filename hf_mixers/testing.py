@@ -284,6 +284,13 @@ def check_window_exact_at_init(name):
     windowed = [kind for kind in set(_layer_types(name))
                 if any(option.name == f"{kind}_window" for option in get_mixer(kind).options)]
     for kind in windowed:
+        option = f"{kind}_window"
+        try:  # a variant may refuse the window (selective_ssm's s4d has no q/k to attend with): by the option's name
+            config_class(kind)(**TINY, **{**get_mixer(kind).tiny_options, **get_mixer(kind).conversion_options,
+                                          **_variant(name)[1], option: 4})
+        except ValueError as error:
+            assert option in str(error), f"{option}: refused without naming the option ({error})"
+            continue
         within = _from_attention_errors(name, length=10, **{f"{kind}_window": 10})
         beyond = _from_attention_errors(name, length=10, **{f"{kind}_window": 4})
         for key, error in within.items():
