@@ -228,7 +228,8 @@ class SelectiveSSMMixer(RecurrentMixer):
                                                         "delta_t": (1, size)}[self.variant])
         A = -torch.exp(self.A_log.to(cd))  # (H, Pa, Na)
         log_decay = A * delta  # (B, T, H, Pd, Nd)
-        write, write_keys = u_hat * keep[..., None, None], keys
+        masked = u_hat * keep[..., None, None]  # padded tokens write nothing
+        write, write_keys = masked, keys
         scaling = self.config.selective_ssm_input_scaling
         if scaling != "none":
             factor = delta if scaling == "euler" else _zoh(A, delta, log_decay)  # (B, T, H, Pd or 1, Nd or 1)
@@ -238,7 +239,7 @@ class SelectiveSSMMixer(RecurrentMixer):
                 write_keys = keys.repeat_interleave(heads // groups, dim=2) * factor[..., 0, :]
         ssd = log_decay.shape[3:] == (1, 1) and scaling == "euler"  # Mamba-2's form: mamba_ssm's SSD on CUDA
         return ScanInputs(write, log_decay, write_keys, queries, u_hat, history, projected,
-                          (u_hat * keep[..., None, None], delta[..., 0, 0], A[:, 0, 0], keys) if ssd else None)
+                          (masked, delta[..., 0, 0], A[:, 0, 0], keys) if ssd else None)
 
     def scan(self, inputs: "ScanInputs", state=None):
         """The SSM over ``inputs`` from ``state`` -> y (B, T, H, P), final state (B, H, P, N)."""
