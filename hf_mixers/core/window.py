@@ -29,18 +29,13 @@ from typing import Callable
 import torch
 
 from .cache import map_tensors
-from .registry import MixerOption
-
-
-def _window_size(value) -> str | None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-    return None if ok else "must be 0 (off) or a window length >= 1"
+from .registry import MixerOption, non_negative_int
 
 
 def window_option(mixer: str) -> MixerOption:
     """The ``<mixer>_window`` option, declared by every mixer that supports the branch."""
     return MixerOption(f"{mixer}_window", 0, "local window w: exact softmax attention over the last w tokens, the "
-                       "memory for the older ones (0: off, the memory reads everything)", _window_size)
+                       "memory for the older ones (0: off, the memory reads everything)", non_negative_int)
 
 
 @dataclass
