@@ -18,6 +18,10 @@ Forms, equal in fp64 (tests/test_selective_scan.py):
                     (chunk, chunk, N) decay tensor); a decay per channel and slot (S6, S4D) would need a
                     (chunk, chunk, P, N) tensor, so there the chunk's tokens are scanned in a loop vectorised over all
                     chunks at once ("scan"): chunk_size + T / chunk_size steps instead of T.
+    ssm_factored    the recurrence for log_decay = delta * A given as its factors, with a backward that recomputes
+                    states segment by segment: for large per-channel decays, where no form saves work and the
+                    (T, H, P, N) tensors autograd would keep are the cost.
+    ssm_scan        picks one of them (the layers call it).
 
 States and outputs are computed in fp32 whatever the input dtype (fp64 stays fp64); the output is in that dtype.
 Padding is the caller's: a step with u = 0 and log_decay = 0 is an exact no-op.
@@ -159,18 +163,92 @@ def ssm_chunked(u, log_decay, B, C, state=None, chunk_size: int = 64, intra: str
     return outputs.flatten(1, 2)[:, :length], state
 
 
-def ssm_scan(u, log_decay, B, C, state=None, method: str = "auto", chunk_size: int = 64):
-    """``method``: "chunked", "recurrent" (the definition), or "auto": the recurrence for one token, and for a decay
-    per channel and slot (S6, S4D, Δᵀ with a full A) once the state of one step is large (B H P N >= 2^16), where the
-    work is T H P N either way and the loop is the lighter pass (1.9-2.6x faster than the chunked scan on CPU at
-    SmolLM2's 9 x 64 x 64 state, while the chunked scan is 18x faster at the paper's 32 x 8); else the chunked form."""
+class _FactoredRecurrence(torch.autograd.Function):
+    """The recurrence with log_decay = delta * A given as its factors, and a hand-written backward that keeps only
+    the state entering each segment of ``segment`` tokens and recomputes the segment's states when it gets there.
+    Autograd through ``ssm_recurrent`` keeps every step's (H, P, N) state and decay, T H P N numbers per layer and
+    as many for the decay tensor, which is what made S6 / S4D cost 8 GB a layer at T = 8192; this keeps
+    T / segment + segment states.
+
+    Gradients, with g_t = dL/dh_t (from y_t, the final state and h_{t+1}) and a_t = exp(delta_t A):
+        g_t    = a_{t+1} g_{t+1} + dy_t ⊗ C_t        dC_t = h_t^T dy_t        du_t = g_t B_t        dB_t = g_t^T u_t
+        dlog_t = g_t ⊙ h_{t-1} ⊙ a_t  ->  ddelta_t = sum(dlog_t A),  dA = sum_t sum(dlog_t delta_t)  (over broadcasts)
+    """
+
+    @staticmethod
+    def forward(ctx, u, delta, A, B, C, state, segment):
+        outputs, entries = [], []
+        for t, step in enumerate(zip(u.unbind(1), delta.unbind(1), B.unbind(1), C.unbind(1))):
+            if t % segment == 0:
+                entries.append(state)
+            u_t, delta_t, B_t, C_t = step
+            state = torch.exp(delta_t * A) * state + u_t[..., None] * B_t[:, :, None, :]
+            outputs.append(torch.einsum("bhpn,bhn->bhp", state, C_t))
+        ctx.save_for_backward(u, delta, A, B, C, *entries)
+        ctx.segment = segment
+        return torch.stack(outputs, dim=1), state
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y, grad_state):
+        u, delta, A, B, C, *entries = ctx.saved_tensors
+        segment, length = ctx.segment, u.shape[1]
+        grads = {name: [None] * length for name in ("u", "delta", "B", "C")}
+        grad_A = torch.zeros_like(entries[0])  # sum over t of dlog_t * delta_t, reduced to A's shape at the end
+        g = grad_state.clone()
+        for index in reversed(range(len(entries))):
+            start, stop = index * segment, min(length, (index + 1) * segment)
+            states, decays = [entries[index]], []  # h_{start-1} .. h_{stop-1}, and a_start .. a_{stop-1}
+            for t in range(start, stop):
+                decays.append(torch.exp(delta[:, t] * A))
+                states.append(decays[-1] * states[-1] + u[:, t, ..., None] * B[:, t, :, None, :])
+            for t in reversed(range(start, stop)):
+                here, before, decay = states[t - start + 1], states[t - start], decays[t - start]
+                g = g + grad_y[:, t, ..., None] * C[:, t, :, None, :]
+                grads["C"][t] = torch.einsum("bhpn,bhp->bhn", here, grad_y[:, t])
+                grads["u"][t] = torch.einsum("bhpn,bhn->bhp", g, B[:, t])
+                grads["B"][t] = torch.einsum("bhpn,bhp->bhn", g, u[:, t])
+                log_grad = g * before * decay
+                grads["delta"][t] = (log_grad * A).sum_to_size(delta[:, t].shape)
+                grad_A.addcmul_(log_grad, delta[:, t])
+                g = decay * g
+        stacked = {name: torch.stack(values, dim=1) for name, values in grads.items()}
+        return (stacked["u"], stacked["delta"], grad_A.sum_to_size(A.shape), stacked["B"], stacked["C"], g, None)
+
+
+def ssm_factored(u, delta, A, B, C, state=None, segment: int = 64):
+    """The recurrence for log_decay = delta * A without materialising it: delta (B, T, H, Pd, Nd), A (H, Pa, Na)
+    broadcasting to the state (H, P, N); other shapes as above -> y (B, T, H, P), final state (B, H, P, N)."""
+    if delta.dim() != 5 or A.dim() != 3 or delta.shape[2] != u.shape[2] or A.shape[0] != u.shape[2]:
+        raise ValueError(f"selective scan: delta must be (batch, length, heads, Pd, Nd) and A (heads, Pa, Na), got "
+                         f"{tuple(delta.shape)} and {tuple(A.shape)} for u {tuple(u.shape)}")
+    # checks the shapes of everything else against the decay's broadcast shape (a (1, ..)-strided view, no copy)
+    u, _, B, C, state = _prepare(u, torch.broadcast_to(delta[..., :1, :1], delta.shape[:3] + (1, 1)), B, C, state)
+    dtype = u.dtype
+    delta, A = delta.to(dtype), A.to(dtype)
+    sizes = zip(delta.shape[3:], A.shape[1:], state.shape[2:])
+    if any(d not in (1, full) or a not in (1, full) for d, a, full in sizes):
+        raise ValueError(f"selective scan: delta {tuple(delta.shape)} and A {tuple(A.shape)} do not broadcast to the "
+                         f"state {tuple(state.shape)}")
+    return _FactoredRecurrence.apply(u, delta, A, B, C, state, segment)
+
+
+def ssm_scan(u, delta, A, B, C, state=None, method: str = "auto", chunk_size: int = 64):
+    """The scan for log_decay = delta * A (delta (B, T, H, Pd, Nd), A (H, Pa, Na)), by ``method``: "chunked",
+    "recurrent" (the definition), "factored" (the recurrence with a recomputing backward, no (T, H, P, N) tensor), or
+    "auto": the recurrence for one token; ``ssm_factored`` for a decay per channel and slot (S6, S4D, Δᵀ with a full
+    A) once the state of one step is large (B H P N >= 2^16), where the work is T H P N whatever the form and the
+    memory is what matters (docs/benchmarks.md); else the chunked form (18x the recurrence at the paper's
+    per-channel 32 x 8 state, 11-14x for Mamba-2)."""
     if method == "auto":
         batch, length, heads, width = u.shape
-        per_channel = log_decay.shape[3] > 1 and log_decay.shape[4] > 1
+        decay = torch.broadcast_shapes(delta.shape[3:], A.shape[1:])
         large = batch * heads * width * B.shape[-1] >= 2 ** 16
-        method = "recurrent" if length == 1 or (per_channel and large) else "chunked"
+        method = "recurrent" if length == 1 else "factored" if min(decay) > 1 and large else "chunked"
+    if method == "factored":
+        return ssm_factored(u, delta, A, B, C, state, segment=chunk_size)
     if method == "recurrent":
-        return ssm_recurrent(u, log_decay, B, C, state)
+        return ssm_recurrent(u, delta * A, B, C, state)
     if method == "chunked":
-        return ssm_chunked(u, log_decay, B, C, state, chunk_size)
-    raise ValueError(f"selective scan: unknown method {method!r} (auto, chunked, recurrent)")
+        return ssm_chunked(u, delta * A, B, C, state, chunk_size)
+    raise ValueError(f"selective scan: unknown method {method!r} (auto, chunked, recurrent, factored)")

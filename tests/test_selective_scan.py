@@ -12,7 +12,7 @@ from transformers.models.mamba.modeling_mamba import mamba_selective_scan
 from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan, mamba2_selective_state_update
 
 from hf_mixers.kernels import dispatch
-from hf_mixers.kernels.selective_scan import ssm_chunked, ssm_recurrent, ssm_step
+from hf_mixers.kernels.selective_scan import ssm_chunked, ssm_factored, ssm_recurrent, ssm_step
 from hf_mixers.ops import delta_t_scan, selective_scan, ssd_scan
 
 F64 = torch.float64
@@ -227,19 +227,66 @@ def test_the_ops_hand_the_library_mamba_ssm_arguments(fresh_dispatch, monkeypatc
     assert calls[-1][0] == "mamba_chunk_scan_combined" and calls[-1][2]["dt_softplus"] is True
 
 
-def test_auto_picks_the_recurrence_only_for_large_per_channel_states(monkeypatch):
+def test_auto_picks_the_factored_recurrence_only_for_large_per_channel_states(monkeypatch):
     from hf_mixers.kernels import selective_scan as scan
 
     calls = []
-    recurrent, chunked = scan.ssm_recurrent, scan.ssm_chunked
-    monkeypatch.setattr(scan, "ssm_recurrent", lambda *a, **k: calls.append("recurrent") or recurrent(*a))
-    monkeypatch.setattr(scan, "ssm_chunked", lambda *a, **k: calls.append("chunked") or chunked(*a, **k))
-    for Pd, Nd, width, size, expected in ((64, 64, 64, 64, "recurrent"), (1, 64, 64, 64, "chunked"),
-                                          (32, 8, 32, 8, "chunked"), (1, 1, 64, 64, "chunked")):
+    for name in ("ssm_recurrent", "ssm_chunked", "ssm_factored"):
+        original = getattr(scan, name)
+        monkeypatch.setattr(scan, name, lambda *a, _name=name, _original=original, **k:
+                            calls.append(_name) or _original(*a, **k))
+    # (delta's Pd, Nd, A's Pa, Na, width, size): S6 (Δ per channel, A per channel and slot), Δᵀ with A per slot,
+    # the paper's small per-channel state, Mamba-2
+    for Pd, Nd, Pa, Na, width, size, expected in ((64, 1, 64, 64, 64, 64, "ssm_factored"),
+                                                  (1, 64, 1, 64, 64, 64, "ssm_chunked"),
+                                                  (32, 1, 32, 8, 32, 8, "ssm_chunked"),
+                                                  (1, 1, 1, 1, 64, 64, "ssm_chunked")):
         u = torch.zeros(1, 8, 16, width, dtype=F64)  # 16 heads: B H P N = 65536 for the first
-        scan.ssm_scan(u, torch.zeros(1, 8, 16, Pd, Nd, dtype=F64), torch.zeros(1, 8, 1, size, dtype=F64),
-                      torch.zeros(1, 8, 1, size, dtype=F64))
-        assert calls[-1] == expected, (Pd, Nd, width, size)
-    scan.ssm_scan(u[:, :1], torch.zeros(1, 1, 16, 1, 1, dtype=F64), torch.zeros(1, 1, 1, 64, dtype=F64),
-                  torch.zeros(1, 1, 1, 64, dtype=F64))
-    assert calls[-1] == "recurrent"  # one token: the decode step
+        scan.ssm_scan(u, torch.zeros(1, 8, 16, Pd, Nd, dtype=F64), -torch.ones(16, Pa, Na, dtype=F64),
+                      torch.zeros(1, 8, 1, size, dtype=F64), torch.zeros(1, 8, 1, size, dtype=F64))
+        assert calls[-1] == expected, (Pd, Nd, Pa, Na, width, size)
+    scan.ssm_scan(u[:, :1], torch.zeros(1, 1, 16, 1, 1, dtype=F64), -torch.ones(16, 1, 1, dtype=F64),
+                  torch.zeros(1, 1, 1, 64, dtype=F64), torch.zeros(1, 1, 1, 64, dtype=F64))
+    assert calls[-1] == "ssm_recurrent"  # one token: the decode step
+    with pytest.raises(ValueError, match="unknown method"):
+        scan.ssm_scan(u, torch.zeros(1, 8, 16, 1, 1, dtype=F64), -torch.ones(16, 1, 1, dtype=F64),
+                      torch.zeros(1, 8, 1, 64, dtype=F64), torch.zeros(1, 8, 1, 64, dtype=F64), method="fast")
+
+
+# (delta's shape per head, A's shape per head): S6 (Δ per channel, A per channel and slot), Δᵀ with a full A (Δ per
+# slot), S4D (Δ = 1, A per channel and slot), a per-channel-and-slot Δ with A per head, Δᵀ with A per slot
+FACTORS = [((3, 1), (3, 5)), ((1, 5), (3, 5)), ((1, 1), (3, 5)), ((3, 5), (1, 1)), ((1, 5), (1, 5))]
+
+
+def factored_inputs(delta_shape, a_shape, length=13, seed=0):
+    u, _, B, C, state = inputs(1, 1, length=length, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    delta = torch.rand(2, length, 4, *delta_shape, generator=generator, dtype=F64)
+    A = -2.0 * torch.rand(4, *a_shape, generator=generator, dtype=F64)
+    return u, delta, A, B, C, state
+
+
+@pytest.mark.parametrize("delta_shape,a_shape", FACTORS)
+@pytest.mark.parametrize("segment", [1, 4, 64])
+def test_the_factored_recurrence_and_its_gradients_equal_the_recurrence(delta_shape, a_shape, segment):
+    """The hand-written backward (states recomputed per segment) against autograd through the definition."""
+    tensors = [t.requires_grad_() for t in factored_inputs(delta_shape, a_shape)]
+    u, delta, A, B, C, state = tensors
+    results = []
+    for y, final in (ssm_recurrent(u, delta * A, B, C, state), ssm_factored(*tensors, segment=segment)):
+        results.append((y, final, torch.autograd.grad(y.pow(2).sum() + final.pow(3).sum(), tensors)))
+    (y_ref, state_ref, grads_ref), (y, final, grads) = results
+    torch.testing.assert_close(y, y_ref, **EXACT)
+    torch.testing.assert_close(final, state_ref, **EXACT)
+    for name, got, expected in zip(("u", "delta", "A", "B", "C", "state"), grads, grads_ref):
+        torch.testing.assert_close(got, expected, **EXACT, msg=name)
+
+
+def test_the_factored_recurrence_passes_gradcheck_and_rejects_bad_shapes():
+    tensors = [t.requires_grad_() for t in factored_inputs((3, 1), (3, 5), length=6)]
+    assert torch.autograd.gradcheck(lambda *t: ssm_factored(*t, segment=4), tensors)
+    u, delta, A, B, C, state = factored_inputs((3, 1), (3, 5))
+    with pytest.raises(ValueError, match="delta must be"):
+        ssm_factored(u, delta[..., 0], A, B, C, state)
+    with pytest.raises(ValueError, match="do not broadcast"):
+        ssm_factored(u, delta, -torch.ones(4, 2, 5, dtype=F64), B, C, state)

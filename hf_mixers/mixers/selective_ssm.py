@@ -56,7 +56,8 @@ class ScanInputs(NamedTuple):
     """What the scan of one call reads (kernels/selective_scan.py's layout) and what the rest of the layer needs."""
 
     write: torch.Tensor  # (B, T, H, P): û, times Δ for Euler, zero at padding
-    log_decay: torch.Tensor  # (B, T, H, Pd, Nd): A Δ
+    delta: torch.Tensor  # (B, T, H, Pd, Nd): Δ, zero at padding; the log decay is A Δ (never materialised: for
+    A: torch.Tensor  # (H, Pa, Na)                 S6 / S4D it would be (B, T, H, P, N), see ssm_scan)
     write_keys: torch.Tensor  # (B, T, G, N), or (B, T, H, N) when Δ scales B per slot
     queries: torch.Tensor  # (B, T, H, N): C
     u_hat: torch.Tensor  # (B, T, H, P): the conv output (the D skip reads it)
@@ -220,25 +221,24 @@ class SelectiveSSMMixer(RecurrentMixer):
             else token_mask[:, -length:].to(cd)  # (B, T)
         # Δ, shaped to broadcast against the state (H, P, N): per channel (P, 1), head (1, 1), slot (1, N)
         if self.variant == "s4d":
-            delta = keep[:, :, None, None, None]
+            delta = keep[:, :, None, None, None].expand(batch, length, heads, 1, 1)
         else:
             source = hidden_states if self.variant == "mamba2" or self.conv_mode != "shared" else u
             delta = self._delta(source, cd) * keep[..., None]  # padded steps: Δ = 0, no decay
             delta = delta.view(batch, length, heads, *{"s6": (width, 1), "mamba2": (1, 1),
                                                         "delta_t": (1, size)}[self.variant])
         A = -torch.exp(self.A_log.to(cd))  # (H, Pa, Na)
-        log_decay = A * delta  # (B, T, H, Pd, Nd)
         masked = u_hat * keep[..., None, None]  # padded tokens write nothing
         write, write_keys = masked, keys
         scaling = self.config.selective_ssm_input_scaling
         if scaling != "none":
-            factor = delta if scaling == "euler" else _zoh(A, delta, log_decay)  # (B, T, H, Pd or 1, Nd or 1)
+            factor = delta if scaling == "euler" else _zoh(A, delta)  # (B, T, H, Pd or 1, Nd or 1)
             if factor.shape[-1] == 1:
                 write = write * factor[..., 0]
             else:  # a per-slot scale: on B (groups expanded to heads first)
                 write_keys = keys.repeat_interleave(heads // groups, dim=2) * factor[..., 0, :]
-        ssd = log_decay.shape[3:] == (1, 1) and scaling == "euler"  # Mamba-2's form: mamba_ssm's SSD on CUDA
-        return ScanInputs(write, log_decay, write_keys, queries, u_hat, history, projected,
+        ssd = A.shape[1:] == delta.shape[3:] == (1, 1) and scaling == "euler"  # Mamba-2: mamba_ssm's SSD on CUDA
+        return ScanInputs(write, delta, A, write_keys, queries, u_hat, history, projected,
                           (masked, delta[..., 0, 0], A[:, 0, 0], keys) if ssd else None)
 
     def scan(self, inputs: "ScanInputs", state=None):
@@ -247,7 +247,8 @@ class SelectiveSSMMixer(RecurrentMixer):
         if length > 1 and inputs.ssd is not None:
             x, delta, A, keys = inputs.ssd
             return ssd_scan(x, delta, A, keys, inputs.queries, chunk, initial_states=state, return_final_states=True)
-        return ssm_scan(inputs.write, inputs.log_decay, inputs.write_keys, inputs.queries, state, chunk_size=chunk)
+        return ssm_scan(inputs.write, inputs.delta, inputs.A, inputs.write_keys, inputs.queries, state,
+                        chunk_size=chunk)
 
     def finish(self, y, u_hat, hidden_states):
         """The D skip, the silu(z) gate and the per-head RMSNorm: (B, T, H, P) -> (B, T, H, P)."""
@@ -289,15 +290,15 @@ class SelectiveSSMMixer(RecurrentMixer):
             return x.unflatten(2, (groups, per_group)).transpose(1, 2)
 
         write_keys = inputs.write_keys
-        extras = (by_group(inputs.write), by_group(inputs.log_decay),
+        extras = (by_group(inputs.write), by_group(inputs.delta),
                   write_keys.transpose(1, 2) if write_keys.shape[2] == groups else by_group(write_keys))
 
         def memory(query, key, value, leaving, extras, memory_state):
             keep = leaving.to(cd)[:, None, :, None]  # the delayed token's write happens only if it is real
-            write, log_decay, keys_w = (extras[0] * keep[..., None], extras[1] * keep[..., None, None], extras[2])
-            write, log_decay = write.transpose(1, 2).flatten(2, 3), log_decay.transpose(1, 2).flatten(2, 3)
+            write, delta, keys_w = (extras[0] * keep[..., None], extras[1] * keep[..., None, None], extras[2])
+            write, delta = write.transpose(1, 2).flatten(2, 3), delta.transpose(1, 2).flatten(2, 3)
             keys_w = keys_w.transpose(1, 2) if keys_w.dim() == 4 else keys_w.transpose(1, 2).flatten(2, 3)
-            y, memory_state = ssm_scan(write, log_decay, keys_w, inputs.queries, memory_state,
+            y, memory_state = ssm_scan(write, delta, inputs.A, keys_w, inputs.queries, memory_state,
                                        chunk_size=self.config.selective_ssm_chunk_size)
             y = self.finish(y, inputs.u_hat, hidden_states)  # (B, T, H, P)
             return by_group(y).permute(0, 1, 3, 2, 4), None, memory_state  # (B, G, g, T, P)
@@ -317,10 +318,11 @@ class SelectiveSSMMixer(RecurrentMixer):
         return keys, queries
 
 
-def _zoh(A, delta, log_decay):
-    """Zero-order hold's write scale (e^{AΔ} - 1) / A, Δ where A = 0 (its limit)."""
+def _zoh(A, delta):
+    """Zero-order hold's write scale (e^{AΔ} - 1) / A, Δ where A = 0 (its limit); A Δ varies along the channels or the
+    slots, not both (_validate), so this stays small."""
     safe = torch.where(A == 0, torch.ones_like(A), A)
-    return torch.where(A == 0, delta, torch.expm1(log_decay) / safe)
+    return torch.where(A == 0, delta, torch.expm1(A * delta) / safe)
 
 
 class SelectiveSSMCacheLayer(RecurrentStateLayer):
