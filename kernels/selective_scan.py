@@ -237,13 +237,13 @@ def ssm_scan(u, delta, A, B, C, state=None, method: str = "auto", chunk_size: in
     """The scan for log_decay = delta * A (delta (B, T, H, Pd, Nd), A (H, Pa, Na)), by ``method``: "chunked",
     "recurrent" (the definition), "factored" (the recurrence with a recomputing backward, no (T, H, P, N) tensor), or
     "auto": the recurrence for one token; ``ssm_factored`` for a decay per channel and slot (S6, S4D, Δᵀ with a full
-    A) once the state of one step is large (B H P N >= 2^16), where the work is T H P N whatever the form and the
+    A) once the state of one step is large (B H P N >= 2^14), where the work is T H P N whatever the form and the
     memory is what matters (docs/benchmarks.md); else the chunked form (18x the recurrence at the paper's
     per-channel 32 x 8 state, 11-14x for Mamba-2)."""
     if method == "auto":
         batch, length, heads, width = u.shape
         decay = torch.broadcast_shapes(delta.shape[3:], A.shape[1:])
-        large = batch * heads * width * B.shape[-1] >= 2 ** 16
+        large = batch * heads * width * B.shape[-1] >= 2 ** 14
         method = "recurrent" if length == 1 else "factored" if min(decay) > 1 and large else "chunked"
     if method == "factored":
         return ssm_factored(u, delta, A, B, C, state, segment=chunk_size)
