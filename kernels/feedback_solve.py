@@ -17,6 +17,12 @@ Three implementations of one function:
 - ``feedback_solve_chunked``: query chunks of size C against all earlier keys, an intra-chunk C x C solve, and a
   hand-written backward that recomputes the softmax chunk by chunk: O(T*C + T*D) memory, never a T x T matrix.
 
+GLTM restricts row t of B to a sparse support P(t) (kernels/token_patterns.py). The dense reference and the
+recurrence take it as a boolean ``support`` mask; ``feedback_solve_sparse`` takes it as an index table (B, T, K) and
+does block forward substitution with work proportional to the nonzeros: the softmax over the K gathered keys, the
+entries in earlier chunks gathered, the entries inside the chunk scattered into the same C x C unit-triangular
+solve (``solve_block`` / ``adjoint_block``, shared with the chunked dense solve above).
+
 All accumulate in fp32 (fp64 stays fp64) and return s in that compute dtype: callers cast the layer output
 to the activation dtype but keep (and cache) the fp32 s, so a decode step sees exactly the values a full
 forward would have used.
@@ -30,9 +36,10 @@ from .common import compute_dtype
 
 
 def strict_past_softmax(
-    logits: torch.Tensor, row_offset: int, key_mask: torch.Tensor | None
+    logits: torch.Tensor, row_offset: int, key_mask: torch.Tensor | None, support: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Softmax of ``logits`` (B, R, N) for absolute rows ``row_offset..row_offset+R-1`` over keys ``j < row``.
+    """Softmax of ``logits`` (B, R, N) for absolute rows ``row_offset..row_offset+R-1`` over keys ``j < row``
+    (and, with ``support`` (B, R, N) bool, only where it is True).
 
     Masked entries (the diagonal, the future, padded keys) are exactly 0; rows with no admissible key are all 0.
     """
@@ -41,6 +48,8 @@ def strict_past_softmax(
     allowed = torch.arange(n_keys, device=logits.device)[None, :] < row_pos[:, None]  # (R, N)
     if key_mask is not None:
         allowed = allowed & key_mask[:, None, :n_keys]  # (B, R, N)
+    if support is not None:
+        allowed = allowed & support
     logits = logits.masked_fill(~allowed, float("-inf"))
     logits = logits.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # empty rows: avoid NaN, zeroed below
     return torch.softmax(logits, dim=-1).masked_fill(~allowed, 0.0)
@@ -65,27 +74,38 @@ def _check_shapes(f, q, k, gain, key_mask, past_k, past_s):
     return past
 
 
-def feedback_weights(q, keys, gain, row_offset, key_mask, scale):
+def feedback_weights(q, keys, gain, row_offset, key_mask, scale, support=None):
     """Rows of B = gain * alpha for queries ``q`` (B, R, d) at absolute rows ``row_offset..`` over ``keys`` (B, N, d)."""
     logits = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    return gain[..., None] * strict_past_softmax(logits, row_offset, key_mask)
+    return gain[..., None] * strict_past_softmax(logits, row_offset, key_mask, support)
 
 
-def feedback_solve_dense(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None):
-    """Reference: the official algorithm (dense masked softmax, unit-lower ``solve_triangular``), cache-aware."""
+def solve_block(weights, rhs):
+    """(I - W) s = rhs for a strictly lower-triangular block W (B, C, C): forward substitution as one LAPACK call.
+    unitriangular=True: the diagonal of -W is taken as 1 and never read."""
+    return torch.linalg.solve_triangular(-weights, rhs, upper=False, left=True, unitriangular=True)
+
+
+def adjoint_block(weights, rhs):
+    """(I - W)^T lam = rhs: the same block's adjoint (a backward substitution), for the backward passes."""
+    return torch.linalg.solve_triangular(-weights.transpose(-1, -2), rhs, upper=True, left=True, unitriangular=True)
+
+
+def feedback_solve_dense(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None, support=None):
+    """Reference: the official algorithm (dense masked softmax, unit-lower ``solve_triangular``), cache-aware.
+    ``support`` (B, T, P+T) bool restricts each row's keys further (GLTM's patterns)."""
     past = _check_shapes(f, q, k, gain, key_mask, past_k, past_s)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     cd = compute_dtype(f.dtype)
     keys = k if past_k is None else torch.cat([past_k, k], dim=1)
-    weights = feedback_weights(q.to(cd), keys.to(cd), gain.to(cd), past, key_mask, scale)  # (B, T, P+T)
+    weights = feedback_weights(q.to(cd), keys.to(cd), gain.to(cd), past, key_mask, scale, support)  # (B, T, P+T)
     rhs = f.to(cd)
     if past:
         rhs = rhs + torch.matmul(weights[..., :past], past_s.to(cd))  # B_{n,<} s_<
-    # unitriangular=True: the diagonal of -B_nn is taken as 1 and never read, so this solves (I - B_nn) s = rhs.
-    return torch.linalg.solve_triangular(-weights[..., past:], rhs, upper=False, left=True, unitriangular=True)
+    return solve_block(weights[..., past:], rhs)
 
 
-def feedback_solve_recurrent(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None):
+def feedback_solve_recurrent(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None, support=None):
     """Oracle: s_t = f_t + gain_t * sum_{j<t} alpha[t, j] s_j, one token at a time."""
     past = _check_shapes(f, q, k, gain, key_mask, past_k, past_s)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -94,7 +114,8 @@ def feedback_solve_recurrent(f, q, k, gain, key_mask=None, past_k=None, past_s=N
     outputs = [] if past_s is None else list(past_s.to(cd).unbind(1))
     for t in range(f.shape[1]):
         row = feedback_weights(q[:, t : t + 1].to(cd), keys[:, : past + t], gain[:, t : t + 1].to(cd),
-                               past + t, None if key_mask is None else key_mask[:, : past + t], scale)
+                               past + t, None if key_mask is None else key_mask[:, : past + t], scale,
+                               None if support is None else support[:, t : t + 1, : past + t])
         s_t = f[:, t].to(cd)
         if past + t:
             s_t = s_t + torch.matmul(row, torch.stack(outputs, dim=1))[:, 0]
@@ -128,8 +149,7 @@ class _ChunkedFeedbackSolve(torch.autograd.Function):
             rhs = f[:, c0:c1].to(cd)
             if r0:  # f + B_old s_old, the add fused into the GEMM
                 rhs = torch.baddbmm(rhs, weights[..., :r0], s_all[:, :r0])
-            s_all[:, r0:r1] = torch.linalg.solve_triangular(
-                -weights[..., r0:r1], rhs, upper=False, left=True, unitriangular=True)
+            s_all[:, r0:r1] = solve_block(weights[..., r0:r1], rhs)
         ctx.save_for_backward(q_cd, keys, gain_cd, key_mask, s_all)
         ctx.meta = (past, scale, chunk_size, f.dtype, q.dtype, k.dtype, gain.dtype,
                     None if past_k is None else (past_k.dtype, past_s.dtype))
@@ -153,8 +173,7 @@ class _ChunkedFeedbackSolve(torch.autograd.Function):
             alpha = strict_past_softmax(torch.matmul(q_c, keys[:, :r1].transpose(-1, -2)) * scale, r0, key_mask)
             weights = gain_c[..., None] * alpha  # (B, C, r1)
             # (I - B_cc)^T lam = g_c + contributions of later rows; an upper unit-triangular solve.
-            lam = torch.linalg.solve_triangular(
-                -weights[..., r0:r1].transpose(-1, -2), adjoint[:, r0:r1], upper=True, left=True, unitriangular=True)
+            lam = adjoint_block(weights[..., r0:r1], adjoint[:, r0:r1])
             adjoint[:, r0:r1] = lam  # the rows of this chunk now hold df
             if r0:
                 adjoint[:, :r0].baddbmm_(weights[..., :r0].transpose(-1, -2), lam)
@@ -179,6 +198,105 @@ def feedback_solve_chunked(f, q, k, gain, key_mask=None, past_k=None, past_s=Non
         raise ValueError(f"feedback_solve: chunk_size must be >= 1, got {chunk_size}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _ChunkedFeedbackSolve.apply(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size)
+
+
+def gathered_softmax(q, keys, support, scale):
+    """Softmax of <q_t, keys_j> * scale over the keys a table names: q (B, T, d), keys (B, N, d), support (B, T, K)
+    indices into keys, -1 for none -> weights (B, T, K), 0 at -1 and all 0 on a row with no key. Memory (B, T, K, d):
+    what GLTM's sparse patterns cost instead of a T x N score matrix."""
+    valid = support >= 0
+    index = support.clamp(min=0)
+    gathered = keys.gather(1, index.flatten(1)[..., None].expand(-1, -1, keys.shape[-1])).view(*index.shape, -1)
+    logits = torch.einsum("btd,btkd->btk", q, gathered) * scale
+    logits = logits.masked_fill(~valid, float("-inf")).masked_fill(~valid.any(-1, keepdim=True), 0.0)
+    return torch.softmax(logits, dim=-1).masked_fill(~valid, 0.0)
+
+
+def _gather_rows(x, index):
+    """x (B, N, D) at index (B, C, K) -> (B, C, K, D)."""
+    return x.gather(1, index.flatten(1)[..., None].expand(-1, -1, x.shape[-1])).view(*index.shape, x.shape[-1])
+
+
+class _SparseFeedbackSolve(torch.autograd.Function):
+    """(I - B) s = f with row t of B given as weights (B, T, K) on rows support (B, T, K) of [past, new] (-1: none),
+    by chunks of C rows: entries in earlier chunks gathered into the right-hand side, entries inside the chunk
+    scattered into a C x C block for ``solve_block``. Work O(T K D + T C D), memory O(T K + (P + T) D).
+
+    Backward, with lam = (I - B)^-T g by chunks in reverse (``adjoint_block``, entries of later chunks scattered back
+    onto the rows they read): df = lam, dweights[t, k] = lam_t . s_{support[t, k]}, dpast_s = the adjoint's past rows.
+    """
+
+    @staticmethod
+    def forward(ctx, f, weights, support, past_s, chunk_size):
+        batch, length, width = f.shape
+        past = 0 if past_s is None else past_s.shape[1]
+        s_all = f.new_zeros(batch, past + length, width)  # zeros: rows not solved yet are gathered with weight 0
+        if past:
+            s_all[:, :past] = past_s
+        for c0 in range(0, length, chunk_size):
+            c1 = min(c0 + chunk_size, length)
+            earlier, inside, index, local = _split_chunk(weights, support, past + c0, past + c1, c0, c1)
+            rhs = f[:, c0:c1] + torch.einsum("bck,bckd->bcd", earlier, _gather_rows(s_all, index))
+            s_all[:, past + c0:past + c1] = solve_block(_block(inside, local, c1 - c0), rhs)
+        ctx.save_for_backward(weights, support, s_all)
+        ctx.meta = (past, chunk_size)
+        return s_all[:, past:].clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_s):
+        weights, support, s_all = ctx.saved_tensors
+        past, chunk_size = ctx.meta
+        length = weights.shape[1]
+        adjoint = torch.zeros_like(s_all)
+        adjoint[:, past:] = grad_s
+        d_weights = torch.zeros_like(weights)
+        for c0 in reversed(range(0, length, chunk_size)):
+            c1 = min(c0 + chunk_size, length)
+            earlier, inside, index, local = _split_chunk(weights, support, past + c0, past + c1, c0, c1)
+            lam = adjoint_block(_block(inside, local, c1 - c0), adjoint[:, past + c0:past + c1])
+            adjoint[:, past + c0:past + c1] = lam
+            contribution = earlier[..., None] * lam[:, :, None, :]  # (B, C, K, D) onto the earlier rows it read
+            adjoint.scatter_add_(1, index.flatten(1)[..., None].expand(-1, -1, lam.shape[-1]),
+                                 contribution.flatten(1, 2))
+            read = torch.einsum("bcd,bckd->bck", lam, _gather_rows(s_all, index))  # lam_t . s_j
+            d_weights[:, c0:c1] = read * (support[:, c0:c1] >= 0)
+        return adjoint[:, past:], d_weights, None, (adjoint[:, :past] if past else None), None
+
+
+def _split_chunk(weights, support, r0, r1, c0, c1):
+    """A chunk's entries: weights on rows before the chunk, weights inside it, the (clamped) row indices, and the
+    in-chunk column of each entry."""
+    rows, w = support[:, c0:c1], weights[:, c0:c1]
+    earlier = w * ((rows >= 0) & (rows < r0))
+    inside = w * (rows >= r0)
+    return earlier, inside, rows.clamp(min=0), (rows - r0).clamp(min=0)
+
+
+def _block(inside, local, size):
+    """The chunk's strictly lower-triangular block (B, C, C) from its in-chunk entries."""
+    return inside.new_zeros(*inside.shape[:2], size).scatter_add_(2, local, inside)
+
+
+def feedback_solve_sparse(f, q, k, gain, support, past_k=None, past_s=None, scale=None, chunk_size=64):
+    """(I - B) s = f with B[t, j] = gain_t * softmax_{j in support[t]}(scale <q_t, k_j>): f (B, T, D), q / k (B, T, d),
+    gain (B, T), support (B, T, K) indices into the P + T rows [past, new] (each < P + t: strictly past; -1: none).
+    Equal to ``feedback_solve_dense`` with the same support as a mask; never forms a T x T tensor."""
+    batch, length, _ = f.shape
+    if support.dim() != 3 or support.shape[:2] != (batch, length):
+        raise ValueError(f"feedback_solve_sparse: support must be (batch, length, K) = ({batch}, {length}, K), got "
+                         f"{tuple(support.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"feedback_solve: chunk_size must be >= 1, got {chunk_size}")
+    past = _check_shapes(f, q, k, gain, None, past_k, past_s)
+    if bool((support >= past + torch.arange(length, device=support.device)[:, None]).any()):
+        raise ValueError("feedback_solve_sparse: a support entry is not strictly in the past of its row")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    cd = compute_dtype(f.dtype)
+    keys = (k if past_k is None else torch.cat([past_k, k], dim=1)).to(cd)
+    weights = gain.to(cd)[..., None] * gathered_softmax(q.to(cd), keys, support, scale)
+    return _SparseFeedbackSolve.apply(f.to(cd), weights, support, None if past_s is None else past_s.to(cd),
+                                      chunk_size)
 
 
 def _feedback_solve_triton(*args, **kwargs):

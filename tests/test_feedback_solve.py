@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hf_mixers.kernels.feedback_solve import (feedback_solve, feedback_solve_chunked, feedback_solve_dense,
-                                              feedback_solve_recurrent, feedback_weights)
+                                              feedback_solve_recurrent, feedback_solve_sparse, feedback_weights)
+from hf_mixers.kernels.token_patterns import support_table
 
 F64 = torch.float64
 
@@ -174,3 +175,55 @@ def test_long_sequence_fp32_chunked_matches_dense_and_stays_finite():
     torch.testing.assert_close(chunked, dense, rtol=1e-4, atol=1e-4)
     chunked.pow(2).mean().backward()
     assert all(torch.isfinite(inputs[n].grad).all() for n in ("f", "q", "k", "gain"))
+
+
+# GLTM's sparse supports: the index-table solve against the dense reference with the same support as a mask
+def sparse_support(pattern, batch, past, length, window=3):
+    """Rows past..past+T-1 (1-based positions past+1..) of a pattern as indices (-1: none) and as a dense mask."""
+    table = support_table(pattern, past + length, window)[past:] - 1  # (T, K) 0-based, -1 for none
+    index = table.expand(batch, -1, -1).contiguous()
+    mask = (index[..., None] == torch.arange(past + length)).any(-2)  # (B, T, P + T)
+    return index, mask
+
+
+SPARSE = ["ssm", "banded", "pow2", "pow2_ce", "quad", "quad_ce", "dense"]
+
+
+@pytest.mark.parametrize("pattern", SPARSE)
+@pytest.mark.parametrize("past", [0, 6])
+@pytest.mark.parametrize("chunk_size", [1, 4, 64])
+def test_the_sparse_solve_equals_the_dense_reference_values_and_gradients(pattern, past, chunk_size):
+    inputs = make_inputs(past=past, padded=False, length=23)
+    index, mask = sparse_support(pattern, 2, past, 23)
+    leaves = [t for t in (inputs["f"], inputs["q"], inputs["k"], inputs["gain"], inputs["past_k"], inputs["past_s"])
+              if t is not None]
+    results = []
+    for solve in (lambda: feedback_solve_dense(*(inputs[n] for n in ("f", "q", "k", "gain")), past_k=inputs["past_k"],
+                                               past_s=inputs["past_s"], support=mask),
+                  lambda: feedback_solve_sparse(*(inputs[n] for n in ("f", "q", "k", "gain")), index,
+                                                past_k=inputs["past_k"], past_s=inputs["past_s"],
+                                                chunk_size=chunk_size)):
+        s = solve()
+        results.append((s, torch.autograd.grad((s * torch.linspace(-1, 1, s.numel(), dtype=F64).view_as(s)).sum()
+                                               + s.pow(2).sum(), leaves)))
+    (dense, dense_grads), (sparse, sparse_grads) = results
+    torch.testing.assert_close(sparse, dense, rtol=1e-10, atol=1e-10)
+    for got, expected in zip(sparse_grads, dense_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    recurrent = feedback_solve_recurrent(*(inputs[n] for n in ("f", "q", "k", "gain")), past_k=inputs["past_k"],
+                                         past_s=inputs["past_s"], support=mask)
+    torch.testing.assert_close(recurrent, dense, rtol=1e-10, atol=1e-10)
+
+
+def test_the_sparse_solve_passes_gradcheck_and_refuses_a_support_that_reads_the_future():
+    inputs = make_inputs(length=9, padded=False)
+    index, _ = sparse_support("pow2_ce", 2, 0, 9)
+    assert torch.autograd.gradcheck(
+        lambda f, q, k, gain: feedback_solve_sparse(f, q, k, gain, index, chunk_size=4),
+        (inputs["f"], inputs["q"], inputs["k"], inputs["gain"]))
+    bad = index.clone()
+    bad[0, 4, 0] = 4  # row 4 reading itself
+    with pytest.raises(ValueError, match="strictly in the past"):
+        feedback_solve_sparse(inputs["f"], inputs["q"], inputs["k"], inputs["gain"], bad)
+    with pytest.raises(ValueError, match="support must be"):
+        feedback_solve_sparse(inputs["f"], inputs["q"], inputs["k"], inputs["gain"], index[0])
