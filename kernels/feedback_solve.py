@@ -205,11 +205,18 @@ def gathered_softmax(q, keys, support, scale):
     indices into keys, -1 for none -> weights (B, T, K), 0 at -1 and all 0 on a row with no key. Memory (B, T, K, d):
     what GLTM's sparse patterns cost instead of a T x N score matrix."""
     valid = support >= 0
-    index = support.clamp(min=0)
-    gathered = keys.gather(1, index.flatten(1)[..., None].expand(-1, -1, keys.shape[-1])).view(*index.shape, -1)
+    gathered = _gather_rows(keys, support.clamp(min=0))
     logits = torch.einsum("btd,btkd->btk", q, gathered) * scale
     logits = logits.masked_fill(~valid, float("-inf")).masked_fill(~valid.any(-1, keepdim=True), 0.0)
     return torch.softmax(logits, dim=-1).masked_fill(~valid, 0.0)
+
+
+def sparse_attention(q, keys, values, support, scale):
+    """Softmax attention of each query over the rows a table names: q (B, T, d), keys / values (B, N, d / dv),
+    support (B, T, K) (-1: none) -> (B, T, dv) in the compute dtype; a row with no key gives 0."""
+    cd = compute_dtype(q.dtype)
+    weights = gathered_softmax(q.to(cd), keys.to(cd), support, scale)
+    return torch.einsum("btk,btkd->btd", weights, _gather_rows(values.to(cd), support.clamp(min=0)))
 
 
 def _gather_rows(x, index):
@@ -278,10 +285,18 @@ def _block(inside, local, size):
     return inside.new_zeros(*inside.shape[:2], size).scatter_add_(2, local, inside)
 
 
-def feedback_solve_sparse(f, q, k, gain, support, past_k=None, past_s=None, scale=None, chunk_size=64):
+def feedback_solve_sparse(f, q, k, gain, support, past_k=None, past_s=None, scale=None, chunk_size=64,
+                          method="chunked"):
     """(I - B) s = f with B[t, j] = gain_t * softmax_{j in support[t]}(scale <q_t, k_j>): f (B, T, D), q / k (B, T, d),
     gain (B, T), support (B, T, K) indices into the P + T rows [past, new] (each < P + t: strictly past; -1: none).
-    Equal to ``feedback_solve_dense`` with the same support as a mask; never forms a T x T tensor."""
+    Equal to ``feedback_solve_dense`` with the same support as a mask (``method="dense"`` runs that, the
+    reference); the chunked form never forms a T x T tensor."""
+    if method == "dense":
+        rows = (0 if past_k is None else past_k.shape[1]) + f.shape[1]
+        mask = (support[..., None] == torch.arange(rows, device=support.device)).any(-2)  # (B, T, P + T)
+        return feedback_solve_dense(f, q, k, gain, past_k=past_k, past_s=past_s, scale=scale, support=mask)
+    if method != "chunked":
+        raise ValueError(f"feedback_solve_sparse: method must be 'chunked' or 'dense', got {method!r}")
     batch, length, _ = f.shape
     if support.dim() != 3 or support.shape[:2] != (batch, length):
         raise ValueError(f"feedback_solve_sparse: support must be (batch, length, K) = ({batch}, {length}, K), got "

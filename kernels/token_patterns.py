@@ -90,35 +90,44 @@ def lattice_steps(offsets: list[int]) -> list[int]:
     return steps[: len(offsets)]
 
 
-def support_table(pattern: str, length: int, window: int = 8, offsets=None) -> torch.Tensor:
-    """The B-support of positions 1..length as a table (length, K) of 1-based positions, 0 where a row has fewer
-    than K entries; each row sorted in decreasing order (newest first), no repeats. K is the largest |P(i)|."""
+def support_rows(pattern: str, positions: torch.Tensor, window: int = 8, offsets=None) -> torch.Tensor:
+    """The B-support of each 1-based position in ``positions`` (any shape; 0 = padding, no support) as rows (..., K)
+    of 1-based positions, 0 where a row has fewer than K entries; each row sorted in decreasing order (newest
+    first), no repeats. K is the largest |P(i)| up to the largest position."""
     if pattern not in PATTERNS:
         raise ValueError(f"unknown pattern {pattern!r}; choose one of {', '.join(PATTERNS)}")
-    if length < 1 or window < 1:
-        raise ValueError(f"support_table: length and window must be >= 1, got {length} and {window}")
-    i = torch.arange(1, length + 1)[:, None]  # (T, 1)
+    if window < 1:
+        raise ValueError(f"pattern support: window must be >= 1, got {window}")
+    last = int(positions.max()) if positions.numel() else 0
+    i = positions[..., None]  # (..., 1)
+    device = positions.device
     if pattern in ("attention", "local"):
-        return torch.zeros(length, 0, dtype=torch.long)
+        return positions.new_zeros(*positions.shape, 0)
     if pattern in ("ssm", "banded", "dense"):
-        reach = {"ssm": 1, "banded": window, "dense": max(length - 1, 1)}[pattern]
-        table = i - torch.arange(1, reach + 1)[None, :]
+        reach = {"ssm": 1, "banded": window, "dense": max(last - 1, 1)}[pattern]
+        table = i - torch.arange(1, reach + 1, device=device)
     else:
-        f = offset_function(pattern, offsets)
-        values = offsets_below(f, length)
+        values = offsets_below(offset_function(pattern, offsets), max(last, 1))
         if not values:
-            return torch.zeros(length, 0, dtype=torch.long)
-        distance = torch.tensor(values)[None, :]
-        table = i - distance
+            return positions.new_zeros(*positions.shape, 0)
+        table = i - torch.tensor(values, device=device)
         if pattern.endswith("_ce"):
-            steps = torch.tensor(lattice_steps(values))[None, :]
+            steps = torch.tensor(lattice_steps(values), device=device)
             table = torch.where(table > 0, steps * torch.div(table + steps - 1, steps, rounding_mode="floor"), table)
     table = table.clamp(min=0)
     if pattern.endswith("_ce"):  # quad_ce: several scales can land on one position, which counts once
-        table = table.sort(dim=1, descending=True).values
-        repeated = torch.cat([torch.zeros_like(table[:, :1], dtype=torch.bool), table[:, 1:] == table[:, :-1]], 1)
-        table = table.masked_fill(repeated, 0).sort(dim=1, descending=True).values
+        table = table.sort(dim=-1, descending=True).values
+        repeated = torch.cat([torch.zeros_like(table[..., :1], dtype=torch.bool),
+                              table[..., 1:] == table[..., :-1]], -1)
+        table = table.masked_fill(repeated, 0).sort(dim=-1, descending=True).values
     return table
+
+
+def support_table(pattern: str, length: int, window: int = 8, offsets=None) -> torch.Tensor:
+    """``support_rows`` of the positions 1..length: (length, K)."""
+    if length < 1:
+        raise ValueError(f"support_table: length must be >= 1, got {length}")
+    return support_rows(pattern, torch.arange(1, length + 1), window, offsets)
 
 
 def a_support_size(pattern: str, length: int, window: int = 8) -> int | None:

@@ -4,8 +4,9 @@ A saved model folder gets its own copy of this file, naming only the mixers that
 """
 
 from .full_attention import FULL_ATTENTION, SLIDING_ATTENTION
+from .gltm import GLTM
 from .rsa import RSA
 from .selective_ssm import SELECTIVE_SSM
 from .sessa import SESSA
 
-MIXERS = (FULL_ATTENTION, SLIDING_ATTENTION, RSA, SESSA, SELECTIVE_SSM)
+MIXERS = (FULL_ATTENTION, SLIDING_ATTENTION, RSA, SESSA, SELECTIVE_SSM, GLTM)

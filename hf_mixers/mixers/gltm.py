@@ -1,0 +1,395 @@
+"""GLTM: generalized linear token mixing over a structured sparse pattern (docs/mixers/gltm.md).
+
+Fagnou, Caillon, Delattre, Allauzen, "Trading Complexity for Expressivity Through Structured Generalized Linear
+Token Mixing". Per head, for the token at 1-based sequence position i (kernels/token_patterns.py names the supports):
+
+    Ã_i = softmax_{j in N(i)} <qA_i, kA_j> / sqrt(d)      the teacher's attention, restricted to the A-support
+    B̃_i = softmax_{j in P(i)} <qB_i, kB_j> / sqrt(d)      a second attention, over strictly past outputs
+    g_i in [0, 1] per token and head (0 where P(i) is empty: the first token, padding)
+    y_i = (1 - g_i) sum_j Ã_ij v_j + g_i sum_j B̃_ij y_j,   i.e.   Y = (I - B)^-1 A V,  A = (1 - g) Ã,  B = g B̃
+
+(A + B) 1 = 1 with nonnegative entries, so (I - B)^-1 A is row-stochastic: every output is a convex combination of
+values. The solve is kernels/feedback_solve.py, shared with Sessa: its chunked dense solve for ``dense``, the
+block forward substitution over an index table for the sparse patterns (work proportional to the nonzeros).
+
+Gates (spec §4.1): "mamba2" g = exp(-softplus(dt_proj(x)) exp(A_log)), "sigmoid" g = sigmoid(gate_proj(x)), "fixed"
+g = gltm_gate_value. RoPE on both branches, at the per-sequence positions (padding never shifts a lattice).
+
+Cache per layer: for each kept position its kA, v, kB, y (fp32) and the position. ``attention``, ``dense`` and the
+translation-invariant patterns keep every position; ``local``, ``banded``, ``ssm`` the last w (1 for ssm); the
+cache-efficient patterns exactly the positions the next token reads (ceil(log2 t) for pow2_ce).
+
+Conversion (spec §6.1): the A-branch is the teacher attention verbatim, the B-branch mirrors q/k; the gate starts
+at the value of {off, 0.1, ..., 0.9} whose layer output is closest to the teacher's on calibration activations
+("off" is g = 1e-6: with ``dense`` the layer then is its teacher to ~1e-6).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, eager_attention_forward
+
+from ..core.attention import FullAttention
+from ..core.cache import KVPlusLayer
+from ..core.registry import MixerOption, MixerSpec, number, one_of, positive_int, register_mixer
+from ..kernels.common import compute_dtype
+from ..kernels.feedback_solve import feedback_solve, feedback_solve_sparse, sparse_attention
+from ..kernels.token_patterns import PATTERNS, RECURRENT, offset_function, offsets_below, support_rows
+
+GATES = ("mamba2", "sigmoid", "fixed")
+GATE_OFF = 1e-6  # the "off" gate of conversion: finite, so the optimiser can still open it
+CALIBRATION_GATES = (GATE_OFF, 0.1, 0.3, 0.5, 0.7, 0.9)
+EVICTING = ("local", "banded", "ssm", "pow2_ce", "quad_ce", "custom_ce")  # caches that drop old positions
+FULL_A = ("attention", "dense")  # the A-branch is causal attention over every past token
+
+
+class GLTMMixer(FullAttention):
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.pattern, self.window = config.gltm_pattern, config.gltm_bandwidth
+        self.offsets = offset_function(self.pattern, config.gltm_offsets)
+        self.gate_kind = config.gltm_gate
+        self.recurrent = self.pattern in RECURRENT
+        hidden, heads, kv_heads, head_dim = config.hidden_size, self.num_heads, self.num_key_value_heads, self.head_dim
+        if self.pattern == "ssm":  # A = diag, B = one entry per row: both softmaxes are 1, no queries or keys
+            for name in ("q_proj", "k_proj", "q_norm", "k_norm"):
+                if hasattr(self, name):
+                    delattr(self, name)
+        elif self.recurrent:  # the B-branch: its own queries and keys from the layer input (spec X7)
+            self.qb_proj = nn.Linear(hidden, heads * head_dim, bias=config.attention_bias)
+            self.kb_proj = nn.Linear(hidden, kv_heads * head_dim, bias=config.attention_bias)
+            if config.qk_norm:
+                self.qb_norm = LlamaRMSNorm(head_dim, eps=config.rms_norm_eps)
+                self.kb_norm = LlamaRMSNorm(head_dim, eps=config.rms_norm_eps)
+        if self.recurrent:
+            if self.gate_kind == "mamba2":
+                self.dt_proj = nn.Linear(hidden, heads)  # its bias is dt_bias
+                self.A_log = nn.Parameter(torch.zeros(heads))
+            elif self.gate_kind == "sigmoid":
+                self.gate_proj = nn.Linear(hidden, heads)
+
+    def reset_parameters(self):
+        """Mamba-2's gate init (spec §4.1): A_log = log U[1, 16], Δ = exp(U[log 1e-3, log 1e-1]) through the bias;
+        the sigmoid gate starts at g = 0.5."""
+        if not self.recurrent:
+            return
+        heads = self.num_heads
+        if self.gate_kind == "mamba2":
+            generator = torch.Generator().manual_seed(self.layer_idx)
+            init.copy_(self.A_log, torch.log(1.0 + 15.0 * torch.rand(heads, generator=generator)))
+            delta = torch.exp(torch.rand(heads, generator=generator) * math.log(100.0) + math.log(1e-3))
+            init.copy_(self.dt_proj.bias, delta.clamp(min=1e-4) + torch.log(-torch.expm1(-delta.clamp(min=1e-4))))
+        elif self.gate_kind == "sigmoid":
+            init.zeros_(self.gate_proj.weight)
+            init.zeros_(self.gate_proj.bias)
+
+    def init_new_parameters(self):
+        """Conversion: the gate starts "off" (set_gate), the B-branch mirrors the teacher's q/k (teacher_state)."""
+        self.reset_parameters()
+        if self.recurrent:
+            self.set_gate(GATE_OFF)
+
+    @torch.no_grad()
+    def set_gate(self, value: float):
+        """An input-independent gate g = ``value`` (0 < value < 1): zero input weights, the bias solved for it."""
+        if self.gate_kind == "mamba2":  # exp(-softplus(b) e^0) = value  ->  softplus(b) = -log(value)
+            self.dt_proj.weight.zero_()
+            self.A_log.zero_()
+            rate = -math.log(value)
+            self.dt_proj.bias.fill_(rate + math.log(-math.expm1(-rate)))
+        elif self.gate_kind == "sigmoid":
+            self.gate_proj.weight.zero_()
+            self.gate_proj.bias.fill_(math.log(value / (1.0 - value)))
+
+    @classmethod
+    def teacher_state(cls, attention, config) -> dict:
+        """The teacher's tensors, and the B-branch's mirror copies of q_proj / k_proj (and their norms)."""
+        state = dict(attention.state_dict())
+        if config.gltm_pattern == "ssm":  # no queries or keys (diagonal A, one past output per row)
+            return {key: value for key, value in state.items() if key.split(".")[0] in ("v_proj", "o_proj")}
+        if config.gltm_pattern in RECURRENT:
+            for source, target in (("q_proj", "qb_proj"), ("k_proj", "kb_proj"), ("q_norm", "qb_norm"),
+                                   ("k_norm", "kb_norm")):
+                state.update({key.replace(source, target, 1): value.clone() for key, value in list(state.items())
+                              if key.split(".")[0] == source})
+        return state
+
+    @classmethod
+    def from_attention(cls, attention, config, layer_idx: int, calibration_hidden_states=None,
+                       calibration_position_embeddings=None, **unused):
+        """The teacher's projections copied, the B-branch mirrored; with calibration activations and a learnable
+        gate, the gate starts at the calibration value whose output is closest to the teacher's (spec §6.1)."""
+        mixer = super().from_attention(attention, config, layer_idx)
+        if calibration_hidden_states is not None and mixer.recurrent and mixer.gate_kind != "fixed":
+            mixer.calibrate_gate(attention, calibration_hidden_states, calibration_position_embeddings)
+        return mixer
+
+    @torch.no_grad()
+    def calibrate_gate(self, attention, hidden_states, position_embeddings) -> dict:
+        """Try every CALIBRATION_GATES value, keep the one with the smallest relative error against the teacher
+        attention's output on ``hidden_states``; returns {gate value: error}."""
+        teacher = FullAttention.from_attention(attention, self.config, self.layer_idx)
+        hidden_states = hidden_states.to(teacher.o_proj.weight.dtype)
+        reference = teacher(hidden_states, position_embeddings).float()
+        errors = {}
+        for value in CALIBRATION_GATES:
+            self.set_gate(value)
+            output = self(hidden_states, position_embeddings).float()
+            errors[value] = ((output - reference).norm() / reference.norm()).item()
+        self.set_gate(min(errors, key=errors.get))
+        return errors
+
+    def gate(self, hidden_states):
+        """g (B, T, H) in [0, 1], in the compute dtype."""
+        cd = compute_dtype(hidden_states.dtype)
+        if self.gate_kind == "fixed":
+            return hidden_states.new_full((*hidden_states.shape[:2], self.num_heads), self.config.gltm_gate_value,
+                                          dtype=cd)
+        if self.gate_kind == "sigmoid":
+            return torch.sigmoid(self.gate_proj(hidden_states).to(cd))
+        rate = F.softplus(self.dt_proj(hidden_states).to(cd)) * torch.exp(self.A_log.to(cd))
+        return torch.exp(-rate)
+
+    def project(self, hidden_states, position_embeddings):
+        """The A-branch's queries, keys and values; for ``ssm`` only the values (empty queries and keys)."""
+        if self.pattern != "ssm":
+            return super().project(hidden_states, position_embeddings)
+        value = self.v_proj(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim).transpose(1, 2)
+        query = value.new_zeros(*value.shape[:2], value.shape[2], 0).repeat_interleave(self.num_key_value_groups, 1)
+        return query, value[..., :0], value
+
+    def project_feedback(self, hidden_states, position_embeddings):
+        """B-branch queries (B, H, T, d) and keys (B, Hkv, T, d), with q/k norms and RoPE (empty for ``ssm``)."""
+        if self.pattern == "ssm":
+            empty = hidden_states.new_zeros(hidden_states.shape[0], self.num_heads, hidden_states.shape[1], 0)
+            return empty, empty[:, :self.num_key_value_heads]
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query, key = self.qb_proj(hidden_states).view(shape), self.kb_proj(hidden_states).view(shape)
+        if self.config.qk_norm:
+            query, key = self.qb_norm(query), self.kb_norm(key)
+        cos, sin = position_embeddings
+        return apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
+                past_key_values=None, **kwargs):
+        batch, length, _ = hidden_states.shape
+        heads, groups = self.num_heads, self.num_key_value_groups
+        cd = compute_dtype(hidden_states.dtype)
+        layer = None if past_key_values is None else past_key_values.layers[self.layer_idx]
+        seen = 0 if layer is None else layer.get_seq_length()
+        if token_mask is not None:  # 1-based positions of the real tokens, 0 at padding
+            positions = (token_mask.long().cumsum(-1) * token_mask)[:, -length:]
+        else:
+            positions = (torch.arange(length, device=hidden_states.device) + seen + 1).expand(batch, length)
+        query, key, value = self.project(hidden_states, position_embeddings)  # (B, H, T, d), (B, Hkv, T, d) x 2
+        old = None if layer is None or not layer.is_initialized else layer
+        if self.pattern in FULL_A:
+            if layer is not None:
+                key_all, value_all = past_key_values.update(key, value, self.layer_idx)
+            else:
+                key_all, value_all = key, value
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                              eager_attention_forward)
+            direct, _ = attention(self, query, key_all, value_all, attention_mask, dropout=0.0, scaling=self.scaling,
+                                  **kwargs)  # (B, T, H, d)
+            direct = direct.transpose(1, 2).to(cd)
+            index = None
+        else:  # the A-support gathered from [kept positions, new tokens]
+            key_all = key if old is None else torch.cat([old.keys, key], dim=2)
+            value_all = value if old is None else torch.cat([old.values, value], dim=2)
+            all_positions = positions if old is None else torch.cat([old.positions, positions], dim=1)
+            index = _Lookup(all_positions)
+            a_rows = index(self.a_support(positions))  # (B, T, Ka) into the M + T rows
+            direct = sparse_attention(_fold(query, 1), _fold(key_all, groups), _fold(value_all, groups),
+                                      a_rows.repeat_interleave(heads, 0), self.scaling)  # (B H, T, d)
+            direct = direct.view(batch, heads, length, -1)
+        direct = direct.to(cd)
+        if token_mask is not None:  # padded rows carry nothing (and no NaN) into anyone's solve
+            direct = direct.masked_fill(~token_mask[:, None, -length:, None], 0.0)
+        feedback_keys = outputs = None
+        if self.recurrent:
+            q_b, feedback_keys = self.project_feedback(hidden_states, position_embeddings)
+            gate = self.gate(hidden_states).transpose(1, 2) * (positions >= 2)[:, None]  # (B, H, T): 0 with no past
+            f = (1.0 - gate[..., None]) * direct
+            past_keys = None if old is None else old.feedback_keys.transpose(1, 2)  # (B, Hkv, M, d)
+            past_outputs = None if old is None else old.outputs.transpose(1, 2)  # (B, H, M, d)
+            fold_past = (lambda x, g: None if x is None else _fold(x, g))
+            if self.pattern == "dense":
+                key_mask = None if token_mask is None else token_mask.repeat_interleave(heads, 0)
+                y = feedback_solve(_fold(f, 1), _fold(q_b, 1).to(cd), _fold(feedback_keys, groups).to(cd),
+                                   gate.flatten(0, 1), key_mask=key_mask, past_k=fold_past(past_keys, groups),
+                                   past_s=fold_past(past_outputs, 1), scale=self.scaling,
+                                   method=self.config.gltm_solver, chunk_size=self.config.gltm_chunk_size)
+            else:
+                b_rows = index(support_rows(self.pattern, positions, self.window, self.offsets))  # (B, T, K)
+                y = feedback_solve_sparse(_fold(f, 1), _fold(q_b, 1).to(cd), _fold(feedback_keys, groups).to(cd),
+                                          gate.flatten(0, 1), b_rows.repeat_interleave(heads, 0),
+                                          past_k=fold_past(past_keys, groups), past_s=fold_past(past_outputs, 1),
+                                          scale=self.scaling, chunk_size=self.config.gltm_chunk_size,
+                                          method=self.config.gltm_solver)
+            outputs = y.view(batch, heads, length, -1)
+        else:
+            outputs = direct
+        if layer is not None:
+            self.update_cache(layer, key, value, feedback_keys, outputs, positions)
+        output = outputs.transpose(1, 2).flatten(2).to(hidden_states.dtype)  # (B, T, H d)
+        return self.o_proj(output)
+
+    def a_support(self, positions):
+        """1-based positions of each token's A-support (B, T, Ka), 0 for none: {i} ∪ P(i), the window for local, {i}
+        for ssm (spec X1, X9, X10)."""
+        if self.pattern == "local":
+            rows = positions[..., None] - torch.arange(self.window, device=positions.device)
+            return rows.where((rows > 0) & (positions[..., None] > 0), 0)
+        if self.pattern == "ssm":
+            return positions[..., None]
+        return torch.cat([positions[..., None], support_rows(self.pattern, positions, self.window, self.offsets)], -1)
+
+    def update_cache(self, layer, key, value, feedback_keys, outputs, positions):
+        """Append the new tokens' entries; evict what no future token reads (the patterns in EVICTING)."""
+        if self.pattern not in FULL_A:  # the attention path appended its K/V through update() already
+            layer.append_kv(key, value)
+        if self.recurrent:  # (B, heads, T, d) -> (B, T, heads, d); y kept in the compute dtype (fp32 for bf16)
+            layer.append_extras(feedback_keys.transpose(1, 2), outputs.transpose(1, 2), positions)
+        else:  # B = 0: no past output is ever read
+            empty = key.new_zeros(*positions.shape, 0)
+            layer.append_extras(empty, empty.to(outputs.dtype), positions)
+        layer.seen_tokens += positions.shape[1]
+        if self.pattern in EVICTING:
+            following = layer.positions.max(dim=1).values + 1  # (B,): the next token of each row
+            needed = self.a_support(following[:, None])[:, 0] if not self.recurrent else \
+                support_rows(self.pattern, following[:, None], self.window, self.offsets)[:, 0]  # (B, K)
+            keep = (layer.positions[..., None] == needed[:, None, :]).any(-1) & (layer.positions > 0)  # (B, M)
+            layer.keep(keep)
+
+
+def _fold(x, groups):
+    """(B, heads, T, d) -> (B H, T, d), KV heads repeated ``groups`` times to the query heads."""
+    if groups > 1:
+        x = x.repeat_interleave(groups, dim=1)
+    return x.flatten(0, 1)
+
+
+class _Lookup:
+    """1-based positions -> row indices into the [kept, new] rows of each batch row (-1 for none)."""
+
+    def __init__(self, all_positions):
+        batch = all_positions.shape[0]
+        self.table = all_positions.new_full((batch, int(all_positions.max()) + 2), -1)
+        rows = torch.arange(all_positions.shape[1], device=all_positions.device).expand(batch, -1)
+        real = all_positions > 0
+        self.table.scatter_(1, all_positions.where(real, self.table.shape[1] - 1), rows.where(real, -1))
+        self.table[:, -1] = -1  # the dump slot of padding
+
+    def __call__(self, rows):
+        """rows (B, T, K) of 1-based positions (0: none) -> (B, T, K) indices (-1: none)."""
+        found = self.table.gather(1, rows.flatten(1).clamp(max=self.table.shape[1] - 1)).view(rows.shape)
+        return found.where(rows > 0, -1)
+
+
+class GLTMCacheLayer(KVPlusLayer):
+    """For each kept position: kA, v (B, Hkv, M, d) as the K/V, kB (B, M, Hkv, d), y (B, M, H, d) fp32 and the
+    1-based position (B, M; 0 = an empty slot of a shorter row). Counts every token seen, kept or not."""
+
+    _layer_type = "gltm"
+    extra_names = ("feedback_keys", "outputs", "positions")
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen_tokens = 0
+
+    def append_kv(self, key, value):
+        if not self.is_initialized:
+            self.lazy_initialization(key, value)
+        self.keys = torch.cat([self.keys, key], dim=-2)
+        self.values = torch.cat([self.values, value], dim=-2)
+
+    def keep(self, keep):
+        """Keep the entries where ``keep`` (B, M) is True, in order; rows with fewer get empty slots in front."""
+        count = int(keep.sum(1).max())
+        order = torch.where(keep, torch.arange(keep.shape[1], device=keep.device), -1).sort(dim=1).values
+        index = order[:, -count:] if count else order[:, :0]  # (B, count), -1 where the row has fewer
+        empty = index < 0
+        index = index.clamp(min=0)
+
+        def pick(x, dim):
+            shape = [1] * x.dim()
+            shape[0], shape[dim] = index.shape
+            expanded = index.view(shape).expand(*[s if d != dim else count for d, s in enumerate(x.shape)])
+            return x.gather(dim, expanded)
+
+        self.keys, self.values = pick(self.keys, 2), pick(self.values, 2)
+        self.feedback_keys, self.outputs = pick(self.feedback_keys, 1), pick(self.outputs, 1)
+        self.positions = pick(self.positions, 1).masked_fill(empty, 0)
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen_tokens = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove and self.keys is not None and self.keys.shape[-2] != self.seen_tokens:
+            raise ValueError("GLTM cache: this pattern evicted positions, so the cache cannot drop tokens (crop)")
+        super().crop(tokens_to_remove)
+        self.seen_tokens = self.keys.shape[-2] if self.keys is not None else 0
+
+
+def _derived_defaults(config) -> dict:
+    return {}
+
+
+def _validate(config) -> str | None:
+    pattern = config.gltm_pattern
+    if pattern.startswith("custom"):
+        try:
+            offsets_below(offset_function(pattern, config.gltm_offsets), 64)
+        except ValueError as error:
+            return f"gltm_offsets: {error}"
+    elif config.gltm_offsets is not None:
+        return f"gltm_offsets is only read by the custom patterns, not {pattern!r}"
+    if config.gltm_gate == "fixed" and not 0.0 <= config.gltm_gate_value <= 1.0:
+        return f"gltm_gate_value must lie in [0, 1], got {config.gltm_gate_value}"
+    return None
+
+
+def _offsets_spec(value) -> str | None:
+    return None if value is None or isinstance(value, str) else "must be 'pow:b' or 'poly:p,c' (or None)"
+
+
+GLTM = register_mixer(MixerSpec(
+    name="gltm", mixer_class=GLTMMixer, title="GLTM",
+    summary="generalized linear token mixing: attention over a sparse pattern plus a second attention over past "
+            "outputs, solved as Y = (I - B)^-1 A V; log-size decode caches with the cache-efficient patterns",
+    paper="Trading Complexity for Expressivity Through Structured Generalized Linear Token Mixing (Fagnou, Caillon, "
+          "Delattre, Allauzen)",
+    options=(
+        MixerOption("gltm_pattern", "pow2_ce", "the sparsity pattern: " + ", ".join(PATTERNS), one_of(*PATTERNS)),
+        MixerOption("gltm_bandwidth", 8, "w of the local and banded patterns (local: w tokens including the current one; banded: w past outputs)", positive_int),
+        MixerOption("gltm_offsets", None, "the offset function of custom / custom_ce: 'pow:b' (b^k) or 'poly:p,c' "
+                    "(k^p + c); f(0) must be 1 and f strictly increasing", _offsets_spec),
+        MixerOption("gltm_gate", "mamba2", "the gate g: 'mamba2' (exp(-softplus(dt) exp(A_log))), 'sigmoid', or "
+                    "'fixed' (gltm_gate_value)", one_of(*GATES)),
+        MixerOption("gltm_gate_value", 0.5, "g of the fixed gate", number),
+        MixerOption("gltm_solver", "chunked", "'chunked' (block forward substitution) or 'dense' (the reference: "
+                    "masked T x T matrices and one triangular solve)", one_of("chunked", "dense")),
+        MixerOption("gltm_chunk_size", 64, "rows per block of the chunked solve", positive_int),
+    ),
+    derived_defaults=_derived_defaults, validate=_validate, cache_layer=GLTMCacheLayer, attention_mask="causal",
+    keep_in_fp32=("A_log",),
+    limitations=("GLTM layers read a sparse set of past positions: the translation-invariant and dense patterns "
+                 "keep a cache that grows with the context; the cache-efficient ones keep O(log T) (pow2_ce) or "
+                 "O(sqrt T) (quad_ce) positions.",),
+    sliding_note="the mixer's pattern replaces the window (identical up to that length only for dense)",
+    tiny_options={"gltm_chunk_size": 4, "gltm_bandwidth": 3},
+    tiny_variants={pattern: {"gltm_pattern": pattern} for pattern in PATTERNS if pattern not in ("pow2_ce",)
+                   and not pattern.startswith("custom")} | {
+        "custom_ce": {"gltm_pattern": "custom_ce", "gltm_offsets": "pow:3"},
+        "sigmoid": {"gltm_gate": "sigmoid"}, "fixed": {"gltm_gate": "fixed", "gltm_gate_value": 0.3}}))
