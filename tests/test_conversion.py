@@ -79,6 +79,24 @@ def test_selective_ssm_conversion_runs_on_every_family_and_variant(family, varia
     assert config.qk_norm == (family == "qwen3") and config.selective_ssm_variant == variant
 
 
+@pytest.mark.parametrize("family", TEACHER_FAMILIES)
+def test_gltm_dense_conversion_keeps_the_teacher_and_sparse_patterns_calibrate_their_gates(family, teachers):
+    ids = torch.randint(1, 300, (2, 40))
+    model, report = convert(teachers[family], "gltm", mixer_options={"gltm_pattern": "dense"}, **SMALL)
+    with torch.no_grad():  # the gate stays off (1e-6): the teacher to ~1e-6 relative
+        assert (model(ids).logits - teacher_logits(teachers[family], ids)).abs().max().item() <= 1e-4
+    assert all(layer.error < 1e-5 for layer in report.layers) and report.top1_agreement == 1.0
+    assert model.config.qk_norm == (family == "qwen3")
+    mixer = model.model.layers[0].mixer
+    torch.testing.assert_close(mixer.qb_proj.weight, mixer.q_proj.weight)  # the B-branch mirrors q / k
+    torch.testing.assert_close(mixer.kb_proj.weight, mixer.k_proj.weight)
+    for pattern in ("pow2_ce", "quad_ce", "banded"):
+        model, report = convert(teachers[family], "gltm", mixer_options={"gltm_pattern": pattern}, **SMALL)
+        assert [layer.kind for layer in report.layers] == ["gltm"] * 3
+        assert all(0 < layer.error < 1 for layer in report.layers), pattern
+        assert torch.isfinite(torch.tensor(report.student_perplexity))
+
+
 def test_rope_scaling_is_carried_over(tokenizer, tmp_path):
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -350,6 +368,12 @@ def test_cli_convert(teachers, tmp_path, capsys):
     assert report["mixer_options"]["rsa_num_levels"] == 2 and report["mixer_options"]["rsa_window"] == 16
     assert cli_main(["convert", *args]) == 2  # exists, no --overwrite
     assert "exists and is not empty" in capsys.readouterr().err
+    assert cli_main(["convert", teachers["llama"], "--mixer", "gltm", "--option", "pattern=pow2_ce", "--out",
+                     str(tmp_path / "gltm"), "--sequence-length", "48", "--calibration-sequences", "4",
+                     "--heldout-sequences", "2"]) == 0
+    report = json.loads((tmp_path / "gltm" / "conversion_report.json").read_text())
+    assert report["mixer_options"]["gltm_pattern"] == "pow2_ce"
+    capsys.readouterr()
     assert cli_main(["convert", teachers["llama"], "--mixer", "sessa", "--out", str(tmp_path / "x"),
                      "--keep-attention", "7"]) == 2
     assert "out of range" in capsys.readouterr().err

@@ -65,3 +65,18 @@ def test_rsa_with_a_local_window_is_the_teacher_within_the_window(teacher):
     assert 1e-3 < beyond < float("inf")
     # a far better start than RSA reading everything from its memory (the report measures 256-token sequences)
     assert report.student_perplexity < 1.5 * report.teacher_perplexity
+
+
+def test_gltm_dense_conversion_of_smollm2_is_the_teacher_and_loads_without_hf_mixers(teacher, tmp_path):
+    """pattern="dense" with the gate off: the A-branch is the teacher attention, the feedback weighs 1e-6."""
+    out = tmp_path / "smollm2-gltm"
+    model, report = convert(teacher, "gltm", mixer_options={"gltm_pattern": "dense"}, out=str(out), **SMALL)
+    ids = teacher.tokenizer("Shall I compare thee to a summer's day? Thou art more lovely", return_tensors="pt")
+    ids = ids.input_ids
+    with torch.no_grad():
+        expected = teacher.model(ids).logits
+        assert (model(ids).logits - expected).abs().max().item() <= 1e-4
+    assert report.top1_agreement == 1.0 and report.kl_teacher_student < 1e-6
+    remote = load_in_fresh_process(out, ids, max_new_tokens=4)
+    assert not remote["hf_mixers_imported"] and remote["class"] == "GLTMForCausalLM"
+    assert (remote["logits"] - expected).abs().max().item() <= 1e-4
