@@ -114,6 +114,18 @@ def test_bench_selective_ssm_writes_training_scan_forms_and_decoding(tmp_path):
     assert main(["bench", "selective_ssm", "--out", str(tmp_path), "--variants", "mamba"]) == 2
 
 
+def test_bench_gltm_writes_training_decoding_and_the_pow2_ce_targets(tmp_path):
+    main(["bench", "gltm", "--out", str(tmp_path), "--lengths", "32,64", "--contexts", "16,48", "--hidden-size", "32",
+          "--heads", "2", "--kv-heads", "1", "--repeats", "1", "--decode-tokens", "2", "--variants", "pow2_ce,dense"])
+    report = json.loads((tmp_path / "bench_gltm.json").read_text())
+    assert (tmp_path / "bench_gltm.png").stat().st_size > 10_000
+    assert {r["mixer"] for r in report["training"]} == {"sdpa_attention", "gltm:pow2_ce", "gltm:dense"}
+    cache = report["targets"]["cache_bytes"]
+    assert cache["pow2_ce"]["48"] < cache["dense"]["48"] and cache["attention"]["48"] > cache["attention"]["16"]
+    assert report["targets"]["pow2_ce_cache_vs_kv"] < 1 and isinstance(report["targets"]["pow2_ce_time_met"], bool)
+    assert main(["bench", "gltm", "--out", str(tmp_path), "--variants", "pow3"]) == 2
+
+
 def test_bench_distill_writes_the_ratio(tmp_path):
     from conftest import save_tiny_teacher
 

@@ -54,13 +54,15 @@ def bench_device(device, benchmark: str) -> torch.device:
 
 def build_mixer(kind: str, hidden_size: int, num_heads: int, num_kv_heads: int, device, dtype):
     """A standalone mixer module: sdpa_attention | sessa_chunked | sessa_dense | rsa_chunked | rsa_recompute |
-    selective_ssm:<variant>."""
+    selective_ssm:<variant> | gltm:<pattern>."""
     shape = dict(hidden_size=hidden_size, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                  intermediate_size=4 * hidden_size, num_hidden_layers=1, vocab_size=128)
-    if kind.startswith("selective_ssm:"):
-        config = config_class("selective_ssm")(**shape, selective_ssm_variant=kind.split(":")[1])
+    option = {"selective_ssm": "selective_ssm_variant", "gltm": "gltm_pattern"}.get(kind.split(":")[0])
+    if option is not None:  # "<mixer>:<value of its main option>"
+        name, value = kind.split(":")
+        config = config_class(name)(**shape, **{option: value})
         config._attn_implementation = "sdpa"
-        module = get_mixer("selective_ssm").mixer_class(config, 0)
+        module = get_mixer(name).mixer_class(config, 0)
         module.reset_parameters()  # no model around it to run _init_weights
         return module.to(device=device, dtype=dtype), config
     if kind.startswith("rsa"):

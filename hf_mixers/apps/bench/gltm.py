@@ -1,0 +1,131 @@
+"""``hf-mixers bench gltm``: each GLTM pattern's training cost vs SDPA attention, and decoding vs a KV-cache model.
+
+(a) Training: forward+backward time and peak memory of one GLTM layer per pattern (the chunked solve) against the
+    attention mixer on SDPA with the same width and heads, at each T (the shared harness: interleaved timing, fastest
+    of ``repeats``; CPU peak memory in a fresh process).
+(b) Decoding: small models of the same shape, one per pattern, and full attention; each context is prefilled, then
+    ``decode_tokens`` single-token steps are timed (median); with the cache's bytes.
+Written to bench_gltm.json and .png, with the project's targets for ``pow2_ce`` evaluated in the same run.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from ...common.history import save_figure
+from ...common.measures import decode_latency
+from ...kernels.token_patterns import PATTERNS
+from ...model.config import MixerConfig, config_class
+from ...model.modeling import MixerForCausalLM, model_classes
+from .harness import bench_device, format_log_axes, training_rows, write_report
+from .selective_ssm import _growth
+
+BENCH_PATTERNS = tuple(p for p in PATTERNS if not p.startswith("custom"))  # custom needs an offset function
+
+
+def bench_gltm(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4096, 16384), hidden_size=576,
+               num_heads=9, num_kv_heads=3, patterns=BENCH_PATTERNS, decode_layers=2, decode_tokens=64, repeats=3,
+               device=None) -> dict:
+    if not lengths or not contexts or min(*lengths, *contexts) < 2:
+        raise ValueError(f"bench gltm: lengths and contexts must be non-empty lists of integers >= 2, got {lengths} "
+                         f"and {contexts}")
+    unknown = sorted(set(patterns) - set(BENCH_PATTERNS))
+    if unknown or not patterns:
+        raise ValueError(f"bench gltm: patterns (--variants) must be among {BENCH_PATTERNS}, got {list(patterns)}")
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError(f"bench gltm: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
+                         f"--kv-heads ({num_kv_heads}) must divide --heads")
+    device = bench_device(device, "gltm")
+    kinds = ("sdpa_attention", *(f"gltm:{pattern}" for pattern in patterns))
+    torch.manual_seed(0)
+    training = training_rows(kinds, lengths, hidden_size, num_heads, num_kv_heads, repeats, device,
+                             "bench gltm: training")
+
+    shape = dict(vocab_size=2048, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+                 num_hidden_layers=decode_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                 max_position_embeddings=max(contexts) + 8 + decode_tokens)
+    gltm_config, (_, gltm_model) = config_class("gltm"), model_classes("gltm")
+    models = {**{pattern: gltm_model(gltm_config(**shape, gltm_pattern=pattern)) for pattern in patterns},
+              "attention": MixerForCausalLM(MixerConfig(**shape))}
+    decoding = []
+    for context in tqdm(contexts, desc="bench gltm: decoding", unit="context"):
+        for name, model in models.items():
+            latency, cache_bytes = decode_latency(model.to(device).eval(), context, decode_tokens, 2048, device)
+            decoding.append({"context": context, "model": name, "token_latency_s": latency,
+                             "cache_bytes": cache_bytes})
+
+    def pick(rows, key, value, field, name_key, name):
+        return next((r[field] for r in rows if r[key] == value and r[name_key] == name), None)
+
+    ratios = [{"T": t, **{f"{kind}_time_vs_sdpa": pick(training, "T", t, "fwd_bwd_s", "mixer", kind)
+                          / pick(training, "T", t, "fwd_bwd_s", "mixer", "sdpa_attention") for kind in kinds[1:]}}
+              for t in lengths]
+    first, last, longest = min(contexts), max(contexts), max(lengths)
+    targets = {"definitions": "pow2_ce: fwd+bwd at the longest T within 2x SDPA, peak memory linear in T (growth per "
+                              "doubling near 2), decode cache at the longest context at most 1/100 of attention's KV "
+                              "cache, decode latency flat (longest / shortest context <= 1.3)"}
+    if "pow2_ce" in patterns:
+        ratio = pick(ratios, "T", longest, "gltm:pow2_ce_time_vs_sdpa", "T", longest)
+        cache = pick(decoding, "context", last, "cache_bytes", "model", "pow2_ce") / pick(
+            decoding, "context", last, "cache_bytes", "model", "attention")
+        growth = pick(decoding, "context", last, "token_latency_s", "model", "pow2_ce") / pick(
+            decoding, "context", first, "token_latency_s", "model", "pow2_ce")
+        memory = [r for r in training if r["mixer"] == "gltm:pow2_ce" and r["peak_bytes"]]
+        targets.update({"pow2_ce_time_vs_sdpa": ratio, "pow2_ce_time_met": ratio <= 2.0,
+                        "pow2_ce_memory_growth_per_doubling": _growth(memory),
+                        "pow2_ce_cache_vs_kv": cache, "pow2_ce_cache_met": cache <= 0.01,
+                        "pow2_ce_decode_growth": growth, "pow2_ce_decode_flat": growth <= 1.3})
+    targets["cache_bytes"] = {name: {r["context"]: r["cache_bytes"] for r in decoding if r["model"] == name}
+                              for name in models}
+    report = {"benchmark": "gltm", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": "float32",
+              "shape": {"hidden": hidden_size, "heads": num_heads, "kv_heads": num_kv_heads,
+                        "bandwidth": models[patterns[0]].config.gltm_bandwidth,
+                        "chunk_size": models[patterns[0]].config.gltm_chunk_size, "decode_layers": decode_layers},
+              "training": training, "training_ratios": ratios, "decoding": decoding, "targets": targets}
+    return write_report(report, out_dir, "bench_gltm", _plot, _print)
+
+
+def _plot(report, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for kind in sorted({r["mixer"] for r in report["training"]}):
+        rows = [r for r in report["training"] if r["mixer"] == kind]
+        axes[0].plot([r["T"] for r in rows], [r["fwd_bwd_s"] for r in rows], marker="o", label=kind)
+        rows = [r for r in rows if r["peak_bytes"]]
+        axes[1].plot([r["T"] for r in rows], [r["peak_bytes"] / 2**20 for r in rows], marker="o", label=kind)
+    for name in sorted({r["model"] for r in report["decoding"]}):
+        rows = [r for r in report["decoding"] if r["model"] == name]
+        axes[2].plot([r["context"] for r in rows], [1e3 * r["token_latency_s"] for r in rows], marker="o",
+                     label=f"{name} ({rows[-1]['cache_bytes'] / 2**20:.2f} MiB cache at {rows[-1]['context']})")
+    format_log_axes(list(zip(axes, ("training fwd+bwd (s)", "training peak memory (MiB)",
+                                    "decode latency per token (ms)"))), "context length")
+    shape = report["shape"]
+    save_figure(figure, path, f"GLTM patterns vs attention -- {report['device']}, fp32, hidden {shape['hidden']}, "
+                f"heads {shape['heads']}/{shape['kv_heads']}, bandwidth {shape['bandwidth']}, chunk "
+                f"{shape['chunk_size']}")
+
+
+def _print(report):
+    kinds = sorted({r["mixer"] for r in report["training"]}, key=lambda k: k != "sdpa_attention")
+    print(f"\nGLTM training vs SDPA attention ({report['device']}, {report['threads']} threads): fwd+bwd s "
+          "(peak MiB)")
+    print(f"{'T':>6} | " + " ".join(f"{kind.removeprefix('gltm:'):>16}" for kind in kinds))
+    for length in sorted({r["T"] for r in report["training"]}):
+        row = {r["mixer"]: r for r in report["training"] if r["T"] == length}
+        cells = [f"{row[k]['fwd_bwd_s']:.3f}" + ("" if row[k]["peak_bytes"] is None
+                                                 else f" ({row[k]['peak_bytes'] / 2**20:.0f})") for k in kinds]
+        print(f"{length:>6} | " + " ".join(f"{cell:>16}" for cell in cells))
+    print(f"\nDecoding, {report['shape']['decode_layers']}-layer models: ms/token (cache MiB)")
+    names = sorted({r["model"] for r in report["decoding"]})
+    print(f"{'context':>8} | " + " ".join(f"{name:>17}" for name in names))
+    for context in sorted({r["context"] for r in report["decoding"]}):
+        row = {r["model"]: r for r in report["decoding"] if r["context"] == context}
+        print(f"{context:>8} | " + " ".join(f"{1e3 * row[n]['token_latency_s']:>7.2f} ({row[n]['cache_bytes'] / 2**20:>7.3f})"
+                                             for n in names))
+    print(f"targets: { {k: v for k, v in report['targets'].items() if k != 'cache_bytes'} }")
