@@ -172,3 +172,69 @@ def test_dense_with_the_gate_off_is_the_teacher_attention_and_calibration_picks_
             assert best == 1e-6 and errors[best] < 1e-5
         else:  # a sparse A-branch alone misses the long-range mass: some feedback helps
             assert errors[best] < errors[1e-6]
+
+
+def before_o_proj(mixer, hidden, position_embeddings):
+    seen = []
+    handle = mixer.o_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    with torch.no_grad():
+        mixer(hidden, position_embeddings)
+    handle.remove()
+    return seen[0].view(*hidden.shape[:2], mixer.num_heads, mixer.head_dim).transpose(1, 2)  # (B, H, T, d)
+
+
+@pytest.mark.parametrize("pattern", ["pow2_ce", "banded", "dense"])
+def test_weight_sharing_is_the_tied_matrix_form(pattern):
+    """Eq. 25 against the literal A = B D + D': build B (T x T, per head) from the layer's own B-branch, form A, solve
+    Y = (I - B)^-1 A X densely, and compare with the layer (which runs Eq. 26 through the shared solve)."""
+    model = gltm_model(pattern, gltm_weight_sharing=True)
+    mixer = model.model.layers[0].mixer
+    hidden, position_embeddings = layer_inputs(model, batch=1, length=17)
+    length, scale = hidden.shape[1], mixer.head_dim ** -0.5
+    with torch.no_grad():
+        _, _, v = mixer.project(hidden, position_embeddings)
+        qb, kb = mixer.project_feedback(hidden, position_embeddings)
+        gate = mixer.gate(hidden)[0]  # (T, H)
+        d, d_prime = mixer.share_proj(hidden)[0].chunk(2, dim=-1)  # (T, H) each
+    supports = pattern_support(pattern, length, mixer.window)
+    y = before_o_proj(mixer, hidden, position_embeddings)
+    for h in range(mixer.num_heads):
+        kv = h // mixer.num_key_value_groups
+        B = torch.zeros(length, length, dtype=F64)
+        for i, row in enumerate(supports, start=1):
+            if row:
+                weights = torch.softmax(torch.stack([qb[0, h, i - 1] @ kb[0, kv, j - 1] * scale for j in row]), 0)
+                B[i - 1, [j - 1 for j in row]] = gate[i - 1, h] * weights
+        A = B @ torch.diag(d[:, h]) + torch.diag(d_prime[:, h])
+        expected = torch.linalg.solve(torch.eye(length, dtype=F64) - B, A @ v[0, kv])
+        torch.testing.assert_close(y[0, h], expected, **EXACT)
+
+
+def test_the_mamba_rule_for_ssm_is_the_scalar_recurrence():
+    model = gltm_model("ssm", gltm_ssm_rule="mamba")
+    mixer = model.model.layers[0].mixer
+    hidden, position_embeddings = layer_inputs(model, batch=2, length=15)
+    y = before_o_proj(mixer, hidden, position_embeddings)
+    with torch.no_grad():
+        _, _, v = mixer.project(hidden, position_embeddings)
+        delta = torch.nn.functional.softplus(mixer.dt_proj(hidden))  # (B, T, H)
+        b = mixer.b_proj(hidden)
+        a = -torch.exp(mixer.A_log)
+    state = torch.zeros(2, mixer.num_heads, mixer.head_dim, dtype=F64)
+    for t in range(15):
+        x = v[:, :, t].repeat_interleave(mixer.num_key_value_groups, dim=1)  # (B, H, d)
+        state = torch.exp(delta[:, t] * a)[..., None] * state + (delta[:, t] * b[:, t])[..., None] * x
+        torch.testing.assert_close(y[:, :, t], state, **EXACT)
+
+
+def test_invalid_combinations_are_refused_by_name():
+    from hf_mixers.testing import tiny_config
+
+    for options, message in (({"gltm_pattern": "pow2", "gltm_ssm_rule": "mamba"}, "gltm_ssm_rule"),
+                             ({"gltm_pattern": "local", "gltm_weight_sharing": True}, "gltm_weight_sharing"),
+                             ({"gltm_pattern": "custom"}, "gltm_offsets"),
+                             ({"gltm_pattern": "custom", "gltm_offsets": "poly:2,5"}, "f\\(0\\) must be 1"),
+                             ({"gltm_pattern": "pow2", "gltm_offsets": "pow:3"}, "only read by the custom"),
+                             ({"gltm_gate": "fixed", "gltm_gate_value": 1.5}, "gltm_gate_value")):
+        with pytest.raises(ValueError, match=message):
+            tiny_config("gltm", **options)

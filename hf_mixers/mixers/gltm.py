@@ -13,7 +13,9 @@ values. The solve is kernels/feedback_solve.py, shared with Sessa: its chunked d
 block forward substitution over an index table for the sparse patterns (work proportional to the nonzeros).
 
 Gates (spec §4.1): "mamba2" g = exp(-softplus(dt_proj(x)) exp(A_log)), "sigmoid" g = sigmoid(gate_proj(x)), "fixed"
-g = gltm_gate_value. RoPE on both branches, at the per-sequence positions (padding never shifts a lattice).
+g = gltm_gate_value. RoPE on both branches, at the per-sequence positions (padding never shifts a lattice). Two other
+parametrisations: weight sharing (A = B D + D', so z = (I - B)^-1 (d + d') x, y = z - d x: no A-branch attention)
+and, for ``ssm``, the Mamba rule (y_t = exp(Δ a) y_{t-1} + Δ b x_t).
 
 Cache per layer: for each kept position its kA, v, kB, y (fp32) and the position. ``attention``, ``dense`` and the
 translation-invariant patterns keep every position; ``local``, ``banded``, ``ssm`` the last w (1 for ssm); the
@@ -37,7 +39,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from ..core.attention import FullAttention
 from ..core.cache import KVPlusLayer
-from ..core.registry import MixerOption, MixerSpec, number, one_of, positive_int, register_mixer
+from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
 from ..kernels.common import compute_dtype
 from ..kernels.feedback_solve import feedback_solve, feedback_solve_sparse, sparse_attention
 from ..kernels.token_patterns import PATTERNS, RECURRENT, offset_function, offsets_below, support_rows
@@ -54,14 +56,17 @@ class GLTMMixer(FullAttention):
         super().__init__(config, layer_idx)
         self.pattern, self.window = config.gltm_pattern, config.gltm_bandwidth
         self.offsets = offset_function(self.pattern, config.gltm_offsets)
-        self.gate_kind = config.gltm_gate
+        self.mamba_rule = config.gltm_ssm_rule == "mamba"  # the paper's Table 2: y = e^{Δa} y_prev + Δ b x
+        self.weight_sharing = config.gltm_weight_sharing  # A = B D + D' (spec §4.3): no A-branch attention
+        self.gate_kind = "mamba2" if self.mamba_rule else config.gltm_gate
         self.recurrent = self.pattern in RECURRENT
+        self.diagonal_a = self.pattern == "ssm" or self.weight_sharing  # A reads only the current input
         hidden, heads, kv_heads, head_dim = config.hidden_size, self.num_heads, self.num_key_value_heads, self.head_dim
-        if self.pattern == "ssm":  # A = diag, B = one entry per row: both softmaxes are 1, no queries or keys
+        if self.diagonal_a:  # no A-branch queries or keys
             for name in ("q_proj", "k_proj", "q_norm", "k_norm"):
                 if hasattr(self, name):
                     delattr(self, name)
-        elif self.recurrent:  # the B-branch: its own queries and keys from the layer input (spec X7)
+        if self.recurrent and self.pattern != "ssm":  # the B-branch: its own queries and keys (spec X7)
             self.qb_proj = nn.Linear(hidden, heads * head_dim, bias=config.attention_bias)
             self.kb_proj = nn.Linear(hidden, kv_heads * head_dim, bias=config.attention_bias)
             if config.qk_norm:
@@ -73,6 +78,10 @@ class GLTMMixer(FullAttention):
                 self.A_log = nn.Parameter(torch.zeros(heads))
             elif self.gate_kind == "sigmoid":
                 self.gate_proj = nn.Linear(hidden, heads)
+        if self.mamba_rule:
+            self.b_proj = nn.Linear(hidden, heads)  # the write's scalar b_t per head
+        if self.weight_sharing:
+            self.share_proj = nn.Linear(hidden, 2 * heads)  # [d | d'] per token and head
 
     def reset_parameters(self):
         """Mamba-2's gate init (spec §4.1): A_log = log U[1, 16], Δ = exp(U[log 1e-3, log 1e-1]) through the bias;
@@ -88,11 +97,17 @@ class GLTMMixer(FullAttention):
         elif self.gate_kind == "sigmoid":
             init.zeros_(self.gate_proj.weight)
             init.zeros_(self.gate_proj.bias)
+        if self.mamba_rule:  # b = 1: y = e^{Δa} y_prev + Δ x
+            init.zeros_(self.b_proj.weight)
+            init.ones_(self.b_proj.bias)
+        if self.weight_sharing:  # d = 0, d' = 1: A = I, so y = (I - B)^-1 x
+            init.zeros_(self.share_proj.weight)
+            init.copy_(self.share_proj.bias, torch.cat([torch.zeros(heads), torch.ones(heads)]))
 
     def init_new_parameters(self):
         """Conversion: the gate starts "off" (set_gate), the B-branch mirrors the teacher's q/k (teacher_state)."""
         self.reset_parameters()
-        if self.recurrent:
+        if self.recurrent and not self.mamba_rule:
             self.set_gate(GATE_OFF)
 
     @torch.no_grad()
@@ -118,6 +133,9 @@ class GLTMMixer(FullAttention):
                                    ("k_norm", "kb_norm")):
                 state.update({key.replace(source, target, 1): value.clone() for key, value in list(state.items())
                               if key.split(".")[0] == source})
+        if config.gltm_weight_sharing:  # the A-branch has no queries or keys: only the B-branch keeps them
+            state = {key: value for key, value in state.items()
+                     if key.split(".")[0] not in ("q_proj", "k_proj", "q_norm", "k_norm")}
         return state
 
     @classmethod
@@ -126,7 +144,8 @@ class GLTMMixer(FullAttention):
         """The teacher's projections copied, the B-branch mirrored; with calibration activations and a learnable
         gate, the gate starts at the calibration value whose output is closest to the teacher's (spec §6.1)."""
         mixer = super().from_attention(attention, config, layer_idx)
-        if calibration_hidden_states is not None and mixer.recurrent and mixer.gate_kind != "fixed":
+        if calibration_hidden_states is not None and mixer.recurrent and mixer.gate_kind != "fixed" \
+                and not mixer.mamba_rule:
             mixer.calibrate_gate(attention, calibration_hidden_states, calibration_position_embeddings)
         return mixer
 
@@ -157,8 +176,9 @@ class GLTMMixer(FullAttention):
         return torch.exp(-rate)
 
     def project(self, hidden_states, position_embeddings):
-        """The A-branch's queries, keys and values; for ``ssm`` only the values (empty queries and keys)."""
-        if self.pattern != "ssm":
+        """The A-branch's queries, keys and values; with a diagonal A (``ssm``, weight sharing) only the values
+        (empty queries and keys)."""
+        if not self.diagonal_a:
             return super().project(hidden_states, position_embeddings)
         value = self.v_proj(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim).transpose(1, 2)
         query = value.new_zeros(*value.shape[:2], value.shape[2], 0).repeat_interleave(self.num_key_value_groups, 1)
@@ -182,14 +202,18 @@ class GLTMMixer(FullAttention):
         heads, groups = self.num_heads, self.num_key_value_groups
         cd = compute_dtype(hidden_states.dtype)
         layer = None if past_key_values is None else past_key_values.layers[self.layer_idx]
+        old = None if layer is None or not layer.is_initialized else layer
         seen = 0 if layer is None else layer.get_seq_length()
         if token_mask is not None:  # 1-based positions of the real tokens, 0 at padding
             positions = (token_mask.long().cumsum(-1) * token_mask)[:, -length:]
         else:
             positions = (torch.arange(length, device=hidden_states.device) + seen + 1).expand(batch, length)
         query, key, value = self.project(hidden_states, position_embeddings)  # (B, H, T, d), (B, Hkv, T, d) x 2
-        old = None if layer is None or not layer.is_initialized else layer
-        if self.pattern in FULL_A:
+        if self.pattern not in FULL_A:  # 1-based positions -> rows of [kept positions, new tokens]
+            index = _Lookup(positions if old is None else torch.cat([old.positions, positions], dim=1))
+        if self.diagonal_a:  # A reads x_i itself
+            direct = value.repeat_interleave(groups, dim=1)  # (B, H, T, d)
+        elif self.pattern in FULL_A:
             if layer is not None:
                 key_all, value_all = past_key_values.update(key, value, self.layer_idx)
             else:
@@ -199,12 +223,9 @@ class GLTMMixer(FullAttention):
             direct, _ = attention(self, query, key_all, value_all, attention_mask, dropout=0.0, scaling=self.scaling,
                                   **kwargs)  # (B, T, H, d)
             direct = direct.transpose(1, 2).to(cd)
-            index = None
         else:  # the A-support gathered from [kept positions, new tokens]
             key_all = key if old is None else torch.cat([old.keys, key], dim=2)
             value_all = value if old is None else torch.cat([old.values, value], dim=2)
-            all_positions = positions if old is None else torch.cat([old.positions, positions], dim=1)
-            index = _Lookup(all_positions)
             a_rows = index(self.a_support(positions))  # (B, T, Ka) into the M + T rows
             direct = sparse_attention(_fold(query, 1), _fold(key_all, groups), _fold(value_all, groups),
                                       a_rows.repeat_interleave(heads, 0), self.scaling)  # (B H, T, d)
@@ -216,7 +237,8 @@ class GLTMMixer(FullAttention):
         if self.recurrent:
             q_b, feedback_keys = self.project_feedback(hidden_states, position_embeddings)
             gate = self.gate(hidden_states).transpose(1, 2) * (positions >= 2)[:, None]  # (B, H, T): 0 with no past
-            f = (1.0 - gate[..., None]) * direct
+            scale, skip = self.input_scale(hidden_states, gate)
+            f = scale[..., None] * direct  # A V
             past_keys = None if old is None else old.feedback_keys.transpose(1, 2)  # (B, Hkv, M, d)
             past_outputs = None if old is None else old.outputs.transpose(1, 2)  # (B, H, M, d)
             fold_past = (lambda x, g: None if x is None else _fold(x, g))
@@ -233,13 +255,27 @@ class GLTMMixer(FullAttention):
                                           past_k=fold_past(past_keys, groups), past_s=fold_past(past_outputs, 1),
                                           scale=self.scaling, chunk_size=self.config.gltm_chunk_size,
                                           method=self.config.gltm_solver)
-            outputs = y.view(batch, heads, length, -1)
+            outputs = y.view(batch, heads, length, -1)  # what later tokens read (z under weight sharing)
+            y = outputs if skip is None else outputs - skip[..., None] * direct  # weight sharing: y = z - d x
         else:
-            outputs = direct
+            y = outputs = direct
         if layer is not None:
-            self.update_cache(layer, key, value, feedback_keys, outputs, positions)
-        output = outputs.transpose(1, 2).flatten(2).to(hidden_states.dtype)  # (B, T, H d)
-        return self.o_proj(output)
+            self.update_cache(layer, key, value[..., :0] if self.diagonal_a else value, feedback_keys, outputs,
+                              positions)
+        return self.o_proj(y.transpose(1, 2).flatten(2).to(hidden_states.dtype))  # (B, T, H d) -> (B, T, D)
+
+    def input_scale(self, hidden_states, gate):
+        """The diagonal factor on the A-branch output, and what weight sharing subtracts afterwards: (1 - g, None);
+        the Mamba rule's (Δ b, None); weight sharing's (d + d', d) (Eq. 26: z = (I - B)^-1 (d + d') x, y = z - d x).
+        All (B, H, T)."""
+        cd = gate.dtype
+        if self.mamba_rule:
+            delta = F.softplus(self.dt_proj(hidden_states).to(cd))
+            return (delta * self.b_proj(hidden_states).to(cd)).transpose(1, 2), None
+        if self.weight_sharing:
+            d, d_prime = self.share_proj(hidden_states).to(cd).transpose(1, 2).chunk(2, dim=1)
+            return d + d_prime, d
+        return 1.0 - gate, None
 
     def a_support(self, positions):
         """1-based positions of each token's A-support (B, T, Ka), 0 for none: {i} ∪ P(i), the window for local, {i}
@@ -253,7 +289,7 @@ class GLTMMixer(FullAttention):
 
     def update_cache(self, layer, key, value, feedback_keys, outputs, positions):
         """Append the new tokens' entries; evict what no future token reads (the patterns in EVICTING)."""
-        if self.pattern not in FULL_A:  # the attention path appended its K/V through update() already
+        if self.pattern not in FULL_A or self.diagonal_a:  # the attention path appended its K/V in update()
             layer.append_kv(key, value)
         if self.recurrent:  # (B, heads, T, d) -> (B, T, heads, d); y kept in the compute dtype (fp32 for bf16)
             layer.append_extras(feedback_keys.transpose(1, 2), outputs.transpose(1, 2), positions)
@@ -355,6 +391,12 @@ def _validate(config) -> str | None:
             return f"gltm_offsets: {error}"
     elif config.gltm_offsets is not None:
         return f"gltm_offsets is only read by the custom patterns, not {pattern!r}"
+    if config.gltm_ssm_rule == "mamba" and pattern != "ssm":
+        return f"gltm_ssm_rule='mamba' is the ssm pattern's alternative parametrisation, not {pattern!r}'s"
+    if config.gltm_weight_sharing and pattern not in RECURRENT:
+        return f"gltm_weight_sharing ties A to B, and the {pattern!r} pattern has no B"
+    if config.gltm_weight_sharing and config.gltm_ssm_rule == "mamba":
+        return "gltm_weight_sharing and gltm_ssm_rule='mamba' are two different parametrisations: choose one"
     if config.gltm_gate == "fixed" and not 0.0 <= config.gltm_gate_value <= 1.0:
         return f"gltm_gate_value must lie in [0, 1], got {config.gltm_gate_value}"
     return None
@@ -378,6 +420,10 @@ GLTM = register_mixer(MixerSpec(
         MixerOption("gltm_gate", "mamba2", "the gate g: 'mamba2' (exp(-softplus(dt) exp(A_log))), 'sigmoid', or "
                     "'fixed' (gltm_gate_value)", one_of(*GATES)),
         MixerOption("gltm_gate_value", 0.5, "g of the fixed gate", number),
+        MixerOption("gltm_weight_sharing", False, "tie A to B (A = B D + D', the paper's §B.3): no A-branch "
+                    "attention, the cache keeps kB and z only; d, d' per token and head", boolean),
+        MixerOption("gltm_ssm_rule", "attention", "the ssm pattern's parametrisation: 'attention' (the gate) or "
+                    "'mamba' (y = exp(Δ a) y_prev + Δ b x, the paper's Table 2)", one_of("attention", "mamba")),
         MixerOption("gltm_solver", "chunked", "'chunked' (block forward substitution) or 'dense' (the reference: "
                     "masked T x T matrices and one triangular solve)", one_of("chunked", "dense")),
         MixerOption("gltm_chunk_size", 64, "rows per block of the chunked solve", positive_int),
@@ -392,4 +438,7 @@ GLTM = register_mixer(MixerSpec(
     tiny_variants={pattern: {"gltm_pattern": pattern} for pattern in PATTERNS if pattern not in ("pow2_ce",)
                    and not pattern.startswith("custom")} | {
         "custom_ce": {"gltm_pattern": "custom_ce", "gltm_offsets": "pow:3"},
-        "sigmoid": {"gltm_gate": "sigmoid"}, "fixed": {"gltm_gate": "fixed", "gltm_gate_value": 0.3}}))
+        "sigmoid": {"gltm_gate": "sigmoid"}, "fixed": {"gltm_gate": "fixed", "gltm_gate_value": 0.3},
+        "weight_sharing": {"gltm_weight_sharing": True},
+        "dense_weight_sharing": {"gltm_pattern": "dense", "gltm_weight_sharing": True},
+        "ssm_mamba": {"gltm_pattern": "ssm", "gltm_ssm_rule": "mamba"}}))
