@@ -11,15 +11,12 @@ Written to bench_gltm.json and .png, with the project's targets for ``pow2_ce`` 
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 
-from ...common.history import save_figure
-from ...common.measures import decode_latency
 from ...kernels.token_patterns import PATTERNS
 from ...model.config import MixerConfig, config_class
 from ...model.modeling import MixerForCausalLM, model_classes
-from .harness import bench_device, format_log_axes, training_rows, write_report
-from .selective_ssm import _growth
+from .harness import (bench_device, decoding_rows, memory_growth, plot_training_and_decoding, print_decoding_table,
+                      print_training_table, training_rows, write_report)
 
 BENCH_PATTERNS = tuple(p for p in PATTERNS if not p.startswith("custom"))  # custom needs an offset function
 
@@ -48,12 +45,7 @@ def bench_gltm(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4
     gltm_config, (_, gltm_model) = config_class("gltm"), model_classes("gltm")
     models = {**{pattern: gltm_model(gltm_config(**shape, gltm_pattern=pattern)) for pattern in patterns},
               "attention": MixerForCausalLM(MixerConfig(**shape))}
-    decoding = []
-    for context in tqdm(contexts, desc="bench gltm: decoding", unit="context"):
-        for name, model in models.items():
-            latency, cache_bytes = decode_latency(model.to(device).eval(), context, decode_tokens, 2048, device)
-            decoding.append({"context": context, "model": name, "token_latency_s": latency,
-                             "cache_bytes": cache_bytes})
+    decoding = decoding_rows(models, contexts, decode_tokens, device, "bench gltm: decoding")
 
     def pick(rows, key, value, field, name_key, name):
         return next((r[field] for r in rows if r[key] == value and r[name_key] == name), None)
@@ -73,7 +65,7 @@ def bench_gltm(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4
             decoding, "context", first, "token_latency_s", "model", "pow2_ce")
         memory = [r for r in training if r["mixer"] == "gltm:pow2_ce" and r["peak_bytes"]]
         targets.update({"pow2_ce_time_vs_sdpa": ratio, "pow2_ce_time_met": ratio <= 2.0,
-                        "pow2_ce_memory_growth_per_doubling": _growth(memory),
+                        "pow2_ce_memory_growth_per_doubling": memory_growth(memory),
                         "pow2_ce_cache_vs_kv": cache, "pow2_ce_cache_met": cache <= 0.01,
                         "pow2_ce_decode_growth": growth, "pow2_ce_decode_flat": growth <= 1.3})
     targets["cache_bytes"] = {name: {r["context"]: r["cache_bytes"] for r in decoding if r["model"] == name}
@@ -88,44 +80,13 @@ def bench_gltm(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4
 
 
 def _plot(report, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for kind in sorted({r["mixer"] for r in report["training"]}):
-        rows = [r for r in report["training"] if r["mixer"] == kind]
-        axes[0].plot([r["T"] for r in rows], [r["fwd_bwd_s"] for r in rows], marker="o", label=kind)
-        rows = [r for r in rows if r["peak_bytes"]]
-        axes[1].plot([r["T"] for r in rows], [r["peak_bytes"] / 2**20 for r in rows], marker="o", label=kind)
-    for name in sorted({r["model"] for r in report["decoding"]}):
-        rows = [r for r in report["decoding"] if r["model"] == name]
-        axes[2].plot([r["context"] for r in rows], [1e3 * r["token_latency_s"] for r in rows], marker="o",
-                     label=f"{name} ({rows[-1]['cache_bytes'] / 2**20:.2f} MiB cache at {rows[-1]['context']})")
-    format_log_axes(list(zip(axes, ("training fwd+bwd (s)", "training peak memory (MiB)",
-                                    "decode latency per token (ms)"))), "context length")
     shape = report["shape"]
-    save_figure(figure, path, f"GLTM patterns vs attention -- {report['device']}, fp32, hidden {shape['hidden']}, "
-                f"heads {shape['heads']}/{shape['kv_heads']}, bandwidth {shape['bandwidth']}, chunk "
-                f"{shape['chunk_size']}")
+    plot_training_and_decoding(report, path, f"GLTM patterns vs attention -- {report['device']}, fp32, hidden "
+                               f"{shape['hidden']}, heads {shape['heads']}/{shape['kv_heads']}, bandwidth "
+                               f"{shape['bandwidth']}, chunk {shape['chunk_size']}")
 
 
 def _print(report):
-    kinds = sorted({r["mixer"] for r in report["training"]}, key=lambda k: k != "sdpa_attention")
-    print(f"\nGLTM training vs SDPA attention ({report['device']}, {report['threads']} threads): fwd+bwd s "
-          "(peak MiB)")
-    print(f"{'T':>6} | " + " ".join(f"{kind.removeprefix('gltm:'):>16}" for kind in kinds))
-    for length in sorted({r["T"] for r in report["training"]}):
-        row = {r["mixer"]: r for r in report["training"] if r["T"] == length}
-        cells = [f"{row[k]['fwd_bwd_s']:.3f}" + ("" if row[k]["peak_bytes"] is None
-                                                 else f" ({row[k]['peak_bytes'] / 2**20:.0f})") for k in kinds]
-        print(f"{length:>6} | " + " ".join(f"{cell:>16}" for cell in cells))
-    print(f"\nDecoding, {report['shape']['decode_layers']}-layer models: ms/token (cache MiB)")
-    names = sorted({r["model"] for r in report["decoding"]})
-    print(f"{'context':>8} | " + " ".join(f"{name:>17}" for name in names))
-    for context in sorted({r["context"] for r in report["decoding"]}):
-        row = {r["model"]: r for r in report["decoding"] if r["context"] == context}
-        print(f"{context:>8} | " + " ".join(f"{1e3 * row[n]['token_latency_s']:>7.2f} ({row[n]['cache_bytes'] / 2**20:>7.3f})"
-                                             for n in names))
+    print_training_table(report, "GLTM training vs SDPA attention", "gltm:")
+    print_decoding_table(report)
     print(f"targets: { {k: v for k, v in report['targets'].items() if k != 'cache_bytes'} }")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -21,6 +22,7 @@ import time
 import torch
 
 from ...common.files import write_atomically
+from ...common.history import save_figure
 from ...core.attention import FullAttention
 from ...core.registry import get_mixer
 from ...model.config import config_class
@@ -191,3 +193,71 @@ def format_log_axes(axes_and_labels, x_label: str) -> None:
         axis.set_ylabel(label)
         axis.grid(True, which="both", alpha=0.3)
         axis.legend()
+
+
+def memory_growth(rows) -> list[float]:
+    """Peak memory ratio per doubling of T, between consecutive measured lengths (2.0: linear in T)."""
+    rows = sorted(rows, key=lambda r: r["T"])
+    return [round((b["peak_bytes"] / a["peak_bytes"]) ** (1 / math.log2(b["T"] / a["T"])), 3)
+            for a, b in zip(rows, rows[1:])]
+
+
+def decoding_rows(models: dict, contexts, decode_tokens, device, desc, batch: int = 1) -> list[dict]:
+    """Per-token decode latency (median, after a prefill of each context) and cache bytes of each named model."""
+    from tqdm.auto import tqdm
+
+    from ...common.measures import decode_latency
+
+    rows = []
+    for context in tqdm(contexts, desc=desc, unit="context"):
+        for name, model in models.items():
+            latency, cache_bytes = decode_latency(model.to(device).eval(), context, decode_tokens, 2048, device,
+                                                  batch=batch)
+            rows.append({"context": context, "model": name, "token_latency_s": latency, "cache_bytes": cache_bytes})
+    return rows
+
+
+def plot_training_and_decoding(report, path, title, decode_label="decode latency per token (ms)"):
+    """Three panels: training fwd+bwd time and peak memory per mixer against T, decode latency per model against the
+    context (its cache at the longest context in the legend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for kind in dict.fromkeys(r["mixer"] for r in report["training"]):
+        rows = [r for r in report["training"] if r["mixer"] == kind]
+        axes[0].plot([r["T"] for r in rows], [r["fwd_bwd_s"] for r in rows], marker="o", label=kind)
+        rows = [r for r in rows if r["peak_bytes"]]
+        axes[1].plot([r["T"] for r in rows], [r["peak_bytes"] / 2**20 for r in rows], marker="o", label=kind)
+    for name in dict.fromkeys(r["model"] for r in report["decoding"]):
+        rows = [r for r in report["decoding"] if r["model"] == name]
+        axes[2].plot([r["context"] for r in rows], [1e3 * r["token_latency_s"] for r in rows], marker="o",
+                     label=f"{name} ({rows[-1]['cache_bytes'] / 2**20:.2f} MiB cache at {rows[-1]['context']})")
+    format_log_axes(list(zip(axes, ("training fwd+bwd (s)", "training peak memory (MiB)", decode_label))),
+                    "context length")
+    save_figure(figure, path, title)
+
+
+def print_training_table(report, title, prefix):
+    """T rows, one column per mixer (``prefix`` stripped): fwd+bwd seconds (peak MiB), SDPA first."""
+    kinds = sorted({r["mixer"] for r in report["training"]}, key=lambda k: k != "sdpa_attention")
+    print(f"\n{title} ({report['device']}, {report['threads']} threads): fwd+bwd s (peak MiB)")
+    print(f"{'T':>6} | " + " ".join(f"{kind.removeprefix(prefix):>18}" for kind in kinds))
+    for length in sorted({r["T"] for r in report["training"]}):
+        row = {r["mixer"]: r for r in report["training"] if r["T"] == length}
+        cells = [f"{row[k]['fwd_bwd_s']:.3f}" + ("" if row[k]["peak_bytes"] is None
+                                                 else f" ({row[k]['peak_bytes'] / 2**20:.0f})") for k in kinds]
+        print(f"{length:>6} | " + " ".join(f"{cell:>18}" for cell in cells))
+
+
+def print_decoding_table(report):
+    """Context rows, one column per model: ms/token (cache MiB)."""
+    print(f"\nDecoding, {report['shape']['decode_layers']}-layer models: ms/token (cache MiB)")
+    names = sorted({r["model"] for r in report["decoding"]})
+    print(f"{'context':>8} | " + " ".join(f"{name:>17}" for name in names))
+    for context in sorted({r["context"] for r in report["decoding"]}):
+        row = {r["model"]: r for r in report["decoding"] if r["context"] == context}
+        print(f"{context:>8} | " + " ".join(
+            f"{1e3 * row[n]['token_latency_s']:>7.2f} ({row[n]['cache_bytes'] / 2**20:>7.3f})" for n in names))

@@ -14,13 +14,10 @@ Written to bench_rsa.json and bench_rsa.png, with the project's targets evaluate
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 
-from .harness import bench_device, format_log_axes, training_rows, write_report
-from ...common.history import save_figure
-from ...common.measures import decode_latency
 from ...model.config import MixerConfig, config_class
 from ...model.modeling import MixerForCausalLM, model_classes
+from .harness import bench_device, decoding_rows, plot_training_and_decoding, training_rows, write_report
 
 TRAIN_MIXERS = ("sdpa_attention", "rsa_chunked", "rsa_recompute")  # rsa_recompute: rsa_recompute_chunks=True
 
@@ -50,13 +47,7 @@ def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 40
     models = {"rsa": rsa_model(rsa_config(**shape)),
               "rsa_compiled": rsa_model(rsa_config(**shape, rsa_compile_decode=True)),
               "attention": MixerForCausalLM(MixerConfig(**shape))}
-    decoding = []
-    for context in tqdm(contexts, desc="bench rsa: decoding", unit="context"):
-        for name, model in models.items():
-            latency, cache_bytes = decode_latency(model.to(device).eval(), context, decode_tokens, 2048, device,
-                                                  batch=decode_batch)
-            decoding.append({"context": context, "model": name, "token_latency_s": latency,
-                             "cache_bytes": cache_bytes})
+    decoding = decoding_rows(models, contexts, decode_tokens, device, "bench rsa: decoding", batch=decode_batch)
 
     def pick(rows, key, value, field, name_key, name):
         return next((r[field] for r in rows if r[key] == value and r[name_key] == name), None)
@@ -96,29 +87,11 @@ def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 40
 
 
 def _plot(report, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for kind in TRAIN_MIXERS:
-        rows = [r for r in report["training"] if r["mixer"] == kind]
-        axes[0].plot([r["T"] for r in rows], [r["fwd_bwd_s"] for r in rows], marker="o", label=kind)
-        rows = [r for r in rows if r["peak_bytes"]]
-        axes[1].plot([r["T"] for r in rows], [r["peak_bytes"] / 2**20 for r in rows], marker="o", label=kind)
-    for name in ("rsa", "rsa_compiled", "attention"):
-        rows = [r for r in report["decoding"] if r["model"] == name]
-        axes[2].plot([r["context"] for r in rows], [1e3 * r["token_latency_s"] for r in rows], marker="o",
-                     label=f"{name} ({rows[-1]['cache_bytes'] / 2**20:.1f} MiB cache at {rows[-1]['context']})")
-    batch = report["shape"]["decode_batch"]
-    titles = ("training fwd+bwd (s)", "training peak memory (MiB)",
-              "decode latency per token (ms)" if batch == 1 else f"decode latency per step of {batch} rows (ms)")
-    format_log_axes(list(zip(axes, titles)), "context length")
-    shape = report["shape"]
-    save_figure(figure, path, f"RSA vs attention -- {report['device']}, fp32, hidden {shape['hidden']}, heads "
-                f"{shape['heads']}/{shape['kv_heads']}, {shape['levels']}x{shape['slots']} slots, "
-                f"chunk {shape['chunk_size']}")
+    batch, shape = report["shape"]["decode_batch"], report["shape"]
+    plot_training_and_decoding(
+        report, path, f"RSA vs attention -- {report['device']}, fp32, hidden {shape['hidden']}, heads "
+        f"{shape['heads']}/{shape['kv_heads']}, {shape['levels']}x{shape['slots']} slots, chunk {shape['chunk_size']}",
+        "decode latency per token (ms)" if batch == 1 else f"decode latency per step of {batch} rows (ms)")
 
 
 def _print(report):

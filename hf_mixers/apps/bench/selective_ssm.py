@@ -13,17 +13,13 @@ Written to bench_selective_ssm.json and .png, with the project's targets evaluat
 
 from __future__ import annotations
 
-import math
-
 import torch
-from tqdm.auto import tqdm
 
-from ...common.history import save_figure
-from ...common.measures import decode_latency
 from ...kernels.selective_scan import ssm_chunked, ssm_recurrent
 from ...model.config import MixerConfig, config_class
 from ...model.modeling import MixerForCausalLM, model_classes
-from .harness import bench_device, format_log_axes, time_calls, training_rows, write_report
+from .harness import (bench_device, decoding_rows, memory_growth, plot_training_and_decoding, print_decoding_table,
+                      print_training_table, time_calls, training_rows, write_report)
 
 VARIANTS = ("mamba2", "s6", "delta_t", "s4d")
 DECAY_SHAPES = {"mamba2": (1, 1), "delta_t (A per slot)": (1, None), "s6 / s4d": (None, None)}  # None: P or N
@@ -56,12 +52,7 @@ def bench_selective_ssm(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts
     ssm_config, (_, ssm_model) = config_class("selective_ssm"), model_classes("selective_ssm")
     models = {**{variant: ssm_model(ssm_config(**shape, selective_ssm_variant=variant)) for variant in variants},
               "attention": MixerForCausalLM(MixerConfig(**shape))}
-    decoding = []
-    for context in tqdm(contexts, desc="bench selective_ssm: decoding", unit="context"):
-        for name, model in models.items():
-            latency, cache_bytes = decode_latency(model.to(device).eval(), context, decode_tokens, 2048, device)
-            decoding.append({"context": context, "model": name, "token_latency_s": latency,
-                             "cache_bytes": cache_bytes})
+    decoding = decoding_rows(models, contexts, decode_tokens, device, "bench selective_ssm: decoding")
 
     def pick(rows, key, value, field, name_key, name):
         return next((r[field] for r in rows if r[key] == value and r[name_key] == name), None)
@@ -77,7 +68,7 @@ def bench_selective_ssm(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts
     targets = {
         "mamba2_time_vs_sdpa_at_8192": mamba2_ratio,
         "mamba2_time_met": None if mamba2_ratio is None else mamba2_ratio <= 0.5,
-        "memory_growth_per_doubling": _growth(memory),
+        "memory_growth_per_doubling": memory_growth(memory),
         "cache_bytes_constant": {v: len({r["cache_bytes"] for r in decoding if r["model"] == v}) == 1
                                  for v in variants},
         "decode_latency_growth": {v: pick(decoding, "context", last, "token_latency_s", "model", v)
@@ -99,13 +90,6 @@ def bench_selective_ssm(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts
               "training": training, "training_ratios": ratios, "scan_forms": scans, "decoding": decoding,
               "targets": targets}
     return write_report(report, out_dir, "bench_selective_ssm", _plot, _print)
-
-
-def _growth(rows):
-    """Peak memory ratio per doubling of T, between consecutive measured lengths."""
-    rows = sorted(rows, key=lambda r: r["T"])
-    return [round((b["peak_bytes"] / a["peak_bytes"]) ** (1 / math.log2(b["T"] / a["T"])), 3)
-            for a, b in zip(rows, rows[1:])]
 
 
 def _scan_forms(lengths, heads, width, repeats, device):
@@ -134,47 +118,17 @@ def _scan_forms(lengths, heads, width, repeats, device):
 
 
 def _plot(report, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for kind in sorted({r["mixer"] for r in report["training"]}):
-        rows = [r for r in report["training"] if r["mixer"] == kind]
-        axes[0].plot([r["T"] for r in rows], [r["fwd_bwd_s"] for r in rows], marker="o", label=kind)
-        rows = [r for r in rows if r["peak_bytes"]]
-        axes[1].plot([r["T"] for r in rows], [r["peak_bytes"] / 2**20 for r in rows], marker="o", label=kind)
-    for name in sorted({r["model"] for r in report["decoding"]}):
-        rows = [r for r in report["decoding"] if r["model"] == name]
-        axes[2].plot([r["context"] for r in rows], [1e3 * r["token_latency_s"] for r in rows], marker="o",
-                     label=f"{name} ({rows[-1]['cache_bytes'] / 2**20:.1f} MiB cache at {rows[-1]['context']})")
-    format_log_axes(list(zip(axes, ("training fwd+bwd (s)", "training peak memory (MiB)",
-                                    "decode latency per token (ms)"))), "context length")
     shape = report["shape"]
-    save_figure(figure, path, f"selective SSMs vs attention -- {report['device']}, fp32, hidden {shape['hidden']}, "
-                f"heads {shape['heads']}/{shape['kv_heads']}, state {shape['state_size']}, chunk {shape['chunk_size']}")
+    plot_training_and_decoding(report, path, f"selective SSMs vs attention -- {report['device']}, fp32, hidden "
+                               f"{shape['hidden']}, heads {shape['heads']}/{shape['kv_heads']}, state "
+                               f"{shape['state_size']}, chunk {shape['chunk_size']}")
 
 
 def _print(report):
-    kinds = sorted({r["mixer"] for r in report["training"]}, key=lambda k: k != "sdpa_attention")
-    print(f"\nSelective SSM training vs SDPA attention ({report['device']}, {report['threads']} threads): fwd+bwd s "
-          "(peak MiB)")
-    print(f"{'T':>6} | " + " ".join(f"{kind.removeprefix('selective_ssm:'):>18}" for kind in kinds))
-    for length in sorted({r["T"] for r in report["training"]}):
-        row = {r["mixer"]: r for r in report["training"] if r["T"] == length}
-        cells = [f"{row[k]['fwd_bwd_s']:.3f}" + ("" if row[k]["peak_bytes"] is None
-                                                 else f" ({row[k]['peak_bytes'] / 2**20:.0f})") for k in kinds]
-        print(f"{length:>6} | " + " ".join(f"{cell:>18}" for cell in cells))
+    print_training_table(report, "Selective SSM training vs SDPA attention", "selective_ssm:")
     print("\nScan forms, fwd+bwd s: chunked vs recurrent")
     for row in report["scan_forms"]:
         print(f"  T={row['T']:>5} {row['decay']:<22} chunked {row['chunked_s']:.3f}  recurrent "
               f"{row['recurrent_s']:.3f}  ({row['speedup']:.1f}x)")
-    print(f"\nDecoding, {report['shape']['decode_layers']}-layer models: ms/token (cache MiB)")
-    names = sorted({r["model"] for r in report["decoding"]})
-    print(f"{'context':>8} | " + " ".join(f"{name:>16}" for name in names))
-    for context in sorted({r["context"] for r in report["decoding"]}):
-        row = {r["model"]: r for r in report["decoding"] if r["context"] == context}
-        print(f"{context:>8} | " + " ".join(f"{1e3 * row[n]['token_latency_s']:>7.2f} ({row[n]['cache_bytes'] / 2**20:>6.2f})"
-                                             for n in names))
+    print_decoding_table(report)
     print(f"targets: {report['targets']}")
