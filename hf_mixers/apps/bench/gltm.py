@@ -15,8 +15,9 @@ import torch
 from ...kernels.token_patterns import PATTERNS
 from ...model.config import MixerConfig, config_class
 from ...model.modeling import MixerForCausalLM, model_classes
-from .harness import (bench_device, decoding_rows, memory_growth, plot_training_and_decoding, print_decoding_table,
-                      print_training_table, training_rows, write_report)
+from .harness import (bench_device, check_shape, decode_shape, decoding_rows, memory_growth, pick,
+                      plot_training_and_decoding, print_decoding_table, print_training_table, time_ratios,
+                      training_rows, write_report)
 
 BENCH_PATTERNS = tuple(p for p in PATTERNS if not p.startswith("custom"))  # custom needs an offset function
 
@@ -24,35 +25,23 @@ BENCH_PATTERNS = tuple(p for p in PATTERNS if not p.startswith("custom"))  # cus
 def bench_gltm(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4096, 16384), hidden_size=576,
                num_heads=9, num_kv_heads=3, patterns=BENCH_PATTERNS, decode_layers=2, decode_tokens=64, repeats=3,
                device=None) -> dict:
-    if not lengths or not contexts or min(*lengths, *contexts) < 2:
-        raise ValueError(f"bench gltm: lengths and contexts must be non-empty lists of integers >= 2, got {lengths} "
-                         f"and {contexts}")
+    check_shape("gltm", lengths, contexts, hidden_size, num_heads, num_kv_heads)
     unknown = sorted(set(patterns) - set(BENCH_PATTERNS))
     if unknown or not patterns:
         raise ValueError(f"bench gltm: patterns (--variants) must be among {BENCH_PATTERNS}, got {list(patterns)}")
-    if hidden_size % num_heads or num_heads % num_kv_heads:
-        raise ValueError(f"bench gltm: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
-                         f"--kv-heads ({num_kv_heads}) must divide --heads")
     device = bench_device(device, "gltm")
     kinds = ("sdpa_attention", *(f"gltm:{pattern}" for pattern in patterns))
     torch.manual_seed(0)
     training = training_rows(kinds, lengths, hidden_size, num_heads, num_kv_heads, repeats, device,
                              "bench gltm: training")
 
-    shape = dict(vocab_size=2048, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
-                 num_hidden_layers=decode_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                 max_position_embeddings=max(contexts) + 8 + decode_tokens)
+    shape = decode_shape(hidden_size, num_heads, num_kv_heads, decode_layers, max(contexts) + 8 + decode_tokens)
     gltm_config, (_, gltm_model) = config_class("gltm"), model_classes("gltm")
     models = {**{pattern: gltm_model(gltm_config(**shape, gltm_pattern=pattern)) for pattern in patterns},
               "attention": MixerForCausalLM(MixerConfig(**shape))}
     decoding = decoding_rows(models, contexts, decode_tokens, device, "bench gltm: decoding")
 
-    def pick(rows, key, value, field, name_key, name):
-        return next((r[field] for r in rows if r[key] == value and r[name_key] == name), None)
-
-    ratios = [{"T": t, **{f"{kind}_time_vs_sdpa": pick(training, "T", t, "fwd_bwd_s", "mixer", kind)
-                          / pick(training, "T", t, "fwd_bwd_s", "mixer", "sdpa_attention") for kind in kinds[1:]}}
-              for t in lengths]
+    ratios = time_ratios(training, kinds[1:], lengths)
     first, last, longest = min(contexts), max(contexts), max(lengths)
     targets = {"definitions": "pow2_ce: fwd+bwd at the longest T within 2x SDPA, peak memory linear in T (growth per "
                               "doubling near 2), decode cache at the longest context at most 1/100 of attention's KV "

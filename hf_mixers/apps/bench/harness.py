@@ -195,6 +195,34 @@ def format_log_axes(axes_and_labels, x_label: str) -> None:
         axis.legend()
 
 
+def check_shape(benchmark, lengths, contexts, hidden_size, num_heads, num_kv_heads) -> None:
+    """The arguments every training + decoding benchmark shares, refused with the benchmark's name."""
+    if not lengths or not contexts or min(*lengths, *contexts) < 2:
+        raise ValueError(f"bench {benchmark}: lengths and contexts must be non-empty lists of integers >= 2, got "
+                         f"{lengths} and {contexts}")
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError(f"bench {benchmark}: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
+                         f"--kv-heads ({num_kv_heads}) must divide --heads")
+
+
+def decode_shape(hidden_size, num_heads, num_kv_heads, layers, positions) -> dict:
+    """Config fields of the small decoding models: the mixer's width and heads, ``layers`` layers."""
+    return dict(vocab_size=2048, hidden_size=hidden_size, intermediate_size=4 * hidden_size, num_hidden_layers=layers,
+                num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=positions)
+
+
+def pick(rows, key, value, field, name_key, name):
+    """``field`` of the row where ``key`` == value and ``name_key`` == name (None when there is none)."""
+    return next((r[field] for r in rows if r[key] == value and r[name_key] == name), None)
+
+
+def time_ratios(training, kinds, lengths) -> list[dict]:
+    """Per T, each kind's fwd+bwd time over SDPA attention's, as ``<kind>_time_vs_sdpa``."""
+    return [{"T": t, **{f"{kind}_time_vs_sdpa": pick(training, "T", t, "fwd_bwd_s", "mixer", kind)
+                        / pick(training, "T", t, "fwd_bwd_s", "mixer", "sdpa_attention") for kind in kinds}}
+            for t in lengths]
+
+
 def memory_growth(rows) -> list[float]:
     """Peak memory ratio per doubling of T, between consecutive measured lengths (2.0: linear in T)."""
     rows = sorted(rows, key=lambda r: r["T"])

@@ -17,7 +17,8 @@ import torch
 
 from ...model.config import MixerConfig, config_class
 from ...model.modeling import MixerForCausalLM, model_classes
-from .harness import bench_device, decoding_rows, plot_training_and_decoding, training_rows, write_report
+from .harness import (bench_device, check_shape, decode_shape, decoding_rows, pick, plot_training_and_decoding,
+                      time_ratios, training_rows, write_report)
 
 TRAIN_MIXERS = ("sdpa_attention", "rsa_chunked", "rsa_recompute")  # rsa_recompute: rsa_recompute_chunks=True
 
@@ -25,36 +26,24 @@ TRAIN_MIXERS = ("sdpa_attention", "rsa_chunked", "rsa_recompute")  # rsa_recompu
 def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4096, 16384), hidden_size=576,
               num_heads=9, num_kv_heads=3, decode_layers=2, decode_tokens=64, repeats=3, device=None,
               decode_batch=1) -> dict:
-    if not lengths or not contexts or min(*lengths, *contexts) < 2:
-        raise ValueError(f"bench rsa: lengths and contexts must be non-empty lists of integers >= 2, "
-                         f"got {lengths} and {contexts}")
     if min(hidden_size, num_heads, num_kv_heads, decode_layers, decode_tokens, decode_batch, repeats) < 1:
         raise ValueError("bench rsa: sizes, --decode-layers, --decode-tokens, --decode-batch and --repeats must be "
                          ">= 1")
-    if hidden_size % num_heads or num_heads % num_kv_heads:
-        raise ValueError(f"bench rsa: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
-                         f"--kv-heads ({num_kv_heads}) must divide --heads")
+    check_shape("rsa", lengths, contexts, hidden_size, num_heads, num_kv_heads)
     device = bench_device(device, "rsa")
     torch.manual_seed(0)
 
     training = training_rows(TRAIN_MIXERS, lengths, hidden_size, num_heads, num_kv_heads, repeats, device,
                              "bench rsa: training")
 
-    shape = dict(vocab_size=2048, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
-                 num_hidden_layers=decode_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                 max_position_embeddings=max(contexts) + 1 + decode_tokens)
+    shape = decode_shape(hidden_size, num_heads, num_kv_heads, decode_layers, max(contexts) + 1 + decode_tokens)
     rsa_config, (_, rsa_model) = config_class("rsa"), model_classes("rsa")
     models = {"rsa": rsa_model(rsa_config(**shape)),
               "rsa_compiled": rsa_model(rsa_config(**shape, rsa_compile_decode=True)),
               "attention": MixerForCausalLM(MixerConfig(**shape))}
     decoding = decoding_rows(models, contexts, decode_tokens, device, "bench rsa: decoding", batch=decode_batch)
 
-    def pick(rows, key, value, field, name_key, name):
-        return next((r[field] for r in rows if r[key] == value and r[name_key] == name), None)
-
-    ratios = [{"T": t, **{f"{kind}_time_vs_sdpa": pick(training, "T", t, "fwd_bwd_s", "mixer", kind)
-                          / pick(training, "T", t, "fwd_bwd_s", "mixer", "sdpa_attention")
-                          for kind in TRAIN_MIXERS[1:]}} for t in lengths]
+    ratios = time_ratios(training, TRAIN_MIXERS[1:], lengths)
     first, last = min(contexts), max(contexts)
     rsa_first = pick(decoding, "context", first, "token_latency_s", "model", "rsa")
     rsa_last = pick(decoding, "context", last, "token_latency_s", "model", "rsa")

@@ -18,8 +18,9 @@ import torch
 from ...kernels.selective_scan import ssm_chunked, ssm_recurrent
 from ...model.config import MixerConfig, config_class
 from ...model.modeling import MixerForCausalLM, model_classes
-from .harness import (bench_device, decoding_rows, memory_growth, plot_training_and_decoding, print_decoding_table,
-                      print_training_table, time_calls, training_rows, write_report)
+from .harness import (bench_device, check_shape, decode_shape, decoding_rows, memory_growth, pick,
+                      plot_training_and_decoding, print_decoding_table, print_training_table, time_calls, time_ratios,
+                      training_rows, write_report)
 
 VARIANTS = ("mamba2", "s6", "delta_t", "s4d")
 DECAY_SHAPES = {"mamba2": (1, 1), "delta_t (A per slot)": (1, None), "s6 / s4d": (None, None)}  # None: P or N
@@ -28,15 +29,10 @@ DECAY_SHAPES = {"mamba2": (1, 1), "delta_t (A per slot)": (1, None), "s6 / s4d":
 def bench_selective_ssm(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4096, 16384),
                         hidden_size=576, num_heads=9, num_kv_heads=3, variants=VARIANTS, decode_layers=2,
                         decode_tokens=64, repeats=3, scan_lengths=(512, 2048), device=None) -> dict:
-    if not lengths or not contexts or min(*lengths, *contexts) < 2:
-        raise ValueError(f"bench selective_ssm: lengths and contexts must be non-empty lists of integers >= 2, got "
-                         f"{lengths} and {contexts}")
+    check_shape("selective_ssm", lengths, contexts, hidden_size, num_heads, num_kv_heads)
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or not variants:
         raise ValueError(f"bench selective_ssm: variants must be among {VARIANTS}, got {list(variants)}")
-    if hidden_size % num_heads or num_heads % num_kv_heads:
-        raise ValueError(f"bench selective_ssm: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
-                         f"--kv-heads ({num_kv_heads}) must divide --heads")
     device = bench_device(device, "selective_ssm")
     kinds = ("sdpa_attention", *(f"selective_ssm:{variant}" for variant in variants))
     torch.manual_seed(0)
@@ -46,20 +42,13 @@ def bench_selective_ssm(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts
 
     scans = _scan_forms(scan_lengths, num_heads, hidden_size // num_heads, repeats, device)
 
-    shape = dict(vocab_size=2048, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
-                 num_hidden_layers=decode_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                 max_position_embeddings=max(contexts) + 8 + decode_tokens)
+    shape = decode_shape(hidden_size, num_heads, num_kv_heads, decode_layers, max(contexts) + 8 + decode_tokens)
     ssm_config, (_, ssm_model) = config_class("selective_ssm"), model_classes("selective_ssm")
     models = {**{variant: ssm_model(ssm_config(**shape, selective_ssm_variant=variant)) for variant in variants},
               "attention": MixerForCausalLM(MixerConfig(**shape))}
     decoding = decoding_rows(models, contexts, decode_tokens, device, "bench selective_ssm: decoding")
 
-    def pick(rows, key, value, field, name_key, name):
-        return next((r[field] for r in rows if r[key] == value and r[name_key] == name), None)
-
-    ratios = [{"T": t, **{f"{kind}_time_vs_sdpa": pick(training, "T", t, "fwd_bwd_s", "mixer", kind)
-                          / pick(training, "T", t, "fwd_bwd_s", "mixer", "sdpa_attention") for kind in kinds[1:]}}
-              for t in lengths]
+    ratios = time_ratios(training, kinds[1:], lengths)
     first, last = min(contexts), max(contexts)
     main = "mamba2" if "mamba2" in variants else variants[0]
     attention_last = pick(decoding, "context", last, "token_latency_s", "model", "attention")
