@@ -201,22 +201,23 @@ def feedback_solve_chunked(f, q, k, gain, key_mask=None, past_k=None, past_s=Non
 
 
 def gathered_softmax(q, keys, support, scale):
-    """Softmax of <q_t, keys_j> * scale over the keys a table names: q (B, T, d), keys (B, N, d), support (B, T, K)
-    indices into keys, -1 for none -> weights (B, T, K), 0 at -1 and all 0 on a row with no key. Memory (B, T, K, d):
-    what GLTM's sparse patterns cost instead of a T x N score matrix."""
-    valid = support >= 0
+    """Softmax of <q_t, keys_j> * scale over the keys a table names: q (B, T, g, d) (g queries per key head, GQA),
+    keys (B, N, d), support (B, T, K) indices into keys, -1 for none -> weights (B, T, g, K), 0 at -1 and all 0 on a
+    row with no key. Memory (B, T, K, d) for the gathered keys: what GLTM's sparse patterns cost instead of a T x N
+    score matrix, once per key head."""
+    valid = (support >= 0)[:, :, None]  # (B, T, 1, K)
     gathered = _gather_rows(keys, support.clamp(min=0))
-    logits = torch.einsum("btd,btkd->btk", q, gathered) * scale
+    logits = torch.einsum("btgd,btkd->btgk", q, gathered) * scale
     logits = logits.masked_fill(~valid, float("-inf")).masked_fill(~valid.any(-1, keepdim=True), 0.0)
     return torch.softmax(logits, dim=-1).masked_fill(~valid, 0.0)
 
 
 def sparse_attention(q, keys, values, support, scale):
-    """Softmax attention of each query over the rows a table names: q (B, T, d), keys / values (B, N, d / dv),
-    support (B, T, K) (-1: none) -> (B, T, dv) in the compute dtype; a row with no key gives 0."""
+    """Softmax attention of each query over the rows a table names: q (B, T, g, d), keys / values (B, N, d / dv),
+    support (B, T, K) (-1: none) -> (B, T, g, dv) in the compute dtype; a row with no key gives 0."""
     cd = compute_dtype(q.dtype)
     weights = gathered_softmax(q.to(cd), keys.to(cd), support, scale)
-    return torch.einsum("btk,btkd->btd", weights, _gather_rows(values.to(cd), support.clamp(min=0)))
+    return torch.einsum("btgk,btkd->btgd", weights, _gather_rows(values.to(cd), support.clamp(min=0)))
 
 
 def _gather_rows(x, index):
@@ -309,8 +310,16 @@ def feedback_solve_sparse(f, q, k, gain, support, past_k=None, past_s=None, scal
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     cd = compute_dtype(f.dtype)
     keys = (k if past_k is None else torch.cat([past_k, k], dim=1)).to(cd)
-    weights = gain.to(cd)[..., None] * gathered_softmax(q.to(cd), keys, support, scale)
-    return _SparseFeedbackSolve.apply(f.to(cd), weights, support, None if past_s is None else past_s.to(cd),
+    weights = gain.to(cd)[..., None] * gathered_softmax(q.to(cd)[:, :, None], keys, support, scale)[:, :, 0]
+    return sparse_solve(f, weights, support, past_s, chunk_size)
+
+
+def sparse_solve(f, weights, support, past_s=None, chunk_size=64):
+    """The solve of ``feedback_solve_sparse`` from B's entries: row t of B has ``weights`` (B, T, K) on the rows
+    ``support`` (B, T, K) of [past, new] (-1: none, each strictly past). For callers that compute the weights
+    themselves (GLTM gathers keys once per KV head)."""
+    cd = compute_dtype(f.dtype)
+    return _SparseFeedbackSolve.apply(f.to(cd), weights.to(cd), support, None if past_s is None else past_s.to(cd),
                                       chunk_size)
 
 

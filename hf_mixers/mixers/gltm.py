@@ -41,7 +41,8 @@ from ..core.attention import FullAttention
 from ..core.cache import KVPlusLayer
 from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
 from ..kernels.common import compute_dtype
-from ..kernels.feedback_solve import feedback_solve, feedback_solve_sparse, sparse_attention
+from ..kernels.feedback_solve import (feedback_solve, feedback_solve_sparse, gathered_softmax, sparse_attention,
+                                      sparse_solve)
 from ..kernels.token_patterns import PATTERNS, RECURRENT, offset_function, offsets_below, support_rows
 
 GATES = ("mamba2", "sigmoid", "fixed")
@@ -227,9 +228,9 @@ class GLTMMixer(FullAttention):
             key_all = key if old is None else torch.cat([old.keys, key], dim=2)
             value_all = value if old is None else torch.cat([old.values, value], dim=2)
             a_rows = index(self.a_support(positions))  # (B, T, Ka) into the M + T rows
-            direct = sparse_attention(_fold(query, 1), _fold(key_all, groups), _fold(value_all, groups),
-                                      a_rows.repeat_interleave(heads, 0), self.scaling)  # (B H, T, d)
-            direct = direct.view(batch, heads, length, -1)
+            direct = sparse_attention(_by_kv_head(query, groups), key_all.flatten(0, 1), value_all.flatten(0, 1),
+                                      a_rows.repeat_interleave(self.num_key_value_heads, 0), self.scaling)
+            direct = _from_kv_head(direct, batch)  # (B, H, T, d)
         direct = direct.to(cd)
         if token_mask is not None:  # padded rows carry nothing (and no NaN) into anyone's solve
             direct = direct.masked_fill(~token_mask[:, None, -length:, None], 0.0)
@@ -248,13 +249,20 @@ class GLTMMixer(FullAttention):
                                    gate.flatten(0, 1), key_mask=key_mask, past_k=fold_past(past_keys, groups),
                                    past_s=fold_past(past_outputs, 1), scale=self.scaling,
                                    method=self.config.gltm_solver, chunk_size=self.config.gltm_chunk_size)
-            else:
+            elif self.config.gltm_solver == "dense":  # the reference: masked T x T matrices, one solve
                 b_rows = index(support_rows(self.pattern, positions, self.window, self.offsets))  # (B, T, K)
                 y = feedback_solve_sparse(_fold(f, 1), _fold(q_b, 1).to(cd), _fold(feedback_keys, groups).to(cd),
                                           gate.flatten(0, 1), b_rows.repeat_interleave(heads, 0),
                                           past_k=fold_past(past_keys, groups), past_s=fold_past(past_outputs, 1),
-                                          scale=self.scaling, chunk_size=self.config.gltm_chunk_size,
-                                          method=self.config.gltm_solver)
+                                          scale=self.scaling, method="dense")
+            else:  # B's entries from keys gathered once per KV head, then the block substitution
+                b_rows = index(support_rows(self.pattern, positions, self.window, self.offsets))  # (B, T, K)
+                keys_all = feedback_keys if past_keys is None else torch.cat([past_keys, feedback_keys], dim=2)
+                weights = gathered_softmax(_by_kv_head(q_b, groups).to(cd), keys_all.flatten(0, 1).to(cd),
+                                           b_rows.repeat_interleave(self.num_key_value_heads, 0), self.scaling)
+                weights = _from_kv_head(weights, batch).flatten(0, 1) * gate.flatten(0, 1)[..., None]  # (B H, T, K)
+                y = sparse_solve(_fold(f, 1), weights, b_rows.repeat_interleave(heads, 0),
+                                 fold_past(past_outputs, 1), self.config.gltm_chunk_size)
             outputs = y.view(batch, heads, length, -1)  # what later tokens read (z under weight sharing)
             y = outputs if skip is None else outputs - skip[..., None] * direct  # weight sharing: y = z - d x
         else:
@@ -303,6 +311,18 @@ class GLTMMixer(FullAttention):
                 support_rows(self.pattern, following[:, None], self.window, self.offsets)[:, 0]  # (B, K)
             keep = (layer.positions[..., None] == needed[:, None, :]).any(-1) & (layer.positions > 0)  # (B, M)
             layer.keep(keep)
+
+
+def _by_kv_head(x, groups):
+    """Queries (B, H, T, d) -> (B Hkv, T, g, d): the g query heads that share a KV head side by side."""
+    batch, heads, length, width = x.shape
+    return x.view(batch, heads // groups, groups, length, width).permute(0, 1, 3, 2, 4).flatten(0, 1)
+
+
+def _from_kv_head(x, batch):
+    """(B Hkv, T, g, ...) -> (B, H, T, ...), the inverse of ``_by_kv_head``."""
+    x = x.unflatten(0, (batch, -1)).transpose(2, 3)  # (B, Hkv, g, T, ...)
+    return x.flatten(1, 2)
 
 
 def _fold(x, groups):
