@@ -133,7 +133,8 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
         layers_converted=sorted(mixers), layers_kept=[i for i in range(count) if layer_types[i] in TEACHER_ATTENTION],
         keep_attention=None if keep_attention is None else str(keep_attention),
         layers=[LayerReport(index=i, teacher_kind=teacher_kinds[i], kind=layer_types[i], error=errors.get(i),
-                            note=_layer_note(i, teacher_kinds, layer_types, kept, config), kl_drop=kl_drops.get(i))
+                            note=_layer_note(i, teacher_kinds, layer_types, kept, config, mixers.get(i)),
+                            kl_drop=kl_drops.get(i))
                 for i in range(count)],
         calibration=calibration_name, calibration_tokens=calibration_ids.numel(), heldout_tokens=heldout_ids.numel(),
         teacher_parameters=teacher_parameters, student_parameters=student_parameters,
@@ -275,13 +276,14 @@ def _verify_copied(teacher_model, student) -> int:
     return checked
 
 
-def _layer_note(index, teacher_kinds, layer_types, kept, config) -> str:
+def _layer_note(index, teacher_kinds, layer_types, kept, config, mixer=None) -> str:
     if index in kept and layer_types[index] in TEACHER_ATTENTION:
         return "kept as attention"
+    notes = [getattr(mixer, "conversion_note", "")]  # what the mixer's from_attention chose (GLTM: its gate)
     if teacher_kinds[index] == "sliding_attention" and layer_types[index] not in TEACHER_ATTENTION:
         note = get_mixer(layer_types[index]).sliding_note
-        return f"teacher attends within {config.sliding_window} tokens" + (f"; {note}" if note else "")
-    return ""
+        notes.insert(0, f"teacher attends within {config.sliding_window} tokens" + (f"; {note}" if note else ""))
+    return "; ".join(note for note in notes if note)
 
 
 def convertible_mixers() -> tuple[str, ...]:

@@ -99,6 +99,7 @@ def test_gltm_dense_conversion_keeps_the_teacher_and_sparse_patterns_calibrate_t
         assert torch.isfinite(torch.tensor(report.student_perplexity))
         if not options.get("gltm_weight_sharing") and options["gltm_pattern"] != "ssm":
             assert all(layer.error < 1 for layer in report.layers)  # the calibrated gate beats silence
+            assert all("calibrated: error" in layer.note for layer in report.layers)  # the chosen gate, per layer
 
 
 def test_rope_scaling_is_carried_over(tokenizer, tmp_path):

@@ -24,9 +24,11 @@ class SequenceMixer(nn.Module):
         init_new_parameters(): the conversion initialisation of what a converted layer adds to its teacher's
             attention (default: ``reset_parameters``).
         teacher_modules: names of submodules ``from_attention`` must fill from the teacher attention.
+        conversion_note: what ``from_attention`` chose, in a few words (the conversion report shows it per layer).
     """
 
     teacher_modules: tuple[str, ...] = ()
+    conversion_note: str = ""
 
     def __init__(self, config, layer_idx: int):
         super().__init__()

@@ -162,7 +162,9 @@ class GLTMMixer(FullAttention):
             self.set_gate(value)
             output = self(hidden_states, position_embeddings).float()
             errors[value] = ((output - reference).norm() / reference.norm()).item()
-        self.set_gate(min(errors, key=errors.get))
+        best = min(errors, key=errors.get)
+        self.set_gate(best)
+        self.conversion_note = f"gate {best:g} (calibrated: error {errors[best]:.3f}, gate off {errors[GATE_OFF]:.3f})"
         return errors
 
     def gate(self, hidden_states):
