@@ -304,9 +304,7 @@ def feedback_solve_sparse(f, q, k, gain, support, past_k=None, past_s=None, scal
                          f"{tuple(support.shape)}")
     if chunk_size < 1:
         raise ValueError(f"feedback_solve: chunk_size must be >= 1, got {chunk_size}")
-    past = _check_shapes(f, q, k, gain, None, past_k, past_s)
-    if bool((support >= past + torch.arange(length, device=support.device)[:, None]).any()):
-        raise ValueError("feedback_solve_sparse: a support entry is not strictly in the past of its row")
+    _check_shapes(f, q, k, gain, None, past_k, past_s)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     cd = compute_dtype(f.dtype)
     keys = (k if past_k is None else torch.cat([past_k, k], dim=1)).to(cd)
@@ -318,6 +316,12 @@ def sparse_solve(f, weights, support, past_s=None, chunk_size=64):
     """The solve of ``feedback_solve_sparse`` from B's entries: row t of B has ``weights`` (B, T, K) on the rows
     ``support`` (B, T, K) of [past, new] (-1: none, each strictly past). For callers that compute the weights
     themselves (GLTM gathers keys once per KV head)."""
+    past, length = (0 if past_s is None else past_s.shape[1]), f.shape[1]
+    if weights.shape != support.shape or support.shape[:2] != f.shape[:2]:
+        raise ValueError(f"sparse_solve: weights {tuple(weights.shape)} and support {tuple(support.shape)} must both "
+                         f"be (batch, length, K) with (batch, length) = {tuple(f.shape[:2])}")
+    if bool((support >= past + torch.arange(length, device=support.device)[:, None]).any()):
+        raise ValueError("feedback_solve_sparse: a support entry is not strictly in the past of its row")
     cd = compute_dtype(f.dtype)
     return _SparseFeedbackSolve.apply(f.to(cd), weights.to(cd), support, None if past_s is None else past_s.to(cd),
                                       chunk_size)
