@@ -14,8 +14,10 @@ Patterns (``window`` w, default 8; an offset function f with f(0) = 1, strictly 
     pow2, quad, custom            translation-invariant (Eq. 3): P = {i - f(k) : f(k) < i}; f = 2^k, k^2 + 1, yours
     pow2_ce, quad_ce, custom_ce   cache-efficient (Eq. 12): P = {a_k ceil((i - f(k)) / a_k) : f(k) < i} with
                                   a_0 = 1, a_{k+1} = a_k ceil((f(k+1) - f(k)) / a_k): each target rounded up onto a
-                                  lattice, so decoding keeps one slot per scale (``ce_slots_step``) and the cache holds
-                                  ceil(log2 i) positions for pow2_ce, at most ceil(sqrt(i - 1)) for quad_ce.
+                                  lattice, so a position once dropped is never read again and a decoder keeps only
+                                  the next token's support: ceil(log2 i) positions for pow2_ce, at most
+                                  ceil(sqrt(i - 1)) for quad_ce. ``ce_slots_step`` is the paper's slot recursion
+                                  (Eq. 42), which yields the same sets (tested).
 
 The paper's Definition 4.10 as printed contradicts its own Eq. 12 and proof (it would give S_3 = {1, 3}); this module
 implements Eq. 12, which the tests check against the corrected rounding definition and the slot recursion.
@@ -128,12 +130,6 @@ def support_table(pattern: str, length: int, window: int = 8, offsets=None) -> t
     if length < 1:
         raise ValueError(f"support_table: length must be >= 1, got {length}")
     return support_rows(pattern, torch.arange(1, length + 1), window, offsets)
-
-
-def a_support_size(pattern: str, length: int, window: int = 8) -> int | None:
-    """How many inputs the A-branch reads per token when it is not {i} ∪ P(i): all of them (attention), the last
-    ``window`` (local), only the current one (ssm); None for the others."""
-    return {"attention": length, "local": window, "ssm": 1}.get(pattern)
 
 
 def pattern_support(pattern: str, length: int, window: int = 8, offsets=None) -> list[list[int]]:
