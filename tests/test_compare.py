@@ -35,12 +35,13 @@ def test_cache_bytes_are_exact_for_growing_and_constant_caches():
     """Extrapolated from two short prefills; equal to a real prefill of the longer context."""
     from hf_mixers.common.measures import decode_latency
 
-    for name, grows in (("full_attention", True), ("rsa[window]", False), ("selective_ssm[window]", False)):
+    for name, grows in (("full_attention", True), ("rsa[window]", False), ("selective_ssm[window]", False),
+                        ("gltm", True), ("gltm[banded]", False)):  # gltm: pow2_ce, a cache of ceil(log2 t)
         model = tiny_model(name, dtype=torch.float32)
-        predicted = cache_bytes(model, [200], model.config.vocab_size, "cpu", probes=(16, 48))[200]
+        predicted = cache_bytes(model, [200], model.config.vocab_size, "cpu", probes=(16, 32, 64))[200]
         measured = decode_latency(model, 200, 1, model.config.vocab_size, "cpu", warmup=0)[1]
-        assert predicted == measured
-        assert (cache_bytes(model, [400], model.config.vocab_size, "cpu", probes=(16, 48))[400] > measured) == grows
+        assert predicted == measured, name
+        assert (cache_bytes(model, [400], model.config.vocab_size, "cpu", probes=(16, 32, 64))[400] > measured) == grows
 
 
 def test_compare_runs_every_entry_and_resumes(teacher_dir, tmp_path, capsys):
