@@ -271,7 +271,8 @@ class GLTMMixer(FullAttention):
             y = outputs = direct
         if layer is not None:
             self.update_cache(layer, key, value[..., :0] if self.diagonal_a else value, feedback_keys, outputs,
-                              positions)
+                              positions, joined=None if self.diagonal_a or self.pattern in FULL_A
+                              else (key_all, value_all))
         return self.o_proj(y.transpose(1, 2).flatten(2).to(hidden_states.dtype))  # (B, T, H d) -> (B, T, D)
 
     def input_scale(self, hidden_states, gate):
@@ -297,10 +298,11 @@ class GLTMMixer(FullAttention):
             return positions[..., None]
         return torch.cat([positions[..., None], support_rows(self.pattern, positions, self.window, self.offsets)], -1)
 
-    def update_cache(self, layer, key, value, feedback_keys, outputs, positions):
-        """Append the new tokens' entries; evict what no future token reads (the patterns in EVICTING)."""
+    def update_cache(self, layer, key, value, feedback_keys, outputs, positions, joined=None):
+        """Append the new tokens' entries (``joined``: the K/V already concatenated with the cached ones, reused);
+        evict what no future token reads (the patterns in EVICTING)."""
         if self.pattern not in FULL_A or self.diagonal_a:  # the attention path appended its K/V in update()
-            layer.append_kv(key, value)
+            layer.append_kv(key, value, joined)
         if self.recurrent:  # (B, heads, T, d) -> (B, T, heads, d); y kept in the compute dtype (fp32 for bf16)
             layer.append_extras(feedback_keys.transpose(1, 2), outputs.transpose(1, 2), positions)
         else:  # B = 0: no past output is ever read
@@ -362,11 +364,12 @@ class GLTMCacheLayer(KVPlusLayer):
         super().__init__(**kwargs)
         self.seen_tokens = 0
 
-    def append_kv(self, key, value):
+    def append_kv(self, key, value, joined=None):
+        """Append K/V (B, Hkv, T, d); ``joined``: the cached and new K/V already concatenated by the caller."""
         if not self.is_initialized:
             self.lazy_initialization(key, value)
-        self.keys = torch.cat([self.keys, key], dim=-2)
-        self.values = torch.cat([self.values, value], dim=-2)
+        self.keys, self.values = joined if joined is not None else (torch.cat([self.keys, key], dim=-2),
+                                                                    torch.cat([self.values, value], dim=-2))
 
     def keep(self, keep):
         """Keep the entries where ``keep`` (B, M) is True, in order; rows with fewer get empty slots in front."""
