@@ -148,6 +148,21 @@ def test_selective_ssm_distils_end_to_end(teacher_dir, tmp_path, options):
     assert not remote["hf_mixers_imported"] and remote["class"] == "SelectiveSSMForCausalLM"
 
 
+def test_gltm_distils_end_to_end(teacher_dir, tmp_path):
+    """pow2_ce: stage 1 trains the B-branch and the gate (not the teacher's q/k/v/o) and lowers its loss; stage 2
+    runs; the saved folder loads and generates through remote code."""
+    out = tmp_path / "run"
+    summary = distill(load_recipe([], small(teacher_dir, out, "model.mixer=gltm", "stage1.steps=8",
+                                        'model.mixer_options={"gltm_pattern": "pow2_ce"}')), progress=False)
+    stage1 = summary["stages"]["stage1"]
+    assert stage1["final_loss"] < stage1["first_loss"] and summary["stages"]["stage2"]["steps"] == 4
+    trained = {name.split(".mixer.")[1] for name in new_mixer_parameters(summary["model"])
+               if ".lora_" not in name}
+    assert trained == {"qb_proj.weight", "kb_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log"}
+    remote = load_in_fresh_process(out / "model", torch.randint(1, 300, (1, 10)), max_new_tokens=4)
+    assert not remote["hf_mixers_imported"] and remote["class"] == "GLTMForCausalLM"
+
+
 def test_blockwise_stage1_equals_joint_stage1(teacher_dir, tmp_path):
     """One layer at a time from the disk cache = all layers together (clipping off: Adam ignores the 1/L)."""
     models = {}
