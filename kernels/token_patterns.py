@@ -135,7 +135,7 @@ def support_table(pattern: str, length: int, window: int = 8, offsets=None) -> t
 def pattern_support(pattern: str, length: int, window: int = 8, offsets=None) -> list[list[int]]:
     """For each 1-based position i = 1..length, the sorted B-support P(i) (the past outputs token i reads)."""
     table = support_table(pattern, length, window, offsets)
-    return [sorted(int(j) for j in row if j > 0) for row in table]
+    return [sorted(j for j in row if j > 0) for row in table.tolist()]
 
 
 def ce_slots_step(slots: list[int | None], position: int, offsets: list[int]) -> list[int | None]:

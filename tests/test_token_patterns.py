@@ -2,9 +2,9 @@
 recursion and the exact statistics of spec §3.2 (Fagnou et al., §4 and App. D)."""
 
 import math
-from collections import deque
 
 import pytest
+import torch
 
 from hf_mixers.kernels.token_patterns import (ce_slots_step, lattice_steps, offsets_below, parse_offsets,
                                               pattern_support, support_table)
@@ -23,24 +23,19 @@ STATS = {"ssm": [(1, 127, 127), (1, 255, 255), (1, 1023), (1, 2047)],
 
 
 def longest_shortest_path(supports):
-    """Exact BFS from every source over the communication graph (edge j -> i iff j in P(i))."""
+    """Exact BFS from every source at once over the communication graph (edge j -> i iff j in P(i)), as boolean
+    matrix products: the number of hops after which nothing new is reached, maximised over reachable pairs."""
     length = len(supports)
-    readers = [[] for _ in range(length + 1)]
-    for i, row in enumerate(supports, start=1):
-        for j in row:
-            readers[j].append(i)
-    longest = 0
-    for source in range(1, length + 1):
-        hops = {source: 0}
-        queue = deque([source])
-        while queue:
-            node = queue.popleft()
-            for reader in readers[node]:
-                if reader not in hops:
-                    hops[reader] = hops[node] + 1
-                    queue.append(reader)
-        longest = max(longest, max(hops.values()))
-    return longest
+    edges = torch.zeros(length, length)
+    for i, row in enumerate(supports):
+        edges[[j - 1 for j in row], i] = 1.0
+    reached = frontier = torch.eye(length, dtype=torch.bool)
+    hops = 0
+    while True:
+        frontier = ((frontier.float() @ edges) > 0) & ~reached
+        if not frontier.any():
+            return hops
+        reached, hops = reached | frontier, hops + 1
 
 
 @pytest.mark.parametrize("pattern", list(STATS))
