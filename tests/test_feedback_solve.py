@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hf_mixers.kernels.feedback_solve import (feedback_solve, feedback_solve_chunked, feedback_solve_dense,
-                                              feedback_solve_recurrent, feedback_solve_sparse, feedback_weights)
+                                              feedback_solve_recurrent, feedback_solve_sparse, feedback_weights,
+                                              sparse_solve)
 from hf_mixers.kernels.token_patterns import support_table
 
 F64 = torch.float64
@@ -227,3 +228,5 @@ def test_the_sparse_solve_passes_gradcheck_and_refuses_a_support_that_reads_the_
         feedback_solve_sparse(inputs["f"], inputs["q"], inputs["k"], inputs["gain"], bad)
     with pytest.raises(ValueError, match="support must be"):
         feedback_solve_sparse(inputs["f"], inputs["q"], inputs["k"], inputs["gain"], index[0])
+    with pytest.raises(ValueError, match="sparse_solve: weights"):
+        sparse_solve(inputs["f"], torch.zeros(2, 9, 1, dtype=F64), index)
