@@ -403,10 +403,6 @@ class GLTMCacheLayer(KVPlusLayer):
         self.seen_tokens = self.keys.shape[-2] if self.keys is not None else 0
 
 
-def _derived_defaults(config) -> dict:
-    return {}
-
-
 def _validate(config) -> str | None:
     pattern = config.gltm_pattern
     if pattern.startswith("custom"):
@@ -453,7 +449,7 @@ GLTM = register_mixer(MixerSpec(
                     "masked T x T matrices and one triangular solve)", one_of("chunked", "dense")),
         MixerOption("gltm_chunk_size", 64, "rows per block of the chunked solve", positive_int),
     ),
-    derived_defaults=_derived_defaults, validate=_validate, cache_layer=GLTMCacheLayer, attention_mask="causal",
+    validate=_validate, cache_layer=GLTMCacheLayer, attention_mask="causal",
     keep_in_fp32=("A_log",),
     limitations=("GLTM layers read a sparse set of past positions: the translation-invariant and dense patterns "
                  "keep a cache that grows with the context; the cache-efficient ones keep O(log T) (pow2_ce) or "
