@@ -1,0 +1,156 @@
+"""Multi-rate retention: linear attention whose lag kernel is a per-token sum of exponentials (VORT's global branch).
+
+Token i is written with weights c_s(i) into S slots of fixed log-rates l_s <= 0 (the SOE of kernels/soe.py, or
+learned rates), so the read at t weighs it by a_{t,i} = (q_t . k_i) * sum_s c_s(i) exp(l_s (t - i)):
+
+    out_t = sum_{i <= t} a_{t,i} v_i  +  skip_t (q_t . k_t) v_t          (include_current; strict: i < t, no skip)
+
+q and k are already feature maps (phi(q), phi(k) >= 0 for a positive map); the normaliser is the caller's: it
+appends a column of ones to v and divides. Per slot this is RetNet-style fixed-decay linear attention; summed over
+the slots the state is (S, F, V) per KV head, the same at any context length.
+
+Shapes: q (B, G, g, T, F) (G KV heads of g query heads), k (B, G, T, F), v (B, G, T, V), log_rates (G or 1, S),
+weights (B, G, T, S) (zero for padding: such a token writes nothing), skip (B, G, T) or None, state (B, G, S, F, V)
+before token 0 (None: zeros).
+
+Forms, equal in fp64 (tests/test_retention.py):
+    retention_quadratic   the (T, T) matrix a_{t,i}: the definition (the paper's parallel form); ``scores`` may
+                          replace q . k (e.g. the exact exp(q . k / sqrt(d)) of the identity checks)
+    retention_recurrent   token by token: decay, (strict: read), write, (read): the decode path
+    retention_chunked     chunks of C tokens: intra-chunk a masked matmul with the (C, C) kernel summed over the
+                          slots, inter-chunk the state read through exp(l_s (r + 1)); memory linear in T
+States are fp32 (fp64 stays fp64): 1 - e^{l_s} can be 5.6e-7, below bf16's resolution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import compute_dtype
+
+
+def _check(q, k, v, log_rates, weights, skip, state):
+    if q.dim() != 5 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"retention: q must be (B, G, g, T, F), k (B, G, T, F), v (B, G, T, V); got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    batch, groups, _, length, features = q.shape
+    if tuple(k.shape) != (batch, groups, length, features) or tuple(v.shape[:3]) != (batch, groups, length):
+        raise ValueError(f"retention: k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    slots = log_rates.shape[-1]
+    if log_rates.dim() != 2 or log_rates.shape[0] not in (1, groups):
+        raise ValueError(f"retention: log_rates must be (1 or {groups}, slots), got {tuple(log_rates.shape)}")
+    if tuple(weights.shape) != (batch, groups, length, slots):
+        raise ValueError(f"retention: weights must be {(batch, groups, length, slots)}, got {tuple(weights.shape)}")
+    if skip is not None and tuple(skip.shape) != (batch, groups, length):
+        raise ValueError(f"retention: skip must be {(batch, groups, length)}, got {tuple(skip.shape)}")
+    if state is not None and tuple(state.shape) != (batch, groups, slots, features, v.shape[-1]):
+        raise ValueError(f"retention: state must be {(batch, groups, slots, features, v.shape[-1])}, got "
+                         f"{tuple(state.shape)}")
+
+
+def _cast(*tensors):
+    dtype = compute_dtype(tensors[0].dtype)
+    return [None if t is None else t.to(dtype) for t in tensors]
+
+
+def retention_quadratic(q, k, v, log_rates, weights, skip=None, state=None, include_current: bool = True,
+                        scores=None):
+    """The definition through the (T, T) matrix. ``scores`` (B, G, g, T, T) replaces q . k when given (q and k are
+    then only used to read ``state``). Returns (out (B, G, g, T, V), final state (B, G, S, F, V))."""
+    _check(q, k, v, log_rates, weights, skip, state)
+    q, k, v, log_rates, weights, skip, state = _cast(q, k, v, log_rates, weights, skip, state)
+    length = q.shape[3]
+    t = torch.arange(length, device=q.device)
+    lag = (t[:, None] - t[None, :]).to(q.dtype)  # (T, T)
+    causal = t[:, None] > t[None, :] if not include_current else t[:, None] >= t[None, :]
+    decay = torch.exp(log_rates[:, :, None, None] * lag.clamp(min=0))  # (G, S, T, T)
+    kernel = torch.einsum("gsti,bgis->bgti", decay, weights) * causal  # (B, G, T, T): sum_s c_s(i) e^{l_s (t-i)}
+    if skip is not None and include_current:
+        kernel = kernel + torch.diag_embed(skip)
+    if scores is None:
+        scores = torch.einsum("bgjtf,bgif->bgjti", q, k)
+    out = torch.einsum("bgjti,bgti,bgiv->bgjtv", scores.to(q.dtype), kernel, v)
+    if state is not None:  # the state before token 0, decayed t + 1 steps
+        read = torch.exp(log_rates[:, :, None] * (t + 1).to(q.dtype))  # (G, S, T)
+        out = out + torch.einsum("bgjtf,gst,bgsfv->bgjtv", q, read, state)
+    end = torch.exp(log_rates[:, :, None] * (length - 1 - t).to(q.dtype))  # (G, S, T): decay to the last token
+    final = torch.einsum("gsi,bgis,bgif,bgiv->bgsfv", end, weights, k, v)
+    if state is not None:
+        final = final + torch.exp(log_rates * length)[None, :, :, None, None] * state
+    return out, final
+
+
+def retention_step(q, k, v, log_rates, weights, skip, state, include_current: bool = True):
+    """One token: q (B, G, g, F), k (B, G, F), v (B, G, V), weights (B, G, S), skip (B, G) or None, state
+    (B, G, S, F, V) -> out (B, G, g, V), new state. Decay to t, (strict: read), write token t, (read + skip)."""
+    state = torch.exp(log_rates)[None, :, :, None, None] * state
+    if not include_current:
+        return torch.einsum("bgjf,bgfv->bgjv", q, state.sum(2)), \
+            state + torch.einsum("bgs,bgf,bgv->bgsfv", weights, k, v)
+    state = state + torch.einsum("bgs,bgf,bgv->bgsfv", weights, k, v)
+    out = torch.einsum("bgjf,bgfv->bgjv", q, state.sum(2))
+    if skip is not None:
+        out = out + (skip[:, :, None] * torch.einsum("bgjf,bgf->bgj", q, k))[..., None] * v[:, :, None]
+    return out, state
+
+
+def retention_recurrent(q, k, v, log_rates, weights, skip=None, state=None, include_current: bool = True):
+    """Token by token (``retention_step``): the decode path. Same signature and result as retention_quadratic."""
+    _check(q, k, v, log_rates, weights, skip, state)
+    q, k, v, log_rates, weights, skip, state = _cast(q, k, v, log_rates, weights, skip, state)
+    if state is None:
+        state = q.new_zeros(q.shape[0], q.shape[1], log_rates.shape[-1], q.shape[-1], v.shape[-1])
+    outs = []
+    for t in range(q.shape[3]):
+        out, state = retention_step(q[:, :, :, t], k[:, :, t], v[:, :, t], log_rates, weights[:, :, t],
+                                    None if skip is None else skip[:, :, t], state, include_current)
+        outs.append(out)
+    return torch.stack(outs, dim=3), state
+
+
+def retention_chunked(q, k, v, log_rates, weights, skip=None, state=None, include_current: bool = True,
+                      chunk_size: int = 64):
+    """Chunks of ``chunk_size`` tokens; memory linear in T. Same signature and result as retention_quadratic."""
+    _check(q, k, v, log_rates, weights, skip, state)
+    q, k, v, log_rates, weights, skip, state = _cast(q, k, v, log_rates, weights, skip, state)
+    batch, groups, per_group, length, features = q.shape
+    slots, width, size = log_rates.shape[-1], v.shape[-1], min(chunk_size, length)
+    chunks = -(-length // size)
+    pad = chunks * size - length
+    if pad:  # padded tokens: zero query, key and weights, so they neither read nor write
+        q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+        k, v = torch.nn.functional.pad(k, (0, 0, 0, pad)), torch.nn.functional.pad(v, (0, 0, 0, pad))
+        weights = torch.nn.functional.pad(weights, (0, 0, 0, pad))
+        skip = None if skip is None else torch.nn.functional.pad(skip, (0, pad))
+    qc = q.unflatten(3, (chunks, size))  # (B, G, g, N, C, F)
+    kc, vc = k.unflatten(2, (chunks, size)), v.unflatten(2, (chunks, size))  # (B, G, N, C, F / V)
+    wc = weights.unflatten(2, (chunks, size))  # (B, G, N, C, S)
+    r = torch.arange(size, device=q.device)
+    lag = (r[:, None] - r[None, :]).to(q.dtype)
+    causal = r[:, None] > r[None, :] if not include_current else r[:, None] >= r[None, :]
+    rates = log_rates[:, :, None, None]  # (G, S, 1, 1)
+    decay = torch.exp(rates * lag.clamp(min=0)) * causal  # (G, S, C, C)
+    kernel = torch.einsum("gsrc,bgncs->bgnrc", decay, wc)  # (B, G, N, C, C)
+    if skip is not None and include_current:
+        kernel = kernel + torch.diag_embed(skip.unflatten(2, (chunks, size)))
+    scores = torch.einsum("bgjnrf,bgncf->bgjnrc", qc, kc)
+    out = torch.einsum("bgjnrc,bgnrc,bgncv->bgjnrv", scores, kernel, vc)
+    # each chunk's own write, decayed to its last token: (B, G, N, S, F, V)
+    to_end = torch.exp(log_rates[:, :, None] * (size - 1 - r).to(q.dtype))  # (G, S, C)
+    writes = torch.einsum("gsc,bgncs,bgncf,bgncv->bgnsfv", to_end, wc, kc, vc)
+    step = torch.exp(log_rates * size)[None, :, :, None, None]  # (1, G, S, 1, 1): a whole chunk of decay
+    current = state if state is not None else q.new_zeros(batch, groups, slots, features, width)
+    before = []  # the state before each chunk
+    for n in range(chunks):
+        before.append(current)
+        current = step * current + writes[:, :, n]
+    before = torch.stack(before, dim=2)  # (B, G, N, S, F, V)
+    read = torch.exp(log_rates[:, :, None] * (r + 1).to(q.dtype))  # (G, S, C)
+    decayed_q = torch.einsum("bgjnrf,gsr->bgjnrsf", qc, read).flatten(-2)  # (B, G, g, N, C, S F)
+    out = out + torch.einsum("bgjnrx,bgnxv->bgjnrv", decayed_q, before.flatten(3, 4))
+    if pad:  # the final state at the last real token: the last chunk's state and writes decayed size - pad steps
+        real = size - pad
+        to_last = torch.exp(log_rates[:, :, None] * (real - 1 - r).clamp(min=0).to(q.dtype))  # padded: weight 0
+        current = torch.exp(log_rates * real)[None, :, :, None, None] * before[:, :, -1] + torch.einsum(
+            "gsc,bgcs,bgcf,bgcv->bgsfv", to_last, wc[:, :, -1], kc[:, :, -1], vc[:, :, -1])
+    return out.flatten(3, 4)[:, :, :, :length], current

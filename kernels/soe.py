@@ -1,0 +1,127 @@
+"""Power-law retention weights and their sum-of-exponentials (SOE) approximation, as VORT uses them.
+
+Mlaiki, "VORT: Adaptive Power-Law Memory for NLP Transformers" (arXiv 2605.08966), §2-3. A token written with order
+alpha in (0, 1] is retained at lag j with the Grünwald-Letnikov weight
+
+    w_j(alpha) = Gamma(j + alpha) / (Gamma(alpha) Gamma(j + 1))  ~  j^(alpha - 1) / Gamma(alpha)    (w_j(1) = 1)
+
+a power law no finite recurrence reproduces. It is the moment sequence of a Beta(alpha, 1 - alpha) law on the decay
+mu = e^-lambda, so w_j = integral rho(lambda) e^(-lambda j) d lambda with the density
+
+    rho(lambda) = sin(pi alpha) / pi * e^(-alpha lambda) (1 - e^-lambda)^(-alpha)
+
+and any quadrature of that integral is a sum of exponentials, i.e. S decayed linear-attention slots. The paper's
+printed construction has three errors (an extra e^-lambda in rho, no Jacobian in the weights, the lower tail dropped,
+which loses alpha = 1 entirely); this is the corrected one:
+
+    nodes    Gauss-Legendre in log lambda on [lambda_min, lambda_max] = [eps / 2T, 2 log(2T / eps)]; the rates
+             e^-xi_s do not depend on alpha, so tokens of every order share the slots
+    c_s      Omega_s rho(xi_s), Omega_s = (L / 2) varpi_s xi_s (the Jacobian of the log substitution)
+    c_0      the mass below lambda_min, in closed form: a "DC" slot of rate exactly 1
+    c_inf    the mass above lambda_max (it only matters at j = 0): a stateless skip term
+
+    w_j(alpha) ~= c_0 + sum_s c_s e^(-xi_s j) + c_inf [j = 0]
+
+exact at alpha = 1 (c_0 = 1, the rest 0: sin(pi alpha) is computed as sin(pi (1 - alpha))). Max abs error over
+j in [0, 1000]: about 1e-3 at S = 15 and 1e-5 at S = 30 (tests/test_soe.py). The pure power law k_j = j^(alpha - 1) /
+Gamma(alpha), j >= 1 (the paper's "Power-Law" baseline) uses the same nodes with rho = sin(pi alpha) / pi
+lambda^-alpha.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+KERNELS = ("gl", "power")  # the alpha-dependent kernels (VORT's "exp" and "mixture" baselines have learned rates)
+
+
+def gl_weights(alpha: torch.Tensor, lags: torch.Tensor) -> torch.Tensor:
+    """The exact Grünwald-Letnikov weights w_j(alpha) through lgamma: (..., ) x (J,) -> (..., J)."""
+    alpha, lags = alpha[..., None], lags.to(alpha.dtype)
+    return torch.exp(torch.lgamma(lags + alpha) - torch.lgamma(alpha) - torch.lgamma(lags + 1))
+
+
+def power_weights(alpha: torch.Tensor, lags: torch.Tensor) -> torch.Tensor:
+    """The pure power law j^(alpha - 1) / Gamma(alpha) for lags j >= 1 (0 at j = 0, where it is undefined)."""
+    alpha, lags = alpha[..., None], lags.to(alpha.dtype)
+    safe = lags.clamp(min=1)
+    return torch.where(lags >= 1, torch.exp((alpha - 1) * torch.log(safe) - torch.lgamma(alpha)),
+                       torch.zeros((), dtype=alpha.dtype, device=alpha.device))
+
+
+@lru_cache(maxsize=64)
+def _nodes(num_terms: int, horizon: int, eps: float) -> tuple:
+    """(xi, Omega, lambda_min, lambda_max) in float64: the alpha-independent quadrature of the Laplace integral."""
+    lambda_min, lambda_max = eps / (2 * horizon), 2 * math.log(2 * horizon / eps)
+    span = math.log(lambda_max / lambda_min)
+    x, varpi = np.polynomial.legendre.leggauss(num_terms)
+    xi = lambda_min * np.exp(span / 2 * (x + 1))
+    return tuple(xi.tolist()), tuple((span / 2 * varpi * xi).tolist()), lambda_min, lambda_max
+
+
+def _check(num_terms: int, horizon: int, eps: float) -> None:
+    if not (isinstance(num_terms, int) and num_terms >= 1):
+        raise ValueError(f"soe: num_terms must be a positive integer, got {num_terms!r}")
+    if not (isinstance(horizon, int) and horizon >= 2):
+        raise ValueError(f"soe: horizon must be an integer >= 2 (the longest lag the SOE is built for), got "
+                         f"{horizon!r}")
+    if not 0 < eps < 1:
+        raise ValueError(f"soe: eps must be in (0, 1), got {eps!r}")
+
+
+def soe_log_rates(num_terms: int, horizon: int, eps: float = 1e-3, dtype=torch.float64, device=None) -> torch.Tensor:
+    """log of the S + 1 slot rates, -xi_s then 0 (the DC slot): (S + 1,). Decays are computed as exp(log_rate * j)
+    so the slowest rates (1 - 5.6e-7 at T = 1000) never round to 1 in a stored power."""
+    _check(num_terms, horizon, eps)
+    xi = _nodes(num_terms, horizon, float(eps))[0]
+    return torch.tensor([-x for x in xi] + [0.0], dtype=dtype, device=device)
+
+
+def soe_weights(alpha: torch.Tensor, num_terms: int, horizon: int, eps: float = 1e-3, kernel: str = "gl"):
+    """The alpha-dependent slot weights, differentiable in alpha: ``weights`` alpha.shape + (S + 1,) (the last is
+    the DC slot) and ``skip_weight`` alpha.shape (the lag-0 term; 0 for the power law, undefined at j = 0)."""
+    _check(num_terms, horizon, eps)
+    if kernel not in KERNELS:
+        raise ValueError(f"soe: kernel must be one of {KERNELS}, got {kernel!r}")
+    xi, omega, lambda_min, lambda_max = _nodes(num_terms, horizon, float(eps))
+    xi = torch.tensor(xi, dtype=alpha.dtype, device=alpha.device)
+    omega = torch.tensor(omega, dtype=alpha.dtype, device=alpha.device)
+    a = alpha[..., None]
+    sin_term = torch.sin(math.pi * (1 - a)) / math.pi  # sin(pi alpha) / pi, exactly 0 at alpha = 1
+    if kernel == "gl":
+        slots = omega * sin_term * torch.exp(-a * xi - a * torch.log(-torch.expm1(-xi)))
+        dc = torch.exp((1 - alpha) * math.log(lambda_min) - torch.lgamma(alpha) - torch.lgamma(2 - alpha))
+        skip = torch.sin(math.pi * (1 - alpha)) / (math.pi * alpha) * torch.exp(-alpha * lambda_max)
+    else:  # rho = sin(pi alpha) / pi lambda^-alpha; DC mass sin(pi alpha) / (pi (1 - alpha)) lambda_min^(1 - alpha)
+        slots = omega * sin_term * torch.exp(-a * torch.log(xi))
+        dc = torch.sinc(1 - alpha) * torch.exp((1 - alpha) * math.log(lambda_min))
+        skip = torch.zeros_like(alpha)
+    return torch.cat([slots, dc[..., None]], dim=-1), skip
+
+
+def soe_kernel(alpha: torch.Tensor, num_terms: int, horizon: int, eps: float = 1e-3, kernel: str = "gl"):
+    """(rates (S + 1,), weights alpha.shape + (S + 1,), skip_weight alpha.shape) such that
+
+        w_j(alpha) ~= sum_s weights[..., s] * rates[s] ** j + skip_weight * [j == 0]
+
+    the last rate being the DC slot, exactly 1. ``kernel``: "gl" (Grünwald-Letnikov, default) or "power"
+    (j^(alpha - 1) / Gamma(alpha) for j >= 1)."""
+    alpha = torch.as_tensor(alpha)
+    if not alpha.is_floating_point():
+        alpha = alpha.to(torch.get_default_dtype())
+    if bool(((alpha <= 0) | (alpha > 1)).any()):
+        raise ValueError(f"soe_kernel: alpha must lie in (0, 1], got values in [{alpha.min().item():.4g}, "
+                         f"{alpha.max().item():.4g}]")
+    weights, skip = soe_weights(alpha, num_terms, horizon, eps, kernel)
+    rates = torch.exp(soe_log_rates(num_terms, horizon, eps, dtype=alpha.dtype, device=alpha.device))
+    return rates, weights, skip
+
+
+def soe_evaluate(log_rates: torch.Tensor, weights: torch.Tensor, skip: torch.Tensor, lags: torch.Tensor):
+    """The approximated kernel at ``lags``: (..., S + 1), (...) -> (..., J)."""
+    decays = torch.exp(log_rates[:, None] * lags.to(log_rates.dtype)[None, :])  # (S + 1, J)
+    return weights @ decays.to(weights.dtype) + skip[..., None] * (lags == 0).to(weights.dtype)
