@@ -40,14 +40,15 @@ KERNELS = ("gl", "power")  # the alpha-dependent kernels (VORT's "exp" and "mixt
 
 
 def gl_weights(alpha: torch.Tensor, lags: torch.Tensor) -> torch.Tensor:
-    """The exact Grünwald-Letnikov weights w_j(alpha) through lgamma: (..., ) x (J,) -> (..., J)."""
-    alpha, lags = alpha[..., None], lags.to(alpha.dtype)
+    """The exact Grünwald-Letnikov weights w_j(alpha) through lgamma, elementwise (alpha and lags broadcast)."""
+    lags = lags.to(alpha.dtype)
     return torch.exp(torch.lgamma(lags + alpha) - torch.lgamma(alpha) - torch.lgamma(lags + 1))
 
 
 def power_weights(alpha: torch.Tensor, lags: torch.Tensor) -> torch.Tensor:
-    """The pure power law j^(alpha - 1) / Gamma(alpha) for lags j >= 1 (0 at j = 0, where it is undefined)."""
-    alpha, lags = alpha[..., None], lags.to(alpha.dtype)
+    """The pure power law j^(alpha - 1) / Gamma(alpha) for lags j >= 1 (0 at j = 0, where it is undefined),
+    elementwise (alpha and lags broadcast)."""
+    lags = lags.to(alpha.dtype)
     safe = lags.clamp(min=1)
     return torch.where(lags >= 1, torch.exp((alpha - 1) * torch.log(safe) - torch.lgamma(alpha)),
                        torch.zeros((), dtype=alpha.dtype, device=alpha.device))

@@ -63,12 +63,14 @@ def empty_window(keys: torch.Tensor, values: torch.Tensor, extras: tuple, window
                        written=torch.zeros(batch, dtype=torch.long, device=keys.device))
 
 
-def window_attention(query, keys, values, valid, window: int, scale: float):
+def window_attention(query, keys, values, valid, window: int, scale: float, with_entropy: bool = False):
     """Softmax attention of T queries over the window before each: ``keys`` / ``values`` / ``valid`` hold w earlier
     positions then the T new ones ((B, G, w + T, ...)), query i (position w + i) reads positions i+1 .. w+i.
 
     Returns the output (B, G, g, T, dv) and the log of its softmax normaliser (B, G, g, T), both in the queries'
-    dtype. Queries of long inputs go in blocks of w, each reading a span of 2w keys: O(T w), not O(T^2).
+    dtype; ``with_entropy`` adds the entropy of each query's softmax row divided by log(number of keys it sees)
+    (in [0, 1], 0 when it sees one key). Queries of long inputs go in blocks of w, each reading a span of 2w keys:
+    O(T w), not O(T^2).
     """
     batch, groups, per_group, length, _ = query.shape
     if length <= window:  # one block (decode, short prefill): every query against all w + T positions
@@ -99,43 +101,79 @@ def window_attention(query, keys, values, valid, window: int, scale: float):
     weights = torch.exp(scores - log_normaliser[..., None])
     out = torch.einsum("bgjnrc,bgncd->bgjnrd", weights, spans_v)
     out, log_normaliser = out.flatten(3, 4)[:, :, :, :length], log_normaliser.flatten(3, 4)[:, :, :, :length]
-    return out, log_normaliser
+    if not with_entropy:
+        return out, log_normaliser
+    # H = log Z - sum_c p_c s_c over the allowed keys, over its maximum log(count)
+    seen = allowed.sum(-1).to(scores.dtype)  # (B, 1, N, block)
+    entropy = torch.logsumexp(scores, dim=-1) - (weights * scores.masked_fill(~allowed[:, :, None], 0)).sum(-1)
+    entropy = torch.where(seen[:, :, None] > 1, entropy / torch.log(seen.clamp(min=2))[:, :, None], 0.0)
+    return out, log_normaliser, entropy.flatten(3, 4)[:, :, :, :length]
 
 
 # memory(query, keys, values, valid, extras, memory_state) -> (output (B, G, g, T, dv), log weight (B, G, g, T) or
 # None, new memory state): the mixer's constant-state read after writing, at each step, the token leaving the window
+# (or, for the additive combinations, the new token itself)
 Memory = Callable[..., tuple]
+COMBINES = ("shared", "convex", "sum", "gated_sum")
 
 
-def windowed(query, keys, values, valid, extras: tuple, state: WindowState | None, window: int, scale: float,
-             memory: Memory, gate: torch.Tensor | None = None):
+def windowed(query, keys, values, valid, extras, state: WindowState | None, window: int, scale: float,
+             memory: Memory, gate: torch.Tensor | None = None, combine: str | None = None):
     """The mixer's output with a local window of ``window`` tokens in front of ``memory`` -> (B, G, g, T, dv) and
-    the new ``WindowState``. ``extras``: per-token write inputs (B, G, T, ...) the memory also receives delayed.
-    ``gate`` (G, g): the per-head gate logit, used when the memory returns no log weight."""
+    the new ``WindowState``.
+
+    ``extras``: per-token write inputs (B, G, T, ...) the memory receives with its token, or a function of the
+    window's normalised entropy (B, G, g, T) returning them (VORT's order reads it). ``combine``:
+        "shared"     one normaliser over window and memory (the memory returns its log weight); writes delayed
+        "convex"     window + sigmoid(gate) (memory - window); writes delayed
+        "gated_sum"  window + sigmoid(gate) memory; writes delayed
+        "sum"        window + memory, the memory reading every token (its writes not delayed: VORT's eq. 17)
+    None: "shared" when the memory returns a log weight, else "convex". ``gate`` (G, g): per-head logits.
+    """
     length = query.shape[3]
     if valid is None:
         valid = torch.ones(query.shape[0], length, dtype=torch.bool, device=query.device)
     if state is None:
-        state = empty_window(keys, values, extras, window)
+        state = empty_window(keys, values, (), window)
+        state.extras = None  # shaped by the first call's extras
     keys = torch.cat([state.keys.to(keys.dtype), keys], dim=2)  # (B, G, w + T, d): position w + i is new token i
     values = torch.cat([state.values.to(values.dtype), values], dim=2)
     valid = torch.cat([state.valid, valid], dim=1)
-    extras = tuple(torch.cat([old.to(new.dtype), new], dim=2) for old, new in zip(state.extras, extras, strict=True))
-    local, local_log = window_attention(query, keys, values, valid, window, scale)
-    # query i sees the memory after the write of position i: the token that has just left its window
-    leaving = valid[:, :length]
-    remote, remote_log, memory_state = memory(query, keys[:, :, :length], values[:, :, :length], leaving,
-                                              tuple(e[:, :, :length] for e in extras), state.memory)
-    written = state.written[:, None] + leaving.long().cumsum(1)  # (B, T) tokens in the memory at each query
-    # a query whose leaving token is padding reads the window alone (with left padding its memory is empty anyway)
-    seen = ((written > 0) & leaving)[:, None, None]  # (B, 1, 1, T)
-    if remote_log is not None:
-        share = torch.sigmoid(remote_log - local_log)  # Z_memory / (Z_window + Z_memory)
+    local, local_log, *entropy = window_attention(query, keys, values, valid, window, scale,
+                                                  with_entropy=callable(extras))
+    new_extras = extras(entropy[0]) if callable(extras) else extras
+    old_extras = state.extras if state.extras is not None else \
+        tuple(e.new_zeros(e.shape[0], e.shape[1], window, *e.shape[3:]) for e in new_extras)
+    extras = tuple(torch.cat([old.to(new.dtype), new], dim=2) for old, new in zip(old_extras, new_extras,
+                                                                                     strict=True))
+    delayed = combine != "sum"
+    if delayed:  # query i sees the memory after the write of position i: the token that has just left its window
+        span = slice(0, length)
+    else:  # the memory reads every token, the window on top
+        span = slice(window, window + length)
+    writing = valid[:, span]
+    remote, remote_log, memory_state = memory(query, keys[:, :, span], values[:, :, span], writing,
+                                              tuple(e[:, :, span] for e in extras), state.memory)
+    if combine == "sum":
+        out = local + remote.to(local.dtype)
     else:
-        share = torch.sigmoid(gate.to(local.dtype))[None, :, :, None].expand_as(local_log)
-    share = torch.where(seen, share.to(local.dtype), torch.zeros((), dtype=local.dtype, device=local.device))
-    out = local + share[..., None] * (remote.to(local.dtype) - local)
+        if combine is None:
+            combine = "shared" if remote_log is not None else "convex"
+        written = state.written[:, None] + writing.long().cumsum(1)  # (B, T) tokens in the memory at each query
+        # a query whose leaving token is padding reads the window alone (with left padding its memory is empty)
+        seen = ((written > 0) & writing)[:, None, None]  # (B, 1, 1, T)
+        if combine == "shared":
+            if remote_log is None:
+                raise ValueError("windowed: combine='shared' needs a memory that returns its log weight")
+            share = torch.sigmoid(remote_log - local_log)  # Z_memory / (Z_window + Z_memory)
+        elif combine in ("convex", "gated_sum"):
+            share = torch.sigmoid(gate.to(local.dtype))[None, :, :, None].expand_as(local_log)
+        else:
+            raise ValueError(f"windowed: combine must be one of {COMBINES}, got {combine!r}")
+        share = torch.where(seen, share.to(local.dtype), torch.zeros((), dtype=local.dtype, device=local.device))
+        base = torch.zeros_like(local) if combine == "gated_sum" else local
+        out = local + share[..., None] * (remote.to(local.dtype) - base)
     state = WindowState(keys=keys[:, :, length:], values=values[:, :, length:], valid=valid[:, length:],
                         extras=tuple(e[:, :, length:] for e in extras), memory=memory_state,
-                        written=state.written + leaving.long().sum(1))
+                        written=state.written + writing.long().sum(1))
     return out, state

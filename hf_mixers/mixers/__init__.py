@@ -8,5 +8,6 @@ from .gltm import GLTM
 from .rsa import RSA
 from .selective_ssm import SELECTIVE_SSM
 from .sessa import SESSA
+from .vort import VORT
 
-MIXERS = (FULL_ATTENTION, SLIDING_ATTENTION, RSA, SESSA, SELECTIVE_SSM, GLTM)
+MIXERS = (FULL_ATTENTION, SLIDING_ATTENTION, RSA, SESSA, SELECTIVE_SSM, GLTM, VORT)

@@ -1,0 +1,119 @@
+"""Multi-rate retention (kernels/retention.py): the quadratic definition, the token recurrence (decode) and the
+chunked form agree in fp64, values and gradients; the paper's K routed banks collapse exactly into one set of slots."""
+
+import pytest
+import torch
+
+from hf_mixers.kernels.retention import retention_chunked, retention_quadratic, retention_recurrent
+from hf_mixers.kernels.soe import soe_log_rates, soe_weights
+
+TERMS, HORIZON = 6, 64
+
+
+def inputs(batch=2, groups=2, per_group=3, length=13, features=5, width=4, seed=0, per_group_rates=False):
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=generator, dtype=torch.float64)
+
+    alpha = 0.1 + 0.9 * rand(batch, groups, length)
+    alpha[0, 0, 3] = 1.0  # the exact no-decay order takes part
+    weights, skip = soe_weights(alpha, TERMS, HORIZON)
+    weights[1, :, 5] = 0  # a padded token writes nothing
+    log_rates = soe_log_rates(TERMS, HORIZON)[None]
+    if per_group_rates:  # learned rates per KV head (the exp / mixture kernels)
+        log_rates = -rand(groups, TERMS + 1)
+    return dict(q=rand(batch, groups, per_group, length, features), k=rand(batch, groups, length, features),
+                v=torch.randn(batch, groups, length, width, generator=generator, dtype=torch.float64),
+                log_rates=log_rates, weights=weights, skip=skip,
+                state=torch.randn(batch, groups, TERMS + 1, features, width, generator=generator, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("include_current", [True, False])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("per_group_rates", [False, True])
+def test_three_forms_agree(include_current, with_state, per_group_rates):
+    x = inputs(per_group_rates=per_group_rates)
+    if not with_state:
+        x["state"] = None
+    expected, expected_state = retention_quadratic(**x, include_current=include_current)
+    forms = {"recurrent": retention_recurrent(**x, include_current=include_current)}
+    for chunk in (1, 4, 5, 13, 64):
+        forms[f"chunk {chunk}"] = retention_chunked(**x, include_current=include_current, chunk_size=chunk)
+    for name, (out, state) in forms.items():
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12, msg=name)
+        torch.testing.assert_close(state, expected_state, rtol=0, atol=1e-12, msg=name)
+
+
+def test_chunked_gradients_equal_the_definition():
+    x = inputs(length=11)
+    names = ("q", "k", "v", "weights", "skip", "state")
+    grads = {}
+    for form in ("quadratic", "chunked"):
+        leaves = {name: x[name].clone().requires_grad_(True) for name in names}
+        run = retention_quadratic if form == "quadratic" else \
+            (lambda **a: retention_chunked(**a, chunk_size=4))
+        out, state = run(**{**x, **leaves})
+        (out.sin().sum() + state.cos().sum()).backward()
+        grads[form] = {name: leaf.grad for name, leaf in leaves.items()}
+    for name in names:
+        torch.testing.assert_close(grads["chunked"][name], grads["quadratic"][name], rtol=0, atol=1e-11, msg=name)
+
+
+def test_prefill_then_steps_equals_one_call():
+    x = inputs(length=12)
+    whole, final = retention_chunked(**x, chunk_size=4)
+    head = {**x, "q": x["q"][:, :, :, :7], "k": x["k"][:, :, :7], "v": x["v"][:, :, :7],
+            "weights": x["weights"][:, :, :7], "skip": x["skip"][:, :, :7]}
+    out, state = retention_chunked(**head, chunk_size=4)
+    outs = [out]
+    for t in range(7, 12):
+        step = {**x, "q": x["q"][:, :, :, t:t + 1], "k": x["k"][:, :, t:t + 1], "v": x["v"][:, :, t:t + 1],
+                "weights": x["weights"][:, :, t:t + 1], "skip": x["skip"][:, :, t:t + 1], "state": state}
+        out, state = retention_recurrent(**step)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, dim=3), whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(state, final, rtol=0, atol=1e-12)
+
+
+def banked_recurrence(q, k, v, log_rates, bank_weights, bank_skip, bank):
+    """The paper's eqs. 14-16 literally: K banks of S + 1 slots, token t routed to bank ``bank[t]`` alone."""
+    batch, groups, per_group, length, features = q.shape
+    banks, slots = bank_weights.shape
+    G = torch.zeros(batch, groups, banks, slots, features, v.shape[-1], dtype=q.dtype)
+    outs = []
+    for t in range(length):
+        route = torch.nn.functional.one_hot(bank[:, :, t], banks).to(q.dtype)  # (B, G, K)
+        G = torch.exp(log_rates[0])[:, None, None] * G
+        G = G + torch.einsum("bgk,ks,bgf,bgv->bgksfv", route, bank_weights, k[:, :, t], v[:, :, t])
+        read = torch.einsum("bgjf,bgksfv->bgjv", q[:, :, :, t], G)
+        skip = torch.einsum("bgk,k->bg", route, bank_skip)
+        outs.append(read + (skip[:, :, None] * torch.einsum("bgjf,bgf->bgj", q[:, :, :, t], k[:, :, t]))[..., None]
+                    * v[:, :, None, t])
+    return torch.stack(outs, dim=3)
+
+
+def test_routed_banks_collapse_exactly():
+    """Rates do not depend on alpha, so K banks sum into one set of slots with per-token weights c_s(alpha_k)."""
+    delta, banks = 0.1, 10
+    orders = delta + (1 - delta) * torch.arange(1, banks + 1, dtype=torch.float64) / banks  # includes 1
+    bank_weights, bank_skip = soe_weights(orders, TERMS, HORIZON)
+    x = inputs(length=40)
+    bank = torch.randint(0, banks, x["k"].shape[:3], generator=torch.Generator().manual_seed(3))
+    expected = banked_recurrence(x["q"], x["k"], x["v"], x["log_rates"], bank_weights, bank_skip, bank)
+    weights, skip = bank_weights[bank], bank_skip[bank]
+    for form in (retention_quadratic, retention_recurrent, retention_chunked):
+        out, _ = form(x["q"], x["k"], x["v"], x["log_rates"], weights, skip)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12, msg=form.__name__)
+
+
+def test_shapes_are_checked_by_name():
+    x = inputs()
+    with pytest.raises(ValueError, match="weights must be"):
+        retention_chunked(**{**x, "weights": x["weights"][:, :, :5]})
+    with pytest.raises(ValueError, match="log_rates must be"):
+        retention_chunked(**{**x, "log_rates": x["log_rates"].expand(3, -1)})
+    with pytest.raises(ValueError, match="state must be"):
+        retention_recurrent(**{**x, "state": x["state"][:, :, 1:]})
+    with pytest.raises(ValueError, match="k .* do not match q"):
+        retention_quadratic(**{**x, "k": x["k"][:, :, 1:]})
