@@ -63,6 +63,15 @@ def capture_activations(teacher_model, layers, blocks, batch_size: int, folder: 
     return {"layers": arrays, "rope": (rope["cos"], rope["sin"])}
 
 
+def transfer_loss(mixer, hidden, position_embeddings, target):
+    """Stage 1's loss of one layer: ||mixer(h) - attention(h)||^2 / ||attention(h)||^2, plus the mixer's own
+    auxiliary loss if it has one (``SequenceMixer.auxiliary_loss``)."""
+    output = mixer(hidden, position_embeddings)
+    loss = (output.float() - target.float()).pow(2).mean() / target.float().pow(2).mean().clamp_min(1e-12)
+    extra = mixer.auxiliary_loss(hidden, position_embeddings)
+    return loss if extra is None else loss + extra
+
+
 def layer_loss(mixer, arrays, rope, device, scale: float = 1.0):
     """``scale`` x relative MSE of one mixer on cached rows; the batch holds row indices into the cache.
 
@@ -75,6 +84,5 @@ def layer_loss(mixer, arrays, rope, device, scale: float = 1.0):
         hidden = torch.from_numpy(inputs[rows]).to(device)
         target = torch.from_numpy(outputs[rows]).to(device)
         cos, sin = (t.to(device).expand(len(rows), -1, -1) for t in rope)
-        output = mixer(hidden, (cos, sin))
-        return scale * (output.float() - target).pow(2).mean() / target.pow(2).mean().clamp_min(1e-12), {}
+        return scale * transfer_loss(mixer, hidden, (cos, sin), target), {}
     return loss_fn

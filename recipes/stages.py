@@ -36,6 +36,7 @@ from ..conversion.selection import keep_by_marginal_kl
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
 from .config import Recipe, RecipeError, recipe_changes, selects_after_stage1
+from .blockwise import transfer_loss
 from .data import materialise_sources, pack
 from .strategies import Sharding, check_launch
 from .trainer import Processes, run_stage
@@ -80,7 +81,8 @@ def sharding_for(model, layers: list[int] | None = None) -> Sharding:
 
 
 def attention_transfer_loss(student, teacher_model, layers):
-    """Stage 1: mean over converted layers of ||mixer(h) - attention(h)||^2 / ||attention(h)||^2 on teacher inputs."""
+    """Stage 1: mean over converted layers of ||mixer(h) - attention(h)||^2 / ||attention(h)||^2 on teacher inputs
+    (plus each mixer's auxiliary loss: ``transfer_loss``)."""
     def loss_fn(batch):
         captured = {}
 
@@ -100,8 +102,7 @@ def attention_transfer_loss(student, teacher_model, layers):
         losses = []
         for index in layers:
             hidden, (cos, sin), target = (_to(t, student.device) for t in captured[index])
-            output = student.model.layers[index].mixer(hidden, (cos, sin))
-            losses.append((output.float() - target.float()).pow(2).mean() / target.float().pow(2).mean().clamp_min(1e-12))
+            losses.append(transfer_loss(student.model.layers[index].mixer, hidden, (cos, sin), target))
         return torch.stack(losses).mean(), {}
     return loss_fn
 

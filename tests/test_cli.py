@@ -126,6 +126,19 @@ def test_bench_gltm_writes_training_decoding_and_the_pow2_ce_targets(tmp_path):
     assert main(["bench", "gltm", "--out", str(tmp_path), "--variants", "pow3"]) == 2
 
 
+def test_bench_vort_writes_training_decoding_and_its_targets(tmp_path):
+    main(["bench", "vort", "--out", str(tmp_path), "--lengths", "32,64", "--contexts", "16,80", "--hidden-size", "32",
+          "--heads", "2", "--kv-heads", "1", "--repeats", "1", "--decode-tokens", "2", "--variants", "exp"])
+    report = json.loads((tmp_path / "bench_vort.json").read_text())
+    assert (tmp_path / "bench_vort.png").stat().st_size > 10_000
+    assert {r["mixer"] for r in report["training"]} == {"sdpa_attention", "vort:exp"}
+    cache, targets = report["targets"]["cache_bytes"], report["targets"]
+    assert cache["vort"]["16"] == cache["vort"]["80"] and targets["cache_constant"] is True  # window 64 + state
+    assert cache["attention"]["80"] > cache["attention"]["16"]
+    assert isinstance(targets["time_met"], bool) and targets["decode_speedup_vs_attention"] > 0
+    assert main(["bench", "vort", "--out", str(tmp_path), "--variants", "power"]) == 2
+
+
 def test_bench_distill_writes_the_ratio(tmp_path):
     from conftest import save_tiny_teacher
 

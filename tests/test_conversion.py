@@ -102,6 +102,23 @@ def test_gltm_dense_conversion_keeps_the_teacher_and_sparse_patterns_calibrate_t
             assert all("calibrated: error" in layer.note for layer in report.layers)  # the chosen gate, per layer
 
 
+@pytest.mark.parametrize("family", TEACHER_FAMILIES)
+def test_vort_conversion_keeps_the_teacher_inside_its_window_on_every_family(family, teachers):
+    """The conversion defaults: window 64 (longer than these 40 tokens), one shared normaliser, so the converted
+    model is its teacher; with a 16-token window the power-law memory takes part and stays finite."""
+    ids = torch.randint(1, 300, (2, 40))
+    model, report = convert(teachers[family], "vort", **SMALL)
+    assert [layer.kind for layer in report.layers] == ["vort"] * 3
+    config = model.config
+    assert (config.vort_window, config.vort_combine, config.vort_global_rope, config.vort_alpha_init,
+            config.vort_feature_map) == (64, "shared_normalizer", True, 0.95, "hedgehog")
+    with torch.no_grad():
+        assert (model(ids).logits - teacher_logits(teachers[family], ids)).abs().max().item() <= 1e-4
+    model, report = convert(teachers[family], "vort", mixer_options={"vort_window": 16}, **SMALL)
+    assert all(0 < layer.error < float("inf") for layer in report.layers)
+    assert torch.isfinite(torch.tensor(report.student_perplexity)) and config.qk_norm == (family == "qwen3")
+
+
 def test_rope_scaling_is_carried_over(tokenizer, tmp_path):
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -378,6 +395,11 @@ def test_cli_convert(teachers, tmp_path, capsys):
                      "--heldout-sequences", "2"]) == 0
     report = json.loads((tmp_path / "gltm" / "conversion_report.json").read_text())
     assert report["mixer_options"]["gltm_pattern"] == "pow2_ce"
+    assert cli_main(["convert", teachers["qwen2"], "--mixer", "vort", "--option", "window=8", "--option",
+                     "feature_map=favor_pos", "--out", str(tmp_path / "vort"), "--sequence-length", "48",
+                     "--calibration-sequences", "4", "--heldout-sequences", "2"]) == 0
+    report = json.loads((tmp_path / "vort" / "conversion_report.json").read_text())
+    assert report["mixer_options"]["vort_window"] == 8 and report["mixer_options"]["vort_feature_map"] == "favor_pos"
     capsys.readouterr()
     assert cli_main(["convert", teachers["llama"], "--mixer", "sessa", "--out", str(tmp_path / "x"),
                      "--keep-attention", "7"]) == 2

@@ -80,3 +80,19 @@ def test_gltm_dense_conversion_of_smollm2_is_the_teacher_and_loads_without_hf_mi
     remote = load_in_fresh_process(out, ids, max_new_tokens=4)
     assert not remote["hf_mixers_imported"] and remote["class"] == "GLTMForCausalLM"
     assert (remote["logits"] - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_vort_conversion_of_smollm2_is_the_teacher_inside_its_window_and_loads_without_hf_mixers(teacher, tmp_path):
+    """The conversion defaults (window 64, shared normaliser): the first 64 positions are the teacher's attention
+    (fp32 rounding), later ones read the power-law memory too; the folder generates through remote code."""
+    out = tmp_path / "smollm2-vort"
+    model, report = convert(teacher, "vort", out=str(out), **SMALL)
+    ids = torch.randint(1, 40_000, (1, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = teacher.model(ids).logits, model(ids).logits
+    assert (got[:, :64] - expected[:, :64]).abs().max().item() <= 5e-4
+    assert 1e-3 < (got[:, 64:] - expected[:, 64:]).abs().max().item() < float("inf")
+    remote = load_in_fresh_process(out, ids[:, :70], max_new_tokens=4)
+    assert not remote["hf_mixers_imported"] and remote["class"] == "VORTForCausalLM"
+    torch.testing.assert_close(remote["logits"], got[:, :70], rtol=0, atol=1e-4)

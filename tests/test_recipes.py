@@ -163,6 +163,22 @@ def test_gltm_distils_end_to_end(teacher_dir, tmp_path):
     assert not remote["hf_mixers_imported"] and remote["class"] == "GLTMForCausalLM"
 
 
+def test_vort_distils_end_to_end_with_the_retrieval_loss(teacher_dir, tmp_path):
+    """Hedgehog features and a 8-token window: stage 1 trains the feature maps and the order router (not the
+    teacher's q/k/v/o), with the plasticity loss on; stage 2 runs; the folder loads through remote code."""
+    out = tmp_path / "run"
+    options = '{"vort_window": 8, "vort_feature_map": "hedgehog", "vort_plasticity_weight": 0.1}'
+    summary = distill(load_recipe([], small(teacher_dir, out, "model.mixer=vort", "stage1.steps=8",
+                                        f"model.mixer_options={options}")), progress=False)
+    stage1 = summary["stages"]["stage1"]
+    assert stage1["final_loss"] < stage1["first_loss"] and summary["stages"]["stage2"]["steps"] == 4
+    trained = {name.split(".mixer.")[1] for name in new_mixer_parameters(summary["model"])
+               if ".lora_" not in name}
+    assert trained == {"hedgehog_q", "hedgehog_k", "alpha_proj.weight", "alpha_proj.bias", "alpha_entropy"}
+    remote = load_in_fresh_process(out / "model", torch.randint(1, 300, (1, 10)), max_new_tokens=4)
+    assert not remote["hf_mixers_imported"] and remote["class"] == "VORTForCausalLM"
+
+
 def test_blockwise_stage1_equals_joint_stage1(teacher_dir, tmp_path):
     """One layer at a time from the disk cache = all layers together (clipping off: Adam ignores the 1/L)."""
     models = {}

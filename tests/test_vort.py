@@ -133,6 +133,7 @@ def test_conversion_starts_near_alpha_one_with_the_teachers_projections():
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         torch.testing.assert_close(getattr(mixer, name).weight, getattr(attention, name).weight)
     assert config.vort_combine == "shared_normalizer" and config.vort_global_rope
+    assert config.vort_feature_map == "hedgehog" and mixer.hedgehog_q.shape == (2, 8, 8)
 
 
 def test_decode_state_does_not_grow_with_the_context():
@@ -160,3 +161,43 @@ def test_decode_state_does_not_grow_with_the_context():
 def test_bad_options_are_named(options, field):
     with pytest.raises(ValueError, match=field):
         tiny_config("vort", **options)
+
+
+def test_plasticity_loss_is_eq_24_and_trains_the_router():
+    """The retrieval loss against a direct evaluation of eq. 24, its default target (the teacher's most-attended
+    token outside the window), and a few gradient steps on the router alone lowering it."""
+    from hf_mixers.kernels.soe import soe_kernel
+
+    mixer, hidden, positions = routed_mixer({"vort_plasticity_weight": 0.5})
+    hidden, positions = hidden[:1, :9], tuple(p[:1, :9] for p in positions)
+    source = torch.tensor([[-1, -1, 0, 1, 0, 2, 4, 1, 6]])
+    loss = mixer.plasticity_loss(hidden, positions, source)
+    with torch.no_grad():
+        q, k, _, _, _ = mixer.projections(hidden, positions)
+        entropy = mixer.quadratic_window(q, k, k)[2]
+        alpha = mixer.orders(hidden, entropy)[0]  # (G, T)
+        c = mixer.config
+        rates, weights, _ = soe_kernel(alpha, c.vort_soe_terms, c.vort_soe_horizon, c.vort_soe_eps)
+        terms = []
+        for g in range(2):
+            for j in range(2):
+                for t in range(2, 9):
+                    r = torch.stack([torch.exp(q[0, g, j, t] @ k[0, g, i] / 8 ** 0.5)
+                                     * (weights[g, i] * rates ** (t - i)).sum() for i in range(t)])
+                    terms.append(-torch.log(r[source[0, t]] / r.sum()))
+    torch.testing.assert_close(loss.detach(), torch.stack(terms).mean(), rtol=1e-12, atol=0)
+
+    default = mixer.plasticity_loss(hidden, positions)  # targets: argmax of the scores over i <= t - w
+    assert default.item() > 0 and mixer.auxiliary_loss(hidden, positions).item() == pytest.approx(
+        0.5 * default.item())
+    router = [mixer.alpha_proj.weight, mixer.alpha_proj.bias, mixer.alpha_entropy]
+    optimizer = torch.optim.SGD(router, lr=0.5)
+    first = None
+    for _ in range(10):
+        optimizer.zero_grad()
+        value = mixer.plasticity_loss(hidden, positions)
+        value.backward()
+        first = value.item() if first is None else first
+        optimizer.step()
+    assert mixer.plasticity_loss(hidden, positions).item() < first
+    assert tiny_model("vort").model.layers[0].mixer.auxiliary_loss(hidden, positions) is None  # weight 0: off

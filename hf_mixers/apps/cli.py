@@ -1,5 +1,5 @@
 """The ``hf-mixers`` command line: ``convert``, ``distill``, ``finetune``, ``eval``, ``card``, ``push``, ``compare``,
-``demo`` and ``bench sessa|rsa|selective_ssm|gltm|distill|kernels``."""
+``demo`` and ``bench sessa|rsa|selective_ssm|gltm|vort|distill|kernels``."""
 
 from __future__ import annotations
 
@@ -185,20 +185,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-steps", type=_at_least(1), default=None, help="cap every stage at N steps (a smoke run)")
 
     bench = commands.add_parser("bench", help="benchmarks, written as JSON and PNG")
-    bench.add_argument("target", choices=["sessa", "rsa", "selective_ssm", "gltm", "distill", "kernels"],
+    bench.add_argument("target", choices=["sessa", "rsa", "selective_ssm", "gltm", "vort", "distill", "kernels"],
                        help="what to benchmark")
     bench.add_argument("--out", default="outputs/bench", help="output folder (default: outputs/bench)")
     bench.add_argument("--lengths", type=_positive_list, default=None,
                        help="training sequence lengths (default sessa: 512,...,4096; rsa: 512,...,8192)")
     bench.add_argument("--contexts", type=_positive_list, default=[1024, 4096, 16384],
-                       help="rsa, selective_ssm, gltm: decoding contexts")
+                       help="rsa, selective_ssm, gltm, vort: decoding contexts")
     bench.add_argument("--decode-layers", type=_at_least(1), default=2,
-                       help="rsa, selective_ssm, gltm: layers of the decoding models")
+                       help="rsa, selective_ssm, gltm, vort: layers of the decoding models")
     bench.add_argument("--decode-tokens", type=_at_least(1), default=64,
-                       help="rsa, selective_ssm, gltm: decode steps timed per context")
+                       help="rsa, selective_ssm, gltm, vort: decode steps timed per context")
     bench.add_argument("--variants", default=None,
                        help="selective_ssm: the variants measured (default mamba2,s6,delta_t,s4d); gltm: the patterns "
-                            "(default all but custom)")
+                            "(default all but custom); vort: the kernels of the training part (default gl)")
     bench.add_argument("--decode-batch", type=_at_least(1), default=1, help="rsa: rows decoded together (default 1)")
     bench.add_argument("--hidden-size", type=_at_least(1), default=576, help="model width (default: SmolLM2-135M's 576)")
     bench.add_argument("--heads", type=_at_least(1), default=9, help="attention heads (default 9)")
@@ -271,6 +271,14 @@ def _bench(args) -> int:
             bench_gltm(args.out, lengths=args.lengths or [512, 1024, 2048, 4096, 8192], contexts=args.contexts,
                        hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
                        patterns=[p for p in args.variants.split(",") if p] if args.variants else BENCH_PATTERNS,
+                       decode_layers=args.decode_layers, decode_tokens=args.decode_tokens, repeats=args.repeats,
+                       device=args.device)
+        elif args.target == "vort":
+            from .bench.vort import bench_vort
+
+            bench_vort(args.out, lengths=args.lengths or [512, 1024, 2048, 4096, 8192], contexts=args.contexts,
+                       hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                       kernels=[k for k in args.variants.split(",") if k] if args.variants else ("gl",),
                        decode_layers=args.decode_layers, decode_tokens=args.decode_tokens, repeats=args.repeats,
                        device=args.device)
         elif args.target == "kernels":

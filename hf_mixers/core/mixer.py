@@ -25,6 +25,8 @@ class SequenceMixer(nn.Module):
             attention (default: ``reset_parameters``).
         teacher_modules: names of submodules ``from_attention`` must fill from the teacher attention.
         conversion_note: what ``from_attention`` chose, in a few words (the conversion report shows it per layer).
+        auxiliary_loss(hidden_states, position_embeddings): a loss stage 1 adds to the layer's attention-transfer
+            loss (None by default; VORT's retrieval loss).
     """
 
     teacher_modules: tuple[str, ...] = ()
@@ -48,6 +50,10 @@ class SequenceMixer(nn.Module):
     def init_new_parameters(self) -> None:
         """Conversion initialisation of the parameters the mixer adds to its teacher's attention."""
         self.reset_parameters()
+
+    def auxiliary_loss(self, hidden_states, position_embeddings):
+        """An extra stage-1 training loss of this layer on the teacher's inputs (None: there is none)."""
+        return None
 
     def compiles_decode(self, hidden_states, past_key_values) -> bool:
         """Whether the block runs this step as one compiled graph (see model/blocks.py); never by default."""

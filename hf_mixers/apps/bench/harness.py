@@ -56,10 +56,11 @@ def bench_device(device, benchmark: str) -> torch.device:
 
 def build_mixer(kind: str, hidden_size: int, num_heads: int, num_kv_heads: int, device, dtype):
     """A standalone mixer module: sdpa_attention | sessa_chunked | sessa_dense | rsa_chunked | rsa_recompute |
-    selective_ssm:<variant> | gltm:<pattern>."""
+    selective_ssm:<variant> | gltm:<pattern> | vort:<kernel>."""
     shape = dict(hidden_size=hidden_size, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                  intermediate_size=4 * hidden_size, num_hidden_layers=1, vocab_size=128)
-    option = {"selective_ssm": "selective_ssm_variant", "gltm": "gltm_pattern"}.get(kind.split(":")[0])
+    option = {"selective_ssm": "selective_ssm_variant", "gltm": "gltm_pattern",
+              "vort": "vort_kernel"}.get(kind.split(":")[0])
     if option is not None:  # "<mixer>:<value of its main option>"
         name, value = kind.split(":")
         config = config_class(name)(**shape, **{option: value})
