@@ -330,7 +330,6 @@ class VORTMixer(RecurrentMixer, FullAttention):
         i < t, with the window's (the teacher's, rotated) q and k and the SOE weights. ``source`` (B, T) long: i*(t)
         (-1: no target); default: the token the teacher attends to most outside the window (i <= t - w). Its
         gradient reaches alpha's router through c_s(alpha_i)."""
-        c = self.config
         q_win, k_win, _, _, value = self.projections(hidden_states, position_embeddings)
         length, cd = q_win.shape[3], value.dtype
         t = torch.arange(length, device=value.device)
