@@ -64,6 +64,14 @@ def _nodes(num_terms: int, horizon: int, eps: float) -> tuple:
     return tuple(xi.tolist()), tuple((span / 2 * varpi * xi).tolist()), lambda_min, lambda_max
 
 
+@lru_cache(maxsize=64)
+def _node_tensors(num_terms: int, horizon: int, eps: float, dtype, device) -> tuple:
+    """(-xi then 0, xi, Omega) as tensors, made once per dtype and device (a decode step reads them per layer)."""
+    xi, omega, _, _ = _nodes(num_terms, horizon, eps)
+    xi_t = torch.tensor(xi, dtype=dtype, device=device)
+    return torch.cat([-xi_t, xi_t.new_zeros(1)]), xi_t, torch.tensor(omega, dtype=dtype, device=device)
+
+
 def _check(num_terms: int, horizon: int, eps: float) -> None:
     if not (isinstance(num_terms, int) and not isinstance(num_terms, bool) and num_terms >= 1):
         raise ValueError(f"soe: num_terms must be a positive integer, got {num_terms!r}")
@@ -78,8 +86,7 @@ def soe_log_rates(num_terms: int, horizon: int, eps: float = 1e-3, dtype=torch.f
     """log of the S + 1 slot rates, -xi_s then 0 (the DC slot): (S + 1,). Decays are computed as exp(log_rate * j)
     so the slowest rates (1 - 5.6e-7 at T = 1000) never round to 1 in a stored power."""
     _check(num_terms, horizon, eps)
-    xi = _nodes(num_terms, horizon, float(eps))[0]
-    return torch.tensor([-x for x in xi] + [0.0], dtype=dtype, device=device)
+    return _node_tensors(num_terms, horizon, float(eps), dtype, torch.device(device or "cpu"))[0].clone()
 
 
 def soe_weights(alpha: torch.Tensor, num_terms: int, horizon: int, eps: float = 1e-3, kernel: str = "gl"):
@@ -88,9 +95,8 @@ def soe_weights(alpha: torch.Tensor, num_terms: int, horizon: int, eps: float = 
     _check(num_terms, horizon, eps)
     if kernel not in KERNELS:
         raise ValueError(f"soe: kernel must be one of {KERNELS}, got {kernel!r}")
-    xi, omega, lambda_min, lambda_max = _nodes(num_terms, horizon, float(eps))
-    xi = torch.tensor(xi, dtype=alpha.dtype, device=alpha.device)
-    omega = torch.tensor(omega, dtype=alpha.dtype, device=alpha.device)
+    _, _, lambda_min, lambda_max = _nodes(num_terms, horizon, float(eps))
+    _, xi, omega = _node_tensors(num_terms, horizon, float(eps), alpha.dtype, alpha.device)
     a = alpha[..., None]
     sin_term = torch.sin(math.pi * (1 - a)) / math.pi  # sin(pi alpha) / pi, exactly 0 at alpha = 1
     if kernel == "gl":
