@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_mixers import config_class
-from hf_mixers.common.synthetic import IGNORE, induction_heads, keep_nth, mqar
+from hf_mixers.tasks.selective_ssm import IGNORE, induction_heads, keep_nth, mqar
 
 F64 = torch.float64
 INV_SOFTPLUS_1 = math.log(math.e - 1.0)  # softplus(ln(e - 1)) = 1: Δ = 1

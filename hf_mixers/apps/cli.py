@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--variants", default=None,
                        help="selective_ssm: the variants measured (default mamba2,s6,delta_t,s4d); gltm: the patterns "
                             "(default all but custom); vort: the kernels of the training part (default gl)")
-    bench.add_argument("--decode-batch", type=_at_least(1), default=1, help="rsa: rows decoded together (default 1)")
+    bench.add_argument("--decode-batch", type=_at_least(1), default=1, help="rsa, vort: rows decoded together (default 1)")
     bench.add_argument("--hidden-size", type=_at_least(1), default=576, help="model width (default: SmolLM2-135M's 576)")
     bench.add_argument("--heads", type=_at_least(1), default=9, help="attention heads (default 9)")
     bench.add_argument("--kv-heads", type=_at_least(1), default=3, help="key/value heads (default 3)")
@@ -280,7 +280,7 @@ def _bench(args) -> int:
                        hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
                        kernels=[k for k in args.variants.split(",") if k] if args.variants else ("gl",),
                        decode_layers=args.decode_layers, decode_tokens=args.decode_tokens, repeats=args.repeats,
-                       device=args.device)
+                       device=args.device, decode_batch=args.decode_batch)
         elif args.target == "kernels":
             from .bench.kernels import bench_kernels
 

@@ -4,7 +4,8 @@
     branch) against the attention mixer on SDPA with the same width and heads, at each T (the shared harness:
     interleaved timing, fastest of ``repeats``; CPU peak memory in a fresh process).
 (b) Decoding: small models of the same shape, VORT (the default power-law kernel) and full attention; each context
-    is prefilled, then ``decode_tokens`` single-token steps are timed (median); with the cache's bytes.
+    is prefilled, then ``decode_tokens`` single-token steps are timed (median; ``decode_batch`` rows together); with
+    the cache's bytes.
 Written to bench_vort.json and .png, with the project's targets evaluated in the same run.
 """
 
@@ -23,7 +24,7 @@ BENCH_KERNELS = ("gl", "exp", "mixture")  # "power" costs what "gl" does (same s
 
 def bench_vort(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4096, 16384), hidden_size=576,
                num_heads=9, num_kv_heads=3, kernels=("gl",), decode_layers=2, decode_tokens=64, repeats=3,
-               device=None) -> dict:
+               device=None, decode_batch: int = 1) -> dict:
     check_shape("vort", lengths, contexts, hidden_size, num_heads, num_kv_heads)
     unknown = sorted(set(kernels) - set(BENCH_KERNELS))
     if unknown or not kernels:
@@ -38,7 +39,7 @@ def bench_vort(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4
     vort_config, (_, vort_model) = config_class("vort"), model_classes("vort")
     models = {"vort": vort_model(vort_config(**shape, vort_combine="shared_normalizer")),
               "attention": MixerForCausalLM(MixerConfig(**shape))}
-    decoding = decoding_rows(models, contexts, decode_tokens, device, "bench vort: decoding")
+    decoding = decoding_rows(models, contexts, decode_tokens, device, "bench vort: decoding", batch=decode_batch)
 
     ratios = time_ratios(training, kinds[1:], lengths)
     first, last, longest = min(contexts), max(contexts), max(lengths)
@@ -69,7 +70,7 @@ def bench_vort(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4
               "shape": {"hidden": hidden_size, "heads": num_heads, "kv_heads": num_kv_heads,
                         "window": config.vort_window, "soe_terms": config.vort_soe_terms,
                         "feature_dim": config.vort_feature_dim, "chunk_size": config.vort_chunk_size,
-                        "decode_layers": decode_layers},
+                        "decode_layers": decode_layers, "decode_batch": decode_batch},
               "training": training, "training_ratios": ratios, "decoding": decoding, "targets": targets}
     return write_report(report, out_dir, "bench_vort", _plot, _print)
 

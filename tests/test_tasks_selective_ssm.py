@@ -1,9 +1,9 @@
-"""hf_mixers/common/synthetic.py: the task generators produce exactly the tasks the paper defines."""
+"""hf_mixers/tasks/selective_ssm.py: the task generators produce exactly the tasks the paper defines."""
 
 import pytest
 import torch
 
-from hf_mixers.common.synthetic import IGNORE, induction_heads, induction_targets, keep_nth, mqar
+from hf_mixers.tasks.selective_ssm import IGNORE, induction_heads, induction_targets, keep_nth, mqar
 
 
 def test_mqar_context_is_a_permutation_and_every_key_is_queried_once_for_its_value():
