@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-IGNORE = -100
+from .common import IGNORE
+
 
 
 def mqar(count: int, pairs: int, values: int, length: int = 100, seed: int = 0):
