@@ -146,8 +146,11 @@ def retention_chunked(q, k, v, log_rates, weights, skip=None, state=None, includ
         current = step * current + writes[:, :, n]
     before = torch.stack(before, dim=2)  # (B, G, N, S, F, V)
     read = torch.exp(log_rates[:, :, None] * (r + 1).to(q.dtype))  # (G, S, C)
-    decayed_q = torch.einsum("bgjnrf,gsr->bgjnrsf", qc, read).flatten(-2)  # (B, G, g, N, C, S F)
-    out = out + torch.einsum("bgjnrx,bgnxv->bgjnrv", decayed_q, before.flatten(3, 4))
+    first = 0 if state is not None else 1  # without a carried state the first chunk reads zeros: skip it
+    if chunks > first:  # the inter-chunk read, S F V per query: the form's main cost
+        decayed_q = torch.einsum("bgjnrf,gsr->bgjnrsf", qc[:, :, :, first:], read).flatten(-2)  # (.., C, S F)
+        inter = torch.einsum("bgjnrx,bgnxv->bgjnrv", decayed_q, before[:, :, first:].flatten(3, 4))
+        out = torch.cat([out[:, :, :, :first], out[:, :, :, first:] + inter], dim=3)
     if pad:  # the final state at the last real token: the last chunk's state and writes decayed size - pad steps
         real = size - pad
         to_last = torch.exp(log_rates[:, :, None] * (real - 1 - r).clamp(min=0).to(q.dtype))  # padded: weight 0
