@@ -1,5 +1,5 @@
 """The ``hf-mixers`` command line: ``convert``, ``distill``, ``finetune``, ``eval``, ``card``, ``push``, ``compare``,
-``demo`` and ``bench sessa|rsa|selective_ssm|gltm|vort|distill|kernels``."""
+``demo``, ``diagnose`` and ``bench sessa|rsa|selective_ssm|gltm|vort|distill|kernels``."""
 
 from __future__ import annotations
 
@@ -51,6 +51,13 @@ def _positive_list(text: str) -> list[int]:
     values = _int_list(text)
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def _non_negative_list(text: str) -> list[int]:
+    values = _int_list(text)
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
     return values
 
 
@@ -184,6 +191,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
     demo.add_argument("--max-steps", type=_at_least(1), default=None, help="cap every stage at N steps (a smoke run)")
 
+    diagnose = commands.add_parser(
+        "diagnose", help="lag sensitivity ||dy_t/dx_{t-l}|| of a mixer or a model folder, with tail fits and theory",
+        description="TARGET: a registered mixer (one scratch-initialised layer on Gaussian inputs) or a model folder "
+                    "(chosen layers on their real inputs for --text, and the whole model). Protocol: a fixed "
+                    "source s and a moving target t = s + l. Writes OUT/diagnose.json and diagnose.png.")
+    diagnose.add_argument("target", help="a mixer name (e.g. vort) or a model folder")
+    diagnose.add_argument("--out", default="outputs/diagnose", help="output folder (default: outputs/diagnose)")
+    diagnose.add_argument("--length", type=_at_least(3), default=256, help="tokens (default 256)")
+    diagnose.add_argument("--source", type=_at_least(0), default=0, help="the source position s (default 0)")
+    diagnose.add_argument("--probes", type=_at_least(1), default=8, help="random probes per target (default 8)")
+    diagnose.add_argument("--layers", type=_non_negative_list, default=None,
+                          help="model folder: the layers measured (default: first, 1/3, 2/3, last)")
+    diagnose.add_argument("--text", default=None, help="model folder: a text file (default: held-out Shakespeare)")
+    diagnose.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                          help="mixer name: a config field of the layer (repeatable)")
+    diagnose.add_argument("--hidden-size", type=_at_least(1), default=576, help="mixer name: width (default 576)")
+    diagnose.add_argument("--heads", type=_at_least(1), default=9, help="mixer name: heads (default 9)")
+    diagnose.add_argument("--kv-heads", type=_at_least(1), default=3, help="mixer name: KV heads (default 3)")
+
     bench = commands.add_parser("bench", help="benchmarks, written as JSON and PNG")
     bench.add_argument("target", choices=["sessa", "rsa", "selective_ssm", "gltm", "vort", "distill", "kernels"],
                        help="what to benchmark")
@@ -231,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         return _last_mile(args)
     if args.command == "compare":
         return _compare(args)
+    if args.command == "diagnose":
+        return _diagnose(args)
     # The demo and the benchmarks run on the embedded assets: nothing may come from the hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.command == "demo":
@@ -326,6 +354,33 @@ def _train(args) -> int:
     except (*EXPECTED_ERRORS, NonFiniteLoss) as error:
         return _fail(args.command, error)
     print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=2, default=str))
+    return 0
+
+
+def _diagnose(args) -> int:
+    from .diagnose import diagnose
+
+    try:
+        text = None
+        if args.text is not None:
+            with open(args.text, encoding="utf-8") as handle:
+                text = handle.read()
+        report = diagnose(args.target, args.out, length=args.length, source=args.source, probes=args.probes,
+                          layers=args.layers, text=text, hidden_size=args.hidden_size, num_heads=args.heads,
+                          num_kv_heads=args.kv_heads, options=dict(args.option))
+    except EXPECTED_ERRORS as error:
+        return _fail("diagnose", error)
+    for entry in report["entries"]:
+        fit, law = entry["fit"], entry["theory"]
+        line = f"{entry['name']}: "
+        if "power" in fit:
+            line += (f"tail l^{fit['power']['exponent']:.3f} (R2 {fit['power']['r2']:.3f}), "
+                     f"exp rate {fit['exponential']['rate']:.4g} (R2 {fit['exponential']['r2']:.3f})")
+        if law:
+            line += f"; theory: {law['law']} " + (f"l^{law['exponent']:.3f}" if law["law"] == "power"
+                                                  else f"rate {law['rate']:.4g}")
+        print(line)
+    print(f"wrote {os.path.join(args.out, 'diagnose.json')} and diagnose.png")
     return 0
 
 
