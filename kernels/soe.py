@@ -55,7 +55,7 @@ def power_weights(alpha: torch.Tensor, lags: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=64)
-def _nodes(num_terms: int, horizon: int, eps: float) -> tuple:
+def soe_nodes(num_terms: int, horizon: int, eps: float) -> tuple:
     """(xi, Omega, lambda_min, lambda_max) in float64: the alpha-independent quadrature of the Laplace integral."""
     lambda_min, lambda_max = eps / (2 * horizon), 2 * math.log(2 * horizon / eps)
     span = math.log(lambda_max / lambda_min)
@@ -67,7 +67,7 @@ def _nodes(num_terms: int, horizon: int, eps: float) -> tuple:
 @lru_cache(maxsize=64)
 def _node_tensors(num_terms: int, horizon: int, eps: float, dtype, device) -> tuple:
     """(-xi then 0, xi, Omega) as tensors, made once per dtype and device (a decode step reads them per layer)."""
-    xi, omega, _, _ = _nodes(num_terms, horizon, eps)
+    xi, omega, _, _ = soe_nodes(num_terms, horizon, eps)
     xi_t = torch.tensor(xi, dtype=dtype, device=device)
     return torch.cat([-xi_t, xi_t.new_zeros(1)]), xi_t, torch.tensor(omega, dtype=dtype, device=device)
 
@@ -95,7 +95,7 @@ def soe_weights(alpha: torch.Tensor, num_terms: int, horizon: int, eps: float = 
     _check(num_terms, horizon, eps)
     if kernel not in KERNELS:
         raise ValueError(f"soe: kernel must be one of {KERNELS}, got {kernel!r}")
-    _, _, lambda_min, lambda_max = _nodes(num_terms, horizon, float(eps))
+    _, _, lambda_min, lambda_max = soe_nodes(num_terms, horizon, float(eps))
     _, xi, omega = _node_tensors(num_terms, horizon, float(eps), alpha.dtype, alpha.device)
     a = alpha[..., None]
     sin_term = torch.sin(math.pi * (1 - a)) / math.pi  # sin(pi alpha) / pi, exactly 0 at alpha = 1

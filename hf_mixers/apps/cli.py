@@ -1,5 +1,5 @@
 """The ``hf-mixers`` command line: ``convert``, ``distill``, ``finetune``, ``eval``, ``card``, ``push``, ``compare``,
-``demo``, ``diagnose`` and ``bench sessa|rsa|selective_ssm|gltm|vort|distill|kernels``."""
+``demo``, ``diagnose``, ``reproduce`` and ``bench sessa|rsa|selective_ssm|gltm|vort|distill|kernels``."""
 
 from __future__ import annotations
 
@@ -210,6 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose.add_argument("--heads", type=_at_least(1), default=9, help="mixer name: heads (default 9)")
     diagnose.add_argument("--kv-heads", type=_at_least(1), default=3, help="mixer name: KV heads (default 3)")
 
+    reproduce = commands.add_parser(
+        "reproduce", help="a paper's claim re-measured on this toolkit's mixers (docs/reproductions.md)",
+        description="CLAIM: one of the registered claims, 'all', or 'list' to print them. Writes OUT/<claim>.json "
+                    "and .md with the paper's figure, ours and whether the claim holds.")
+    reproduce.add_argument("claim", help="a claim name, 'all' or 'list'")
+    reproduce.add_argument("--out", default="outputs/reproduce", help="output folder (default: outputs/reproduce)")
+    reproduce.add_argument("--scale", choices=["cpu", "paper"], default="cpu",
+                           help="cpu: reduced sizes, minutes on 2 cores (default); paper: the paper's sizes")
+
     bench = commands.add_parser("bench", help="benchmarks, written as JSON and PNG")
     bench.add_argument("target", choices=["sessa", "rsa", "selective_ssm", "gltm", "vort", "distill", "kernels"],
                        help="what to benchmark")
@@ -259,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         return _compare(args)
     if args.command == "diagnose":
         return _diagnose(args)
+    if args.command == "reproduce":
+        return _reproduce(args)
     # The demo and the benchmarks run on the embedded assets: nothing may come from the hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.command == "demo":
@@ -354,6 +365,23 @@ def _train(args) -> int:
     except (*EXPECTED_ERRORS, NonFiniteLoss) as error:
         return _fail(args.command, error)
     print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=2, default=str))
+    return 0
+
+
+def _reproduce(args) -> int:
+    from .reproduce import list_claims, reproduce
+
+    if args.claim == "list":
+        for entry in list_claims():
+            print(f"{entry.name}: {entry.paper}: {entry.statement}")
+        return 0
+    try:
+        results = reproduce(args.claim, args.out, scale=args.scale)
+    except EXPECTED_ERRORS as error:
+        return _fail("reproduce", error)
+    for name, result in results.items():
+        verdict = {True: "holds", False: "does not hold", None: "partly"}[result["holds"]]
+        print(f"{name}: {verdict}: {result['ours']} (paper: {result['paper_value']})")
     return 0
 
 
