@@ -51,6 +51,19 @@ def number(value) -> str | None:
     return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "must be a number"
 
 
+def open_unit_interval(value) -> str | None:
+    """A number strictly between 0 and 1 (a probability that may not be 0 or 1, a tolerance)."""
+    return number(value) or (None if 0.0 < value < 1.0 else "must lie in (0, 1)")
+
+
+def non_negative_number(value) -> str | None:
+    return number(value) or (None if value >= 0 else "must be >= 0")
+
+
+def positive_number(value) -> str | None:
+    return number(value) or (None if value > 0 else "must be > 0")
+
+
 @dataclass(frozen=True)
 class MixerOption:
     """One config field of a mixer: its name (prefixed by the mixer's name), default, documentation and check.

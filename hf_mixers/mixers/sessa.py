@@ -22,7 +22,8 @@ from transformers import initialization as init
 
 from ..core.attention import FullAttention
 from ..core.cache import KVPlusLayer
-from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
+from ..core.registry import (MixerOption, MixerSpec, boolean, number, one_of, open_unit_interval, positive_int,
+                             register_mixer)
 from ..kernels.common import compute_dtype
 from ..kernels.dispatch import use_triton
 from ..kernels.feedback_solve import feedback_solve
@@ -136,10 +137,6 @@ def _validate(config) -> str | None:
     return None
 
 
-def _open_unit_interval(value) -> str | None:
-    return None if isinstance(value, (int, float)) and 0.0 < value < 1.0 else "must lie in (0, 1)"
-
-
 SESSA = register_mixer(MixerSpec(
     name="sessa", mixer_class=SessaMixer, title="Sessa",
     summary="attention inside a feedback loop: each output feeds back into later ones through a triangular solve "
@@ -151,7 +148,7 @@ SESSA = register_mixer(MixerSpec(
         MixerOption("sessa_feedback_heads", 1, "feedback heads; head h routes channel group h of f with its own "
                     "routing matrix (official: 1)", positive_int),
         MixerOption("sessa_feedback_bias", True, "biases on the feedback q/k projection (official: true)", boolean),
-        MixerOption("sessa_gamma_max", 0.999, "gain bound: gamma = gamma_max * tanh(b + w.x)", _open_unit_interval),
+        MixerOption("sessa_gamma_max", 0.999, "gain bound: gamma = gamma_max * tanh(b + w.x)", open_unit_interval),
         MixerOption("sessa_gamma_bias_init", None, "initial b (None: 0.0 in the llama block, so a converted layer is "
                     "exactly its teacher; 1.0 in the native block, the official init)", number),
         MixerOption("sessa_forward_rope", True, "RoPE on the attention branch of the native block (false: NoPE, the "

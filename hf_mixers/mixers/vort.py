@@ -34,8 +34,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from ..core.attention import FullAttention
 from ..core.cache import RecurrentStateLayer
 from ..core.mixer import RecurrentMixer
-from ..core.registry import MixerOption, MixerSpec, boolean, non_negative_int, number, one_of, positive_int, \
-    register_mixer
+from ..core.registry import (MixerOption, MixerSpec, boolean, non_negative_int, non_negative_number, number,
+                             one_of, open_unit_interval, positive_int, positive_number, register_mixer)
 from ..core.window import windowed
 from ..kernels.common import compute_dtype
 from ..kernels.retention import retention_chunked, retention_quadratic, retention_recurrent
@@ -388,7 +388,8 @@ class VORTCacheLayer(RecurrentStateLayer):
 
 def _derived_defaults(config) -> dict:
     feature_map = config.vort_feature_map
-    return {"vort_feature_dim": {"favor_pos": 64, "hedgehog": 2 * config.head_dim}.get(feature_map, config.head_dim),
+    width = config.head_dim  # None when the heads do not divide the width: the backbone check names that
+    return {"vort_feature_dim": {"favor_pos": 64, "hedgehog": width and 2 * width}.get(feature_map, width),
             "vort_soe_horizon": config.max_position_embeddings,
             "vort_include_current": config.vort_kernel != "power",
             "vort_entropy_source": "local_attention" if config.vort_window else "none",
@@ -397,8 +398,6 @@ def _derived_defaults(config) -> dict:
 
 def _validate(config) -> str | None:
     c = config
-    if not 0 < c.vort_delta < 1:
-        return f"vort_delta must lie in (0, 1), got {c.vort_delta}"
     if not c.vort_delta < c.vort_alpha_init < 1:
         return f"vort_alpha_init must lie in (vort_delta, 1) = ({c.vort_delta}, 1), got {c.vort_alpha_init}"
     if not 0 < c.vort_alpha_fixed <= 1:
@@ -415,10 +414,6 @@ def _validate(config) -> str | None:
                f"{c.vort_feature_dim}"
     if c.vort_soe_horizon < 2:
         return f"vort_soe_horizon must be >= 2, got {c.vort_soe_horizon}"
-    if not 0 < c.vort_soe_eps < 1:
-        return f"vort_soe_eps must lie in (0, 1), got {c.vort_soe_eps}"
-    if c.vort_eps0 < 0 or c.vort_exp_rate <= 0 or c.vort_plasticity_weight < 0:
-        return "vort_eps0 and vort_plasticity_weight must be >= 0 and vort_exp_rate > 0"
     return None
 
 
@@ -434,7 +429,7 @@ VORT = register_mixer(MixerSpec(
         MixerOption("vort_alpha_mode", "routed", "'routed' (alpha per token and KV head from x and the window "
                     "entropy) or 'fixed' (vort_alpha_fixed)", one_of("routed", "fixed")),
         MixerOption("vort_alpha_fixed", 0.7, "alpha of the fixed mode (1: no decay)", number),
-        MixerOption("vort_delta", 0.1, "the smallest order delta", number),
+        MixerOption("vort_delta", 0.1, "the smallest order delta", open_unit_interval),
         MixerOption("vort_alpha_init", None, "the order the router starts at (None: 0.5; conversion: 0.95)", number),
         MixerOption("vort_alpha_quantization", "none", "'none' (continuous alpha) or 'nearest_bank' (the paper's K "
                     "orders, straight-through gradients)", one_of("none", "nearest_bank")),
@@ -443,7 +438,7 @@ VORT = register_mixer(MixerSpec(
                     positive_int),
         MixerOption("vort_soe_horizon", None, "the longest lag the SOE is built for (None: max_position_embeddings)",
                     positive_int),
-        MixerOption("vort_soe_eps", 1e-3, "the SOE's tolerance eps", number),
+        MixerOption("vort_soe_eps", 1e-3, "the SOE's tolerance eps", open_unit_interval),
         MixerOption("vort_feature_map", "favor_pos", "phi: 'favor_pos' (Performer positive random features), "
                     "'hedgehog' (learned softmax features), 'elu1', 'identity'", one_of(*FEATURE_MAPS)),
         MixerOption("vort_feature_dim", None, "feature width (None: 64 for favor_pos, 2 head_dim for hedgehog, "
@@ -452,7 +447,7 @@ VORT = register_mixer(MixerSpec(
                     "or 'undecayed' (eq. 13)", one_of("decayed", "undecayed")),
         MixerOption("vort_include_current", None, "token t reads itself (eq. 16; None: true, false for 'power')",
                     boolean),
-        MixerOption("vort_eps0", 1e-6, "the denominator's smoothing eps0", number),
+        MixerOption("vort_eps0", 1e-6, "the denominator's smoothing eps0", non_negative_number),
         MixerOption("vort_window", 64, "local window w: exact softmax attention over the last w tokens (0: off)",
                     non_negative_int),
         MixerOption("vort_combine", "sum", "window + global: 'sum' (eq. 17: the global branch reads every "
@@ -461,10 +456,11 @@ VORT = register_mixer(MixerSpec(
         MixerOption("vort_entropy_source", None, "the router's entropy feature: 'local_attention' or 'none' (None: "
                     "local_attention with a window)", one_of("local_attention", "none")),
         MixerOption("vort_global_rope", False, "RoPE on the global branch's q, k too (conversion: on)", boolean),
-        MixerOption("vort_plasticity_weight", 0.0, "weight of the retrieval (plasticity) loss in stage 1", number),
+        MixerOption("vort_plasticity_weight", 0.0, "weight of the retrieval (plasticity) loss in stage 1",
+                    non_negative_number),
         MixerOption("vort_mixture_components", 5, "M components of the mixture kernel", positive_int),
         MixerOption("vort_exp_rate", 1e-2, "the initial rate xi of the exp kernel (decay exp(-xi) per token)",
-                    number),
+                    positive_number),
         MixerOption("vort_chunk_size", 64, "chunk length of the chunked global branch (training, prefill)",
                     positive_int),
     ),
