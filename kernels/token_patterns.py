@@ -138,6 +138,23 @@ def pattern_support(pattern: str, length: int, window: int = 8, offsets=None) ->
     return [sorted(j for j in row if j > 0) for row in table.tolist()]
 
 
+def longest_shortest_path(supports: list[list[int]]) -> int:
+    """The longest shortest information path of a pattern (1-based ``supports`` as ``pattern_support`` gives them):
+    a BFS from every source at once over the communication graph (edge j -> i iff j in P(i)) as boolean matrix
+    products; the number of hops after which nothing new is reached. O(T^3) per hop: for T up to a few hundred."""
+    length = len(supports)
+    edges = torch.zeros(length, length)
+    for i, row in enumerate(supports):
+        edges[[j - 1 for j in row], i] = 1.0
+    reached = frontier = torch.eye(length, dtype=torch.bool)
+    hops = 0
+    while True:
+        frontier = ((frontier.float() @ edges) > 0) & ~reached
+        if not frontier.any():
+            return hops
+        reached, hops = reached | frontier, hops + 1
+
+
 def ce_slots_step(slots: list[int | None], position: int, offsets: list[int]) -> list[int | None]:
     """The cache-efficient slot recursion (Eq. 42): the slots of token ``position`` (1-based) -> those of the next
     token. Slot 0 takes ``position`` (the newest token); slot k keeps its entry while it is still recent enough,

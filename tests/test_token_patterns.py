@@ -4,10 +4,9 @@ recursion and the exact statistics of spec §3.2 (Fagnou et al., §4 and App. D)
 import math
 
 import pytest
-import torch
 
-from hf_mixers.kernels.token_patterns import (ce_slots_step, lattice_steps, offsets_below, parse_offsets,
-                                              pattern_support, support_table)
+from hf_mixers.kernels.token_patterns import (ce_slots_step, lattice_steps, longest_shortest_path, offsets_below,
+                                              parse_offsets, pattern_support, support_table)
 from hf_mixers.ops import pattern_support as public_pattern_support
 
 F = {"pow2": lambda k: 2 ** k, "quad": lambda k: k * k + 1}
@@ -20,22 +19,6 @@ STATS = {"ssm": [(1, 127, 127), (1, 255, 255), (1, 1023), (1, 2047)],
          "quad": [(12, 1018, 4), (16, 2840, 4), (32, 22320), (46, 62767)],
          "quad_ce": [(10, 824, 5), (13, 2240, 5), (25, 16869), (36, 46639)],
          "dense": [(127, 8128, 1), (255, 32640, 1), (1023, 523776), (2047, 2096128)]}
-
-
-def longest_shortest_path(supports):
-    """Exact BFS from every source at once over the communication graph (edge j -> i iff j in P(i)), as boolean
-    matrix products: the number of hops after which nothing new is reached, maximised over reachable pairs."""
-    length = len(supports)
-    edges = torch.zeros(length, length)
-    for i, row in enumerate(supports):
-        edges[[j - 1 for j in row], i] = 1.0
-    reached = frontier = torch.eye(length, dtype=torch.bool)
-    hops = 0
-    while True:
-        frontier = ((frontier.float() @ edges) > 0) & ~reached
-        if not frontier.any():
-            return hops
-        reached, hops = reached | frontier, hops + 1
 
 
 @pytest.mark.parametrize("pattern", list(STATS))

@@ -65,9 +65,9 @@ def to_markdown(result: dict) -> str:
              f"- paper's figure: {result['paper_value']}", f"- ours: {result['ours']}", f"- scale: {result['scale']}",
              ""]
     if result.get("table"):
-        header = list(result["table"][0])
+        header = list(dict.fromkeys(key for row in result["table"] for key in row))  # rows may lack a column
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(_cell(row[h]) for h in header) + " |" for row in result["table"]]
+        lines += ["| " + " | ".join(_cell(row.get(h, "")) for h in header) + " |" for row in result["table"]]
     if result.get("notes"):
         lines += ["", *[f"- {note}" for note in result["notes"]]]
     return "\n".join(lines) + "\n"
@@ -77,6 +77,6 @@ def _cell(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-from . import sessa, vort  # noqa: E402  (last: each module registers its claims with ``claim`` above)
+from . import gltm, sessa, vort  # noqa: E402  (last: each module registers its claims with ``claim`` above)
 
-CLAIM_MODULES = (sessa, vort)
+CLAIM_MODULES = (gltm, sessa, vort)
