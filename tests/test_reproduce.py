@@ -9,7 +9,7 @@ from hf_mixers.apps.cli import main
 def test_every_claim_runs_and_the_computed_ones_hold(tmp_path, capsys):
     assert main(["reproduce", "list"]) == 0
     listed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines()]
-    assert {"sessa-tail", "vort-soe", "gltm-patterns"} <= set(listed)
+    assert {"sessa-tail", "vort-soe", "gltm-patterns", "ssm-constructions"} <= set(listed)
     assert main(["reproduce", "all", "--out", str(tmp_path)]) == 0
     for name in listed:
         result = json.loads((tmp_path / f"{name}.json").read_text())
@@ -20,6 +20,7 @@ def test_every_claim_runs_and_the_computed_ones_hold(tmp_path, capsys):
     soe = json.loads((tmp_path / "vort-soe.json").read_text())
     assert soe["holds"] is True and soe["table"][2]["printed, S=30"] > 100  # the printed construction fails
     assert json.loads((tmp_path / "gltm-patterns.json").read_text())["ours"] == "every count equal"
+    assert json.loads((tmp_path / "ssm-constructions.json").read_text())["holds"] is True
     capsys.readouterr()
     assert main(["reproduce", "no-such-claim", "--out", str(tmp_path)]) == 2
     assert "unknown claim" in capsys.readouterr().err

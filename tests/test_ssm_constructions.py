@@ -1,99 +1,29 @@
 """The selective-SSM paper's analytical constructions (Huang et al. 2025, App. C; spec §6) as hand-set weights of our
 ``selective_ssm`` mixer: identity in/out projections, one head, expand = 1, fp64 on CPU. Each must solve its task on
-every one of >= 100 random instances from the task generators; Lemma 3 without the Δ bias must fail.
+every one of >= 100 random instances from the task generators; Lemma 3 without the Δ bias must fail. The exact
+constructions live in hf_mixers/apps/reproduce/selective_ssm.py (`hf-mixers reproduce ssm-constructions` runs them).
 """
 
 import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from hf_mixers import config_class
-from hf_mixers.tasks.selective_ssm import IGNORE, induction_heads, keep_nth, mqar
-
-F64 = torch.float64
-INV_SOFTPLUS_1 = math.log(math.e - 1.0)  # softplus(ln(e - 1)) = 1: Δ = 1
-ZERO_DECAY = float("-inf")  # A_log = -inf: A = -0, no decay at all
-
-
-def hand_set_mixer(variant, width, state_size, **options):
-    """A one-head ``selective_ssm`` mixer of width d = ``width`` with every weight zero, v_proj = o_proj = I. (The
-    backbone config asks for an even head_dim, for RoPE; odd constructions carry one unused zero channel.)"""
-    options = {"gate": False, "use_d": False, "rmsnorm": False, "dt_rank": 0, "chunk_size": 16, **options}
-    config = config_class("selective_ssm")(
-        vocab_size=8, hidden_size=width, intermediate_size=4, num_hidden_layers=1, num_attention_heads=1,
-        num_key_value_heads=1, head_dim=width, selective_ssm_variant=variant, selective_ssm_state_size=state_size,
-        **{f"selective_ssm_{key}": value for key, value in options.items()})
-    mixer = get_mixer_class()(config, 0).to(F64)
-    with torch.no_grad():
-        for parameter in mixer.parameters():
-            parameter.zero_()
-        mixer.v_proj.weight.copy_(torch.eye(width))
-        mixer.o_proj.weight.copy_(torch.eye(width))
-    return mixer
-
-
-def get_mixer_class():
-    from hf_mixers.mixers.selective_ssm import SelectiveSSMMixer
-    return SelectiveSSMMixer
-
-
-def run(mixer, embeddings):
-    with torch.no_grad():
-        return mixer.mix(embeddings)[0]
-
-
-def accuracy(logits, targets):
-    scored = targets != IGNORE
-    return (logits.argmax(-1)[scored] == targets[scored]).double().mean().item(), int(scored.sum())
-
-
-def selector(rows, columns, offset=0):
-    """[I | 0]-style (rows x columns) matrix picking columns offset .. offset + rows - 1."""
-    matrix = torch.zeros(rows, columns, dtype=F64)
-    matrix[:, offset:offset + rows] = torch.eye(rows, dtype=F64)
-    return matrix
+from hf_mixers.apps.reproduce.selective_ssm import (F64, INV_SOFTPLUS_1, ZERO_DECAY, accuracy, corollary_2_s6_keep_nth,
+                                                    hand_set_mixer, induction_logits, lemma_3_delta_t_induction,
+                                                    lemma_3_mixer, run, selector, theorem_2_s6_mqar,
+                                                    theorem_3_mamba2_mqar, theorem_4_s4d_mqar)
+from hf_mixers.tasks.selective_ssm import IGNORE, induction_heads, mqar
 
 
 @pytest.mark.parametrize("pairs", [4, 8, 16, 32])
 def test_theorem_2_s6_solves_mqar_with_n_equal_kappa(pairs):
-    values = 4 * pairs
-    width = pairs + values
-    mixer = hand_set_mixer("s6", width, pairs, conv_mode="shared", conv_width=2, conv_activation="relu")
-    with torch.no_grad():  # conv c0 = 1 (previous token), c1 = 2 (current), b = 1; Δ = 1; Λ = 0; B = C = [I | 0] û
-        mixer.conv_weight[:, 0], mixer.conv_weight[:, 1], mixer.conv_bias[:] = 1.0, 2.0, -1.0
-        mixer.dt_proj.bias.fill_(INV_SOFTPLUS_1)
-        mixer.A_log.fill_(ZERO_DECAY)
-        mixer.k_proj.weight.copy_(selector(pairs, width))
-        mixer.q_proj.weight.copy_(selector(pairs, width))
-    embedding = torch.zeros(width, width, dtype=F64)
-    embedding[:pairs, :pairs] = 2.0 * torch.eye(pairs)  # key i -> k e_i, k = 2
-    embedding[pairs:, pairs:] = torch.eye(values)  # value j -> v e_{κ+j}, v = 1
-    tokens, targets = mqar(100, pairs, values, seed=pairs)
-    logits = run(mixer, embedding[tokens]) @ embedding[pairs:].T  # readout rows: the value embeddings
-    score, scored = accuracy(logits, torch.where(targets == IGNORE, IGNORE, targets - pairs))
-    assert scored == 100 * pairs and score == 1.0
+    assert theorem_2_s6_mqar(pairs, seed=pairs) == (1.0, 100 * pairs)
 
 
 @pytest.mark.parametrize("pairs", [4, 8, 16, 32])
 def test_theorem_3_mamba2_solves_mqar_with_independent_convolutions(pairs):
-    values = 4 * pairs
-    width = pairs + values
-    mixer = hand_set_mixer("mamba2", width, pairs, conv_mode="independent", conv_width=2, conv_activation="relu")
-    with torch.no_grad():  # channels [u (d), B (κ), C (κ)]: u and C identity kernels, B the shift by one token
-        mixer.conv_weight[:width, 1] = 1.0
-        mixer.conv_weight[width:width + pairs, 0] = 1.0
-        mixer.conv_weight[width + pairs:, 1] = 1.0
-        mixer.dt_proj.bias.fill_(INV_SOFTPLUS_1)  # Δ ≡ 1 (the paper leaves it unstated; it must be constant)
-        mixer.A_log.fill_(ZERO_DECAY)
-        mixer.k_proj.weight.copy_(selector(pairs, width))
-        mixer.q_proj.weight.copy_(selector(pairs, width))
-    embedding = torch.eye(width, dtype=F64)
-    tokens, targets = mqar(100, pairs, values, seed=100 + pairs)
-    logits = run(mixer, embedding[tokens]) @ embedding[pairs:].T
-    score, scored = accuracy(logits, torch.where(targets == IGNORE, IGNORE, targets - pairs))
-    assert scored == 100 * pairs and score == 1.0
+    assert theorem_3_mamba2_mqar(pairs, seed=100 + pairs) == (1.0, 100 * pairs)
 
 
 def jl_matrix(rows, columns, seed, balanced):
@@ -163,22 +93,7 @@ def test_theorem_3_step_2_mamba2_mqar_with_log_kappa_states_is_statistical():
 
 @pytest.mark.parametrize("pairs,values", [(4, 8), (8, 16)])
 def test_theorem_4_mamba_s4d_solves_mqar_with_one_state_through_its_gate(pairs, values):
-    width = pairs * values
-    mixer = hand_set_mixer("s4d", width, 1, conv_mode="shared", conv_width=2, conv_activation="relu",
-                           gate=True)
-    with torch.no_grad():  # c0 = 10 (previous), c1 = 1, b = 100; Λ̄ = B = C = 1; gate silu(x)
-        mixer.conv_weight[:, 0], mixer.conv_weight[:, 1], mixer.conv_bias[:] = 10.0, 1.0, -100.0
-        mixer.A_log.fill_(ZERO_DECAY)
-        mixer.B.fill_(1.0)
-        mixer.C.fill_(1.0)
-        mixer.z_proj.weight.copy_(torch.eye(width))
-    chunks = torch.eye(pairs, dtype=F64).repeat_interleave(values, dim=1)  # key i -> all-ones on chunk i
-    embedding = torch.cat([10.0 * chunks, torch.eye(values, dtype=F64).repeat(1, pairs)])  # value j: e_j in every
-    readout = torch.eye(values, dtype=F64).repeat(1, pairs)  # rows [e_j ... e_j]
-    tokens, targets = mqar(100, pairs, values, seed=200 + pairs)
-    logits = run(mixer, embedding[tokens]) @ readout.T
-    score, scored = accuracy(logits, torch.where(targets == IGNORE, IGNORE, targets - pairs))
-    assert scored == 100 * pairs and score == 1.0
+    assert theorem_4_s4d_mqar(pairs, values, seed=200 + pairs) == (1.0, 100 * pairs)
 
 
 def test_theorem_4_step_2_mamba_s4d_mqar_with_balanced_jl_values():
@@ -203,36 +118,12 @@ def test_theorem_4_step_2_mamba_s4d_mqar_with_balanced_jl_values():
     assert scored == 100 * pairs and score == 1.0
 
 
-def lemma_3_mixer(vocab, weight=40.0, bias=20.0, a_shape="channel_state"):
-    """Mamba-Δᵀ for induction heads: d = 2|V|, N = |V|, û_t = [e_{x_{t-1}}; e_{x_t}], B = top half, C = bottom,
-    Δ_t = softplus(w [I | 0] û_t - b) erases the column of the previous token, Λ = -1."""
-    width = 2 * vocab
-    mixer = hand_set_mixer("delta_t", width, vocab, conv_mode="shared", conv_width=2, conv_activation="relu",
-                           a_shape=a_shape)
-    with torch.no_grad():
-        mixer.conv_weight[:vocab, 0] = 1.0  # previous token -> top half
-        mixer.conv_weight[vocab:, 1] = 1.0  # current token -> bottom half
-        mixer.A_log.zero_()  # A = -1
-        mixer.k_proj.weight.copy_(selector(vocab, width))
-        mixer.q_proj.weight.copy_(selector(vocab, width, offset=vocab))
-        mixer.dt_proj.weight.copy_(weight * selector(vocab, width))
-        mixer.dt_proj.bias.fill_(-bias)
-    return mixer
-
-
-def induction_logits(mixer, vocab, tokens):
-    embedding = torch.cat([torch.eye(vocab, dtype=F64), torch.eye(vocab, dtype=F64)], dim=1)  # v -> [e_v; e_v]
-    read = run(mixer, embedding[tokens])[..., vocab:]  # W_o = [0 | I]
-    return torch.cat([read, torch.full_like(read[..., :1], 0.5)], dim=-1)  # the blank class: a constant 0.5
-
-
 @pytest.mark.parametrize("vocab", [5, 10, 20, 40])
 @pytest.mark.parametrize("a_shape", ["channel_state", "state"])
 def test_lemma_3_mamba_delta_t_solves_induction_heads(vocab, a_shape):
+    assert lemma_3_delta_t_induction(vocab, a_shape, seed=vocab) == (1.0, 100 * 100)
     tokens, targets = induction_heads(100, vocab, seed=vocab)
     logits = induction_logits(lemma_3_mixer(vocab, a_shape=a_shape), vocab, tokens)
-    score, scored = accuracy(logits, targets)
-    assert scored == 100 * 100 and score == 1.0
     not_blank = targets != vocab
     assert accuracy(logits[not_blank][:, None], targets[not_blank][:, None])[0] == 1.0
 
@@ -247,20 +138,7 @@ def test_lemma_3_as_printed_without_the_delta_bias_fails_with_a_blank_class():
 
 @pytest.mark.parametrize("scaling", ["euler", "zoh"])
 def test_corollary_2_s6_with_a_position_channel_keeps_the_fifth_token(scaling):
-    vocab, length, n, w = 128, 50, 5, 40.0
-    width = vocab + 2  # one-hot, the position channel, an unused zero channel (even width)
-    mixer = hand_set_mixer("s6", width, 1, conv_mode="none", input_scaling=scaling)
-    with torch.no_grad():  # B = C = the position channel; λ = 1; Δ_t = softplus(-w (t - n - 1/2)) on every channel
-        mixer.k_proj.weight[0, vocab] = 1.0
-        mixer.q_proj.weight[0, vocab] = 1.0
-        mixer.A_log.zero_()
-        mixer.dt_proj.weight[:, vocab] = -w
-        mixer.dt_proj.bias.fill_(w * (n + 0.5))
-    tokens, targets = keep_nth(500, vocab, length, n)
-    embeddings = F.one_hot(tokens, width).to(F64)
-    embeddings[..., vocab] = torch.arange(1, length + 1, dtype=F64)  # the raw 1-indexed position
-    score, scored = accuracy(run(mixer, embeddings)[..., :vocab], targets)
-    assert scored == 500 * (length - n + 1) and score == 1.0
+    assert corollary_2_s6_keep_nth(scaling) == (1.0, 500 * (50 - 5 + 1))
 
 
 def test_proposition_1_a_zero_decay_layer_counts_tokens():

@@ -77,6 +77,6 @@ def _cell(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-from . import gltm, sessa, vort  # noqa: E402  (last: each module registers its claims with ``claim`` above)
+from . import gltm, selective_ssm, sessa, vort  # noqa: E402  (last: each registers its claims with ``claim`` above)
 
-CLAIM_MODULES = (gltm, sessa, vort)
+CLAIM_MODULES = (gltm, selective_ssm, sessa, vort)
