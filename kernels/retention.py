@@ -141,9 +141,9 @@ def retention_chunked(q, k, v, log_rates, weights, skip=None, state=None, includ
     step = torch.exp(log_rates * size)[None, :, :, None, None]  # (1, G, S, 1, 1): a whole chunk of decay
     current = state if state is not None else q.new_zeros(batch, groups, slots, features, width)
     before = []  # the state before each chunk
-    for n in range(chunks):
+    for write in writes.unbind(2):  # unbind, not writes[:, :, n]: one backward for all chunks, not N full-size ones
         before.append(current)
-        current = step * current + writes[:, :, n]
+        current = step * current + write
     before = torch.stack(before, dim=2)  # (B, G, N, S, F, V)
     read = torch.exp(log_rates[:, :, None] * (r + 1).to(q.dtype))  # (G, S, C)
     first = 0 if state is not None else 1  # without a carried state the first chunk reads zeros: skip it
