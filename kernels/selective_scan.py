@@ -150,10 +150,10 @@ def ssm_chunked(u, log_decay, B, C, state=None, chunk_size: int = 64, intra: str
         outputs, local = _intra_scan(u, log_decay, B, C)
     else:
         raise ValueError(f"selective scan: intra must be 'auto', 'matmul' or 'scan', got {intra!r}")
-    starts = []  # the state entering each chunk: one step per chunk
-    for c in range(u.shape[1]):
+    starts = []  # the state entering each chunk: one step per chunk (unbound once: a select per chunk would cost a
+    for chunk_decay, chunk_write in zip(torch.exp(total).unbind(1), local.unbind(1)):  # full-size gradient each)
         starts.append(state)
-        state = torch.exp(total[:, c]) * state + local[:, c]
+        state = chunk_decay * state + chunk_write
     starts = torch.stack(starts, dim=1)  # (B, c, H, P, N)
     decay = torch.exp(cumulative)  # chunk start -> token i
     if decay.shape[3] == 1:
