@@ -45,7 +45,8 @@ class WindowState:
     keys: torch.Tensor  # (B, G, w, d) rotated keys of the last w positions (zeros where invalid)
     values: torch.Tensor  # (B, G, w, dv)
     valid: torch.Tensor  # (B, w) bool: a real token sits there
-    extras: tuple  # per-token write inputs of the memory, each (B, G, w, ...) (RSA: log decay; SSMs: u, B, decay)
+    extras: tuple | None  # per-token write inputs of the memory, each (B, G, w, ...) (RSA: log decay; SSMs: u, B,
+    # decay; VORT: key features, order); None before the first call
     memory: object  # the mixer's own state (anything ``map_tensors`` handles), None before the first write
     written: torch.Tensor  # (B,) tokens written into the memory so far
 
@@ -53,14 +54,14 @@ class WindowState:
         return WindowState(**{f.name: map_tensors(getattr(self, f.name), fn) for f in fields(self)})
 
 
-def empty_window(keys: torch.Tensor, values: torch.Tensor, extras: tuple, window: int) -> WindowState:
-    """The state before the first token: w invalid positions, nothing written."""
+def empty_window(keys: torch.Tensor, values: torch.Tensor, window: int) -> WindowState:
+    """The state before the first token: w invalid positions, nothing written (the extras are shaped by the first
+    call's)."""
     batch, groups = keys.shape[:2]
     return WindowState(keys=keys.new_zeros(batch, groups, window, keys.shape[-1]),
                        values=values.new_zeros(batch, groups, window, values.shape[-1]),
-                       valid=torch.zeros(batch, window, dtype=torch.bool, device=keys.device),
-                       extras=tuple(e.new_zeros(batch, groups, window, *e.shape[3:]) for e in extras), memory=None,
-                       written=torch.zeros(batch, dtype=torch.long, device=keys.device))
+                       valid=torch.zeros(batch, window, dtype=torch.bool, device=keys.device), extras=None,
+                       memory=None, written=torch.zeros(batch, dtype=torch.long, device=keys.device))
 
 
 def window_attention(query, keys, values, valid, window: int, scale: float, with_entropy: bool = False):
@@ -97,15 +98,15 @@ def window_attention(query, keys, values, valid, window: int, scale: float, with
     allowed = (gap >= 0) & (gap < window) & spans_valid[:, None, :, None, :]  # (B, 1, N, block, span)
     scores = torch.einsum("bgjnrd,bgncd->bgjnrc", query_b, spans_k) * scale  # (B, G, g, N, block, span)
     scores = scores.masked_fill(~allowed[:, :, None], torch.finfo(scores.dtype).min)
-    log_normaliser = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - log_normaliser[..., None])
+    log_z = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - log_z[..., None])
     out = torch.einsum("bgjnrc,bgncd->bgjnrd", weights, spans_v)
-    out, log_normaliser = out.flatten(3, 4)[:, :, :, :length], log_normaliser.flatten(3, 4)[:, :, :, :length]
+    out, log_normaliser = out.flatten(3, 4)[:, :, :, :length], log_z.flatten(3, 4)[:, :, :, :length]
     if not with_entropy:
         return out, log_normaliser
     # H = log Z - sum_c p_c s_c over the allowed keys, over its maximum log(count)
     seen = allowed.sum(-1).to(scores.dtype)  # (B, 1, N, block)
-    entropy = torch.logsumexp(scores, dim=-1) - (weights * scores.masked_fill(~allowed[:, :, None], 0)).sum(-1)
+    entropy = log_z - (weights * scores.masked_fill(~allowed[:, :, None], 0)).sum(-1)
     entropy = torch.where(seen[:, :, None] > 1, entropy / torch.log(seen.clamp(min=2))[:, :, None], 0.0)
     return out, log_normaliser, entropy.flatten(3, 4)[:, :, :, :length]
 
@@ -134,8 +135,7 @@ def windowed(query, keys, values, valid, extras, state: WindowState | None, wind
     if valid is None:
         valid = torch.ones(query.shape[0], length, dtype=torch.bool, device=query.device)
     if state is None:
-        state = empty_window(keys, values, (), window)
-        state.extras = None  # shaped by the first call's extras
+        state = empty_window(keys, values, window)
     keys = torch.cat([state.keys.to(keys.dtype), keys], dim=2)  # (B, G, w + T, d): position w + i is new token i
     values = torch.cat([state.values.to(values.dtype), values], dim=2)
     valid = torch.cat([state.valid, valid], dim=1)
@@ -171,8 +171,8 @@ def windowed(query, keys, values, valid, extras, state: WindowState | None, wind
         else:
             raise ValueError(f"windowed: combine must be one of {COMBINES}, got {combine!r}")
         share = torch.where(seen, share.to(local.dtype), torch.zeros((), dtype=local.dtype, device=local.device))
-        base = torch.zeros_like(local) if combine == "gated_sum" else local
-        out = local + share[..., None] * (remote.to(local.dtype) - base)
+        remote = remote.to(local.dtype)
+        out = local + share[..., None] * (remote if combine == "gated_sum" else remote - local)
     state = WindowState(keys=keys[:, :, length:], values=values[:, :, length:], valid=valid[:, length:],
                         extras=tuple(e[:, :, length:] for e in extras), memory=memory_state,
                         written=state.written + writing.long().sum(1))
