@@ -53,6 +53,15 @@ def _cast(*tensors):
     return [None if t is None else t.to(dtype) for t in tensors]
 
 
+def lag_kernel(log_rates, weights, length: int):
+    """The (T, T) lag kernel of the definition, k[t, i] = sum_s weights[i, s] exp(l_s (t - i)) for t >= i (0 above
+    the diagonal): log_rates (G or 1, S), weights (B, G, T, S) -> (B, G, T, T)."""
+    t = torch.arange(length, device=weights.device)
+    lag = t[:, None] - t[None, :]
+    decay = torch.exp(log_rates[:, :, None, None] * lag.clamp(min=0).to(weights.dtype))  # (G, S, T, T)
+    return torch.einsum("gsti,bgis->bgti", decay, weights) * (lag >= 0)
+
+
 def retention_quadratic(q, k, v, log_rates, weights, skip=None, state=None, include_current: bool = True,
                         scores=None):
     """The definition through the (T, T) matrix. ``scores`` (B, G, g, T, T) replaces q . k when given (q and k are
@@ -61,10 +70,9 @@ def retention_quadratic(q, k, v, log_rates, weights, skip=None, state=None, incl
     q, k, v, log_rates, weights, skip, state = _cast(q, k, v, log_rates, weights, skip, state)
     length = q.shape[3]
     t = torch.arange(length, device=q.device)
-    lag = (t[:, None] - t[None, :]).to(q.dtype)  # (T, T)
-    causal = t[:, None] > t[None, :] if not include_current else t[:, None] >= t[None, :]
-    decay = torch.exp(log_rates[:, :, None, None] * lag.clamp(min=0))  # (G, S, T, T)
-    kernel = torch.einsum("gsti,bgis->bgti", decay, weights) * causal  # (B, G, T, T): sum_s c_s(i) e^{l_s (t-i)}
+    kernel = lag_kernel(log_rates, weights, length)  # (B, G, T, T): sum_s c_s(i) e^{l_s (t-i)}
+    if not include_current:
+        kernel = kernel * (t[:, None] > t[None, :])
     if skip is not None and include_current:
         kernel = kernel + torch.diag_embed(skip)
     if scores is None:

@@ -38,7 +38,7 @@ from ..core.registry import (MixerOption, MixerSpec, boolean, non_negative_int, 
                              one_of, open_unit_interval, positive_int, positive_number, register_mixer)
 from ..core.window import windowed
 from ..kernels.common import compute_dtype
-from ..kernels.retention import retention_chunked, retention_quadratic, retention_recurrent
+from ..kernels.retention import lag_kernel, retention_chunked, retention_quadratic, retention_recurrent
 from ..kernels.soe import KERNELS, gl_weights, power_weights, soe_log_rates, soe_weights
 
 FEATURE_MAPS = ("favor_pos", "hedgehog", "elu1", "identity")
@@ -55,7 +55,7 @@ class VORTMixer(RecurrentMixer, FullAttention):
         super().__init__(config, layer_idx)
         c = config
         groups, width, features = self.num_key_value_heads, self.head_dim, c.vort_feature_dim
-        self.kernel, self.window, self.features = c.vort_kernel, c.vort_window, features
+        self.window, self.features = c.vort_window, features
         if c.vort_feature_map == "favor_pos":  # a fixed random projection, saved with the weights
             self.register_buffer("feature_projection", torch.zeros(features, width))
         elif c.vort_feature_map == "hedgehog":  # learned: softmax([x W, -x W]) per KV head, q and k maps apart
@@ -251,7 +251,7 @@ class VORTMixer(RecurrentMixer, FullAttention):
     def reference(self, hidden_states, position_embeddings, scores: str = "features", lags: str = "soe"):
         """The layer's output (B, T, D) through (T, T) matrices. ``scores``: "features" (phi(q) . phi(k), what the
         layer computes) or "exact" (exp(q.k / sqrt(d)), the kernel FAVOR+ estimates); ``lags``: "soe" or "exact"
-        (the lgamma power law the SOE approximates). No padding."""
+        (the lgamma power law the SOE approximates; gl and power kernels). No padding."""
         c = self.config
         batch, length, _ = hidden_states.shape
         q_win, k_win, q_glob, k_glob, value = self.projections(hidden_states, position_embeddings)
@@ -272,8 +272,7 @@ class VORTMixer(RecurrentMixer, FullAttention):
         weights, skip = self.slot_weights(alpha, value[..., 0])
         log_rates = self.log_rates(cd, value.device)
         include = c.vort_include_current and not delayed
-        decay = torch.exp(log_rates[:, :, None, None] * lag.clamp(min=0).to(cd))  # (G, S, T, T)
-        kernel = torch.einsum("gsti,bgis->bgti", decay, weights)
+        kernel = lag_kernel(log_rates, weights, length)  # (B, G, T, T)
         if lags == "exact":
             exact = gl_weights if c.vort_kernel == "gl" else power_weights
             kernel = exact(alpha[..., None, :], lag.clamp(min=0))  # (B, G, T, T): w_{t-i}(alpha_i)
@@ -337,8 +336,7 @@ class VORTMixer(RecurrentMixer, FullAttention):
         scores = torch.einsum("bgjtd,bgid->bgjti", q_win, k_win) * self.scaling  # (B, G, g, T, T)
         entropy = self.quadratic_window(q_win, k_win, value)[2] if self.window else None
         weights, _ = self.slot_weights(self.orders(hidden_states, entropy), value[..., 0])  # (B, G, T, S)
-        decay = torch.exp(self.log_rates(cd, value.device)[:, :, None, None] * lag.clamp(min=0).to(cd))
-        kernel = torch.einsum("gsti,bgis->bgti", decay, weights)  # (B, G, T, T): w_{t-i}(alpha_i)
+        kernel = lag_kernel(self.log_rates(cd, value.device), weights, length)  # (B, G, T, T): w_{t-i}(alpha_i)
         past = lag > 0
         log_r = (scores + torch.log(kernel.clamp(min=torch.finfo(cd).tiny))[:, :, None]).masked_fill(
             ~past, float("-inf"))
