@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from hf_mixers.apps.bench import harness
 from hf_mixers.apps.cli import build_parser, main
 
 
@@ -114,7 +115,8 @@ def test_bench_selective_ssm_writes_training_scan_forms_and_decoding(tmp_path):
     assert main(["bench", "selective_ssm", "--out", str(tmp_path), "--variants", "mamba"]) == 2
 
 
-def test_bench_gltm_writes_training_decoding_and_the_pow2_ce_targets(tmp_path):
+def test_bench_gltm_writes_training_decoding_and_the_pow2_ce_targets(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "cpu_peak_supported", lambda: False)  # no fresh process per point for its peak
     main(["bench", "gltm", "--out", str(tmp_path), "--lengths", "32,64", "--contexts", "16,48", "--hidden-size", "32",
           "--heads", "2", "--kv-heads", "1", "--repeats", "1", "--decode-tokens", "2", "--variants", "pow2_ce,dense"])
     report = json.loads((tmp_path / "bench_gltm.json").read_text())
@@ -126,7 +128,8 @@ def test_bench_gltm_writes_training_decoding_and_the_pow2_ce_targets(tmp_path):
     assert main(["bench", "gltm", "--out", str(tmp_path), "--variants", "pow3"]) == 2
 
 
-def test_bench_vort_writes_training_decoding_and_its_targets(tmp_path):
+def test_bench_vort_writes_training_decoding_and_its_targets(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "cpu_peak_supported", lambda: False)  # memory (test_bench_sessa measures it)
     main(["bench", "vort", "--out", str(tmp_path), "--lengths", "32,64", "--contexts", "16,80", "--hidden-size", "32",
           "--heads", "2", "--kv-heads", "1", "--repeats", "1", "--decode-tokens", "2", "--variants", "exp"])
     report = json.loads((tmp_path / "bench_vort.json").read_text())
