@@ -12,7 +12,8 @@ import torch
 from hf_mixers.apps.reproduce.selective_ssm import (F64, INV_SOFTPLUS_1, ZERO_DECAY, accuracy, corollary_2_s6_keep_nth,
                                                     hand_set_mixer, induction_logits, lemma_3_delta_t_induction,
                                                     lemma_3_mixer, run, selector, theorem_2_s6_mqar,
-                                                    theorem_3_mamba2_mqar, theorem_4_s4d_mqar)
+                                                    theorem_3_mamba2_mqar, theorem_4_s4d_mixer,
+                                                    theorem_4_s4d_mqar)
 from hf_mixers.tasks.selective_ssm import IGNORE, induction_heads, mqar
 
 
@@ -100,14 +101,7 @@ def test_theorem_4_step_2_mamba_s4d_mqar_with_balanced_jl_values():
     """d = κ p. The paper's rotation does not remove the β offset (chance accuracy as printed); balanced JL columns
     (M^T 1 = 0) do."""
     pairs, values, dims = 8, 64, 32
-    width = pairs * dims
-    mixer = hand_set_mixer("s4d", width, 1, conv_mode="shared", conv_width=2, conv_activation="relu", gate=True)
-    with torch.no_grad():
-        mixer.conv_weight[:, 0], mixer.conv_weight[:, 1], mixer.conv_bias[:] = 10.0, 1.0, -100.0
-        mixer.A_log.fill_(ZERO_DECAY)
-        mixer.B.fill_(1.0)
-        mixer.C.fill_(1.0)
-        mixer.z_proj.weight.copy_(torch.eye(width))
+    mixer = theorem_4_s4d_mixer(pairs * dims)
     jl = jl_matrix(dims, values, seed=14, balanced=True)
     chunks = torch.eye(pairs, dtype=F64).repeat_interleave(dims, dim=1)
     embedding = torch.cat([10.0 * chunks, (jl.T + 1.0).repeat(1, pairs)])  # values (M e_j + β 1) in every chunk

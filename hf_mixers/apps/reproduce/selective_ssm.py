@@ -99,10 +99,8 @@ def theorem_3_mamba2_mqar(pairs: int, count: int = 100, seed: int = 0):
     return accuracy(logits, value_targets(targets, pairs))
 
 
-def theorem_4_s4d_mqar(pairs: int, values: int, count: int = 100, seed: int = 0):
-    """Mamba-S4D with one state: conv c0 = 10 (previous), c1 = 1, b = 100; Λ̄ = B = C = 1; the gate silu(x) selects;
-    key i -> all-ones on chunk i (scaled 10), value j -> e_j in every chunk."""
-    width = pairs * values
+def theorem_4_s4d_mixer(width: int):
+    """Mamba-S4D with one state: conv c0 = 10 (previous), c1 = 1, b = 100; Λ̄ = B = C = 1; the gate silu(x) selects."""
     mixer = hand_set_mixer("s4d", width, 1, conv_mode="shared", conv_width=2, conv_activation="relu", gate=True)
     with torch.no_grad():
         mixer.conv_weight[:, 0], mixer.conv_weight[:, 1], mixer.conv_bias[:] = 10.0, 1.0, -100.0
@@ -110,6 +108,13 @@ def theorem_4_s4d_mqar(pairs: int, values: int, count: int = 100, seed: int = 0)
         mixer.B.fill_(1.0)
         mixer.C.fill_(1.0)
         mixer.z_proj.weight.copy_(torch.eye(width))
+    return mixer
+
+
+def theorem_4_s4d_mqar(pairs: int, values: int, count: int = 100, seed: int = 0):
+    """``theorem_4_s4d_mixer`` of width κ |V|; key i -> all-ones on chunk i (scaled 10), value j -> e_j in every
+    chunk."""
+    mixer = theorem_4_s4d_mixer(pairs * values)
     chunks = torch.eye(pairs, dtype=F64).repeat_interleave(values, dim=1)
     embedding = torch.cat([10.0 * chunks, torch.eye(values, dtype=F64).repeat(1, pairs)])
     readout = torch.eye(values, dtype=F64).repeat(1, pairs)
