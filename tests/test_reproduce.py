@@ -1,5 +1,5 @@
-"""`hf-mixers reproduce`: every registered claim runs at its CPU size and reports the paper's figure, ours and a
-verdict; the computational claims hold exactly as the theory says."""
+"""`hf-mixers reproduce`: every registered claim runs (the trained ones at the seconds-long smoke scale) and reports
+the paper's figure, ours and a verdict; the computational claims hold exactly as the theory says."""
 
 import json
 
@@ -9,8 +9,8 @@ from hf_mixers.apps.cli import main
 def test_every_claim_runs_and_the_computed_ones_hold(tmp_path, capsys):
     assert main(["reproduce", "list"]) == 0
     listed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines()]
-    assert {"sessa-tail", "vort-soe", "gltm-patterns", "ssm-constructions"} <= set(listed)
-    assert main(["reproduce", "all", "--out", str(tmp_path)]) == 0
+    assert {"sessa-tail", "vort-soe", "gltm-patterns", "ssm-constructions", "vort-zipf"} <= set(listed)
+    assert main(["reproduce", "all", "--scale", "smoke", "--out", str(tmp_path)]) == 0  # trained claims in seconds
     for name in listed:
         result = json.loads((tmp_path / f"{name}.json").read_text())
         assert {"paper_value", "ours", "holds", "statement", "scale"} <= set(result)
@@ -21,6 +21,9 @@ def test_every_claim_runs_and_the_computed_ones_hold(tmp_path, capsys):
     assert soe["holds"] is True and soe["table"][2]["printed, S=30"] > 100  # the printed construction fails
     assert json.loads((tmp_path / "gltm-patterns.json").read_text())["ours"] == "every count equal"
     assert json.loads((tmp_path / "ssm-constructions.json").read_text())["holds"] is True
+    zipf = json.loads((tmp_path / "vort-zipf.json").read_text())
+    assert zipf["holds"] is None and [row["kernel"] for row in zipf["table"]] == ["power-law", "exponential",
+                                                                                "mixture-5"]
     capsys.readouterr()
     assert main(["reproduce", "no-such-claim", "--out", str(tmp_path)]) == 2
     assert "unknown claim" in capsys.readouterr().err

@@ -216,8 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "and .md with the paper's figure, ours and whether the claim holds.")
     reproduce.add_argument("claim", help="a claim name, 'all' or 'list'")
     reproduce.add_argument("--out", default="outputs/reproduce", help="output folder (default: outputs/reproduce)")
-    reproduce.add_argument("--scale", choices=["cpu", "paper"], default="cpu",
-                           help="cpu: reduced sizes, minutes on 2 cores (default); paper: the paper's sizes")
+    reproduce.add_argument("--scale", choices=["cpu", "paper", "smoke"], default="cpu",
+                           help="cpu: reduced sizes, minutes on 2 cores (default); paper: the paper's sizes; smoke: "
+                                "the same code in seconds (no verdict)")
 
     bench = commands.add_parser("bench", help="benchmarks, written as JSON and PNG")
     bench.add_argument("target", choices=["sessa", "rsa", "selective_ssm", "gltm", "vort", "distill", "kernels"],

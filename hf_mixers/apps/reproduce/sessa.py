@@ -18,7 +18,7 @@ def sessa_tail(out_dir: str, scale: str) -> dict:
     """Our feedback solve (kernels/feedback_solve.py) with q = k = 0 (routing 1/t over the strict past) and gain 0.7
     on T = 400 tokens; the RMS gain of ds_{s+l}/df_s measured by autograd, fitted over l in [50, 399] as the spec's
     measurement did; also the exact closed form and the Gautschi envelope."""
-    gamma, length, dim = 0.7, 400 if scale == "cpu" else 2000, 8
+    gamma, length, dim = 0.7, 400 if scale != "paper" else 2000, 8
     zeros = torch.zeros(1, length, 4, dtype=torch.float64)
     gain = torch.full((1, length), gamma, dtype=torch.float64)
 
