@@ -68,7 +68,7 @@ ZIPF_KERNELS = {"power-law": {"vort_kernel": "power", "vort_include_current": Fa
 # sequence length, keys, classes, queries, filler ids, training steps, batch, test sequences per beta (smoke: the
 # same code path in seconds, for the tests)
 ZIPF_SCALES = {"smoke": dict(length=256, keys=8, classes=4, queries=4, filler=16, steps=3, batch=2, tests=2),
-               "cpu": dict(length=2048, keys=32, classes=4, queries=16, filler=64, steps=300, batch=8, tests=32),
+               "cpu": dict(length=2048, keys=32, classes=4, queries=16, filler=64, steps=300, batch=8, tests=128),
                "paper": dict(length=10_000, keys=512, classes=16, queries=64, filler=256, steps=12_500, batch=8,
                              tests=1000)}
 
