@@ -9,6 +9,7 @@ for the given text, and the whole model from input embeddings to the last hidden
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -46,6 +47,11 @@ def diagnose(target: str, out_dir: str, length: int = 256, source: int = 0, prob
     return report
 
 
+def _layer_fn(mixer, rope):
+    """x (P, T, D) -> the mixer's output, with its (cos, sin) repeated for the P probes."""
+    return lambda x: mixer(x, tuple(r.expand(x.shape[0], -1, -1) for r in rope))
+
+
 def _fresh_layer(name, length, hidden_size, num_heads, num_kv_heads, options, seed):
     """One scratch-initialised layer of mixer ``name`` in a one-layer model (its _init_weights, its RoPE)."""
     from ..model.modeling import model_classes
@@ -62,7 +68,7 @@ def _fresh_layer(name, length, hidden_size, num_heads, num_kv_heads, options, se
     inputs = torch.randn(1, length, hidden_size, generator=generator)
     rope = model.model.rotary_emb(inputs, torch.arange(length)[None])
     return {"name": f"{name} layer (scratch init)", "kind": name, "inputs": inputs,
-            "fn": lambda x: mixer(x, tuple(r.expand(x.shape[0], -1, -1) for r in rope)),
+            "fn": _layer_fn(mixer, rope),
             "theory": theory(mixer, inputs, rope)}
 
 
@@ -104,8 +110,7 @@ def _folder_entries(folder, length, layers, text):
         mixer, (hidden, rope) = blocks[index].mixer, captured[index]
         kind = model.config.layer_types[index]
         entries.append({"name": f"layer {index} ({kind})", "kind": kind, "inputs": hidden,
-                        "fn": (lambda m, r: lambda x: m(x, tuple(t.expand(x.shape[0], -1, -1) for t in r)))(mixer,
-                                                                                                          rope),
+                        "fn": _layer_fn(mixer, rope),
                         "theory": theory(mixer, hidden, rope)})
     embeddings = model.model.embed_tokens(ids).detach()
     entries.append({"name": "whole model (embeddings -> last hidden state)", "kind": "model", "inputs": embeddings,
@@ -130,14 +135,15 @@ def _plot(report, path):
                      f"e^-{fit['exponential']['rate']:.3g} l (R2 {fit['exponential']['r2']:.2f})"
         (line,) = axis.loglog(lags, gains, marker=".", label=label)
         law = entry["theory"]
-        if law and "power" in fit and law.get("exponent", law.get("rate")) == law.get("exponent", law.get("rate")):
+        parameter = None if not law else law.get("exponent", law.get("rate"))
+        if parameter is not None and math.isfinite(parameter) and "power" in fit:
             anchor = min((lag for lag in lags if lag >= fit["tail_from"]), default=lags[0])
             base = entry["gains"][str(anchor)]
             if law["law"] == "power":
                 predicted = [base * (lag / anchor) ** law["exponent"] for lag in lags]
                 name = f"theory l^{law['exponent']:.2f}"
             else:
-                predicted = [base * pow(2.718281828459045, -law["rate"] * (lag - anchor)) for lag in lags]
+                predicted = [base * math.exp(-law["rate"] * (lag - anchor)) for lag in lags]
                 name = f"theory e^-{law['rate']:.3g} l"
             axis.loglog(lags, predicted, linestyle="--", color=line.get_color(), alpha=0.7, label=name)
     axis.set_xlabel("lag l")

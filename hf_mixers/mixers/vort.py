@@ -196,7 +196,7 @@ class VORTMixer(RecurrentMixer, FullAttention):
         scale = torch.exp(-q_offset).clamp(max=1e30)  # eps0 in the features' unshifted units
         tiny = torch.finfo(cd).tiny  # an empty memory reads 0, also with eps0 = 0
         output = numerator / (denominator + c.vort_eps0 * scale).clamp(min=tiny)[..., None]
-        log_weight = torch.log(denominator.clamp(min=torch.finfo(cd).tiny)) + q_offset
+        log_weight = torch.log(denominator.clamp(min=tiny)) + q_offset
         return output, log_weight, (main, plain)
 
     def projections(self, hidden_states, position_embeddings):
