@@ -8,6 +8,7 @@ import torch
 
 from ...kernels.soe import gl_weights, soe_nodes, soe_evaluate, soe_kernel
 from . import claim
+from .training import scored_accuracy, tiny_model, train
 
 ALPHAS = (0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
 TERMS = (10, 15, 20, 30)
@@ -87,24 +88,19 @@ def vort_zipf(out_dir: str, scale: str) -> dict:
     rows = []
     for name, options in ZIPF_KERNELS.items():
         model = _zipf_model(zipf_vocab_size(size["keys"], size["classes"], size["filler"]), size["length"], options)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        for step in range(size["steps"]):
+
+        def batch(step):
             tokens, targets, _ = zipf_lag_retrieval(size["batch"], beta=ZIPF_BETAS[step % 3], seed=step, **task)
-            loss = torch.nn.functional.cross_entropy(model(tokens).logits.flatten(0, 1), targets.flatten())
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            return tokens, targets
+
+        train(model, batch, size["steps"], lr=3e-3, cosine=False, weight_decay=0.01, clip=None,
+              desc=f"vort-zipf {name}")
         hits, counts = torch.zeros(3), torch.zeros(3)
-        model.eval()
-        with torch.no_grad():
-            for beta in ZIPF_BETAS:
-                tokens, targets, lags = zipf_lag_retrieval(size["tests"], beta=beta, seed=10_000 + int(10 * beta),
-                                                           **task)
-                predicted, buckets = model(tokens).logits.argmax(-1), lag_buckets(lags)
-                for bucket in range(3):
-                    scored = buckets == bucket
-                    hits[bucket] += (predicted[scored] == targets[scored]).sum()
-                    counts[bucket] += scored.sum()
+        for beta in ZIPF_BETAS:
+            tokens, targets, lags = zipf_lag_retrieval(size["tests"], beta=beta, seed=10_000 + int(10 * beta), **task)
+            accuracy, scored = scored_accuracy(model, tokens, targets, lag_buckets(lags).clamp(min=0), 3)
+            hits += torch.tensor(accuracy) * torch.tensor(scored)
+            counts += torch.tensor(scored)
         accuracy = (hits / counts.clamp(min=1)).tolist()
         rows.append({"kernel": name, "<= 100": accuracy[0], "100-1000": accuracy[1], "> 1000": accuracy[2],
                      "queries > 1000": int(counts[2])})
@@ -123,12 +119,5 @@ def vort_zipf(out_dir: str, scale: str) -> dict:
 
 
 def _zipf_model(vocab: int, length: int, options: dict):
-    from ...model.config import config_class
-    from ...model.modeling import model_classes
-
-    torch.manual_seed(0)
-    config = config_class("vort")(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=length,
-                                  vort_window=0, vort_feature_map="hedgehog", vort_alpha_mode="fixed",
-                                  vort_alpha_fixed=0.7, vort_soe_horizon=length, **options)
-    return model_classes("vort")[1](config)
+    return tiny_model("vort", vocab, length, width=64, layers=1, heads=2, vort_window=0, vort_feature_map="hedgehog",
+                      vort_alpha_mode="fixed", vort_alpha_fixed=0.7, vort_soe_horizon=length, **options)
