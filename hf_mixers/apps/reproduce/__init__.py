@@ -79,6 +79,7 @@ def _cell(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-from . import gltm, selective_ssm, sessa, vort  # noqa: E402  (last: each registers its claims with ``claim`` above)
+# last: each module registers its claims with ``claim`` above
+from . import gltm, selective_ssm, selective_ssm_trained, sessa, sessa_trained, vort  # noqa: E402
 
-CLAIM_MODULES = (gltm, selective_ssm, sessa, vort)
+CLAIM_MODULES = (gltm, selective_ssm, selective_ssm_trained, sessa, sessa_trained, vort)

@@ -31,6 +31,48 @@ def tiny_model(mixer: str, vocab: int, length: int, width: int = 64, layers: int
     return model_classes(mixer)[1](config)
 
 
+class BareMixerModel(torch.nn.Module):
+    """Embedding -> one mixer layer -> linear readout: the "simplified" one-layer models of the selective-SSM paper
+    (App. D.2), with no norm, MLP or residual. ``positions``: None; "channel", the embedding's last coordinate carries
+    the raw 1-indexed position t instead of a learned feature (the paper's PE for SSMs, "|V| fewer parameters"); or
+    "learned", a learned table of ``length`` position vectors added to the embedding (its Transformer's)."""
+
+    def __init__(self, mixer: str, vocab: int, width: int, heads: int = 1, positions: str | None = None,
+                 length: int = 0, seed: int = 0, **options):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        from ...core.registry import get_mixer
+        from ...model.config import config_class
+
+        if positions not in (None, "channel", "learned") or (positions == "learned" and length < 1):
+            raise ValueError(f"BareMixerModel: positions must be None, 'channel' or 'learned' (with length >= 1), "
+                             f"got {positions!r} (length {length})")
+        torch.manual_seed(seed)
+        config = config_class(mixer)(vocab_size=vocab, hidden_size=width, intermediate_size=width,
+                                     num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=heads,
+                                     head_dim=width // heads, **options)
+        config._attn_implementation = "sdpa"  # no model around the mixer to pick it
+        self.positions = positions
+        self.embed = torch.nn.Embedding(vocab, width - (positions == "channel"))
+        self.position_table = torch.nn.Embedding(length, width) if positions == "learned" else None
+        self.mixer = get_mixer(mixer).mixer_class(config, 0)
+        self.mixer.reset_parameters()
+        self.rotary = LlamaRotaryEmbedding(config=config)  # used by the mixers that rotate q and k
+        self.readout = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        batch, length = tokens.shape
+        hidden = self.embed(tokens)  # (B, T, d), or (B, T, d - 1) before the position channel
+        if self.positions == "channel":
+            t = torch.arange(1, length + 1, dtype=hidden.dtype).expand(batch, length)[..., None]  # (B, T, 1)
+            hidden = torch.cat([hidden, t], -1)
+        elif self.positions == "learned":
+            hidden = hidden + self.position_table.weight[:length]
+        position_embeddings = self.rotary(hidden, torch.arange(length)[None])
+        return self.readout(self.mixer(hidden, position_embeddings=position_embeddings))  # (B, T, V)
+
+
 def logits_of(model, tokens: torch.Tensor) -> torch.Tensor:
     """(B, T) tokens -> (B, T, V) logits, for a causal LM (``.logits``) or a bare module returning logits."""
     output = model(tokens)
