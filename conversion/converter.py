@@ -34,7 +34,7 @@ from ..core.attention import FullAttention, attention_output_error
 from ..core.registry import TEACHER_ATTENTION, get_mixer, list_mixers
 from ..model.config import config_class
 from ..common.corpus import split_texts, token_blocks
-from ..common.measures import compare_to_teacher
+from ..common.measures import cache_bytes_at, compare_to_teacher
 from ..common.files import check_output_folder, save_atomically
 from ..model.modeling import MixerForCausalLM, model_classes
 from .families import backbone_fields, student_name, teacher_layer_kinds
@@ -45,6 +45,7 @@ from .teacher import Teacher, load_teacher
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CACHE_CONTEXT = 2048  # the report compares both decode caches after a prefill this long (batch 1)
 KL_RANKING_SEQUENCES = 2  # calibration sequences kl:K ranks on: one student forward per converted layer each
 
 
@@ -125,6 +126,12 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
     student.to(DTYPES[dtype])
     say("evaluating teacher and converted model on held-out text")
     metrics = compare_to_teacher(teacher.model, student, heldout_ids, teacher_hidden=heldout_final)
+    say(f"measuring both decode caches at {CACHE_CONTEXT} tokens")
+    device, vocab = next(student.parameters()).device, student.config.vocab_size
+    teacher_bytes = cache_bytes_at(teacher.model, [CACHE_CONTEXT], vocab, device)[CACHE_CONTEXT]
+    teacher_dtype = next(teacher.model.parameters()).dtype  # its K/V as they would be in the student's dtype
+    metrics["teacher_cache_bytes"] = teacher_bytes * DTYPES[dtype].itemsize // teacher_dtype.itemsize
+    metrics["cache_bytes"] = cache_bytes_at(student, [CACHE_CONTEXT], vocab, device)[CACHE_CONTEXT]
 
     teacher_parameters = sum(p.numel() for p in teacher.model.parameters())
     student_parameters = sum(p.numel() for p in student.parameters())

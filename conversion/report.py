@@ -52,6 +52,9 @@ class ConversionReport:
     peak_rss_mib: float
     seed: int
     mixer_options: dict = field(default_factory=dict)
+    cache_context: int = 2048
+    teacher_cache_bytes: int | None = None  # the teacher's K/V after a cache_context-token prefill (batch 1)
+    cache_bytes: int | None = None  # the converted model's decode cache, same prefill, same dtype
     teacher_license: str | None = None
     hf_mixers_version: str = ""
 
@@ -88,6 +91,9 @@ class ConversionReport:
             f"({self.perplexity_ratio:.3f}x) |",
             f"| KL(teacher \u2016 converted), nats/token | | {self.kl_teacher_student:.4f} |",
             f"| next-token top-1 agreement | | {self.top1_agreement:.3f} |",
+            *([f"| decode cache after {self.cache_context:,} tokens (batch 1) | "
+               f"{self.teacher_cache_bytes / 2**20:.2f} MiB | {self.cache_bytes / 2**20:.2f} MiB "
+               f"({self.cache_bytes / self.teacher_cache_bytes:.2f}x) |"] if self.cache_bytes is not None else []),
             "",
             "## Layers",
             "",

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hf_mixers.apps.cli import main as cli_main
-from hf_mixers.apps.compare import Entry, cache_bytes, parse_entry, run_compare
+from hf_mixers.apps.compare import Entry, parse_entry, run_compare
+from hf_mixers.common.measures import cache_bytes_at
 from hf_mixers.testing import tiny_model
 
 RECIPE = ["data.sequence_length=32", "data.max_train_sequences=8", "data.heldout_sequences=2", "stage1.steps=2",
@@ -38,10 +39,11 @@ def test_cache_bytes_are_exact_for_growing_and_constant_caches():
     for name, grows in (("full_attention", True), ("rsa[window]", False), ("selective_ssm[window]", False),
                         ("gltm", True), ("gltm[banded]", False)):  # gltm: pow2_ce, a cache of ceil(log2 t)
         model = tiny_model(name, dtype=torch.float32)
-        predicted = cache_bytes(model, [200], model.config.vocab_size, "cpu", probes=(16, 32, 64))[200]
+        predicted = cache_bytes_at(model, [200], model.config.vocab_size, "cpu", probes=(16, 32, 64))[200]
         measured = decode_latency(model, 200, 1, model.config.vocab_size, "cpu", warmup=0)[1]
         assert predicted == measured, name
-        assert (cache_bytes(model, [400], model.config.vocab_size, "cpu", probes=(16, 32, 64))[400] > measured) == grows
+        longer = cache_bytes_at(model, [400], model.config.vocab_size, "cpu", probes=(16, 32, 64))[400]
+        assert (longer > measured) == grows
 
 
 def test_compare_runs_every_entry_and_resumes(teacher_dir, tmp_path, capsys):

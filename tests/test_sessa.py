@@ -262,3 +262,27 @@ def test_whole_mixer_gradcheck_fp64():
     x = torch.randn(1, 7, 64, dtype=torch.float64, requires_grad=True)
     rope = _rope(7)
     assert torch.autograd.gradcheck(lambda inputs: mixer(inputs, rope), (x,))
+
+
+def test_lean_cache_keeps_outputs_in_the_activation_dtype():
+    """``sessa_outputs_cache="activation"`` stores s in bf16 for a bf16 model (the default keeps fp32), halving those
+    bytes; decoding from that cache stays within bf16 rounding of the fp32-cached decode."""
+    from transformers import DynamicCache
+
+    from hf_mixers.core.cache import cache_nbytes
+
+    ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    caches, logits = {}, {}
+    for mode in ("compute", "activation"):
+        model = tiny_sessa_model(torch.bfloat16, sessa_outputs_cache=mode, sessa_feedback_dim=8)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :8], past_key_values=cache, use_cache=True)
+            logits[mode] = torch.cat([model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+                                      for t in range(8, 12)], 1).float()
+        caches[mode] = cache
+    assert caches["compute"].layers[0].outputs.dtype == torch.float32
+    assert caches["activation"].layers[0].outputs.dtype == torch.bfloat16
+    outputs = sum(layer.outputs.numel() for layer in caches["compute"].layers)
+    assert cache_nbytes(caches["compute"]) - cache_nbytes(caches["activation"]) == 2 * outputs  # 4 -> 2 bytes each
+    assert (logits["activation"] - logits["compute"]).abs().max() < 0.1 * logits["compute"].abs().max()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..common.files import write_atomically
 from ..common.history import save_figure, wider_table
-from ..common.measures import decode_latency, passkey_accuracy
+from ..common.measures import cache_bytes_at, decode_latency, passkey_accuracy
 
 ENTRY_FILE = "entry.json"
 
@@ -72,28 +72,14 @@ def parse_entry(text: str) -> Entry:
     return Entry(mixer, options)
 
 
-def cache_bytes(model, contexts, vocab: int, device, probes=(64, 128, 256)) -> dict:
-    """{context: cache bytes} after a prefill of each context. Most caches are affine in the context (attention K/V
-    grow by a fixed amount per token, a constant-state mixer stays put): when three short prefills, each twice as
-    long as the one before (so log or sqrt growth cannot pass for a line), lie on one line, the line gives any
-    context exactly without prefilling 16K tokens. A cache that is not affine (GLTM's cache-efficient patterns keep
-    log or sqrt of the context) is measured at each context. (A sliding-window attention cache stops growing at its
-    window: extrapolated, it is overestimated.)"""
-    measured = [decode_latency(model, probe, 1, vocab, device, warmup=0)[1] for probe in probes]
-    slope = (measured[1] - measured[0]) / (probes[1] - probes[0])
-    if measured[2] - measured[1] != slope * (probes[2] - probes[1]):
-        return {context: decode_latency(model, context, 1, vocab, device, warmup=0)[1] for context in contexts}
-    return {context: int(round(measured[1] + slope * (context - probes[1]))) for context in contexts}
-
-
 def _measure(model, tokenizer, settings: dict, progress: bool) -> dict:
     vocab, device = model.config.vocab_size, next(model.parameters()).device
     passkey = passkey_accuracy(model, tokenizer, settings["passkey_lengths"], trials=settings["passkey_trials"],
                                progress=progress)
     seconds, _ = decode_latency(model, settings["decode_context"], settings["decode_tokens"], vocab, device)
     return {"passkey": {str(length): result["accuracy"] for length, result in passkey.items()},
-            "cache_bytes": {str(c): b for c, b in cache_bytes(model, settings["cache_contexts"], vocab,
-                                                              device).items()},
+            "cache_bytes": {str(c): b for c, b in cache_bytes_at(model, settings["cache_contexts"], vocab,
+                                                                 device).items()},
             "decode_ms_per_token": seconds * 1e3}
 
 

@@ -2,7 +2,7 @@
 retrieval over long filler text, generation samples, and decoding latency with its cache size.
 
 ``eval_report.py`` runs them all for ``hf-mixers eval``; the demo, the conversion report and the recipes use
-``compare_to_teacher`` and ``generate_sample``; ``bench rsa`` uses ``decode_latency``.
+``compare_to_teacher``, ``generate_sample`` and ``cache_bytes_at``; ``bench rsa`` uses ``decode_latency``.
 """
 
 from __future__ import annotations
@@ -151,3 +151,17 @@ def decode_latency(model, context: int, decode_tokens: int, vocab: int, device, 
         synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times), cache_bytes
+
+
+def cache_bytes_at(model, contexts, vocab: int, device, probes=(64, 128, 256)) -> dict:
+    """{context: cache bytes} after a prefill of each context. Most caches are affine in the context (attention K/V
+    grow by a fixed amount per token, a constant-state mixer stays put): when three short prefills, each twice as
+    long as the one before (so log or sqrt growth cannot pass for a line), lie on one line, the line gives any
+    context exactly without prefilling 16K tokens. A cache that is not affine (GLTM's cache-efficient patterns keep
+    log or sqrt of the context) is measured at each context. (A sliding-window attention cache stops growing at its
+    window: extrapolated, it is overestimated.)"""
+    measured = [decode_latency(model, probe, 1, vocab, device, warmup=0)[1] for probe in probes]
+    slope = (measured[1] - measured[0]) / (probes[1] - probes[0])
+    if measured[2] - measured[1] != slope * (probes[2] - probes[1]):
+        return {context: decode_latency(model, context, 1, vocab, device, warmup=0)[1] for context in contexts}
+    return {context: int(round(measured[1] + slope * (context - probes[1]))) for context in contexts}

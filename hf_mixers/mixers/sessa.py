@@ -10,8 +10,11 @@ teacher. The solve itself lives in ``kernels/feedback_solve.py`` (shared with GL
 heads, head h routes channel group h of f with its own alpha_h (the official code has one head for all channels);
 heads are folded into the batch so the kernel stays single-head.
 
-Cache per layer: the attention K/V, plus the feedback keys kb and the solved outputs s (kept in fp32), so a
-prefill onto a non-empty cache and token-by-token decoding continue exactly.
+Cache per layer: the attention K/V, plus the feedback keys kb and the solved outputs s. s is kept in the solve's
+dtype (fp32) by default, so a prefill onto a non-empty cache and token-by-token decoding continue exactly;
+``sessa_outputs_cache="activation"`` keeps it in the layer's dtype instead (half the bytes in bf16; the solve still
+accumulates in fp32). With narrow feedback keys (``sessa_feedback_dim``) that is the lean conversion
+(docs/mixers/sessa.md).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class SessaMixer(FullAttention):
         self.gamma_max = float(config.sessa_gamma_max)
         self.solver = config.sessa_solver
         self.chunk_size = config.sessa_chunk_size
+        self.outputs_in_activation_dtype = config.sessa_outputs_cache == "activation"
         # [qb | kb]: first feedback_dim channels are queries, last feedback_dim are keys (official proj_fb layout)
         self.feedback_proj = nn.Linear(config.hidden_size, 2 * self.feedback_dim, bias=config.sessa_feedback_bias)
         self.gamma_proj = nn.Linear(config.hidden_size, 1, bias=False)  # w_gamma (official gamma_ctx)
@@ -88,7 +92,7 @@ class SessaMixer(FullAttention):
         else:
             s = self.solve(f, query, key, gamma, token_mask, past_keys, past_outputs)
         if layer_cache is not None:
-            layer_cache.append_extras(key, s)
+            layer_cache.append_extras(key, s.to(f.dtype) if self.outputs_in_activation_dtype else s)
         return s.to(f.dtype)
 
     def solve(self, f, query, key, gamma, token_mask, past_keys, past_outputs):
@@ -115,7 +119,8 @@ class SessaMixer(FullAttention):
 
 
 class SessaCacheLayer(KVPlusLayer):
-    """Attention K/V (B, Hkv, t, hd) plus the feedback keys (B, t, d_fb) and solved outputs s (B, t, D, fp32)."""
+    """Attention K/V (B, Hkv, t, hd) plus the feedback keys (B, t, d_fb) and solved outputs s (B, t, D; fp32 unless
+    ``sessa_outputs_cache="activation"``)."""
 
     _layer_type = "sessa"
     extra_names = ("feedback_keys", "outputs")
@@ -156,6 +161,9 @@ SESSA = register_mixer(MixerSpec(
         MixerOption("sessa_solver", "chunked", "'chunked' (O(T*C) memory, Triton kernel on CUDA) or 'dense' (the "
                     "reference)", one_of("chunked", "dense")),
         MixerOption("sessa_chunk_size", 128, "query chunk size C of the chunked solve", positive_int),
+        MixerOption("sessa_outputs_cache", "compute", "dtype of the cached past outputs s: 'compute' (the solve's "
+                    "fp32: decoding continues exactly) or 'activation' (the layer's dtype: half the bytes in bf16)",
+                    one_of("compute", "activation")),
     ),
     derived_defaults=_derived_defaults, validate=_validate, cache_layer=SessaCacheLayer, attention_mask="causal",
     keep_in_fp32=("gamma_bias",), exact_at_init=True,
@@ -163,4 +171,5 @@ SESSA = register_mixer(MixerSpec(
     limitations=("Sessa layers solve a triangular system over the whole past: training and prefill cost grows with "
                  "the square of the sequence length, and decoding keeps a cache that grows with it.",),
     sliding_note="the mixer's attention branch is global (identical up to that length)",
-    tiny_options={"sessa_chunk_size": 4, "sessa_gamma_bias_init": 0.4}))
+    tiny_options={"sessa_chunk_size": 4, "sessa_gamma_bias_init": 0.4},
+    tiny_variants={"lean": {"sessa_feedback_dim": 8, "sessa_outputs_cache": "activation"}}))
