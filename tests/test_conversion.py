@@ -222,16 +222,18 @@ def test_bfloat16_output(teachers, tmp_path):
     assert tensors["model.layers.0.mixer.q_proj.weight"].dtype == torch.bfloat16
     assert report.kl_teacher_student < 1e-2
     # the report's decode caches after 2,048 tokens, both in bf16: the teacher's K/V; Sessa adds its feedback keys
-    # (bf16, hidden wide by default) and past outputs (fp32), or in the lean setting narrow keys and bf16 outputs
+    # and past outputs: lean by default (keys one head's width, 64 here, and outputs in bf16), or the official
+    # hidden-wide keys with fp32 outputs
     config, per_layer = model.config, 2048 * model.config.num_hidden_layers
     kv = per_layer * 2 * config.num_key_value_heads * config.head_dim * 2
     assert report.cache_context == 2048 and report.teacher_cache_bytes == kv
-    assert report.cache_bytes == kv + per_layer * config.hidden_size * (2 + 4)
+    assert (config.sessa_feedback_dim, config.sessa_outputs_cache) == (64, "activation")
+    assert report.cache_bytes == kv + per_layer * (64 * 2 + config.hidden_size * 2)
     assert "decode cache after 2,048 tokens" in report.to_markdown()
-    lean = {"sessa_feedback_dim": 16, "sessa_outputs_cache": "activation"}
-    _, lean_report = convert(teachers["llama"], "sessa", dtype="bfloat16", mixer_options=lean, **SMALL)
-    assert lean_report.cache_bytes == kv + per_layer * (16 * 2 + config.hidden_size * 2)
-    assert lean_report.kl_teacher_student < 1e-2  # gain 0 at init: still the teacher
+    full = {"sessa_feedback_dim": 2 * config.hidden_size, "sessa_outputs_cache": "compute"}
+    _, full_report = convert(teachers["llama"], "sessa", dtype="bfloat16", mixer_options=full, **SMALL)
+    assert full_report.cache_bytes == kv + per_layer * (2 * config.hidden_size * 2 + config.hidden_size * 4)
+    assert full_report.kl_teacher_student < 1e-2  # gain 0 at init: still the teacher
 
 
 def test_sliding_window_teacher_kept_as_sliding_attention(tokenizer, tmp_path):
