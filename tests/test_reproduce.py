@@ -10,7 +10,8 @@ def test_every_claim_runs_and_the_computed_ones_hold(tmp_path, capsys):
     assert main(["reproduce", "list"]) == 0
     listed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines()]
     assert {"sessa-tail", "vort-soe", "gltm-patterns", "ssm-constructions", "vort-zipf", "ssm-keep-nth", "ssm-mqar",
-            "ssm-induction", "sessa-symbolsoup", "sessa-diffuse-mqar"} <= set(listed)
+            "ssm-induction", "sessa-symbolsoup", "sessa-diffuse-mqar", "gltm-recall", "rsa-recall",
+            "rsa-passkey"} <= set(listed)
     assert main(["reproduce", "all", "--scale", "smoke", "--out", str(tmp_path)]) == 0  # trained claims in seconds
     for name in listed:
         result = json.loads((tmp_path / f"{name}.json").read_text())

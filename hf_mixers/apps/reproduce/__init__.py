@@ -80,6 +80,6 @@ def _cell(value) -> str:
 
 
 # last: each module registers its claims with ``claim`` above
-from . import gltm, selective_ssm, selective_ssm_trained, sessa, sessa_trained, vort  # noqa: E402
+from . import gltm, rsa, selective_ssm, selective_ssm_trained, sessa, sessa_trained, vort  # noqa: E402
 
-CLAIM_MODULES = (gltm, selective_ssm, selective_ssm_trained, sessa, sessa_trained, vort)
+CLAIM_MODULES = (gltm, rsa, selective_ssm, selective_ssm_trained, sessa, sessa_trained, vort)
