@@ -34,10 +34,11 @@ def ssm_model(variant: str, vocab: int, width: int, state_size: int, positions: 
 
 def fit_and_score(model, task, steps: int, tests: int, lr: float, desc: str) -> tuple:
     """Train on ``task(count, seed)`` with a fresh batch per step, then score ``tests`` held-out sequences (seeds
-    disjoint from training's). Returns (accuracy at the scored positions, the final training loss)."""
+    disjoint from training's). Returns (accuracy at the scored positions, the final training loss, the held-out
+    (tokens, targets))."""
     losses = train(model, lambda step: task(BATCH, step), steps, lr=lr, desc=desc)
     tokens, targets = task(tests, 1_000_000)
-    return scored_accuracy(model, tokens, targets)[0][0], losses[-1]
+    return scored_accuracy(model, tokens, targets)[0][0], losses[-1], (tokens, targets)
 
 
 KEEP_SCALES = {"smoke": dict(steps=3, tests=16), "cpu": dict(steps=1500, tests=1000),
@@ -60,8 +61,8 @@ def ssm_keep_nth(out_dir: str, scale: str) -> dict:
             model = BareMixerModel("full_attention", vocab, width, heads=2, positions=positions, length=length)
         else:
             model = ssm_model(variant, vocab, width, state_size=8, positions=positions, **SIMPLIFIED)
-        accuracy, loss = fit_and_score(model, lambda count, seed: keep_nth(count, vocab, length, n, seed=seed),
-                                       size["steps"], size["tests"], lr=1e-2, desc=f"keep-nth {name}")
+        accuracy, loss, _ = fit_and_score(model, lambda count, seed: keep_nth(count, vocab, length, n, seed=seed),
+                                          size["steps"], size["tests"], lr=1e-2, desc=f"keep-nth {name}")
         rows.append({"model": name, "d": width, "parameters": parameter_count(model), "accuracy": accuracy,
                      "paper": paper, "final loss": loss})
     by_name = {row["model"]: row["accuracy"] for row in rows}
@@ -105,9 +106,9 @@ def ssm_mqar(out_dir: str, scale: str) -> dict:
         options = {"selective_ssm_conv_mode": "shared", "selective_ssm_gate": True} if variant == "s4d" else {}
         for width in size["widths"]:
             model = ssm_model(variant, pairs + values, width, state_size, **options)
-            accuracy, loss = fit_and_score(model, lambda count, seed: mqar(count, pairs, values, length, seed=seed),
-                                           size["steps"], size["tests"], lr=3e-3,
-                                           desc=f"mqar {names[variant]} d={width}")
+            accuracy, loss, _ = fit_and_score(model, lambda count, seed: mqar(count, pairs, values, length, seed=seed),
+                                              size["steps"], size["tests"], lr=3e-3,
+                                              desc=f"mqar {names[variant]} d={width}")
             rows.append({"model": names[variant], "N": state_size, "d": width, "parameters": parameter_count(model),
                          "accuracy": accuracy, "final loss": loss})
     mean = {name: sum(r["accuracy"] for r in rows if r["model"] == name) / len(size["widths"])
@@ -144,9 +145,8 @@ def ssm_induction(out_dir: str, scale: str) -> dict:
         for width in size["widths"]:
             model = ssm_model(variant, vocab + 1, width, 4 * vocab)  # outputs: V and the blank class
             task = lambda count, seed: induction_heads(count, vocab, length, seed=seed)  # noqa: E731
-            accuracy, loss = fit_and_score(model, task, size["steps"], size["tests"], lr=3e-3,
-                                           desc=f"induction {name} d={width}")
-            tokens, targets = task(size["tests"], 1_000_000)
+            accuracy, loss, (tokens, targets) = fit_and_score(model, task, size["steps"], size["tests"], lr=3e-3,
+                                                              desc=f"induction {name} d={width}")
             recalled = scored_accuracy(model, tokens, targets.masked_fill(targets == vocab, IGNORE))[0][0]
             rows.append({"model": name, "N": 4 * vocab, "d": width, "parameters": parameter_count(model),
                          "accuracy": accuracy, "accuracy (non-blank)": recalled, "final loss": loss})
