@@ -65,11 +65,12 @@ class BareMixerModel(torch.nn.Module):
         batch, length = tokens.shape
         hidden = self.embed(tokens)  # (B, T, d), or (B, T, d - 1) before the position channel
         if self.positions == "channel":
-            t = torch.arange(1, length + 1, dtype=hidden.dtype).expand(batch, length)[..., None]  # (B, T, 1)
+            t = torch.arange(1, length + 1, dtype=hidden.dtype, device=hidden.device)  # (T,)
+            t = t.expand(batch, length)[..., None]  # (B, T, 1)
             hidden = torch.cat([hidden, t], -1)
         elif self.positions == "learned":
             hidden = hidden + self.position_table.weight[:length]
-        position_embeddings = self.rotary(hidden, torch.arange(length)[None])
+        position_embeddings = self.rotary(hidden, torch.arange(length, device=hidden.device)[None])
         return self.readout(self.mixer(hidden, position_embeddings=position_embeddings))  # (B, T, V)
 
 
