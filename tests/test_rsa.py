@@ -109,6 +109,51 @@ def test_query_heads_of_one_kv_head_share_its_memory():
     assert torch.equal(changed_state.key_sum, state.key_sum)
 
 
+@pytest.mark.parametrize("window", [0, 3])
+def test_memory_without_rope_reads_the_same_at_any_absolute_position(window):
+    """rsa_memory_rope=False: shifting every position by 50 leaves the layer's output unchanged (the window's RoPE is
+    relative, the memory sees no positions); with RoPE in the memory the slot assignments move, and so does the
+    output. The model the memory would meet past its training length is the shifted one."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    outputs = {}
+    for memory_rope in (True, False):
+        config = tiny_config(RSAConfig, num_hidden_layers=1, rsa_window=window, rsa_memory_rope=memory_rope,
+                             rsa_readout="softmax_count", **RSA_SMALL)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        mixer = RSAMixer(config, 0).double()
+        mixer.reset_parameters()
+        x = torch.randn(2, 13, 64, dtype=F64)
+        rotary = LlamaRotaryEmbedding(config)
+        outputs[memory_rope] = [mixer.memory_read(x, rotary(x, torch.arange(13)[None] + shift))[0]
+                                for shift in (0, 50)]
+    # 1e-6: the rotary tables are computed in fp32, so the window's relative invariance holds to fp32 rounding
+    torch.testing.assert_close(*outputs[False], rtol=0, atol=1e-10 if window == 0 else 1e-6)
+    assert (outputs[True][0] - outputs[True][1]).abs().max() > 1e-3
+
+
+def test_memory_without_rope_converts_on_unrotated_keys():
+    """The prototypes are k-means of the keys the memory writes: unrotated when rsa_memory_rope is off."""
+    teacher = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY.items() if k != "pad_token_id"})).eval()
+    ids = torch.randint(1, 101, (2, 24))
+    with torch.no_grad():
+        hidden = teacher.model.layers[0].input_layernorm(teacher.model.embed_tokens(ids))
+        rope = teacher.model.rotary_emb(hidden, torch.arange(24)[None])
+    prototypes = {}
+    for memory_rope in (True, False):
+        config = tiny_config(RSAConfig, rsa_readout="softmax_count", rsa_num_levels=1, rsa_num_slots=4,
+                             rsa_memory_rope=memory_rope)
+        config._attn_implementation = "sdpa"
+        mixer = RSAMixer.from_attention(teacher.model.layers[0].self_attn, config, 0, hidden, rope)
+        prototypes[memory_rope] = mixer.prototypes[:, 0].detach()  # (G, m, hd)
+    _, plain_keys, _ = mixer.project(hidden, rope, rotate=False)  # (N, G, T, hd)
+    plain_keys = plain_keys.transpose(0, 1).flatten(1, 2)  # (G, N*T, hd)
+    # the unrotated keys sit closer to their own centres than to the centres of the rotated keys
+    assert torch.cdist(plain_keys, prototypes[False]).amin(-1).mean() < \
+        torch.cdist(plain_keys, prototypes[True]).amin(-1).mean()
+
+
 def test_zero_state_init_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="hf_mixers.mixers.rsa"):
         tiny_rsa_model(rsa_state_init="zeros")

@@ -47,8 +47,9 @@ class FullAttention(SequenceMixer):
         # Mistral / Qwen sliding-window layers kept as attention: the window goes to the kernel (flash) and the mask
         self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
 
-    def project(self, hidden_states, position_embeddings):
-        """Queries (B, H, T, hd) and keys, values (B, Hkv, T, hd), after q/k norm and RoPE."""
+    def project(self, hidden_states, position_embeddings, rotate: bool | None = None):
+        """Queries (B, H, T, hd) and keys, values (B, Hkv, T, hd), after q/k norm and RoPE (``rotate``: None follows
+        ``use_rope``; False returns them unrotated)."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape)  # (B, T, H, hd)
         key = self.k_proj(hidden_states).view(hidden_shape)  # (B, T, Hkv, hd)
@@ -56,7 +57,7 @@ class FullAttention(SequenceMixer):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)  # (B, H, T, hd)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        if self.use_rope:
+        if self.use_rope if rotate is None else rotate:
             cos, sin = position_embeddings
             query, key = apply_rotary_pos_emb(query, key, cos, sin)
         return query, key, value

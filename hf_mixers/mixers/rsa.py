@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..core.attention import FullAttention
 from ..core.cache import RecurrentStateLayer
@@ -125,20 +126,38 @@ class RSAMixer(RecurrentMixer, FullAttention):
             routing=config.rsa_routing, chunk_size=config.rsa_chunk_size, eps=config.rsa_eps,
             recompute=config.rsa_recompute_chunks, log_weight=config.rsa_window > 0)
 
+    def projections(self, hidden_states, position_embeddings):
+        """The window's queries (B, H, T, hd) and keys (B, Hkv, T, hd) (rotated), the memory's (rotated unless
+        ``rsa_memory_rope`` is off) and the values."""
+        if self.config.rsa_memory_rope:
+            query, key, value = self.project(hidden_states, position_embeddings)
+            return query, key, query, key, value
+        plain_query, plain_key, value = self.project(hidden_states, position_embeddings, rotate=False)
+        query, key = apply_rotary_pos_emb(plain_query, plain_key, *position_embeddings)
+        return query, key, plain_query, plain_key, value
+
     def memory_read(self, hidden_states, position_embeddings, token_mask=None, state=None, method="chunked"):
         """(B, T, D) -> memory output (B, T, H * hd) before o_proj, and the new state (an RSAState, or with
         ``rsa_window`` a core.window.WindowState around one)."""
         batch, length = hidden_states.shape[:2]
-        query, key, value = self.project(hidden_states, position_embeddings)  # (B, H, T, hd), (B, Hkv, T, hd)
+        query, key, memory_query, memory_key, value = self.projections(hidden_states, position_embeddings)
         cd = compute_dtype(hidden_states.dtype)
         params = self.memory_params(cd)
-        query = query.unflatten(1, (self.num_key_value_heads, self.num_key_value_groups))  # (B, G, g, T, hd)
+        grouped = (self.num_key_value_heads, self.num_key_value_groups)
+        query, memory_query = query.unflatten(1, grouped), memory_query.unflatten(1, grouped)  # (B, G, g, T, hd)
         valid = None if token_mask is None else token_mask[:, -length:]
-        extras = ()  # per-token write inputs: the decay, if any, travels with its token into the memory
+        # per-token write inputs, delayed with their token into the memory: the decay, if any, then the memory's own
+        # (unrotated) key when it differs from the window's
+        extras = ()
         if self.decay_proj is not None:  # (B, T, G) -> (B, G, T)
             extras = ((F.logsigmoid(self.decay_proj(hidden_states).to(cd)) / 16).transpose(1, 2),)
+        separate_keys = memory_key is not key
+        if separate_keys:
+            extras = extras + (memory_key.to(cd),)
 
         def memory(q, k, v, written, extras, memory_state):
+            if separate_keys:  # the memory reads with its own queries (this call's) and writes its own keys
+                q, k, extras = memory_query.to(q.dtype), extras[-1], extras[:-1]
             log_decay = extras[0] if extras else None
             if memory_state is None:
                 memory_state = initial_state(params, batch, self.head_dim, cd)
@@ -205,10 +224,11 @@ class RSAMixer(RecurrentMixer, FullAttention):
 
     @torch.no_grad()
     def fit_prototypes(self, hidden_states, position_embeddings, iterations=20, seed=0):
-        """k-means per KV head: level 0 on the (rotated) keys, level i+1 on the residual keys of level i."""
+        """k-means per KV head: level 0 on the memory's keys (rotated unless ``rsa_memory_rope`` is off), level i+1
+        on the residual keys of level i."""
         dtype = self.q_proj.weight.dtype  # calibration activations may come in another dtype
         position_embeddings = tuple(t.to(dtype) for t in position_embeddings)
-        _, keys, _ = self.project(hidden_states.to(dtype), position_embeddings)  # (N, G, T, hd)
+        *_, keys, _ = self.projections(hidden_states.to(dtype), position_embeddings)  # (N, G, T, hd)
         keys = keys.float().transpose(0, 1).flatten(1, 2)  # (G, N*T, hd)
         generator = torch.Generator(device=keys.device).manual_seed(seed)
         tau = self.head_dim**-0.5
@@ -300,6 +320,9 @@ RSA = register_mixer(MixerSpec(
         MixerOption("rsa_recompute_chunks", False, "recompute each chunk's intermediates in the backward pass (about "
                     "10x less activation memory, 2-2.7x the time at T = 8192 on CPU)", boolean),
         window_option("rsa"),
+        MixerOption("rsa_memory_rope", True, "RoPE on the memory's queries and keys (False: only the window's are "
+                    "rotated; the memory's slot assignments then do not depend on absolute positions, which it "
+                    "would otherwise meet untrained past its training length)", boolean),
         MixerOption("rsa_compile_decode", False, "run each one-token decode step of an RSA block as one "
                     "torch.compile graph (about 2x faster per token on CPU; the first step compiles for 10-30 s)",
                     boolean),
@@ -310,4 +333,4 @@ RSA = register_mixer(MixerSpec(
                  "design, in exchange for a decoding state that does not grow with the context.",),
     tiny_options={"rsa_num_levels": 2, "rsa_num_slots": 4, "rsa_chunk_size": 4, "rsa_short_conv": 3,
                   "rsa_decay": True, "rsa_query_read": True},
-    tiny_variants={"window": {"rsa_window": 3}}))
+    tiny_variants={"window": {"rsa_window": 3}, "memory_nope": {"rsa_window": 3, "rsa_memory_rope": False}}))
