@@ -10,7 +10,7 @@ from hf_mixers.apps.reproduce.rsa import MODELS, PASSKEY_SCALES, RECALL_SCALES, 
 from hf_mixers.tasks.common import IGNORE
 from hf_mixers.tasks.selective_ssm import mqar
 
-MIXERS = ["rsa", "linear attention", "full attention"]
+MIXERS = ["rsa", "rsa (RoPE)", "linear attention", "full attention"]
 
 
 def test_rsa_recall_smoke_has_a_row_per_model_and_an_accuracy_per_kappa(tmp_path):
@@ -21,8 +21,8 @@ def test_rsa_recall_smoke_has_a_row_per_model_and_an_accuracy_per_kappa(tmp_path
     for row in result["table"]:
         assert all(0.0 <= row[column] <= 1.0 for column in columns) and row["parameters"] > 0
     # same width, depth and heads: the parameter counts differ only by RSA's memory weights
-    linear, full = result["table"][1]["parameters"], result["table"][2]["parameters"]
-    assert abs(linear - full) < 10 and result["table"][0]["parameters"] > full
+    rsa, rsa_rope, linear, full = (row["parameters"] for row in result["table"])
+    assert abs(linear - full) < 10 and rsa == rsa_rope > full
     assert json.loads((tmp_path / "rsa-recall.json").read_text())["table"] == result["table"]
     assert (tmp_path / "rsa-recall.md").read_text().startswith("# rsa-recall: partly")
 
