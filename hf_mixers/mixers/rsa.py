@@ -133,6 +133,8 @@ class RSAMixer(RecurrentMixer, FullAttention):
             query, key, value = self.project(hidden_states, position_embeddings)
             return query, key, query, key, value
         plain_query, plain_key, value = self.project(hidden_states, position_embeddings, rotate=False)
+        if not self.config.rsa_window:  # no window: nothing reads the rotated ones
+            return plain_query, plain_key, plain_query, plain_key, value
         query, key = apply_rotary_pos_emb(plain_query, plain_key, *position_embeddings)
         return query, key, plain_query, plain_key, value
 
