@@ -104,7 +104,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .stages import (_accelerator, add_lora, checked_recipe, copy_history, local_student, save_model,
-                         sharding_for, write_recipe)
+                         sharding_for, train_mode, write_recipe)
 
     section, out = recipe.finetune, recipe.output.dir
     model_dir = os.path.join(out, "model")
@@ -135,7 +135,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
         for parameter in model.parameters():
             parameter.requires_grad_(True)
     parameters = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    model.train()
+    train_mode(model, recipe.train)
     history = run_stage("finetune", lambda batch: (assistant_loss(model, batch), {}), parameters, train_rows,
                         steps=section.steps, train=recipe.train, lr=section.lr or recipe.train.lr, out_dir=out,
                         checkpoint_every=recipe.output.checkpoint_every, log_every=recipe.output.log_every,

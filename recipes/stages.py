@@ -142,6 +142,14 @@ def add_lora(student, stage2, seed: int):
     return peft_model
 
 
+def train_mode(model, train) -> None:
+    """``model.train()``, recomputing each block in the backward pass when ``train.gradient_checkpointing``
+    (non-reentrant: frozen embeddings under LoRA need no gradient on the inputs)."""
+    model.train()
+    if train.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
 def teacher_text_folder(recipe: Recipe) -> str:
     """Where ``teacher:N`` text is kept: ``data.teacher_text_dir``, else $HF_MIXERS_CACHE (default
     ~/.cache/hf-mixers)/teacher-text/<teacher>, shared by every run of the same teacher."""
@@ -244,7 +252,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     histories = {}
     common = dict(blocks=train_ids, train=recipe.train, out_dir=out, checkpoint_every=recipe.output.checkpoint_every,
                   log_every=recipe.output.log_every, progress=progress, processes=processes)
-    student.train()
+    train_mode(student, recipe.train)
 
     def transfer(stage: str, steps: int) -> list[dict]:
         """``steps`` of attention transfer on the layers converted now (stage 1, or its selection part)."""

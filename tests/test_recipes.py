@@ -496,6 +496,22 @@ def test_the_teacher_writes_its_own_distillation_data(teacher_dir, tmp_path):
     assert any("Python language reference" in name for name in summary["wider_evaluations"])
 
 
+def test_gradient_checkpointing_trains_to_the_same_losses(teacher_dir, tmp_path):
+    """train.gradient_checkpointing recomputes blocks in backward: stage 2 (LoRA + the mixers' parameters) and
+    finetune give the losses of a run that keeps every activation."""
+    rows = {}
+    for checkpointing in (False, True):
+        out = tmp_path / f"gc-{checkpointing}"
+        summary = distill(load_recipe([], small(teacher_dir, out, "stage1.steps=1", "stage2.steps=3",
+                                                f"train.gradient_checkpointing={str(checkpointing).lower()}")),
+                          progress=False)
+        rows[checkpointing] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert not summary["model"].training
+    assert [r["stage"] for r in rows[True]] == ["stage1", "stage2", "stage2", "stage2"]
+    for got, want in zip(rows[True], rows[False], strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-6), (got, want)
+
+
 def test_every_shipped_recipe_loads():
     """Each YAML under recipes/ validates, stacked as its header says (on base.yaml and stage2_lora_kd.yaml)."""
     import glob
