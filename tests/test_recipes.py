@@ -497,8 +497,8 @@ def test_the_teacher_writes_its_own_distillation_data(teacher_dir, tmp_path):
 
 
 def test_gradient_checkpointing_trains_to_the_same_losses(teacher_dir, tmp_path):
-    """train.gradient_checkpointing recomputes blocks in backward: stage 2 (LoRA + the mixers' parameters) and
-    finetune give the losses of a run that keeps every activation."""
+    """train.gradient_checkpointing recomputes blocks in backward: stage 2 (LoRA + the mixers' parameters) gives the
+    losses of a run that keeps every activation (finetune goes through the same train_mode)."""
     rows = {}
     for checkpointing in (False, True):
         out = tmp_path / f"gc-{checkpointing}"
