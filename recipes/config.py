@@ -254,8 +254,27 @@ def _merge(target, data: dict, origin: str, prefix: str) -> None:
             if not isinstance(value, dict):
                 raise RecipeError(f"{origin}: '{dotted}' is a section; expected a mapping, got {value!r}")
             _merge(current, value, origin, f"{dotted}.")
+        elif isinstance(current, dict) and isinstance(value, dict):  # mixer_options: a later file or --set adds keys
+            setattr(target, key, _merged(current, value))
         else:
             setattr(target, key, _check_type(value, hints[key], origin, dotted))
+
+
+def _merged(old: dict, new: dict) -> dict:
+    """``old`` with ``new``'s keys on top, nested mappings merged the same way."""
+    out = dict(old)
+    for key, value in new.items():
+        out[key] = _merged(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, dict) else value
+    return out
+
+
+def recipe_with_defaults(recorded: dict) -> dict:
+    """A recorded recipe (``Recipe.to_dict()`` of an earlier run) with every field a later version added at its
+    default, so that comparing it with today's recipe shows only real changes."""
+    recipe = Recipe()
+    _merge(recipe, {key: value for key, value in recorded.items() if key in {f.name for f in dataclasses.fields(Recipe)}},
+           "the recorded recipe", "")
+    return recipe.to_dict()
 
 
 def _check_type(value, hint, origin: str, dotted: str):

@@ -76,6 +76,14 @@ def test_compare_runs_every_entry_and_resumes(teacher_dir, tmp_path, capsys):
     again = run_compare(str(out), entries, teacher_source=teacher_dir, overrides=RECIPE, progress=False, **MEASURES)
     assert again["results"] == report["results"]
     assert {entry.label: (out / entry.folder / "entry.json").stat().st_mtime_ns for entry in entries} == stamps
+    # an entry recorded before a recipe field existed (here train.gradient_checkpointing, at its default) is finished
+    path = out / entries[0].folder / "entry.json"
+    recorded = json.loads(path.read_text())
+    del recorded["settings"]["recipe"]["train"]["gradient_checkpointing"]
+    path.write_text(json.dumps(recorded))
+    older = run_compare(str(out), entries, teacher_source=teacher_dir, overrides=RECIPE, progress=False, **MEASURES)
+    assert older["results"]["sessa"]["evaluations"] == report["results"]["sessa"]["evaluations"]
+    assert path.stat().st_mtime_ns != stamps["sessa"] and json.loads(path.read_text()) == recorded  # not redone
     # the same entries under another budget are not comparable: refused, naming what changed
     with pytest.raises(ValueError, match=r"entry sessa finished under other settings \(changed: recipe\)"):
         run_compare(str(out), entries[:1], teacher_source=teacher_dir, overrides=[*RECIPE, "stage2.steps=3"],

@@ -101,10 +101,15 @@ def _finished(folder: str, settings: dict, label: str, overwrite: bool):
         return None
     with open(path, encoding="utf-8") as handle:
         result = json.load(handle)
-    if result["settings"] == settings:
+    from ..recipes.config import recipe_with_defaults
+
+    recorded = dict(result["settings"])
+    if "recipe" in recorded:  # fields added to recipes since that entry ran are not changes if left at their defaults
+        recorded["recipe"] = {key: value for key, value in recipe_with_defaults(recorded["recipe"]).items()
+                              if key != "output"}
+    if recorded == settings:
         return result
-    changed = sorted(key for key in set(settings) | set(result["settings"])
-                     if settings.get(key) != result["settings"].get(key))
+    changed = sorted(key for key in set(settings) | set(recorded) if settings.get(key) != recorded.get(key))
     if overwrite:
         return None
     raise ValueError(f"{path}: entry {label} finished under other settings (changed: {', '.join(changed)}); use "
