@@ -154,7 +154,7 @@ def load_recipe(paths=(), overrides=()) -> Recipe:
         nested = yaml.safe_load(text) if text else None
         for part in reversed(key.split(".")):
             nested = {part: nested}
-        _merge(recipe, nested, f"--set {override}", "")
+        _merge(recipe, nested, f"--set {override}", "", _into_mapping(recipe, key.split(".")))
     _validate(recipe, ", ".join(map(str, paths)) or "the recipe")
     return recipe
 
@@ -242,7 +242,18 @@ def _validate(recipe: Recipe, origin: str) -> None:
             raise RecipeError(f"{origin}: model.teacher_device: {error}") from None
 
 
-def _merge(target, data: dict, origin: str, prefix: str) -> None:
+def _into_mapping(recipe: Recipe, parts: list[str]) -> bool:
+    """Whether a dotted --set key reaches inside a mapping field (``model.mixer_options.rsa_window``): it then adds
+    or changes that one entry; a whole mapping (``model.mixer_options={...}``) replaces the field."""
+    target = recipe
+    for part in parts:
+        if not dataclasses.is_dataclass(target):
+            return isinstance(target, dict)
+        target = getattr(target, part, None)
+    return False
+
+
+def _merge(target, data: dict, origin: str, prefix: str, into_mapping: bool = False) -> None:
     known = {f.name: f for f in dataclasses.fields(target)}
     hints = typing.get_type_hints(type(target))
     for key, value in data.items():
@@ -253,8 +264,8 @@ def _merge(target, data: dict, origin: str, prefix: str) -> None:
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise RecipeError(f"{origin}: '{dotted}' is a section; expected a mapping, got {value!r}")
-            _merge(current, value, origin, f"{dotted}.")
-        elif isinstance(current, dict) and isinstance(value, dict):  # mixer_options: a later file or --set adds keys
+            _merge(current, value, origin, f"{dotted}.", into_mapping)
+        elif into_mapping and isinstance(current, dict) and isinstance(value, dict):
             setattr(target, key, _merged(current, value))
         else:
             setattr(target, key, _check_type(value, hints[key], origin, dotted))

@@ -41,10 +41,12 @@ def test_recipes_stack_and_override(tmp_path):
     assert recipe.model.mixer == "sessa" and recipe.train.batch_size == 4 and recipe.train.lr == 3e-4
     assert recipe.stage2.lora_targets == ["q_proj", "v_proj"] and not recipe.stage1.enabled
     assert recipe.model.keep_attention == "auto:2"
-    # a mapping (model.mixer_options) merges key by key: a later file or --set adds an option, it keeps the others
+    # a dotted --set into a mapping (model.mixer_options) adds that option and keeps the file's others; a whole
+    # mapping replaces them
     stage.write_text("model: {mixer_options: {rsa_window: 64, rsa_num_slots: 8}}\n")
-    recipe = load_recipe([base, stage], ["model.mixer_options.rsa_decay=true", "model.mixer_options={rsa_num_slots: 4}"])
+    recipe = load_recipe([base, stage], ["model.mixer_options.rsa_decay=true", "model.mixer_options.rsa_num_slots=4"])
     assert recipe.model.mixer_options == {"rsa_window": 64, "rsa_num_slots": 4, "rsa_decay": True}
+    assert load_recipe([base, stage], ["model.mixer_options={rsa_decay: true}"]).model.mixer_options == {"rsa_decay": True}
 
 
 def test_recipe_errors_name_the_file_and_key(tmp_path):
