@@ -2,7 +2,8 @@
 
     recipe = load_recipe(["recipes/base.yaml", "recipes/stage2.yaml"], overrides=["train.lr=1e-3"])
 
-Later files and overrides win, merged key by key. Every key is checked against the dataclass fields: an unknown
+Later files and overrides win, merged key by key (a mapping field such as model.mixer_options is replaced whole,
+unless a dotted --set reaches into it: then that one entry is added or changed). Every key is checked against the dataclass fields: an unknown
 key fails with the file (or ``--set``) and the dotted key named, a wrongly typed value with the expected type, a
 number out of its range (declared once, next to the field, with ``bounded``) with the range.
 """
