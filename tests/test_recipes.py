@@ -392,6 +392,29 @@ def test_finetune_lowers_the_heldout_answer_loss(teacher_dir, tmp_path):
         finetune(load_recipe([], [f"output.dir={tmp_path / 'x'}"]), progress=False)
 
 
+def test_finetune_with_gradient_checkpointing_trains_to_the_same_losses(teacher_dir, tmp_path):
+    """finetune under LoRA (frozen embeddings: the non-reentrant path) recomputes blocks in backward and still
+    gives the losses of a run that keeps every activation."""
+    from hf_mixers.conversion import convert
+    from hf_mixers.recipes import finetune
+
+    student = tmp_path / "student"
+    convert(teacher_dir, "rsa", mixer_options={"rsa_num_slots": 8, "rsa_num_levels": 2, "rsa_window": 4},
+            out=str(student), progress=False)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Count to {n}.", "response": " ".join(["one"] * 6)})
+                              for n in range(20)))
+    losses = {}
+    for checkpointing in (False, True):
+        out = tmp_path / f"sft-{checkpointing}"
+        finetune(load_recipe([], [f"model.student={student}", f"finetune.source={data}", "finetune.steps=3",
+                                  "finetune.max_length=32", "train.lr=1e-2", f"output.dir={out}",
+                                  f"train.gradient_checkpointing={str(checkpointing).lower()}"]), progress=False)
+        losses[checkpointing] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses[True]) == 3 and losses[True][0] != losses[True][-1]  # it trained
+    assert losses[True] == pytest.approx(losses[False], abs=1e-6)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_deepspeed_zero2_under_torchrun_matches_data_parallel_and_resumes(teacher_dir, tmp_path):
     """DeepSpeed ZeRO-2, 2 CPU processes under torchrun (gloo): the same losses as plain gradient averaging, also
