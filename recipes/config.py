@@ -3,9 +3,10 @@
     recipe = load_recipe(["recipes/base.yaml", "recipes/stage2.yaml"], overrides=["train.lr=1e-3"])
 
 Later files and overrides win, merged key by key (a mapping field such as model.mixer_options is replaced whole,
-unless a dotted --set reaches into it: then that one entry is added or changed). Every key is checked against the dataclass fields: an unknown
-key fails with the file (or ``--set``) and the dotted key named, a wrongly typed value with the expected type, a
-number out of its range (declared once, next to the field, with ``bounded``) with the range.
+unless a dotted --set reaches into it: then that one entry is added or changed). Every key is checked against the
+dataclass fields: an unknown key fails with the file (or ``--set``) and the dotted key named, a wrongly typed value
+with the expected type, a number out of its range (declared once, next to the field, with ``bounded``) with the
+range.
 """
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ def _merge(target, data: dict, origin: str, prefix: str, into_mapping: bool = Fa
                 raise RecipeError(f"{origin}: '{dotted}' is a section; expected a mapping, got {value!r}")
             _merge(current, value, origin, f"{dotted}.", into_mapping)
         elif into_mapping and isinstance(current, dict) and isinstance(value, dict):
-            setattr(target, key, _merged(current, value))
+            setattr(target, key, _check_type(_merged(current, value), hints[key], origin, dotted))
         else:
             setattr(target, key, _check_type(value, hints[key], origin, dotted))
 
