@@ -1,4 +1,5 @@
-"""Numerics shared by every op: the dtype that recurrent states, solves and softmax normalisers accumulate in."""
+"""What the PyTorch references and their Triton kernels share: the dtype that recurrent states, solves and softmax
+normalisers accumulate in, and the argument checks of the feedback solve."""
 
 from __future__ import annotations
 
@@ -8,3 +9,23 @@ import torch
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Solves and softmax normalisers run in fp32 whatever the activation dtype (fp64 stays fp64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_feedback_shapes(f, q, k, gain, key_mask, past_k, past_s) -> int:
+    """Raise ValueError naming the argument whose shape does not fit f (B, T, D); returns P, the cached tokens."""
+    batch, length, _ = f.shape
+    if q.shape[:2] != (batch, length) or k.shape != q.shape:
+        raise ValueError(f"feedback_solve: q {tuple(q.shape)} and k {tuple(k.shape)} must be (B, T, d) with "
+                         f"(B, T) = {(batch, length)} from f {tuple(f.shape)}")
+    if gain.shape != (batch, length):
+        raise ValueError(f"feedback_solve: gain has shape {tuple(gain.shape)}, expected {(batch, length)}")
+    if (past_k is None) != (past_s is None):
+        raise ValueError("feedback_solve: past_k and past_s must be given together")
+    past = 0 if past_k is None else past_k.shape[1]
+    if past_k is not None and (past_s.shape[:2] != (batch, past) or past_s.shape[2] != f.shape[2]):
+        raise ValueError(f"feedback_solve: past_s {tuple(past_s.shape)} does not match past_k "
+                         f"{tuple(past_k.shape)} and f {tuple(f.shape)}")
+    if key_mask is not None and key_mask.shape != (batch, past + length):
+        raise ValueError(f"feedback_solve: key_mask has shape {tuple(key_mask.shape)}, expected "
+                         f"{(batch, past + length)} (past {past} + new {length} tokens)")
+    return past

@@ -1,4 +1,8 @@
-"""Which path runs a mixer's hot loop: the Triton kernel or the PyTorch reference path. Decided here only.
+"""The policy that picks the path of a mixer's hot loop: the Triton kernel or the PyTorch reference path.
+
+Each op has one entry function that holds every choice of its own (kernels/feedback_solve.py ``feedback_solve``,
+kernels/rsa_memory.py ``rsa_memory``, kernels/mamba_ops.py's scans): the single-token case, fp64, options a kernel
+does not cover. It asks this module whether a fast kernel may run; mixers never choose a path themselves.
 
     backend = HF_MIXERS_BACKEND (environment) or config.kernel_backend:  "auto" | "triton" | "torch"
       auto    Triton when it can run on the tensors' device (CUDA + triton; or TRITON_INTERPRET=1, the CPU
@@ -68,9 +72,11 @@ def use_triton(kernel: str, device: torch.device, config_value: str = "auto", ch
     return False
 
 
-def library_kernel(kernel: str, module: str, attribute: str, device: torch.device, config_value: str = "auto"):
+def library_kernel(kernel: str, module: str, attribute: str, device: torch.device, config_value: str = "auto",
+                   check=None):
     """The maintained library's ``module.attribute`` when it should run ``kernel`` on ``device`` (CUDA tensors and the
-    library importable), else None: the caller's PyTorch path. Logged once per kernel and decision."""
+    library importable), else None: the caller's PyTorch path. Logged once per kernel and decision. ``check()``: why
+    the library cannot take this call's options (None: it can), as for ``use_triton``."""
     backend, source = requested_backend(config_value)
     if backend == "torch":
         _announce(kernel, f"PyTorch path (forced by {source})")
@@ -80,6 +86,8 @@ def library_kernel(kernel: str, module: str, attribute: str, device: torch.devic
         reason = f"tensors on {device.type} (the {package} kernel needs CUDA)"
     elif importlib.util.find_spec(package) is None:
         reason = f"{package} is not installed"
+    elif check is not None and (problem := check()) is not None:
+        reason = problem
     else:
         try:
             function = getattr(importlib.import_module(module), attribute)

@@ -16,6 +16,8 @@ Three implementations of one function:
 - ``feedback_solve_recurrent``: the token-by-token recurrence, a second independent oracle for tests.
 - ``feedback_solve_chunked``: query chunks of size C against all earlier keys, an intra-chunk C x C solve, and a
   hand-written backward that recomputes the softmax chunk by chunk: O(T*C + T*D) memory, never a T x T matrix.
+``feedback_solve`` is the op's entry point: it checks the arguments and picks the path, the fused Triton kernel
+(kernels/feedback_solve_triton.py, the same function as the chunked form) included.
 
 GLTM restricts row t of B to a sparse support P(t) (kernels/token_patterns.py). The dense reference and the
 recurrence take it as a boolean ``support`` mask; ``feedback_solve_sparse`` takes it as an index table (B, T, K) and
@@ -32,7 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import compute_dtype
+from .common import check_feedback_shapes, compute_dtype
+from .dispatch import use_triton
 
 
 def strict_past_softmax(
@@ -55,25 +58,6 @@ def strict_past_softmax(
     return torch.softmax(logits, dim=-1).masked_fill(~allowed, 0.0)
 
 
-def _check_shapes(f, q, k, gain, key_mask, past_k, past_s):
-    batch, length, _ = f.shape
-    if q.shape[:2] != (batch, length) or k.shape != q.shape:
-        raise ValueError(f"feedback_solve: q {tuple(q.shape)} and k {tuple(k.shape)} must be (B, T, d) with "
-                         f"(B, T) = {(batch, length)} from f {tuple(f.shape)}")
-    if gain.shape != (batch, length):
-        raise ValueError(f"feedback_solve: gain has shape {tuple(gain.shape)}, expected {(batch, length)}")
-    if (past_k is None) != (past_s is None):
-        raise ValueError("feedback_solve: past_k and past_s must be given together")
-    past = 0 if past_k is None else past_k.shape[1]
-    if past_k is not None and (past_s.shape[:2] != (batch, past) or past_s.shape[2] != f.shape[2]):
-        raise ValueError(f"feedback_solve: past_s {tuple(past_s.shape)} does not match past_k "
-                         f"{tuple(past_k.shape)} and f {tuple(f.shape)}")
-    if key_mask is not None and key_mask.shape != (batch, past + length):
-        raise ValueError(f"feedback_solve: key_mask has shape {tuple(key_mask.shape)}, expected "
-                         f"{(batch, past + length)} (past {past} + new {length} tokens)")
-    return past
-
-
 def feedback_weights(q, keys, gain, row_offset, key_mask, scale, support=None):
     """Rows of B = gain * alpha for queries ``q`` (B, R, d) at absolute rows ``row_offset..`` over ``keys`` (B, N, d)."""
     logits = torch.matmul(q, keys.transpose(-1, -2)) * scale
@@ -94,7 +78,7 @@ def adjoint_block(weights, rhs):
 def feedback_solve_dense(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None, support=None):
     """Reference: the official algorithm (dense masked softmax, unit-lower ``solve_triangular``), cache-aware.
     ``support`` (B, T, P+T) bool restricts each row's keys further (GLTM's patterns)."""
-    past = _check_shapes(f, q, k, gain, key_mask, past_k, past_s)
+    past = check_feedback_shapes(f, q, k, gain, key_mask, past_k, past_s)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     cd = compute_dtype(f.dtype)
     keys = k if past_k is None else torch.cat([past_k, k], dim=1)
@@ -107,7 +91,7 @@ def feedback_solve_dense(f, q, k, gain, key_mask=None, past_k=None, past_s=None,
 
 def feedback_solve_recurrent(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None, support=None):
     """Oracle: s_t = f_t + gain_t * sum_{j<t} alpha[t, j] s_j, one token at a time."""
-    past = _check_shapes(f, q, k, gain, key_mask, past_k, past_s)
+    past = check_feedback_shapes(f, q, k, gain, key_mask, past_k, past_s)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     cd = compute_dtype(f.dtype)
     keys = (k if past_k is None else torch.cat([past_k, k], dim=1)).to(cd)
@@ -193,7 +177,7 @@ class _ChunkedFeedbackSolve(torch.autograd.Function):
 
 def feedback_solve_chunked(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None, chunk_size=128):
     """Exact chunked solve: equal to ``feedback_solve_dense`` to float tolerance, O(T*C) memory."""
-    _check_shapes(f, q, k, gain, key_mask, past_k, past_s)
+    check_feedback_shapes(f, q, k, gain, key_mask, past_k, past_s)
     if chunk_size < 1:
         raise ValueError(f"feedback_solve: chunk_size must be >= 1, got {chunk_size}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -304,7 +288,7 @@ def feedback_solve_sparse(f, q, k, gain, support, past_k=None, past_s=None, scal
                          f"{tuple(support.shape)}")
     if chunk_size < 1:
         raise ValueError(f"feedback_solve: chunk_size must be >= 1, got {chunk_size}")
-    _check_shapes(f, q, k, gain, None, past_k, past_s)
+    check_feedback_shapes(f, q, k, gain, None, past_k, past_s)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     cd = compute_dtype(f.dtype)
     keys = (k if past_k is None else torch.cat([past_k, k], dim=1)).to(cd)
@@ -327,23 +311,35 @@ def sparse_solve(f, weights, support, past_s=None, chunk_size=64):
                                       chunk_size)
 
 
-def _feedback_solve_triton(*args, **kwargs):
-    from .feedback_solve_triton import feedback_solve_triton  # needs triton: imported only when chosen
-
-    return feedback_solve_triton(*args, **kwargs)
-
-
-SOLVERS = {"dense": feedback_solve_dense, "chunked": feedback_solve_chunked, "recurrent": feedback_solve_recurrent,
-           "triton": _feedback_solve_triton}
+SOLVERS = {"dense": feedback_solve_dense, "chunked": feedback_solve_chunked, "recurrent": feedback_solve_recurrent}
 
 
 def feedback_solve(f, q, k, gain, *, key_mask=None, past_k=None, past_s=None, scale=None, method="chunked",
-                   chunk_size=128):
-    """Solve ``(I - B) s = f`` with the chosen method; all methods give the same result to float tolerance.
+                   chunk_size=128, backend="auto"):
+    """Solve ``(I - B) s = f``; every path gives the same result to float tolerance. The one entry point of the op:
+    every choice of path is made here.
 
-    "triton" is the fused kernel (kernels/feedback_solve_triton.py); kernels/dispatch.py decides when it runs.
+    method: "chunked" (training and prefill), "dense" (the reference, asked for by name) or "recurrent" (the token
+    recurrence). "chunked" runs the fused Triton kernel (kernels/feedback_solve_triton.py) instead where
+    kernels/dispatch.py allows it for ``backend`` ("auto" | "triton" | "torch", e.g. ``config.kernel_backend``):
+    CUDA tensors, or CPU tensors under TRITON_INTERPRET=1, in fp32 / bf16 / fp16 (the kernels compute in fp32,
+    so fp64 stays on the PyTorch path, or is an error when "triton" is forced).
     """
     if method not in SOLVERS:
         raise ValueError(f"feedback_solve: unknown method {method!r}; choose one of {sorted(SOLVERS)}")
-    kwargs = {"chunk_size": chunk_size} if method in ("chunked", "triton") else {}
+    check_feedback_shapes(f, q, k, gain, key_mask, past_k, past_s)
+    if method == "chunked" and use_triton("Sessa feedback solve", f.device, backend,
+                                          check=lambda: _triton_unsupported(f)):
+        from .feedback_solve_triton import feedback_solve_triton  # needs triton: imported only when chosen
+
+        return feedback_solve_triton(f, q, k, gain, key_mask=key_mask, past_k=past_k, past_s=past_s, scale=scale,
+                                     chunk_size=chunk_size)
+    kwargs = {"chunk_size": chunk_size} if method == "chunked" else {}
     return SOLVERS[method](f, q, k, gain, key_mask=key_mask, past_k=past_k, past_s=past_s, scale=scale, **kwargs)
+
+
+def _triton_unsupported(f) -> str | None:
+    """Why the Triton solve cannot take this call (None: it can)."""
+    if compute_dtype(f.dtype) != torch.float32:
+        return f"{f.dtype} inputs (the kernels compute in fp32)"
+    return None

@@ -54,8 +54,7 @@ try:
 finally:
     pass
 
-from .common import compute_dtype
-from .feedback_solve import _check_shapes, feedback_solve_chunked
+from .common import check_feedback_shapes, compute_dtype
 
 # fp32 ``tl.dot``s in true fp32: the solve feeds its own output back, and tf32 (10-bit mantissa) logits and
 # values would put it ~1e-3 away from the reference. "tf32" is faster on GPUs if that accuracy is acceptable.
@@ -461,16 +460,16 @@ def feedback_solve_triton(f, q, k, gain, key_mask=None, past_k=None, past_s=None
 
     f (B, T, D), q/k (B, T, d), gain (B, T), key_mask (B, P+T) bool, past_k (B, P, d) / past_s (B, P, D).
     Needs CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set before triton was first imported
-    (tests only: the interpreter is ~1000x slower). fp64 inputs go to ``feedback_solve_chunked`` (the kernels
-    compute in fp32).
+    (tests only: the interpreter is ~1000x slower), in fp32, bf16 or fp16: the kernels compute in fp32, and
+    ``feedback_solve`` (the op's entry point) sends fp64 to the PyTorch path.
     """
-    _check_shapes(f, q, k, gain, key_mask, past_k, past_s)
+    check_feedback_shapes(f, q, k, gain, key_mask, past_k, past_s)
     if chunk_size < 1:
         raise ValueError(f"feedback_solve: chunk_size must be >= 1, got {chunk_size}")
+    if compute_dtype(f.dtype) != torch.float32:
+        raise ValueError(f"feedback_solve_triton: {f.dtype} inputs; the kernels compute in fp32 (feedback_solve "
+                         "sends fp64 to the PyTorch path)")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if compute_dtype(f.dtype) != torch.float32:  # fp64: the kernels accumulate in fp32 only
-        return feedback_solve_chunked(f, q, k, gain, key_mask=key_mask, past_k=past_k, past_s=past_s,
-                                      scale=scale, chunk_size=chunk_size)
     tensors = (f, q, k, gain) + (() if past_k is None else (past_k, past_s))
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):  # inference: skip h and lse
         return _forward(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size, save=False)[0]

@@ -13,6 +13,7 @@ kernels/selective_scan.py, which is also the reference the tests compare every p
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from .common import compute_dtype
@@ -36,14 +37,21 @@ def _finish(y, x, D, z, dtype):
     return y.to(dtype)
 
 
+def _library_dtype(x) -> str | None:
+    """Why the libraries' CUDA kernels cannot take ``x`` (None: they can): they compute in fp32 at most."""
+    return None if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else f"{x.dtype} inputs"
+
+
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                   return_last_state=False):
+                   return_last_state=False, backend="auto"):
     """Mamba's selective scan. u, delta, z: (batch, dim, L); A: (dim, N) real; B, C: (dim, N) constant, or
     (batch, N, L) / (batch, groups, N, L) per token; D: (dim,); delta_bias: (dim,).
 
-    out = scan + D u, times silu(z); with ``return_last_state`` also the state (batch, dim, N).
+    out = scan + D u, times silu(z); with ``return_last_state`` also the state (batch, dim, N). ``backend``: as
+    ``config.kernel_backend`` (kernels/dispatch.py).
     """
-    fast = library_kernel("selective_scan", "mamba_ssm.ops.selective_scan_interface", "selective_scan_fn", u.device)
+    fast = library_kernel("selective_scan", "mamba_ssm.ops.selective_scan_interface", "selective_scan_fn", u.device,
+                          backend, check=lambda: _library_dtype(u))
     if fast is not None:
         return fast(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
     if A.is_complex():
@@ -70,14 +78,15 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 
 
 def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False, initial_states=None,
-             return_final_states=False, dt_limit=(0.0, float("inf"))):
+             return_final_states=False, dt_limit=(0.0, float("inf")), backend="auto"):
     """Mamba-2's chunked scan (SSD). x: (batch, L, heads, P); dt: (batch, L, heads); A: (heads,); B, C:
     (batch, L, groups, N); D: (heads,) or (heads, P); z: like x; initial_states: (batch, heads, P, N).
 
     Δ = clamp(softplus(dt + dt_bias)) per head; y = scan + D x, times silu(z); with ``return_final_states`` also the
-    state (batch, heads, P, N) after the last token.
+    state (batch, heads, P, N) after the last token. ``backend``: as ``config.kernel_backend`` (kernels/dispatch.py).
     """
-    fast = library_kernel("ssd_scan", "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", x.device)
+    fast = library_kernel("ssd_scan", "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", x.device,
+                          backend, check=lambda: _library_dtype(x))
     if fast is not None:
         return fast(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
                     dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=return_final_states)
@@ -93,13 +102,13 @@ def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softpl
 
 
 def delta_t_scan(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, dt_softplus=False,
-                 initial_states=None, return_final_states=False, input_scaling="none"):
+                 initial_states=None, return_final_states=False, input_scaling="none", backend="auto"):
     """Mamba-Δᵀ's scan, in ``ssd_scan``'s layout. x: (batch, L, heads, P); dt: (batch, L, heads, N), one step size
     per state slot; A: (heads, N) per slot or (heads, P, N) per channel and slot; B, C: (batch, L, groups, N).
 
     h_t = exp(A Δ_t) h_{t-1} + x_t ⊗ B_t (``input_scaling="state"``: x_t ⊗ (Δ_t B_t)); y = h_t C_t + D x, times
     silu(z). With A per slot this is gated linear attention with a key-dimension forget gate (q = C, k = B, v = x),
-    which is flash-linear-attention's ``chunk_gla`` on CUDA.
+    which is flash-linear-attention's ``chunk_gla`` on CUDA. ``backend``: as ``config.kernel_backend``.
     """
     if input_scaling not in ("none", "state"):
         raise ValueError(f"delta_t_scan: input_scaling must be 'none' or 'state', got {input_scaling!r}")
@@ -111,7 +120,9 @@ def delta_t_scan(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, dt
         B = B * dt
     A = A.to(cd)
     log_decay = dt[:, :, :, None, :] * (A[:, None, :] if A.dim() == 2 else A)  # (batch, L, heads, 1 or P, N)
-    fast = library_kernel("delta_t_scan", "fla.ops.gla", "chunk_gla", x.device) if A.dim() == 2 else None
+    fast = library_kernel("delta_t_scan", "fla.ops.gla", "chunk_gla", x.device, backend,
+                          check=lambda: _library_dtype(x) or (None if A.dim() == 2 else "A per channel and slot "
+                                                              "(chunk_gla takes a forget gate per key slot only)"))
     if fast is not None:
         state = None if initial_states is None else initial_states.transpose(-1, -2)  # fla: (batch, heads, N, P)
         y, state = fast(q=C.repeat_interleave(heads // C.shape[2], dim=2), k=B, v=x, g=log_decay[:, :, :, 0],

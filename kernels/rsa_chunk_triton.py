@@ -24,7 +24,7 @@ formed: every "state at row t" product is factorised into the chunk-start term p
 linear attention.
 
 Split of the work:
-  * Write side: PyTorch (``rsa_memory.write_chunks``, shared with the PyTorch chunk form), a sequential loop over
+  * Write side: PyTorch (``rsa_state.write_chunks``, shared with the PyTorch chunk form), a sequential loop over
     chunks. Its assignments depend on the state at the chunk start (the refs), so chunks cannot run in parallel;
     a residual MLP (d -> h -> d, shared across heads, any callable in ``RSAParams``) sits between every two levels;
     it runs once per KV head (not per query head) and costs O(C m d + C d h) per level, no C x C terms. Autograd
@@ -87,7 +87,7 @@ finally:
     pass
 
 from .common import compute_dtype
-from .rsa_memory import ChunkLayout, RSAParams, RSAState, _prior, write_chunks
+from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunks
 
 # fp32-accurate dots on tensor cores: plain tf32 would put the read ~1e-3 off the reference (it divides sums by
 # masses and chains levels); "ieee" (FMA dots) is exact too, but at the default sizes its backward did not finish
@@ -538,7 +538,7 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
 
     # Read side: all chunks in one launch, from the chunk-start sums.
     levels = params.prototypes.shape[1]
-    ks0 = _prior(params, cd)[0][:, :, None] + writes.key_sum  # kappa P + sums: (B, G, NC, L, m, d)
+    ks0 = slot_prior(params, cd)[0][:, :, None] + writes.key_sum  # kappa P + sums: (B, G, NC, L, m, d)
     r0 = writes.relation_sum if levels > 1 else writes.mass.new_zeros(1)  # (B, G, NC, L-1, m, m)
     f, x, y = writes.f, writes.x, writes.y  # (B, G, L, Tp, m | d | dv)
     inputs = _kernel_inputs(q_b, f, x, y, ks0, writes.value_sum, writes.mass, r0, params, groups)

@@ -4,7 +4,9 @@
     summary = distill(load_recipe(["recipes/smollm2_rsa.yaml"], ["stage2.steps=50"]))
 
 Files: config.py (Recipe dataclasses, stacking, overrides), data.py (text -> packed token blocks, held-out split),
-trainer.py (the loop: checkpoints, resume, NaN stop, metrics), stages.py (stage 1 and stage 2, export), sft.py (stage 3: chat fine-tuning).
+trainer.py (the loop: checkpoints, resume, NaN stop, metrics), processes.py (the ranks of a data-parallel run),
+strategies.py (ddp, DeepSpeed ZeRO, FSDP2 and their checkpoints), stages.py (stage 1 and stage 2, export),
+sft.py (stage 3: chat fine-tuning).
 """
 
 from .config import Recipe, RecipeError, load_recipe

@@ -16,7 +16,6 @@ import copy
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,9 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..common.files import write_atomically
-
-if TYPE_CHECKING:
-    from .trainer import Processes
+from .processes import Processes
 
 
 class CheckpointError(ValueError):

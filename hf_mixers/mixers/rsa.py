@@ -29,8 +29,7 @@ from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, pos
 from ..core.short_conv import causal_conv
 from ..core.window import window_option, windowed
 from ..kernels.common import compute_dtype
-from ..kernels.dispatch import use_triton
-from ..kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, rsa_memory, triton_unsupported
+from ..kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, rsa_memory
 
 logger = logging.getLogger(__name__)
 
@@ -163,12 +162,8 @@ class RSAMixer(RecurrentMixer, FullAttention):
             log_decay = extras[0] if extras else None
             if memory_state is None:
                 memory_state = initial_state(params, batch, self.head_dim, cd)
-            how = method
-            if how == "chunked" and q.shape[3] > 1 and use_triton(
-                    "RSA chunk step", q.device, self.config.kernel_backend,
-                    check=lambda: triton_unsupported(params, q, v, log_decay)):
-                how = "triton"
-            out, memory_state = rsa_memory(q, k, v, written, memory_state, params, method=how, log_decay=log_decay)
+            out, memory_state = rsa_memory(q, k, v, written, memory_state, params, method=method, log_decay=log_decay,
+                                           backend=self.config.kernel_backend)
             if params.log_weight:
                 return out[..., :-1], out[..., -1], memory_state
             return out, None, memory_state

@@ -246,7 +246,8 @@ class SelectiveSSMMixer(RecurrentMixer):
         length, chunk = inputs.write.shape[1], self.config.selective_ssm_chunk_size
         if length > 1 and inputs.ssd is not None:
             x, delta, A, keys = inputs.ssd
-            return ssd_scan(x, delta, A, keys, inputs.queries, chunk, initial_states=state, return_final_states=True)
+            return ssd_scan(x, delta, A, keys, inputs.queries, chunk, initial_states=state, return_final_states=True,
+                            backend=self.config.kernel_backend)
         return ssm_scan(inputs.write, inputs.delta, inputs.A, inputs.write_keys, inputs.queries, state,
                         chunk_size=chunk)
 

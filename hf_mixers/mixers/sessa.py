@@ -28,7 +28,6 @@ from ..core.cache import KVPlusLayer
 from ..core.registry import (MixerOption, MixerSpec, boolean, number, one_of, open_unit_interval, positive_int,
                              register_mixer)
 from ..kernels.common import compute_dtype
-from ..kernels.dispatch import use_triton
 from ..kernels.feedback_solve import feedback_solve
 
 
@@ -99,12 +98,11 @@ class SessaMixer(FullAttention):
         """(I - B) s = f, one routing matrix per feedback head; returns s (B, T, D) in fp32 (fp64 for fp64)."""
         heads = self.feedback_heads
         scale = (self.feedback_dim // heads) ** -0.5
-        method = self.solver  # "dense" is the reference, asked for by name; "chunked" has a Triton twin
-        if method == "chunked" and use_triton("Sessa feedback solve", f.device, self.config.kernel_backend):
-            method = "triton"
+        # "dense" is the reference, asked for by name; feedback_solve picks the kernel that runs "chunked"
+        options = dict(scale=scale, method=self.solver, chunk_size=self.chunk_size, backend=self.config.kernel_backend)
         if heads == 1:
             return feedback_solve(f, query, key, gamma, key_mask=token_mask, past_k=past_keys, past_s=past_outputs,
-                                  scale=scale, method=method, chunk_size=self.chunk_size)
+                                  **options)
 
         def fold(x):  # (B, T, heads * w) -> (B * heads, T, w): each head is its own sequence
             return None if x is None else x.unflatten(-1, (heads, -1)).transpose(1, 2).flatten(0, 1)
@@ -113,8 +111,7 @@ class SessaMixer(FullAttention):
             return None if x is None else x.repeat_interleave(heads, dim=0)
 
         s = feedback_solve(fold(f), fold(query), fold(key), repeat(gamma), key_mask=repeat(token_mask),
-                           past_k=fold(past_keys), past_s=fold(past_outputs), scale=scale, method=method,
-                           chunk_size=self.chunk_size)
+                           past_k=fold(past_keys), past_s=fold(past_outputs), **options)
         return s.unflatten(0, (-1, heads)).transpose(1, 2).flatten(2)
 
 

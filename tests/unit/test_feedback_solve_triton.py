@@ -7,6 +7,7 @@ TRITON_INTERPRET=1 (tests/triton_interpreter.py says why and how).
 import pytest
 import torch
 
+from conftest import first_in_fast
 from triton_interpreter import DEVICE, interpreter_only, needs_kernels, run_under_interpreter  # skips w/o triton
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
@@ -79,14 +80,14 @@ def test_kernels_are_interpreted():
 
 
 @needs_kernels
-@pytest.mark.parametrize("past", [0, 6])
-@pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])  # 64 >= T: a single chunk
+@pytest.mark.parametrize("past, chunk_size", first_in_fast((6, 5), (0, 1), (0, 5), (0, 16), (0, 64), (6, 1), (6, 16),
+                                                            (6, 64)))  # 64 >= T: a single chunk
 def test_matches_dense_values_and_gradients(past, chunk_size):
     _assert_matches_dense(make_inputs(past=past), chunk_size=chunk_size)
 
 
 @needs_kernels
-@pytest.mark.parametrize("length,past", [(1, 45), (3, 45), (1, 0)])
+@pytest.mark.parametrize("length,past", first_in_fast((1, 45), (3, 45), (1, 0)))
 def test_decode_and_short_calls(length, past):
     """Decode-like calls (few new rows, a cache spanning several key blocks) and a single token."""
     inputs = make_inputs(batch=2, length=length, past=past, padded=past > 0)
@@ -94,7 +95,7 @@ def test_decode_and_short_calls(length, past):
 
 
 @needs_kernels
-@pytest.mark.parametrize("scale", [0.37, 4.0])  # 4.0: logits up to ~50, peaked rows test the online max
+@pytest.mark.parametrize("scale", first_in_fast(4.0, 0.37))  # 4.0: logits up to ~50, peaked rows test the online max
 def test_no_mask_custom_scale_and_long_sequence(scale):
     inputs = make_inputs(batch=1, length=96, width=32, key_dim=16, padded=False, seed=3, gain_scale=0.998)
     inputs["key_mask"] = None
@@ -144,7 +145,7 @@ def test_causality():
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", first_in_fast(torch.bfloat16, torch.float16))
 def test_half_inputs_accumulate_in_fp32(dtype):
     inputs = make_inputs(past=6, dtype=dtype)
     out, grads = _values_and_grads(solve, inputs, chunk_size=16)
@@ -175,11 +176,22 @@ def test_partial_gradients_detached_cache_and_non_contiguous_inputs():
 
 
 @needs_kernels
-def test_fp64_falls_back_and_bad_arguments_are_named():
+def test_the_entry_point_sends_fp64_to_pytorch_and_bad_arguments_are_named():
+    """feedback_solve holds every choice: fp64 takes the PyTorch path under "auto", is an error when the kernel is
+    forced, and the kernel itself refuses it by name."""
+    from hf_mixers.kernels.feedback_solve import feedback_solve
+
     inputs = make_inputs(batch=1, length=5, width=3, key_dim=2, past=2, dtype=torch.float64)
-    out = solve(**inputs)
+    out = feedback_solve(**inputs, chunk_size=2)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, feedback_solve_dense(**inputs), rtol=0, atol=1e-10)
+    with pytest.raises(RuntimeError, match="requested .* but cannot run: torch.float64 inputs"):
+        feedback_solve(**inputs, backend="triton")
+    with pytest.raises(ValueError, match="the kernels compute in fp32"):
+        solve(**inputs)
+    inputs = make_inputs(batch=1, length=5, width=3, key_dim=2, past=2)
+    torch.testing.assert_close(feedback_solve(**inputs, chunk_size=2, backend="triton"),
+                               solve(**inputs, chunk_size=2), rtol=0, atol=0)  # fp32: the kernel itself
     with pytest.raises(ValueError, match="key_mask has shape"):
         solve(**{**inputs, "key_mask": inputs["key_mask"][:, 2:]})
     with pytest.raises(ValueError, match="chunk_size"):

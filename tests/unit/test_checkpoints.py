@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from hf_mixers.recipes.config import TrainSection
 from hf_mixers.recipes.strategies import CheckpointError, LocalOptimizer, previous_checkpoint
-from hf_mixers.recipes.trainer import Processes
+from hf_mixers.recipes.processes import Processes
 
 
 def _optimizer(path, seed=0):

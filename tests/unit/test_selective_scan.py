@@ -217,7 +217,8 @@ def test_library_kernels_run_only_on_cuda_and_are_named_once(fresh_dispatch, mon
 def test_the_ops_hand_the_library_mamba_ssm_arguments(fresh_dispatch, monkeypatch):
     calls = []
     monkeypatch.setattr("hf_mixers.kernels.mamba_ops.library_kernel",
-                        lambda kernel, module, attribute, device: (lambda *a, **k: calls.append((attribute, a, k))))
+                        lambda kernel, module, attribute, device, backend, check: (
+                            lambda *a, **k: calls.append((attribute, a, k))))
     args = mamba_inputs()
     selective_scan(**args, delta_softplus=True)
     assert calls[-1][0] == "selective_scan_fn" and calls[-1][1][0] is args["u"] and calls[-1][1][8] is True

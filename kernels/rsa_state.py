@@ -1,0 +1,261 @@
+"""The RSA memory's state and parameters, and its write side: what the PyTorch forms (kernels/rsa_memory.py, where
+the math is written out) and the Triton chunk read (kernels/rsa_chunk_triton.py) share.
+
+The state is mass-weighted sums per KV head, normalised only when read; ``write_chunks`` adds the writes of every
+chunk of an aligned buffer (``ChunkLayout``), in order, with the references refreshed at each chunk boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class ResidualMLPWeights:
+    """x + down(silu(up(x))) from plain tensors, so a compiled step sees tensors (graph inputs), not modules."""
+
+    up_weight: torch.Tensor
+    up_bias: torch.Tensor
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor
+
+    def __call__(self, x):
+        hidden = F.silu(F.linear(x, self.up_weight, self.up_bias))
+        return x + F.linear(hidden, self.down_weight, self.down_bias)
+
+
+@dataclass
+class RSAParams:
+    """The tensors and options one layer's memory needs (built by the mixer from its parameters)."""
+
+    prototypes: torch.Tensor  # (G, L, m, d) initial key slots P
+    kappa: torch.Tensor  # (G, L) pseudo-count of P, >= 0
+    beta: torch.Tensor  # (G, L) assignment inverse temperature
+    key_mlps: list[Callable]  # L - 1 maps d -> d
+    value_mlps: list[Callable]  # L - 1 maps dv -> dv
+    read_proj: torch.Tensor  # W   (H, L, m, m)
+    mix_proj: torch.Tensor  # W_r (H, L, m, m)
+    threshold: torch.Tensor  # theta = 1/z, (H, L), already clamped
+    read_scale: torch.Tensor  # w_a (H, L)
+    query_read: torch.Tensor | None  # W_qr (H, L, d, m), the RSA-q branch
+    assign_fn: str = "softmax"  # softmax | sigmoid
+    readout: str = "sigmoid"  # sigmoid | softmax_count
+    routing: str = "relation"  # relation | elementwise | none
+    chunk_size: int = 64
+    eps: float = 1e-6
+    recompute: bool = False  # training: keep only chunk inputs, recompute each chunk in the backward pass
+    log_weight: bool = False  # append each read's log weight as one more output channel (the local window's merge)
+
+
+@dataclass
+class RSAState:
+    key_sum: torch.Tensor
+    value_sum: torch.Tensor
+    mass: torch.Tensor
+    relation_sum: torch.Tensor
+    key_ref: torch.Tensor
+    value_ref: torch.Tensor
+    count: torch.Tensor
+
+    def map(self, fn) -> "RSAState":
+        """Apply ``fn`` to every tensor (batch selection, beam reordering, device moves)."""
+        return RSAState(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (getattr(self, f.name) for f in fields(self)))
+
+
+def initial_state(params: RSAParams, batch: int, value_dim: int, dtype: torch.dtype) -> RSAState:
+    groups, levels, slots, key_dim = params.prototypes.shape
+    prototypes = params.prototypes.to(dtype).expand(batch, -1, -1, -1, -1)
+    zeros = prototypes.new_zeros
+    return RSAState(key_sum=torch.zeros_like(prototypes), value_sum=zeros(batch, groups, levels, slots, value_dim),
+                    mass=zeros(batch, groups, levels, slots),
+                    relation_sum=zeros(batch, groups, max(levels - 1, 0), slots, slots),
+                    key_ref=prototypes, value_ref=zeros(batch, groups, levels, slots, value_dim),
+                    count=torch.zeros(batch, dtype=torch.long, device=prototypes.device))
+
+
+def assign(x_k, key_ref, beta, params, tau):
+    """Slot assignment f (written mass) and residual weights p, both (..., m). x_k (..., R, d), key_ref (..., m, d)."""
+    scores = tau * torch.matmul(x_k, key_ref.transpose(-1, -2))
+    if params.assign_fn == "softmax":
+        f = torch.softmax(beta * scores, dim=-1)
+        return f, f
+    return torch.sigmoid(beta * scores), torch.softmax(scores, dim=-1)
+
+
+def readout_activation(x, level, mass, params):
+    """Readout activation of ``x = tau q.SK`` (..., m); ``mass`` broadcastable to it (level 0 count prior)."""
+    if params.readout == "sigmoid":
+        return torch.sigmoid(x)
+    if level == 0:
+        x = x + torch.log(mass.clamp_min(params.eps))
+    return torch.softmax(x, dim=-1)
+
+
+def per_head(tensor, groups):
+    """(H, ...) -> (G, g, ...) so that query head h reads KV head h // g."""
+    return tensor.unflatten(0, (groups, -1))
+
+
+def slot_prior(params: RSAParams, dtype):
+    """kappa * P (1, G, L, m, d) and kappa (1, G, L, 1): the non-decaying pseudo-observations of the key slots."""
+    kappa = params.kappa.to(dtype)[None, :, :, None]
+    return kappa[..., None] * params.prototypes.to(dtype)[None], kappa
+
+
+def decayed(state: RSAState, factor) -> RSAState:
+    """The data sums times ``factor`` (B, G); the prototype prior, references and count never decay."""
+    scale = factor[:, :, None, None]
+    return replace(state, key_sum=state.key_sum * scale[..., None], value_sum=state.value_sum * scale[..., None],
+                   mass=state.mass * scale, relation_sum=state.relation_sum * scale[..., None])
+
+
+def refresh_references(state: RSAState, params: RSAParams, rows) -> RSAState:
+    """Set the references to the current slots for the batch rows in ``rows`` (bool (B,))."""
+    if not torch.compiler.is_compiling() and not bool(rows.any()):
+        return state  # most decode steps: no row is at a boundary (one host sync saves the work; not when compiled)
+    prior, kappa = slot_prior(params, state.mass.dtype)
+    key_now = (prior + state.key_sum) / (kappa + state.mass).clamp_min(params.eps)[..., None]
+    value_now = state.value_sum / state.mass.clamp_min(params.eps)[..., None]
+    where = rows[:, None, None, None, None]
+    return replace(state, key_ref=torch.where(where, key_now, state.key_ref),
+                   value_ref=torch.where(where, value_now, state.value_ref))
+
+
+def decay_total(log_decay_c, write, dtype):
+    """Lambda_t: the cumulative log decay inside a chunk (..., C); padding (``write`` 0) never decays."""
+    return (log_decay_c.to(dtype) * write).cumsum(-1)
+
+
+def decay_masks(log_decay_c, write, size, device, dtype):
+    """``carry[t, s]``: how much of what row s wrote row t still sees (the inclusive causal mask, times the decay in
+    between, exp(Lambda_t - Lambda_s)); ``start[t]``: how much of the chunk-start state row t still sees.
+
+    No decay: carry (C, C), start (C,). Decay (``log_decay_c`` (B, G, ..., C)): carry (B, G, ..., C, C),
+    start (B, G, ..., C); padding never decays (``write`` broadcastable to ``log_decay_c``).
+    """
+    causal = torch.ones(size, size, dtype=torch.bool, device=device).tril()  # inclusive: token t reads itself
+    if log_decay_c is None:
+        return causal.to(dtype), torch.ones(size, dtype=dtype, device=device)
+    total = decay_total(log_decay_c, write, dtype)
+    gap = (total[..., :, None] - total[..., None, :]).masked_fill(~causal, float("-inf"))
+    return torch.exp(gap), torch.exp(total)
+
+
+def write_chunk(k_c, v_c, valid_c, state: RSAState, params: RSAParams, log_decay_c=None):
+    """Write side of one aligned chunk (steps 1-2 and 7 of a chunk): k_c (B, G, C, d), v_c (B, G, C, dv), valid_c (B, C),
+    log_decay_c (B, G, C) or None.
+
+    Assignments run against the references of the last boundary, level by level (each level writes the MLP residual
+    of the one above). Returns F, X, Y (B, G, L, C, m | d | dv): every row's assignment, key and value per level,
+    and the state with the chunk's writes added (references untouched, count not advanced).
+    """
+    levels = params.prototypes.shape[1]
+    tau = params.prototypes.shape[-1] ** -0.5
+    write = valid_c.to(k_c.dtype)[:, None, :, None]  # (B, 1, C, 1): padding writes nothing
+    x_k, x_v = k_c, v_c
+    assignments, keys, values = [], [], []
+    for i in range(levels):
+        key_ref, value_ref = state.key_ref[:, :, i], state.value_ref[:, :, i]
+        f, p = assign(x_k, key_ref, params.beta[None, :, i, None, None].to(k_c.dtype), params, tau)
+        assignments.append(f * write)
+        keys.append(x_k)
+        values.append(x_v)
+        if i < levels - 1:
+            x_k = params.key_mlps[i](x_k - p @ key_ref)
+            x_v = params.value_mlps[i](x_v - p @ value_ref)
+    f, x, y = torch.stack(assignments, 2), torch.stack(keys, 2), torch.stack(values, 2)
+    weighed = f  # each row's write as the chunk end sees it
+    if log_decay_c is not None:
+        total = decay_total(log_decay_c, write[..., 0], k_c.dtype)  # (B, G, C)
+        weighed = f * torch.exp(total[..., -1:] - total)[:, :, None, :, None]  # the decay from row s to the chunk end
+        state = decayed(state, torch.exp(total[..., -1]))  # the chunk-start sums, decayed over the whole chunk
+    weighed_t = weighed.transpose(-1, -2)  # (B, G, L, m, C)
+    relation = weighed_t[:, :, :-1] @ f[:, :, 1:] if levels > 1 else 0.0
+    state = replace(state, key_sum=state.key_sum + weighed_t @ x, value_sum=state.value_sum + weighed_t @ y,
+                    mass=state.mass + weighed.sum(-2), relation_sum=state.relation_sum + relation)
+    return f, x, y, state
+
+
+@dataclass
+class ChunkLayout:
+    """Each row's real tokens packed into an aligned buffer at offset ``count % C`` (the row's phase), so every
+    row's chunk boundaries fall on multiples of C in the buffer whatever its padding or cached length. Shared by the
+    PyTorch chunk form and the Triton one (kernels/rsa_chunk_triton.py)."""
+
+    phase: torch.Tensor  # (B,) buffer offset of each row's first new token
+    real: torch.Tensor  # (B,) real tokens of each row in this call
+    padded: int  # buffer length, a multiple of C
+    rows: torch.Tensor  # (N,) row and time of every real token ...
+    times: torch.Tensor
+    slots: torch.Tensor  # (N,) ... and its buffer position
+
+    @classmethod
+    def of(cls, valid: torch.Tensor, count: torch.Tensor, size: int) -> "ChunkLayout":
+        phase, real = count % size, valid.sum(1)
+        span = int((phase + real).max().item()) if valid.shape[1] else 0
+        rows, times = valid.nonzero(as_tuple=True)
+        slots = phase[rows] + valid.long().cumsum(1)[rows, times] - 1
+        return cls(phase, real, math.ceil(span / size) * size, rows, times, slots)
+
+    def pack(self, x: torch.Tensor, time_dim: int) -> torch.Tensor:
+        """Scatter the real tokens of ``x`` (time on ``time_dim``) into the buffer; filler is 0."""
+        moved = x.movedim(time_dim, 1)  # time next to batch
+        buffer = moved.new_zeros(moved.shape[0], self.padded, *moved.shape[2:])
+        return buffer.index_put((self.rows, self.slots), moved[self.rows, self.times]).movedim(1, time_dim)
+
+    def valid(self, batch: int, device) -> torch.Tensor:
+        """(B, buffer) True where a real token sits."""
+        return torch.zeros(batch, self.padded, dtype=torch.bool, device=device).index_put(
+            (self.rows, self.slots), torch.ones_like(self.rows, dtype=torch.bool))
+
+    def unpack(self, out_b: torch.Tensor, length: int) -> torch.Tensor:
+        """Buffer outputs (B, G, g, buffer, dv) back to (B, G, g, T, dv); padded positions get 0."""
+        moved = out_b.movedim(3, 1)
+        out = moved.new_zeros(moved.shape[0], length, *moved.shape[2:])
+        return out.index_put((self.rows, self.times), moved[self.rows, self.slots]).movedim(1, 3)
+
+
+@dataclass
+class ChunkWrites:
+    """What the write side of every chunk hands the read side (N chunks of C rows, Tp = N * C buffer rows)."""
+
+    f: torch.Tensor  # (B, G, L, Tp, m) every row's assignment per level (0 for padding)
+    x: torch.Tensor  # (B, G, L, Tp, d) the key each level wrote (level 0: k; deeper: MLP residuals)
+    y: torch.Tensor  # (B, G, L, Tp, dv) the value each level wrote
+    key_sum: torch.Tensor  # (B, G, N, L, m, d) the sums at each chunk's start ...
+    value_sum: torch.Tensor  # (B, G, N, L, m, dv)
+    mass: torch.Tensor  # (B, G, N, L, m)
+    relation_sum: torch.Tensor  # (B, G, N, L - 1, m, m)
+
+
+def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params: RSAParams, decay_b=None):
+    """The write side of every chunk of the aligned buffer, in order: k_b (B, G, Tp, d), v_b (B, G, Tp, dv),
+    valid_b (B, Tp), decay_b (B, G, Tp) or None -> (ChunkWrites, the state after the last chunk, count advanced).
+    The buffer holds at least one chunk.
+
+    Sequential, and the only sequential part of the chunk form: a chunk assigns against the references refreshed
+    at the previous boundary, which depend on every earlier write. Shared by the PyTorch and Triton chunk forms.
+    """
+    size = params.chunk_size
+    f, x, y, starts = [], [], [], []
+    for start in range(0, layout.padded, size):
+        stop = start + size
+        starts.append(state)
+        f_c, x_c, y_c, state = write_chunk(k_b[:, :, start:stop], v_b[:, :, start:stop], valid_b[:, start:stop], state,
+                                           params, None if decay_b is None else decay_b[:, :, start:stop])
+        f.append(f_c)
+        x.append(x_c)
+        y.append(y_c)
+        state = refresh_references(state, params, layout.phase + layout.real >= stop)  # rows that reached this boundary
+    state = replace(state, count=state.count + layout.real)
+    sums = (torch.stack([getattr(s, name) for s in starts], 2)
+            for name in ("key_sum", "value_sum", "mass", "relation_sum"))
+    return ChunkWrites(torch.cat(f, 3), torch.cat(x, 3), torch.cat(y, 3), *sums), state

@@ -1,0 +1,44 @@
+"""Who this process is in a data-parallel run, and what the ranks do together: the one object the training loop
+(trainer.py) and the sharding strategies (strategies.py) share."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Processes:
+    """Who this process is in a data-parallel run (accelerate/torchrun launch; one process = rank 0 of 1)."""
+
+    def __init__(self, accelerator=None):
+        self.accelerator = accelerator
+        self.rank = accelerator.process_index if accelerator else 0
+        self.world = accelerator.num_processes if accelerator else 1
+        self.is_main = self.rank == 0
+
+    def average_gradients(self, tensors) -> None:
+        """Data parallelism for any loss: every rank's gradients averaged (gloo on CPU, nccl on GPU)."""
+        if self.world == 1:
+            return
+        for tensor in tensors:
+            if tensor.grad is None:
+                tensor.grad = torch.zeros_like(tensor)
+            torch.distributed.all_reduce(tensor.grad)
+            tensor.grad /= self.world
+
+    def mean(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        total = torch.tensor([value], dtype=torch.float64, device=self.accelerator.device)
+        torch.distributed.all_reduce(total)
+        return total.item() / self.world
+
+    def gather(self, value) -> list:
+        if self.world == 1:
+            return [value]
+        values = [None] * self.world
+        torch.distributed.all_gather_object(values, value)
+        return values
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self.accelerator.wait_for_everyone()
