@@ -94,11 +94,16 @@ def _logits(model, ids, mask, **kwargs):
 
 
 def check_config(name):
-    """The config round-trips through to_dict / from_dict and every option's check rejects a wrong value by name."""
+    """The config round-trips through to_dict / from_dict, carries the options of its own mixers only, and every
+    option's check rejects a wrong value by name."""
     config = tiny_config(name)
-    again = type(config).from_dict(config.to_dict())
+    saved = config.to_dict()
+    again = type(config).from_dict(saved)
     assert again.layer_types == config.layer_types, "config round trip: layer_types changed"
-    assert "layer_types" not in config.to_dict(), "config: the saved dict must name layers in mixer_types"
+    assert "layer_types" not in saved, "config: the saved dict must name layers in mixer_types"
+    foreign = sorted(option.name for spec in list_mixers() if spec.name not in set(config.layer_types)
+                     for option in spec.options if option.name in saved)
+    assert not foreign, f"config: carries options of mixers its layers do not use: {foreign}"
     for kind in set(config.layer_types):
         for option in get_mixer(kind).options:
             assert getattr(again, option.name) == getattr(config, option.name), f"config round trip: {option.name}"
@@ -196,15 +201,35 @@ def check_generate(name):
 
 def check_remote_code(name):
     """Saved, the folder loads through remote code in a fresh process without hf_mixers and gives the same logits."""
-    from .common.remote_check import load_in_fresh_process
+    failure = remote_code_failures([name])[name]
+    if failure:
+        raise AssertionError(failure)
 
-    model = tiny_model(name, dtype=torch.float32)
+
+def remote_code_failures(names) -> dict:
+    """``check_remote_code`` for several mixers with one fresh process (torch and transformers start once):
+    {name: None when its folder loads and gives the same logits, else what failed}."""
+    from .common.remote_check import load_many_in_fresh_process
+
     ids, mask = _inputs()
+    models = {name: tiny_model(name, dtype=torch.float32) for name in names}
     with tempfile.TemporaryDirectory() as folder:
-        model.save_pretrained(os.path.join(folder, "model"))
-        remote = load_in_fresh_process(os.path.join(folder, "model"), ids, mask, max_new_tokens=3)
-    assert not remote["hf_mixers_imported"], "remote code: the child process imported hf_mixers"
-    _close(remote["logits"], _logits(model, ids, mask), "remote-code logits vs the model's", torch.float32)
+        jobs = []
+        for index, (name, model) in enumerate(models.items()):
+            path = os.path.join(folder, f"model-{index}")  # distinct names: remote code is cached by folder name
+            model.save_pretrained(path)
+            jobs.append(dict(model_dir=path, input_ids=ids, attention_mask=mask, max_new_tokens=3))
+        results = load_many_in_fresh_process(jobs)
+    failures = {}
+    for (name, model), remote in zip(models.items(), results):
+        failures[name] = None
+        try:
+            assert "error" not in remote, f"remote code: the folder does not load:\n{remote.get('error', '')[-3000:]}"
+            assert not remote["hf_mixers_imported"], "remote code: the child process imported hf_mixers"
+            _close(remote["logits"], _logits(model, ids, mask), "remote-code logits vs the model's", torch.float32)
+        except AssertionError as error:
+            failures[name] = f"{name}: {error}"
+    return failures
 
 
 def check_bf16(name):

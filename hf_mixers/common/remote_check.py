@@ -16,7 +16,7 @@ import time
 import torch
 
 _LOADER = r"""
-import importlib.abc, os, sys
+import importlib.abc, os, sys, traceback
 
 class BlockHfMixers(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -28,23 +28,32 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-model_dir, input_path, output_path, resave_dir = sys.argv[1:5]
-inputs = torch.load(input_path)
-# what pipelines, evaluation harnesses and most scripts call first, without trust_remote_code
-tokenizer = None
-if os.path.exists(os.path.join(model_dir, "tokenizer_config.json")):
-    tokenizer = type(AutoTokenizer.from_pretrained(model_dir)).__name__
-model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True).eval()
-with torch.no_grad():
-    logits = model(inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
-tokens = model.generate(inputs["input_ids"], attention_mask=inputs["attention_mask"], do_sample=False,
-                        max_new_tokens=inputs["max_new_tokens"], pad_token_id=inputs["pad_token_id"])
-if resave_dir:
-    model.save_pretrained(resave_dir)
-torch.save({"logits": logits, "tokens": tokens, "class": type(model).__name__, "module": type(model).__module__,
-            "tokenizer": tokenizer,
-            "hf_mixers_imported": any(m == "hf_mixers" or m.startswith("hf_mixers.") for m in sys.modules)},
-           output_path)
+def load(job):
+    model_dir, inputs = job["model_dir"], job
+    # what pipelines, evaluation harnesses and most scripts call first, without trust_remote_code
+    tokenizer = None
+    if os.path.exists(os.path.join(model_dir, "tokenizer_config.json")):
+        tokenizer = type(AutoTokenizer.from_pretrained(model_dir)).__name__
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True).eval()
+    with torch.no_grad():
+        logits = model(inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    tokens = model.generate(inputs["input_ids"], attention_mask=inputs["attention_mask"], do_sample=False,
+                            max_new_tokens=inputs["max_new_tokens"], pad_token_id=inputs["pad_token_id"])
+    if job["resave_dir"]:
+        model.save_pretrained(job["resave_dir"])
+    return {"logits": logits, "tokens": tokens, "class": type(model).__name__, "module": type(model).__module__,
+            "tokenizer": tokenizer}
+
+input_path, output_path = sys.argv[1:3]
+results = []
+for job in torch.load(input_path):
+    try:
+        result = load(job)
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    result["hf_mixers_imported"] = any(m == "hf_mixers" or m.startswith("hf_mixers.") for m in sys.modules)
+    results.append(result)
+torch.save(results, output_path)
 """
 
 
@@ -54,22 +63,47 @@ def load_in_fresh_process(model_dir, input_ids, attention_mask=None, max_new_tok
     process; "tokenizer" is the class ``AutoTokenizer.from_pretrained(model_dir)`` gives without trust_remote_code
     (None when the folder has no tokenizer).
 
-    Raises RuntimeError with the child's stderr if loading fails (e.g. a missing remote-code file).
+    Raises RuntimeError with the child's traceback if loading fails (e.g. a missing remote-code file).
     """
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
+    (outputs,) = load_many_in_fresh_process([dict(model_dir=model_dir, input_ids=input_ids,
+                                                  attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                                  pad_token_id=pad_token_id, resave_dir=resave_dir)], timeout)
+    if "error" in outputs:
+        raise RuntimeError(f"remote-code load of {model_dir} failed in a fresh process without hf_mixers:\n"
+                           f"{outputs['error'][-4000:]}")
+    return outputs
+
+
+def load_many_in_fresh_process(jobs: list[dict], timeout=900) -> list[dict]:
+    """Several folders loaded one after the other in one fresh process (one start-up of torch and transformers).
+    Each job: model_dir, input_ids and optionally attention_mask, max_new_tokens, pad_token_id, resave_dir; each
+    result as ``load_in_fresh_process`` returns it, or {"error": the child's traceback, "hf_mixers_imported",
+    "seconds"} when that folder failed. Folders need distinct names: transformers caches remote code by folder name.
+    """
+    names = [os.path.basename(os.path.normpath(str(job["model_dir"]))) for job in jobs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"load_many_in_fresh_process: folder names must differ (remote code is cached by the "
+                         f"folder's name), got {names}")
+    defaults = dict(attention_mask=None, max_new_tokens=8, pad_token_id=0, resave_dir=None)
+    jobs = [{**defaults, **job} for job in jobs]
+    for job in jobs:
+        job["model_dir"], job["resave_dir"] = str(job["model_dir"]), str(job["resave_dir"] or "")
+        if job["attention_mask"] is None:
+            job["attention_mask"] = torch.ones_like(job["input_ids"])
     with tempfile.TemporaryDirectory(prefix="hf-mixers-remote-") as scratch:
         input_path, output_path = os.path.join(scratch, "inputs.pt"), os.path.join(scratch, "outputs.pt")
-        torch.save({"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": max_new_tokens,
-                    "pad_token_id": pad_token_id}, input_path)
-        # A private module cache: the child compiles the folder's own files, never a stale copy.
+        torch.save(jobs, input_path)
+        # A private module cache: the child compiles the folders' own files, never a stale copy.
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": os.path.join(scratch, "modules")}
         start = time.perf_counter()
-        result = subprocess.run([sys.executable, "-c", _LOADER, str(model_dir), input_path, output_path,
-                                 str(resave_dir or "")], capture_output=True, text=True, env=env, timeout=timeout)
+        result = subprocess.run([sys.executable, "-c", _LOADER, input_path, output_path], capture_output=True,
+                                text=True, env=env, timeout=timeout)
         if result.returncode != 0:
-            raise RuntimeError(f"remote-code load of {model_dir} failed in a fresh process without hf_mixers:\n"
+            folders = ", ".join(job["model_dir"] for job in jobs)
+            raise RuntimeError(f"remote-code load of {folders} failed in a fresh process without hf_mixers:\n"
                                f"{result.stderr[-4000:]}")
         outputs = torch.load(output_path)
-    outputs["seconds"] = time.perf_counter() - start
+    seconds = (time.perf_counter() - start) / len(jobs)
+    for output in outputs:
+        output["seconds"] = seconds
     return outputs

@@ -137,7 +137,8 @@ class MixerSpec:
 
 
 _MIXERS: dict[str, MixerSpec] = {}
-_LISTENERS: list[Callable[[MixerSpec], None]] = []
+# (what to derive from a newly registered spec, how to forget it again or None)
+_LISTENERS: list[tuple[Callable[[MixerSpec], None], Callable[[MixerSpec], None] | None]] = []
 
 
 def _check(spec: MixerSpec) -> None:
@@ -190,13 +191,33 @@ def register_mixer(spec: MixerSpec) -> MixerSpec:
                          f"({known.mixer_class.__module__}.{known.mixer_class.__qualname__})")
     _check(spec)
     _MIXERS[spec.name] = spec
+    done = []
     try:
-        for listener in list(_LISTENERS):
+        for listener, forget in list(_LISTENERS):
             listener(spec)
+            done.append(forget)
     except BaseException:
-        del _MIXERS[spec.name]  # a half-derived mixer is not registered
+        del _MIXERS[spec.name]  # a half-derived mixer is not registered: what was derived is forgotten again
+        _forget(spec, done)
         raise
     return spec
+
+
+def unregister_mixer(name: str) -> MixerSpec:
+    """Forget a registered mixer and everything derived from it (its classes, its Auto registration). For tests that
+    register a mixer of their own: the registration lasts for that test only. Returns the spec."""
+    spec = get_mixer(name)
+    if spec.is_teacher_attention:
+        raise ValueError(f"unregister_mixer({name!r}): the teacher's attention kinds stay registered")
+    del _MIXERS[name]
+    _forget(spec, [forget for _, forget in _LISTENERS])
+    return spec
+
+
+def _forget(spec: MixerSpec, forgets: list) -> None:
+    for forget in reversed(forgets):  # the reverse order of derivation: Auto classes before the classes they map
+        if forget is not None:
+            forget(spec)
 
 
 def get_mixer(name: str) -> MixerSpec:
@@ -211,12 +232,17 @@ def list_mixers(convertible: bool = False) -> list[MixerSpec]:
     return [spec for spec in _MIXERS.values() if not (convertible and spec.is_teacher_attention)]
 
 
-def on_register(listener: Callable[[MixerSpec], None]) -> None:
-    """Call ``listener(spec)`` for every spec registered so far and every one registered later."""
-    _LISTENERS.append(listener)
+def on_register(listener: Callable[[MixerSpec], None], forget: Callable[[MixerSpec], None] | None = None) -> None:
+    """Call ``listener(spec)`` for every spec registered so far and every one registered later; ``forget(spec)``
+    undoes it when a mixer is unregistered."""
+    _LISTENERS.append((listener, forget))
     for spec in list(_MIXERS.values()):
         listener(spec)
 
+
+
+class PluginError(RuntimeError):
+    """A mixer plugin that does not load; the message names it."""
 
 
 PLUGIN_GROUP = "hf_mixers.mixers"  # entry points: a zero-argument function (or module) that registers mixers
@@ -237,13 +263,20 @@ def load_plugins() -> list[str]:
             target = entry.load()
             if callable(target):
                 target()
-        except Exception as error:
-            raise RuntimeError(f"hf_mixers plugin {entry.name!r} ({entry.value}) failed to load: {error}") from error
+        except (Exception, SystemExit) as error:  # a plugin's sys.exit() must not end the command silently
+            raise PluginError(f"hf_mixers plugin {entry.name!r} ({entry.value}) failed to load: "
+                              f"{_describe(error)}") from error
         loaded.append(entry.value)
     for name in filter(None, (part.strip() for part in os.environ.get(PLUGIN_MODULES, "").split(","))):
         try:
             importlib.import_module(name)
-        except Exception as error:
-            raise RuntimeError(f"{PLUGIN_MODULES}: module {name!r} failed to load: {error}") from error
+        except (Exception, SystemExit) as error:
+            raise PluginError(f"{PLUGIN_MODULES}: module {name!r} failed to load: {_describe(error)}") from error
         loaded.append(name)
     return loaded
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, SystemExit):
+        return f"it called sys.exit({error.code!r}) while being imported"
+    return str(error) or type(error).__name__

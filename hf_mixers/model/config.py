@@ -3,8 +3,10 @@
 One config class serves every mixer so hybrids need nothing special; each registered mixer also gets its own
 ``model_type`` (``SessaConfig`` is ``"sessa"``, derived from the registry) whose default ``layer_types`` use that
 mixer everywhere. The mixers' options are not fields written here: every registered ``MixerSpec`` declares its own
-(``sessa_chunk_size``, ``rsa_num_slots``, ...), with defaults, documentation and checks, and the config takes them
-from the registry. All validation runs when the config is built, with the field named, not deep inside a forward.
+(``sessa_chunk_size``, ``rsa_num_slots``, ...), with defaults, documentation and checks, and a config takes those of
+the mixers its ``layer_types`` use, no others (a Sessa model's config.json holds no ``rsa_*`` field; the other
+mixers' fields that older folders saved are dropped when they load). All validation runs when the config is built,
+with the field named, not deep inside a forward.
 
 Saved, the per-layer choice is written as ``mixer_types``: transformers' generic config (what ``AutoTokenizer`` and
 pipelines read from a folder when hf_mixers is not installed) rejects ``layer_types`` entries it does not know.
@@ -86,10 +88,13 @@ class MixerConfig(PreTrainedConfig):
             self.layer_types = [self.default_mixer] * self.num_hidden_layers
         else:
             self.layer_types = list(self.layer_types)
-        for spec in list_mixers():
+        used = self.used_mixers()
+        for spec in list_mixers():  # the options of the mixers its layers use; other mixers' (older folders) dropped
             for option in spec.options:
-                setattr(self, option.name, kwargs.pop(option.name, option.default))
-        for spec in list_mixers():
+                value = kwargs.pop(option.name, option.default)
+                if spec in used:
+                    setattr(self, option.name, value)
+        for spec in used:
             if spec.derived_defaults is not None:
                 for name, value in spec.derived_defaults(self).items():
                     if getattr(self, name) is None:
@@ -98,6 +103,11 @@ class MixerConfig(PreTrainedConfig):
         # "linear_attention"), which would make the error name a word the user never wrote.
         validate_mixer_config(self)
         super().__post_init__(**kwargs)
+
+    def used_mixers(self) -> list:
+        """The specs of the mixers in ``layer_types``, in registration order: the config carries their options only."""
+        kinds = set(self.layer_types)
+        return [spec for spec in list_mixers() if spec.name in kinds]
 
     def validate_layer_type(self):
         # transformers' own check only knows its layer names; ours are checked in validate_mixer.
@@ -111,6 +121,11 @@ class MixerConfig(PreTrainedConfig):
         output = super().to_dict()
         if "layer_types" in output:
             output["mixer_types"] = output.pop("layer_types")
+        used = self.used_mixers()
+        for spec in list_mixers():  # e.g. a mixer whose layers were all restored to attention after the config was built
+            if spec not in used:
+                for option in spec.options:
+                    output.pop(option.name, None)
         return output
 
 
@@ -149,12 +164,13 @@ def validate_mixer_config(config: MixerConfig) -> None:
         fail(f"head_dim ({config.head_dim}) must be even for rotary embeddings")
     if config.kernel_backend not in KERNEL_BACKENDS:
         fail(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {config.kernel_backend!r}")
-    for spec in list_mixers():
+    used = config.used_mixers()
+    for spec in used:
         for option in spec.options:
             problem = option.check(getattr(config, option.name)) if option.check is not None else None
             if problem:
                 fail(f"{option.name} {problem}, got {getattr(config, option.name)!r}")
-    for spec in list_mixers():
+    for spec in used:
         problem = spec.validate(config) if spec.validate is not None else None
         if problem:
             fail(problem)
@@ -186,4 +202,8 @@ def _derive_config_class(spec) -> None:
     setattr(sys.modules[__name__], cls.__name__, cls)
 
 
-on_register(_derive_config_class)
+def _forget_config_class(spec) -> None:
+    vars(sys.modules[__name__]).pop(f"{spec.title}Config", None)
+
+
+on_register(_derive_config_class, _forget_config_class)

@@ -45,8 +45,14 @@ class MixerPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _keep_in_fp32_modules_strict = []  # the specs' keep_in_fp32 names (e.g. Sessa's scalar gain bias), on register
     _can_record_outputs = {"hidden_states": [LlamaBlock, SessaBlock]}
+
+    def post_init(self):
+        # the parameters kept in fp32 when the model loads in bf16/fp16: those the specs of its layers' mixers name
+        # (e.g. Sessa's scalar gain bias), per model, not per class (a hybrid takes every kind's)
+        self._keep_in_fp32_modules_strict = sorted({name for kind in set(self.config.layer_types)
+                                                    for name in get_mixer(kind).keep_in_fp32})
+        super().post_init()
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -162,9 +168,6 @@ def model_classes(name: str) -> tuple[type, type]:
 
 
 def _derive_model_classes(spec) -> None:
-    for name in spec.keep_in_fp32:
-        if name not in MixerPreTrainedModel._keep_in_fp32_modules_strict:
-            MixerPreTrainedModel._keep_in_fp32_modules_strict.append(name)
     if spec.is_teacher_attention:
         return
     config = config_class(spec.name)
@@ -175,4 +178,9 @@ def _derive_model_classes(spec) -> None:
         setattr(sys.modules[__name__], cls.__name__, cls)
 
 
-on_register(_derive_model_classes)
+def _forget_model_classes(spec) -> None:
+    for suffix in ("Model", "ForCausalLM"):
+        vars(sys.modules[__name__]).pop(f"{spec.title}{suffix}", None)
+
+
+on_register(_derive_model_classes, _forget_model_classes)

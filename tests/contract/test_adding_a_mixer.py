@@ -1,6 +1,7 @@
 """docs/adding-a-mixer.md: a mixer defined outside the package (docs/examples/ema_mixer.py) registers with one call
 and then passes the contract suite, converts a teacher, distils through the recipes, and ships as remote code."""
 
+import importlib
 import json
 import os
 import sys
@@ -10,18 +11,52 @@ import torch
 
 from hf_mixers import get_mixer, list_mixers, register_mixer
 from hf_mixers.common.remote_check import load_in_fresh_process
+from hf_mixers.core.registry import unregister_mixer
 from hf_mixers.testing import check_mixer
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "docs", "examples"))
-import ema_mixer  # noqa: E402  (registers "ema")
+EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "examples")
 
 
-def test_the_example_mixer_passes_the_contract():
+@pytest.fixture
+def ema_mixer():
+    """docs/examples/ema_mixer.py, registered for this test only (the rest of the suite never sees "ema")."""
+    sys.path.insert(0, EXAMPLES)
+    try:
+        module = importlib.import_module("ema_mixer")  # its first import registers "ema"
+    finally:
+        sys.path.remove(EXAMPLES)
+    register_mixer(module.EMA)  # again after an earlier test forgot it (a no-op otherwise)
+    yield module
+    unregister_mixer("ema")
+
+
+def test_the_example_mixer_passes_the_contract(ema_mixer):
     assert get_mixer("ema") is ema_mixer.EMA and "ema" in [spec.name for spec in list_mixers(convertible=True)]
     check_mixer("ema")
 
 
-def test_the_example_mixer_converts_distils_and_loads_without_hf_mixers(teacher_dir, tmp_path):
+def test_a_mixer_registered_by_a_test_is_forgotten_after_it(ema_mixer):
+    import hf_mixers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = hf_mixers.EMAConfig
+    assert AutoConfig.for_model("ema").__class__ is config and config in AutoModelForCausalLM._model_mapping
+    unregister_mixer("ema")
+    with pytest.raises(KeyError, match="unknown mixer 'ema'"):
+        get_mixer("ema")
+    with pytest.raises(AttributeError):
+        hf_mixers.EMAConfig
+    with pytest.raises(ValueError, match="Unrecognized model identifier: ema"):
+        AutoConfig.for_model("ema")
+    assert config not in AutoModelForCausalLM._model_mapping and "ema_decay_init" not in hf_mixers.MixerConfig().to_dict()
+    register_mixer(ema_mixer.EMA)  # and it can come back (the fixture forgets it once more)
+    assert AutoConfig.for_model("ema").__class__.__name__ == "EMAConfig"
+    with pytest.raises(ValueError, match="the teacher's attention kinds stay registered"):
+        unregister_mixer("full_attention")
+
+
+@pytest.mark.integration  # end to end: convert, distil, load; the command line in a subprocess
+def test_the_example_mixer_converts_distils_and_loads_without_hf_mixers(ema_mixer, teacher_dir, tmp_path):
     from hf_mixers import EMAForCausalLM
     from hf_mixers.recipes import distill, load_recipe
 
@@ -43,7 +78,7 @@ def test_the_example_mixer_converts_distils_and_loads_without_hf_mixers(teacher_
         torch.testing.assert_close(remote["logits"], summary["model"].eval()(ids).logits, rtol=1e-5, atol=1e-6)
 
 
-def test_names_are_checked_at_registration():
+def test_names_are_checked_at_registration(ema_mixer):
     spec = ema_mixer.EMA
     for name, message in (("mamba", "reserved: one of transformers' own layer kinds"), ("linear_attention", "reserved"),
                           ("llama", "transformers' model type"), ("Bad-Name", "must match"),
@@ -56,11 +91,11 @@ def test_names_are_checked_at_registration():
         register_mixer(type(spec)(**{**spec.__dict__, "name": "other", "title": "Other"}))
 
 
+@pytest.mark.integration  # end to end: convert, distil, load; the command line in a subprocess
 def test_the_command_line_loads_mixer_plugins(teacher_dir, tmp_path):
     import subprocess
 
-    examples = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "examples")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [examples, os.environ.get("PYTHONPATH")])),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [EXAMPLES, os.environ.get("PYTHONPATH")])),
            "HF_MIXERS_PLUGINS": "ema_mixer"}
     command = [sys.executable, "-m", "hf_mixers", "convert", teacher_dir, "--mixer", "ema", "--out",
                str(tmp_path / "ema"), "--sequence-length", "32", "--calibration-sequences", "2",
@@ -68,10 +103,20 @@ def test_the_command_line_loads_mixer_plugins(teacher_dir, tmp_path):
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((tmp_path / "ema" / "config.json").read_text())["model_type"] == "ema"
-    broken = subprocess.run(command[:3] + ["--help"], env={**env, "HF_MIXERS_PLUGINS": "no_such_mixer_module"},
-                            capture_output=True, text=True, timeout=600)
-    assert broken.returncode == 2
-    assert "HF_MIXERS_PLUGINS: module 'no_such_mixer_module' failed to load" in broken.stderr
+    # a plugin that does not load: one line naming it, for a command and for a help that lists the mixers (the
+    # top-level --help loads no plugin: it answers without torch)
+    for argv in (command, command[:4] + ["--help"]):
+        broken = subprocess.run(argv, env={**env, "HF_MIXERS_PLUGINS": "no_such_mixer_module"},
+                                capture_output=True, text=True, timeout=600)
+        assert broken.returncode == 2 and broken.stderr.count("\n") == 1, broken.stderr[-2000:]
+        assert "HF_MIXERS_PLUGINS: module 'no_such_mixer_module' failed to load" in broken.stderr
+    exiting = tmp_path / "exiting_plugin.py"
+    exiting.write_text("import sys\nsys.exit(0)\n")  # a plugin must not end the command silently
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), env["PYTHONPATH"]]),
+           "HF_MIXERS_PLUGINS": "exiting_plugin"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2 and "module 'exiting_plugin' failed to load: it called sys.exit(0)" in \
+        result.stderr
 
 
 def test_entry_point_plugins_load_once_and_a_failing_one_is_named(monkeypatch):

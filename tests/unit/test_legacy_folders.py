@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "legacy")
+FIXTURES = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures", "legacy")
 
 
 @pytest.mark.parametrize("name", sorted(os.listdir(FIXTURES)))

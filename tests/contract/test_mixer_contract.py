@@ -1,24 +1,44 @@
 """The mixer contract (hf_mixers/testing.py) over every registered mixer and a hybrid of all of them with attention.
 
-Parametrised from the registry: a mixer registered tomorrow is checked here without editing this file.
+Parametrised from the registry: a mixer registered tomorrow is checked here without editing this file. Each mixer's
+base configuration runs every check; its tiny variants (``"rsa[window]"``) run the math checks, marked ``variant``
+(the full tier only). Remote code is proven once per mixer, all of them loaded by one fresh process.
 """
 
 import pytest
 
-from hf_mixers import list_mixers
-from hf_mixers.testing import CHECKS, check_from_attention, contract_names
+from hf_mixers import get_mixer, list_mixers
+from hf_mixers.testing import CHECKS, HYBRID, check_from_attention, check_remote_code, contract_names, \
+    remote_code_failures
 
 MIXERS = contract_names()
+BASES = [name for name in MIXERS if "[" not in name]
+MATH_CHECKS = [check for check in CHECKS if check is not check_remote_code]
+CASES = [pytest.param(name, check, id=f"{name}-{check.__name__.removeprefix('check_')}",
+                      marks=[pytest.mark.variant] if "[" in name else [])
+         for name in MIXERS for check in MATH_CHECKS]
 
 
-@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__.removeprefix("check_"))
-@pytest.mark.parametrize("name", MIXERS)
+@pytest.mark.parametrize("name, check", CASES)
 def test_mixer_contract(name, check):
     check(name)
 
 
-def test_the_contract_covers_the_built_in_mixers():
-    assert {"full_attention", "sliding_attention", "sessa", "rsa", "rsa[window]", "hybrid"} <= set(MIXERS)
+@pytest.fixture(scope="module")
+def remote_code():
+    return remote_code_failures(BASES)
+
+
+@pytest.mark.parametrize("name", BASES)
+def test_remote_code(name, remote_code):
+    if remote_code[name]:
+        pytest.fail(remote_code[name], pytrace=False)
+
+
+def test_the_contract_covers_the_built_in_mixers_and_their_variants():
+    assert {"full_attention", "sliding_attention", "sessa", "rsa", "rsa[window]", HYBRID} <= set(MIXERS)
+    assert {name for name in MIXERS if "[" in name} == {f"{spec.name}[{variant}]" for spec in list_mixers()
+                                                        for variant in get_mixer(spec.name).tiny_variants}
 
 
 def test_from_attention_errors_are_measured():
