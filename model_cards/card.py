@@ -175,11 +175,25 @@ def limitations(mixers: list[str], kept: list[int], training: dict | None, evalu
     return lines
 
 
+def check_repo_id(repo_id: str) -> None:
+    """Raise CardError unless ``repo_id`` is a valid model repository id (owner/name, the Hub's own rule)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+        if repo_id.count("/") != 1:
+            raise HFValidationError("it must be owner/name")
+    except HFValidationError as error:
+        raise CardError(f"repo id {repo_id!r} is not a valid model repository id: {error}") from None
+
+
 def render_card(folder: str, repo_id: str | None = None, base_model: str | None = None,
                 license: str | None = None) -> ModelCard:
     """The card of ``folder`` (not written)."""
     from .. import __version__
 
+    if repo_id is not None:
+        check_repo_id(repo_id)
     folder = os.path.abspath(folder)
     config = _read_json(folder, "config.json")
     if config is None:

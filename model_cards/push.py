@@ -33,7 +33,12 @@ _TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's reading of boolean envir
 
 
 class PushError(Exception):
-    """A folder that is not ready to push, or a push that cannot be done; the message says what and where."""
+    """A folder that is not ready to push, or a push that cannot be done; the message says what and where.
+    ``fault``: the machine, not the command, is at fault (offline, no token, the Hub unreachable or refusing)."""
+
+    def __init__(self, message: str, fault: bool = False):
+        super().__init__(message)
+        self.fault = fault
 
 
 def list_upload_files(folder) -> list[tuple[str, int]]:
@@ -158,34 +163,36 @@ def _check_remote_code(root: Path, config: dict) -> None:
 
 
 def push_folder(folder, repo_id, private=False, revision=None, dry_run=False, token=None, endpoint=None,
-                commit_message=None, remote_check=True) -> dict:
+                commit_message=None, remote_check=True, create_pr=False) -> dict:
     """Check ``folder`` and upload it to the model repository ``repo_id`` (created if needed) at ``revision``
-    (default main; another branch is created from main). Returns {"repo_id", "revision", "files", "commit_url",
-    "dry_run"}; ``files`` is the uploaded list, ``commit_url`` None for a dry run. Raises PushError."""
+    (default main; another branch is created from main), or opens a pull request against ``revision`` with
+    ``create_pr``. Returns {"repo_id", "revision", "files", "commit_url", "pr_url", "dry_run"}; ``files`` is the
+    uploaded list, ``commit_url`` and ``pr_url`` None when not made. Raises PushError."""
     from huggingface_hub import get_token
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from .card import CardError, check_repo_id
 
     try:  # the same rule the Hub applies, checked before anything else (a dry run too)
-        validate_repo_id(repo_id)
-        if repo_id.count("/") != 1:
-            raise HFValidationError("it must be owner/name")
-    except HFValidationError as error:
-        raise PushError(f"--repo-id {repo_id!r} is not a valid model repository id: {error}") from None
+        check_repo_id(repo_id)
+    except CardError as error:
+        raise PushError(str(error)) from None
     revision = revision or "main"
     if not dry_run:
         _refuse_offline()
         token = token or get_token()
         if not token:
             raise PushError("no Hugging Face token: set the HF_TOKEN environment variable or run `hf auth login` "
-                            "(a token with write access), or use --dry-run to only list the files")
+                            "(a token with write access), or use --dry-run to only list the files", fault=True)
     files = check_folder(folder, remote_check=remote_check)
-    result = {"repo_id": repo_id, "revision": revision, "files": files, "commit_url": None, "dry_run": dry_run}
+    result = {"repo_id": repo_id, "revision": revision, "files": files, "commit_url": None, "pr_url": None,
+              "dry_run": dry_run}
     if dry_run:
         return result
     endpoint = resolve_endpoint(endpoint)
     message = commit_message or f"Upload {Path(folder).resolve().name} with hf-mixers"
     try:
-        result["commit_url"] = _upload(folder, repo_id, private, revision, token, endpoint, message)
+        result["commit_url"], result["pr_url"] = _upload(folder, repo_id, private, revision, token, endpoint, message,
+                                                         create_pr)
     except Exception as exc:
         error = _as_push_error(exc, repo_id, endpoint)
         if error is None:
@@ -209,26 +216,26 @@ def _refuse_offline() -> None:
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         if os.environ.get(name, "").upper() in _TRUE:
             raise PushError(f"{name} is set (offline mode) and pushing needs the network; unset it to push "
-                            f"(or use --dry-run to only list the files)")
+                            f"(or use --dry-run to only list the files)", fault=True)
     if constants.HF_HUB_OFFLINE:
         raise PushError("HF_HUB_OFFLINE is set (or TRANSFORMERS_OFFLINE was, when huggingface_hub was imported: it is "
                         "in offline mode) and pushing needs the network; unset it to push (or use --dry-run to only "
                         "list the files)")
 
 
-def _upload(folder, repo_id, private, revision, token, endpoint, message) -> str:
+def _upload(folder, repo_id, private, revision, token, endpoint, message, create_pr=False) -> tuple[str, str | None]:
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=endpoint, token=token)
     # private=None, not False, when --private is not given: an organisation whose repos default to private keeps
     # that default (an explicit False would make the new repository public).
     api.create_repo(repo_id, private=True if private else None, exist_ok=True, repo_type="model")
-    if revision != "main":
+    if revision != "main" and not create_pr:  # a pull request goes against an existing revision
         api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
     # A fresh list: upload_folder appends its own defaults (.git, .cache/huggingface) to the list it is given.
     info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model", revision=revision,
-                             commit_message=message, ignore_patterns=list(IGNORE_PATTERNS))
-    return info.commit_url
+                             commit_message=message, ignore_patterns=list(IGNORE_PATTERNS), create_pr=create_pr)
+    return info.commit_url, (info.pr_url if create_pr else None)
 
 
 def _as_push_error(exc: Exception, repo_id: str, endpoint: str) -> PushError | None:
@@ -244,9 +251,9 @@ def _as_push_error(exc: Exception, repo_id: str, endpoint: str) -> PushError | N
     for cause in chain:
         detail = f"{type(cause).__name__}: {cause}" if cause is exc else f"{exc} ({type(cause).__name__}: {cause})"
         if isinstance(cause, (ConnectionError, httpx2.TransportError)):
-            return PushError(f"could not reach the Hub at {endpoint} to push {repo_id}: {detail}")
+            return PushError(f"could not reach the Hub at {endpoint} to push {repo_id}: {detail}", fault=True)
         if isinstance(cause, HfHubHTTPError):
             status = cause.response.status_code if cause.response is not None else None
             hint = " (check that the token has write access to this namespace)" if status in (401, 403) else ""
-            return PushError(f"the Hub at {endpoint} refused the push to {repo_id}{hint}: {detail}")
+            return PushError(f"the Hub at {endpoint} refused the push to {repo_id}{hint}: {detail}", fault=True)
     return None

@@ -2,10 +2,11 @@
 
     python tests/bad_input_survey.py [--module hf_mixers] [--out survey.json]
 
-A case is handled well when the command ends (no hang: 300 s), exits 2, prints exactly one ``hf-mixers ...`` error
-line and no traceback, and leaves no ``.partial`` staging behind. ``--module`` names how the command is started
-(``hf_mixers`` now, ``hf_mixers.cli`` for versions before the registry), so the same survey runs on an older
-checkout for the before/after count in docs/reliability.md. Not a test file: pytest does not collect it.
+A case is handled well when the command ends (no hang: 300 s), prints exactly one ``hf-mixers ...`` error line
+(exit 2, or 3 for a fault of the machine) and no traceback, and leaves no ``.partial`` staging behind. ``--module``
+names how the command is started (``hf_mixers`` now, ``hf_mixers.cli`` for versions before the registry), so the
+same survey runs on an older checkout for the before/after count in docs/reliability.md. Not a test file: pytest
+does not collect it.
 """
 
 from __future__ import annotations
@@ -127,16 +128,15 @@ def survey(module: str, work: str) -> list[dict]:
                                        "finetune.steps=-5", "--set", f"output.dir={work}/f1"],
         "eval, teacher of another vocabulary": ["eval", converted, "--teacher", other, "--heldout-sequences", "1"],
         "eval, folder without weights": ["eval", no_weights, "--teacher", "none"],
-        "push --dry-run, lm_head missing from the weights": ["push", headless, "--repo-id", "user/tiny",
-                                                              "--dry-run"],
-        "push --dry-run, invalid --repo-id": ["push", converted, "--repo-id=not a repo!", "--dry-run"],
+        "push --dry-run, lm_head missing from the weights": ["push", "user/tiny", headless, "--dry-run"],
+        "push --dry-run, invalid REPO_ID": ["push", "--dry-run", "not a repo!", converted],
         "card, a plain Llama folder": ["card", teacher],
     }
     results = []
     for name, args in cases.items():
         outcome = _run(module, args)
         leftovers = [p for p in os.listdir(work) if ".partial" in p]
-        outcome["handled"] = (outcome["exit"] == 2 and len(outcome["errors"]) == 1 and not outcome["traceback"]
+        outcome["handled"] = (outcome["exit"] in (2, 3) and len(outcome["errors"]) == 1 and not outcome["traceback"]
                               and not leftovers)
         results.append({"case": name, **outcome})
         print(f"{'ok  ' if outcome['handled'] else 'BAD '} {name}: exit {outcome['exit']}, "

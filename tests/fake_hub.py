@@ -52,6 +52,7 @@ class Commit:
     summary: str
     files: dict = field(default_factory=dict)  # path -> bytes, sent inline (base64)
     lfs_files: dict = field(default_factory=dict)  # path -> (sha256 hex, size)
+    pull_request: int | None = None  # the discussion number when the commit opened a pull request (create_pr=1)
 
 
 class FakeHub:
@@ -179,10 +180,14 @@ class FakeHub:
                 commit.lfs_files[value["path"]] = (value["oid"], value["size"])
             else:
                 return 400, {"error": f"fake hub: unsupported commit line {line['key']}"}
+        if request.query.get("create_pr", ["0"])[0] in ("1", "true", "True"):
+            commit.pull_request = 1 + sum(c.pull_request is not None for c in self.commits if c.repo_id == repo_id)
         self.commits.append(commit)
         oid = hashlib.sha1(request.body).hexdigest()
+        pull_request = None if commit.pull_request is None else \
+            f"{self.endpoint}/{repo_id}/discussions/{commit.pull_request}"
         return 200, {"commitUrl": f"{self.endpoint}/{repo_id}/commit/{oid}", "commitOid": oid,
-                     "pullRequestUrl": None}
+                     "pullRequestUrl": pull_request}
 
 
 class _Server(http.server.ThreadingHTTPServer):

@@ -1,25 +1,44 @@
 """The ``hf-mixers`` command line: ``convert``, ``distill``, ``finetune``, ``eval``, ``card``, ``push``, ``compare``,
-``demo``, ``diagnose``, ``reproduce`` and ``bench sessa|rsa|selective_ssm|gltm|vort|distill|kernels``."""
+``demo``, ``diagnose``, ``reproduce`` and ``bench sessa|rsa|selective_ssm|gltm|vort|distill|kernels``.
+
+Exit codes: 0 done; 2 a usage or input error (a bad flag, file, recipe field or option: fix the command); 3 a fault
+outside the command (a full disk, no permission, no network, a missing optional package: fix the machine); 4 a
+training run that diverged (a non-finite loss). Every error is one line on stderr, ``hf-mixers CMD: error: ...``.
+This module imports nothing heavy at the top: ``--help`` and ``--version`` answer without loading torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
 
-
-# what a command reports as one line and exit 2 (a bad input or a fault outside the program), never a traceback
+EXIT_USAGE, EXIT_FAULT, EXIT_DIVERGED = 2, 3, 4
+# what a command reports as one line (anything else is a bug in hf-mixers: a traceback and exit 1)
 EXPECTED_ERRORS = (ValueError, OSError, ConnectionError, ImportError)
+# an OSError that says the machine cannot do what was asked (not that the user named a wrong thing)
+_FAULT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.ENOMEM}
 
 
-def _fail(command: str, error: Exception, message: str | None = None) -> int:
+def exit_code(error: BaseException) -> int:
+    """The documented exit code of a failed command (module docstring)."""
+    if isinstance(error, FloatingPointError):  # recipes.trainer.NonFiniteLoss
+        return EXIT_DIVERGED
+    if (isinstance(error, (ConnectionError, ImportError)) or getattr(error, "fault", False)
+            or (isinstance(error, OSError) and error.errno in _FAULT_ERRNOS)):
+        return EXIT_FAULT  # PushError(fault=True): no network, no token, a refused upload
+    return EXIT_USAGE
+
+
+def _fail(command: str, error: BaseException, message: str | None = None) -> int:
     message = str(error) if message is None else message
     if isinstance(error, OSError) and not isinstance(error, (FileNotFoundError, FileExistsError)):
         # a read-only location, a full disk: outputs are renamed into place only when complete, so nothing is lost
         message += " (nothing was half-written: outputs are renamed into place only when complete)"
     print(f"hf-mixers {command}: error: {message}", file=sys.stderr)
-    return 2
+    return exit_code(error)
 
 
 def _int_list(text: str) -> list[int]:
@@ -76,12 +95,50 @@ def _option(text: str) -> tuple[str, object]:
         return key, value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from ..core.registry import list_mixers, load_plugins
+class RegisteredMixers:
+    """The ``--mixer`` choices: every registered mixer, plugins included (entry points and $HF_MIXERS_PLUGINS). Read
+    only when an argument is checked or a command's help lists them, so building the parser loads no torch."""
 
-    load_plugins()  # mixers of other packages (entry points) and of $HF_MIXERS_PLUGINS
-    mixers = [spec.name for spec in list_mixers(convertible=True)]  # every registered mixer, yours included
-    parser = argparse.ArgumentParser(prog="hf-mixers", description=__doc__)
+    def _names(self) -> list[str]:
+        from ..core.registry import list_mixers
+
+        load_mixers()
+        return [spec.name for spec in list_mixers(convertible=True)]
+
+    def __contains__(self, name) -> bool:
+        return name in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
+
+
+def load_mixers() -> None:
+    """The built-in mixers and the plugins' (a plugin that fails to load raises PluginError, naming it)."""
+    from .. import load
+    from ..core.registry import load_plugins
+
+    load()
+    load_plugins()
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hf-mixers")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from .. import __version__
+
+        return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    mixers = RegisteredMixers()
+    parser = argparse.ArgumentParser(prog="hf-mixers", description="Replace a pretrained Transformer's attention with "
+                                     "new sequence mixers, distil and evaluate the result, ship it as a Hub model.",
+                                     epilog="Exit codes: 0 done, 2 usage or input error, 3 fault outside the command "
+                                            "(disk, permission, network, missing package), 4 the run diverged.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     convert = commands.add_parser(
@@ -89,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="SOURCE: a local model folder, a hub id (online), a .gguf file, or 'smollm2-135m' (the "
                     "embedded SmolLM2-135M-Instruct). Families: Llama, Mistral, Qwen2, Qwen3.")
     convert.add_argument("source", help="model folder, hub id, .gguf file or smollm2-135m")
-    convert.add_argument("--mixer", required=True, choices=mixers, help="the mixer that replaces attention")
+    convert.add_argument("--mixer", required=True, choices=mixers, metavar="MIXER",
+                         help="the mixer that replaces attention: %(choices)s")
     convert.add_argument("--out", required=True, help="output folder (written atomically)")
     convert.add_argument("--layers", type=_layer_list, default=None, help="layers to convert, e.g. 0,1,2 (default all)")
     convert.add_argument("--keep-attention", type=_keep_attention, default=None,
@@ -114,13 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("recipes", nargs="*", help="YAML recipe files (later files win)")
     distill.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a recipe field (repeatable)")
+    _output_flags(distill)
 
     finetune = commands.add_parser(
         "finetune", help="stage 3: supervised fine-tuning of a converted model on chat data (LoRA or full)",
         description="Needs model.student (a converted or distilled folder); finetune.source is a JSONL of "
                     "{\"messages\": [...]} or {\"prompt\", \"response\"} (default: Shakespeare speeches).")
     finetune.add_argument("recipes", nargs="*", help="YAML recipe files (later files win)")
-    finetune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    finetune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a recipe field (repeatable)")
+    _output_flags(finetune)
 
     evaluate = commands.add_parser(
         "eval", help="held-out perplexity, KL and agreement with the teacher, passkey retrieval, samples, decode speed",
@@ -158,10 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
     push = commands.add_parser(
         "push", help="upload a model folder to the Hub after checking its card, weights and remote-code load",
         description="The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT picks another endpoint.")
-    push.add_argument("model", help="a saved model folder with a card (hf-mixers card)")
-    push.add_argument("--repo-id", required=True, help="user/name or org/name")
+    push.add_argument("repo_id", metavar="REPO_ID", help="user/name or org/name (as for `hf upload`)")
+    push.add_argument("model", nargs="?", default=None, metavar="DIR",
+                      help="a saved model folder with a card (hf-mixers card); default: the current folder")
+    push.add_argument("--repo-id", dest="legacy_repo_id", default=None, help=argparse.SUPPRESS)  # `push DIR --repo-id`
     push.add_argument("--private", action="store_true", help="create the repository as private")
     push.add_argument("--revision", default=None, help="branch to push to (created if missing; default main)")
+    push.add_argument("--commit-message", default=None, help="the commit's summary (default: Upload DIR with hf-mixers)")
+    push.add_argument("--create-pr", action="store_true", help="open a pull request against --revision instead of "
+                                                               "committing to it")
     push.add_argument("--dry-run", action="store_true", help="list the files that would be uploaded, upload nothing")
 
     compare = commands.add_parser(
@@ -186,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--overwrite", action="store_true", help="redo entries finished under other settings")
 
     demo = commands.add_parser("demo", help="the main job: SmolLM2-135M -> RSA and Sessa, distilled, evaluated "
-                                            "(about 15 minutes on 2 CPU cores)")
+                                            "(about 12 minutes on 2 CPU cores)")
     demo.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
     demo.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
     demo.add_argument("--max-steps", type=_at_least(1), default=None, help="cap every stage at N steps (a smoke run)")
@@ -244,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     bench.add_argument("--source", default="smollm2-135m", help="distill: the teacher (any convert SOURCE)")
-    bench.add_argument("--mixer", default="rsa", choices=mixers, help="distill: the mixer of the student")
+    bench.add_argument("--mixer", default="rsa", choices=mixers, metavar="MIXER",
+                       help="distill: the mixer of the student (%(choices)s)")
     bench.add_argument("--sequence-length", type=_at_least(2), default=256, help="distill: tokens per sequence")
     bench.add_argument("--shapes", default="smollm2-135m,llama3-8b",
                        help="kernels: model shapes (heads and widths), comma-separated")
@@ -252,13 +319,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _output_flags(command) -> None:
+    """--out / --overwrite of a recipe command: the same flags as every other command, for output.dir and
+    output.overwrite (a later --set still wins)."""
+    command.add_argument("--out", default=None, help="output folder: output.dir of the recipe")
+    command.add_argument("--overwrite", action="store_true",
+                         help="replace a finished or changed run in --out (output.overwrite=true)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    from ..core.registry import PluginError
+
+    parser = build_parser()
     try:
-        parser = build_parser()
-    except RuntimeError as error:  # a mixer plugin that does not load
+        args = parser.parse_args(argv)  # a --mixer value loads the registry and the plugins
+        if args.command not in ("reproduce", "bench"):
+            load_mixers()  # every folder-reading command must know the plugins' model types
+    except PluginError as error:
         print(f"hf-mixers: error: {error}", file=sys.stderr)
-        return 2
-    args = parser.parse_args(argv)
+        return EXIT_USAGE
     if args.command == "convert":
         return _convert(args)
     if args.command in ("distill", "finetune"):
@@ -276,10 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        run_demo(args.out, overwrite=args.overwrite, max_steps=args.max_steps)
-    else:
-        return _bench(args)
-    return 0
+        try:
+            run_demo(args.out, overwrite=args.overwrite, max_steps=args.max_steps)
+        except (*EXPECTED_ERRORS, FloatingPointError) as error:
+            return _fail("demo", error)
+        return 0
+    return _bench(args)
 
 
 def _bench(args) -> int:
@@ -361,8 +442,10 @@ def _train(args) -> int:
     from ..recipes.trainer import NonFiniteLoss
 
     run = distill if args.command == "distill" else finetune
+    flags = [f"output.dir={json.dumps(args.out)}"] if args.out is not None else []
+    flags += ["output.overwrite=true"] if args.overwrite else []
     try:
-        summary = run(load_recipe(args.recipes, args.overrides))
+        summary = run(load_recipe(args.recipes, [*flags, *args.overrides]))
     except (*EXPECTED_ERRORS, NonFiniteLoss) as error:
         return _fail(args.command, error)
     print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=2, default=str))
@@ -453,11 +536,23 @@ def _last_mile(args) -> int:
         else:
             from ..model_cards.push import format_files, push_folder
 
-            result = push_folder(args.model, args.repo_id, private=args.private, revision=args.revision,
-                                 dry_run=args.dry_run)
+            repo_id, folder = args.repo_id, args.model or "."
+            if args.legacy_repo_id is not None:  # the old form: push DIR --repo-id REPO_ID
+                if args.model is not None:
+                    raise ValueError(f"give the repository once: `hf-mixers push {args.legacy_repo_id} "
+                                     f"{args.model}` (--repo-id is the old form)")
+                repo_id, folder = args.legacy_repo_id, args.repo_id
+                print(f"hf-mixers push: `push DIR --repo-id REPO_ID` is deprecated; write `hf-mixers push "
+                      f"{repo_id} {folder}`", file=sys.stderr)
+            result = push_folder(folder, repo_id, private=args.private, revision=args.revision,
+                                 dry_run=args.dry_run, commit_message=args.commit_message, create_pr=args.create_pr)
             print(format_files(result["files"]))
-            print(f"dry run: nothing uploaded to {args.repo_id}" if args.dry_run
-                  else f"pushed to {args.repo_id}@{result['revision']}: {result['commit_url']}")
+            if args.dry_run:
+                print(f"dry run: nothing uploaded to {repo_id}")
+            elif result["pr_url"]:
+                print(f"opened a pull request on {repo_id} (against {result['revision']}): {result['pr_url']}")
+            else:
+                print(f"pushed to {repo_id}@{result['revision']}: {result['commit_url']}")
     except (*EXPECTED_ERRORS, PushError) as error:
         return _fail(args.command, error)
     return 0

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,11 +42,38 @@ def test_demo_smoke_run_on_smollm2(tmp_path):
     assert summary["mixers"]["rsa"]["stages"]["stage2"]["steps"] == 1
 
 
-def test_demo_refuses_a_non_empty_output_folder(tmp_path):
+def test_demo_refuses_a_non_empty_output_folder_or_one_under_a_file_in_one_line(tmp_path, capsys):
     (tmp_path / "precious.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="--overwrite"):
-        main(["demo", "--out", str(tmp_path), "--max-steps", "1"])
+    assert main(["demo", "--out", str(tmp_path), "--max-steps", "1"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("hf-mixers demo: error: ") and "--overwrite" in error and len(error.splitlines()) == 1
+    assert main(["demo", "--out", str(tmp_path / "precious.txt" / "demo"), "--max-steps", "1"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("hf-mixers demo: error: ") and len(error.splitlines()) == 1
     assert os.listdir(tmp_path) == ["precious.txt"]
+
+
+def test_version_and_help_answer_without_loading_torch():
+    code = ("import sys\nfrom hf_mixers.apps.cli import main\n"
+            "for argv in (['--version'], ['--help'], ['push', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as done:\n        assert done.code == 0, argv\n"
+            "loaded = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            "assert not loaded, loaded\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("hf-mixers 0.1.0\n") and "Exit codes: 0 done, 2 usage" in result.stdout
+
+
+def test_distill_and_finetune_take_out_and_overwrite_like_every_command(monkeypatch, tmp_path):
+    import hf_mixers.recipes as recipes
+
+    seen = []
+    for command in ("distill", "finetune"):
+        monkeypatch.setattr(recipes, command, lambda recipe: seen.append(recipe) or {})
+        assert main([command, "--out", str(tmp_path / "run é"), "--overwrite"]) == 0
+        assert main([command, "--out", str(tmp_path / "a"), "--set", f"output.dir={tmp_path / 'b'}"]) == 0  # --set wins
+    assert [(recipe.output.dir, recipe.output.overwrite) for recipe in seen] == \
+        [(str(tmp_path / "run é"), True), (str(tmp_path / "b"), False)] * 2
 
 
 def test_bad_arguments_are_reported_by_the_parser(capsys):

@@ -157,7 +157,7 @@ def test_an_output_that_cannot_be_written_is_one_line_and_nothing_is_left(teache
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(MixerPreTrainedModel, "save_pretrained", full_disk)
-    assert main(["convert", teacher_dir, "--mixer", "rsa", "--out", str(tmp_path / "full"), *options]) == 2
+    assert main(["convert", teacher_dir, "--mixer", "rsa", "--out", str(tmp_path / "full"), *options]) == 3  # a fault
     _one_line(capsys, "No space left on device", "nothing was half-written")
     assert not [p for p in os.listdir(tmp_path) if p.startswith((".full", "full"))]
 
@@ -178,9 +178,11 @@ def test_eval_refuses_a_teacher_of_another_vocabulary_and_a_folder_without_weigh
 
 
 @pytest.mark.parametrize("repo_id", ["not a repo", "user/tiny/extra", "-user/tiny", "user/" + "x" * 100])
-def test_push_refuses_an_invalid_repo_id_even_in_a_dry_run(tmp_path, capsys, repo_id):
-    assert main(["push", str(tmp_path), f"--repo-id={repo_id}", "--dry-run"]) == 2
-    _one_line(capsys, f"--repo-id {repo_id!r} is not a valid model repository id")
+def test_push_and_card_refuse_an_invalid_repo_id_before_any_work(tmp_path, capsys, repo_id):
+    assert main(["push", "--dry-run", "--", repo_id, str(tmp_path)]) == 2
+    _one_line(capsys, f"repo id {repo_id!r} is not a valid model repository id")
+    assert main(["card", str(tmp_path), f"--repo-id={repo_id}"]) == 2  # the card checks it too, before any work
+    _one_line(capsys, f"repo id {repo_id!r} is not a valid model repository id")
 
 
 def test_a_moved_run_folder_is_the_same_run():

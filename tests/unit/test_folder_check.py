@@ -50,7 +50,7 @@ def test_every_command_that_trusts_a_folder_refuses_damaged_weights(saved, tmp_p
     _damage(folder, kind)
     with pytest.raises(FolderError, match=rf"the saved weights do not match the SessaForCausalLM .*{DAMAGE[kind]}"):
         check_model_weights(str(folder))
-    for command in (["push", str(folder), "--repo-id", "user/tiny", "--dry-run"], ["card", str(folder)],
+    for command in (["push", "user/tiny", str(folder), "--dry-run"], ["card", str(folder)],
                     ["eval", str(folder), "--teacher", "none", "--heldout-sequences", "1"]):
         capsys.readouterr()
         assert cli_main(command) == 2, command

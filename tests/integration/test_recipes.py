@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import tiny_tokenizer
+from conftest import tiny_tokenizer, torchrun_distill
 from hf_mixers.apps.cli import main as cli_main
 from hf_mixers.recipes import RecipeError, distill, load_recipe
 from hf_mixers.common.corpus import split_texts
@@ -70,7 +70,7 @@ def test_recipe_errors_name_the_file_and_key(tmp_path):
 
 
 def test_shipped_recipes_load():
-    folder = os.path.join(os.path.dirname(__file__), "..", "recipes")
+    folder = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
     files = sorted(f for f in os.listdir(folder) if f.endswith(".yaml"))
     assert files
     for name in files:
@@ -258,7 +258,7 @@ def test_unmerged_lora_is_saved_as_base_plus_adapter(teacher_dir, tmp_path):
         torch.testing.assert_close(restored(ids).logits, summary["model"].eval()(ids).logits, rtol=0, atol=1e-5)
 
 
-def test_nan_loss_stops_with_the_step_and_checkpoint(teacher_dir, tmp_path, monkeypatch):
+def test_nan_loss_stops_with_the_step_and_checkpoint(teacher_dir, tmp_path, monkeypatch, capsys):
     import hf_mixers.recipes.stages as stages
 
     original = stages.distillation_loss
@@ -275,6 +275,9 @@ def test_nan_loss_stops_with_the_step_and_checkpoint(teacher_dir, tmp_path, monk
     monkeypatch.setattr(stages, "distillation_loss", poisoned)
     with pytest.raises(NonFiniteLoss, match=r"stage2: the loss is nan at step 3; last good checkpoint: .*stage2.safetensors"):
         distill(load_recipe([], small(teacher_dir, tmp_path / "run", "stage1.enabled=false")), progress=False)
+    settings = [part for item in small(teacher_dir, tmp_path / "cli", "stage1.enabled=false") for part in ("--set", item)]
+    assert cli_main(["distill", *settings]) == 4  # a diverged run has its own exit code
+    assert "stage2: the loss is nan at step 3" in capsys.readouterr().err
 
 
 def test_killed_run_resumes_with_the_same_losses(teacher_dir, tmp_path):
@@ -312,13 +315,7 @@ def test_killed_run_resumes_with_the_same_losses(teacher_dir, tmp_path):
 def test_two_processes_split_the_data_and_average_gradients(teacher_dir, tmp_path):
     """torchrun, 2 CPU processes (gloo): world size 2, each rank trains on different blocks, one model written."""
     out = tmp_path / "ddp"
-    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "-m",
-               "hf_mixers", "distill"]
-    for item in small(teacher_dir, out, "stage1.steps=2", "stage2.steps=2", "train.batch_size=1"):
-        command += ["--set", item]
-    result = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun_distill(small(teacher_dir, out, "stage1.steps=2", "stage2.steps=2", "train.batch_size=1"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(row["world_size"] == 2 for row in rows)  # rank 0 alone writes
     for row in rows:
@@ -420,14 +417,8 @@ def test_deepspeed_zero2_under_torchrun_matches_data_parallel_and_resumes(teache
     """DeepSpeed ZeRO-2, 2 CPU processes under torchrun (gloo): the same losses as plain gradient averaging, also
     across a relaunch that resumes from its step-2 checkpoint (parameters and the partitioned Adam states)."""
     def launch(strategy, steps, *extra):
-        command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "-m",
-                   "hf_mixers", "distill"]
-        for item in small(teacher_dir, tmp_path / strategy, "stage1.enabled=false", f"stage2.steps={steps}",
-                          "train.batch_size=1", f"train.strategy={strategy}", "output.checkpoint_every=1", *extra):
-            command += ["--set", item]
-        result = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-                                              "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=900)
-        assert result.returncode == 0, result.stderr[-3000:]
+        torchrun_distill(small(teacher_dir, tmp_path / strategy, "stage1.enabled=false", f"stage2.steps={steps}",
+                               "train.batch_size=1", f"train.strategy={strategy}", "output.checkpoint_every=1", *extra))
         return [json.loads(line) for line in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()]
 
     want = launch("ddp", 4)
@@ -545,7 +536,7 @@ def test_every_shipped_recipe_loads():
     """Each YAML under recipes/ validates, stacked as its header says (on base.yaml and stage2_lora_kd.yaml)."""
     import glob
 
-    folder = os.path.join(os.path.dirname(__file__), "..", "recipes")
+    folder = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
     shipped = sorted(glob.glob(os.path.join(folder, "*.yaml")))
     assert len(shipped) >= 8
     for path in shipped:

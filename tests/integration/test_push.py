@@ -238,10 +238,33 @@ def test_remote_code_check_refuses_a_folder_that_needs_hf_mixers(folder):
 
 
 
-def test_cli_dry_run_lists_the_files_and_refusals_exit_2(folder, no_token, capsys):
-    assert cli_main(["push", str(folder), "--repo-id", "user/tiny", "--dry-run"]) == 0  # all checks run
-    out = capsys.readouterr().out
-    assert "model.safetensors" in out and "dry run: nothing uploaded to user/tiny" in out and ".DS_Store" not in out
+def test_cli_dry_run_lists_the_files_and_refusals_exit_2(folder, no_token, capsys, monkeypatch):
+    assert cli_main(["push", "user/tiny", str(folder), "--dry-run"]) == 0  # all checks run
+    captured = capsys.readouterr()
+    assert "model.safetensors" in captured.out and "dry run: nothing uploaded to user/tiny" in captured.out
+    assert ".DS_Store" not in captured.out and captured.err == ""
+    monkeypatch.chdir(folder)  # DIR defaults to the current folder, as for `hf upload`
+    assert cli_main(["push", "user/tiny", "--dry-run"]) == 0 and "model.safetensors" in capsys.readouterr().out
+    # the old form still works, with one deprecation line
+    assert cli_main(["push", str(folder), "--repo-id", "user/tiny", "--dry-run"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"hf-mixers push: `push DIR --repo-id REPO_ID` is deprecated; write `hf-mixers push user/tiny {folder}`"]
+    assert cli_main(["push", "user/tiny", str(folder), "--repo-id", "user/tiny", "--dry-run"]) == 2
+    assert "give the repository once" in capsys.readouterr().err
     os.remove(folder / "README.md")
-    assert cli_main(["push", str(folder), "--repo-id", "user/tiny", "--dry-run"]) == 2
+    assert cli_main(["push", "user/tiny", str(folder), "--dry-run"]) == 2
     assert "no model card (README.md)" in capsys.readouterr().err
+
+
+def test_cli_push_with_a_commit_message_and_as_a_pull_request(folder, hub, online, without_xet, capsys, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    assert cli_main(["push", "user/tiny", str(folder), "--commit-message", "first weights"]) == 0
+    assert f"pushed to user/tiny@main: {hub.endpoint}/user/tiny/commit/" in capsys.readouterr().out
+    assert cli_main(["push", "user/tiny", str(folder), "--create-pr", "--commit-message", "try this"]) == 0
+    assert f"opened a pull request on user/tiny (against main): {hub.endpoint}/user/tiny/discussions/1" in \
+        capsys.readouterr().out
+    assert [(c.revision, c.summary, c.pull_request) for c in hub.commits] == [("main", "first weights", None),
+                                                                              ("main", "try this", 1)]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a fault of the machine, not of the command: exit 3
+    assert cli_main(["push", "user/tiny", str(folder)]) == 3
+    assert "offline mode" in capsys.readouterr().err

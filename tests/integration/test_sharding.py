@@ -9,15 +9,13 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import tiny_sessa_model
+from conftest import tiny_sessa_model, torchrun_distill
 from hf_mixers.recipes import RecipeError, distill, load_recipe
 from hf_mixers.recipes.stages import sharding_for
 from hf_mixers.recipes.strategies import _meta_skeleton, _restore_whole
@@ -28,16 +26,9 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
                                      reason="deepspeed is not installed")
 
 
-def torchrun_distill(teacher_dir, out, *settings) -> str:
+def distill_on_two_processes(teacher_dir, out, *settings) -> str:
     """`hf-mixers distill` on 2 CPU processes; returns its stdout (rank 0 reports what it sharded there)."""
-    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "-m",
-               "hf_mixers.apps.cli", "distill"]
-    for item in small(teacher_dir, out, *STEPS, *settings):
-        command += ["--set", item]
-    result = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-                                          "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return torchrun_distill(small(teacher_dir, out, *STEPS, *settings), timeout=600)
 
 
 def metrics(out) -> list[dict]:
@@ -48,19 +39,19 @@ def metrics(out) -> list[dict]:
 def data_parallel(teacher_dir, tmp_path_factory):
     """The reference: train.strategy=ddp, 2 stage-1 and 4 stage-2 steps, uninterrupted."""
     out = tmp_path_factory.mktemp("ddp") / "run"
-    torchrun_distill(teacher_dir, out, "stage2.steps=4")
+    distill_on_two_processes(teacher_dir, out, "stage2.steps=4")
     return out
 
 
 def check_sharded_run(teacher_dir, reference, out, strategy: list[str], between=None, first_strategy=None):
     # 2 stage-2 steps, then the same run relaunched for 4: stage 1 comes back from its checkpoint, stage 2 resumes
     # (under `first_strategy`, when given, for the first launch)
-    first = torchrun_distill(teacher_dir, out, "stage2.steps=2", *(first_strategy or strategy))
+    first = distill_on_two_processes(teacher_dir, out, "stage2.steps=2", *(first_strategy or strategy))
     assert [(r["stage"], r["step"]) for r in metrics(out)] == [("stage1", 1), ("stage1", 2), ("stage2", 1),
                                                                 ("stage2", 2)]
     if between:
         between(out)
-    torchrun_distill(teacher_dir, out, "stage2.steps=4", "output.overwrite=true", *strategy)
+    distill_on_two_processes(teacher_dir, out, "stage2.steps=4", "output.overwrite=true", *strategy)
     rows, expected = metrics(out), metrics(reference)
     assert [(r["stage"], r["step"]) for r in rows] == [(r["stage"], r["step"]) for r in expected]
     assert all(r["world_size"] == 2 for r in rows)
