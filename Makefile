@@ -1,11 +1,12 @@
 # The two Quickstart commands: `make demo` and `make test`. Both create .venv on first use.
+# The developer loop: `make test-fast` (unit tests and every mixer's contract on its base configuration, < 3 min).
 PYTHON ?= python3
 VENV := .venv
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 # torch is pinned to 2.13.0 in constraints.txt: pip takes the CPU wheel instead of a CUDA build.
 INSTALL := $(PIP) install -c constraints.txt
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-fast bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +27,14 @@ $(VENV)/.installed-test: $(VENV)/.installed
 demo: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/hf-mixers demo --out outputs/demo --overwrite
 
+# One pytest-xdist worker per core (worksteal: a worker that runs dry takes queued tests from the other).
+PYTEST := HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q -n $(or $(JOBS),auto) --dist worksteal
+
 test: $(VENV)/.installed-test
-	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q
+	$(PYTEST)
+
+test-fast: $(VENV)/.installed-test
+	$(PYTEST) -m "(unit or contract) and not variant and not slow"
 
 bench: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/hf-mixers bench sessa --out outputs/bench

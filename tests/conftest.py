@@ -1,10 +1,24 @@
-"""Shared fixtures: offline, deterministic, tiny models built from configs."""
+"""Shared fixtures (offline, deterministic, tiny models built from configs) and the test tiers.
+
+A test's tier is the folder it lives in, added as a marker:
+
+    tests/unit/         unit         one module's behaviour, seconds each       make test-fast
+    tests/contract/     contract     every registered mixer through the one     make test-fast (base configs);
+                                     contract suite (hf_mixers/testing.py)      tiny variants carry `variant`
+    tests/integration/  integration  whole commands and recipes end to end      make test
+    any folder          slow         over a minute with real weights            pytest -m slow (never in CI)
+
+A test marked with another tier explicitly keeps that marker (e.g. an end-to-end test in a contract file).
+"""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if "PYTEST_XDIST_WORKER" in os.environ:  # one worker per core: one thread each, child processes included
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -123,6 +137,22 @@ def save_tiny_teacher(folder, family: str = "llama", card: str | None = None):
     return tokenizer
 
 
+def torchrun_distill(settings, timeout=900) -> str:
+    """``hf-mixers distill --set S ...`` on 2 CPU processes under torchrun (gloo); returns rank 0's stdout. The
+    rendezvous takes a free port (--standalone), so parallel test workers never collide."""
+    import subprocess
+    import sys
+
+    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node", "2",
+               "-m", "hf_mixers", "distill"]
+    for item in settings:
+        command += ["--set", item]
+    result = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+                                          "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
     """A tiny Llama teacher and its tokenizer saved in a folder, once per test module."""
@@ -134,6 +164,28 @@ def teacher_dir(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+TIERS = ("unit", "contract", "integration")
+
+
+def first_in_fast(*cases):
+    """Parametrize cases of which only the first runs in make test-fast; the others are marked ``variant`` (the
+    full tier). A case is a value, or a tuple of values for several argument names."""
+    return [cases[0], *(pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=pytest.mark.variant)
+                        for case in cases[1:])]
+
+
+def pytest_configure(config):
+    # the interpreter subprocesses of the Triton tests (triton_interpreter.py) select the same tests as this run
+    os.environ["HF_MIXERS_TEST_MARKEXPR"] = config.option.markexpr or ""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = Path(str(item.path)).parent.name
+        if tier in TIERS and not any(item.get_closest_marker(name) for name in TIERS):
+            item.add_marker(tier)
 
 
 __all__ = ["cache_bytes_in_two_calls", "save_tiny_teacher", "TEACHER_FAMILIES", "tiny_teacher", "tiny_tokenizer", "TINY", "tiny_config", "tiny_sessa_model", "turn_on_feedback", "step_through", "MixerConfig", "SessaConfig"]

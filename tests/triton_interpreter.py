@@ -40,9 +40,11 @@ interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter only"
 def run_under_interpreter(test_file, timeout=600):
     """Run ``test_file`` in a fresh pytest process with TRITON_INTERPRET=1; fail with its output unless it passed."""
     root = Path(__file__).resolve().parents[1]
+    markers = os.environ.get("HF_MIXERS_TEST_MARKEXPR")  # the parent's selection (make test-fast: no variants)
     result = subprocess.run([sys.executable, "-m", "pytest", str(Path(test_file).resolve()), "-q", "-p",
-                             "no:cacheprovider"], cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"},
-                            capture_output=True, text=True, timeout=timeout)
+                             "no:cacheprovider", *(["-m", markers] if markers else [])], cwd=root,
+                            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                            timeout=timeout)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0 and " passed" in summary and "failed" not in summary, \
         result.stdout[-8000:] + result.stderr[-4000:]

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from conftest import first_in_fast
 from triton_interpreter import DEVICE, interpreter_only, needs_kernels, run_under_interpreter
 
 from hf_mixers.kernels import rsa_chunk_triton as rct
@@ -120,7 +121,7 @@ def test_kernels_are_interpreted():
 
 
 @needs_kernels
-@pytest.mark.parametrize("chunk", [8, 16])
+@pytest.mark.parametrize("chunk", first_in_fast(8, 16))
 def test_converted_default_matches_reference(chunk):
     """convert()'s options (softmax assign, softmax_count readout, relation routing, no RSA-q, no decay): output,
     state and every gradient equal rsa_chunked; the output also equals the token recurrence; no-grad is the
@@ -138,11 +139,11 @@ def test_converted_default_matches_reference(chunk):
 
 
 @needs_kernels
-@pytest.mark.parametrize("assign_fn, readout, routing, query_read", [
+@pytest.mark.parametrize("assign_fn, readout, routing, query_read", first_in_fast(
     ("sigmoid", "sigmoid", "elementwise", True),
     ("softmax", "softmax_count", "none", True),
     ("softmax", "sigmoid", "relation", True),
-])
+))
 def test_options_match_reference(assign_fn, readout, routing, query_read):
     params = make_params(chunk=16, assign_fn=assign_fn, readout=readout, routing=routing, query_read=query_read)
     inputs = make_inputs(params, batch=2)
@@ -192,7 +193,7 @@ def test_row_without_real_tokens_and_empty_call():
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", first_in_fast(torch.bfloat16, torch.float16))
 def test_half_inputs_accumulate_in_fp32(dtype):
     """Half q, k, v: the same function as fp32 on the same rounded inputs (q is upcast in the kernel, k and v
     before the write side); gradients come back in the input dtype."""
