@@ -13,7 +13,7 @@ Shapes: q (B, G, g, T, F) (G KV heads of g query heads), k (B, G, T, F), v (B, G
 weights (B, G, T, S) (zero for padding: such a token writes nothing), skip (B, G, T) or None, state (B, G, S, F, V)
 before token 0 (None: zeros).
 
-Forms, equal in fp64 (tests/test_retention.py):
+Forms, equal in fp64 (tests/unit/test_retention.py):
     retention_quadratic   the (T, T) matrix a_{t,i}: the definition (the paper's parallel form); ``scores`` may
                           replace q . k (e.g. the exact exp(q . k / sqrt(d)) of the identity checks)
     retention_recurrent   token by token: decay, (strict: read), write, (read): the decode path

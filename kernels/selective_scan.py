@@ -9,7 +9,7 @@ Shapes (the canonical layout every caller converts to):
     B, C       (B, T, G, N)       G groups of heads (G divides H; head h reads group h // (H / G))
     state      (B, H, P, N)       the state before token 0 (None: zeros)
 
-Forms, equal in fp64 (tests/test_selective_scan.py):
+Forms, equal in fp64 (tests/unit/test_selective_scan.py):
     ssm_recurrent   token by token; the definition, and the decode step (``ssm_step``)
     ssm_chunked     chunks of ``chunk_size`` tokens: the contribution of tokens inside a chunk (intra), the chunk's
                     own state (write), and the state passed between chunks (one cheap step per chunk), read back

@@ -5,7 +5,7 @@
     y_t = o_proj(s_t repeated over the query heads of each KV group)
 
 Constant decode state (B, Hkv, hd); from_attention copies the teacher's v_proj and o_proj. docs/adding-a-mixer.md
-walks through it; tests/test_adding_a_mixer.py runs it through the contract suite, conversion, distillation and
+walks through it; tests/contract/test_adding_a_mixer.py runs it through the contract suite, conversion, distillation and
 remote code.
 """
 

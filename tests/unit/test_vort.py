@@ -2,7 +2,7 @@
 that changes the math; alpha = 1 with exact exp scores and the shared normaliser is the teacher's attention (the
 conversion identity); the SOE's error bound holds at layer level against the exact lgamma power law; the router reads
 the window entropy; the decode state does not grow. The contract suite (decode, padding, generate, remote code, ...)
-runs on VORT and its variants in tests/test_mixer_contract.py."""
+runs on VORT and its variants in tests/contract/test_mixer_contract.py."""
 
 import pytest
 import torch

@@ -52,7 +52,7 @@ def gltm_patterns(out_dir: str, scale: str) -> dict:
             "notes": ["computed from pattern_support, the supports the layer uses; the longest shortest path by an "
                       "exact BFS from every source, at T <= 256 (O(T^3) per hop)",
                       "the exact table is our derivation from the paper's definitions (the paper states the "
-                      "asymptotics); tests/test_token_patterns.py checks the same numbers"]}
+                      "asymptotics); tests/unit/test_token_patterns.py checks the same numbers"]}
 
 
 TASKS = ("copy", "associative recall", "multi-hop recall")

@@ -1,7 +1,7 @@
 """The selective-SSM paper's analytical constructions (Huang et al., ICML 2025, App. C) as hand-set weights of our
 ``selective_ssm`` mixer: identity in/out projections, one head, fp64. Each returns (accuracy, scored positions) on
 instances from the paper's task generators (hf_mixers.tasks.selective_ssm); the claim is 100% on every instance.
-tests/test_ssm_constructions.py runs the same functions, plus the variants that must fail as printed."""
+tests/unit/test_ssm_constructions.py runs the same functions, plus the variants that must fail as printed."""
 
 from __future__ import annotations
 
@@ -194,6 +194,6 @@ def ssm_constructions(out_dir: str, scale: str) -> dict:
                     "100-500 random instances each",
             "holds": worst == 1.0, "table": rows,
             "notes": ["three printed constructions need corrections to work, tested as such in "
-                      "tests/test_ssm_constructions.py: Theorem 2 step 2's output bias lacks a factor (2-4% as "
+                      "tests/unit/test_ssm_constructions.py: Theorem 2 step 2's output bias lacks a factor (2-4% as "
                       "printed), Theorem 4 step 2's rotation leaves an offset (chance as printed, balanced JL "
                       "columns fix it), Lemma 3 needs its Δ bias (a blank class wins without it)"]}
