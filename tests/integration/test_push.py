@@ -89,7 +89,7 @@ def test_dry_run_lists_exactly_the_shipped_files_and_contacts_nothing(folder, sa
     expected = sorted([(name, os.path.getsize(saved_model / name)) for name in os.listdir(saved_model)] +
                       [(name, len(data)) for name, data in SHIPPED_EXTRA.items()])
     assert result == {"repo_id": "user/tiny", "revision": "main", "files": expected, "commit_url": None,
-                      "dry_run": True}
+                      "pr_url": None, "dry_run": True}
     assert {"model.safetensors", "config.json", "README.md", "modeling_hf_mixers.py"} <= {n for n, _ in expected}
     assert hub.requests == []
     listing = format_files(expected).splitlines()

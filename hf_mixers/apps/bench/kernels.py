@@ -52,20 +52,20 @@ def _candidate(candidate: str, shape: dict, length: int, device, dtype, generato
         module, _ = build_mixer("rsa_chunked", heads * head_dim, heads, kv_heads, device, torch.float32)
         tensors = {"q": randn(1, kv_heads, heads // kv_heads, length, head_dim),
                    "k": randn(1, kv_heads, length, head_dim), "v": randn(1, kv_heads, length, head_dim)}
-        method = "triton" if candidate == "rsa_triton" else "chunked"
+        backend = "triton" if candidate == "rsa_triton" else "torch"  # each candidate on its own path, forced
 
         def run():
             params = module.memory_params(torch.float32)  # rebuilt per call: a fresh autograd graph
             state = initial_state(params, 1, head_dim, torch.float32)
-            return rsa_memory(**tensors, valid=None, state=state, params=params, method=method)[0]
+            return rsa_memory(**tensors, valid=None, state=state, params=params, backend=backend)[0]
         return tensors, run
     rows = shape["feedback_heads"]
     width = heads * head_dim // rows  # f: the attention output, split by feedback head
     gain = (torch.rand(rows, length, generator=generator) * 1.8 - 0.9).to(device, dtype).requires_grad_()
     tensors = {"f": randn(rows, length, width), "q": randn(rows, length, width), "k": randn(rows, length, width),
                "gain": gain}
-    method = "triton" if candidate == "sessa_triton" else "chunked"
-    return tensors, lambda: feedback_solve(**tensors, method=method, chunk_size=chunk_size)
+    backend = "triton" if candidate == "sessa_triton" else "torch"  # each candidate on its own path, forced
+    return tensors, lambda: feedback_solve(**tensors, chunk_size=chunk_size, backend=backend)
 
 
 def _calls(tensors, run):
