@@ -258,24 +258,31 @@ def check_gradient_checkpointing(name):
         _close(grads[1][key], grads[0][key], f"gradient checkpointing: gradient of {key}")
 
 
-def _from_attention_errors(name, length: int = 10, **overrides) -> dict:
-    """{"kind/family": relative error} of from_attention on tiny Llama, Qwen2 and Qwen3 teachers, on ``length``
-    tokens, for every converted kind of ``name`` with the options convert would use (plus ``overrides``)."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+# a teacher family's tiny config differs from TINY only where that family does (Qwen3: head_dim != hidden / heads)
+FAMILY_FIELDS = {"qwen3": {"head_dim": 16}}
 
-    from .conversion.families import backbone_fields
+
+def tiny_teacher(family: str, **fields):
+    """A random tiny causal LM of a supported teacher family (conversion/families.py), built by transformers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **{**TINY, "sliding_window": None, **FAMILY_FIELDS.get(family, {}),
+                                             **fields})
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _from_attention_errors(name, length: int = 10, **overrides) -> dict:
+    """{"kind/family": relative error} of from_attention on a tiny teacher of every supported family, on ``length``
+    tokens, for every converted kind of ``name`` with the options convert would use (plus ``overrides``)."""
+    from .conversion.families import SUPPORTED_FAMILIES, backbone_fields
     from .core.attention import attention_output_error
 
     errors = {}
     for kind in sorted({k for k in _layer_types(name) if not get_mixer(k).is_teacher_attention} or {name}):
         spec = get_mixer(kind)
-        for family, (config_cls, model_cls) in {"llama": (LlamaConfig, LlamaForCausalLM),
-                                                "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                                                "qwen3": (Qwen3Config, Qwen3ForCausalLM)}.items():
+        for family in SUPPORTED_FAMILIES:
             torch.manual_seed(0)
-            teacher = model_cls(config_cls(**{**TINY, "num_hidden_layers": 1, "sliding_window": None,
-                                              **({"head_dim": 16} if family == "qwen3" else {})})).double().eval()
+            teacher = tiny_teacher(family, num_hidden_layers=1).double().eval()
             options = {**spec.tiny_options, **spec.conversion_options, **_variant(name)[1]}  # what convert uses
             options.update({key: value for key, value in overrides.items() if key.startswith(f"{kind}_")})
             # a window longer than the test tokens: a sliding layer then equals its (full-attention) teacher
@@ -294,8 +301,8 @@ def _from_attention_errors(name, length: int = 10, **overrides) -> dict:
 
 
 def check_from_attention(name):
-    """from_attention on tiny Llama, Qwen2 and Qwen3 teachers: a finite output and a measured at-init error (zero
-    for a spec that declares exact_at_init). Returns {family: error}."""
+    """from_attention on a tiny teacher of every supported family: a finite output and a measured at-init error (zero
+    for a spec that declares exact_at_init). Returns {"kind/family": error}."""
     errors = _from_attention_errors(name)
     for key, error in errors.items():
         if get_mixer(key.split("/")[0]).exact_at_init:

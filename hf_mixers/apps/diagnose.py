@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from ..common.files import write_atomically
 from ..common.history import save_figure
-from ..common.lag_sensitivity import PROTOCOL, fit_tail, lag_sensitivity, theory
+from ..common.lag_sensitivity import PROTOCOL, fit_tail, lag_sensitivity
 from ..core.registry import get_mixer, list_mixers
 from ..model.config import config_class
 
@@ -47,6 +47,12 @@ def diagnose(target: str, out_dir: str, length: int = 256, source: int = 0, prob
     return report
 
 
+def _theory(kind, mixer, inputs, rope) -> dict | None:
+    """What the mixer's theory predicts (its spec's ``lag_theory``), or None where it has none."""
+    law = get_mixer(kind).lag_theory
+    return None if law is None else law(mixer, inputs, rope)
+
+
 def _layer_fn(mixer, rope):
     """x (P, T, D) -> the mixer's output, with its (cos, sin) repeated for the P probes."""
     return lambda x: mixer(x, tuple(r.expand(x.shape[0], -1, -1) for r in rope))
@@ -69,7 +75,7 @@ def _fresh_layer(name, length, hidden_size, num_heads, num_kv_heads, options, se
     rope = model.model.rotary_emb(inputs, torch.arange(length)[None])
     return {"name": f"{name} layer (scratch init)", "kind": name, "inputs": inputs,
             "fn": _layer_fn(mixer, rope),
-            "theory": theory(mixer, inputs, rope)}
+            "theory": _theory(name, mixer, inputs, rope)}
 
 
 def _folder_entries(folder, length, layers, text):
@@ -111,7 +117,7 @@ def _folder_entries(folder, length, layers, text):
         kind = model.config.layer_types[index]
         entries.append({"name": f"layer {index} ({kind})", "kind": kind, "inputs": hidden,
                         "fn": _layer_fn(mixer, rope),
-                        "theory": theory(mixer, hidden, rope)})
+                        "theory": _theory(kind, mixer, hidden, rope)})
     embeddings = model.model.embed_tokens(ids).detach()
     entries.append({"name": "whole model (embeddings -> last hidden state)", "kind": "model", "inputs": embeddings,
                     "fn": lambda x: model.model(inputs_embeds=x, use_cache=False).last_hidden_state, "theory": None})

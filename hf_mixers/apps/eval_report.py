@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..common.device import resolve_device
 from ..common.files import write_atomically
 from ..common.folder import check_model_weights
 from ..common.history import CONVERSION_REPORT, EVAL_REPORT, blank_or
@@ -136,7 +137,7 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
 
     started = time.perf_counter()
     model_dir = os.path.abspath(model_dir)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     torch_dtype = getattr(torch, dtype)
     notes = []
     if teacher == "auto":

@@ -9,10 +9,11 @@ for J = c I it is |c|. It is estimated with Gaussian probes u, since E ||u^T J||
 run as one batch of identical inputs, one backward pass per target, so it works through every mixer's custom
 backward (no forward-mode AD needed).
 
-Theory where the mixer has one (``theory``): attention's fixed-routing Jacobian alpha_{t,s} ~ 1/(t + 1) (slope -1 in
-l for a fixed old source); Sessa's closed form under uniform routing, K = gamma Gamma(s+1) Gamma(s+l+gamma) /
-(Gamma(s+1+gamma) Gamma(s+l+1)) ~ l^-(1-gamma); a selective SSM's exp(-lambda sum Delta) through its slowest mode;
-VORT's retention w_l(alpha) ~ l^(alpha-1), over its normaliser.
+Theory where the mixer has one: each mixer's spec declares it (``MixerSpec.lag_theory``, in the mixer's own module):
+attention's fixed-routing Jacobian alpha_{t,s} ~ 1/(t + 1) (slope -1 in l for a fixed old source); Sessa's closed form
+under uniform routing, K = gamma Gamma(s+1) Gamma(s+l+gamma) / (Gamma(s+1+gamma) Gamma(s+l+1)) ~ l^-(1-gamma)
+(``sessa_uniform_kernel`` below); a selective SSM's exp(-lambda sum Delta) through its slowest mode; VORT's retention
+w_l(alpha) ~ l^(alpha-1), over its normaliser.
 """
 
 from __future__ import annotations
@@ -85,31 +86,3 @@ def sessa_uniform_kernel(gamma: float, source: int, lags) -> list[float]:
     lead = math.log(gamma) + math.lgamma(source + 1) - math.lgamma(source + 1 + gamma)
     return [math.exp(lead + math.lgamma(source + lag + gamma) - math.lgamma(source + lag + 1)) if lag >= 1
             else 1.0 for lag in lags]
-
-
-@torch.no_grad()
-def theory(mixer, inputs, position_embeddings=None) -> dict | None:
-    """The lag law the mixer's theory predicts on ``inputs`` (1, T, D), or None where there is none:
-    {"law": "power", "exponent": p} or {"law": "exponential", "rate": r}, with where its parameter came from."""
-    name = type(mixer).__name__
-    if name == "FullAttention":
-        return {"law": "power", "exponent": -1.0, "source": "attention's fixed-routing Jacobian alpha_{t,s} ~ 1/t"}
-    if name == "SessaMixer":
-        gamma = mixer.gain(inputs).abs().mean().item()
-        return {"law": "power", "exponent": -(1 - gamma), "gamma": gamma,
-                "source": "Sessa's uniform-routing closed form with the layer's mean |gamma| on these inputs"}
-    if name == "VORTMixer" and mixer.uses_alpha:
-        # the kernel w_l ~ l^(alpha-1) is read through a normaliser: divided by sum_{j<=l} w_j ~ l^alpha (decayed)
-        # a fixed source weighs ~ alpha / l; divided by the undecayed count ~ l, ~ l^(alpha-2)
-        alpha = mixer.orders(inputs).mean().item()
-        decayed = mixer.config.vort_normalizer == "decayed"
-        return {"law": "power", "exponent": -1.0 if decayed else alpha - 2, "alpha": alpha,
-                "source": "w_l(alpha) ~ l^(alpha-1) over the " + ("decayed normaliser ~ l^alpha" if decayed else
-                                                                  "undecayed normaliser ~ l")
-                          + ", the layer's mean alpha (no window entropy)"}
-    if name == "SelectiveSSMMixer":
-        scan = mixer.scan_inputs(inputs)
-        rate = (-scan.A * scan.delta[0].mean(0)).min().item()  # (H, P or 1, N or 1): the slowest mode
-        return {"law": "exponential", "rate": rate,
-                "source": "exp(-|A| sum Delta) of the slowest mode (mean Delta on these inputs)"}
-    return None

@@ -104,6 +104,9 @@ class MixerSpec:
     tiny_options: option values for the contract suite's tiny models (small, so every check runs in seconds).
     tiny_variants: further option sets the contract suite also checks, by name (``{"window": {"rsa_window": 3}}``
         is checked as ``"rsa[window]"``): the mixer's optional branches get the same contract.
+    lag_theory(mixer, inputs, position_embeddings) -> dict | None: the law the mixer's theory predicts for the lag
+        sensitivity ||dy_t/dx_{t-l}|| on ``inputs`` (1, T, D), for ``hf-mixers diagnose``: {"law": "power",
+        "exponent": p} or {"law": "exponential", "rate": r}, with "source" (where its parameter came from).
     """
 
     name: str
@@ -124,6 +127,7 @@ class MixerSpec:
     sliding_note: str = ""
     tiny_options: dict = field(default_factory=dict)
     tiny_variants: dict = field(default_factory=dict)
+    lag_theory: Callable[..., dict | None] | None = None
 
     def option_name(self, key: str) -> str:
         """The option ``key`` names: itself, or ``<mixer>_<key>`` for the short form (``window`` -> ``rsa_window``);

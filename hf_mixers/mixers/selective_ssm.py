@@ -359,6 +359,14 @@ def _validate(config) -> str | None:
     return None
 
 
+@torch.no_grad()
+def ssm_lag_theory(mixer, inputs, position_embeddings=None) -> dict:
+    scan = mixer.scan_inputs(inputs)
+    rate = (-scan.A * scan.delta[0].mean(0)).min().item()  # (H, P or 1, N or 1): the slowest mode
+    return {"law": "exponential", "rate": rate,
+            "source": "exp(-|A| sum Delta) of the slowest mode (mean Delta on these inputs)"}
+
+
 SELECTIVE_SSM = register_mixer(MixerSpec(
     name="selective_ssm", mixer_class=SelectiveSSMMixer, title="SelectiveSSM",
     summary="selective state-space layer (S6 / Mamba, S4D, Mamba-2 or Mamba-Δᵀ): a constant-size recurrent state "
@@ -407,4 +415,4 @@ SELECTIVE_SSM = register_mixer(MixerSpec(
                    "delta_t_state": {"selective_ssm_variant": "delta_t", "selective_ssm_a_shape": "state"},
                    "window": {"selective_ssm_window": 3, "selective_ssm_conv_mode": "independent"},
                    "s6_window": {"selective_ssm_variant": "s6", "selective_ssm_window": 3,
-                                 "selective_ssm_conv_mode": "independent"}}))
+                                 "selective_ssm_conv_mode": "independent"}}, lag_theory=ssm_lag_theory))

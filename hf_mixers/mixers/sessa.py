@@ -139,6 +139,13 @@ def _validate(config) -> str | None:
     return None
 
 
+@torch.no_grad()
+def sessa_lag_theory(mixer, inputs, position_embeddings=None) -> dict:
+    gamma = mixer.gain(inputs).abs().mean().item()
+    return {"law": "power", "exponent": -(1 - gamma), "gamma": gamma,
+            "source": "Sessa's uniform-routing closed form with the layer's mean |gamma| on these inputs"}
+
+
 SESSA = register_mixer(MixerSpec(
     name="sessa", mixer_class=SessaMixer, title="Sessa",
     summary="attention inside a feedback loop: each output feeds back into later ones through a triangular solve "
@@ -172,4 +179,5 @@ SESSA = register_mixer(MixerSpec(
                  "the square of the sequence length, and decoding keeps a cache that grows with it.",),
     sliding_note="the mixer's attention branch is global (identical up to that length)",
     tiny_options={"sessa_chunk_size": 4, "sessa_gamma_bias_init": 0.4},
-    tiny_variants={"lean": {"sessa_feedback_dim": 8, "sessa_outputs_cache": "activation"}}))
+    tiny_variants={"lean": {"sessa_feedback_dim": 8, "sessa_outputs_cache": "activation"}},
+    lag_theory=sessa_lag_theory))

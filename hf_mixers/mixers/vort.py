@@ -415,6 +415,20 @@ def _validate(config) -> str | None:
     return None
 
 
+@torch.no_grad()
+def vort_lag_theory(mixer, inputs, position_embeddings=None) -> dict | None:
+    if not mixer.uses_alpha:
+        return None
+    # the kernel w_l ~ l^(alpha-1) is read through a normaliser: divided by sum_{j<=l} w_j ~ l^alpha (decayed)
+    # a fixed source weighs ~ alpha / l; divided by the undecayed count ~ l, ~ l^(alpha-2)
+    alpha = mixer.orders(inputs).mean().item()
+    decayed = mixer.config.vort_normalizer == "decayed"
+    return {"law": "power", "exponent": -1.0 if decayed else alpha - 2, "alpha": alpha,
+            "source": "w_l(alpha) ~ l^(alpha-1) over the " + ("decayed normaliser ~ l^alpha" if decayed else
+                                                              "undecayed normaliser ~ l")
+                      + ", the layer's mean alpha (no window entropy)"}
+
+
 VORT = register_mixer(MixerSpec(
     name="vort", mixer_class=VORTMixer, title="VORT",
     summary="variable-order power-law retention: keyed linear attention whose per-token lag kernel is a learned "
@@ -480,4 +494,4 @@ VORT = register_mixer(MixerSpec(
                    "power_banks": {"vort_kernel": "power", "vort_alpha_quantization": "nearest_bank"},
                    "exp": {"vort_kernel": "exp"},
                    "mixture_hedgehog": {"vort_kernel": "mixture", "vort_feature_map": "hedgehog",
-                                        "vort_combine": "shared_normalizer"}}))
+                                        "vort_combine": "shared_normalizer"}}, lag_theory=vort_lag_theory))

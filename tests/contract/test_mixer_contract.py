@@ -8,6 +8,7 @@ base configuration runs every check; its tiny variants (``"rsa[window]"``) run t
 import pytest
 
 from hf_mixers import get_mixer, list_mixers
+from hf_mixers.conversion.families import SUPPORTED_FAMILIES
 from hf_mixers.testing import CHECKS, HYBRID, check_from_attention, check_remote_code, contract_names, \
     remote_code_failures
 
@@ -43,7 +44,7 @@ def test_the_contract_covers_the_built_in_mixers_and_their_variants():
 
 def test_from_attention_errors_are_measured():
     errors = check_from_attention("rsa")
-    assert set(errors) == {"rsa/llama", "rsa/qwen2", "rsa/qwen3"}
+    assert set(errors) == {f"rsa/{family}" for family in SUPPORTED_FAMILIES}
     assert all(0.0 < error < 10.0 for error in errors.values())  # RSA is approximate at init, but finite
 
 

@@ -11,40 +11,54 @@ import typing
 
 import pytest
 
+from hf_mixers.apps.bench import target_parser, targets
 from hf_mixers.apps.cli import build_parser, main
 from hf_mixers.recipes import RecipeError, load_recipe
 from hf_mixers.recipes.config import Recipe
 
-COMMAND_PREFIX = {"convert": ["convert", "teacher", "--mixer", "rsa", "--out", "out"], "eval": ["eval", "model"],
-                  "demo": ["demo"], "bench": ["bench", "sessa"]}
+COMMAND_PREFIX = {("convert",): ["convert", "teacher", "--mixer", "rsa", "--out", "out"], ("eval",): ["eval", "model"],
+                  ("demo",): ["demo"], **{("bench", name): ["bench", name] for name in targets()}}
+
+
+def _parsers():
+    """(the command's words, its parser) of every command and of every benchmark target (its own parser)."""
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    yield from (((command,), sub) for command, sub in commands.items())
+    yield from ((("bench", name), target_parser(target)) for name, target in targets().items())
 
 
 def _numeric_flags():
-    """(command, flag, least) of every integer option of every command."""
-    parser = build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    for command, sub in commands.items():
+    """(command words, flag, least) of every integer option of every command."""
+    for words, sub in _parsers():
         for action in sub._actions:
             if action.type is int or action.type is float:
-                yield command, action.option_strings[0], None
+                yield words, action.option_strings[0], None
             name = getattr(action.type, "__name__", "")
             if name.startswith("integer >= "):
-                yield command, action.option_strings[0], int(name.removeprefix("integer >= "))
+                yield words, action.option_strings[0], int(name.removeprefix("integer >= "))
 
 
 def test_no_numeric_flag_is_unchecked():
-    unchecked = [(command, flag) for command, flag, least in _numeric_flags() if least is None]
+    unchecked = [(words, flag) for words, flag, least in _numeric_flags() if least is None]
     assert not unchecked, f"integer flags without a range: {unchecked}"
 
 
-@pytest.mark.parametrize("command, flag, least", [f for f in _numeric_flags() if f[0] in COMMAND_PREFIX],
-                         ids=lambda value: str(value))
-def test_a_numeric_flag_below_its_range_is_one_line_naming_it(command, flag, least, capsys):
+@pytest.mark.parametrize("words, flag, least", [f for f in _numeric_flags() if f[0] in COMMAND_PREFIX],
+                         ids=lambda value: " ".join(value) if isinstance(value, tuple) else str(value))
+def test_a_numeric_flag_below_its_range_is_one_line_naming_it(words, flag, least, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main([*COMMAND_PREFIX[command], flag, str(least - 1)])
+        main([*COMMAND_PREFIX[words], flag, str(least - 1)])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"argument {flag}: must be >= {least}, got {least - 1}" in error
+
+
+def test_a_flag_of_another_benchmark_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "sessa", "--variants", "mamba2", "--decode-batch", "4"])
+    assert exit_info.value.code == 2
+    assert "hf-mixers bench sessa: error: unrecognized arguments: --variants mamba2 --decode-batch 4" in \
+        capsys.readouterr().err
 
 
 def test_list_flags_refuse_non_positive_entries(capsys):
@@ -192,3 +206,10 @@ def test_a_moved_run_folder_is_the_same_run():
     assert recipe_changes(recorded, load_recipe([], ["output.dir=/new/place", "train.lr=0.01",
                                                      "stage2.steps=500", "output.merge_lora=false"])) == []
     assert recipe_changes(recorded, load_recipe([], ["output.dir=/new/place"])) == ["train.lr: 0.01 -> 0.001"]
+
+
+def test_a_device_that_is_not_there_is_one_line_before_any_work(tmp_path, capsys):
+    for argv in (["bench", "sessa", "--out", str(tmp_path / "bench")], ["eval", str(tmp_path / "no-model")]):
+        assert main([*argv, "--device", "nosuch"]) == 2
+        _one_line(capsys, "--device 'nosuch' is not a device (use cpu, cuda or cuda:N)")
+    assert not os.path.exists(tmp_path / "bench")

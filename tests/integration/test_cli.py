@@ -78,10 +78,26 @@ def test_distill_and_finetune_take_out_and_overwrite_like_every_command(monkeypa
 
 def test_bad_arguments_are_reported_by_the_parser(capsys):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "sessa", "--lengths", "512,abc"])
+        main(["bench", "sessa", "--lengths", "512,abc"])
     assert "expected comma-separated integers" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "nothing"])
+    assert "argument TARGET: invalid choice: 'nothing' (choose from 'distill', 'gltm', 'kernels', 'rsa'" in \
+        capsys.readouterr().err
+
+
+def test_every_benchmark_has_its_own_flags_and_help(capsys):
+    from hf_mixers.apps.bench import targets
+
+    assert {"sessa", "rsa", "selective_ssm", "gltm", "vort", "distill", "kernels"} <= set(targets())
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    listed = " ".join(capsys.readouterr().out.split())
+    assert "distill, gltm, kernels, rsa, selective_ssm, sessa, vort" in listed
+    with pytest.raises(SystemExit):
+        main(["bench", "gltm", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: hf-mixers bench gltm") and "--patterns" in out and "--decode-batch" not in out
 
 
 def test_bench_sessa_writes_json_and_plot(tmp_path):

@@ -30,6 +30,13 @@ def test_entries_are_parsed_and_checked():
         "selective_ssm", {"selective_ssm_variant": "s6", "selective_ssm_window": 64})
     with pytest.raises(ValueError, match=r"'slots=64' is not KEY=VALUE with KEY an option of rsa"):
         parse_entry("rsa:slots=64")
+    # a value with commas (a comma starts an option only before KEY=), checked before any work; no option twice
+    assert parse_entry("gltm:pattern=custom,offsets=poly:2,1").options == {"gltm_pattern": "custom",
+                                                                          "gltm_offsets": "poly:2,1"}
+    with pytest.raises(ValueError, match=r"rsa_window is given twice"):
+        parse_entry("rsa:window=64,window=8")
+    with pytest.raises(ValueError, match=r"compare entry 'rsa:window=-1': rsa_window .*got -1"):
+        parse_entry("rsa:window=-1")
 
 
 def test_cache_bytes_are_exact_for_growing_and_constant_caches():

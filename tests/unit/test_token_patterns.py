@@ -109,6 +109,10 @@ def test_custom_offsets_are_validated_and_match_the_named_patterns():
         pattern_support("custom", 10, offsets=lambda k: 1.5 ** k)
     with pytest.raises(ValueError, match="'pow:b'"):
         parse_offsets("exp:2")
+    for spec, message in (("poly:-1,2", "the power p of 'poly:p,c' must be >= 1"),  # 0 ** -1 once divided by zero
+                          ("pow:1", "the base b of 'pow:b' must be >= 2")):
+        with pytest.raises(ValueError, match=message):
+            parse_offsets(spec)
     with pytest.raises(ValueError, match="needs an offset function"):
         pattern_support("custom_ce", 10)
     with pytest.raises(ValueError, match="unknown pattern 'pow3'"):

@@ -17,6 +17,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+from . import register_bench
+from ..arguments import at_least
 
 
 def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa", sequence_length: int = 256,
@@ -80,3 +82,18 @@ def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa"
           f"{report['tokens_per_s']['baseline_lora']:.0f} tokens/s; ratio {report['ratio']:.2f} (target >= 0.6: "
           f"{report['target_met']})")
     return report
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("--source", default="smollm2-135m", help="the teacher (any convert SOURCE)")
+    parser.add_argument("--mixer", default="rsa", help="the mixer of the student (a registered mixer)")
+    parser.add_argument("--sequence-length", type=at_least(2), default=256, help="tokens per sequence (default 256)")
+    parser.add_argument("--batch-size", type=at_least(1), default=1)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+
+
+register_bench("distill", "one distillation step of a converted student against the teacher's forward: the ratio of "
+               "their times", _arguments,
+               lambda args: bench_distill(args.out, source=args.source, mixer=args.mixer,
+                                          sequence_length=args.sequence_length, batch_size=args.batch_size,
+                                          repeats=args.repeats, device=args.device, dtype=args.dtype))

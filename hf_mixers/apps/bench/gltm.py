@@ -18,6 +18,8 @@ from ...model.modeling import MixerForCausalLM, model_classes
 from .harness import (bench_device, check_shape, decode_shape, decoding_rows, memory_growth, pick,
                       plot_training_and_decoding, print_decoding_table, print_training_table, time_ratios,
                       training_rows, write_report)
+from . import decoding_flags, lengths_flag, register_bench, shape_flags
+from ..arguments import name_list
 
 BENCH_PATTERNS = tuple(p for p in PATTERNS if not p.startswith("custom"))  # custom needs an offset function
 
@@ -79,3 +81,19 @@ def _print(report):
     print_training_table(report, "GLTM training vs SDPA attention", "gltm:")
     print_decoding_table(report)
     print(f"targets: { {k: v for k, v in report['targets'].items() if k != 'cache_bytes'} }")
+
+
+def _arguments(parser) -> None:
+    shape_flags(parser)
+    lengths_flag(parser, [512, 1024, 2048, 4096, 8192])
+    decoding_flags(parser)
+    parser.add_argument("--patterns", "--variants", dest="patterns", type=name_list, default=list(BENCH_PATTERNS),
+                        help="the patterns measured (default all but custom)")
+
+
+register_bench("gltm", "GLTM's patterns: training cost, decoding and cache growth against a KV-cache attention "
+               "model, and the pow2_ce targets", _arguments,
+               lambda args: bench_gltm(args.out, lengths=args.lengths, contexts=args.contexts,
+                                       hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                                       patterns=args.patterns, decode_layers=args.decode_layers,
+                                       decode_tokens=args.decode_tokens, repeats=args.repeats, device=args.device))

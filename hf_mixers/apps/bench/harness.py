@@ -22,6 +22,7 @@ import time
 import torch
 
 from ...common.files import write_atomically
+from ...common.device import resolve_device
 from ...common.history import save_figure
 from ...core.attention import FullAttention
 from ...core.registry import get_mixer
@@ -46,12 +47,8 @@ def cpu_peak_supported() -> bool:
 
 
 def bench_device(device, benchmark: str) -> torch.device:
-    """``--device`` (default: cuda when available, else cpu); a CUDA device that is not there is refused by name."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"bench {benchmark}: --device {device} asked for, but torch sees no CUDA device "
-                         f"(torch {torch.__version__}); leave --device out to run on the CPU")
-    return device
+    """``--device`` (default: cuda when available, else cpu); a device that is not there is refused by name."""
+    return resolve_device(device, f"bench {benchmark}")
 
 
 def build_mixer(kind: str, hidden_size: int, num_heads: int, num_kv_heads: int, device, dtype):

@@ -28,6 +28,8 @@ from .harness import bench_device, build_mixer, format_log_axes, time_calls, wri
 from ...kernels.dispatch import triton_unavailable
 from ...kernels.feedback_solve import feedback_solve
 from ...kernels.rsa_memory import initial_state, rsa_memory
+from . import register_bench
+from ..arguments import at_least, name_list, positive_list
 
 # feedback heads: SmolLM2 as converted (one feedback head over the whole width, the official layout); Llama-3-8B
 # with one feedback head per attention head (D = d = 128 per row), the layout a kernel keeps in registers.
@@ -189,3 +191,16 @@ def _print_table(report: dict) -> None:
     for row in report["ratios"]:
         print(f"{row['shape']:>13} {row['T']:>6} | "
               + " ".join(f"{fmt(row[key], digits=2):>19}" for key in columns.values()))
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("--lengths", type=positive_list, default=None, help="sequence lengths (default per shape)")
+    parser.add_argument("--shapes", type=name_list, default=["smollm2-135m", "llama3-8b"],
+                        help=f"model shapes (heads and widths), of {', '.join(SHAPES)}")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--chunk-size", type=at_least(1), default=64, help="query chunk of the feedback solve (64)")
+
+
+register_bench("kernels", "the Triton kernels against their PyTorch paths and SDPA attention (CUDA)", _arguments,
+               lambda args: bench_kernels(args.out, lengths=args.lengths, shapes=args.shapes, repeats=args.repeats,
+                                          dtype=args.dtype, chunk_size=args.chunk_size, device=args.device))

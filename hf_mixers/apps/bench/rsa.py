@@ -19,6 +19,7 @@ from ...model.config import MixerConfig, config_class
 from ...model.modeling import MixerForCausalLM, model_classes
 from .harness import (bench_device, check_shape, decode_shape, decoding_rows, pick, plot_training_and_decoding,
                       time_ratios, training_rows, write_report)
+from . import decoding_flags, lengths_flag, register_bench, shape_flags
 
 TRAIN_MIXERS = ("sdpa_attention", "rsa_chunked", "rsa_recompute")  # rsa_recompute: rsa_recompute_chunks=True
 
@@ -111,3 +112,17 @@ def _print(report):
           "training ratio at 8192: "
           f"{targets['training_time_ratio_at_8192'] if targets['training_time_ratio_at_8192'] is None else round(targets['training_time_ratio_at_8192'], 2)}"
           f" (<= 3x: {targets['training_time_met']})")
+
+
+def _arguments(parser) -> None:
+    shape_flags(parser)
+    lengths_flag(parser, [512, 1024, 2048, 4096, 8192])
+    decoding_flags(parser, batch=True)
+
+
+register_bench("rsa", "RSA's training cost against SDPA attention, and its decoding against a KV-cache attention "
+               "model", _arguments,
+               lambda args: bench_rsa(args.out, lengths=args.lengths, contexts=args.contexts,
+                                      hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                                      decode_layers=args.decode_layers, decode_tokens=args.decode_tokens,
+                                      repeats=args.repeats, device=args.device, decode_batch=args.decode_batch))

@@ -21,6 +21,8 @@ from ...model.modeling import MixerForCausalLM, model_classes
 from .harness import (bench_device, check_shape, decode_shape, decoding_rows, memory_growth, pick,
                       plot_training_and_decoding, print_decoding_table, print_training_table, time_calls, time_ratios,
                       training_rows, write_report)
+from . import decoding_flags, lengths_flag, register_bench, shape_flags
+from ..arguments import name_list
 
 VARIANTS = ("mamba2", "s6", "delta_t", "s4d")
 DECAY_SHAPES = {"mamba2": (1, 1), "delta_t (A per slot)": (1, None), "s6 / s4d": (None, None)}  # None: P or N
@@ -121,3 +123,20 @@ def _print(report):
               f"{row['recurrent_s']:.3f}  ({row['speedup']:.1f}x)")
     print_decoding_table(report)
     print(f"targets: {report['targets']}")
+
+
+def _arguments(parser) -> None:
+    shape_flags(parser)
+    lengths_flag(parser, [512, 1024, 2048, 4096, 8192])
+    decoding_flags(parser)
+    parser.add_argument("--variants", type=name_list, default=list(VARIANTS),
+                        help=f"the variants measured (default {','.join(VARIANTS)})")
+
+
+register_bench("selective_ssm", "the selective SSMs: training cost, the scan's forms, and decoding against a "
+               "KV-cache attention model", _arguments,
+               lambda args: bench_selective_ssm(args.out, lengths=args.lengths, contexts=args.contexts,
+                                                hidden_size=args.hidden_size, num_heads=args.heads,
+                                                num_kv_heads=args.kv_heads, variants=args.variants,
+                                                decode_layers=args.decode_layers, decode_tokens=args.decode_tokens,
+                                                repeats=args.repeats, device=args.device))

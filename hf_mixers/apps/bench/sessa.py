@@ -18,6 +18,8 @@ from tqdm.auto import tqdm
 from ...common.history import save_figure
 from .harness import (bench_device, build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, format_log_axes,
                       rotary_embeddings, time_interleaved, write_report)
+from . import lengths_flag, register_bench, shape_flags
+from ..arguments import at_least
 
 MIXERS = ("sdpa_attention", "sessa_chunked", "sessa_dense")
 
@@ -145,3 +147,17 @@ def _print_table(report: dict) -> None:
           f"(met: {targets['time_target_met']})")
     print(f"target: {targets['memory_target']}: {fmt(targets['memory_ratio_at_4096'], digits=2)}x "
           f"(met: {targets['memory_target_met']})")
+
+
+def _arguments(parser) -> None:
+    shape_flags(parser)
+    lengths_flag(parser, [512, 1024, 2048, 4096])
+    parser.add_argument("--batch-size", type=at_least(1), default=1)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+
+
+register_bench("sessa", "Sessa's feedback solve (chunked and dense) against SDPA attention: forward+backward time and "
+               "peak memory per sequence length", _arguments,
+               lambda args: bench_sessa(args.out, lengths=args.lengths, hidden_size=args.hidden_size,
+                                        num_heads=args.heads, num_kv_heads=args.kv_heads, batch_size=args.batch_size,
+                                        repeats=args.repeats, dtype=args.dtype, device=args.device))

@@ -18,6 +18,8 @@ from ...model.modeling import MixerForCausalLM, model_classes
 from .harness import (bench_device, check_shape, decode_shape, decoding_rows, memory_growth, pick,
                       plot_training_and_decoding, print_decoding_table, print_training_table, time_ratios,
                       training_rows, write_report)
+from . import decoding_flags, lengths_flag, register_bench, shape_flags
+from ..arguments import name_list
 
 BENCH_KERNELS = ("gl", "exp", "mixture")  # "power" costs what "gl" does (same slots)
 
@@ -87,3 +89,20 @@ def _print(report):
     print_training_table(report, "VORT training vs SDPA attention", "vort:")
     print_decoding_table(report)
     print(f"targets: { {k: v for k, v in report['targets'].items() if k != 'cache_bytes'} }")
+
+
+def _arguments(parser) -> None:
+    shape_flags(parser)
+    lengths_flag(parser, [512, 1024, 2048, 4096, 8192])
+    decoding_flags(parser, batch=True)
+    parser.add_argument("--kernels", "--variants", dest="kernels", type=name_list, default=["gl"],
+                        help="the retention kernels of the training part (default gl)")
+
+
+register_bench("vort", "VORT: training cost per retention kernel, and decoding against a KV-cache attention model",
+               _arguments,
+               lambda args: bench_vort(args.out, lengths=args.lengths, contexts=args.contexts,
+                                       hidden_size=args.hidden_size, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                                       kernels=args.kernels, decode_layers=args.decode_layers,
+                                       decode_tokens=args.decode_tokens, repeats=args.repeats, device=args.device,
+                                       decode_batch=args.decode_batch))
