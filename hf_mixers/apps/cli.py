@@ -43,36 +43,32 @@ def _fail(command: str, error: BaseException, message: str | None = None) -> int
     return exit_code(error)
 
 
-class BenchTargets:
-    """The ``bench`` choices: every registered benchmark (hf_mixers/apps/bench), read only when asked for."""
+class LazyChoices:
+    """argparse ``choices`` read only when an argument is checked or a help lists them (``names()`` may load the
+    registry), so building the parser loads no torch."""
 
-    def _names(self) -> list[str]:
-        from .bench import targets
-
-        return list(targets())
-
-    def __contains__(self, name) -> bool:
-        return name in self._names()
-
-    def __iter__(self):
-        return iter(self._names())
-
-
-class RegisteredMixers:
-    """The ``--mixer`` choices: every registered mixer, plugins included (entry points and $HF_MIXERS_PLUGINS). Read
-    only when an argument is checked or a command's help lists them, so building the parser loads no torch."""
-
-    def _names(self) -> list[str]:
-        from ..core.registry import list_mixers
-
-        load_mixers()
-        return [spec.name for spec in list_mixers(convertible=True)]
+    def __init__(self, names):
+        self.names = names
 
     def __contains__(self, name) -> bool:
-        return name in self._names()
+        return name in self.names()
 
     def __iter__(self):
-        return iter(self._names())
+        return iter(self.names())
+
+
+def registered_mixers() -> list[str]:
+    """Every registered mixer that replaces attention, plugins included (entry points and $HF_MIXERS_PLUGINS)."""
+    from ..core.registry import list_mixers
+
+    load_mixers()
+    return [spec.name for spec in list_mixers(convertible=True)]
+
+
+def bench_targets() -> list[str]:
+    from .bench import targets
+
+    return list(targets())
 
 
 def load_mixers() -> None:
@@ -96,7 +92,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    mixers = RegisteredMixers()
+    mixers = LazyChoices(registered_mixers)
     parser = argparse.ArgumentParser(prog="hf-mixers", description="Replace a pretrained Transformer's attention with "
                                      "new sequence mixers, distil and evaluate the result, ship it as a Hub model.",
                                      epilog="Exit codes: 0 done, 2 usage or input error, 3 fault outside the command "
@@ -169,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     evaluate.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     evaluate.add_argument("--out", default=None, help="report folder (default: the model folder)")
+    evaluate.add_argument("--overwrite", action="store_true", help="replace an earlier eval_report in --out")
 
     card = commands.add_parser(
         "card", help="write DIR/README.md: the model card (Hub metadata, conversion, recipe, evaluation, usage)")
@@ -227,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "source s and a moving target t = s + l. Writes OUT/diagnose.json and diagnose.png.")
     diagnose.add_argument("target", help="a mixer name (e.g. vort) or a model folder")
     diagnose.add_argument("--out", default="outputs/diagnose", help="output folder (default: outputs/diagnose)")
+    diagnose.add_argument("--overwrite", action="store_true", help="replace an earlier diagnose.json in --out")
     diagnose.add_argument("--length", type=at_least(3), default=256, help="tokens (default 256)")
     diagnose.add_argument("--source", type=at_least(0), default=0, help="the source position s (default 0)")
     diagnose.add_argument("--probes", type=at_least(1), default=8, help="random probes per target (default 8)")
@@ -245,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "and .md with the paper's figure, ours and whether the claim holds.")
     reproduce.add_argument("claim", help="a claim name, 'all' or 'list'")
     reproduce.add_argument("--out", default="outputs/reproduce", help="output folder (default: outputs/reproduce)")
+    reproduce.add_argument("--overwrite", action="store_true", help="replace earlier results of these claims in --out")
     reproduce.add_argument("--scale", choices=["cpu", "paper", "smoke"], default="cpu",
                            help="cpu: reduced sizes, minutes on 2 cores (default); paper: the paper's sizes; smoke: "
                                 "the same code in seconds (no verdict)")
@@ -253,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="benchmarks, written as JSON and PNG",
         description="TARGET: a registered benchmark (each a module of hf_mixers/apps/bench); `hf-mixers bench TARGET "
                     "--help` lists its own flags.")
-    bench.add_argument("target", choices=BenchTargets(), metavar="TARGET", help="%(choices)s")
+    bench.add_argument("target", choices=LazyChoices(bench_targets), metavar="TARGET", help="%(choices)s")
     bench.add_argument("options", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # the target's own flags
     return parser
 
@@ -304,10 +303,12 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(args) -> int:
     """``hf-mixers bench TARGET [its flags]``: the target's own parser refuses a flag meant for another target (exit
     2); a mistaken value (or a --device that is not there) is one line, exit 2."""
+    from ..common.files import check_report_files
     from .bench import target_parser, targets
 
     options = target_parser(targets()[args.target]).parse_args(args.options)
     try:
+        check_report_files(options.out, [f"bench_{args.target}.json", f"bench_{args.target}.png"], options.overwrite)
         targets()[args.target].run(options)
     except EXPECTED_ERRORS as error:
         prefix = f"bench {args.target}: "  # the benchmarks' own messages start with it
@@ -348,6 +349,7 @@ def _train(args) -> int:
 
 
 def _reproduce(args) -> int:
+    from ..common.files import check_report_files
     from .reproduce import list_claims, reproduce
 
     if args.claim == "list":
@@ -355,6 +357,8 @@ def _reproduce(args) -> int:
             print(f"{entry.name}: {entry.paper}: {entry.statement}")
         return 0
     try:
+        names = [entry.name for entry in list_claims()] if args.claim == "all" else [args.claim]
+        check_report_files(args.out, [f"{name}.json" for name in names], args.overwrite)
         results = reproduce(args.claim, args.out, scale=args.scale)
     except EXPECTED_ERRORS as error:
         return _fail("reproduce", error)
@@ -365,9 +369,11 @@ def _reproduce(args) -> int:
 
 
 def _diagnose(args) -> int:
+    from ..common.files import check_report_files
     from .diagnose import diagnose
 
     try:
+        check_report_files(args.out, ["diagnose.json", "diagnose.png"], args.overwrite)
         text = None
         if args.text is not None:
             with open(args.text, encoding="utf-8") as handle:
@@ -414,7 +420,11 @@ def _last_mile(args) -> int:
 
     try:
         if args.command == "eval":
+            from ..common.files import check_report_files
+            from ..common.history import EVAL_REPORT
             from .eval_report import DEFAULT_PROMPTS, run_eval
+
+            check_report_files(args.out or args.model, [f"{EVAL_REPORT}.json", f"{EVAL_REPORT}.md"], args.overwrite)
 
             report = run_eval(args.model, teacher=None if args.teacher == "none" else args.teacher, data=args.data,
                               sequence_length=args.sequence_length, heldout_sequences=args.heldout_sequences,

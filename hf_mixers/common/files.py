@@ -98,6 +98,18 @@ def check_output_folder(out_dir: str, overwrite: bool) -> str:
     return out_dir
 
 
+def check_report_files(out_dir: str, names, overwrite: bool) -> str:
+    """The absolute output folder of a command that writes the reports ``names`` into it (bench, diagnose,
+    reproduce, eval): a folder under a file is refused, and so is an earlier run's report unless ``overwrite``, so
+    no command replaces finished results silently."""
+    out_dir = check_output_folder(out_dir, overwrite=True)
+    earlier = [name for name in names if os.path.exists(os.path.join(out_dir, name))]
+    if earlier and not overwrite:
+        raise FileExistsError(f"{os.path.join(out_dir, earlier[0])} exists (an earlier run's); pass --overwrite to "
+                              f"replace it, or choose another --out")
+    return out_dir
+
+
 def save_atomically(model, out_dir: str, tokenizer=None, overwrite: bool = False, extra=None, **save_kwargs) -> str:
     """Save ``model`` (and ``tokenizer``) into ``out_dir`` via a temporary sibling folder renamed when complete.
 

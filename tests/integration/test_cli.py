@@ -112,6 +112,26 @@ def test_bench_sessa_writes_json_and_plot(tmp_path):
     assert report["targets"]["time_ratio_at_2048"] is None  # T = 2048 was not run
 
 
+def test_no_command_replaces_earlier_results_without_overwrite(tmp_path, capsys, monkeypatch):
+    """One policy: --out names the folder; a command that finds its own earlier results there refuses (one line,
+    exit 2, before any work) unless --overwrite."""
+    monkeypatch.setattr(harness, "cpu_peak_supported", lambda: False)
+    bench = ["bench", "sessa", "--out", str(tmp_path), "--lengths", "16", "--hidden-size", "32", "--heads", "2",
+             "--kv-heads", "1", "--repeats", "1"]
+    assert main(bench) == 0
+    before = (tmp_path / "bench_sessa.json").read_text()
+    assert main(bench) == 2
+    error = capsys.readouterr().err
+    assert f"{tmp_path / 'bench_sessa.json'} exists (an earlier run's); pass --overwrite" in error
+    assert (tmp_path / "bench_sessa.json").read_text() == before
+    assert main([*bench, "--overwrite"]) == 0
+    for argv in (["diagnose", "vort"], ["reproduce", "sessa-tail"], ["eval", str(tmp_path)]):
+        (tmp_path / {"diagnose": "diagnose.json", "reproduce": "sessa-tail.json",
+                     "eval": "eval_report.json"}[argv[0]]).write_text("{}")
+        assert main([*argv, *(["--out", str(tmp_path)] if argv[0] != "eval" else [])]) == 2, argv
+        assert "exists (an earlier run's); pass --overwrite" in capsys.readouterr().err
+
+
 def test_bench_rejects_inconsistent_shapes_and_a_missing_gpu_in_one_line(tmp_path, capsys):
     code = main(["bench", "sessa", "--out", str(tmp_path), "--hidden-size", "32", "--heads", "5", "--kv-heads", "1"])
     assert code == 2
@@ -157,7 +177,7 @@ def test_bench_selective_ssm_writes_training_scan_forms_and_decoding(tmp_path):
     assert report["targets"]["cache_bytes_constant"] == {"mamba2": True, "s6": True}
     attention_bytes = [r["cache_bytes"] for r in report["decoding"] if r["model"] == "attention"]
     assert attention_bytes[1] > attention_bytes[0] and report["targets"]["decode_speedup_met"] is None
-    assert main(["bench", "selective_ssm", "--out", str(tmp_path), "--variants", "mamba"]) == 2
+    assert main(["bench", "selective_ssm", "--out", str(tmp_path / "bad"), "--variants", "mamba"]) == 2
 
 
 def test_bench_gltm_writes_training_decoding_and_the_pow2_ce_targets(tmp_path, monkeypatch):
@@ -170,7 +190,7 @@ def test_bench_gltm_writes_training_decoding_and_the_pow2_ce_targets(tmp_path, m
     cache = report["targets"]["cache_bytes"]
     assert cache["pow2_ce"]["48"] < cache["dense"]["48"] and cache["attention"]["48"] > cache["attention"]["16"]
     assert report["targets"]["pow2_ce_cache_vs_kv"] < 1 and isinstance(report["targets"]["pow2_ce_time_met"], bool)
-    assert main(["bench", "gltm", "--out", str(tmp_path), "--variants", "pow3"]) == 2
+    assert main(["bench", "gltm", "--out", str(tmp_path / "bad"), "--variants", "pow3"]) == 2
 
 
 def test_bench_vort_writes_training_decoding_and_its_targets(tmp_path, monkeypatch):
@@ -184,7 +204,7 @@ def test_bench_vort_writes_training_decoding_and_its_targets(tmp_path, monkeypat
     assert cache["vort"]["16"] == cache["vort"]["80"] and targets["cache_constant"] is True  # window 64 + state
     assert cache["attention"]["80"] > cache["attention"]["16"]
     assert isinstance(targets["time_met"], bool) and targets["decode_speedup_vs_attention"] > 0
-    assert main(["bench", "vort", "--out", str(tmp_path), "--variants", "power"]) == 2
+    assert main(["bench", "vort", "--out", str(tmp_path / "bad"), "--variants", "power"]) == 2
 
 
 def test_bench_distill_writes_the_ratio(tmp_path):

@@ -51,6 +51,7 @@ def target_parser(target: BenchTarget) -> argparse.ArgumentParser:
     """``hf-mixers bench NAME``'s own parser: the flags every target has, then the target's."""
     parser = argparse.ArgumentParser(prog=f"hf-mixers bench {target.name}", description=target.help)
     parser.add_argument("--out", default="outputs/bench", help="output folder (default: outputs/bench)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier bench_<target>.json in --out")
     parser.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats per point (default 3)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     target.add_arguments(parser)
