@@ -122,6 +122,27 @@ def _finished(folder: str, settings: dict, label: str, overwrite: bool):
                      "another --out, or --overwrite to redo it")
 
 
+def trained_options(entries: list[Entry], recipe_options: dict) -> dict:
+    """{label: the options each entry trains with}: the recipe's ``model.mixer_options`` (files and --set) that
+    belong to the entry's mixer, then the entry's own on top. A recipe option of no entry's mixer is an error: it
+    would be silently unused."""
+    from ..core.registry import get_mixer
+
+    used, trained = set(), {}
+    for entry in entries:
+        spec = get_mixer(entry.mixer)
+        names = {option.name for option in spec.options}
+        own = {spec.option_name(key): value for key, value in recipe_options.items()
+               if spec.option_name(key) in names}
+        used |= {key for key in recipe_options if spec.option_name(key) in names}
+        trained[entry.label] = {**own, **entry.options}
+    unused = sorted(set(recipe_options) - used)
+    if unused:
+        mixers = sorted({entry.mixer for entry in entries})
+        raise ValueError(f"compare: model.mixer_options {unused} belong to none of the compared mixers {mixers}")
+    return trained
+
+
 def run_compare(out: str, entries: list[Entry], teacher_source: str = "smollm2-135m", recipes=(), overrides=(),
                 passkey_lengths=(1024, 2048), passkey_trials: int = 5, cache_contexts=(4096, 16384),
                 decode_context: int = 512, decode_tokens: int = 16, overwrite: bool = False,
@@ -130,6 +151,7 @@ def run_compare(out: str, entries: list[Entry], teacher_source: str = "smollm2-1
     from tqdm.auto import tqdm
 
     from ..conversion import load_teacher
+    from ..core.registry import get_mixer
     from ..recipes import load_recipe
     from ..recipes.stages import distill
 
@@ -145,9 +167,10 @@ def run_compare(out: str, entries: list[Entry], teacher_source: str = "smollm2-1
                 "decode_tokens": decode_tokens}
     # what each row was measured under; the teacher's row does not depend on the recipe
     plan = {"teacher": (os.path.join(out, "teacher"), {k: v for k, v in settings.items() if k != "recipe"}, None)}
+    trained = trained_options(entries, base.model.mixer_options or {})
     for entry in entries:
         plan[entry.label] = (os.path.join(out, entry.folder), {**settings, "mixer": entry.mixer,
-                                                                "options": entry.options}, entry)
+                                                                "options": trained[entry.label]}, entry)
     results = {label: _finished(folder, row_settings, label, overwrite)  # a changed row fails before any work
                for label, (folder, row_settings, _) in plan.items()}
     os.makedirs(out, exist_ok=True)
@@ -167,11 +190,18 @@ def run_compare(out: str, entries: list[Entry], teacher_source: str = "smollm2-1
         else:
             recipe = load_recipe(list(recipes), [*overrides, f"model.teacher={teacher_source}",
                                                  f"model.mixer={entry.mixer}",
-                                                 f"model.mixer_options={json.dumps(entry.options)}",
+                                                 f"model.mixer_options={json.dumps(row_settings['options'])}",
                                                  f"output.dir={folder}", "output.overwrite=true"])
             summary = distill(recipe, progress=progress, teacher=teacher)
             model = summary.pop("model")
-            result = {"settings": row_settings, "evaluations": summary["evaluations"], "stages": summary["stages"],
+            model_options = {option.name: getattr(model.config, option.name)
+                             for option in get_mixer(entry.mixer).options}
+            wrong = {key: (value, model_options[key]) for key, value in row_settings["options"].items()
+                     if value is not None and model_options[key] != value}  # None: the option's derived default
+            if wrong:  # what is recorded is what was trained, or nothing is recorded
+                raise RuntimeError(f"compare: {label} trained other options than it records: {wrong}")
+            result = {"settings": row_settings, "mixer_options": model_options,
+                      "evaluations": summary["evaluations"], "stages": summary["stages"],
                       "wider_evaluations": summary["wider_evaluations"],
                       "train_tokens_per_s": _tokens_per_s(folder), "seconds": summary["seconds"],
                       "model_dir": summary["model_dir"],

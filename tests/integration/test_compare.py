@@ -55,8 +55,10 @@ def test_cache_bytes_are_exact_for_growing_and_constant_caches():
 
 def test_compare_runs_every_entry_and_resumes(teacher_dir, tmp_path, capsys):
     out = tmp_path / "compare"
-    entries = [parse_entry("sessa"), Entry("rsa", {**SMALL_RSA, "rsa_window": 8})]
-    report = run_compare(str(out), entries, teacher_source=teacher_dir, overrides=RECIPE, progress=False,
+    # the window comes from the recipe (as recipes/smollm2_rsa_window.yaml gives it): the rsa entry trains with it
+    recipe = [*RECIPE, "model.mixer_options.window=8"]
+    entries = [parse_entry("sessa"), Entry("rsa", SMALL_RSA)]
+    report = run_compare(str(out), entries, teacher_source=teacher_dir, overrides=recipe, progress=False,
                          **MEASURES)
     assert report["entries"] == [entry.label for entry in entries]
     for entry in entries:
@@ -66,6 +68,10 @@ def test_compare_runs_every_entry_and_resumes(teacher_dir, tmp_path, capsys):
         assert set(result["passkey"]) == {"48"} and result["decode_ms_per_token"] > 0
         assert (out / entry.folder / "model" / "model.safetensors").exists()
     sessa, rsa, teacher = (report["results"][key] for key in ("sessa", entries[1].label, "teacher"))
+    # what is recorded is what was trained: read back from the trained model, and in its saved config
+    assert rsa["settings"]["options"] == {**SMALL_RSA, "rsa_window": 8} and rsa["mixer_options"]["rsa_window"] == 8
+    saved = json.loads((out / entries[1].folder / "model" / "config.json").read_text())
+    assert saved["rsa_window"] == 8 and "rsa_window" not in sessa["mixer_options"]
     assert sessa["evaluations"]["init"]["kl_teacher_student"] < 1e-6  # exact at init
     # the teacher and Sessa caches grow with the context; windowed RSA's stays put
     assert teacher["cache_bytes"]["1024"] > teacher["cache_bytes"]["256"]
@@ -80,7 +86,7 @@ def test_compare_runs_every_entry_and_resumes(teacher_dir, tmp_path, capsys):
     assert (out / "compare.png").stat().st_size > 0
     # relaunched: nothing redone (the saved figures come back as they were)
     stamps = {entry.label: (out / entry.folder / "entry.json").stat().st_mtime_ns for entry in entries}
-    again = run_compare(str(out), entries, teacher_source=teacher_dir, overrides=RECIPE, progress=False, **MEASURES)
+    again = run_compare(str(out), entries, teacher_source=teacher_dir, overrides=recipe, progress=False, **MEASURES)
     assert again["results"] == report["results"]
     assert {entry.label: (out / entry.folder / "entry.json").stat().st_mtime_ns for entry in entries} == stamps
     # an entry recorded before a recipe field existed (here train.gradient_checkpointing, at its default) is finished
@@ -88,7 +94,7 @@ def test_compare_runs_every_entry_and_resumes(teacher_dir, tmp_path, capsys):
     recorded = json.loads(path.read_text())
     del recorded["settings"]["recipe"]["train"]["gradient_checkpointing"]
     path.write_text(json.dumps(recorded))
-    older = run_compare(str(out), entries, teacher_source=teacher_dir, overrides=RECIPE, progress=False, **MEASURES)
+    older = run_compare(str(out), entries, teacher_source=teacher_dir, overrides=recipe, progress=False, **MEASURES)
     assert older["results"]["sessa"]["evaluations"] == report["results"]["sessa"]["evaluations"]
     assert path.stat().st_mtime_ns != stamps["sessa"] and json.loads(path.read_text()) == recorded  # not redone
     # the same entries under another budget are not comparable: refused, naming what changed
@@ -99,6 +105,14 @@ def test_compare_runs_every_entry_and_resumes(teacher_dir, tmp_path, capsys):
     redone = run_compare(str(out), entries[:1], teacher_source=teacher_dir, overrides=[*RECIPE, "stage2.steps=3"],
                          overwrite=True, progress=False, **MEASURES)
     assert redone["results"]["sessa"]["stages"]["stage2"]["steps"] == 3
+
+
+def test_recipe_options_of_no_compared_mixer_are_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match=r"model.mixer_options \['window'\] belong to none of the compared mixers "
+                                         r"\['sessa'\]"):
+        run_compare(str(tmp_path / "c"), [parse_entry("sessa")], teacher_source="no/such-teacher",
+                    overrides=[*RECIPE, "model.mixer_options.window=8"], progress=False, **MEASURES)
+    assert not (tmp_path / "c").exists()
 
 
 def test_compare_cli_reports_bad_entries_before_any_work(tmp_path, capsys):
