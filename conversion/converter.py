@@ -89,11 +89,7 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
     calibration_ids, heldout_ids, calibration_name = _calibration_tokens(
         teacher.tokenizer, calibration, sequence_length, calibration_sequences, heldout_sequences)
 
-    options = {**spec.conversion_options, **(mixer_options or {})}
-    allowed = sorted(option.name for option in spec.options)
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(f"unknown {mixer} option(s) {unknown}; the {mixer} options are: {', '.join(allowed)}")
+    options = {**spec.conversion_options, **spec.checked_options(mixer_options or {}, "mixer options")}
     teacher_kinds = teacher_layer_kinds(teacher.model.config)
     layer_types = [mixer if index in converted else teacher_kinds[index] for index in range(count)]
     try:

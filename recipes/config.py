@@ -244,6 +244,23 @@ def _validate(recipe: Recipe, origin: str) -> None:
             raise RecipeError(f"{origin}: model.teacher_device: {error}") from None
 
 
+def check_mixer_options(recipe: Recipe) -> dict:
+    """model.mixer and model.mixer_options of a recipe that converts its teacher, checked by the mixer's spec (one
+    naming rule: ``window`` is ``rsa_window``) before any work; returns the options under their full names."""
+    from .. import load
+    from ..core.registry import get_mixer
+
+    load()
+    try:
+        spec = get_mixer(recipe.model.mixer)
+    except KeyError as error:
+        raise RecipeError(f"model.mixer: {error.args[0]}") from None
+    try:
+        return spec.checked_options(recipe.model.mixer_options or {}, "model.mixer_options")
+    except ValueError as error:
+        raise RecipeError(str(error)) from None
+
+
 def _into_mapping(recipe: Recipe, parts: list[str]) -> bool:
     """Whether a dotted --set key reaches inside a mapping field (``model.mixer_options.rsa_window``): it then adds
     or changes that one entry; a whole mapping (``model.mixer_options={...}``) replaces the field."""

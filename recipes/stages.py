@@ -35,7 +35,7 @@ from ..conversion.converter import KL_RANKING_SEQUENCES
 from ..conversion.selection import keep_by_marginal_kl
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
-from .config import Recipe, RecipeError, recipe_changes, selects_after_stage1
+from .config import Recipe, RecipeError, check_mixer_options, recipe_changes, selects_after_stage1
 from .blockwise import transfer_loss
 from .data import materialise_sources, pack
 from .strategies import Sharding, check_launch
@@ -189,6 +189,8 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     trained model is ``summary["model"]`` (not serialised). The saved folder carries its history for the model
     card: the conversion report, ``training_summary.json`` (this summary and the recipe) and ``loss_curve.png``.
     """
+    if student is None and recipe.model.student is None:
+        check_mixer_options(recipe)  # a wrong option fails here, not after the teacher and the data are ready
     out = recipe.output.dir
     model_dir = os.path.join(out, "model")
     if os.path.isdir(model_dir) and os.listdir(model_dir) and not recipe.output.overwrite:

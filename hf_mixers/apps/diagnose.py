@@ -63,7 +63,7 @@ def _fresh_layer(name, length, hidden_size, num_heads, num_kv_heads, options, se
     from ..model.modeling import model_classes
 
     spec = get_mixer(name)
-    options = {spec.option_name(key): value for key, value in options.items()}
+    options = spec.checked_options(options, "diagnose --option")
     config = config_class(name)(vocab_size=128, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
                                 num_hidden_layers=1, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                                 max_position_embeddings=max(length, 2048), layer_types=[name], **options)

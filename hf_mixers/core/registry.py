@@ -70,12 +70,15 @@ class MixerOption:
 
     ``check(value)`` returns None or what is wrong ("must be a positive integer"); the config names the field. A
     default of None means "derived from other fields" by the spec's ``derived_defaults``, before the checks.
+    ``at_most``: the config field that bounds a size option (a window is at most ``max_position_embeddings``
+    tokens); the config refuses a larger value, naming both.
     """
 
     name: str
     default: Any
     doc: str
     check: Callable[[Any], str | None] | None = None
+    at_most: str | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,26 @@ class MixerSpec:
         anything else comes back unchanged (the config then names it as unknown)."""
         names = {option.name for option in self.options}
         return f"{self.name}_{key}" if key not in names and f"{self.name}_{key}" in names else key
+
+    def checked_options(self, options: dict, where: str) -> dict:
+        """``options`` under their full names (``window`` -> ``rsa_window``: one naming rule for convert, the
+        recipes, compare and diagnose), each value passed by its option's check. An unknown name, a name given
+        twice (short and full) or a refused value is a ValueError that ``where`` (e.g. "model.mixer_options")
+        starts, naming the option; nothing is built, so it can run before any work."""
+        known = {option.name: option for option in self.options}
+        checked = {}
+        for key, value in options.items():
+            name = self.option_name(key)
+            if name not in known:
+                raise ValueError(f"{where}: unknown {self.name} option {key!r}; the {self.name} options are: "
+                                 f"{', '.join(sorted(known)) or 'none'}")
+            if name in checked:
+                raise ValueError(f"{where}: {name} is given twice")
+            problem = known[name].check(value) if known[name].check is not None and value is not None else None
+            if problem:
+                raise ValueError(f"{where}: {name} {problem}, got {value!r}")
+            checked[name] = value
+        return checked
 
     @property
     def is_teacher_attention(self) -> bool:

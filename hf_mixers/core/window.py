@@ -35,7 +35,8 @@ from .registry import MixerOption, non_negative_int
 def window_option(mixer: str) -> MixerOption:
     """The ``<mixer>_window`` option, declared by every mixer that supports the branch."""
     return MixerOption(f"{mixer}_window", 0, "local window w: exact softmax attention over the last w tokens, the "
-                       "memory for the older ones (0: off, the memory reads everything)", non_negative_int)
+                       "memory for the older ones (0: off, the memory reads everything)", non_negative_int,
+                       at_most="max_position_embeddings")
 
 
 @dataclass

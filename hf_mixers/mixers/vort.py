@@ -461,7 +461,7 @@ VORT = register_mixer(MixerSpec(
                     boolean),
         MixerOption("vort_eps0", 1e-6, "the denominator's smoothing eps0", non_negative_number),
         MixerOption("vort_window", 64, "local window w: exact softmax attention over the last w tokens (0: off)",
-                    non_negative_int),
+                    non_negative_int, at_most="max_position_embeddings"),
         MixerOption("vort_combine", "sum", "window + global: 'sum' (eq. 17: the global branch reads every "
                     "token), 'gated_sum' (window + sigmoid(g) global) or 'shared_normalizer' (one softmax over both; "
                     "in these two a token enters the memory when it leaves the window)", one_of(*COMBINES)),

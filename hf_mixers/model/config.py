@@ -167,9 +167,14 @@ def validate_mixer_config(config: MixerConfig) -> None:
     used = config.used_mixers()
     for spec in used:
         for option in spec.options:
-            problem = option.check(getattr(config, option.name)) if option.check is not None else None
+            value = getattr(config, option.name)
+            problem = option.check(value) if option.check is not None else None
             if problem:
-                fail(f"{option.name} {problem}, got {getattr(config, option.name)!r}")
+                fail(f"{option.name} {problem}, got {value!r}")
+            limit = getattr(config, option.at_most) if option.at_most is not None else None
+            if limit is not None and isinstance(value, int) and value > limit:
+                fail(f"{option.name} ({value}) must be at most {option.at_most} ({limit}): a longer one never fills "
+                     "and keeps a cache the size of a full attention's")
     for spec in used:
         problem = spec.validate(config) if spec.validate is not None else None
         if problem:

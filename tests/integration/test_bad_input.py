@@ -213,3 +213,27 @@ def test_a_device_that_is_not_there_is_one_line_before_any_work(tmp_path, capsys
         assert main([*argv, "--device", "nosuch"]) == 2
         _one_line(capsys, "--device 'nosuch' is not a device (use cpu, cuda or cuda:N)")
     assert not os.path.exists(tmp_path / "bench")
+
+
+def test_mixer_options_follow_one_naming_rule_and_are_checked_before_any_work(tmp_path, capsys):
+    """The short name works everywhere (window = rsa_window); an unknown option or a refused value is named, with
+    the value, before the teacher is loaded (the teacher here does not exist)."""
+    from hf_mixers import get_mixer
+
+    assert get_mixer("rsa").checked_options({"window": 8}, "x") == {"rsa_window": 8}
+    cases = {("diagnose", "rsa", "--option", "nosuch=1"): "diagnose --option: unknown rsa option 'nosuch'",
+             ("diagnose", "rsa", "--option", "window=8", "--option", "rsa_window=4"): "rsa_window is given twice",
+             ("diagnose", "rsa", "--option", "window=8", "--option", "window=4"): "--option window is given twice",
+             ("convert", "no/such-teacher", "--mixer", "rsa", "--option", "window=8", "--option", "window=4"):
+                 "--option window is given twice",
+             ("distill", "--set", "model.teacher=no/such-teacher", "--set", "model.mixer_options.window=abc"):
+                 "model.mixer_options: rsa_window ",
+             ("distill", "--set", "model.teacher=no/such-teacher", "--set", "model.mixer=nosuch"):
+                 "model.mixer: unknown mixer 'nosuch'"}
+    for argv, message in cases.items():
+        assert main([*argv, "--out", str(tmp_path / "out")]) == 2, argv
+        _one_line(capsys, message)
+        assert not (tmp_path / "out").exists()
+    assert main(["distill", "--set", "model.teacher=no/such-teacher", "--set", "model.mixer_options.window=abc",
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "'abc'" in capsys.readouterr().err  # the bad value is shown

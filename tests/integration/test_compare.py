@@ -28,7 +28,7 @@ def test_entries_are_parsed_and_checked():
     assert parse_entry("rsa:window=64") == Entry("rsa", {"rsa_window": 64})  # the short form
     assert parse_entry("selective_ssm:variant=s6,window=64") == Entry(
         "selective_ssm", {"selective_ssm_variant": "s6", "selective_ssm_window": 64})
-    with pytest.raises(ValueError, match=r"'slots=64' is not KEY=VALUE with KEY an option of rsa"):
+    with pytest.raises(ValueError, match=r"compare entry 'rsa:slots=64': unknown rsa option 'slots'; the rsa options"):
         parse_entry("rsa:slots=64")
     # a value with commas (a comma starts an option only before KEY=), checked before any work; no option twice
     assert parse_entry("gltm:pattern=custom,offsets=poly:2,1").options == {"gltm_pattern": "custom",

@@ -42,3 +42,16 @@ def test_qwen_style_fields():
                          rope_parameters={"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0})
     assert config.attention_bias and not config.attention_out_bias and config.head_dim == 32
     assert tiny_config(attention_bias=True).attention_out_bias is True  # Llama semantics by default
+
+
+def test_a_size_option_beyond_its_bound_is_refused_for_every_mixer():
+    """Every option with an ``at_most`` bound (every mixer's local window) is refused beyond it, naming both."""
+    from hf_mixers import config_class, list_mixers
+
+    bounded = [(spec, option) for spec in list_mixers(convertible=True) for option in spec.options if option.at_most]
+    assert {option.name for _, option in bounded} >= {"rsa_window", "vort_window", "selective_ssm_window"}
+    for spec, option in bounded:
+        fields = dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, max_position_embeddings=64)
+        with pytest.raises(ValueError, match=rf"{option.name} \(65\) must be at most {option.at_most} \(64\)"):
+            config_class(spec.name)(**fields, **{option.name: 65})
+        assert getattr(config_class(spec.name)(**fields, **{option.name: 64}), option.name) == 64

@@ -357,7 +357,7 @@ def test_bad_mixer_and_layer_indices(teachers):
         convert(teachers["llama"], "sessa", layers=[-1], **SMALL)
     with pytest.raises(ValueError, match="auto:4: K must lie in 0..3"):
         convert(teachers["llama"], "sessa", keep_attention="auto:4", **SMALL)
-    with pytest.raises(ValueError, match="mixer options .*rsa_num_slots"):
+    with pytest.raises(ValueError, match="mixer options.*rsa_num_slots"):
         convert(teachers["llama"], "rsa", mixer_options={"rsa_num_slots": 0}, **SMALL)
     with pytest.raises(ValueError, match="unknown rsa option.*'rsa_slots'.*rsa_num_slots"):
         convert(teachers["llama"], "rsa", mixer_options={"rsa_slots": 8}, **SMALL)
