@@ -1,8 +1,9 @@
 """The mixer contract: the properties every registered mixer must have, as plain functions (pytest not required).
 
 ``check_mixer(name)`` runs them all on a registered mixer and raises ``AssertionError`` naming the property that
-failed; tests/contract/test_mixer_contract.py runs each one over every registered mixer and a hybrid. A new mixer gets all of
-them by registering. Models are tiny (hidden 32, 2 layers, T <= 12) and equivalences are checked in fp64 on CPU.
+failed; tests/contract/test_mixer_contract.py runs each one over every registered mixer and a hybrid. A new mixer
+gets all of them by registering. Models are tiny (hidden 32, 2 layers, T <= 12) and equivalences are checked in fp64
+on CPU.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ which loses alpha = 1 entirely); this is the corrected one:
     w_j(alpha) ~= c_0 + sum_s c_s e^(-xi_s j) + c_inf [j = 0]
 
 exact at alpha = 1 (c_0 = 1, the rest 0: sin(pi alpha) is computed as sin(pi (1 - alpha))). Max abs error over
-j in [0, 1000]: at most 1.05e-3 at S = 15 and 1.4e-5 at S = 30 (tests/unit/test_soe.py). The pure power law k_j = j^(alpha - 1) /
-Gamma(alpha), j >= 1 (the paper's "Power-Law" baseline) uses the same nodes with rho = sin(pi alpha) / pi
-lambda^-alpha.
+j in [0, 1000]: at most 1.05e-3 at S = 15 and 1.4e-5 at S = 30 (tests/unit/test_soe.py). The pure power law
+k_j = j^(alpha - 1) / Gamma(alpha), j >= 1 (the paper's "Power-Law" baseline) uses the same nodes with
+rho = sin(pi alpha) / pi lambda^-alpha.
 """
 
 from __future__ import annotations

@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--repo-id", dest="legacy_repo_id", default=None, help=argparse.SUPPRESS)  # `push DIR --repo-id`
     push.add_argument("--private", action="store_true", help="create the repository as private")
     push.add_argument("--revision", default=None, help="branch to push to (created if missing; default main)")
-    push.add_argument("--commit-message", default=None, help="the commit's summary (default: Upload DIR with hf-mixers)")
+    push.add_argument("--commit-message", default=None,
+                      help="the commit's summary (default: Upload DIR with hf-mixers)")
     push.add_argument("--create-pr", action="store_true", help="open a pull request against --revision instead of "
                                                                "committing to it")
     push.add_argument("--dry-run", action="store_true", help="list the files that would be uploaded, upload nothing")

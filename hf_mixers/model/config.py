@@ -121,8 +121,8 @@ class MixerConfig(PreTrainedConfig):
         output = super().to_dict()
         if "layer_types" in output:
             output["mixer_types"] = output.pop("layer_types")
-        used = self.used_mixers()
-        for spec in list_mixers():  # e.g. a mixer whose layers were all restored to attention after the config was built
+        used = self.used_mixers()  # e.g. a mixer whose layers were all restored to attention after the config was built
+        for spec in list_mixers():
             if spec not in used:
                 for option in spec.options:
                     output.pop(option.name, None)
