@@ -24,7 +24,6 @@ import torch
 from ...common.files import write_atomically
 from ...common.device import resolve_device
 from ...common.history import save_figure
-from ...core.attention import FullAttention
 from ...core.registry import get_mixer
 from ...model.config import config_class
 
@@ -51,30 +50,18 @@ def bench_device(device, benchmark: str) -> torch.device:
     return resolve_device(device, f"bench {benchmark}")
 
 
-def build_mixer(kind: str, hidden_size: int, num_heads: int, num_kv_heads: int, device, dtype):
-    """A standalone mixer module: sdpa_attention | sessa_chunked | sessa_dense | rsa_chunked | rsa_recompute |
-    selective_ssm:<variant> | gltm:<pattern> | vort:<kernel>."""
+ATTENTION = ("full_attention", {})  # the baseline of every training comparison, labelled "sdpa_attention"
+
+
+def build_mixer(mixer: str, options: dict, hidden_size: int, num_heads: int, num_kv_heads: int, device, dtype):
+    """A standalone layer of a registered ``mixer`` with config ``options``, scratch-initialised (no model around
+    it to run _init_weights), and its config. The benchmarks name their runs {label: (mixer, options)}."""
     shape = dict(hidden_size=hidden_size, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                  intermediate_size=4 * hidden_size, num_hidden_layers=1, vocab_size=128)
-    option = {"selective_ssm": "selective_ssm_variant", "gltm": "gltm_pattern",
-              "vort": "vort_kernel"}.get(kind.split(":")[0])
-    if option is not None:  # "<mixer>:<value of its main option>"
-        name, value = kind.split(":")
-        config = config_class(name)(**shape, **{option: value})
-        config._attn_implementation = "sdpa"
-        module = get_mixer(name).mixer_class(config, 0)
-        module.reset_parameters()  # no model around it to run _init_weights
-        return module.to(device=device, dtype=dtype), config
-    if kind.startswith("rsa"):
-        config = config_class("rsa")(**shape, rsa_recompute_chunks=kind == "rsa_recompute")
-    else:
-        config = config_class("sessa")(**shape, sessa_solver="dense" if kind == "sessa_dense" else "chunked",
-                             sessa_gamma_bias_init=0.5)  # gain != 0: the real solve runs
+    config = config_class(mixer)(**shape, layer_types=[mixer], **options)
     config._attn_implementation = "sdpa"
-    module_class = FullAttention if kind == "sdpa_attention" else get_mixer(kind.split("_")[0]).mixer_class
-    module = module_class(config, 0)
-    if kind.startswith("rsa"):
-        module.reset_parameters()  # no model around it to run _init_weights
+    module = get_mixer(mixer).mixer_class(config, 0)
+    module.reset_parameters()
     return module.to(device=device, dtype=dtype), config
 
 
@@ -88,9 +75,9 @@ def time_interleaved(runs, repeats, device):
     return time_calls([lambda run=run: _step(*run) for run in runs], repeats, device)
 
 
-def training_rows(kinds, lengths, hidden_size, num_heads, num_kv_heads, repeats, device, desc) -> list[dict]:
+def training_rows(kinds: dict, lengths, hidden_size, num_heads, num_kv_heads, repeats, device, desc) -> list[dict]:
     """Forward+backward time (fastest and median of ``repeats``, interleaved) and peak memory of each standalone
-    mixer ``kind`` (``build_mixer``) at each T, batch 1, fp32: one row per (T, kind)."""
+    layer ``kinds[label] = (mixer, options)`` (``build_mixer``) at each T, batch 1, fp32: one row per (T, label)."""
     from tqdm.auto import tqdm
 
     measure_cpu_peak = device.type == "cpu" and cpu_peak_supported()
@@ -98,7 +85,7 @@ def training_rows(kinds, lengths, hidden_size, num_heads, num_kv_heads, repeats,
     for length in tqdm(lengths, desc=desc, unit="length"):
         runs = []
         for kind in kinds:
-            module, config = build_mixer(kind, hidden_size, num_heads, num_kv_heads, device, torch.float32)
+            module, config = build_mixer(*kinds[kind], hidden_size, num_heads, num_kv_heads, device, torch.float32)
             x = torch.randn(1, length, hidden_size, device=device, requires_grad=True)
             runs.append((module, x, rotary_embeddings(config, x, length)))
         timings = time_interleaved(runs, repeats, device)
@@ -106,7 +93,8 @@ def training_rows(kinds, lengths, hidden_size, num_heads, num_kv_heads, repeats,
         del runs
         gc.collect()
         for index, kind in enumerate(kinds):
-            peak = cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, 1, "float32") if measure_cpu_peak \
+            peak = cpu_peak(*kinds[kind], length, hidden_size, num_heads, num_kv_heads, 1, "float32") \
+                if measure_cpu_peak \
                 else peaks[index]
             rows.append({"T": length, "mixer": kind, "fwd_bwd_s": timings[index][0],
                          "fwd_bwd_median_s": timings[index][1], "peak_bytes": peak})
@@ -140,11 +128,12 @@ def cuda_peak(module, x, position_embeddings):
     return torch.cuda.max_memory_allocated() - before
 
 
-def cpu_peak_point(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype):
+def cpu_peak_point(mixer, options_json, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype):
     """Run in a fresh process (see cpu_peak): print the peak RSS growth of one step, in bytes."""
     torch.manual_seed(0)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    module, config = build_mixer(kind, hidden_size, num_heads, num_kv_heads, torch.device("cpu"), torch_dtype)
+    module, config = build_mixer(mixer, json.loads(options_json), hidden_size, num_heads, num_kv_heads,
+                                 torch.device("cpu"), torch_dtype)
     x = torch.randn(batch_size, length, hidden_size, dtype=torch_dtype, requires_grad=True)
     position_embeddings = rotary_embeddings(config, x, length)
     _step(module, x, position_embeddings)  # warm-up: lazily created buffers, gradients of the parameters
@@ -156,13 +145,14 @@ def cpu_peak_point(kind, length, hidden_size, num_heads, num_kv_heads, batch_siz
     print((_read_status_kib("VmHWM") - before) * 1024)
 
 
-def cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype):
-    code = (f"from hf_mixers.apps.bench.harness import cpu_peak_point; cpu_peak_point({kind!r}, {length}, {hidden_size}, "
-            f"{num_heads}, {num_kv_heads}, {batch_size}, {dtype!r})")
+def cpu_peak(mixer, options, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype):
+    """The peak RSS growth of one forward+backward step of ``build_mixer(mixer, options, ...)``, in bytes."""
+    code = (f"from hf_mixers.apps.bench.harness import cpu_peak_point; cpu_peak_point({mixer!r}, "
+            f"{json.dumps(options)!r}, {length}, {hidden_size}, {num_heads}, {num_kv_heads}, {batch_size}, {dtype!r})")
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(torch.get_num_threads())}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if result.returncode != 0:
-        raise RuntimeError(f"bench sessa: memory run for {kind} at T={length} failed:\n{result.stderr[-2000:]}")
+        raise RuntimeError(f"bench: memory run for {mixer} {options} at T={length} failed:\n{result.stderr[-2000:]}")
     return int(result.stdout.strip().splitlines()[-1])
 
 

@@ -51,7 +51,7 @@ def _candidate(candidate: str, shape: dict, length: int, device, dtype, generato
                    "value": randn(1, kv_heads, length, head_dim)}
         return tensors, lambda: F.scaled_dot_product_attention(**tensors, is_causal=True, enable_gqa=True)
     if candidate.startswith("rsa"):  # the memory of an RSA layer of this shape (conversion defaults, 4 x 64 slots)
-        module, _ = build_mixer("rsa_chunked", heads * head_dim, heads, kv_heads, device, torch.float32)
+        module, _ = build_mixer("rsa", {}, heads * head_dim, heads, kv_heads, device, torch.float32)
         tensors = {"q": randn(1, kv_heads, heads // kv_heads, length, head_dim),
                    "k": randn(1, kv_heads, length, head_dim), "v": randn(1, kv_heads, length, head_dim)}
         backend = "triton" if candidate == "rsa_triton" else "torch"  # each candidate on its own path, forced

@@ -17,11 +17,12 @@ import torch
 
 from ...model.config import MixerConfig, config_class
 from ...model.modeling import MixerForCausalLM, model_classes
-from .harness import (bench_device, check_shape, decode_shape, decoding_rows, pick, plot_training_and_decoding,
-                      time_ratios, training_rows, write_report)
+from .harness import (ATTENTION, bench_device, check_shape, decode_shape, decoding_rows, pick,
+                      plot_training_and_decoding, time_ratios, training_rows, write_report)
 from . import decoding_flags, lengths_flag, register_bench, shape_flags
 
-TRAIN_MIXERS = ("sdpa_attention", "rsa_chunked", "rsa_recompute")  # rsa_recompute: rsa_recompute_chunks=True
+TRAIN_MIXERS = {"sdpa_attention": ATTENTION, "rsa_chunked": ("rsa", {}),
+                "rsa_recompute": ("rsa", {"rsa_recompute_chunks": True})}
 
 
 def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4096, 16384), hidden_size=576,
@@ -44,7 +45,7 @@ def bench_rsa(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 40
               "attention": MixerForCausalLM(MixerConfig(**shape))}
     decoding = decoding_rows(models, contexts, decode_tokens, device, "bench rsa: decoding", batch=decode_batch)
 
-    ratios = time_ratios(training, TRAIN_MIXERS[1:], lengths)
+    ratios = time_ratios(training, list(TRAIN_MIXERS)[1:], lengths)
     first, last = min(contexts), max(contexts)
     rsa_first = pick(decoding, "context", first, "token_latency_s", "model", "rsa")
     rsa_last = pick(decoding, "context", last, "token_latency_s", "model", "rsa")

@@ -18,7 +18,7 @@ import torch
 from ...kernels.selective_scan import ssm_chunked, ssm_recurrent
 from ...model.config import MixerConfig, config_class
 from ...model.modeling import MixerForCausalLM, model_classes
-from .harness import (bench_device, check_shape, decode_shape, decoding_rows, memory_growth, pick,
+from .harness import (ATTENTION, bench_device, check_shape, decode_shape, decoding_rows, memory_growth, pick,
                       plot_training_and_decoding, print_decoding_table, print_training_table, time_calls, time_ratios,
                       training_rows, write_report)
 from . import decoding_flags, lengths_flag, register_bench, shape_flags
@@ -36,7 +36,9 @@ def bench_selective_ssm(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts
     if unknown or not variants:
         raise ValueError(f"bench selective_ssm: variants must be among {VARIANTS}, got {list(variants)}")
     device = bench_device(device, "selective_ssm")
-    kinds = ("sdpa_attention", *(f"selective_ssm:{variant}" for variant in variants))
+    kinds = {"sdpa_attention": ATTENTION,
+             **{f"selective_ssm:{variant}": ("selective_ssm", {"selective_ssm_variant": variant})
+                for variant in variants}}
     torch.manual_seed(0)
 
     training = training_rows(kinds, lengths, hidden_size, num_heads, num_kv_heads, repeats, device,
@@ -50,7 +52,7 @@ def bench_selective_ssm(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts
               "attention": MixerForCausalLM(MixerConfig(**shape))}
     decoding = decoding_rows(models, contexts, decode_tokens, device, "bench selective_ssm: decoding")
 
-    ratios = time_ratios(training, kinds[1:], lengths)
+    ratios = time_ratios(training, list(kinds)[1:], lengths)
     first, last = min(contexts), max(contexts)
     main = "mamba2" if "mamba2" in variants else variants[0]
     attention_last = pick(decoding, "context", last, "token_latency_s", "model", "attention")

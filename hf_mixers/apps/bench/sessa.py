@@ -16,12 +16,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ...common.history import save_figure
-from .harness import (bench_device, build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, format_log_axes,
+from .harness import (ATTENTION, bench_device, build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, format_log_axes,
                       rotary_embeddings, time_interleaved, write_report)
 from . import lengths_flag, register_bench, shape_flags
 from ..arguments import at_least
 
-MIXERS = ("sdpa_attention", "sessa_chunked", "sessa_dense")
+MIXERS = {"sdpa_attention": ATTENTION,  # gain != 0 below: the real solve runs
+          **{f"sessa_{solver}": ("sessa", {"sessa_solver": solver, "sessa_gamma_bias_init": 0.5})
+             for solver in ("chunked", "dense")}}
 
 
 def _dense_fits(batch: int, length: int) -> bool:
@@ -57,7 +59,7 @@ def bench_sessa(out_dir, lengths=(512, 1024, 2048, 4096), hidden_size=576, num_h
                  if not (kind == "sessa_dense" and device.type == "cpu" and not _dense_fits(batch_size, length))]
         runs = []
         for kind in kinds:
-            module, config = build_mixer(kind, hidden_size, num_heads, num_kv_heads, device, torch_dtype)
+            module, config = build_mixer(*MIXERS[kind], hidden_size, num_heads, num_kv_heads, device, torch_dtype)
             x = torch.randn(batch_size, length, hidden_size, device=device, dtype=torch_dtype, requires_grad=True)
             runs.append((module, x, rotary_embeddings(config, x, length)))
         timings = dict(zip(kinds, time_interleaved(runs, repeats, device)))
@@ -72,7 +74,8 @@ def bench_sessa(out_dir, lengths=(512, 1024, 2048, 4096), hidden_size=576, num_h
                                 "peak_bytes": None, "skipped": "dense (B, T, T) intermediates would exceed 60% of RAM"})
                 continue
             if device.type == "cpu" and measure_cpu_peak:
-                peaks[kind] = cpu_peak(kind, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype)
+                peaks[kind] = cpu_peak(*MIXERS[kind], length, hidden_size, num_heads, num_kv_heads, batch_size,
+                                       dtype)
             results.append({"T": length, "mixer": kind, "fwd_bwd_s": timings[kind][0],
                             "fwd_bwd_median_s": timings[kind][1], "peak_bytes": peaks[kind]})
 

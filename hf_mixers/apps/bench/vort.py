@@ -15,7 +15,7 @@ import torch
 
 from ...model.config import MixerConfig, config_class
 from ...model.modeling import MixerForCausalLM, model_classes
-from .harness import (bench_device, check_shape, decode_shape, decoding_rows, memory_growth, pick,
+from .harness import (ATTENTION, bench_device, check_shape, decode_shape, decoding_rows, memory_growth, pick,
                       plot_training_and_decoding, print_decoding_table, print_training_table, time_ratios,
                       training_rows, write_report)
 from . import decoding_flags, lengths_flag, register_bench, shape_flags
@@ -32,7 +32,8 @@ def bench_vort(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4
     if unknown or not kernels:
         raise ValueError(f"bench vort: kernels (--variants) must be among {BENCH_KERNELS}, got {list(kernels)}")
     device = bench_device(device, "vort")
-    kinds = ("sdpa_attention", *(f"vort:{kernel}" for kernel in kernels))
+    kinds = {"sdpa_attention": ATTENTION,
+             **{f"vort:{kernel}": ("vort", {"vort_kernel": kernel}) for kernel in kernels}}
     torch.manual_seed(0)
     training = training_rows(kinds, lengths, hidden_size, num_heads, num_kv_heads, repeats, device,
                              "bench vort: training")
@@ -43,7 +44,7 @@ def bench_vort(out_dir, lengths=(512, 1024, 2048, 4096, 8192), contexts=(1024, 4
               "attention": MixerForCausalLM(MixerConfig(**shape))}
     decoding = decoding_rows(models, contexts, decode_tokens, device, "bench vort: decoding", batch=decode_batch)
 
-    ratios = time_ratios(training, kinds[1:], lengths)
+    ratios = time_ratios(training, list(kinds)[1:], lengths)
     first, last, longest = min(contexts), max(contexts), max(lengths)
 
     def latency(model, context):
