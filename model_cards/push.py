@@ -155,9 +155,9 @@ def _check_remote_code(root: Path, config: dict) -> None:
     try:
         outputs = load_in_fresh_process(root, input_ids, max_new_tokens=2, pad_token_id=pad_token_id)
     except RuntimeError as exc:
-        tail = "\n".join(str(exc).strip().splitlines()[-12:])
+        cause = str(exc).strip().splitlines()[-1]  # the child's exception, e.g. No module named 'mixers'
         raise PushError(f"{root}: the remote-code load failed in a fresh process without hf_mixers (what a Hub "
-                        f"user gets with trust_remote_code=True); the folder is not self-contained:\n{tail}") from exc
+                        f"user gets with trust_remote_code=True); the folder is not self-contained: {cause}") from exc
     if not torch.isfinite(outputs["logits"]).all():
         raise PushError(f"{root}: the remote-code model loads but returns non-finite logits")
 

@@ -386,8 +386,11 @@ def _diagnose(args) -> int:
         check_report_files(args.out, ["diagnose.json", "diagnose.png"], args.overwrite)
         text = None
         if args.text is not None:
-            with open(args.text, encoding="utf-8") as handle:
-                text = handle.read()
+            try:
+                with open(args.text, encoding="utf-8") as handle:
+                    text = handle.read()
+            except UnicodeDecodeError:
+                raise ValueError(f"--text {args.text}: not UTF-8 text") from None
         report = diagnose(args.target, args.out, length=args.length, source=args.source, probes=args.probes,
                           layers=args.layers, text=text, hidden_size=args.hidden_size, num_heads=args.heads,
                           num_kv_heads=args.kv_heads, options=_option_dict(args.option))

@@ -22,7 +22,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from ..common.files import write_atomically
+from ..common.files import check_output_folder, write_atomically
 from ..common.history import save_figure, wider_table
 from ..common.measures import cache_bytes_at, decode_latency, passkey_accuracy
 
@@ -153,6 +153,8 @@ def run_compare(out: str, entries: list[Entry], teacher_source: str = "smollm2-1
 
     if not entries:
         raise ValueError("compare: name at least one entry (--mixer rsa --mixer rsa:rsa_window=64 ...)")
+    out = check_output_folder(out, overwrite=True)  # a folder under a file is refused before any work; finished
+    # entries inside are kept or refused one by one below
     labels = [entry.label for entry in entries]
     if len(set(labels)) != len(labels):
         raise ValueError(f"compare: an entry is named twice ({labels})")

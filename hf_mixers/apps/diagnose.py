@@ -84,6 +84,9 @@ def _folder_entries(folder, length, layers, text):
 
     from ..common.corpus import shakespeare
 
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(f"diagnose: {folder} has no config.json: pass a saved model folder (convert / distill "
+                         "output) or a registered mixer's name")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = tokenizer(text if text is not None else shakespeare("heldout"), return_tensors="pt").input_ids

@@ -237,3 +237,18 @@ def test_mixer_options_follow_one_naming_rule_and_are_checked_before_any_work(tm
     assert main(["distill", "--set", "model.teacher=no/such-teacher", "--set", "model.mixer_options.window=abc",
                  "--out", str(tmp_path / "out")]) == 2
     assert "'abc'" in capsys.readouterr().err  # the bad value is shown
+
+
+def test_outputs_under_a_file_folders_without_a_config_and_binary_text_are_one_line(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    binary = tmp_path / "text.bin"
+    binary.write_bytes(bytes(range(256)))
+    (tmp_path / "empty-folder").mkdir()
+    cases = {("compare", "--mixer", "sessa", "--out", str(blocker / "c")): f"{blocker} is a file, not a folder",
+             ("reproduce", "sessa-tail", "--out", str(blocker / "r")): f"{blocker} is a file, not a folder",
+             ("diagnose", str(tmp_path / "empty-folder"), "--out", str(tmp_path / "d")): "has no config.json",
+             ("diagnose", "rsa", "--text", str(binary), "--out", str(tmp_path / "d")): f"--text {binary}: not UTF-8"}
+    for argv, message in cases.items():
+        assert main(list(argv)) == 2, argv
+        _one_line(capsys, message)
