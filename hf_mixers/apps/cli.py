@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     evaluate.add_argument("--out", default=None, help="report folder (default: the model folder)")
     evaluate.add_argument("--overwrite", action="store_true", help="replace an earlier eval_report in --out")
+    evaluate.add_argument("--trust-remote-code", action="store_true",
+                          help="run the folder's own modeling code (needed only for model types neither transformers "
+                               "nor hf-mixers knows)")
 
     card = commands.add_parser(
         "card", help="write DIR/README.md: the model card (Hub metadata, conversion, recipe, evaluation, usage)")
@@ -444,7 +447,7 @@ def _last_mile(args) -> int:
                               passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials,
                               prompts=args.prompts or DEFAULT_PROMPTS, max_new_tokens=args.max_new_tokens,
                               decode_contexts=args.contexts, decode_tokens=args.decode_tokens, dtype=args.dtype,
-                              device=args.device, out=args.out)
+                              device=args.device, out=args.out, trust_remote_code=args.trust_remote_code)
             print(report.to_markdown())
         elif args.command == "card":
             from ..model_cards.card import build_card

@@ -109,14 +109,19 @@ def teacher_of(model_dir: str) -> str | None:
         return json.load(handle).get("source")
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device):
-    """The model and tokenizer of a saved folder (any causal LM; hf_mixers folders through their remote code)."""
+def load_model(model_dir: str, dtype: torch.dtype, device, trust_remote_code: bool = False):
+    """The model and tokenizer of a saved folder: any causal LM transformers or hf-mixers (its registered mixers,
+    plugins included) knows. The folder's own code runs only with ``trust_remote_code`` (``--trust-remote-code``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{model_dir}: no config.json; pass a saved model folder (convert/distill output)")
-    check_model_weights(model_dir, trust_remote_code=True)  # a missing tensor would load as random weights
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=True).to(device).eval()
+    if not trust_remote_code:
+        _check_known_model_type(model_dir, config_path)
+    check_model_weights(model_dir, trust_remote_code=trust_remote_code)  # a missing tensor would load as random
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = model.to(device).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError):
@@ -124,12 +129,27 @@ def load_model(model_dir: str, dtype: torch.dtype, device):
     return model, tokenizer
 
 
+def _check_known_model_type(model_dir: str, config_path: str) -> None:
+    """Refuse, by name, a model type neither transformers nor a registered mixer knows (before running any code)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from ..core.registry import PLUGIN_MODULES
+
+    with open(config_path, encoding="utf-8") as handle:
+        model_type = json.load(handle).get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{model_dir}: model_type {model_type!r} is not a model transformers or hf-mixers knows; "
+                         f"if it is a plugin's mixer, name its module in {PLUGIN_MODULES}; to run the folder's own "
+                         "code, pass --trust-remote-code")
+
+
 def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = None, sequence_length: int = 512,
              heldout_sequences: int = 8, passkey_lengths=(256, 1024, 2048), passkey_trials: int = 5,
              prompts=DEFAULT_PROMPTS, max_new_tokens: int = 32, decode_contexts=(512, 2048), decode_tokens: int = 16,
              dtype: str = "float32", device: str | None = None, out: str | None = None, seed: int = 0,
-             progress: bool = True) -> EvalReport:
-    """Evaluate ``model_dir`` (and its teacher) and write the report into ``out`` (default: ``model_dir``)."""
+             progress: bool = True, trust_remote_code: bool = False) -> EvalReport:
+    """Evaluate ``model_dir`` (and its teacher) and write the report into ``out`` (default: ``model_dir``). The
+    folder's own modeling code runs only with ``trust_remote_code``: hf-mixers folders load through its classes."""
     from .. import __version__
     from ..conversion import load_teacher
     from ..common.corpus import split_texts
@@ -144,7 +164,7 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
         teacher = teacher_of(model_dir)
         if teacher is not None:
             notes.append(f"teacher {teacher!r} taken from conversion_report.json")
-    model, tokenizer = load_model(model_dir, torch_dtype, device)
+    model, tokenizer = load_model(model_dir, torch_dtype, device, trust_remote_code)
     teacher_model = None
     if teacher is not None:
         loaded = load_teacher(teacher)

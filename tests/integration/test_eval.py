@@ -175,3 +175,24 @@ def test_lm_evaluation_harness_runs_the_converted_model(folders, tmp_path):
                                 pad_token_id=tokenizer.pad_token_id)
         ours = tokenizer.decode(tokens[0, ids.shape[1]:], skip_special_tokens=True).split("\n")[0]
         assert sample["resps"][0][0] == ours
+
+
+def test_eval_runs_a_folders_own_code_only_when_asked(folders, tmp_path, capsys):
+    """An hf-mixers folder loads through hf-mixers' own classes (its shipped remote code is not executed); a model
+    type nobody here knows is refused by name unless --trust-remote-code."""
+    import shutil
+
+    from hf_mixers.apps.eval_report import load_model
+
+    model, _ = load_model(str(folders["rsa"]), torch.float32, "cpu")
+    assert type(model).__module__ == "hf_mixers.model.modeling"
+    edited = tmp_path / "edited"
+    shutil.copytree(folders["rsa"], edited)
+    config = json.loads((edited / "config.json").read_text())
+    config["model_type"] = "someone_elses"
+    (edited / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert cli_main(["eval", str(edited), "--teacher", "none", "--out", str(tmp_path / "report")]) == 2
+    error = capsys.readouterr().err
+    assert "model_type 'someone_elses' is not a model transformers or hf-mixers knows" in error
+    assert "HF_MIXERS_PLUGINS" in error and "--trust-remote-code" in error and error.count("\n") == 1
