@@ -169,11 +169,12 @@ RESUMABLE_CHANGES = ("output.dir", "output.checkpoint_every", "output.log_every"
                      "finetune.steps", "model.teacher_device", "train.strategy", "train.zero_stage")
 
 
-def _flatten(data: dict, prefix: str = "") -> dict:
+def flatten(data: dict, prefix: str = "") -> dict:
+    """Nested sections as dotted keys (``train.lr``); a mixer_options mapping stays one value."""
     flat = {}
     for key, value in data.items():
         if isinstance(value, dict) and key != "mixer_options":
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
@@ -182,9 +183,9 @@ def _flatten(data: dict, prefix: str = "") -> dict:
 def recipe_changes(recorded: dict, recipe: Recipe) -> list[str]:
     """The fields that differ between a run's recorded recipe and ``recipe`` and make its checkpoints meaningless,
     as "key: old -> new"."""
-    old = _flatten({k: v for k, v in recorded.items() if k in {f.name for f in dataclasses.fields(Recipe)}})
-    new = _flatten(recipe.to_dict())
-    defaults = _flatten(Recipe().to_dict())
+    old = flatten({k: v for k, v in recorded.items() if k in {f.name for f in dataclasses.fields(Recipe)}})
+    new = flatten(recipe.to_dict())
+    defaults = flatten(Recipe().to_dict())
     # a field a later version added, left at its default, is not a change to a run recorded before it existed
     return [f"{key}: {json.dumps(old.get(key))} -> {json.dumps(new.get(key))}" for key in sorted(set(old) | set(new))
             if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)

@@ -103,7 +103,7 @@ def _finished(folder: str, settings: dict, label: str, overwrite: bool):
         return None
     with open(path, encoding="utf-8") as handle:
         result = json.load(handle)
-    from ..recipes.config import recipe_with_defaults
+    from ..recipes.config import flatten, recipe_with_defaults
 
     recorded = dict(result["settings"])
     if "recipe" in recorded:  # fields added to recipes since that entry ran are not changes if left at their defaults
@@ -111,11 +111,13 @@ def _finished(folder: str, settings: dict, label: str, overwrite: bool):
                               if key != "output"}
     if recorded == settings:
         return result
-    changed = sorted(key for key in set(settings) | set(recorded) if settings.get(key) != recorded.get(key))
     if overwrite:
         return None
-    raise ValueError(f"{path}: entry {label} finished under other settings (changed: {', '.join(changed)}); use "
-                     "another --out, or --overwrite to redo it")
+    old, new = flatten(recorded), flatten(settings)
+    changed = [f"{key}: {json.dumps(old.get(key))} -> {json.dumps(new.get(key))}"
+               for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+    raise ValueError(f"{path}: entry {label} finished under other settings ({'; '.join(changed)}); use another "
+                     "--out, or --overwrite to redo it")
 
 
 def trained_options(entries: list[Entry], recipe_options: dict) -> dict:
@@ -148,7 +150,7 @@ def run_compare(out: str, entries: list[Entry], teacher_source: str = "smollm2-1
 
     from ..conversion import load_teacher
     from ..core.registry import get_mixer
-    from ..recipes import load_recipe
+    from ..recipes import RecipeError, load_recipe
     from ..recipes.stages import distill
 
     if not entries:
@@ -180,7 +182,7 @@ def run_compare(out: str, entries: list[Entry], teacher_source: str = "smollm2-1
             say(f"compare: {label} finished earlier ({folder}), kept")
             continue
         say(f"compare: {label}")
-        if os.path.exists(os.path.join(folder, ENTRY_FILE)):  # finished under other settings, and --overwrite
+        if overwrite and os.path.isdir(folder):  # finished under other settings, or killed: redone from scratch
             shutil.rmtree(folder)
         if entry is None:  # the teacher
             os.makedirs(folder, exist_ok=True)
@@ -190,7 +192,11 @@ def run_compare(out: str, entries: list[Entry], teacher_source: str = "smollm2-1
                                                  f"model.mixer={entry.mixer}",
                                                  f"model.mixer_options={json.dumps(row_settings['options'])}",
                                                  f"output.dir={folder}", "output.overwrite=true"])
-            summary = distill(recipe, progress=progress, teacher=teacher)
+            try:
+                summary = distill(recipe, progress=progress, teacher=teacher)
+            except RecipeError as error:  # e.g. a killed entry's checkpoints, recorded under other settings
+                raise RecipeError(f"compare: entry {label}: {error}; or relaunch compare with --overwrite to redo "
+                                  "this entry from scratch") from None
             model = summary.pop("model")
             model_options = {option.name: getattr(model.config, option.name)
                              for option in get_mixer(entry.mixer).options}

@@ -98,13 +98,23 @@ def test_compare_runs_every_entry_and_resumes(teacher_dir, tmp_path, capsys):
     assert older["results"]["sessa"]["evaluations"] == report["results"]["sessa"]["evaluations"]
     assert path.stat().st_mtime_ns != stamps["sessa"] and json.loads(path.read_text()) == recorded  # not redone
     # the same entries under another budget are not comparable: refused, naming what changed
-    with pytest.raises(ValueError, match=r"entry sessa finished under other settings \(changed: recipe\)"):
+    with pytest.raises(ValueError, match=r"entry sessa finished under other settings \(.*"
+                                         r"recipe.stage2.steps: 2 -> 3"):
         run_compare(str(out), entries[:1], teacher_source=teacher_dir, overrides=[*RECIPE, "stage2.steps=3"],
                     progress=False, **MEASURES)
     # --overwrite redoes it from scratch under the new settings (its old checkpoints would not resume)
     redone = run_compare(str(out), entries[:1], teacher_source=teacher_dir, overrides=[*RECIPE, "stage2.steps=3"],
                          overwrite=True, progress=False, **MEASURES)
     assert redone["results"]["sessa"]["stages"]["stage2"]["steps"] == 3
+    # killed (checkpoints, no entry.json) and relaunched under another lr: named in compare's terms; --overwrite
+    # redoes that entry from scratch
+    (out / entries[0].folder / "entry.json").unlink()
+    changed = [*RECIPE, "stage2.steps=3", "train.lr=0.01"]
+    with pytest.raises(ValueError, match=r"compare: entry sessa: .*train.lr.*relaunch compare with --overwrite"):
+        run_compare(str(out), entries[:1], teacher_source=teacher_dir, overrides=changed, progress=False, **MEASURES)
+    again = run_compare(str(out), entries[:1], teacher_source=teacher_dir, overrides=changed, overwrite=True,
+                        progress=False, **MEASURES)
+    assert again["results"]["sessa"]["settings"]["recipe"]["train"]["lr"] == 0.01
 
 
 def test_recipe_options_of_no_compared_mixer_are_refused_before_any_work(tmp_path):
