@@ -19,8 +19,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import time
 
 import torch
@@ -54,6 +56,17 @@ def _rewrite_metrics(path: str, stage: str, last_step: int) -> None:
         handle.writelines(json.dumps(row) + "\n" for row in kept)
 
 
+def check_checkpoint_space(path: str, parameters: dict) -> None:
+    """Refuse a stage whose checkpoints cannot fit on the disk, before it trains: each holds the trainable tensors
+    and their two Adam moments in fp32, and the one before stays as .previous."""
+    needed = 2 * 3 * 4 * sum(parameter.numel() for parameter in parameters.values())
+    free = shutil.disk_usage(os.path.dirname(path)).free
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"{os.path.dirname(path)}: the checkpoints need about {needed / 2**30:.2f} GiB "
+                                    f"(2 x the {len(parameters)} trainable tensors and their Adam states) and "
+                                    f"{free / 2**30:.2f} GiB are free")
+
+
 def _tensorboard(folder: str):
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -78,6 +91,7 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
     processes = processes or Processes()
     os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
     path = os.path.join(out_dir, "checkpoints", f"{stage}.safetensors")
+    check_checkpoint_space(path, parameters)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     optimizer = STRATEGIES[train.strategy](parameters, train, lr, processes, path, loss_fn, sharding)
     history, start = [], 0

@@ -76,11 +76,21 @@ def write_atomically(path: str, write) -> str:
             write(temporary)
         _finish_modes(temporary)
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         if os.path.exists(temporary):
             os.remove(temporary)
-        raise
+        raise as_os_error(error, path) from error
     return path
+
+
+def as_os_error(error: BaseException, path: str) -> BaseException:
+    """safetensors reports a failed write (a full disk) as a SafetensorError whose text holds the OS error
+    (``Os { code: 28, ... message: "No space left on device" }``): the OSError it stands for, naming ``path``, so
+    the command reports it as the fault it is. Any other error comes back unchanged."""
+    found = re.search(r'code: (\d+),.*?message: "([^"]+)"', str(error))
+    if type(error).__name__ != "SafetensorError" or found is None:
+        return error
+    return OSError(int(found.group(1)), f"{found.group(2)} (writing {path})")
 
 
 def check_output_folder(out_dir: str, overwrite: bool) -> str:
@@ -132,7 +142,7 @@ def save_atomically(model, out_dir: str, tokenizer=None, overwrite: bool = False
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.replace(staging, out_dir)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+        raise as_os_error(error, out_dir) from error
     return out_dir

@@ -252,3 +252,34 @@ def test_outputs_under_a_file_folders_without_a_config_and_binary_text_are_one_l
     for argv, message in cases.items():
         assert main(list(argv)) == 2, argv
         _one_line(capsys, message)
+
+
+def test_a_full_disk_is_found_before_training_and_a_failed_write_is_one_line(teacher_dir, tmp_path, capsys,
+                                                                             monkeypatch):
+    """A stage whose checkpoints cannot fit refuses before it trains; safetensors' own write error (its text holds
+    the OS error) is the OSError it stands for: one line, exit 3 (a fault of the machine), nothing half-written."""
+    import collections
+
+    from safetensors import SafetensorError
+
+    import hf_mixers.recipes.strategies as strategies
+    import hf_mixers.recipes.trainer as trainer
+    from test_recipes import small
+
+    settings = [part for item in small(teacher_dir, tmp_path / "run", "stage1.steps=2", "stage2.steps=2")
+                for part in ("--set", item)]
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(trainer.shutil, "disk_usage", lambda path: usage(1, 1, 0))
+    assert main(["distill", *settings]) == 3
+    _one_line(capsys, "the checkpoints need about", "GiB are free")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # not one step was trained
+    monkeypatch.undo()
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    monkeypatch.setattr(strategies, "save_file", full_disk)
+    assert main(["distill", *settings, "--set", "output.overwrite=true"]) == 3
+    _one_line(capsys, "No space left on device (writing ", "stage1.safetensors", "nothing was half-written")
+    assert not [name for name in os.listdir(tmp_path / "run" / "checkpoints") if ".partial" in name]

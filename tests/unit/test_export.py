@@ -143,3 +143,27 @@ def test_outputs_get_the_umask_modes_and_a_killed_writer_leaves_nothing_behind(t
     assert os.stat(tmp_path / "out" / "config.json").st_mode & 0o777 == 0o644
     assert os.stat(tmp_path / "report.json").st_mode & 0o777 == 0o644
     assert sorted(p.name for p in tmp_path.iterdir() if ".partial" in p.name) == [live.name]
+
+
+def test_a_safetensors_write_error_is_the_os_error_it_stands_for(tmp_path):
+    """safetensors reports a full disk as a SafetensorError holding the OS error: both atomic writers re-raise the
+    OSError (errno 28, the path named) and leave no staging behind."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from hf_mixers.common.files import save_atomically, write_atomically
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    class Model:
+        save_pretrained = staticmethod(full_disk)
+
+    for write in (lambda: save_atomically(Model(), str(tmp_path / "model")),
+                  lambda: write_atomically(str(tmp_path / "file.safetensors"), full_disk)):
+        with pytest.raises(OSError) as caught:
+            write()
+        assert caught.value.errno == errno.ENOSPC and "No space left on device (writing " in str(caught.value)
+    assert os.listdir(tmp_path) == []
