@@ -117,9 +117,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device, trust_remote_code: bo
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{model_dir}: no config.json; pass a saved model folder (convert/distill output)")
-    if not trust_remote_code:
-        _check_known_model_type(model_dir, config_path)
-    check_model_weights(model_dir, trust_remote_code=trust_remote_code)  # a missing tensor would load as random
+    # a model type nobody here knows is refused by name; a missing tensor would load as random weights
+    check_model_weights(model_dir, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
     model = model.to(device).eval()
     try:
@@ -127,20 +126,6 @@ def load_model(model_dir: str, dtype: torch.dtype, device, trust_remote_code: bo
     except (OSError, ValueError):
         tokenizer = None
     return model, tokenizer
-
-
-def _check_known_model_type(model_dir: str, config_path: str) -> None:
-    """Refuse, by name, a model type neither transformers nor a registered mixer knows (before running any code)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from ..core.registry import PLUGIN_MODULES
-
-    with open(config_path, encoding="utf-8") as handle:
-        model_type = json.load(handle).get("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"{model_dir}: model_type {model_type!r} is not a model transformers or hf-mixers knows; "
-                         f"if it is a plugin's mixer, name its module in {PLUGIN_MODULES}; to run the folder's own "
-                         "code, pass --trust-remote-code")
 
 
 def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = None, sequence_length: int = 512,

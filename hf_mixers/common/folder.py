@@ -57,6 +57,22 @@ def expected_tensors(folder: str, trust_remote_code: bool = False) -> tuple[dict
     return shapes, tied, type(model).__name__
 
 
+def check_known_model_type(folder: str, config: dict) -> None:
+    """Refuse, by name, a model type neither transformers nor a registered mixer (plugins included) knows, before any
+    code would run: transformers' own error would ask for trust_remote_code, which these commands do not take."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from .. import load
+    from ..core.registry import PLUGIN_MODULES
+
+    load()
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise FolderError(f"{folder}: model_type {model_type!r} is not a model transformers or hf-mixers knows; if it "
+                          f"is a plugin's mixer, name its module in {PLUGIN_MODULES} (eval also takes "
+                          "--trust-remote-code to run the folder's own code)")
+
+
 def check_model_weights(folder: str, trust_remote_code: bool = False) -> None:
     """Raise FolderError naming every tensor the saved weights lack, add or shape differently from the config's
     model (``trust_remote_code``: build a model type only the folder's own code knows)."""
@@ -64,9 +80,11 @@ def check_model_weights(folder: str, trust_remote_code: bool = False) -> None:
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise FolderError(f"{folder}: no config.json; pass a saved model folder")
     try:
-        json.loads(open(os.path.join(folder, "config.json"), encoding="utf-8").read())
+        config = json.loads(open(os.path.join(folder, "config.json"), encoding="utf-8").read())
     except ValueError as error:
         raise FolderError(f"{os.path.join(folder, 'config.json')}: not valid JSON: {error}") from None
+    if not trust_remote_code:
+        check_known_model_type(folder, config)
     saved = saved_tensors(folder)
     expected, tied, model_class = expected_tensors(folder, trust_remote_code)
     missing = sorted(set(expected) - set(saved) - tied)

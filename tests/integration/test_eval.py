@@ -196,3 +196,8 @@ def test_eval_runs_a_folders_own_code_only_when_asked(folders, tmp_path, capsys)
     error = capsys.readouterr().err
     assert "model_type 'someone_elses' is not a model transformers or hf-mixers knows" in error
     assert "HF_MIXERS_PLUGINS" in error and "--trust-remote-code" in error and error.count("\n") == 1
+    (edited / "README.md").write_text("---\nlibrary_name: transformers\nlicense: apache-2.0\npipeline_tag: "
+                                      "text-generation\ntags:\n- hf-mixers\n---\n\n# A card\n")
+    for command in (["card", str(edited)], ["push", "user/x", str(edited), "--dry-run"]):  # one rule for all
+        assert cli_main(command) == 2
+        assert "model_type 'someone_elses' is not a model" in capsys.readouterr().err
