@@ -137,7 +137,7 @@ class RecipeError(ValueError):
 
 def load_recipe(paths=(), overrides=()) -> Recipe:
     """Recipe from stacked YAML files and ``key.sub=value`` overrides (values parsed as YAML)."""
-    recipe = Recipe()
+    recipe, origins = Recipe(), {}
     for path in paths:
         try:
             with open(path, encoding="utf-8") as handle:
@@ -148,7 +148,7 @@ def load_recipe(paths=(), overrides=()) -> Recipe:
             raise RecipeError(f"{path}: not valid YAML: {error}") from error
         if not isinstance(data, dict):
             raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
-        _merge(recipe, data, str(path), "")
+        _merge(recipe, data, str(path), "", origins=origins)
     for override in overrides:
         key, sep, text = override.partition("=")
         if not sep or not key:
@@ -156,8 +156,8 @@ def load_recipe(paths=(), overrides=()) -> Recipe:
         nested = yaml.safe_load(text) if text else None
         for part in reversed(key.split(".")):
             nested = {part: nested}
-        _merge(recipe, nested, f"--set {override}", "", _into_mapping(recipe, key.split(".")))
-    _validate(recipe, ", ".join(map(str, paths)) or "the recipe")
+        _merge(recipe, nested, f"--set {override}", "", _into_mapping(recipe, key.split(".")), origins)
+    _validate(recipe, ", ".join(map(str, paths)) or "the recipe", origins)
     return recipe
 
 
@@ -204,7 +204,10 @@ def selects_after_stage1(recipe: Recipe) -> bool:
             and recipe.stage1.steps > 0 and recipe.stage1.selection_steps > 0)
 
 
-def _validate(recipe: Recipe, origin: str) -> None:
+def _validate(recipe: Recipe, origin: str, origins: dict | None = None) -> None:
+    """Raise RecipeError for a field out of range (named with where it was set: a file, a --set, or the default) or
+    a combination that cannot run (named with ``origin``, the recipe files)."""
+    origins = origins or {}
     train = recipe.train
     sharding = f"train.strategy={train.strategy}" + (f" with train.zero_stage={train.zero_stage}"
                                                      if train.strategy == "deepspeed" else "")
@@ -230,7 +233,9 @@ def _validate(recipe: Recipe, origin: str) -> None:
             low, high, low_open, high_open = bounds
             if (low is not None and (value <= low if low_open else value < low)) or \
                     (high is not None and (value >= high if high_open else value > high)):
-                checks.append((False, f"{section.name}.{item.name} must be {_range_text(*bounds)}, got {value!r}"))
+                where = origins.get(f"{section.name}.{item.name}", "the default")
+                raise RecipeError(f"{where}: {section.name}.{item.name} must be {_range_text(*bounds)}, got "
+                                  f"{value!r}")
     for name in ("stage1", "stage2"):
         stage = getattr(recipe, name)
         checks.append((not (stage.enabled and stage.steps == 0),
@@ -273,7 +278,8 @@ def _into_mapping(recipe: Recipe, parts: list[str]) -> bool:
     return False
 
 
-def _merge(target, data: dict, origin: str, prefix: str, into_mapping: bool = False) -> None:
+def _merge(target, data: dict, origin: str, prefix: str, into_mapping: bool = False, origins=None) -> None:
+    """Set ``data``'s fields on ``target`` (type-checked); ``origins`` records where each field was last set."""
     known = {f.name: f for f in dataclasses.fields(target)}
     hints = typing.get_type_hints(type(target))
     for key, value in data.items():
@@ -284,11 +290,14 @@ def _merge(target, data: dict, origin: str, prefix: str, into_mapping: bool = Fa
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise RecipeError(f"{origin}: '{dotted}' is a section; expected a mapping, got {value!r}")
-            _merge(current, value, origin, f"{dotted}.", into_mapping)
-        elif into_mapping and isinstance(current, dict) and isinstance(value, dict):
+            _merge(current, value, origin, f"{dotted}.", into_mapping, origins)
+            continue
+        if into_mapping and isinstance(current, dict) and isinstance(value, dict):
             setattr(target, key, _check_type(_merged(current, value), hints[key], origin, dotted))
         else:
             setattr(target, key, _check_type(value, hints[key], origin, dotted))
+        if origins is not None:
+            origins[dotted] = origin
 
 
 def _merged(old: dict, new: dict) -> dict:

@@ -86,7 +86,9 @@ def test_every_numeric_recipe_field_declares_its_range():
 def test_a_recipe_number_out_of_range_names_the_key_and_range(section, name, bounds):
     low, high, low_open, high_open = bounds
     bad = low if low_open else low - 1
-    with pytest.raises(RecipeError, match=rf"{section}\.{name} must be [>]=? {low}.*, got {bad}"):
+    # named with where the value came from: the --set that gave it, not a recipe file that does not hold it
+    with pytest.raises(RecipeError, match=rf"^--set {section}\.{name}={bad}: {section}\.{name} must be [>]=? {low}.*"
+                                          rf", got {bad}"):
         load_recipe([], [f"{section}.{name}={bad}"])
     if high is not None:
         with pytest.raises(RecipeError, match=rf"{section}\.{name} must be .*, got {high}"):
@@ -283,3 +285,13 @@ def test_a_full_disk_is_found_before_training_and_a_failed_write_is_one_line(tea
     assert main(["distill", *settings, "--set", "output.overwrite=true"]) == 3
     _one_line(capsys, "No space left on device (writing ", "stage1.safetensors", "nothing was half-written")
     assert not [name for name in os.listdir(tmp_path / "run" / "checkpoints") if ".partial" in name]
+
+
+def test_a_value_out_of_range_is_blamed_on_where_it_was_set(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("stage2: {steps: 4}\ntrain: {lr: 0.01}\n")
+    with pytest.raises(RecipeError, match=r"^--set stage2.steps=-1: stage2.steps must be >= 0"):
+        load_recipe([str(recipe)], ["stage2.steps=-1"])
+    recipe.write_text("stage2: {steps: -1}\n")
+    with pytest.raises(RecipeError, match=rf"^{recipe}: stage2.steps must be >= 0"):
+        load_recipe([str(recipe)], ["train.lr=0.01"])
