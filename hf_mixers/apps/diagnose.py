@@ -28,8 +28,19 @@ def diagnose(target: str, out_dir: str, length: int = 256, source: int = 0, prob
     """Measure, fit, write; returns the report."""
     torch.manual_seed(seed)
     if os.path.isdir(target):
+        config_path = os.path.join(target, "config.json")
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as handle:
+                config = json.load(handle)
+            limit = config.get("max_position_embeddings")
+            if isinstance(limit, int) and length > limit:
+                raise ValueError(f"diagnose: --length {length} is more than the model's max_position_embeddings "
+                                 f"({limit})")
+            hidden_size = config.get("hidden_size", hidden_size)
+        _check_memory(length, probes, hidden_size)
         entries = _folder_entries(target, length, layers, text)
     elif target in {spec.name for spec in list_mixers()}:
+        _check_memory(length, probes, hidden_size)
         entries = [_fresh_layer(target, length, hidden_size, num_heads, num_kv_heads, options or {}, seed)]
     else:
         names = ", ".join(spec.name for spec in list_mixers())
@@ -45,6 +56,21 @@ def diagnose(target: str, out_dir: str, length: int = 256, source: int = 0, prob
     write_atomically(os.path.join(out_dir, "diagnose.json"), json.dumps(report, indent=2) + "\n")
     _plot(report, os.path.join(out_dir, "diagnose.png"))
     return report
+
+
+def _check_memory(length: int, probes: int, hidden_size: int) -> None:
+    """Refuse, before any work, a measurement that cannot fit: the probes' inputs and outputs and the activations a
+    backward pass keeps are about 16 tensors of (probes, length, hidden) in fp32 (an estimate, on the safe side)."""
+    needed = 16 * probes * length * hidden_size * 4
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as handle:
+            available = 1024 * int(next(line for line in handle if line.startswith("MemAvailable")).split()[1])
+    except (OSError, StopIteration):
+        return  # no /proc: nothing to compare with
+    if needed > available:
+        raise ValueError(f"diagnose: --length {length} with --probes {probes} needs about {needed / 2**30:.1f} GiB "
+                         f"(16 x probes x length x {hidden_size} fp32 values), more than the "
+                         f"{available / 2**30:.1f} GiB available: lower --length or --probes")
 
 
 def _theory(kind, mixer, inputs, rope) -> dict | None:

@@ -250,7 +250,8 @@ def test_outputs_under_a_file_folders_without_a_config_and_binary_text_are_one_l
     cases = {("compare", "--mixer", "sessa", "--out", str(blocker / "c")): f"{blocker} is a file, not a folder",
              ("reproduce", "sessa-tail", "--out", str(blocker / "r")): f"{blocker} is a file, not a folder",
              ("diagnose", str(tmp_path / "empty-folder"), "--out", str(tmp_path / "d")): "has no config.json",
-             ("diagnose", "rsa", "--text", str(binary), "--out", str(tmp_path / "d")): f"--text {binary}: not UTF-8"}
+             ("diagnose", "rsa", "--text", str(binary), "--out", str(tmp_path / "d")): f"--text {binary}: not UTF-8",
+             ("diagnose", "rsa", "--length", "10000000", "--out", str(tmp_path / "d")): "GiB available: lower --length"}
     for argv, message in cases.items():
         assert main(list(argv)) == 2, argv
         _one_line(capsys, message)

@@ -85,3 +85,8 @@ def test_diagnose_command_on_a_mixer_and_on_a_model_folder(tmp_path, capsys):
     assert "neither a model folder nor a registered mixer" in capsys.readouterr().err
     assert main(["diagnose", str(folder), "--layers", "99", "--text", str(text), "--length", "40",
                  "--out", str(tmp_path / "y")]) == 2
+    capsys.readouterr()
+    limit = model.config.max_position_embeddings
+    assert main(["diagnose", str(folder), "--length", str(limit + 1), "--out", str(tmp_path / "z")]) == 2
+    assert f"--length {limit + 1} is more than the model's max_position_embeddings ({limit})" in \
+        capsys.readouterr().err
