@@ -162,6 +162,18 @@ def _check_remote_code(root: Path, config: dict) -> None:
         raise PushError(f"{root}: the remote-code model loads but returns non-finite logits")
 
 
+def _check_card_repo(root: Path, repo_id: str) -> None:
+    """A card written by ``hf-mixers card --repo-id X`` loads X in its usage snippet (``repo = "X"``): refuse to push
+    it to another repository, where that snippet would load the wrong model. A card without an id
+    (``<user>/...``) or not written by hf-mixers passes."""
+    import re
+
+    written_for = re.findall(r'^repo = "([^"<>]+)"$', (root / "README.md").read_text(encoding="utf-8"), re.M)
+    if written_for and written_for[0] != repo_id:
+        raise PushError(f"{root / 'README.md'}: the card was written for {written_for[0]} (its usage snippet loads "
+                        f"that repository), not {repo_id}: run `hf-mixers card {root} --repo-id {repo_id}` first")
+
+
 def push_folder(folder, repo_id, private=False, revision=None, dry_run=False, token=None, endpoint=None,
                 commit_message=None, remote_check=True, create_pr=False) -> dict:
     """Check ``folder`` and upload it to the model repository ``repo_id`` (created if needed) at ``revision``
@@ -184,6 +196,7 @@ def push_folder(folder, repo_id, private=False, revision=None, dry_run=False, to
             raise PushError("no Hugging Face token: set the HF_TOKEN environment variable or run `hf auth login` "
                             "(a token with write access), or use --dry-run to only list the files", fault=True)
     files = check_folder(folder, remote_check=remote_check)
+    _check_card_repo(Path(folder), repo_id)
     result = {"repo_id": repo_id, "revision": revision, "files": files, "commit_url": None, "pr_url": None,
               "dry_run": dry_run}
     if dry_run:

@@ -31,7 +31,7 @@ def distilled(tmp_path_factory):
     return {"folder": folder, "teacher": teacher, "summary": summary}
 
 
-def test_card_of_a_distilled_and_evaluated_model(distilled):
+def test_card_of_a_distilled_and_evaluated_model(distilled, capsys):
     folder = distilled["folder"]
     assert cli_main(["card", str(folder), "--repo-id", "someone/tiny-rsa", "--base-model", "someone/tiny-llama"]) == 0
     card = ModelCard.load(folder / "README.md")  # huggingface_hub parses it back
@@ -55,6 +55,11 @@ def test_card_of_a_distilled_and_evaluated_model(distilled):
     assert 'repo = "someone/tiny-rsa"' in text and "trust_remote_code=True" in text
     assert "## Limitations" in text and "Layer 1 is still full attention, with its KV cache." in text
     assert "`conversion_report.md`, `training_summary.json`, `eval_report.md`" in text
+    # the card is for someone/tiny-rsa: a push elsewhere is refused (a dry run too), the right one passes
+    capsys.readouterr()
+    assert cli_main(["push", "someone/other", str(folder), "--dry-run"]) == 2
+    assert "the card was written for someone/tiny-rsa" in capsys.readouterr().err
+    assert cli_main(["push", "someone/tiny-rsa", str(folder), "--dry-run"]) == 0
 
 
 def test_card_without_history_says_so(distilled, tmp_path):
