@@ -43,15 +43,16 @@ def _tiny_teacher(folder: str) -> None:
     wrapped.save_pretrained(folder)
 
 
-def _run(module: str, args: list[str], timeout: int = 300) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+def _run(module: str, args: list[str], timeout: int = 300, env: dict | None = None) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     try:
         result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
                                 env=env)
     except subprocess.TimeoutExpired:
         return {"exit": None, "errors": [], "traceback": False, "hang": True}
     lines = result.stderr.replace("\r", "\n").splitlines()
-    return {"exit": result.returncode, "errors": [line for line in lines if line.startswith("hf-mixers")],
+    errors = [line for line in lines if line.startswith("hf-mixers") and ": error:" in line]  # not warnings
+    return {"exit": result.returncode, "errors": errors,
             "traceback": "Traceback (most recent call last)" in result.stderr, "hang": False,
             "tail": result.stderr.strip().splitlines()[-1:] if result.stderr.strip() else []}
 
@@ -83,6 +84,17 @@ def survey(module: str, work: str) -> list[dict]:
     tensors = load_file(os.path.join(headless, "model.safetensors"))
     tensors.pop("lm_head.weight", None)
     save_file(tensors, os.path.join(headless, "model.safetensors"), metadata={"format": "pt"})
+    os.makedirs(os.path.join(work, "empty-folder"))
+    unknown_type = os.path.join(work, "unknown-type")  # its model_type edited to one nobody here knows
+    subprocess.run(["cp", "-r", converted, unknown_type], check=True)
+    with open(os.path.join(unknown_type, "config.json")) as handle:
+        config = json.load(handle)
+    config["model_type"] = "someone_elses"
+    with open(os.path.join(unknown_type, "config.json"), "w") as handle:
+        json.dump(config, handle)
+    carded = os.path.join(work, "carded")  # its card written for me/a
+    subprocess.run(["cp", "-r", converted, carded], check=True)
+    _run(module, ["card", carded, "--repo-id", "me/a"])
     no_weights = os.path.join(work, "no-weights")
     subprocess.run(["cp", "-r", converted, no_weights], check=True)
     os.remove(os.path.join(no_weights, "model.safetensors"))
@@ -131,10 +143,42 @@ def survey(module: str, work: str) -> list[dict]:
         "push --dry-run, lm_head missing from the weights": ["push", "user/tiny", headless, "--dry-run"],
         "push --dry-run, invalid REPO_ID": ["push", "--dry-run", "not a repo!", converted],
         "card, a plain Llama folder": ["card", teacher],
+        # the classes of issue 33 (the newer commands)
+        "compare, an option twice": ["compare", "--teacher", teacher, "--mixer", "rsa:window=64,window=8",
+                                     "--out", f"{work}/c1"],
+        "compare, a refused option value": ["compare", "--teacher", teacher, "--mixer", "rsa:window=-1",
+                                            "--out", f"{work}/c2"],
+        "compare, a recipe option of no compared mixer": ["compare", "--teacher", teacher, "--mixer", "sessa",
+                                                          "--set", "model.mixer_options.rsa_window=8",
+                                                          "--out", f"{work}/c3"],
+        "compare --out under a file": ["compare", "--teacher", teacher, "--mixer", "sessa",
+                                       "--out", f"{files['a-file']}/c"],
+        "diagnose, an unknown option": ["diagnose", "rsa", "--option", "nosuch=1", "--out", f"{work}/g1"],
+        "diagnose --length 10000000": ["diagnose", "rsa", "--length", "10000000", "--out", f"{work}/g2"],
+        "diagnose, a folder without config.json": ["diagnose", work + "/empty-folder", "--out", f"{work}/g3"],
+        "diagnose, a binary --text": ["diagnose", converted, "--text", files["binary.txt"], "--out", f"{work}/g4"],
+        "convert, a window beyond the positions": ["convert", teacher, "--mixer", "rsa", "--out", f"{work}/o5",
+                                                   *small, "--option", "window=100000"],
+        "convert, GLTM offsets poly:-1,2": ["convert", teacher, "--mixer", "gltm", "--out", f"{work}/o6", *small,
+                                            "--option", "pattern=custom", "--option", "offsets=poly:-1,2"],
+        "bench sessa, a flag of another target": ["bench", "sessa", "--decode-batch", "4", "--out", f"{work}/b1"],
+        "bench --device nosuch": ["bench", "sessa", "--device", "nosuch", "--out", f"{work}/b2"],
+        "eval --device nosuch": ["eval", converted, "--device", "nosuch"],
+        "eval, a folder of an unknown model_type": ["eval", unknown_type, "--teacher", "none"],
+        "card, an invalid --repo-id": ["card", converted, "--repo-id", "bad repo id!!"],
+        "push to another repository than the card's": ["push", "--dry-run", "--repo-id", "me/b", carded],
+        "distill, a mixer option value refused": [*distill, "--set", "model.mixer_options={rsa_window: abc}",
+                                                  "--set", f"output.dir={work}/d6"],
+        "demo --out, a non-empty folder": ["demo", "--out", work, "--max-steps", "1"],
     }
+    plugin = os.path.join(work, "plugins")
+    os.makedirs(plugin)
+    open(os.path.join(plugin, "exiting_plugin.py"), "w").write("import sys\nsys.exit(0)\n")
+    with_env = {"a plugin calling sys.exit": (["convert", teacher, "--mixer", "rsa", "--out", f"{work}/o7", *small],
+                                              {"HF_MIXERS_PLUGINS": "exiting_plugin", "PYTHONPATH": plugin})}
     results = []
-    for name, args in cases.items():
-        outcome = _run(module, args)
+    for name, (args, env) in {**{name: (args, None) for name, args in cases.items()}, **with_env}.items():
+        outcome = _run(module, args, env=env)
         leftovers = [p for p in os.listdir(work) if ".partial" in p]
         outcome["handled"] = (outcome["exit"] in (2, 3) and len(outcome["errors"]) == 1 and not outcome["traceback"]
                               and not leftovers)

@@ -463,7 +463,7 @@ def _last_mile(args) -> int:
                     raise ValueError(f"give the repository once: `hf-mixers push {args.legacy_repo_id} "
                                      f"{args.model}` (--repo-id is the old form)")
                 repo_id, folder = args.legacy_repo_id, args.repo_id
-                print(f"hf-mixers push: `push DIR --repo-id REPO_ID` is deprecated; write `hf-mixers push "
+                print(f"hf-mixers push: warning: `push DIR --repo-id REPO_ID` is deprecated; write `hf-mixers push "
                       f"{repo_id} {folder}`", file=sys.stderr)
             result = push_folder(folder, repo_id, private=args.private, revision=args.revision,
                                  dry_run=args.dry_run, commit_message=args.commit_message, create_pr=args.create_pr)

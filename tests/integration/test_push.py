@@ -248,7 +248,8 @@ def test_cli_dry_run_lists_the_files_and_refusals_exit_2(folder, no_token, capsy
     # the old form still works, with one deprecation line
     assert cli_main(["push", str(folder), "--repo-id", "user/tiny", "--dry-run"]) == 0
     assert capsys.readouterr().err.splitlines() == [
-        f"hf-mixers push: `push DIR --repo-id REPO_ID` is deprecated; write `hf-mixers push user/tiny {folder}`"]
+        "hf-mixers push: warning: `push DIR --repo-id REPO_ID` is deprecated; write "
+        f"`hf-mixers push user/tiny {folder}`"]
     assert cli_main(["push", "user/tiny", str(folder), "--repo-id", "user/tiny", "--dry-run"]) == 2
     assert "give the repository once" in capsys.readouterr().err
     os.remove(folder / "README.md")
