@@ -15,7 +15,6 @@ def _register_auto_classes(config, model, causal_lm) -> None:
     AutoModelForCausalLM.register(config, causal_lm)
 
 
-_register_auto_classes(MixerConfig, MixerModel, MixerForCausalLM)
 def _unregister_auto_classes(spec) -> None:
     # transformers has no unregister: its mappings keep registered classes in _extra_content
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -25,5 +24,6 @@ def _unregister_auto_classes(spec) -> None:
         auto._model_mapping._extra_content.pop(config, None)
 
 
+_register_auto_classes(MixerConfig, MixerModel, MixerForCausalLM)
 on_register(lambda spec: None if spec.is_teacher_attention else _register_auto_classes(
     config_class(spec.name), *model_classes(spec.name)), _unregister_auto_classes)
