@@ -126,6 +126,11 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
                 if not torch.isfinite(loss):
                     raise NonFiniteLoss(f"{stage}: the loss is {loss.item()} at step {step}; last good checkpoint: "
                                         f"{last_good or 'none (no checkpoint written yet)'}")
+                if not loss.requires_grad:
+                    raise ValueError(f"{stage}: the loss does not depend on any parameter the stage trains, so it "
+                                     "has nothing to learn; a local window as long as the sequences "
+                                     "(data.sequence_length <= the mixer's window) never lets a token reach the "
+                                     "memory: use longer sequences, a shorter window, or disable the stage")
                 optimizer.backward(loss)
                 total += loss.item() / train.grad_accum
             optimizer.step()

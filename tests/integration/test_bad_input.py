@@ -296,3 +296,15 @@ def test_a_value_out_of_range_is_blamed_on_where_it_was_set(tmp_path):
     recipe.write_text("stage2: {steps: -1}\n")
     with pytest.raises(RecipeError, match=rf"^{recipe}: stage2.steps must be >= 0"):
         load_recipe([str(recipe)], ["train.lr=0.01"])
+
+
+def test_a_stage_with_nothing_to_learn_is_one_line(teacher_dir, tmp_path, capsys):
+    """Windowed RSA on sequences no longer than its window: stage 1's loss never reaches the memory it trains."""
+    from test_recipes import small
+
+    settings = [part for item in small(teacher_dir, tmp_path / "run", "model.mixer_options={rsa_num_slots: 4, "
+                                       "rsa_num_levels: 1, rsa_window: 32}", "stage1.steps=1", "stage2.steps=1")
+                for part in ("--set", item)]
+    assert main(["distill", *settings]) == 2
+    _one_line(capsys, "stage1: the loss does not depend on any parameter the stage trains",
+              "data.sequence_length <= the mixer's window")
