@@ -130,10 +130,9 @@ def trained_options(entries: list[Entry], recipe_options: dict) -> dict:
     for entry in entries:
         spec = get_mixer(entry.mixer)
         names = {option.name for option in spec.options}
-        own = {spec.option_name(key): value for key, value in recipe_options.items()
-               if spec.option_name(key) in names}
-        used |= {key for key in recipe_options if spec.option_name(key) in names}
-        trained[entry.label] = {**own, **entry.options}
+        mine = {key: spec.option_name(key) for key in recipe_options if spec.option_name(key) in names}
+        used |= set(mine)
+        trained[entry.label] = {**{name: recipe_options[key] for key, name in mine.items()}, **entry.options}
     unused = sorted(set(recipe_options) - used)
     if unused:
         mixers = sorted({entry.mixer for entry in entries})
