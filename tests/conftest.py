@@ -163,7 +163,7 @@ def _seed():
     torch.manual_seed(0)
 
 
-TIERS = ("unit", "contract", "integration")
+TIERS = ("unit", "contract", "integration", "gpu")
 
 
 def first_in_fast(*cases):

