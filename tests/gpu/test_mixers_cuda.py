@@ -7,7 +7,6 @@ The reference model sits on the CPU with ``kernel_backend="torch"``; the model u
 the default "auto" (Triton kernels on CUDA; under the dry run the interpreter on CPU tensors).
 """
 
-import copy
 import logging
 
 import pytest
