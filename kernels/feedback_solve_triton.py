@@ -56,11 +56,30 @@ finally:
 
 from .common import check_feedback_shapes, compute_dtype
 
-# fp32 ``tl.dot``s in true fp32: the solve feeds its own output back, and tf32 (10-bit mantissa) logits and
-# values would put it ~1e-3 away from the reference. "tf32" is faster on GPUs if that accuracy is acceptable.
-INPUT_PRECISION = "ieee"
+# fp32-accurate ``tl.dot``s: the solve feeds its own output back, and plain tf32 (10-bit mantissa) logits and values
+# would put it ~1e-3 away from the reference. "tf32x3" (three tf32 products, the RSA kernels' choice) is as accurate
+# and runs on the tensor cores; "ieee" (FMA loops) took 147 s to compile the forward alone for sm_90 at 128-wide rows,
+# tf32x3 22 s (`triton.compile` on a 2-core CPU, docs/benchmarks.md "Kernels").
+INPUT_PRECISION = "tf32x3"
 MAX_KEY_BLOCK = 64  # key / query block of the sweeps and the parallel backward kernels (register budget)
 NUM_WARPS = 4  # untuned: tuning (and an autotune config list) needs a GPU
+# One software-pipelining stage: Triton's default of 3 buffers every tile load three deep, and the forward at the
+# Llama-3-8B head layout (64 x 128 tiles) then asks for 352 KiB of shared memory, over the H100's 227 KiB (it does
+# not launch); with 1 it needs 96 KiB (`triton.compile` for sm_90 on a CPU, docs/benchmarks.md "Kernels"). The sweep
+# is a chain of dependent steps, so deeper pipelining has little to overlap.
+NUM_STAGES = 1
+# Each program holds a whole key / value row in one tile. At 128 the four kernels need 96-224 KiB of shared memory
+# for sm_90 (tf32x3, one stage), at 256 the backward needs 288-416 KiB: over the 227 KiB an H100 block can have.
+MAX_FEATURES = 128
+
+
+def feedback_solve_triton_supports(key_dim: int, width: int) -> str | None:
+    """Why the kernels cannot take rows ``key_dim`` / ``width`` features wide (None: they can)."""
+    widest = max(key_dim, width)
+    if widest > MAX_FEATURES:
+        return (f"feedback rows {widest} features wide (the kernels hold a row in one tile, at most {MAX_FEATURES} "
+                f"within a GPU block's shared memory; more sessa_feedback_heads make narrower rows)")
+    return None
 
 
 @triton.jit
@@ -398,7 +417,7 @@ def _forward(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size, save):
             s, h, lse, length, past, key_dim, width, chunk, float(scale),
             HAS_MASK=mask is not None, SAVE=save, BLOCK_C=meta["block_c"], BLOCK_N=meta["block_n"],
             BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"], LOG_C=meta["log_c"],
-            PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS)
+            PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return s, (q, k, gain, mask, past_k, past_s, s, h, lse), meta
 
 
@@ -431,7 +450,7 @@ class _TritonFeedbackSolve(torch.autograd.Function):
         if batch and length:
             mask_arg = gain if mask is None else mask
             common = dict(HAS_MASK=mask is not None, BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"],
-                          PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS)
+                          PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
             _bwd_lam_kernel[(batch,)](
                 q, k, gain, mask_arg, lse, h, grad_s, lam, d_gain,
                 length, past, key_dim, width, meta["chunk"], triton.cdiv(length, meta["chunk"]), scale,

@@ -4,9 +4,12 @@
 On a CUDA machine (its own torch, triton and transformers; nothing downloadable):
   install        the working tree and the wheels of .gpu-wheels/ (`make gpu-wheels` fills it, here) into a temporary
                  prefix with --no-deps, over the machine's torch/triton/transformers
-  pytest-gpu     tests/gpu: the Triton kernels against their fp64 references at realistic shapes (fp32, bf16; values
-                 and gradients), every mixer on CUDA against the CPU reference (forward, backward, decode, generate),
-                 the dispatch log, compiled decode (also as a CUDA graph), flash-linear-attention where carried
+  compile-*      each Triton kernel's first forward+backward at each head layout (fp32, bf16): compiles what the
+                 later steps launch, and names a kernel that compiles for minutes or does not launch
+  pytest-mixers  tests/gpu/test_mixers_cuda.py: every mixer on CUDA against the CPU reference (forward, backward,
+                 decode, generate), the dispatch log, compiled decode (also as a CUDA graph), fla where carried
+  pytest-kernels tests/gpu/test_kernels_cuda.py: the Triton kernels against their fp64 references at realistic
+                 shapes (fp32, bf16; values and gradients)
   bench-kernels  `hf-mixers bench kernels --dtype bfloat16` at T = 1K..16K against SDPA (FlashAttention)
   teacher        a SmolLM2-135M-shaped teacher with random weights (bf16 safetensors; SmolLM2's tokenizer)
   bench-distill  `hf-mixers bench distill`: a stage-2 step (RSA) against a teacher-LoRA step, tokens/s
@@ -80,6 +83,31 @@ def make_teacher(folder: str, shape: str) -> None:
           f"bf16, in {folder}")
 
 
+def warm_kernel(kernel: str, shape: str, length: int) -> None:
+    """One forward and backward of the Triton ``kernel`` ("sessa" or "rsa") at ``shape``'s head layout, in fp32 and
+    bf16: compiles the variants the later steps launch (Triton caches them on disk) and says how long each took, so a
+    kernel that compiles for minutes or does not launch on this GPU is named by its own step."""
+    import torch
+
+    from hf_mixers.apps.bench.kernels import SHAPES, _candidate
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from hf_mixers.apps.bench.kernels import _unsupported
+
+    if f"{kernel}_triton" in _unsupported(SHAPES[shape]):
+        print(f"{kernel} kernel, {shape} heads: not run, {_unsupported(SHAPES[shape])[f'{kernel}_triton']}")
+        return
+    for dtype in (torch.float32, torch.bfloat16):
+        tensors, run = _candidate(f"{kernel}_triton", SHAPES[shape], length, device, dtype,
+                                  torch.Generator().manual_seed(0), 64)
+        began = time.perf_counter()
+        run().float().pow(2).mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        print(f"{kernel} kernel, {shape} heads, T={length}, {str(dtype)[6:]}: first forward+backward (compiles) "
+              f"{time.perf_counter() - began:.1f} s", flush=True)
+
+
 def distill_recipe(path: str, teacher: str, out_dir: str, dry: bool) -> None:
     """The demo's windowed RSA, stage 2 only, 30 steps (the dry run: 2 short ones)."""
     import yaml
@@ -101,22 +129,32 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     lengths = "64" if dry else "1024,2048,4096,8192,16384"
     small = ["--device", "cpu", "--repeats", "1"] if dry else ["--repeats", "3"]
     recipe = os.path.join(work, "distill-30.yaml")
-    tier = {"HF_MIXERS_GPU_CHECK_OUT": work, **({"HF_MIXERS_GPU_CHECK": "dry", "TRITON_INTERPRET": "1"} if dry else {})}
+    tier = {"HF_MIXERS_GPU_CHECK": "dry", "TRITON_INTERPRET": "1"} if dry else {}
     decode = ["--contexts", "64", "--decode-tokens", "2"] if dry else ["--contexts", "1024,4096,16384"]
-    return [
-        ("pytest-gpu", [*python, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider"],
-         240, tier),
+    layer = ["--hidden-size", "64", "--heads", "4", "--kv-heads", "2"] if dry else []  # default: SmolLM2's
+    pytest = [*python, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider"]
+    shapes = ["smollm2-135m"] if dry else ["llama3-8b", "smollm2-135m"]  # the one-wide-head layout compiles slowest
+    warm = [(f"compile-{kernel}-{shape}", [*python, str(Path(__file__).resolve()), "--warm", kernel, shape],
+             90 if dry else 120, {"TRITON_INTERPRET": "1"} if dry else {})
+            for shape in ("llama3-8b", "smollm2-135m") for kernel in ("sessa", "rsa")]
+    return warm + [
+        ("pytest-mixers", [*pytest, "tests/gpu/test_mixers_cuda.py"], 180,
+         {**tier, "HF_MIXERS_GPU_CHECK_RECORDS": os.path.join(work, "pytest_mixers.json")}),
+        ("pytest-kernels", [*pytest, "tests/gpu/test_kernels_cuda.py"], 200,
+         {**tier, "HF_MIXERS_GPU_CHECK_RECORDS": os.path.join(work, "pytest_kernels.json")}),
         ("bench-kernels", [*cli, "bench", "kernels", "--dtype", "bfloat16", "--lengths", lengths, *small,
-                           *(["--shapes", "smollm2-135m"] if dry else []), "--out", work, "--overwrite"], 150, {}),
+                           "--shapes", ",".join(shapes), "--out", work, "--overwrite"], 150, {}),
         ("teacher", [*python, str(Path(__file__).resolve()), "--make-teacher", teacher,
                      "--shape", "tiny" if dry else "smollm2-135m"], 60, {}),
         ("bench-distill", [*cli, "bench", "distill", "--source", teacher, "--mixer", "rsa", "--dtype", "bfloat16",
                            "--sequence-length", "64" if dry else "1024", "--batch-size", "2" if dry else "8",
                            *small, "--out", work, "--overwrite"], 120, {}),
         ("distill-30", [*cli, "distill", recipe], 150, {}),
-        ("bench-rsa", [*cli, "bench", "rsa", "--lengths", lengths, *decode, *small, "--out", work, "--overwrite"],
+        ("bench-rsa", [*cli, "bench", "rsa", "--lengths", lengths, *decode, *layer, *small, "--out", work,
+                       "--overwrite"],
          90, {}),
-        ("bench-sessa", [*cli, "bench", "sessa", "--lengths", lengths, *small, "--out", work, "--overwrite"], 90, {}),
+        ("bench-sessa", [*cli, "bench", "sessa", "--lengths", lengths, *layer, *small, "--out", work, "--overwrite"],
+         90, {}),
     ] + ([] if dry else [  # on CPU `make test` runs these under the interpreter already
         ("pytest-triton", [*python, "-m", "pytest", "tests/unit/test_feedback_solve_triton.py",
                            "tests/unit/test_rsa_chunk_triton.py", "-m", "", "-q", "-p", "no:cacheprovider"], 120, {}),
@@ -175,7 +213,7 @@ def install(prefix: str, log) -> dict:
 
 
 def figures(work: str) -> dict:
-    """Every JSON the steps wrote, by file name (bench_*.json, pytest_gpu.json), and the distillation's metrics."""
+    """Every JSON the steps wrote, by file name (bench_*.json, pytest_*.json), and the distillation's metrics."""
     found = {}
     for path in sorted(glob.glob(os.path.join(work, "*.json"))):
         with open(path, encoding="utf-8") as handle:
@@ -200,7 +238,13 @@ def main(argv=None) -> int:
     parser.add_argument("--make-teacher", metavar="FOLDER", help=argparse.SUPPRESS)
     parser.add_argument("--shape", default="smollm2-135m", help=argparse.SUPPRESS)
     parser.add_argument("--save-tokenizer", metavar="FOLDER", help=argparse.SUPPRESS)  # `make gpu-wheels`
+    parser.add_argument("--warm", nargs=2, metavar=("KERNEL", "SHAPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.warm:
+        import torch
+
+        warm_kernel(*args.warm, length=128 if torch.cuda.is_available() else 32)
+        return 0
     if args.save_tokenizer:
         smollm2_tokenizer().save_pretrained(args.save_tokenizer)
         return 0

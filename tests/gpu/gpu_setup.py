@@ -6,8 +6,8 @@ TRITON_INTERPRET=1 set before the process starts): the same tests on CPU tensors
 so that the CUDA tier never rots between the rare sessions with a GPU.
 
 Each test module sets ``pytestmark = ON_DEVICE`` and may take the ``record`` fixture (imported from here): each
-``record(**figures)`` adds a row to $HF_MIXERS_GPU_CHECK_OUT/pytest_gpu.json, rewritten at once, so a crash later
-in the run keeps what was measured.
+``record(**figures)`` adds a row to the JSON file $HF_MIXERS_GPU_CHECK_RECORDS names, rewritten at once, so a crash
+later in the run keeps what was measured.
 """
 
 import json
@@ -24,8 +24,9 @@ elif DRY and os.environ.get("TRITON_INTERPRET") == "1":
 else:
     DEVICE = None
 
-# head layouts: as in `hf-mixers bench kernels` (heads, kv heads, head width, Sessa feedback heads)
-SHAPES = {"smollm2-135m": dict(heads=9, kv_heads=3, head_dim=64, feedback_heads=1),
+# head layouts (heads, kv heads, head width, Sessa feedback heads): SmolLM2-135M with one feedback head per attention
+# head (64 wide; the Sessa kernels take rows up to 128, its official one head of 576 runs the PyTorch path), Llama-3-8B
+SHAPES = {"smollm2-135m": dict(heads=9, kv_heads=3, head_dim=64, feedback_heads=9),
           "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128, feedback_heads=32)} if not DRY else \
     {"tiny": dict(heads=4, kv_heads=2, head_dim=8, feedback_heads=2)}
 LENGTHS = (1024, 8192) if not DRY else (40,)
@@ -37,14 +38,13 @@ RECORDS = []
 
 @pytest.fixture
 def record(request):
-    """record(**figures): one row of measured figures for this test in $HF_MIXERS_GPU_CHECK_OUT/pytest_gpu.json."""
+    """record(**figures): one row of measured figures for this test in the file $HF_MIXERS_GPU_CHECK_RECORDS."""
     def add(**figures):
         RECORDS.append({"test": request.node.nodeid.split("::", 1)[-1], **figures})
-        folder = os.environ.get("HF_MIXERS_GPU_CHECK_OUT")
-        if folder:
-            os.makedirs(folder, exist_ok=True)
+        path = os.environ.get("HF_MIXERS_GPU_CHECK_RECORDS")
+        if path:
             device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (dry run)"
-            with open(os.path.join(folder, "pytest_gpu.json"), "w", encoding="utf-8") as handle:
+            with open(path, "w", encoding="utf-8") as handle:
                 json.dump({"device": device, "torch": torch.__version__, "records": RECORDS}, handle, indent=1)
     return add
 

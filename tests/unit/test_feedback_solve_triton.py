@@ -199,6 +199,24 @@ def test_the_entry_point_sends_fp64_to_pytorch_and_bad_arguments_are_named():
 
 
 @needs_kernels
+def test_rows_wider_than_a_tile_take_the_pytorch_path_with_the_reason(caplog):
+    """A feedback row over MAX_FEATURES wide (SmolLM2's one head of 576) does not fit a GPU block's shared memory in
+    the kernels' one-tile layout: "auto" takes the PyTorch path and says why, "triton" is an error naming it."""
+    from hf_mixers.kernels import dispatch
+    from hf_mixers.kernels.feedback_solve import feedback_solve, feedback_solve_chunked
+
+    wide = fst.MAX_FEATURES + 1
+    inputs = make_inputs(batch=1, length=6, width=wide, key_dim=4)
+    dispatch._announced.clear()
+    with caplog.at_level("WARNING", logger="hf_mixers.kernels"):
+        out = feedback_solve(**inputs, chunk_size=4)
+    torch.testing.assert_close(out, feedback_solve_chunked(**inputs, chunk_size=4), rtol=0, atol=0)
+    assert f"PyTorch path (feedback rows {wide} features wide" in caplog.text
+    with pytest.raises(RuntimeError, match=f"cannot run: feedback rows {wide} features wide"):
+        feedback_solve(**make_inputs(batch=1, length=6, width=4, key_dim=wide), backend="triton")
+
+
+@needs_kernels
 def test_sessa_model_on_the_triton_path_equals_the_pytorch_path():
     """The dispatch end to end: a tiny Sessa model with kernel_backend="triton" gives the logits, gradients and
     cached decoding of the same model on the PyTorch path (left-padded batch, chunks of 16)."""

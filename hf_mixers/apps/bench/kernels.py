@@ -70,6 +70,15 @@ def _candidate(candidate: str, shape: dict, length: int, device, dtype, generato
     return tensors, lambda: feedback_solve(**tensors, chunk_size=chunk_size, backend=backend)
 
 
+def _unsupported(shape: dict) -> dict:
+    """{candidate: why its kernel cannot take this head layout} (the Sessa kernels hold a feedback row in one tile)."""
+    from ...kernels.feedback_solve_triton import feedback_solve_triton_supports
+
+    width = shape["heads"] * shape["head_dim"] // shape["feedback_heads"]
+    reason = feedback_solve_triton_supports(width, width)
+    return {"sessa_triton": reason} if reason else {}
+
+
 def _calls(tensors, run):
     def forward():
         with torch.no_grad():
@@ -117,11 +126,13 @@ def bench_kernels(out_dir, lengths=None, shapes=("smollm2-135m", "llama3-8b"), r
     why_not = triton_unavailable(device)
     if why_not is None and os.environ.get("TRITON_INTERPRET") == "1":
         why_not = "TRITON_INTERPRET=1: the interpreter is no benchmark"
-    candidates = [c for c in CANDIDATES if not c.endswith("triton") or why_not is None]
+    unsupported = {name: _unsupported(SHAPES[name]) if why_not is None else {} for name in shapes}
     results = []
     points = [(name, length) for name in shapes for length in lengths]
     for name, length in tqdm(points, desc="bench kernels", unit="point"):
         generator = torch.Generator().manual_seed(0)
+        candidates = [c for c in CANDIDATES if (not c.endswith("triton") or why_not is None)
+                      and c not in unsupported[name]]
         inputs = {c: _candidate(c, SHAPES[name], length, device, torch_dtype, generator, chunk_size)
                   for c in candidates}
         calls = {c: _calls(*inputs[c]) for c in candidates}
@@ -149,6 +160,7 @@ def bench_kernels(out_dir, lengths=None, shapes=("smollm2-135m", "llama3-8b"), r
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": dtype, "chunk_size": chunk_size, "repeats": repeats,
               "shapes": {name: SHAPES[name] for name in shapes}, "triton": why_not or "timed",
+              "not_run": {name: reasons for name, reasons in unsupported.items() if reasons},
               "memory": "torch.cuda.max_memory_allocated over one forward+backward" if device.type == "cuda"
               else "not measured on CPU", "results": results, "ratios": ratios}
     return write_report(report, out_dir, "bench_kernels", _plot, _print_table)
@@ -178,6 +190,9 @@ def _print_table(report: dict) -> None:
         return "-" if value is None else f"{value / scale:.{digits}f}"
 
     print(f"\nkernels ({report['device']}, {report['dtype']}; Triton: {report['triton']})")
+    for name, reasons in report.get("not_run", {}).items():
+        for candidate, reason in reasons.items():
+            print(f"  {name}: {candidate} not run: {reason}")
     print(f"{'shape':>13} {'T':>6} | {'candidate':>12} {'fwd s':>8} {'fwd+bwd s':>9} {'peak MiB':>9}")
     for row in report["results"]:
         print(f"{row['shape']:>13} {row['T']:>6} | {row['candidate']:>12} {fmt(row['fwd_s']):>8} "
