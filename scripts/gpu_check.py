@@ -38,7 +38,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,11 +163,13 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     ])
 
 
+_OUTPUT_LOCK = threading.Lock()
+
+
 def run_step(name, argv, limit, env, log) -> dict:
-    """Run one step under ``limit`` seconds; its output goes to the log, its tail to the screen."""
+    """Run one step under ``limit`` seconds; its output goes to the log, its tail to the screen (thread-safe: the
+    compile steps run side by side)."""
     began = time.perf_counter()
-    log.write(f"\n===== {name}: {' '.join(argv)}\n")
-    log.flush()
     try:
         result = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, timeout=limit, errors="replace")
@@ -174,10 +178,11 @@ def run_step(name, argv, limit, env, log) -> dict:
         output = expired.stdout if isinstance(expired.stdout, str) else (expired.stdout or b"").decode(errors="replace")
         status = f"timed out after {limit} s"
     seconds = time.perf_counter() - began
-    log.write(output + f"\n===== {name}: {status} in {seconds:.1f} s\n")
-    log.flush()
     tail = [line for line in output.splitlines() if line.strip() and "\r" not in line][-6:]
-    print(f"[{name}] {status} in {seconds:.1f} s" + "".join(f"\n    {line[:200]}" for line in tail), flush=True)
+    with _OUTPUT_LOCK:
+        log.write(f"\n===== {name}: {' '.join(argv)}\n{output}\n===== {name}: {status} in {seconds:.1f} s\n")
+        log.flush()
+        print(f"[{name}] {status} in {seconds:.1f} s" + "".join(f"\n    {line[:200]}" for line in tail), flush=True)
     return {"status": status, "seconds": round(seconds, 1)}
 
 
@@ -274,15 +279,21 @@ def main(argv=None) -> int:
         distill_recipe(os.path.join(work, "distill-30.yaml"), os.path.join(work, "teacher"),
                        os.path.join(work, "distill-run"), dry)
         wanted = set(args.only.split(",")) if args.only else None
-        for name, step_argv, limit, extra in steps([sys.executable, "-P"], work, dry):
-            if wanted is not None and name not in wanted:
-                continue
+        todo = [step for step in steps([sys.executable, "-P"], work, dry) if wanted is None or step[0] in wanted]
+        # the compile steps side by side (one core each; Triton compiles a kernel on one), the others in turn
+        batches = [[step for step in todo if step[0].startswith("compile-")]]
+        batches += [[step] for step in todo if not step[0].startswith("compile-")]
+        for batch in filter(None, batches):
             left = args.budget - (time.perf_counter() - began)
             if left < 20:
-                report["steps"][name] = {"status": f"not run: the budget of {args.budget:.0f} s is spent"}
-                print(f"[{name}] not run (budget spent)", flush=True)
+                for name, *_ in batch:
+                    report["steps"][name] = {"status": f"not run: the budget of {args.budget:.0f} s is spent"}
+                    print(f"[{name}] not run (budget spent)", flush=True)
                 continue
-            report["steps"][name] = run_step(name, step_argv, int(min(limit, left)), {**env, **extra}, log)
+            with ThreadPoolExecutor(max_workers=len(batch)) as pool:
+                results = pool.map(lambda step: run_step(step[0], step[1], int(min(step[2], left)),
+                                                         {**env, **step[3]}, log), batch)
+                report["steps"].update({step[0]: result for step, result in zip(batch, results)})
     report["figures"] = figures(work)
     report["seconds"] = round(time.perf_counter() - began, 1)
     with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as handle:
