@@ -137,7 +137,7 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     pytest = [*python, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider"]
     shapes = ["smollm2-135m"] if dry else ["llama3-8b", "smollm2-135m"]  # the one-wide-head layout compiles slowest
     warm = [(f"compile-{kernel}-{shape}", [*python, str(Path(__file__).resolve()), "--warm", kernel, shape],
-             90 if dry else 120, {"TRITON_INTERPRET": "1"} if dry else {})
+             90 if dry else {"sessa": 150, "rsa": 300}[kernel], {"TRITON_INTERPRET": "1"} if dry else {})
             for shape in ("llama3-8b", "smollm2-135m") for kernel in ("sessa", "rsa")]
     return warm + [
         ("pytest-mixers", [*pytest, "tests/gpu/test_mixers_cuda.py"], 180,
@@ -237,7 +237,7 @@ def figures(work: str) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "outputs/gpu-check")
-    parser.add_argument("--budget", type=float, default=450.0, help="seconds for all steps (default 450)")
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds for all steps (default 540)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (the default without CUDA)")
     parser.add_argument("--only", default=None, help="comma-separated step names to run (default: all)")
     parser.add_argument("--make-teacher", metavar="FOLDER", help=argparse.SUPPRESS)
