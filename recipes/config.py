@@ -93,6 +93,9 @@ class DistillSection:  # stage 2
     temperature: float = bounded(1.0, 0.0, low_open=True)
     ce_weight: float = bounded(0.0, 0.0)
     lr: float | None = bounded(None, 0.0, low_open=True)  # None = train.lr
+    # the KL and CE from the final hidden states through the lm_heads, this many tokens at a time: never the whole
+    # batch's logits (kernels/distill_loss.py); 0 = the dense loss over full logits
+    loss_chunk_rows: int = bounded(512, 0)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from ..conversion.converter import KL_RANKING_SEQUENCES
 from ..conversion.selection import keep_by_marginal_kl
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
+from ..kernels.distill_loss import IGNORE, chunked_distillation_loss
 from .config import Recipe, RecipeError, check_mixer_options, recipe_changes, selects_after_stage1
 from .blockwise import transfer_loss
 from .data import materialise_sources, pack
@@ -111,20 +112,50 @@ def _to(value, device):
     return tuple(_to(v, device) for v in value) if isinstance(value, tuple) else value.to(device)
 
 
-def distillation_loss(student, teacher_model, temperature: float, ce_weight: float):
-    """Stage 2: T^2 KL(softmax(teacher / T) || softmax(student / T)) per token, + ce_weight x CE."""
+def distillation_loss(student, teacher_model, temperature: float, ce_weight: float, chunk_rows: int = 512):
+    """Stage 2: T^2 KL(softmax(teacher / T) || softmax(student / T)) per token, + ce_weight x CE on the next token.
+
+    From the final hidden states through the lm_heads in chunks of ``chunk_rows`` tokens (kernels/distill_loss.py):
+    the batch's (B, T, V) logits never exist. The dense form (full logits) runs with ``chunk_rows=0``, or when a
+    head's weight is not a whole local tensor (sharded by FSDP or ZeRO-3: read only inside its module's forward)."""
+    def heads():
+        weights = (student.get_output_embeddings().weight, teacher_model.get_output_embeddings().weight)
+        return None if not chunk_rows or any(_sharded(w) for w in weights) else weights
+
     def loss_fn(batch):
+        weights = heads()
+        if weights is None:
+            return _dense_distillation_loss(student, teacher_model, batch, temperature, ce_weight)
         with torch.no_grad():  # the teacher may sit on another device (model.teacher_device)
-            teacher_logits = teacher_model(batch.to(teacher_model.device), use_cache=False).logits.float()
-        teacher_logits = teacher_logits.to(batch.device)
-        student_logits = student(input_ids=batch, use_cache=False).logits.float()
-        vocab = student_logits.shape[-1]
-        kl = F.kl_div(F.log_softmax(student_logits.view(-1, vocab) / temperature, -1),
-                      F.log_softmax(teacher_logits.view(-1, vocab) / temperature, -1),
-                      log_target=True, reduction="batchmean") * temperature**2
-        ce = F.cross_entropy(student_logits[:, :-1].reshape(-1, vocab), batch[:, 1:].reshape(-1))
-        return kl + ce_weight * ce, {"kl": kl.item(), "ce": ce.item()}
+            h_t = teacher_model.get_decoder()(batch.to(teacher_model.device), use_cache=False).last_hidden_state
+        h_s = student.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
+        targets = torch.cat([batch[:, 1:], torch.full_like(batch[:, :1], IGNORE)], 1)  # the last has no next token
+        loss, kl, ce = chunked_distillation_loss(
+            h_s.reshape(-1, h_s.shape[-1]), weights[0], h_t.to(h_s.device).reshape(-1, h_t.shape[-1]),
+            weights[1].to(h_s.device), targets.reshape(-1), temperature, ce_weight, chunk_rows)
+        return loss, {"kl": kl.item(), "ce": ce.item()}
     return loss_fn
+
+
+def _sharded(weight) -> bool:
+    """A parameter FSDP2 (a DTensor) or ZeRO-3 (``ds_id``, empty at rest) holds in shards."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(weight, DTensor) or hasattr(weight, "ds_id")
+
+
+def _dense_distillation_loss(student, teacher_model, batch, temperature, ce_weight):
+    """The distillation loss over the whole (B, T, V) logits, through the models' own forwards."""
+    with torch.no_grad():
+        teacher_logits = teacher_model(batch.to(teacher_model.device), use_cache=False).logits.float()
+    teacher_logits = teacher_logits.to(batch.device)
+    student_logits = student(input_ids=batch, use_cache=False).logits.float()
+    vocab = student_logits.shape[-1]
+    kl = F.kl_div(F.log_softmax(student_logits.view(-1, vocab) / temperature, -1),
+                  F.log_softmax(teacher_logits.view(-1, vocab) / temperature, -1),
+                  log_target=True, reduction="batchmean") * temperature**2
+    ce = F.cross_entropy(student_logits[:, :-1].reshape(-1, vocab), batch[:, 1:].reshape(-1))
+    return kl + ce_weight * ce, {"kl": kl.item(), "ce": ce.item()}
 
 
 def add_lora(student, stage2, seed: int):
@@ -286,7 +317,8 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     if recipe.stage2.enabled and recipe.stage2.steps > 0:
         peft_model = add_lora(student, recipe.stage2, recipe.train.seed)
         parameters = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
-        loss_fn = distillation_loss(peft_model, teacher.model, recipe.stage2.temperature, recipe.stage2.ce_weight)
+        loss_fn = distillation_loss(peft_model, teacher.model, recipe.stage2.temperature, recipe.stage2.ce_weight,
+                                    recipe.stage2.loss_chunk_rows)
         histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
                                         lr=recipe.stage2.lr or recipe.train.lr, sharding=sharding_for(peft_model),
                                         **common)

@@ -1,0 +1,105 @@
+"""The distillation loss from final hidden states, in row chunks: never B x T x V logits at once.
+
+    loss = T^2 KL(softmax(z_t / T) || softmax(z_s / T)) averaged over the N = B*T rows
+           + ce_weight * CE(z_s, next token) averaged over the rows that have a target
+    z_s = h_s W_s^T (the student's lm_head), z_t = h_t W_t^T (the teacher's, no gradient)
+
+The dense form (``distillation_loss_dense``, the reference) holds z_s, z_t, both softmaxes and their gradient: at a
+128K vocabulary and 2 x 2,048 tokens each is 2.1 GB in fp32. ``chunked_distillation_loss`` takes ``chunk_rows``
+rows at a time, in fp32 only inside a chunk, and computes the gradients of h_s (and of W_s when it trains) in the
+same pass, as Liger-Kernel's fused linear losses do: the backward only scales what the forward kept, so the logits
+are computed once. Extra memory: one (chunk_rows, V) block of each side, plus a gradient the size of h_s (and W_s).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100  # a target that counts for nothing (padding, the last position)
+
+
+def distillation_loss_dense(h_s, w_s, h_t, w_t, targets, temperature: float = 1.0, ce_weight: float = 0.0):
+    """The reference: the whole (N, V) logits. h_s (N, H), w_s (V, H), h_t (N, Ht), w_t (V, Ht), targets (N,) long
+    (IGNORE: no CE term) -> (loss, kl, ce) scalars in fp32 (fp64 stays fp64)."""
+    dtype = torch.float64 if h_s.dtype == torch.float64 else torch.float32
+    z_s = (h_s @ w_s.T).to(dtype)
+    with torch.no_grad():
+        z_t = (h_t @ w_t.T).to(dtype)
+    kl = F.kl_div(F.log_softmax(z_s / temperature, -1), F.log_softmax(z_t / temperature, -1), log_target=True,
+                  reduction="batchmean") * temperature**2
+    ce = F.cross_entropy(z_s, targets, ignore_index=IGNORE) if (targets != IGNORE).any() else z_s.new_zeros(())
+    return kl + ce_weight * ce, kl.detach(), ce.detach()
+
+
+class _ChunkedDistillationLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_s, w_s, h_t, w_t, targets, temperature, ce_weight, chunk_rows):
+        rows = h_s.shape[0]
+        dtype = torch.float64 if h_s.dtype == torch.float64 else torch.float32
+        n_ce = int((targets != IGNORE).sum())
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(h_s) if want_h else None
+        grad_w = torch.zeros(w_s.shape, dtype=dtype, device=w_s.device) if want_w else None
+        kl = torch.zeros((), dtype=dtype, device=h_s.device)
+        ce = torch.zeros((), dtype=dtype, device=h_s.device)
+        for start in range(0, rows, chunk_rows):
+            h = h_s[start:start + chunk_rows]
+            z_s = (h @ w_s.T).to(dtype)  # (c, V): the matmul in the weights' dtype, the rest in fp32
+            z_t = (h_t[start:start + chunk_rows] @ w_t.T).to(dtype)
+            log_p_t = torch.log_softmax(z_t / temperature, -1)
+            del z_t
+            log_p_s = torch.log_softmax(z_s / temperature, -1)
+            p_t = log_p_t.exp()
+            log_p_t.sub_(log_p_s).mul_(p_t)  # in place: a (c, V) block is 0.5 GB at c = 1024, V = 128K
+            kl += log_p_t.sum()
+            del log_p_t
+            grad_z = log_p_s.exp_().sub_(p_t).mul_(temperature / rows)  # d(T^2 KL / N) / dz_s = T (p_s - p_t) / N
+            del p_t, log_p_s
+            target = targets[start:start + chunk_rows]
+            real = target != IGNORE
+            if real.any():  # the CE is reported even when it does not train (ce_weight 0)
+                log_q = torch.log_softmax(z_s[real], -1)  # (r, V)
+                picked = target[real]
+                ce -= log_q.gather(1, picked[:, None]).sum()
+                if ce_weight:  # d(ce_weight CE) / dz_s = ce_weight (softmax(z_s) - onehot) / n_ce
+                    d_ce = log_q.exp()
+                    d_ce[torch.arange(len(picked), device=d_ce.device), picked] -= 1.0
+                    grad_z[real] += d_ce * (ce_weight / n_ce)
+                    del d_ce
+                del log_q
+            del z_s
+            if want_h:
+                grad_h[start:start + chunk_rows] = (grad_z.to(w_s.dtype) @ w_s).to(h_s.dtype)
+            if want_w:
+                grad_w += grad_z.T @ h.to(dtype)
+        kl = kl * temperature**2 / rows
+        ce = ce / max(n_ce, 1)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.w_dtype = w_s.dtype
+        ctx.mark_non_differentiable(kl, ce)
+        return kl + ce_weight * ce, kl, ce
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_kl, _grad_ce):
+        grad_h, grad_w = ctx.saved_tensors
+        scale = lambda grad: None if grad is None else grad * grad_loss.to(grad.dtype)  # noqa: E731
+        grad_w = None if grad_w is None else scale(grad_w).to(ctx.w_dtype)
+        return scale(grad_h), grad_w, None, None, None, None, None, None
+
+
+def chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature: float = 1.0, ce_weight: float = 0.0,
+                              chunk_rows: int = 512):
+    """``distillation_loss_dense`` in chunks of ``chunk_rows`` rows (same arguments; the same values and gradients
+    to float tolerance). Returns (loss, kl, ce): the loss takes gradients to h_s and w_s, kl and ce are for logs."""
+    if h_s.dim() != 2 or h_t.dim() != 2 or h_s.shape[0] != h_t.shape[0] or targets.shape != h_s.shape[:1]:
+        raise ValueError(f"distillation loss: h_s {tuple(h_s.shape)}, h_t {tuple(h_t.shape)} and targets "
+                         f"{tuple(targets.shape)} must be (N, H), (N, Ht) and (N,)")
+    if w_s.shape[0] != w_t.shape[0] or w_s.shape[1] != h_s.shape[1] or w_t.shape[1] != h_t.shape[1]:
+        raise ValueError(f"distillation loss: lm_head weights {tuple(w_s.shape)} (student) and {tuple(w_t.shape)} "
+                         f"(teacher) must share the vocabulary and match the hidden sizes {h_s.shape[1]}, "
+                         f"{h_t.shape[1]}")
+    if chunk_rows < 1:
+        raise ValueError(f"distillation loss: chunk_rows must be >= 1, got {chunk_rows}")
+    return _ChunkedDistillationLoss.apply(h_s, w_s, h_t.detach(), w_t.detach(), targets, float(temperature),
+                                          float(ce_weight), int(chunk_rows))

@@ -1,0 +1,83 @@
+"""The chunked distillation loss (kernels/distill_loss.py) against the dense reference: values and gradients in fp64,
+every chunking (one row, ragged, all rows), ignored targets, temperature, the CE weight, a frozen or trained head."""
+
+import pytest
+import torch
+
+from conftest import first_in_fast
+from hf_mixers.kernels.distill_loss import IGNORE, chunked_distillation_loss, distillation_loss_dense
+
+
+def _inputs(rows=13, hidden=8, teacher_hidden=6, vocab=37, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    h_s = torch.randn(rows, hidden, generator=g, dtype=dtype).requires_grad_()
+    w_s = (torch.randn(vocab, hidden, generator=g, dtype=dtype) * 0.5).requires_grad_()
+    h_t = torch.randn(rows, teacher_hidden, generator=g, dtype=dtype)
+    w_t = torch.randn(vocab, teacher_hidden, generator=g, dtype=dtype) * 0.5
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    targets[[2, 7, rows - 1]] = IGNORE  # padding and the last position have no next token
+    return h_s, w_s, h_t, w_t, targets
+
+
+@pytest.mark.parametrize("chunk_rows, temperature, ce_weight", first_in_fast((4, 1.0, 0.5), (1, 2.0, 0.0),
+                                                                              (13, 0.7, 1.0), (100, 1.0, 0.5)))
+def test_chunked_loss_equals_the_dense_reference(chunk_rows, temperature, ce_weight):
+    h_s, w_s, h_t, w_t, targets = _inputs()
+    expected = distillation_loss_dense(h_s, w_s, h_t, w_t, targets, temperature, ce_weight)
+    expected_grads = torch.autograd.grad(expected[0], [h_s, w_s])
+    got = chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature, ce_weight, chunk_rows)
+    got_grads = torch.autograd.grad(got[0] * 3.0, [h_s, w_s])  # an upstream factor reaches both gradients
+    for name, a, b in zip(("loss", "kl", "ce"), got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+    for name, a, b in zip(("h_s", "w_s"), got_grads, expected_grads):
+        torch.testing.assert_close(a, 3.0 * b, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
+
+
+def test_a_frozen_head_gets_no_gradient_and_fp32_inputs_stay_close():
+    h_s, w_s, h_t, w_t, targets = _inputs(dtype=torch.float32)
+    w_s = w_s.detach()  # the lm_head is frozen under LoRA: no (V, H) gradient is accumulated
+    loss, kl, ce = chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, 1.0, 0.5, chunk_rows=5)
+    assert not kl.requires_grad and not ce.requires_grad
+    (grad,) = torch.autograd.grad(loss, [h_s])
+    reference = distillation_loss_dense(h_s, w_s, h_t, w_t, targets, 1.0, 0.5)
+    torch.testing.assert_close(loss, reference[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, torch.autograd.grad(reference[0], [h_s])[0], rtol=1e-4, atol=1e-6)
+
+
+def test_bad_shapes_are_named():
+    h_s, w_s, h_t, w_t, targets = _inputs()
+    with pytest.raises(ValueError, match="must share the vocabulary"):
+        chunked_distillation_loss(h_s, w_s[:-1], h_t, w_t, targets)
+    with pytest.raises(ValueError, match=r"targets \(12,\)"):
+        chunked_distillation_loss(h_s, w_s, h_t, w_t, targets[:-1])
+    with pytest.raises(ValueError, match="chunk_rows must be >= 1"):
+        chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, chunk_rows=0)
+
+
+def test_stage2_loss_chunked_equals_dense_through_lora(tmp_path):
+    """recipes.stages.distillation_loss on a converted student under LoRA: the chunked loss (hidden states through
+    the heads) and the dense one (full logits) give the same loss and the same gradients to every trained tensor."""
+    from conftest import save_tiny_teacher
+    from hf_mixers.conversion import convert, load_teacher
+    from hf_mixers.recipes.config import DistillSection
+    from hf_mixers.recipes.stages import add_lora, distillation_loss
+
+    save_tiny_teacher(tmp_path / "teacher")
+    teacher = load_teacher(str(tmp_path / "teacher"))
+    student, _ = convert(teacher, "rsa", mixer_options={"rsa_num_slots": 8, "rsa_num_levels": 2}, sequence_length=32,
+                         calibration_sequences=2, heldout_sequences=1, progress=False)
+    student = add_lora(student.train(), DistillSection(), seed=0)
+    batch = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    results = []
+    for chunk_rows in (0, 7):
+        student.zero_grad(set_to_none=True)
+        loss, metrics = distillation_loss(student, teacher.model, 2.0, 0.5, chunk_rows)(batch)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), metrics, grads))
+    (dense, dense_metrics, dense_grads), (chunked, chunked_metrics, chunked_grads) = results
+    torch.testing.assert_close(chunked, dense, rtol=1e-5, atol=1e-6)
+    assert chunked_metrics == pytest.approx(dense_metrics, rel=1e-5)
+    assert dense_grads.keys() == chunked_grads.keys() and any("lora" in name for name in dense_grads)
+    for name in dense_grads:
+        torch.testing.assert_close(chunked_grads[name], dense_grads[name], rtol=1e-4, atol=1e-6, msg=name)
