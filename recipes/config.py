@@ -68,7 +68,7 @@ class TrainSection:
     # recompute each block's activations in the backward pass instead of keeping them: long sequences fit in memory
     # for about a third more compute (stage 2 and finetune; stage 1 trains one mixer at a time and keeps no blocks)
     gradient_checkpointing: bool = False
-    strategy: str = "ddp"  # "ddp": gradients averaged; "deepspeed": ZeRO partitioning; "fsdp": FSDP2 sharding
+    strategy: str = "ddp"  # "ddp": DistributedDataParallel; "deepspeed": ZeRO partitioning; "fsdp": FSDP2 sharding
     zero_stage: int = 2  # with "deepspeed": 1 (optimizer states), 2 (+ gradients), 3 (+ the whole student)
 
 

@@ -15,16 +15,6 @@ class Processes:
         self.world = accelerator.num_processes if accelerator else 1
         self.is_main = self.rank == 0
 
-    def average_gradients(self, tensors) -> None:
-        """Data parallelism for any loss: every rank's gradients averaged (gloo on CPU, nccl on GPU)."""
-        if self.world == 1:
-            return
-        for tensor in tensors:
-            if tensor.grad is None:
-                tensor.grad = torch.zeros_like(tensor)
-            torch.distributed.all_reduce(tensor.grad)
-            tensor.grad /= self.world
-
     def mean(self, value: float) -> float:
         if self.world == 1:
             return value

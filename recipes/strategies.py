@@ -1,6 +1,6 @@
 """How the processes of a run share the training of one stage (``train.strategy``), behind one interface.
 
-    LocalOptimizer       ddp (and one process): AdamW here; with several processes the gradients are averaged
+    LocalOptimizer       ddp (and one process): AdamW here; with several processes DistributedDataParallel
     DeepSpeedOptimizer   DeepSpeed ZeRO-1/2 of the trainable tensors, or ZeRO-3 of the whole student
     FSDPOptimizer        PyTorch FSDP2 (fully_shard) of the whole student, frozen weights included
 
@@ -224,20 +224,40 @@ def _clip_gradients(parameters, max_norm: float) -> None:
 
 
 class LocalOptimizer:
-    """AdamW on this process; with several processes the gradients are averaged first (data parallelism).
+    """AdamW on this process; with several processes (``ddp``) torch's DistributedDataParallel averages the
+    gradients: bucketed all-reduces that start during the backward, as soon as a bucket's gradients are ready.
 
     The interface every strategy has: ``loss(batch)`` (the stage's loss, through whatever wraps the model),
     ``set_lr``, ``zero_grad``, ``backward``, ``step``, ``save``, ``load``, ``finish`` (after the last step: the
     model whole again) and ``path`` (where the checkpoint lives)."""
 
     def __init__(self, parameters: dict, train, lr: float, processes: Processes, path: str, loss_fn,
-                 sharding: Sharding | None = None):
+                 sharding: Sharding | None = None, data_parallel: bool = True):
         self.parameters, self.train, self.processes, self.path = parameters, train, processes, path
         self.loss_fn = loss_fn
         self.optimizer = torch.optim.AdamW(list(parameters.values()), lr=lr, weight_decay=train.weight_decay)
+        self.ddp, self._micro = None, 0
+        if data_parallel and processes.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # DDP reduces what its module holds: the trained tensors (the frozen weights stay outside it); the loss
+            # reaches them through the student the loss function closes over. It broadcasts rank 0's values first.
+            holder = _LossModule(loss_fn)
+            holder.trained = nn.ParameterList(list(parameters.values()))
+            device = processes.accelerator.device
+            self.ddp = DistributedDataParallel(holder, device_ids=[device.index] if device.type == "cuda" else None,
+                                               broadcast_buffers=False, find_unused_parameters=True)
+            if processes.is_main:
+                stage = os.path.basename(path).removesuffix(".safetensors")
+                tqdm.write(f"{stage}: ddp: DistributedDataParallel over {processes.world} processes, "
+                           f"{sum(p.numel() for p in parameters.values()) / 1e6:.2f}M trained parameters")
 
     def loss(self, batch):
-        return self.loss_fn(batch)
+        if self.ddp is None:
+            return self.loss_fn(batch)
+        self._micro += 1  # gradients are all-reduced in the backward of the accumulation's last micro-batch only
+        self.ddp.require_backward_grad_sync = self._micro % self.train.grad_accum == 0
+        return self.ddp(batch)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -245,12 +265,13 @@ class LocalOptimizer:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        self._micro = 0
 
     def backward(self, loss) -> None:
         (loss / self.train.grad_accum).backward()
 
     def reduce_gradients(self) -> None:
-        self.processes.average_gradients(self.parameters.values())
+        pass  # DistributedDataParallel averaged them during the backward (one process: nothing to do)
 
     def step(self) -> None:
         self.reduce_gradients()
@@ -305,7 +326,7 @@ class FSDPOptimizer(LocalOptimizer):
         outside = sorted(name for name in parameters if not isinstance(sharded.get(name), DTensor))
         if outside:
             raise ValueError(f"train.strategy=fsdp: trainable parameters outside every sharded module: {outside[:3]}")
-        super().__init__(sharded, train, lr, processes, path, loss_fn)
+        super().__init__(sharded, train, lr, processes, path, loss_fn, data_parallel=False)  # FSDP reduces
         stored = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
         _report_sharding(path, processes, "fsdp", stored, sum(p.numel() for p in model.parameters()))
 

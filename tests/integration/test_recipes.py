@@ -313,9 +313,11 @@ def test_killed_run_resumes_with_the_same_losses(teacher_dir, tmp_path):
 
 
 def test_two_processes_split_the_data_and_average_gradients(teacher_dir, tmp_path):
-    """torchrun, 2 CPU processes (gloo): world size 2, each rank trains on different blocks, one model written."""
+    """torchrun, 2 CPU processes (gloo) under DistributedDataParallel: world size 2, each rank trains on different
+    blocks, one model written, and the losses of one process accumulating both ranks' micro-batches."""
     out = tmp_path / "ddp"
-    torchrun_distill(small(teacher_dir, out, "stage1.steps=2", "stage2.steps=2", "train.batch_size=1"))
+    said = torchrun_distill(small(teacher_dir, out, "stage1.steps=2", "stage2.steps=2", "train.batch_size=1"))
+    assert "stage2: ddp: DistributedDataParallel over 2 processes" in said
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(row["world_size"] == 2 for row in rows)  # rank 0 alone writes
     for row in rows:
@@ -330,7 +332,7 @@ def test_two_processes_split_the_data_and_average_gradients(teacher_dir, tmp_pat
     expected = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
     assert [row["first_tokens_per_rank"][0] for row in expected] == [row["first_tokens_per_rank"][0] for row in rows]
     for got, want in zip(rows, expected):
-        assert abs(got["loss"] - want["loss"]) <= 1e-5 * max(1.0, abs(want["loss"])), (got, want)
+        assert abs(got["loss"] - want["loss"]) <= 1e-6 * max(1.0, abs(want["loss"])), (got, want)
     assert summary["evaluations"]["stage2"]["kl_teacher_student"] == pytest.approx(
         single["evaluations"]["stage2"]["kl_teacher_student"], rel=1e-4, abs=1e-7)
 
