@@ -33,6 +33,7 @@ from ..common.corpus import HUB_ID, PYTHON_DOCS, PYTHON_DOCS_NAME, hub_offline, 
 from ..conversion import convert, load_teacher
 from ..conversion.converter import KL_RANKING_SEQUENCES
 from ..conversion.selection import keep_by_marginal_kl
+from ..conversion.shared_weights import share_frozen_weights, unshare_weights
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
 from ..kernels.distill_loss import IGNORE, chunked_distillation_loss
@@ -260,6 +261,12 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     device = processes.accelerator.device
     teacher.model.to(recipe.model.teacher_device or device)
     student.to(device)
+    # one copy of what the student took over unchanged (conversion/shared_weights.py); q/k/v stay its own when
+    # stage 1 trains them
+    trained_qkv = (".q_proj.", ".k_proj.", ".v_proj.") if recipe.stage1.enabled and recipe.stage1.train_qkv else ()
+    shared = share_frozen_weights(student, teacher.model, keep_separate=trained_qkv)
+    if shared and progress:
+        tqdm.write(f"student and teacher hold their {shared / 2**20:.0f} MiB of common frozen weights once")
     train_ids, heldout_ids = train_ids.to(device), heldout_ids.to(device)
     write_recipe(recipe, record, processes)
 
@@ -322,6 +329,8 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
                                         lr=recipe.stage2.lr or recipe.train.lr, sharding=sharding_for(peft_model),
                                         **common)
+        if recipe.output.merge_lora:  # merging writes into the adapted weights: the teacher's must stay as they are
+            unshare_weights(peft_model, teacher.model, only=("base_layer",))
         student = peft_model.merge_and_unload() if recipe.output.merge_lora else peft_model
         evaluate("stage2", student.get_base_model() if hasattr(student, "get_base_model") else student)
     student.eval()

@@ -1,0 +1,63 @@
+"""conversion/shared_weights.py: the student holds the weights it took over unchanged as the teacher's own storage,
+computes the same, and gets copies back before anything writes into them; a distillation leaves the teacher as it
+was."""
+
+import pytest
+import torch
+
+from conftest import save_tiny_teacher
+from hf_mixers.conversion import convert, load_teacher
+from hf_mixers.conversion.shared_weights import share_frozen_weights, unshare_weights
+from hf_mixers.recipes import distill, load_recipe
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("teacher")
+    save_tiny_teacher(folder)
+    return load_teacher(str(folder))
+
+
+def _student(teacher):
+    student, _ = convert(teacher, "sessa", sequence_length=32, calibration_sequences=2, heldout_sequences=1,
+                         progress=False)
+    return student
+
+
+def test_equal_weights_are_shared_and_the_logits_do_not_change(teacher):
+    student = _student(teacher)
+    ids = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = student(ids).logits
+    freed = share_frozen_weights(student, teacher.model)
+    teacher_storage = {p.data_ptr() for p in teacher.model.parameters()}
+    shared = {name for name, p in student.named_parameters() if p.data_ptr() in teacher_storage}
+    assert "model.embed_tokens.weight" in shared and "model.layers.0.mlp.down_proj.weight" in shared
+    assert "model.layers.0.mixer.q_proj.weight" in shared  # Sessa starts from the teacher's projections
+    assert not any("gamma" in name or "feedback" in name for name in shared)  # its own parameters stay its own
+    assert freed == sum(p.numel() * p.element_size() for n, p in student.named_parameters() if n in shared)
+    with torch.no_grad():
+        torch.testing.assert_close(student(ids).logits, before, rtol=0, atol=0)
+    assert share_frozen_weights(student, teacher.model) == 0  # already shared
+
+
+def test_kept_separate_and_unshared_weights_have_their_own_storage(teacher):
+    student = _student(teacher)
+    share_frozen_weights(student, teacher.model, keep_separate=(".q_proj.",))
+    teacher_storage = {p.data_ptr() for p in teacher.model.parameters()}
+    params = dict(student.named_parameters())
+    assert params["model.layers.0.mixer.q_proj.weight"].data_ptr() not in teacher_storage
+    assert params["model.layers.0.mixer.k_proj.weight"].data_ptr() in teacher_storage
+    copied = unshare_weights(student, teacher.model, only=(".k_proj.",))
+    assert copied > 0 and params["model.layers.0.mixer.k_proj.weight"].data_ptr() not in teacher_storage
+    assert params["model.layers.0.mlp.up_proj.weight"].data_ptr() in teacher_storage
+
+
+def test_a_distillation_with_merged_lora_leaves_the_teacher_unchanged(teacher, tmp_path):
+    original = {name: p.detach().clone() for name, p in teacher.model.named_parameters()}
+    recipe = load_recipe([], ["model.mixer=sessa", "data.sequence_length=32", "data.max_train_sequences=8",
+                              "data.heldout_sequences=2", "data.wider_evaluations=false", "stage1.enabled=false",
+                              "stage2.steps=2", "stage2.lr=0.05", f"output.dir={tmp_path / 'out'}"])
+    distill(recipe, progress=False, teacher=teacher)
+    for name, p in teacher.model.named_parameters():
+        torch.testing.assert_close(p, original[name], rtol=0, atol=0, msg=name)
