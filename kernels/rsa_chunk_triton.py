@@ -94,7 +94,10 @@ from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunk
 # compiling in 25 CPU-minutes, and tf32's backward needs more shared memory than an H100 has (module docstring).
 INPUT_PRECISION = "tf32x3"
 NUM_WARPS = 4  # untuned (needs a GPU)
-MAX_TILE = 128  # largest chunk size, slot count or head dim held as one tile (see "GPU status" above)
+# largest chunk size, slot count or head dim held as one tile: at 64 the backward needs 192 KiB of shared memory for
+# sm_90, at a head dim of 128 (Llama-3-8B's heads) 256 KiB, over the 227 KiB an H100 block can have (`triton.compile`
+# on a CPU, docs/benchmarks.md "Kernels"); such calls run the PyTorch path, said in the dispatch's log line
+MAX_TILE = 64
 READOUTS = {"sigmoid": 0, "softmax_count": 1}
 ROUTINGS = {"none": 0, "elementwise": 1, "relation": 2}
 ASSIGN_FNS = ("softmax", "sigmoid")
@@ -123,7 +126,8 @@ def rsa_chunk_triton_supports(params: RSAParams, q=None, v=None, log_decay=None)
         sizes["value head dim"] = v.shape[-1]
     for name, size in sizes.items():
         if size > MAX_TILE:
-            return f"{name} {size} > {MAX_TILE}: more than one register tile (not implemented)"
+            return (f"{name} {size} > {MAX_TILE}: one program holds whole tiles, and wider ones need more shared "
+                    f"memory than a GPU block has")
     for tensor in (q, v):
         if tensor is not None and tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return f"dtype {tensor.dtype}: the kernels compute in fp32 (fp32 / fp16 / bf16 inputs only)"

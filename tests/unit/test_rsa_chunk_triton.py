@@ -228,11 +228,11 @@ def test_supports_names_what_is_not_implemented():
         rct.rsa_chunked_triton(q, q[:, :, 0], q[:, :, 0], None, state, params, log_decay=decay)
     assert "dtype torch.float64" in rct.rsa_chunk_triton_supports(params, q.double())
     cases = {"readout": ("softmax", "readout 'softmax'"), "routing": ("dense", "routing 'dense'"),
-             "assign_fn": ("argmax", "assign_fn 'argmax'"), "chunk_size": (256, "chunk_size 256 > 128")}
+             "assign_fn": ("argmax", "assign_fn 'argmax'"), "chunk_size": (256, "chunk_size 256 > 64")}
     for field, (value, message) in cases.items():
         assert message in rct.rsa_chunk_triton_supports(replace(params, **{field: value})), field
     wide = torch.zeros(1, 2, 3, 200, device=DEV)
-    assert "value head dim 200 > 128" in rct.rsa_chunk_triton_supports(params, v=wide)
+    assert "value head dim 200 > 64" in rct.rsa_chunk_triton_supports(params, v=wide)
 
 
 @needs_kernels
