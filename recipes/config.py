@@ -68,6 +68,8 @@ class TrainSection:
     # recompute each block's activations in the backward pass instead of keeping them: long sequences fit in memory
     # for about a third more compute (stage 2 and finetune; stage 1 trains one mixer at a time and keeps no blocks)
     gradient_checkpointing: bool = False
+    # "auto": bf16 on a GPU that has it, else fp32; "bf16": frozen weights in bf16, trained tensors fp32, autocast
+    precision: str = "auto"
     strategy: str = "ddp"  # "ddp": DistributedDataParallel; "deepspeed": ZeRO partitioning; "fsdp": FSDP2 sharding
     zero_stage: int = 2  # with "deepspeed": 1 (optimizer states), 2 (+ gradients), 3 (+ the whole student)
 
@@ -216,6 +218,12 @@ def _validate(recipe: Recipe, origin: str, origins: dict | None = None) -> None:
                                                      if train.strategy == "deepspeed" else "")
     checks = [
         (train.strategy in ("ddp", "deepspeed", "fsdp"), "train.strategy must be 'ddp', 'deepspeed' or 'fsdp'"),
+        (train.precision in ("auto", "bf16", "fp32"), f"train.precision must be 'auto', 'bf16' or 'fp32', got "
+         f"{train.precision!r}" + (" (fp16 needs loss scaling, which the trainer does not do: use bf16)"
+                                   if train.precision == "fp16" else "")),
+        (not (train.precision == "bf16" and train.strategy != "ddp"),
+         f"train.precision=bf16 runs with train.strategy=ddp only so far ({sharding} would need its own bf16 "
+         "settings); use train.precision=fp32 with it"),
         (train.zero_stage in (1, 2, 3), "train.zero_stage must be 1, 2 or 3"),
         (not (recipe.stage1.enabled and recipe.stage1.blockwise and shards_the_model(train)),
          f"stage1.blockwise trains one layer at a time in one process, but {sharding} shards the student over "

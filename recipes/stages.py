@@ -34,6 +34,7 @@ from ..conversion import convert, load_teacher
 from ..conversion.converter import KL_RANKING_SEQUENCES
 from ..conversion.selection import keep_by_marginal_kl
 from ..conversion.shared_weights import share_frozen_weights, unshare_weights
+from .precision import autocast, training_dtype
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
 from ..kernels.distill_loss import IGNORE, chunked_distillation_loss
@@ -261,6 +262,11 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     device = processes.accelerator.device
     teacher.model.to(recipe.model.teacher_device or device)
     student.to(device)
+    saved_dtype = next(student.parameters()).dtype  # the folder is written in the dtype it was converted in
+    dtype = training_dtype(recipe.train.precision, device)
+    if dtype != torch.float32:  # frozen weights in low precision; run_stage keeps what it trains in fp32
+        teacher.model.to(dtype)
+        student.to(dtype)
     # one copy of what the student took over unchanged (conversion/shared_weights.py); q/k/v stay its own when
     # stage 1 trains them
     trained_qkv = (".q_proj.", ".k_proj.", ".v_proj.") if recipe.stage1.enabled and recipe.stage1.train_qkv else ()
@@ -284,9 +290,10 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         return compare_to_teacher(teacher.model, model, ids, teacher_hidden=teacher_hidden[name])
 
     def evaluate(stage: str, model) -> None:
-        evaluations[stage] = against_teacher("heldout", model, heldout_ids)
-        for name, ids in wider_ids.items():
-            wider[name][stage] = against_teacher(name, model, ids)
+        with autocast(dtype, device):
+            evaluations[stage] = against_teacher("heldout", model, heldout_ids)
+            for name, ids in wider_ids.items():
+                wider[name][stage] = against_teacher(name, model, ids)
 
     evaluate("init", student)
     histories = {}
@@ -343,7 +350,9 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
                                  "tokens": len(h) * recipe.train.batch_size * recipe.train.grad_accum * length
                                  * processes.world}
                           for name, h in histories.items()},
-               "seconds": time.perf_counter() - started, "model_dir": model_dir, "world_size": processes.world}
+               "seconds": time.perf_counter() - started, "model_dir": model_dir, "world_size": processes.world,
+               "precision": str(dtype).removeprefix("torch.")}
+    student.to(saved_dtype)
     if processes.is_main:
         def write_history(folder):
             if conversion_report is not None:

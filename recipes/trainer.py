@@ -28,6 +28,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from .precision import autocast, fp32_masters, training_dtype
 from .processes import Processes
 from .strategies import STRATEGIES, Sharding
 
@@ -93,6 +94,10 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
     path = os.path.join(out_dir, "checkpoints", f"{stage}.safetensors")
     check_checkpoint_space(path, parameters)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    device = processes.accelerator.device if processes.accelerator else torch.device("cpu")
+    dtype = training_dtype(train.precision, device)
+    if dtype != torch.float32:
+        fp32_masters(parameters.values())  # the trained tensors and their AdamW states in fp32
     optimizer = STRATEGIES[train.strategy](parameters, train, lr, processes, path, loss_fn, sharding)
     history, start = [], 0
     restored = optimizer.load()
@@ -122,7 +127,8 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
                 index = ((step - 1) * train.grad_accum + micro) * processes.world + processes.rank
                 batch = batch_at(blocks, index, train.batch_size, train.seed)
                 first_rows = batch.flatten(1)[:, 0].tolist() if first_rows is None else first_rows
-                loss, extra = optimizer.loss(batch)
+                with autocast(dtype, device):
+                    loss, extra = optimizer.loss(batch)
                 if not torch.isfinite(loss):
                     raise NonFiniteLoss(f"{stage}: the loss is {loss.item()} at step {step}; last good checkpoint: "
                                         f"{last_good or 'none (no checkpoint written yet)'}")

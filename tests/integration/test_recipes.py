@@ -546,3 +546,29 @@ def test_every_shipped_recipe_loads():
     window = load_recipe([os.path.join(folder, name) for name in ("base.yaml", "stage2_lora_kd.yaml",
                                                                    "smollm2_rsa_hybrid_window.yaml")])
     assert window.model.keep_attention == "kl:8" and window.model.mixer_options == {"rsa_window": 64}
+
+
+def test_bf16_training_tracks_fp32_and_saves_the_converted_dtype(teacher_dir, tmp_path):
+    """train.precision=bf16 on CPU: frozen weights in bf16, trained tensors fp32, autocast; every loss within 1% of
+    the fp32 run's (a selective-SSM conversion: losses of order 1, not exact at init); the folder is written in the
+    dtype it was converted in. The default (auto) is fp32 on CPU."""
+    runs = {}
+    for precision in ("auto", "bf16"):
+        out = tmp_path / precision
+        summary = distill(load_recipe([], [f"model.teacher={teacher_dir}", "model.mixer=selective_ssm",
+                                           "data.sequence_length=32", "data.max_train_sequences=8",
+                                           "data.heldout_sequences=2", "data.wider_evaluations=false",
+                                           "stage1.steps=3", "stage2.steps=3", "train.lr=3e-3",
+                                           f"train.precision={precision}", f"output.dir={out}"]), progress=False)
+        runs[precision] = summary, [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert next(summary["model"].parameters()).dtype == torch.float32
+    assert runs["auto"][0]["precision"] == "float32" and runs["bf16"][0]["precision"] == "bfloat16"
+    fp32, bf16 = runs["auto"][1], runs["bf16"][1]
+    assert len(fp32) == len(bf16) == 6 and fp32[0] > 0.1
+    assert bf16 == pytest.approx(fp32, rel=1e-2, abs=1e-4)
+    assert fp32 != bf16  # it did run in another precision
+
+
+def test_fp16_precision_is_refused_with_the_reason(tmp_path):
+    with pytest.raises(RecipeError, match="fp16 needs loss scaling"):
+        load_recipe([], ["train.precision=fp16", f"output.dir={tmp_path}"])
