@@ -55,9 +55,11 @@ def tiny_sessa_model(dtype=torch.float32, seed=0, feedback=True, **overrides):
 
 
 def step_through(model, ids, mask, prefill):
-    """Prefill ``prefill`` tokens, then decode the rest one at a time; returns the concatenated logits and cache."""
+    """Prefill ``prefill`` tokens, then decode the rest one at a time (on the model's device); returns the
+    concatenated logits and cache."""
     from transformers import DynamicCache
 
+    ids, mask = ids.to(model.device), mask.to(model.device)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         logits = [model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache,

@@ -11,8 +11,7 @@ import logging
 
 import pytest
 import torch
-from transformers import DynamicCache
-
+from conftest import step_through
 from gpu_setup import DEVICE, ON_DEVICE, record, relative_error  # noqa: F401 (record: a fixture)
 
 from hf_mixers.core.registry import list_mixers
@@ -42,15 +41,7 @@ def _forward_backward(model, ids, mask):
 
 def _step_through(model, ids, mask, prefill):
     """Prefill, then one token at a time through one cache: the logits of every position."""
-    ids, mask = ids.to(model.device), mask.to(model.device)
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        logits = [model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache,
-                        use_cache=True).logits]
-        for t in range(prefill, ids.shape[1]):
-            logits.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
-                                use_cache=True).logits)
-    return torch.cat(logits, dim=1)
+    return step_through(model, ids, mask, prefill)[0]
 
 
 @pytest.mark.parametrize("name", NAMES)
