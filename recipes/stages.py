@@ -319,8 +319,9 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         selection = recipe.stage1.selection_steps
         histories["stage1-selection"] = transfer("stage1-selection", selection)
         count = int(recipe.model.keep_attention.removeprefix("kl:"))
-        kept = keep_by_marginal_kl(student, teacher.model, train_ids[:KL_RANKING_SEQUENCES], count,
-                                   conversion_report, f"ranked after {selection} stage-1 steps")
+        with autocast(dtype, device):  # the frozen weights may be bf16 beside the fp32 trained ones
+            kept = keep_by_marginal_kl(student, teacher.model, train_ids[:KL_RANKING_SEQUENCES], count,
+                                       conversion_report, f"ranked after {selection} stage-1 steps")
         if progress:
             tqdm.write(f"kl:{count}: layers {kept} back to attention (ranked after {selection} stage-1 steps)")
         evaluate("stage1-selection", student)

@@ -572,3 +572,16 @@ def test_bf16_training_tracks_fp32_and_saves_the_converted_dtype(teacher_dir, tm
 def test_fp16_precision_is_refused_with_the_reason(tmp_path):
     with pytest.raises(RecipeError, match="fp16 needs loss scaling"):
         load_recipe([], ["train.precision=fp16", f"output.dir={tmp_path}"])
+
+
+def test_bf16_runs_the_kl_selection_and_blockwise_stage1(teacher_dir, tmp_path):
+    """The forwards outside a stage's steps (kl:K ranking after stage-1 steps, the block-wise cache) run under the
+    same autocast: bf16 frozen weights beside fp32 trained ones."""
+    for name, extra in {"kl": ["model.keep_attention=kl:1", "stage1.selection_steps=1"],
+                        "blockwise": ["stage1.blockwise=true"]}.items():
+        summary = distill(load_recipe([], [f"model.teacher={teacher_dir}", "model.mixer=gltm",
+                                           "data.sequence_length=32", "data.max_train_sequences=8",
+                                           "data.heldout_sequences=2", "data.wider_evaluations=false",
+                                           "stage1.steps=2", "stage2.steps=2", "train.precision=bf16",
+                                           f"output.dir={tmp_path / name}", *extra]), progress=False)
+        assert summary["precision"] == "bfloat16" and "stage2" in summary["evaluations"], name
