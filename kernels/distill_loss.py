@@ -16,13 +16,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .common import compute_dtype
+
 IGNORE = -100  # a target that counts for nothing (padding, the last position)
 
 
 def distillation_loss_dense(h_s, w_s, h_t, w_t, targets, temperature: float = 1.0, ce_weight: float = 0.0):
     """The reference: the whole (N, V) logits. h_s (N, H), w_s (V, H), h_t (N, Ht), w_t (V, Ht), targets (N,) long
     (IGNORE: no CE term) -> (loss, kl, ce) scalars in fp32 (fp64 stays fp64)."""
-    dtype = torch.float64 if h_s.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(h_s.dtype)
     z_s = (h_s @ w_s.T).to(dtype)
     with torch.no_grad():
         z_t = (h_t @ w_t.T).to(dtype)
@@ -36,7 +38,7 @@ class _ChunkedDistillationLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_s, w_s, h_t, w_t, targets, temperature, ce_weight, chunk_rows):
         rows = h_s.shape[0]
-        dtype = torch.float64 if h_s.dtype == torch.float64 else torch.float32
+        dtype = compute_dtype(h_s.dtype)
         n_ce = int((targets != IGNORE).sum())
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(h_s) if want_h else None

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import yaml
 
+from .precision import PRECISIONS
+
 
 def bounded(default, low=None, high=None, low_open=False, high_open=False):
     """A numeric recipe field with its allowed range (checked for every recipe, the key and range named)."""
@@ -218,7 +220,7 @@ def _validate(recipe: Recipe, origin: str, origins: dict | None = None) -> None:
                                                      if train.strategy == "deepspeed" else "")
     checks = [
         (train.strategy in ("ddp", "deepspeed", "fsdp"), "train.strategy must be 'ddp', 'deepspeed' or 'fsdp'"),
-        (train.precision in ("auto", "bf16", "fp32"), f"train.precision must be 'auto', 'bf16' or 'fp32', got "
+        (train.precision in PRECISIONS, f"train.precision must be one of {', '.join(PRECISIONS)}, got "
          f"{train.precision!r}" + (" (fp16 needs loss scaling, which the trainer does not do: use bf16)"
                                    if train.precision == "fp16" else "")),
         (not (train.precision == "bf16" and train.strategy != "ddp"),

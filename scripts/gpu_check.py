@@ -96,8 +96,9 @@ def warm_kernel(kernel: str, shape: str, length: int) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     from hf_mixers.apps.bench.kernels import _unsupported
 
-    if f"{kernel}_triton" in _unsupported(SHAPES[shape]):
-        print(f"{kernel} kernel, {shape} heads: not run, {_unsupported(SHAPES[shape])[f'{kernel}_triton']}")
+    reason = _unsupported(SHAPES[shape]).get(f"{kernel}_triton")
+    if reason:
+        print(f"{kernel} kernel, {shape} heads: not run, {reason}")
         return
     for dtype in (torch.float32, torch.bfloat16):
         tensors, run = _candidate(f"{kernel}_triton", SHAPES[shape], length, device, dtype,
@@ -135,7 +136,7 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     decode = ["--contexts", "64", "--decode-tokens", "2"] if dry else ["--contexts", "1024,4096,16384"]
     layer = ["--hidden-size", "64", "--heads", "4", "--kv-heads", "2"] if dry else []  # default: SmolLM2's
     pytest = [*python, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider"]
-    shapes = ["smollm2-135m"] if dry else ["llama3-8b", "smollm2-135m"]  # the one-wide-head layout compiles slowest
+    shapes = ["smollm2-135m"] if dry else ["llama3-8b", "smollm2-135m"]  # the benches' head layouts
     warm = [(f"compile-{kernel}-{shape}", [*python, str(Path(__file__).resolve()), "--warm", kernel, shape],
              90 if dry else {"sessa": 150, "rsa": 300}[kernel], {"TRITON_INTERPRET": "1"} if dry else {})
             for shape in ("llama3-8b", "smollm2-135m") for kernel in ("sessa", "rsa")]
