@@ -38,6 +38,7 @@ class Teacher:
     path: str  # the local folder or .gguf file read
     family: str
     license: str | None = None
+    stored_dtype: torch.dtype = torch.float32  # the checkpoint's own dtype (config.json's "dtype"; fp32 if unsaid)
 
 
 def load_teacher(source: str, dtype: torch.dtype = torch.float32) -> Teacher:
@@ -90,7 +91,15 @@ def _load_folder(folder: str, source: str, kind: str, dtype) -> Teacher:
     if missing:
         raise TeacherLoadError(f"{folder}: the weight files lack {len(missing)} tensors, e.g. {sorted(missing)[:5]}; "
                                "they would be randomly initialised")
-    return Teacher(model.eval(), _tokenizer(folder), source, kind, folder, family, _folder_license(folder))
+    return Teacher(model.eval(), _tokenizer(folder), source, kind, folder, family, _folder_license(folder),
+                   stored_dtype(config))
+
+
+def stored_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
 def _check_weight_files(folder: str) -> None:

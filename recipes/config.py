@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import yaml
 
-from .precision import PRECISIONS
+from .precision import OUTPUT_DTYPES, PRECISIONS
 
 
 def bounded(default, low=None, high=None, low_open=False, high_open=False):
@@ -121,6 +121,8 @@ class OutputSection:
     log_every: int = bounded(1, 1)
     merge_lora: bool = True  # False: OUT/model is the base model and OUT/model-adapter the LoRA adapter
     overwrite: bool = False
+    # the saved folder's dtype: auto = the teacher's (its config.json's dtype; fp32 when it says none), bf16, fp32
+    dtype: str = "auto"
     allow_recipe_change: bool = False  # resume checkpoints made with another recipe (the changes are recorded)
 
 
@@ -223,9 +225,8 @@ def _validate(recipe: Recipe, origin: str, origins: dict | None = None) -> None:
         (train.precision in PRECISIONS, f"train.precision must be one of {', '.join(PRECISIONS)}, got "
          f"{train.precision!r}" + (" (fp16 needs loss scaling, which the trainer does not do: use bf16)"
                                    if train.precision == "fp16" else "")),
-        (not (train.precision == "bf16" and train.strategy != "ddp"),
-         f"train.precision=bf16 runs with train.strategy=ddp only so far ({sharding} would need its own bf16 "
-         "settings); use train.precision=fp32 with it"),
+        (recipe.output.dtype in OUTPUT_DTYPES, f"output.dtype must be one of {', '.join(OUTPUT_DTYPES)}, got "
+         f"{recipe.output.dtype!r}"),
         (train.zero_stage in (1, 2, 3), "train.zero_stage must be 1, 2 or 3"),
         (not (recipe.stage1.enabled and recipe.stage1.blockwise and shards_the_model(train)),
          f"stage1.blockwise trains one layer at a time in one process, but {sharding} shards the student over "

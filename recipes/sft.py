@@ -20,7 +20,9 @@ import torch.nn.functional as F
 
 from ..common.corpus import shakespeare
 from ..common.history import FINETUNE_SUMMARY
+from ..conversion.teacher import stored_dtype
 from .config import Recipe
+from .precision import autocast, output_dtype, training_dtype
 from .strategies import check_launch
 from .trainer import Processes, run_stage
 
@@ -101,7 +103,7 @@ def heldout_loss(model, encoded, batch_size: int = 4) -> float:
 
 def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None) -> dict:
     """Stage 3 on ``recipe.model.student`` (or the given model); returns the summary (OUT/summary.json)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .stages import (_accelerator, add_lora, checked_recipe, copy_history, local_student, save_model,
                          sharding_for, train_mode, write_recipe)
@@ -113,20 +115,27 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     if student is None:
         if not recipe.model.student:
             raise ValueError("finetune needs model.student: the folder of a converted or distilled model")
-        student = AutoModelForCausalLM.from_pretrained(local_student(recipe.model.student), dtype=torch.float32)
+        folder = local_student(recipe.model.student)
+        stored = stored_dtype(AutoConfig.from_pretrained(folder))
+        student = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(recipe.model.student)
+    else:
+        stored = next(student.parameters()).dtype
     if tokenizer is None:
         raise ValueError("finetune: a model passed in needs its tokenizer (tokenizer=...)")
     processes = Processes(_accelerator())
     check_launch(recipe.train)
+    device = processes.accelerator.device
+    dtype, saved_dtype = training_dtype(recipe.train.precision, device), output_dtype(recipe.output.dtype, stored)
     write_recipe(recipe, checked_recipe(recipe), processes)
     started = time.perf_counter()
     examples = chat_examples(section.source)
     held = max(1, len(examples) // 10)
     encoded = encode(tokenizer, examples, section.max_length)
     train_rows, heldout_rows = encoded[:-held], encoded[-held:]
-    student.to(processes.accelerator.device)
-    before = heldout_loss(student, heldout_rows)
+    student.to(device=device, dtype=dtype)  # bf16: the frozen weights; run_stage keeps what it trains in fp32
+    with autocast(dtype, device):
+        before = heldout_loss(student, heldout_rows)
     torch.manual_seed(recipe.train.seed)
     if section.lora:
         model = add_lora(student, section, recipe.train.seed)
@@ -141,9 +150,13 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
                         checkpoint_every=recipe.output.checkpoint_every, log_every=recipe.output.log_every,
                         progress=progress and processes.is_main, processes=processes, sharding=sharding_for(model))
     final = model.merge_and_unload() if section.lora and recipe.output.merge_lora else model
+    with autocast(dtype, device):
+        after = heldout_loss(final, heldout_rows)
     summary = {"examples": len(examples), "train_examples": len(train_rows), "heldout_examples": len(heldout_rows),
-               "heldout_assistant_loss_before": before, "heldout_assistant_loss_after": heldout_loss(final, heldout_rows),
-               "steps": len(history), "seconds": time.perf_counter() - started, "model_dir": model_dir}
+               "heldout_assistant_loss_before": before, "heldout_assistant_loss_after": after,
+               "steps": len(history), "seconds": time.perf_counter() - started, "model_dir": model_dir,
+               "precision": str(dtype).removeprefix("torch."), "saved_dtype": str(saved_dtype).removeprefix("torch.")}
+    final.to(saved_dtype)
     if processes.is_main:
         def write_history(folder):  # the distilled model's history, and this stage's summary
             if recipe.model.student:

@@ -34,7 +34,7 @@ from ..conversion import convert, load_teacher
 from ..conversion.converter import KL_RANKING_SEQUENCES
 from ..conversion.selection import keep_by_marginal_kl
 from ..conversion.shared_weights import share_frozen_weights, unshare_weights
-from .precision import autocast, training_dtype
+from .precision import autocast, output_dtype, training_dtype
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
 from ..kernels.distill_loss import IGNORE, chunked_distillation_loss
@@ -262,7 +262,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     device = processes.accelerator.device
     teacher.model.to(recipe.model.teacher_device or device)
     student.to(device)
-    saved_dtype = next(student.parameters()).dtype  # the folder is written in the dtype it was converted in
+    saved_dtype = output_dtype(recipe.output.dtype, teacher.stored_dtype)
     dtype = training_dtype(recipe.train.precision, device)
     if dtype != torch.float32:  # frozen weights in low precision; run_stage keeps what it trains in fp32
         teacher.model.to(dtype)
@@ -352,7 +352,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
                                  * processes.world}
                           for name, h in histories.items()},
                "seconds": time.perf_counter() - started, "model_dir": model_dir, "world_size": processes.world,
-               "precision": str(dtype).removeprefix("torch.")}
+               "precision": str(dtype).removeprefix("torch."), "saved_dtype": str(saved_dtype).removeprefix("torch.")}
     student.to(saved_dtype)
     if processes.is_main:
         def write_history(folder):

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..common.files import write_atomically
+from .precision import check_launch_precision, training_dtype
 from .processes import Processes
 
 
@@ -162,10 +163,12 @@ ACCELERATE_PLUGINS = {"ACCELERATE_USE_FSDP": ("fsdp", "recipes/fsdp.yaml"),
 
 def check_launch(train) -> None:
     """Fail before any work when the launch and the recipe disagree: the recipe shards the model but no process
-    group exists (a plain ``python``), or an accelerate config asked for FSDP / DeepSpeed, which the trainer would
-    not see (it shards by the recipe's ``train.strategy``; accelerate's plugins act only through ``prepare``)."""
+    group exists (a plain ``python``), an accelerate config asked for FSDP / DeepSpeed, which the trainer would
+    not see (it shards by the recipe's ``train.strategy``; accelerate's plugins act only through ``prepare``), or
+    for a mixed precision the recipe does not run (recipes/precision.py)."""
     from .config import shards_the_model
 
+    check_launch_precision(train.precision)
     for variable, (strategy, overlay) in ACCELERATE_PLUGINS.items():
         if os.environ.get(variable, "").lower() in ("1", "true") and train.strategy != strategy:
             raise ValueError(f"the accelerate config of this launch turns on {strategy} ({variable}), but the recipe "
@@ -314,13 +317,14 @@ class FSDPOptimizer(LocalOptimizer):
 
         model = _sharded_model(sharding, train)
         self.model, self.skeleton = model, _meta_skeleton(model)
-        mesh = init_device_mesh(processes.accelerator.device.type, (processes.world,))
-        done = set()
-        root = [sharding.root] if sharding.root is not None else []
+        device = processes.accelerator.device
+        mesh = init_device_mesh(device.type, (processes.world,))
+        done, root = set(), [sharding.root] if sharding.root is not None else []
+        policy = _fsdp_precision(training_dtype(train.precision, device))
         for module in [*sharding.units, *sharding.blocks, *root]:  # inner units first, the root last
             if id(module) not in done:
                 done.add(id(module))
-                fully_shard(module, mesh=mesh)
+                fully_shard(module, mesh=mesh, mp_policy=policy)
         # fully_shard replaced every parameter by a DTensor shard: the optimizer takes those, by name
         sharded = {name: p for name, p in model.named_parameters() if name in parameters}
         outside = sorted(name for name in parameters if not isinstance(sharded.get(name), DTensor))
@@ -371,6 +375,24 @@ class FSDPOptimizer(LocalOptimizer):
         _restore_whole(self.model, self.skeleton, full)
 
 
+def _fsdp_precision(dtype: torch.dtype):
+    """FSDP2's MixedPrecisionPolicy for ``train.precision``: under bf16 every unit is gathered in bf16 (the frozen
+    weights are bf16 already, the fp32 trained shards are cast for the forward) and gradients are reduce-scattered
+    and kept in fp32, the masters' dtype; fp32: the default policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def deepspeed_precision(dtype: torch.dtype) -> dict:
+    """The DeepSpeed config's precision block for ``train.precision``: under bf16 the engine holds the trained
+    tensors in bf16 and ZeRO keeps their fp32 masters and Adam states in its partitions (DeepSpeed's own bf16 mode;
+    gradients are reduced in bf16, as in DeepSpeed's default); fp32: nothing."""
+    return {} if dtype == torch.float32 else {"bf16": {"enabled": True}}
+
+
 class _LossModule(nn.Module):
     """What DeepSpeed's engine wraps: its forward is the stage's loss, so the loss runs through the engine (which
     sets up ZeRO's backward bookkeeping); it holds the tensors DeepSpeed manages."""
@@ -415,7 +437,8 @@ class DeepSpeedOptimizer:
                   "zero_optimization": zero,
                   "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": train.weight_decay,
                                                             "torch_adam": True}},
-                  "gradient_clipping": train.max_grad_norm or 0.0, "steps_per_print": 10**9}
+                  "gradient_clipping": train.max_grad_norm or 0.0, "steps_per_print": 10**9,
+                  **deepspeed_precision(training_dtype(train.precision, processes.accelerator.device))}
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=holder, model_parameters=list(parameters.values()), config=config)
         if self.zero3:  # at rest a partitioned tensor's data is empty; a persistent one keeps it whole as well

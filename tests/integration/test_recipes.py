@@ -574,6 +574,62 @@ def test_fp16_precision_is_refused_with_the_reason(tmp_path):
         load_recipe([], ["train.precision=fp16", f"output.dir={tmp_path}"])
 
 
+def test_output_dtype_defaults_to_the_teachers_stored_dtype(tmp_path, monkeypatch):
+    """output.dtype=auto writes the folder in the teacher's stored dtype (its config.json), fp32 / bf16 override it;
+    a finetune keeps the student folder's dtype. A bf16 teacher is trained in fp32 here (train.precision=fp32)."""
+    from conftest import tiny_teacher
+    from hf_mixers.recipes import finetune
+    from safetensors import safe_open
+
+    teacher = tmp_path / "bf16-teacher"
+    tokenizer = tiny_tokenizer()
+    tiny_teacher("llama", len(tokenizer)).to(torch.bfloat16).save_pretrained(teacher)
+    tokenizer.save_pretrained(teacher)
+
+    def saved_dtypes(folder):
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+            return {handle.get_slice(key).get_dtype() for key in handle.keys()}
+
+    for choice, dtype in (("auto", "BF16"), ("fp32", "F32")):
+        out = tmp_path / choice
+        summary = distill(load_recipe([], [f"model.teacher={teacher}", "model.mixer=gltm", "data.sequence_length=32",
+                                           "data.max_train_sequences=4", "data.heldout_sequences=1",
+                                           "data.wider_evaluations=false", "stage1.steps=1", "stage2.steps=1",
+                                           "train.precision=fp32", f"output.dtype={choice}", f"output.dir={out}"]),
+                          progress=False)
+        assert summary["precision"] == "float32" and saved_dtypes(out / "model") == {dtype}, choice
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Count to {n}.", "response": "one two"}) for n in range(12)))
+    summary = finetune(load_recipe([], [f"model.student={tmp_path / 'auto' / 'model'}", f"finetune.source={data}",
+                                        "finetune.steps=1", "finetune.max_length=32", "train.precision=bf16",
+                                        f"output.dir={tmp_path / 'sft'}"]), progress=False)
+    assert summary["precision"] == "bfloat16" and summary["saved_dtype"] == "bfloat16"
+    assert saved_dtypes(tmp_path / "sft" / "model") == {"BF16"}
+    with pytest.raises(RecipeError, match="output.dtype must be one of auto, bf16, fp32, got 'fp16'"):
+        load_recipe([], ["output.dtype=fp16", f"output.dir={tmp_path}"])
+
+
+def test_accelerates_mixed_precision_is_honoured_or_refused(teacher_dir, tmp_path, monkeypatch):
+    """`accelerate launch --mixed_precision X` reaches the processes as ACCELERATE_MIXED_PRECISION: bf16 turns
+    train.precision=auto into bf16 and is refused beside fp32; fp16 is refused; "no" leaves the recipe alone."""
+    settings = [f"model.teacher={teacher_dir}", "model.mixer=gltm", "data.sequence_length=32",
+                "data.max_train_sequences=4", "data.heldout_sequences=1", "data.wider_evaluations=false",
+                "stage1.steps=1", "stage2.steps=1"]
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    summary = distill(load_recipe([], [*settings, f"output.dir={tmp_path / 'auto'}"]), progress=False)
+    assert summary["precision"] == "bfloat16" and summary["saved_dtype"] == "float32"
+    with pytest.raises(ValueError, match=r"asks for mixed_precision=bf16 \(ACCELERATE_MIXED_PRECISION\), but the "
+                                         r"recipe has train.precision=fp32"):
+        distill(load_recipe([], [*settings, "train.precision=fp32", f"output.dir={tmp_path / 'fp32'}"]),
+                progress=False)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(ValueError, match="mixed_precision=fp16 .*the trainer does not do"):
+        distill(load_recipe([], [*settings, f"output.dir={tmp_path / 'fp16'}"]), progress=False)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    summary = distill(load_recipe([], [*settings, f"output.dir={tmp_path / 'no'}"]), progress=False)
+    assert summary["precision"] == "float32"
+
+
 def test_bf16_runs_the_kl_selection_and_blockwise_stage1(teacher_dir, tmp_path):
     """The forwards outside a stage's steps (kl:K ranking after stage-1 steps, the block-wise cache) run under the
     same autocast: bf16 frozen weights beside fp32 trained ones."""

@@ -103,6 +103,30 @@ def test_a_run_resumes_under_another_strategy(teacher_dir, data_parallel, tmp_pa
                       first_strategy=["train.strategy=deepspeed", "train.zero_stage=3"])
 
 
+@needs_deepspeed
+def test_bf16_under_every_sharding_strategy_tracks_the_fp32_run(teacher_dir, tmp_path):
+    """train.precision=bf16 under FSDP2 (MixedPrecisionPolicy: bf16 gathers, fp32 reduce-scatter and masters) and
+    DeepSpeed ZeRO-2 / ZeRO-3 (its bf16 block: fp32 masters in the partitions), 2 CPU processes: every loss within 1%
+    of the fp32 data-parallel run (a selective-SSM conversion: losses of order 1), and not equal to it."""
+    settings = [f"model.teacher={teacher_dir}", "model.mixer=selective_ssm", "data.sequence_length=32",
+                "data.max_train_sequences=8", "data.heldout_sequences=2", "data.wider_evaluations=false",
+                "stage1.steps=3", "stage2.steps=3", "train.lr=3e-3", "train.batch_size=1"]
+    runs = {"fp32": ["train.precision=fp32"], "fsdp": ["train.strategy=fsdp"],
+            "zero2": ["train.strategy=deepspeed", "train.zero_stage=2"],
+            "zero3": ["train.strategy=deepspeed", "train.zero_stage=3"]}
+    losses = {}
+    for name, extra in runs.items():
+        out = tmp_path / name
+        torchrun_distill([*settings, "train.precision=bf16", *extra, f"output.dir={out}"], timeout=600)
+        assert json.loads((out / "summary.json").read_text())["precision"] == ("float32" if name == "fp32"
+                                                                               else "bfloat16")
+        losses[name] = [row["loss"] for row in metrics(out)]
+    assert len(losses["fp32"]) == 6 and losses["fp32"][0] > 0.1
+    for name in ("fsdp", "zero2", "zero3"):
+        assert losses[name] == pytest.approx(losses["fp32"], rel=1e-2, abs=1e-4), name
+        assert losses[name] != losses["fp32"], name
+
+
 def test_sharding_recipes_are_checked(teacher_dir, tmp_path):
     with pytest.raises(RecipeError, match="train.zero_stage must be 1, 2 or 3"):
         load_recipe([], ["train.strategy=deepspeed", "train.zero_stage=4"])
