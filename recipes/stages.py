@@ -234,7 +234,12 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     progress = progress and processes.is_main
     record = checked_recipe(recipe)
     started = time.perf_counter()
-    teacher = teacher or load_teacher(recipe.model.teacher)
+    device = processes.accelerator.device
+    dtype = training_dtype(recipe.train.precision, device)
+    # the teacher straight in the training dtype (no fp32 copy of a bf16 checkpoint), on its device before the
+    # conversion, which then runs there; the student's frozen weights are the teacher's tensors from the start
+    teacher = teacher or load_teacher(recipe.model.teacher, dtype=dtype)
+    teacher.model.to(device=recipe.model.teacher_device or device, dtype=dtype)
     for parameter in teacher.model.parameters():
         parameter.requires_grad_(False)
     # the data first: a file that cannot make one sequence fails before minutes of conversion
@@ -258,15 +263,10 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         keep = None if selects_after_stage1(recipe) else recipe.model.keep_attention  # kl:K: ranked in stage 1
         student, conversion_report = convert(teacher, recipe.model.mixer, keep_attention=keep,
                                              mixer_options=recipe.model.mixer_options, seed=recipe.train.seed,
-                                             progress=progress)
-    device = processes.accelerator.device
-    teacher.model.to(recipe.model.teacher_device or device)
-    student.to(device)
+                                             progress=progress, dtype=str(dtype).removeprefix("torch."),
+                                             share_teacher_weights=True)
+    student.to(device=device, dtype=dtype)  # frozen weights in the training dtype; run_stage makes the trained fp32
     saved_dtype = output_dtype(recipe.output.dtype, teacher.stored_dtype)
-    dtype = training_dtype(recipe.train.precision, device)
-    if dtype != torch.float32:  # frozen weights in low precision; run_stage keeps what it trains in fp32
-        teacher.model.to(dtype)
-        student.to(dtype)
     # one copy of what the student took over unchanged (conversion/shared_weights.py); q/k/v stay its own when
     # stage 1 trains them
     trained_qkv = (".q_proj.", ".k_proj.", ".v_proj.") if recipe.stage1.enabled and recipe.stage1.train_qkv else ()

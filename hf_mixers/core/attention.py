@@ -13,6 +13,8 @@ The forward signature is every mixer's (core/mixer.py).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -85,10 +87,17 @@ def attention_output_error(mixer: nn.Module, teacher: nn.Module, hidden_states, 
     """Relative L2 error ||mixer(h) - teacher(h)|| / ||teacher(h)|| of two attention-like layers on the same input.
 
     The teacher is called as a transformers attention layer (``teacher(h, position_embeddings, None)``, causal
-    through SDPA) unless its output ``reference`` is given; the mixer with its uniform signature.
+    through SDPA) unless its output ``reference`` is given; the mixer with its uniform signature. One row at a time:
+    a mixer's exact reference may hold (heads, T, T) tensors, which for a whole calibration batch would set a
+    conversion's peak memory.
     """
+    error = total = 0.0
     with torch.no_grad():
-        if reference is None:
-            reference = teacher(hidden_states, position_embeddings=position_embeddings, attention_mask=None)[0]
-        output = mixer(hidden_states, position_embeddings)
-    return ((output.float() - reference.float()).norm() / reference.float().norm()).item()
+        for row in range(hidden_states.shape[0]):
+            h = hidden_states[row:row + 1]
+            embeddings = tuple(e if e.shape[0] == 1 else e[row:row + 1] for e in position_embeddings)
+            expected = (teacher(h, position_embeddings=embeddings, attention_mask=None)[0] if reference is None
+                        else reference[row:row + 1]).float()
+            error += (mixer(h, embeddings).float() - expected).square().sum().item()
+            total += expected.square().sum().item()
+    return math.sqrt(error / total)

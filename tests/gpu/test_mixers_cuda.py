@@ -150,3 +150,24 @@ def test_flash_linear_attention_gla_equals_our_scan(record):
     errors = {k: relative_error(results["triton"][k], results["torch"][k]) for k in results["torch"]}
     record(errors=errors)
     assert max(errors.values()) < 1e-2, f"fla chunk_gla vs our scan: {errors}"
+
+
+@pytest.mark.parametrize("mixer", [spec.name for spec in list_mixers(convertible=True)])
+def test_conversion_on_the_device_equals_the_cpu_conversion(mixer, tmp_path, record):
+    """A teacher on the device converts there (calibration forward, k-means, the at-init report) to the student the
+    CPU conversion builds: the same layer errors and held-out KL within the device's float error."""
+    from conftest import save_tiny_teacher
+    from hf_mixers.conversion import convert, load_teacher
+
+    save_tiny_teacher(str(tmp_path))
+    options = dict(sequence_length=32, calibration_sequences=2, heldout_sequences=1, progress=False)
+    _, on_cpu = convert(load_teacher(str(tmp_path)), mixer, **options)
+    teacher = load_teacher(str(tmp_path))
+    teacher.model.to(DEVICE)
+    student, on_device = convert(teacher, mixer, share_teacher_weights=True, **options)
+    assert next(student.parameters()).device.type == DEVICE.type
+    for cpu_layer, device_layer in zip(on_cpu.layers, on_device.layers):
+        if cpu_layer.error is not None:
+            assert device_layer.error == pytest.approx(cpu_layer.error, rel=5e-2, abs=1e-3), (mixer, cpu_layer.index)
+    assert on_device.kl_teacher_student == pytest.approx(on_cpu.kl_teacher_student, rel=5e-2, abs=1e-4)
+    record(test="conversion", mixer=mixer, kl_cpu=on_cpu.kl_teacher_student, kl_device=on_device.kl_teacher_student)

@@ -61,3 +61,45 @@ def test_a_distillation_with_merged_lora_leaves_the_teacher_unchanged(teacher, t
     distill(recipe, progress=False, teacher=teacher)
     for name, p in teacher.model.named_parameters():
         torch.testing.assert_close(p, original[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_conversion_can_build_the_student_from_the_teachers_own_tensors(teacher):
+    """convert(share_teacher_weights=True): embeddings, norms and MLPs are the teacher's tensors from the start (no
+    clone, so conversion never holds two copies of them), and the student computes exactly what a cloned one does.
+    A student in another dtype than the teacher cannot share and is refused."""
+    options = dict(sequence_length=32, calibration_sequences=2, heldout_sequences=1, progress=False)
+    cloned, _ = convert(teacher, "sessa", **options)
+    shared, report = convert(teacher, "sessa", share_teacher_weights=True, **options)
+    teacher_storage = {p.data_ptr() for p in teacher.model.parameters()}
+    params = dict(shared.named_parameters())
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight"):
+        assert params[name].data_ptr() in teacher_storage, name
+        assert dict(cloned.named_parameters())[name].data_ptr() not in teacher_storage, name
+    assert report.verified_tensors > 0
+    ids = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(shared(ids).logits, cloned(ids).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="the teacher is in torch.float32, the student would be bfloat16"):
+        convert(teacher, "sessa", share_teacher_weights=True, dtype="bfloat16", **options)
+
+
+def test_a_bf16_distillation_loads_the_teacher_in_bf16(teacher, tmp_path, monkeypatch):
+    """train.precision=bf16: the teacher is read from its folder straight in bf16 (never an fp32 copy first), and
+    the student's frozen weights are the teacher's bf16 tensors (kept so when output.dtype is bf16)."""
+    import hf_mixers.recipes.stages as stages
+
+    loaded, converted = [], []
+    original_load, original_convert = stages.load_teacher, stages.convert
+    monkeypatch.setattr(stages, "load_teacher", lambda source, dtype=torch.float32: loaded.append(dtype)
+                        or original_load(source, dtype=dtype))
+    monkeypatch.setattr(stages, "convert", lambda source, *args, **kwargs: converted.append(source.model)
+                        or original_convert(source, *args, **kwargs))
+    recipe = load_recipe([], [f"model.teacher={teacher.path}", "model.mixer=sessa", "data.sequence_length=32",
+                              "data.max_train_sequences=4", "data.heldout_sequences=1", "data.wider_evaluations=false",
+                              "stage1.enabled=false", "stage2.steps=1", "train.precision=bf16", "output.dtype=bf16",
+                              f"output.dir={tmp_path / 'out'}"])
+    summary = distill(recipe, progress=False)
+    assert loaded == [torch.bfloat16] and summary["precision"] == "bfloat16"
+    storage = {p.data_ptr() for p in converted[0].parameters()}
+    embeddings = summary["model"].model.embed_tokens.weight
+    assert embeddings.dtype == torch.bfloat16 and embeddings.data_ptr() in storage
