@@ -21,7 +21,6 @@ gives byte-identical safetensors.
 from __future__ import annotations
 
 import copy
-import ctypes
 import logging
 import resource
 import time
@@ -41,6 +40,7 @@ from ..model.modeling import MixerForCausalLM, model_classes
 from .families import backbone_fields, student_name, teacher_layer_kinds
 from .report import ConversionReport, LayerReport
 from .selection import largest_drops, marginal_kl_drops, worst_layers
+from .shared_weights import release_freed_memory
 from .teacher import Teacher, load_teacher
 
 logger = logging.getLogger(__name__)
@@ -236,17 +236,9 @@ def _convert_layers(teacher: Teacher, config, converted, calibration_ids, heldou
         for handle in handles:
             handle.remove()
         bar.close()
-    _release_freed_memory()  # the forward's activations are free now; the student's clones come next
+    release_freed_memory()  # the forward's activations are free now; the student's clones come next
     hidden = hidden.last_hidden_state
     return mixers, errors, hidden[held]
-
-
-def _release_freed_memory() -> None:
-    """Hand memory freed by glibc's allocator back to the OS (Linux); elsewhere a no-op."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _assemble(teacher: Teacher, config, mixers: dict, model_class, share: bool = False) -> MixerForCausalLM:

@@ -10,6 +10,8 @@ teacher's); ``unshare_weights`` gives them their own storage again before anythi
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 TEACHER_ATTENTION_NAME = ".self_attn."  # where the teacher families keep attention; the student's is ".mixer."
@@ -44,3 +46,12 @@ def unshare_weights(student, teacher_model, only=()) -> int:
             parameter.data = parameter.data.clone()
             copied += parameter.numel() * parameter.element_size()
     return copied
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by glibc's allocator back to the OS (Linux; elsewhere a no-op): after the student's copies
+    of the teacher's weights are dropped, or a forward's activations freed, the process's resident size shows it."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -59,6 +59,29 @@ def load_teacher(source: str, dtype: torch.dtype = torch.float32) -> Teacher:
                             f"or the alias '{SMOLLM2_ALIAS}'")
 
 
+def teacher_config(source: str):
+    """(transformers config, family) of ``source`` without reading a weight: what the memory plan starts from. A hub
+    id fetches config.json only (from the local cache when offline)."""
+    from transformers import AutoConfig
+
+    if source == SMOLLM2_ALIAS or source.endswith(".gguf"):
+        path = smollm2_gguf_path() if source == SMOLLM2_ALIAS else source
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{source}: no such GGUF file")
+        folder, name = os.path.split(os.path.abspath(path))
+        config, where = AutoConfig.from_pretrained(folder, gguf_file=name), path
+    elif os.path.isdir(source) or HUB_ID.fullmatch(source):
+        where = os.path.join(source, "config.json") if os.path.isdir(source) else f"{source}/config.json"
+        try:
+            config = AutoConfig.from_pretrained(source)
+        except (ValueError, OSError, json.JSONDecodeError) as error:
+            raise TeacherLoadError(f"{where}: cannot read the config: {error}") from error
+    else:
+        raise FileNotFoundError(f"{source}: no such folder or .gguf file, and not a hub id (owner/name) "
+                                f"or the alias '{SMOLLM2_ALIAS}'")
+    return config, check_family(config, where)
+
+
 def _download(repo_id: str) -> str:
     if hub_offline():
         raise ConnectionError(f"{repo_id}: HF_HUB_OFFLINE is set, so the hub cannot be reached; download the model "

@@ -33,7 +33,7 @@ from ..common.corpus import HUB_ID, PYTHON_DOCS, PYTHON_DOCS_NAME, hub_offline, 
 from ..conversion import convert, load_teacher
 from ..conversion.converter import KL_RANKING_SEQUENCES
 from ..conversion.selection import keep_by_marginal_kl
-from ..conversion.shared_weights import share_frozen_weights, unshare_weights
+from ..conversion.shared_weights import release_freed_memory, share_frozen_weights, unshare_weights
 from .precision import autocast, output_dtype, training_dtype
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
@@ -257,7 +257,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     if student is None and recipe.model.student:
         from transformers import AutoModelForCausalLM
 
-        student = AutoModelForCausalLM.from_pretrained(local_student(recipe.model.student), dtype=torch.float32)
+        student = AutoModelForCausalLM.from_pretrained(local_student(recipe.model.student), dtype=dtype)
         conversion_report = read_conversion_report(recipe.model.student)
     elif student is None:
         keep = None if selects_after_stage1(recipe) else recipe.model.keep_attention  # kl:K: ranked in stage 1
@@ -271,6 +271,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     # stage 1 trains them
     trained_qkv = (".q_proj.", ".k_proj.", ".v_proj.") if recipe.stage1.enabled and recipe.stage1.train_qkv else ()
     shared = share_frozen_weights(student, teacher.model, keep_separate=trained_qkv)
+    release_freed_memory()  # the student's own copies of those weights (a loaded model.student) are gone
     if shared and progress:
         tqdm.write(f"student and teacher hold their {shared / 2**20:.0f} MiB of common frozen weights once")
     train_ids, heldout_ids = train_ids.to(device), heldout_ids.to(device)

@@ -132,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a recipe field (repeatable)")
     _output_flags(distill)
+    distill.add_argument("--plan", action="store_true",
+                         help="print each process's memory for the recipe (weights by dtype, gradients, optimizer "
+                              "states, activations, logits) and whether it fits, without loading or training")
+    distill.add_argument("--processes", type=at_least(1), default=1, help="with --plan: processes (GPUs) of the run")
+    distill.add_argument("--device-memory", default=None, metavar="SIZE",
+                         help="with --plan: memory of each process's device, e.g. 80GB (implies a CUDA device)")
 
     finetune = commands.add_parser(
         "finetune", help="stage 3: supervised fine-tuning of a converted model on chat data (LoRA or full)",
@@ -353,6 +359,16 @@ def _train(args) -> int:
     run = distill if args.command == "distill" else finetune
     flags = [f"output.dir={json.dumps(args.out)}"] if args.out is not None else []
     flags += ["output.overwrite=true"] if args.overwrite else []
+    if getattr(args, "plan", False):
+        from ..recipes.memory_plan import parse_size, plan_memory
+
+        try:
+            memory = None if args.device_memory is None else parse_size(args.device_memory)
+            plan = plan_memory(load_recipe(args.recipes, [*flags, *args.overrides]), args.processes, memory)
+        except EXPECTED_ERRORS as error:
+            return _fail("distill --plan", error)
+        print(plan.to_text())
+        return 0 if plan.fits() is not False else 1
     try:
         summary = run(load_recipe(args.recipes, [*flags, *args.overrides]))
     except (*EXPECTED_ERRORS, NonFiniteLoss) as error:

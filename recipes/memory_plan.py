@@ -1,0 +1,341 @@
+"""The memory plan of a recipe (``hf-mixers distill RECIPE --plan``): what each process will hold, before anything
+is loaded, and whether it fits.
+
+    weights      the teacher in the training dtype (never sharded); the student's frozen weights are the teacher's
+                 tensors (ddp, ZeRO-1/2) or 1/N shards of their own plus the gathered blocks (fsdp, ZeRO-3); what a
+                 stage trains (the mixers' new tensors, LoRA) in fp32
+    gradients    fp32, of the trained tensors: whole (ddp: plus DistributedDataParallel's buckets; ZeRO-1) or 1/N
+    optimizer    AdamW's two fp32 states per trained value, 1/N under ZeRO and FSDP (DeepSpeed adds its fp32 masters)
+    activations  what autograd keeps for the backward pass, *counted*: one block of each kind the student has (the
+                 mixer, kept attention) is built at the teacher's width with random weights on the CPU, wrapped with
+                 the recipe's LoRA, and run once per stage in the recipe's dtype under ``saved_tensors_hooks``. The
+                 counts are taken at the recipe's length (beyond 4096 tokens: at 1K, 2K and 4K, extrapolated as a
+                 quadratic) and at two small MLP widths, extended linearly to the real width (exact: the MLP's saved
+                 tensors are linear in it)
+    loss         the stage-2 loss's full-vocabulary logits: 5.7 fp32 (rows, vocab) tensors per chunk of
+                 ``stage2.loss_chunk_rows`` (7 over the whole batch for the dense loss), the factors measured by
+                 scripts/distill_loss_memory.py
+    runtime      this process's own memory after its imports (CPU), or 1 GiB of CUDA context and workspaces (GPU)
+
+The counts come from the teacher's config.json and the student built on the meta device: no weight is read. What is
+not counted: the allocator's fragmentation and caching (hence a 10% margin in "fits"), evaluation passes (no grad,
+smaller than a training step), and the one-off peaks of loading and converting (host memory: the teacher once,
+plus the calibration forward).
+"""
+
+from __future__ import annotations
+
+import copy
+import resource
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.registry import TEACHER_ATTENTION, get_mixer
+from .config import Recipe, shards_the_model
+from .precision import training_dtype
+
+GIB = 2**30
+LOSS_TENSORS_PER_CHUNK_ROW = 5.7  # fp32 (rows, vocab) tensors alive in a chunk of the chunked loss (measured)
+LOSS_TENSORS_DENSE = 7.0  # the same for the dense loss over the whole batch (measured)
+CUDA_RUNTIME = 1 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers: what nvidia-smi shows before tensors
+MARGIN = 0.10  # allocator caching and fragmentation
+MEASURED_LENGTHS = (1024, 2048, 4096)  # the block runs at the recipe's length, or at these when it is longer
+MLP_WIDTHS = (16, 32)
+
+
+@dataclass
+class MemoryPlan:
+    """Per-process bytes of each part, per stage (``stages``: name -> {part: bytes}), and what it was planned for."""
+    title: str
+    processes: int
+    device: str
+    device_memory: int | None
+    dtype: str
+    stages: dict = field(default_factory=dict)
+    host_at_load: int = 0
+    notes: list = field(default_factory=list)
+
+    def peak(self) -> tuple[str, int]:
+        name = max(self.stages, key=lambda stage: sum(self.stages[stage].values()))
+        return name, sum(self.stages[name].values())
+
+    def fits(self) -> bool | None:
+        if self.device_memory is None:
+            return None
+        return self.peak()[1] * (1 + MARGIN) <= self.device_memory
+
+    def to_dict(self) -> dict:
+        stage, peak = self.peak()
+        return {"title": self.title, "processes": self.processes, "device": self.device,
+                "device_memory": self.device_memory, "dtype": self.dtype, "stages": self.stages,
+                "peak_stage": stage, "peak_bytes": peak, "host_at_load": self.host_at_load, "fits": self.fits(),
+                "notes": self.notes}
+
+    def to_text(self) -> str:
+        parts = list(dict.fromkeys(part for values in self.stages.values() for part in values))
+        width = max(len(part) for part in parts) + 2
+        lines = [self.title, f"{'per process':<{width}}" + "".join(f"{name:>14}" for name in self.stages)]
+        for part in parts:
+            lines.append(f"  {part:<{width - 2}}" + "".join(f"{_gib(values.get(part, 0)):>14}"
+                                                            for values in self.stages.values()))
+        lines.append(f"  {'total':<{width - 2}}" + "".join(f"{_gib(sum(values.values())):>14}"
+                                                        for values in self.stages.values()))
+        stage, peak = self.peak()
+        lines.append(f"host memory per process while loading the teacher: {_gib(self.host_at_load)}")
+        if self.device_memory is not None:
+            verdict = "fits" if self.fits() else "does NOT fit"
+            lines.append(f"{verdict} in {_gib(self.device_memory)} per {self.device} device: the peak ({stage}) "
+                         f"is {_gib(peak)}, {peak / self.device_memory:.0%} of it (with a {MARGIN:.0%} margin "
+                         f"for the allocator)")
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.2f} GiB"
+
+
+def parse_size(text: str) -> int:
+    """'80GB', '80G', '24GiB', '512MB' -> bytes (GB and G read as GiB: what device specs mean)."""
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if value and value[-1] in units:
+            return int(float(value[:-1]) * units[value[-1]])
+        return int(float(value))
+    except ValueError:
+        raise ValueError(f"--device-memory: expected a size such as 80GB or 24GiB, got {text!r}") from None
+
+
+def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = None,
+                device: str | None = None) -> MemoryPlan:
+    """The per-process memory of ``recipe``'s stages on ``processes`` processes of ``device`` ("cpu" or "cuda";
+    default: cuda when ``device_memory`` is given or this machine has a GPU)."""
+    from ..conversion.teacher import teacher_config
+
+    if processes < 1:
+        raise ValueError(f"--processes must be at least 1, got {processes}")
+    device = device or ("cuda" if device_memory is not None or torch.cuda.is_available() else "cpu")
+    train = recipe.train
+    dtype = torch.bfloat16 if device == "cuda" and train.precision == "auto" else \
+        training_dtype(train.precision, torch.device("cpu"))
+    teacher, _ = teacher_config(recipe.model.teacher)
+    if recipe.model.student:  # a converted folder: its own config says which layers are what
+        from transformers import AutoConfig
+
+        from .stages import local_student
+
+        config = AutoConfig.from_pretrained(local_student(recipe.model.student))
+    else:
+        config = _student_config(recipe, teacher)
+    counts = _parameter_counts(config, teacher, recipe)
+    element = torch.finfo(dtype).bits // 8
+    world, strategy = processes, train.strategy
+    sharded = shards_the_model(train)
+    partitioned = strategy in ("deepspeed", "fsdp")  # optimizer states 1/N
+    tokens = train.batch_size * recipe.data.sequence_length
+    length = recipe.data.sequence_length
+    blocks = _block_counts(config)
+    layers = ", ".join(f"{count} {kind}" for kind, count in blocks.items())
+    title = (f"memory plan: {recipe.model.teacher} -> {config.model_type} ({layers}), {train.batch_size} x {length} "
+             f"tokens per micro-batch, {strategy}" + (f" ZeRO-{train.zero_stage}" if strategy == "deepspeed" else "")
+             + f" over {world} process{'es' if world > 1 else ''}, {str(dtype).removeprefix('torch.')} on {device}")
+    plan = MemoryPlan(title, world, device, device_memory, str(dtype).removeprefix("torch."))
+    runtime = CUDA_RUNTIME if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    teacher_bytes = counts["teacher"] * element
+    plan.host_at_load = teacher_bytes + (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+    stages = []
+    if recipe.stage1.enabled and recipe.stage1.steps > 0 and not recipe.model.student:
+        stages.append(("stage 1", counts["new"] + (counts["qkv"] if recipe.stage1.train_qkv else 0)))
+    if recipe.stage2.enabled and recipe.stage2.steps > 0:
+        stages.append(("stage 2", counts["new"] + counts["lora"]))
+    for name, trained in stages:
+        parts = {f"teacher weights ({plan.dtype})": teacher_bytes}
+        own = counts["new"] * 4 + (counts["lora"] * 4 if name == "stage 2" else 0)
+        if name == "stage 1" and recipe.stage1.train_qkv:
+            own += counts["qkv"] * 4  # trained copies of the converted layers' q/k/v, no longer shared
+        if sharded:
+            student_bytes = (counts["student"] - counts["new"]) * element + own
+            parts["student weights (1/N shard)"] = student_bytes // world
+            parts["gathered blocks (2 in flight)"] = 2 * counts["largest_block"] * element + (
+                counts["root"] * element if name == "stage 2" else 0)
+        else:
+            parts["student's own weights (fp32)"] = own
+        deepspeed = strategy == "deepspeed"
+        if deepspeed:
+            parts["DeepSpeed fp32 masters (1/N)"] = trained * 4 // world
+        grads = trained * 4
+        if strategy == "ddp" or (deepspeed and train.zero_stage == 1):
+            parts["gradients (fp32)"] = grads
+            if strategy == "ddp" and world > 1:
+                parts["DDP gradient buckets"] = grads
+        else:
+            parts["gradients (fp32, 1/N)"] = grads // world
+        parts["AdamW states" + (" (1/N)" if partitioned else "")] = trained * 8 // (world if partitioned else 1)
+        per_row = _activations(config, recipe, dtype, name)
+        parts["activations"] = per_row * train.batch_size
+        if name == "stage 1":
+            converted = sum(count for kind, count in blocks.items() if kind not in TEACHER_ATTENTION)
+            parts["captured teacher activations"] = 2 * converted * tokens * config.hidden_size * element
+        else:
+            rows = recipe.stage2.loss_chunk_rows
+            if rows and not sharded:
+                parts["loss logits (chunked)"] = int(LOSS_TENSORS_PER_CHUNK_ROW * min(rows, tokens)
+                                                     * config.vocab_size * 4)
+            else:
+                parts["loss logits (whole batch)"] = int(LOSS_TENSORS_DENSE * tokens * config.vocab_size * 4)
+        parts["runtime" + (" (CUDA context)" if device == "cuda" else " (this process)")] = runtime
+        plan.stages[name] = {part: int(value) for part, value in parts.items()}
+    if not plan.stages:
+        raise ValueError("the recipe trains nothing (stage 1 and stage 2 are off or have 0 steps): nothing to plan")
+    if sharded and recipe.stage2.loss_chunk_rows:
+        plan.notes.append("a sharded head (fsdp, ZeRO-3) runs the dense loss: its logits are the whole batch's")
+    if train.gradient_checkpointing:
+        plan.notes.append("train.gradient_checkpointing: the blocks keep their inputs only, and one block is "
+                          "recomputed at a time")
+    return plan
+
+
+def _student_config(recipe: Recipe, teacher):
+    """The converted model's config, as ``convert`` would make it (K kept layers, whichever they turn out to be)."""
+    from ..conversion.families import backbone_fields, teacher_layer_kinds
+    from ..model.config import config_class
+
+    spec = get_mixer(recipe.model.mixer)
+    options = {**spec.conversion_options, **spec.checked_options(recipe.model.mixer_options or {}, "mixer options")}
+    kinds = teacher_layer_kinds(teacher)
+    keep = recipe.model.keep_attention
+    if isinstance(keep, str) and ":" in keep:
+        kept = set(range(int(keep.partition(":")[2])))
+    elif keep:
+        kept = {int(item) for item in (keep.split(",") if isinstance(keep, str) else keep) if str(item).strip()}
+    else:
+        kept = set()
+    layer_types = [kinds[i] if i in kept else recipe.model.mixer for i in range(len(kinds))]
+    return config_class(recipe.model.mixer)(**backbone_fields(teacher), layer_types=layer_types, **options)
+
+
+def _block_counts(config) -> dict:
+    counts = {}
+    for kind in config.layer_types:
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def _parameter_counts(config, teacher_config, recipe: Recipe) -> dict:
+    """Parameter counts, on the meta device: the teacher; the student, its new (mixers' own) tensors, the converted
+    layers' q/k/v, the LoRA the stage-2 recipe adds, its largest block and its root (embeddings, norm, head)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..model.modeling import model_classes
+    from .stages import new_mixer_parameters
+
+    with torch.device("meta"):
+        student = model_classes(config.model_type)[1](config)
+        teacher = AutoModelForCausalLM.from_config(teacher_config)
+    new = sum(p.numel() for p in new_mixer_parameters(student).values())
+    qkv = sum(p.numel() for p in new_mixer_parameters(student, train_qkv=True).values()) - new
+    targets = tuple(recipe.stage2.lora_targets)
+    lora = sum(recipe.stage2.lora_r * (module.in_features + module.out_features)
+               for name, module in student.named_modules()
+               if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in targets)
+    total = sum(p.numel() for p in student.parameters())
+    blocks = [sum(p.numel() for p in block.parameters()) for block in student.model.layers]
+    return {"student": total, "new": new, "qkv": qkv, "lora": lora,
+            "teacher": sum(p.numel() for p in teacher.parameters()), "largest_block": max(blocks),
+            "root": total - sum(blocks)}
+
+
+def _activations(config, recipe: Recipe, dtype: torch.dtype, stage: str) -> int:
+    """Bytes autograd keeps for one sequence of the recipe's length through every block (stage 2: whole blocks with
+    LoRA; stage 1: the converted mixers alone, on the teacher's inputs), counted on one block of each kind."""
+    length = recipe.data.sequence_length
+    total = 0
+    for kind, count in _block_counts(config).items():
+        if stage == "stage 1" and kind in TEACHER_ATTENTION:
+            continue  # stage 1 runs the teacher's attention without gradients
+        saved = _extrapolated(lambda t, width: _saved_bytes(config, kind, recipe, dtype, stage, t, width), length,
+                              config.intermediate_size)
+        if recipe.train.gradient_checkpointing and stage == "stage 2":
+            kept = length * config.hidden_size * torch.finfo(dtype).bits // 8
+            total += count * kept + max(0, saved - kept)  # inputs of each block; one block recomputed at a time
+        else:
+            total += count * saved
+    return total
+
+
+def _extrapolated(measure, length: int, width: int) -> int:
+    """measure(t, w) at the recipe's length (when at most 4096; chunked layouts pad to their chunk, so the length
+    itself is what is exact) or fitted as a + b t + c t^2 over MEASURED_LENGTHS, at two MLP widths, extended
+    linearly to ``width``."""
+    lengths = [length] if length <= MEASURED_LENGTHS[-1] else list(MEASURED_LENGTHS)
+
+    def at_width(w):
+        values = [measure(t, w) for t in lengths]
+        if len(values) == 1:
+            return values[0]
+        coefficients = torch.linalg.solve(torch.tensor([[1.0, t, t * t] for t in lengths], dtype=torch.float64),
+                                          torch.tensor(values, dtype=torch.float64))
+        return float(coefficients @ torch.tensor([1.0, length, length * length], dtype=torch.float64))
+
+    low, high = (at_width(w) for w in MLP_WIDTHS)
+    return int(round(low + (high - low) / (MLP_WIDTHS[1] - MLP_WIDTHS[0]) * (width - MLP_WIDTHS[0])))
+
+
+def _saved_bytes(config, kind: str, recipe: Recipe, dtype: torch.dtype, stage: str, length: int, width: int) -> int:
+    """Bytes of the distinct storages autograd saves in one forward of a one-block student of ``kind`` (its MLP
+    ``width`` wide) over one sequence of ``length``, parameters excluded."""
+    from ..model.modeling import model_classes
+    from .precision import autocast, fp32_masters
+
+    small = copy.deepcopy(config)
+    small.num_hidden_layers, small.layer_types, small.intermediate_size, small.vocab_size = 1, [kind], width, 16
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = model_classes(config.model_type)[1](small).model.to(dtype)
+    model.norm = torch.nn.Identity()  # the block alone: the final norm is the whole model's, once
+    from .stages import new_mixer_parameters
+
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    trained = list(new_mixer_parameters(_Wrapped(model), recipe.stage1.train_qkv and stage == "stage 1").values())
+    if stage == "stage 2":
+        from peft import LoraConfig, inject_adapter_in_model
+
+        targets = [t for t in recipe.stage2.lora_targets
+                   if any(name.endswith(t) for name, _ in model.named_modules())]
+        if targets:
+            inject_adapter_in_model(LoraConfig(r=recipe.stage2.lora_r, lora_alpha=recipe.stage2.lora_alpha,
+                                               target_modules=targets, lora_dropout=0.0), model)
+            trained += [p for name, p in model.named_parameters() if "lora_" in name]
+    fp32_masters(trained)
+    for parameter in trained:
+        parameter.requires_grad_(True)
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    hidden = torch.randn(1, length, config.hidden_size, dtype=dtype, requires_grad=stage == "stage 2")
+    cpu = torch.device("cpu")
+    with autocast(dtype, cpu), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        if stage == "stage 2":
+            model(inputs_embeds=hidden, use_cache=False)
+        else:
+            ids = torch.arange(length).unsqueeze(0)
+            model.layers[0].mixer(hidden, model.rotary_emb(hidden, position_ids=ids))
+    return sum(saved.values())
+
+
+class _Wrapped(torch.nn.Module):
+    """A bare MixerModel seen as a causal LM's ``.model`` (what new_mixer_parameters reads names and config from)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config

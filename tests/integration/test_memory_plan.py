@@ -1,0 +1,92 @@
+"""`hf-mixers distill RECIPE --plan` (recipes/memory_plan.py): per-process memory before anything is loaded.
+
+The activation count is checked against a direct count of what autograd saves on the whole converted student (with
+its LoRA); the weights, gradients and optimizer states against the parameter counts, for every strategy; the
+verdict and the exit code of the command."""
+
+import pytest
+import torch
+
+from hf_mixers.apps.cli import main as cli_main
+from hf_mixers.conversion import convert, load_teacher
+from hf_mixers.recipes import load_recipe
+from hf_mixers.recipes.memory_plan import parse_size, plan_memory
+from hf_mixers.recipes.precision import autocast
+from hf_mixers.recipes.stages import add_lora
+
+GIB = 2**30
+
+
+def recipe(teacher_dir, *extra):
+    return load_recipe([], [f"model.teacher={teacher_dir}", "data.sequence_length=32", "train.batch_size=2",
+                            "output.dir=unused", *extra])
+
+
+def saved_by_the_student(teacher_dir, mixer, options, length, dtype) -> int:
+    """What autograd saves in one stage-2 forward of the converted student with its LoRA, one sequence."""
+    student, _ = convert(load_teacher(str(teacher_dir)), mixer, mixer_options=options, sequence_length=32,
+                         calibration_sequences=2, heldout_sequences=1, progress=False)
+    model = add_lora(student.to(dtype), load_recipe([], ["output.dir=unused"]).stage2, 0)
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.float()
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    hidden = model.get_base_model().model.embed_tokens(torch.randint(3, 300, (1, length)))
+    with autocast(dtype, torch.device("cpu")), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.get_base_model().model(inputs_embeds=hidden.detach().requires_grad_(), use_cache=False)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("mixer, options, length", [("sessa", {}, 40), ("sessa", {}, 700), ("sessa", {}, 4500),
+                                                    ("rsa", {"rsa_num_slots": 8, "rsa_num_levels": 2}, 700)])
+def test_the_activation_count_matches_the_whole_students(teacher_dir, mixer, options, length):
+    """Counted on one block per kind at two MLP widths (and, past 4096 tokens, at 1K/2K/4K and extrapolated),
+    the plan's activations equal what the whole student saves, within the final norm's one (T, D) tensor."""
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        plan = plan_memory(recipe(teacher_dir, f"model.mixer={mixer}", f"model.mixer_options={options}",
+                                  f"data.sequence_length={length}", "train.batch_size=1", "stage1.enabled=false",
+                                  f"train.precision={precision}"), device="cpu")
+        planned = plan.stages["stage 2"]["activations"]
+        direct = saved_by_the_student(teacher_dir, mixer, options, length, dtype)
+        assert planned == pytest.approx(direct, rel=0.05), (precision, planned, direct)
+
+
+def test_the_parts_follow_the_strategy_and_the_precision(teacher_dir):
+    base = ["model.mixer=gltm", "train.precision=bf16"]
+    ddp = plan_memory(recipe(teacher_dir, *base), processes=8, device="cpu").stages["stage 2"]
+    zero3 = plan_memory(recipe(teacher_dir, *base, "train.strategy=deepspeed", "train.zero_stage=3"), processes=8,
+                        device="cpu").stages["stage 2"]
+    fsdp = plan_memory(recipe(teacher_dir, *base, "train.strategy=fsdp"), processes=8, device="cpu").stages["stage 2"]
+    fp32 = plan_memory(recipe(teacher_dir, "model.mixer=gltm", "train.precision=fp32"), processes=8,
+                       device="cpu").stages["stage 2"]
+    assert ddp["teacher weights (bfloat16)"] * 2 == fp32["teacher weights (float32)"]
+    for sharded in (zero3, fsdp):
+        assert sharded["AdamW states (1/N)"] == ddp["AdamW states"] // 8
+        assert sharded["gradients (fp32, 1/N)"] == ddp["gradients (fp32)"] // 8
+        assert "student weights (1/N shard)" in sharded and "DDP gradient buckets" not in sharded
+        assert "loss logits (whole batch)" in sharded  # a sharded head runs the dense loss
+    assert "DDP gradient buckets" in ddp and "loss logits (chunked)" in ddp
+    # AdamW: two fp32 states per trained value; the gradients one
+    assert ddp["AdamW states"] == 2 * ddp["gradients (fp32)"]
+
+
+def test_the_command_prints_the_plan_and_says_whether_it_fits(teacher_dir, capsys):
+    settings = ["--set", f"model.teacher={teacher_dir}", "--set", "model.mixer=gltm", "--set",
+                "data.sequence_length=32", "--plan", "--processes", "2"]
+    assert cli_main(["distill", *settings, "--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "ddp over 2 processes, bfloat16 on cuda" in out and "stage 1" in out and "stage 2" in out
+    assert "fits in 80.00 GiB per cuda device" in out
+    assert cli_main(["distill", *settings, "--device-memory", "1MB"]) == 1
+    assert "does NOT fit in 0.00 GiB" in capsys.readouterr().out
+    assert cli_main(["distill", *settings, "--device-memory", "lots"]) == 2
+    assert "--device-memory: expected a size such as 80GB" in capsys.readouterr().err
+    assert parse_size("24GiB") == parse_size("24G") == 24 * GIB and parse_size("512MB") == 512 * 2**20
