@@ -16,16 +16,18 @@ is loaded, and whether it fits.
                  ``stage2.loss_chunk_rows`` (7 over the whole batch for the dense loss), the factors measured by
                  scripts/distill_loss_memory.py
     runtime      this process's own memory after its imports (CPU), or 1 GiB of CUDA context and workspaces (GPU)
+    loading      (on CPU, where the host is the device) the teacher in the training dtype, plus its checkpoint's
+                 memory-mapped file while it is read into another dtype (a bf16 checkpoint trained in fp32)
 
 The counts come from the teacher's config.json and the student built on the meta device: no weight is read. What is
 not counted: the allocator's fragmentation and caching (hence a 10% margin in "fits"), evaluation passes (no grad,
-smaller than a training step), and the one-off peaks of loading and converting (host memory: the teacher once,
-plus the calibration forward).
+smaller than a training step), and conversion's calibration forward.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import resource
 from dataclasses import dataclass, field
 
@@ -112,7 +114,7 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
                 device: str | None = None) -> MemoryPlan:
     """The per-process memory of ``recipe``'s stages on ``processes`` processes of ``device`` ("cpu" or "cuda";
     default: cuda when ``device_memory`` is given or this machine has a GPU)."""
-    from ..conversion.teacher import teacher_config
+    from ..conversion.teacher import stored_dtype, teacher_config
 
     if processes < 1:
         raise ValueError(f"--processes must be at least 1, got {processes}")
@@ -142,9 +144,22 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
              f"tokens per micro-batch, {strategy}" + (f" ZeRO-{train.zero_stage}" if strategy == "deepspeed" else "")
              + f" over {world} process{'es' if world > 1 else ''}, {str(dtype).removeprefix('torch.')} on {device}")
     plan = MemoryPlan(title, world, device, device_memory, str(dtype).removeprefix("torch."))
+    for module in ("accelerate", "peft"):  # what a run imports before it loads anything: part of its runtime
+        importlib.import_module(module)
     runtime = CUDA_RUNTIME if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     teacher_bytes = counts["teacher"] * element
-    plan.host_at_load = teacher_bytes + (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    # reading a checkpoint stored in another dtype holds its memory-mapped file and the converted tensors at once
+    stored = stored_dtype(teacher)
+    checkpoint = counts["teacher"] * torch.finfo(stored).bits // 8 if stored != dtype else 0
+    host_runtime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    plan.host_at_load = teacher_bytes + checkpoint + host_runtime
+    if device == "cpu":  # the host is the device: loading is a stage of its own
+        plan.stages["loading"] = {f"teacher weights ({plan.dtype})": teacher_bytes,
+                                  "runtime (this process)": runtime}
+        if checkpoint:
+            plan.stages["loading"][f"checkpoint being read ({str(stored).removeprefix('torch.')})"] = checkpoint
+        if recipe.model.student:  # loaded whole, then its frozen weights become the teacher's
+            plan.stages["loading"]["model.student being read"] = counts["student"] * element
 
     stages = []
     if recipe.stage1.enabled and recipe.stage1.steps > 0 and not recipe.model.student:
@@ -188,7 +203,7 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
                 parts["loss logits (whole batch)"] = int(LOSS_TENSORS_DENSE * tokens * config.vocab_size * 4)
         parts["runtime" + (" (CUDA context)" if device == "cuda" else " (this process)")] = runtime
         plan.stages[name] = {part: int(value) for part, value in parts.items()}
-    if not plan.stages:
+    if not set(plan.stages) - {"loading"}:
         raise ValueError("the recipe trains nothing (stage 1 and stage 2 are off or have 0 steps): nothing to plan")
     if sharded and recipe.stage2.loss_chunk_rows:
         plan.notes.append("a sharded head (fsdp, ZeRO-3) runs the dense loss: its logits are the whole batch's")

@@ -238,6 +238,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     dtype = training_dtype(recipe.train.precision, device)
     # the teacher straight in the training dtype (no fp32 copy of a bf16 checkpoint), on its device before the
     # conversion, which then runs there; the student's frozen weights are the teacher's tensors from the start
+    loaded_here = teacher is None
     teacher = teacher or load_teacher(recipe.model.teacher, dtype=dtype)
     teacher.model.to(device=recipe.model.teacher_device or device, dtype=dtype)
     for parameter in teacher.model.parameters():
@@ -338,6 +339,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
                                         lr=recipe.stage2.lr or recipe.train.lr, sharding=sharding_for(peft_model),
                                         **common)
+        del loss_fn  # it holds the teacher, which the export may free
         if recipe.output.merge_lora:  # merging writes into the adapted weights: the teacher's must stay as they are
             unshare_weights(peft_model, teacher.model, only=("base_layer",))
         student = peft_model.merge_and_unload() if recipe.output.merge_lora else peft_model
@@ -353,7 +355,12 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
                                  * processes.world}
                           for name, h in histories.items()},
                "seconds": time.perf_counter() - started, "model_dir": model_dir, "world_size": processes.world,
-               "precision": str(dtype).removeprefix("torch."), "saved_dtype": str(saved_dtype).removeprefix("torch.")}
+               "precision": str(dtype).removeprefix("torch."), "saved_dtype": str(saved_dtype).removeprefix("torch."),
+               "peak_memory_gib": processes.gather(peak_memory(device))}  # per rank: what --plan is checked against
+    tokenizer = teacher.tokenizer
+    if loaded_here:  # the teacher's last use is behind: its tensors go as the student's are cast for the export
+        teacher = None
+        release_freed_memory()
     student.to(saved_dtype)
     if processes.is_main:
         def write_history(folder):
@@ -363,7 +370,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
                 json.dump({**summary, "model_dir": None, "recipe": recipe.to_dict()}, handle, indent=2)
             plot_losses(histories, os.path.join(folder, LOSS_CURVE))
 
-        save_model(student, model_dir, teacher.tokenizer, extra=write_history)
+        save_model(student, model_dir, tokenizer, extra=write_history)
         with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as handle:
             json.dump(summary, handle, indent=2)
         plot_losses(histories, os.path.join(out, LOSS_CURVE))
@@ -459,6 +466,16 @@ def copy_history(source: str, folder: str) -> None:
     for name in HISTORY_FILES:
         if os.path.isfile(os.path.join(source, name)):
             shutil.copy2(os.path.join(source, name), os.path.join(folder, name))
+
+
+def peak_memory(device: torch.device) -> dict:
+    """This process's peak memory so far, GiB: resident host memory, and on CUDA the device memory torch reserved."""
+    import resource
+
+    peaks = {"host": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if device.type == "cuda":
+        peaks["device"] = torch.cuda.max_memory_reserved(device) / 2**30
+    return {name: round(value, 3) for name, value in peaks.items()}
 
 
 def _accelerator():

@@ -76,6 +76,11 @@ def test_the_parts_follow_the_strategy_and_the_precision(teacher_dir):
     assert "DDP gradient buckets" in ddp and "loss logits (chunked)" in ddp
     # AdamW: two fp32 states per trained value; the gradients one
     assert ddp["AdamW states"] == 2 * ddp["gradients (fp32)"]
+    # on CPU loading is a stage of its own: an fp32 checkpoint read into bf16 is held beside the converted tensors
+    loading = plan_memory(recipe(teacher_dir, *base), device="cpu").stages["loading"]
+    assert loading["checkpoint being read (float32)"] == 2 * loading["teacher weights (bfloat16)"]
+    assert "checkpoint being read (float32)" not in plan_memory(recipe(teacher_dir, "train.precision=fp32"),
+                                                                device="cpu").stages["loading"]
 
 
 def test_the_command_prints_the_plan_and_says_whether_it_fits(teacher_dir, capsys):

@@ -618,6 +618,7 @@ def test_accelerates_mixed_precision_is_honoured_or_refused(teacher_dir, tmp_pat
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     summary = distill(load_recipe([], [*settings, f"output.dir={tmp_path / 'auto'}"]), progress=False)
     assert summary["precision"] == "bfloat16" and summary["saved_dtype"] == "float32"
+    assert len(summary["peak_memory_gib"]) == 1 and summary["peak_memory_gib"][0]["host"] > 0.1  # --plan's yardstick
     with pytest.raises(ValueError, match=r"asks for mixed_precision=bf16 \(ACCELERATE_MIXED_PRECISION\), but the "
                                          r"recipe has train.precision=fp32"):
         distill(load_recipe([], [*settings, "train.precision=fp32", f"output.dir={tmp_path / 'fp32'}"]),
