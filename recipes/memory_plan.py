@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 import resource
 from dataclasses import dataclass, field
 
@@ -87,7 +88,9 @@ class MemoryPlan:
         lines.append(f"host memory per process while loading the teacher: {_gib(self.host_at_load)}")
         if self.device_memory is not None:
             verdict = "fits" if self.fits() else "does NOT fit"
-            lines.append(f"{verdict} in {_gib(self.device_memory)} per {self.device} device: the peak ({stage}) "
+            where = ("per cpu process (this machine's RAM over the processes)" if self.device == "cpu"
+                     else f"per {self.device} device")
+            lines.append(f"{verdict} in {_gib(self.device_memory)} {where}: the peak ({stage}) "
                          f"is {_gib(peak)}, {peak / self.device_memory:.0%} of it (with a {MARGIN:.0%} margin "
                          f"for the allocator)")
         lines += [f"note: {note}" for note in self.notes]
@@ -113,12 +116,18 @@ def parse_size(text: str) -> int:
 def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = None,
                 device: str | None = None) -> MemoryPlan:
     """The per-process memory of ``recipe``'s stages on ``processes`` processes of ``device`` ("cpu" or "cuda";
-    default: cuda when ``device_memory`` is given or this machine has a GPU)."""
+    default: cuda when ``device_memory`` is given or this machine has a GPU). ``device_memory`` (bytes per process)
+    defaults to this machine's GPU memory, or on CPU to its RAM divided by the processes."""
     from ..conversion.teacher import stored_dtype, teacher_config
 
     if processes < 1:
         raise ValueError(f"--processes must be at least 1, got {processes}")
     device = device or ("cuda" if device_memory is not None or torch.cuda.is_available() else "cpu")
+    if device_memory is None:  # this machine's: its GPU's memory, or its RAM shared by the processes
+        device_memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
+                         and torch.cuda.is_available() else
+                         os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // processes
+                         if device == "cpu" and hasattr(os, "sysconf") else None)
     train = recipe.train
     dtype = torch.bfloat16 if device == "cuda" and train.precision == "auto" else \
         training_dtype(train.precision, torch.device("cpu"))

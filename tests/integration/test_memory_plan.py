@@ -4,6 +4,8 @@ The activation count is checked against a direct count of what autograd saves on
 its LoRA); the weights, gradients and optimizer states against the parameter counts, for every strategy; the
 verdict and the exit code of the command."""
 
+import os
+
 import pytest
 import torch
 
@@ -95,3 +97,7 @@ def test_the_command_prints_the_plan_and_says_whether_it_fits(teacher_dir, capsy
     assert cli_main(["distill", *settings, "--device-memory", "lots"]) == 2
     assert "--device-memory: expected a size such as 80GB" in capsys.readouterr().err
     assert parse_size("24GiB") == parse_size("24G") == 24 * GIB and parse_size("512MB") == 512 * 2**20
+    # without --device-memory on a CPU machine: its RAM shared by the processes
+    plan = plan_memory(recipe(teacher_dir, "model.mixer=gltm"), processes=2, device="cpu")
+    assert 0 < plan.device_memory * 2 <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert "per cpu process (this machine's RAM over the processes)" in plan.to_text() and plan.fits()
