@@ -155,12 +155,12 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
     plan = MemoryPlan(title, world, device, device_memory, str(dtype).removeprefix("torch."))
     for module in ("accelerate", "peft"):  # what a run imports before it loads anything: part of its runtime
         importlib.import_module(module)
-    runtime = CUDA_RUNTIME if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    host_runtime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # this process's peak so far, bytes
+    runtime = CUDA_RUNTIME if device == "cuda" else host_runtime
     teacher_bytes = counts["teacher"] * element
     # reading a checkpoint stored in another dtype holds its memory-mapped file and the converted tensors at once
     stored = stored_dtype(teacher)
     checkpoint = counts["teacher"] * torch.finfo(stored).bits // 8 if stored != dtype else 0
-    host_runtime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     plan.host_at_load = teacher_bytes + checkpoint + host_runtime
     if device == "cpu":  # the host is the device: loading is a stage of its own
         plan.stages["loading"] = {f"teacher weights ({plan.dtype})": teacher_bytes,
