@@ -124,9 +124,10 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
         mixers.pop(index, None)
     config.layer_types = layer_types  # the mixers share this config object
 
-    if share_teacher_weights and next(teacher.model.parameters()).dtype != DTYPES[dtype]:
-        raise ValueError(f"share_teacher_weights: the teacher is in {next(teacher.model.parameters()).dtype}, "
-                         f"the student would be {dtype}; shared tensors have one dtype")
+    teacher_dtype = next(teacher.model.parameters()).dtype
+    if share_teacher_weights and teacher_dtype != DTYPES[dtype]:
+        raise ValueError(f"share_teacher_weights: the teacher is in {teacher_dtype}, the student would be {dtype}; "
+                         "shared tensors have one dtype")
     student = _assemble(teacher, config, mixers, model_classes(mixer)[1], share=share_teacher_weights)
     verified = _verify_copied(teacher.model, student)
     student.to(DTYPES[dtype])
@@ -135,7 +136,7 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
     say(f"measuring both decode caches at {CACHE_CONTEXT} tokens")
     device, vocab = next(student.parameters()).device, student.config.vocab_size
     teacher_bytes = cache_bytes_at(teacher.model, [CACHE_CONTEXT], vocab, device)[CACHE_CONTEXT]
-    teacher_dtype = next(teacher.model.parameters()).dtype  # its K/V as they would be in the student's dtype
+    # the teacher's K/V as they would be in the student's dtype
     metrics["teacher_cache_bytes"] = teacher_bytes * DTYPES[dtype].itemsize // teacher_dtype.itemsize
     metrics["cache_bytes"] = cache_bytes_at(student, [CACHE_CONTEXT], vocab, device)[CACHE_CONTEXT]
 

@@ -36,7 +36,7 @@ import torch
 
 from ..core.registry import TEACHER_ATTENTION, get_mixer
 from .config import Recipe, shards_the_model
-from .precision import training_dtype
+from .precision import dtype_name, training_dtype
 
 GIB = 2**30
 LOSS_TENSORS_PER_CHUNK_ROW = 5.7  # fp32 (rows, vocab) tensors alive in a chunk of the chunked loss (measured)
@@ -151,8 +151,8 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
     layers = ", ".join(f"{count} {kind}" for kind, count in blocks.items())
     title = (f"memory plan: {recipe.model.teacher} -> {config.model_type} ({layers}), {train.batch_size} x {length} "
              f"tokens per micro-batch, {strategy}" + (f" ZeRO-{train.zero_stage}" if strategy == "deepspeed" else "")
-             + f" over {world} process{'es' if world > 1 else ''}, {str(dtype).removeprefix('torch.')} on {device}")
-    plan = MemoryPlan(title, world, device, device_memory, str(dtype).removeprefix("torch."))
+             + f" over {world} process{'es' if world > 1 else ''}, {dtype_name(dtype)} on {device}")
+    plan = MemoryPlan(title, world, device, device_memory, dtype_name(dtype))
     for module in ("accelerate", "peft"):  # what a run imports before it loads anything: part of its runtime
         importlib.import_module(module)
     host_runtime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # this process's peak so far, bytes
@@ -166,7 +166,7 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         plan.stages["loading"] = {f"teacher weights ({plan.dtype})": teacher_bytes,
                                   "runtime (this process)": runtime}
         if checkpoint:
-            plan.stages["loading"][f"checkpoint being read ({str(stored).removeprefix('torch.')})"] = checkpoint
+            plan.stages["loading"][f"checkpoint being read ({dtype_name(stored)})"] = checkpoint
         if recipe.model.student:  # loaded whole, then its frozen weights become the teacher's
             plan.stages["loading"]["model.student being read"] = counts["student"] * element
 
@@ -337,23 +337,28 @@ def _saved_bytes(config, kind: str, recipe: Recipe, dtype: torch.dtype, stage: s
     fp32_masters(trained)
     for parameter in trained:
         parameter.requires_grad_(True)
-    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    hidden = torch.randn(1, length, config.hidden_size, dtype=dtype, requires_grad=stage == "stage 2")
+    with autocast(dtype, torch.device("cpu")):
+        if stage == "stage 2":
+            return saved_bytes(lambda: model(inputs_embeds=hidden, use_cache=False), model)
+        ids = torch.arange(length).unsqueeze(0)
+        return saved_bytes(lambda: model.layers[0].mixer(hidden, model.rotary_emb(hidden, position_ids=ids)), model)
+
+
+def saved_bytes(forward, model) -> int:
+    """Bytes of the distinct storages autograd saves for the backward while ``forward()`` runs, ``model``'s own
+    parameters excluded (they are counted as weights)."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in storages:
+        if storage.data_ptr() not in parameters:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    hidden = torch.randn(1, length, config.hidden_size, dtype=dtype, requires_grad=stage == "stage 2")
-    cpu = torch.device("cpu")
-    with autocast(dtype, cpu), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        if stage == "stage 2":
-            model(inputs_embeds=hidden, use_cache=False)
-        else:
-            ids = torch.arange(length).unsqueeze(0)
-            model.layers[0].mixer(hidden, model.rotary_emb(hidden, position_ids=ids))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward()
     return sum(saved.values())
 
 

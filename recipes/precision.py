@@ -20,9 +20,9 @@ import os
 
 import torch
 
-PRECISIONS = ("auto", "bf16", "fp32")
-OUTPUT_DTYPES = ("auto", "bf16", "fp32")  # output.dtype: auto = the dtype the model came in
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PRECISIONS = ("auto", *DTYPES)  # train.precision
+OUTPUT_DTYPES = ("auto", *DTYPES)  # output.dtype: auto = the dtype the model came in
 ACCELERATE_PRECISION = "ACCELERATE_MIXED_PRECISION"  # set by `accelerate launch` from its config or flag
 
 
@@ -58,6 +58,11 @@ def autocast(dtype: torch.dtype, device: torch.device):
 def output_dtype(choice: str, original: torch.dtype) -> torch.dtype:
     """The saved folder's dtype for ``output.dtype``: ``auto`` keeps ``original`` (the teacher's stored dtype)."""
     return original if choice == "auto" else DTYPES[choice]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": how summaries, plans and ``convert(dtype=...)`` name a dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 def fp32_masters(parameters) -> None:

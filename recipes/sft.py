@@ -22,7 +22,7 @@ from ..common.corpus import shakespeare
 from ..common.history import FINETUNE_SUMMARY
 from ..conversion.teacher import stored_dtype
 from .config import Recipe
-from .precision import autocast, output_dtype, training_dtype
+from .precision import autocast, dtype_name, output_dtype, training_dtype
 from .strategies import check_launch
 from .trainer import Processes, run_stage
 
@@ -112,21 +112,22 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     model_dir = os.path.join(out, "model")
     if os.path.isdir(model_dir) and os.listdir(model_dir) and not recipe.output.overwrite:
         raise FileExistsError(f"{model_dir} exists: this run already finished; set output.overwrite=true")
-    if student is None:
-        if not recipe.model.student:
-            raise ValueError("finetune needs model.student: the folder of a converted or distilled model")
+    if student is None and not recipe.model.student:
+        raise ValueError("finetune needs model.student: the folder of a converted or distilled model")
+    processes = Processes(_accelerator())
+    check_launch(recipe.train)
+    device = processes.accelerator.device
+    dtype = training_dtype(recipe.train.precision, device)
+    if student is None:  # read straight in the training dtype
         folder = local_student(recipe.model.student)
         stored = stored_dtype(AutoConfig.from_pretrained(folder))
-        student = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        student = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(recipe.model.student)
     else:
         stored = next(student.parameters()).dtype
     if tokenizer is None:
         raise ValueError("finetune: a model passed in needs its tokenizer (tokenizer=...)")
-    processes = Processes(_accelerator())
-    check_launch(recipe.train)
-    device = processes.accelerator.device
-    dtype, saved_dtype = training_dtype(recipe.train.precision, device), output_dtype(recipe.output.dtype, stored)
+    saved_dtype = output_dtype(recipe.output.dtype, stored)
     write_recipe(recipe, checked_recipe(recipe), processes)
     started = time.perf_counter()
     examples = chat_examples(section.source)
@@ -155,7 +156,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     summary = {"examples": len(examples), "train_examples": len(train_rows), "heldout_examples": len(heldout_rows),
                "heldout_assistant_loss_before": before, "heldout_assistant_loss_after": after,
                "steps": len(history), "seconds": time.perf_counter() - started, "model_dir": model_dir,
-               "precision": str(dtype).removeprefix("torch."), "saved_dtype": str(saved_dtype).removeprefix("torch.")}
+               "precision": dtype_name(dtype), "saved_dtype": dtype_name(saved_dtype)}
     final.to(saved_dtype)
     if processes.is_main:
         def write_history(folder):  # the distilled model's history, and this stage's summary

@@ -34,7 +34,7 @@ from ..conversion import convert, load_teacher
 from ..conversion.converter import KL_RANKING_SEQUENCES
 from ..conversion.selection import keep_by_marginal_kl
 from ..conversion.shared_weights import release_freed_memory, share_frozen_weights, unshare_weights
-from .precision import autocast, output_dtype, training_dtype
+from .precision import autocast, dtype_name, output_dtype, training_dtype
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
 from ..kernels.distill_loss import IGNORE, chunked_distillation_loss
@@ -264,7 +264,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         keep = None if selects_after_stage1(recipe) else recipe.model.keep_attention  # kl:K: ranked in stage 1
         student, conversion_report = convert(teacher, recipe.model.mixer, keep_attention=keep,
                                              mixer_options=recipe.model.mixer_options, seed=recipe.train.seed,
-                                             progress=progress, dtype=str(dtype).removeprefix("torch."),
+                                             progress=progress, dtype=dtype_name(dtype),
                                              share_teacher_weights=True)
     student.to(device=device, dtype=dtype)  # frozen weights in the training dtype; run_stage makes the trained fp32
     saved_dtype = output_dtype(recipe.output.dtype, teacher.stored_dtype)
@@ -355,7 +355,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
                                  * processes.world}
                           for name, h in histories.items()},
                "seconds": time.perf_counter() - started, "model_dir": model_dir, "world_size": processes.world,
-               "precision": str(dtype).removeprefix("torch."), "saved_dtype": str(saved_dtype).removeprefix("torch."),
+               "precision": dtype_name(dtype), "saved_dtype": dtype_name(saved_dtype),
                "peak_memory_gib": processes.gather(peak_memory(device))}  # per rank: what --plan is checked against
     tokenizer = teacher.tokenizer
     if loaded_here:  # the teacher's last use is behind: its tensors go as the student's are cast for the export

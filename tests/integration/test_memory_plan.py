@@ -12,7 +12,7 @@ import torch
 from hf_mixers.apps.cli import main as cli_main
 from hf_mixers.conversion import convert, load_teacher
 from hf_mixers.recipes import load_recipe
-from hf_mixers.recipes.memory_plan import parse_size, plan_memory
+from hf_mixers.recipes.memory_plan import parse_size, plan_memory, saved_bytes
 from hf_mixers.recipes.precision import autocast
 from hf_mixers.recipes.stages import add_lora
 
@@ -32,19 +32,10 @@ def saved_by_the_student(teacher_dir, mixer, options, length, dtype) -> int:
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
             parameter.data = parameter.data.float()
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     hidden = model.get_base_model().model.embed_tokens(torch.randint(3, 300, (1, length)))
-    with autocast(dtype, torch.device("cpu")), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.get_base_model().model(inputs_embeds=hidden.detach().requires_grad_(), use_cache=False)
-    return sum(saved.values())
+    with autocast(dtype, torch.device("cpu")):
+        return saved_bytes(lambda: model.get_base_model().model(inputs_embeds=hidden.detach().requires_grad_(),
+                                                                 use_cache=False), model)
 
 
 @pytest.mark.parametrize("mixer, options, length", [("sessa", {}, 40), ("sessa", {}, 700), ("sessa", {}, 4500),
