@@ -15,13 +15,17 @@ is loaded, and whether it fits.
     loss         the stage-2 loss's full-vocabulary logits: 5.7 fp32 (rows, vocab) tensors per chunk of
                  ``stage2.loss_chunk_rows`` (7 over the whole batch for the dense loss), the factors measured by
                  scripts/distill_loss_memory.py
+    heap slack   (CPU plans, Linux) what glibc's heap keeps resident beyond the kept tensors (freed transients
+                 between them), measured as the rise of resident memory over a first and a second block
     runtime      this process's own memory after its imports (CPU), or 1 GiB of CUDA context and workspaces (GPU)
     loading      (on CPU, where the host is the device) the teacher in the training dtype, plus its checkpoint's
-                 memory-mapped file while it is read into another dtype (a bf16 checkpoint trained in fp32)
+                 memory-mapped file while it is read into another dtype (a bf16 checkpoint trained in fp32); for a
+                 ``model.student`` folder its own tensors and its largest tensor being compared with the teacher's
+                 (conversion/shared_weights.py: the folder is never held whole)
 
 The counts come from the teacher's config.json and the student built on the meta device: no weight is read. What is
-not counted: the allocator's fragmentation and caching (hence a 10% margin in "fits"), evaluation passes (no grad,
-smaller than a training step), and conversion's calibration forward.
+not counted: the CUDA allocator's fragmentation and caching (hence a 10% margin in "fits"), evaluation passes (no
+grad, smaller than a training step), and conversion's calibration forward.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..conversion.shared_weights import release_freed_memory
 from ..core.registry import TEACHER_ATTENTION, get_mixer
 from .config import Recipe, shards_the_model
 from .precision import dtype_name, training_dtype
@@ -45,6 +50,7 @@ CUDA_RUNTIME = 1 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers: w
 MARGIN = 0.10  # allocator caching and fragmentation
 MEASURED_LENGTHS = (1024, 2048, 4096)  # the block runs at the recipe's length, or at these when it is longer
 MLP_WIDTHS = (16, 32)
+RESIDENT_MEASURED = os.path.isfile("/proc/self/status")  # Linux: the heap's slack is measured (_activations)
 
 
 @dataclass
@@ -167,8 +173,11 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
                                   "runtime (this process)": runtime}
         if checkpoint:
             plan.stages["loading"][f"checkpoint being read ({dtype_name(stored)})"] = checkpoint
-        if recipe.model.student:  # loaded whole, then its frozen weights become the teacher's
-            plan.stages["loading"]["model.student being read"] = counts["student"] * element
+        if recipe.model.student:  # its frozen weights become the teacher's, compared one stored tensor at a time
+            student_element = torch.finfo(stored_dtype(config)).bits // 8
+            plan.stages["loading"]["model.student's own tensors"] = counts["new"] * max(element, student_element)
+            plan.stages["loading"]["its largest tensor being compared"] = (
+                config.vocab_size * config.hidden_size * (student_element + element))
 
     stages = []
     if recipe.stage1.enabled and recipe.stage1.steps > 0 and not recipe.model.student:
@@ -198,8 +207,10 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         else:
             parts["gradients (fp32, 1/N)"] = grads // world
         parts["AdamW states" + (" (1/N)" if partitioned else "")] = trained * 8 // (world if partitioned else 1)
-        per_row = _activations(config, recipe, dtype, name)
+        per_row, slack = _activations(config, recipe, dtype, name, resident=device == "cpu" and RESIDENT_MEASURED)
         parts["activations"] = per_row * train.batch_size
+        if slack:
+            parts["heap slack (freed, still resident)"] = slack * train.batch_size
         if name == "stage 1":
             converted = sum(count for kind, count in blocks.items() if kind not in TEACHER_ATTENTION)
             parts["captured teacher activations"] = 2 * converted * tokens * config.hidden_size * element
@@ -272,25 +283,40 @@ def _parameter_counts(config, teacher_config, recipe: Recipe) -> dict:
             "root": total - sum(blocks)}
 
 
-def _activations(config, recipe: Recipe, dtype: torch.dtype, stage: str) -> int:
-    """Bytes autograd keeps for one sequence of the recipe's length through every block (stage 2: whole blocks with
-    LoRA; stage 1: the converted mixers alone, on the teacher's inputs), counted on one block of each kind."""
+def _activations(config, recipe: Recipe, dtype: torch.dtype, stage: str, resident: bool) -> tuple[int, int]:
+    """(bytes autograd keeps for one sequence of the recipe's length through every block (stage 2: whole blocks with
+    LoRA; stage 1: the converted mixers alone, on the teacher's inputs), the heap's slack beside them), measured on
+    blocks of each kind. The slack (``resident``: a CPU plan on Linux) is what the process holds beyond the kept
+    tensors: transients freed between them stay resident in glibc's heap until reused. It is measured as the rise of
+    resident memory over a first block and over a second: the whole model holds the first block's rise, the second's
+    for every further block, less what the blocks keep."""
     length = recipe.data.sequence_length
-    total = 0
+    total = slack = 0
     for kind, count in _block_counts(config).items():
         if stage == "stage 1" and kind in TEACHER_ATTENTION:
             continue  # stage 1 runs the teacher's attention without gradients
-        saved = _extrapolated(lambda t, width: _saved_bytes(config, kind, recipe, dtype, stage, t, width), length,
-                              config.intermediate_size)
+        measured = {}
+
+        def measure(t, width, part):
+            if (t, width) not in measured:
+                measured[t, width] = _block_memory(config, kind, recipe, dtype, stage, t, width, resident)
+            return measured[t, width][part]
+
+        saved = _extrapolated(lambda t, width: measure(t, width, 0), length, config.intermediate_size)
+        # the slack is the mixer's transients (the MLP keeps its intermediate tensors): the two widths' mean
+        first, further = (_extrapolated(lambda t, width: measure(t, width, part), length, sum(MLP_WIDTHS) / 2)
+                          for part in (1, 2))
         if recipe.train.gradient_checkpointing and stage == "stage 2":
             kept = length * config.hidden_size * torch.finfo(dtype).bits // 8
             total += count * kept + max(0, saved - kept)  # inputs of each block; one block recomputed at a time
+            slack += max(0, first - saved) if resident else 0
         else:
             total += count * saved
-    return total
+            slack += max(0, first + (count - 1) * further - count * saved) if resident else 0
+    return total, slack
 
 
-def _extrapolated(measure, length: int, width: int) -> int:
+def _extrapolated(measure, length: int, width: float) -> int:
     """measure(t, w) at the recipe's length (when at most 4096; chunked layouts pad to their chunk, so the length
     itself is what is exact) or fitted as a + b t + c t^2 over MEASURED_LENGTHS, at two MLP widths, extended
     linearly to ``width``."""
@@ -308,18 +334,22 @@ def _extrapolated(measure, length: int, width: int) -> int:
     return int(round(low + (high - low) / (MLP_WIDTHS[1] - MLP_WIDTHS[0]) * (width - MLP_WIDTHS[0])))
 
 
-def _saved_bytes(config, kind: str, recipe: Recipe, dtype: torch.dtype, stage: str, length: int, width: int) -> int:
-    """Bytes of the distinct storages autograd saves in one forward of a one-block student of ``kind`` (its MLP
-    ``width`` wide) over one sequence of ``length``, parameters excluded."""
+def _block_memory(config, kind: str, recipe: Recipe, dtype: torch.dtype, stage: str, length: int, width: int,
+                  resident: bool) -> tuple[int, int, int]:
+    """(bytes of the distinct storages autograd saves in one forward of one block of ``kind`` (its MLP ``width``
+    wide) over one sequence of ``length``, parameters excluded; the rise of resident memory over the first block and
+    over a second: 0 unless ``resident``, when two blocks run)."""
     from ..model.modeling import model_classes
     from .precision import autocast, fp32_masters
 
+    blocks = 2 if resident else 1
     small = copy.deepcopy(config)
-    small.num_hidden_layers, small.layer_types, small.intermediate_size, small.vocab_size = 1, [kind], width, 16
+    small.num_hidden_layers, small.layer_types, small.intermediate_size, small.vocab_size = (
+        blocks, [kind] * blocks, width, 16)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = model_classes(config.model_type)[1](small).model.to(dtype)
-    model.norm = torch.nn.Identity()  # the block alone: the final norm is the whole model's, once
+    model.norm = torch.nn.Identity()  # the blocks alone: the final norm is the whole model's, once
     from .stages import new_mixer_parameters
 
     for parameter in model.parameters():
@@ -338,11 +368,38 @@ def _saved_bytes(config, kind: str, recipe: Recipe, dtype: torch.dtype, stage: s
     for parameter in trained:
         parameter.requires_grad_(True)
     hidden = torch.randn(1, length, config.hidden_size, dtype=dtype, requires_grad=stage == "stage 2")
-    with autocast(dtype, torch.device("cpu")):
+    rises, kept = [], []
+
+    def forward():
+        release_freed_memory()  # earlier work's freed pages out of the count: what the blocks touch is counted
+        start = _resident_heap()
         if stage == "stage 2":
-            return saved_bytes(lambda: model(inputs_embeds=hidden, use_cache=False), model)
-        ids = torch.arange(length).unsqueeze(0)
-        return saved_bytes(lambda: model.layers[0].mixer(hidden, model.rotary_emb(hidden, position_ids=ids)), model)
+            hooks = [block.register_forward_hook(lambda *args: rises.append(_resident_heap() - start))
+                     for block in model.layers]
+            kept.append(model(inputs_embeds=hidden, use_cache=False))
+            for hook in hooks:
+                hook.remove()
+            return
+        rope = model.rotary_emb(hidden, position_ids=torch.arange(length).unsqueeze(0))
+        for block in model.layers:
+            kept.append(block.mixer(hidden, rope))
+            rises.append(_resident_heap() - start)
+
+    with autocast(dtype, torch.device("cpu")):
+        saved = saved_bytes(forward, model) // blocks
+    return (saved, rises[0], rises[1] - rises[0]) if resident else (saved, 0, 0)
+
+
+def _resident_heap() -> int:
+    """This process's resident anonymous memory, bytes (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def saved_bytes(forward, model) -> int:
@@ -354,12 +411,12 @@ def saved_bytes(forward, model) -> int:
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
+            saved[storage.data_ptr()] = storage  # held: a freed one's address reused would hide another
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         forward()
-    return sum(saved.values())
+    return sum(storage.nbytes() for storage in saved.values())
 
 
 class _Wrapped(torch.nn.Module):

@@ -15,10 +15,17 @@ class Processes:
         self.world = accelerator.num_processes if accelerator else 1
         self.is_main = self.rank == 0
 
+    @property
+    def device(self) -> torch.device:
+        """Where this process computes: accelerate's device, a CPU one as plain ``cpu``. (Under torchrun accelerate
+        says ``cpu:0``, and ``tensor.to("cpu:0")`` copies a tensor already on the CPU: a whole model, every move.)"""
+        device = self.accelerator.device if self.accelerator else torch.device("cpu")
+        return torch.device("cpu") if device.type == "cpu" else device
+
     def mean(self, value: float) -> float:
         if self.world == 1:
             return value
-        total = torch.tensor([value], dtype=torch.float64, device=self.accelerator.device)
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(total)
         return total.item() / self.world
 

@@ -116,7 +116,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
         raise ValueError("finetune needs model.student: the folder of a converted or distilled model")
     processes = Processes(_accelerator())
     check_launch(recipe.train)
-    device = processes.accelerator.device
+    device = processes.device
     dtype = training_dtype(recipe.train.precision, device)
     if student is None:  # read straight in the training dtype
         folder = local_student(recipe.model.student)

@@ -234,7 +234,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     progress = progress and processes.is_main
     record = checked_recipe(recipe)
     started = time.perf_counter()
-    device = processes.accelerator.device
+    device = processes.device
     dtype = training_dtype(recipe.train.precision, device)
     # the teacher straight in the training dtype (no fp32 copy of a bf16 checkpoint), on its device before the
     # conversion, which then runs there; the student's frozen weights are the teacher's tensors from the start
@@ -255,10 +255,14 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
                      f"the training text of {data_name}")
     heldout_ids = pack(teacher.tokenizer, heldout_text, length, recipe.data.heldout_sequences,
                        f"the held-out text of {data_name}")
+    read_from = None  # the folder of a student read here: its weights are compared with the teacher's as stored
     if student is None and recipe.model.student:
         from transformers import AutoModelForCausalLM
 
-        student = AutoModelForCausalLM.from_pretrained(local_student(recipe.model.student), dtype=dtype)
+        folder = local_student(recipe.model.student)
+        read_from = folder if os.path.isdir(folder) else None
+        # in its stored dtype, a folder's tensors stay in its files, unread, until shared or kept (not converted whole)
+        student = AutoModelForCausalLM.from_pretrained(folder, dtype="auto" if read_from else dtype)
         conversion_report = read_conversion_report(recipe.model.student)
     elif student is None:
         keep = None if selects_after_stage1(recipe) else recipe.model.keep_attention  # kl:K: ranked in stage 1
@@ -266,12 +270,14 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
                                              mixer_options=recipe.model.mixer_options, seed=recipe.train.seed,
                                              progress=progress, dtype=dtype_name(dtype),
                                              share_teacher_weights=True)
-    student.to(device=device, dtype=dtype)  # frozen weights in the training dtype; run_stage makes the trained fp32
+    if read_from is None:  # a student in memory is compared as it is: in the training dtype, on the device
+        student.to(device=device, dtype=dtype)
     saved_dtype = output_dtype(recipe.output.dtype, teacher.stored_dtype)
     # one copy of what the student took over unchanged (conversion/shared_weights.py); q/k/v stay its own when
     # stage 1 trains them
     trained_qkv = (".q_proj.", ".k_proj.", ".v_proj.") if recipe.stage1.enabled and recipe.stage1.train_qkv else ()
-    shared = share_frozen_weights(student, teacher.model, keep_separate=trained_qkv)
+    shared = share_frozen_weights(student, teacher.model, keep_separate=trained_qkv, stored_in=read_from)
+    student.to(device=device, dtype=dtype)  # frozen weights in the training dtype; run_stage makes the trained fp32
     release_freed_memory()  # the student's own copies of those weights (a loaded model.student) are gone
     if shared and progress:
         tqdm.write(f"student and teacher hold their {shared / 2**20:.0f} MiB of common frozen weights once")

@@ -247,7 +247,7 @@ class LocalOptimizer:
             # reaches them through the student the loss function closes over. It broadcasts rank 0's values first.
             holder = _LossModule(loss_fn)
             holder.trained = nn.ParameterList(list(parameters.values()))
-            device = processes.accelerator.device
+            device = processes.device
             self.ddp = DistributedDataParallel(holder, device_ids=[device.index] if device.type == "cuda" else None,
                                                broadcast_buffers=False, find_unused_parameters=True)
             if processes.is_main:
@@ -317,7 +317,7 @@ class FSDPOptimizer(LocalOptimizer):
 
         model = _sharded_model(sharding, train)
         self.model, self.skeleton = model, _meta_skeleton(model)
-        device = processes.accelerator.device
+        device = processes.device
         mesh = init_device_mesh(device.type, (processes.world,))
         done, root = set(), [sharding.root] if sharding.root is not None else []
         policy = _fsdp_precision(training_dtype(train.precision, device))
@@ -438,7 +438,7 @@ class DeepSpeedOptimizer:
                   "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": train.weight_decay,
                                                             "torch_adam": True}},
                   "gradient_clipping": train.max_grad_norm or 0.0, "steps_per_print": 10**9,
-                  **deepspeed_precision(training_dtype(train.precision, processes.accelerator.device))}
+                  **deepspeed_precision(training_dtype(train.precision, processes.device))}
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=holder, model_parameters=list(parameters.values()), config=config)
         if self.zero3:  # at rest a partitioned tensor's data is empty; a persistent one keeps it whole as well

@@ -94,7 +94,7 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
     path = os.path.join(out_dir, "checkpoints", f"{stage}.safetensors")
     check_checkpoint_space(path, parameters)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    device = processes.accelerator.device if processes.accelerator else torch.device("cpu")
+    device = processes.device
     dtype = training_dtype(train.precision, device)
     if dtype != torch.float32:
         fp32_masters(parameters.values())  # the trained tensors and their AdamW states in fp32

@@ -76,6 +76,23 @@ def test_the_parts_follow_the_strategy_and_the_precision(teacher_dir):
                                                                 device="cpu").stages["loading"]
 
 
+def test_a_student_folder_is_planned_as_read_one_tensor_at_a_time(teacher_dir, tmp_path):
+    """A ``model.student`` folder never lies whole beside the teacher (its frozen weights are compared with the
+    teacher's one stored tensor at a time, conversion/shared_weights.py): loading counts its own tensors and the
+    largest stored tensor with its converted copy, not a second student."""
+    student, _ = convert(load_teacher(str(teacher_dir)), "gltm", sequence_length=32, calibration_sequences=2,
+                         heldout_sequences=1, progress=False)
+    student.save_pretrained(tmp_path / "student")  # fp32
+    plan = plan_memory(recipe(teacher_dir, f"model.student={tmp_path / 'student'}", "train.precision=bf16"),
+                       device="cpu")
+    loading, config = plan.stages["loading"], student.config
+    own = sum(p.numel() for name, p in student.named_parameters() if ".mixer." in name
+              and not name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")))
+    assert loading["model.student's own tensors"] == own * 4
+    assert loading["its largest tensor being compared"] == config.vocab_size * config.hidden_size * (4 + 2)
+    assert "model.student being read" not in loading
+
+
 def test_the_command_prints_the_plan_and_says_whether_it_fits(teacher_dir, capsys):
     settings = ["--set", f"model.teacher={teacher_dir}", "--set", "model.mixer=gltm", "--set",
                 "data.sequence_length=32", "--plan", "--processes", "2"]

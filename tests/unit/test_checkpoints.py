@@ -108,3 +108,16 @@ def test_a_checkpoint_of_other_tensors_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"stage2.safetensors: checkpoint does not match this run \(it trains "
                                               r"other tensors: no \['c'\]\); use another output.dir"):
         other.load()
+
+
+def test_a_cpu_process_moves_models_to_plain_cpu_without_copying():
+    """Under torchrun accelerate's CPU device is ``cpu:0``, and ``.to("cpu:0")`` copies every tensor already on the
+    CPU (a whole teacher per move); Processes.device is plain ``cpu``, so moving a model there copies nothing."""
+    from types import SimpleNamespace
+
+    processes = Processes(SimpleNamespace(device=torch.device("cpu", 0), process_index=0, num_processes=1))
+    model = torch.nn.Linear(4, 4)
+    storage = model.weight.data_ptr()
+    assert processes.device == torch.device("cpu")
+    assert model.to(processes.device).weight.data_ptr() == storage
+    assert model.weight.to(torch.device("cpu", 0)).data_ptr() != storage  # what it avoids: a copy

@@ -2,6 +2,8 @@
 computes the same, and gets copies back before anything writes into them; a distillation leaves the teacher as it
 was."""
 
+import os
+
 import pytest
 import torch
 
@@ -103,3 +105,33 @@ def test_a_bf16_distillation_loads_the_teacher_in_bf16(teacher, tmp_path, monkey
     storage = {p.data_ptr() for p in converted[0].parameters()}
     embeddings = summary["model"].model.embed_tokens.weight
     assert embeddings.dtype == torch.bfloat16 and embeddings.data_ptr() in storage
+
+
+@pytest.mark.parametrize("saved", [torch.float32, torch.bfloat16])
+def test_a_student_read_from_its_folder_is_compared_as_stored_and_keeps_no_file_mapped(teacher, tmp_path, saved):
+    """``stored_in``: a student just read with from_pretrained (its tensors still unread in the file's mapping) is
+    compared with a bf16 teacher tensor by tensor as stored, whether the folder holds fp32 or bf16; the shared tensors
+    become the teacher's, the rest its own copies, so the folder's file is no longer mapped, and the model computes
+    exactly what the same folder read the usual way in bf16 does."""
+    from transformers import AutoModelForCausalLM
+
+    folder = str(tmp_path / "student")
+    _student(teacher).to(saved).save_pretrained(folder)
+    teacher_bf16 = load_teacher(str(teacher.path), dtype=torch.bfloat16)
+    student = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    freed = share_frozen_weights(student, teacher_bf16.model, stored_in=folder)
+    student.to(torch.bfloat16)
+    teacher_storage = {p.data_ptr() for p in teacher_bf16.model.parameters()}
+    params = dict(student.named_parameters())
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight",
+                 "model.layers.0.mixer.q_proj.weight"):
+        assert params[name].data_ptr() in teacher_storage, name
+    assert not any(p.data_ptr() in teacher_storage for n, p in params.items() if "gamma" in n or "feedback" in n)
+    assert freed == sum(p.numel() * 2 for p in params.values() if p.data_ptr() in teacher_storage)
+    if os.path.isfile("/proc/self/maps"):
+        with open("/proc/self/maps") as maps:
+            assert os.path.join(folder, "model.safetensors") not in maps.read()
+    usual = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(torch.bfloat16)
+    ids = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(student(ids).logits, usual(ids).logits, rtol=0, atol=0)
