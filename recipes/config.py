@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import torch
 import yaml
 
+from .optimizers import OPTIMIZERS
 from .precision import OUTPUT_DTYPES, PRECISIONS
+from .schedule import SCHEDULERS
 
 
 def bounded(default, low=None, high=None, low_open=False, high_open=False):
@@ -66,6 +68,14 @@ class TrainSection:
     grad_accum: int = bounded(1, 1)
     max_grad_norm: float = bounded(1.0, 0.0)  # 0 = no clipping
     warmup_steps: int = bounded(0, 0)
+    # the rate over a stage after warmup_steps (transformers' get_scheduler): constant, linear, cosine,
+    # cosine_with_min_lr (down to min_lr_rate x lr), polynomial, inverse_sqrt (recipes/schedule.py)
+    lr_scheduler: str = "constant"
+    min_lr_rate: float = bounded(0.0, 0.0, 1.0)
+    # adamw (fused on CUDA); adafactor (factored states, ddp only); adamw_8bit (bitsandbytes, CUDA, ddp only)
+    optimizer: str = "adamw"
+    # held-out KL to the teacher and perplexity every this many steps of a stage (0: only between the stages)
+    eval_every: int = bounded(0, 0)
     seed: int = bounded(0, 0)
     # recompute each block's activations in the backward pass instead of keeping them: long sequences fit in memory
     # for about a third more compute (stage 2 and finetune; stage 1 trains one mixer at a time and keeps no blocks)
@@ -228,6 +238,13 @@ def _validate(recipe: Recipe, origin: str, origins: dict | None = None) -> None:
         (recipe.output.dtype in OUTPUT_DTYPES, f"output.dtype must be one of {', '.join(OUTPUT_DTYPES)}, got "
          f"{recipe.output.dtype!r}"),
         (train.zero_stage in (1, 2, 3), "train.zero_stage must be 1, 2 or 3"),
+        (train.lr_scheduler in SCHEDULERS, f"train.lr_scheduler must be one of {', '.join(SCHEDULERS)}, got "
+         f"{train.lr_scheduler!r}"),
+        (train.optimizer in OPTIMIZERS, f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got "
+         f"{train.optimizer!r}"),
+        (train.optimizer == "adamw" or train.strategy == "ddp",
+         f"train.optimizer={train.optimizer} steps under train.strategy=ddp only ({sharding} partitions or shards "
+         "AdamW's states): use train.optimizer=adamw, or train.strategy=ddp"),
         (not (recipe.stage1.enabled and recipe.stage1.blockwise and shards_the_model(train)),
          f"stage1.blockwise trains one layer at a time in one process, but {sharding} shards the student over "
          "processes: set stage1.blockwise=false, or run stage 1 with train.strategy=ddp"),

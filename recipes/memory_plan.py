@@ -5,7 +5,8 @@ is loaded, and whether it fits.
                  tensors (ddp, ZeRO-1/2) or 1/N shards of their own plus the gathered blocks (fsdp, ZeRO-3); what a
                  stage trains (the mixers' new tensors, LoRA) in fp32
     gradients    fp32, of the trained tensors: whole (ddp: plus DistributedDataParallel's buckets; ZeRO-1) or 1/N
-    optimizer    AdamW's two fp32 states per trained value, 1/N under ZeRO and FSDP (DeepSpeed adds its fp32 masters)
+    optimizer    AdamW's two fp32 states per trained value (Adafactor's factored rows and columns, 8-bit AdamW's two
+                 bytes: recipes/optimizers.py), 1/N under ZeRO and FSDP (DeepSpeed adds its fp32 masters)
     activations  what autograd keeps for the backward pass, *counted*: one block of each kind the student has (the
                  mixer, kept attention) is built at the teacher's width with random weights on the CPU, wrapped with
                  the recipe's LoRA, and run once per stage in the recipe's dtype under ``saved_tensors_hooks``. The
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import math
 import os
 import resource
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ import torch
 from ..conversion.shared_weights import release_freed_memory
 from ..core.registry import TEACHER_ATTENTION, get_mixer
 from .config import Recipe, shards_the_model
+from .optimizers import state_bytes
 from .precision import dtype_name, training_dtype
 
 GIB = 2**30
@@ -48,6 +51,8 @@ LOSS_TENSORS_PER_CHUNK_ROW = 5.7  # fp32 (rows, vocab) tensors alive in a chunk 
 LOSS_TENSORS_DENSE = 7.0  # the same for the dense loss over the whole batch (measured)
 CUDA_RUNTIME = 1 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers: what nvidia-smi shows before tensors
 MARGIN = 0.10  # allocator caching and fragmentation
+OPTIMIZER_STATES = {"adamw": "AdamW states", "adafactor": "Adafactor states (factored)",
+                    "adamw_8bit": "8-bit AdamW states"}
 MEASURED_LENGTHS = (1024, 2048, 4096)  # the block runs at the recipe's length, or at these when it is longer
 MLP_WIDTHS = (16, 32)
 RESIDENT_MEASURED = os.path.isfile("/proc/self/status")  # Linux: the heap's slack is measured (_activations)
@@ -179,12 +184,13 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
             plan.stages["loading"]["its largest tensor being compared"] = (
                 config.vocab_size * config.hidden_size * (student_element + element))
 
-    stages = []
+    stages, shapes = [], counts["shapes"]
     if recipe.stage1.enabled and recipe.stage1.steps > 0 and not recipe.model.student:
-        stages.append(("stage 1", counts["new"] + (counts["qkv"] if recipe.stage1.train_qkv else 0)))
+        stages.append(("stage 1", shapes["new"] + (shapes["qkv"] if recipe.stage1.train_qkv else [])))
     if recipe.stage2.enabled and recipe.stage2.steps > 0:
-        stages.append(("stage 2", counts["new"] + counts["lora"]))
-    for name, trained in stages:
+        stages.append(("stage 2", shapes["new"] + shapes["lora"]))
+    for name, trained_shapes in stages:
+        trained = sum(math.prod(shape) for shape in trained_shapes)
         parts = {f"teacher weights ({plan.dtype})": teacher_bytes}
         own = counts["new"] * 4 + (counts["lora"] * 4 if name == "stage 2" else 0)
         if name == "stage 1" and recipe.stage1.train_qkv:
@@ -206,7 +212,8 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
                 parts["DDP gradient buckets"] = grads
         else:
             parts["gradients (fp32, 1/N)"] = grads // world
-        parts["AdamW states" + (" (1/N)" if partitioned else "")] = trained * 8 // (world if partitioned else 1)
+        parts[OPTIMIZER_STATES[train.optimizer] + (" (1/N)" if partitioned else "")] = (
+            state_bytes(train.optimizer, trained_shapes) // (world if partitioned else 1))
         per_row, slack = _activations(config, recipe, dtype, name, resident=device == "cpu" and RESIDENT_MEASURED)
         parts["activations"] = per_row * train.batch_size
         if slack:
@@ -270,16 +277,17 @@ def _parameter_counts(config, teacher_config, recipe: Recipe) -> dict:
     with torch.device("meta"):
         student = model_classes(config.model_type)[1](config)
         teacher = AutoModelForCausalLM.from_config(teacher_config)
-    new = sum(p.numel() for p in new_mixer_parameters(student).values())
-    qkv = sum(p.numel() for p in new_mixer_parameters(student, train_qkv=True).values()) - new
-    targets = tuple(recipe.stage2.lora_targets)
-    lora = sum(recipe.stage2.lora_r * (module.in_features + module.out_features)
-               for name, module in student.named_modules()
-               if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in targets)
+    new = {name: tuple(p.shape) for name, p in new_mixer_parameters(student).items()}
+    qkv = [tuple(p.shape) for name, p in new_mixer_parameters(student, train_qkv=True).items() if name not in new]
+    targets, r = tuple(recipe.stage2.lora_targets), recipe.stage2.lora_r
+    lora = [shape for name, module in student.named_modules()
+            if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in targets
+            for shape in ((r, module.in_features), (module.out_features, r))]
     total = sum(p.numel() for p in student.parameters())
     blocks = [sum(p.numel() for p in block.parameters()) for block in student.model.layers]
-    return {"student": total, "new": new, "qkv": qkv, "lora": lora,
-            "teacher": sum(p.numel() for p in teacher.parameters()), "largest_block": max(blocks),
+    shapes = {"new": list(new.values()), "qkv": qkv, "lora": lora}  # what the stages train (optimizer states)
+    return {"student": total, **{part: sum(math.prod(shape) for shape in value) for part, value in shapes.items()},
+            "shapes": shapes, "teacher": sum(p.numel() for p in teacher.parameters()), "largest_block": max(blocks),
             "root": total - sum(blocks)}
 
 

@@ -94,11 +94,10 @@ def assistant_loss(model, batch) -> torch.Tensor:
 def heldout_loss(model, encoded, batch_size: int = 4) -> float:
     was_training = model.training
     model.eval()
-    losses = [assistant_loss(model, encoded[i:i + batch_size]).item() for i in range(0, len(encoded), batch_size)]
+    with torch.no_grad():
+        losses = [assistant_loss(model, encoded[i:i + batch_size]).item() for i in range(0, len(encoded), batch_size)]
     model.train(was_training)
     return sum(losses) / len(losses)
-
-
 
 
 def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None) -> dict:
@@ -146,10 +145,16 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
             parameter.requires_grad_(True)
     parameters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     train_mode(model, recipe.train)
+
+    def measured_so_far() -> dict:  # train.eval_every
+        with autocast(dtype, device):
+            return {"assistant_loss": heldout_loss(model, heldout_rows)}
+
     history = run_stage("finetune", lambda batch: (assistant_loss(model, batch), {}), parameters, train_rows,
                         steps=section.steps, train=recipe.train, lr=section.lr or recipe.train.lr, out_dir=out,
                         checkpoint_every=recipe.output.checkpoint_every, log_every=recipe.output.log_every,
-                        progress=progress and processes.is_main, processes=processes, sharding=sharding_for(model))
+                        progress=progress and processes.is_main, processes=processes, sharding=sharding_for(model),
+                        evaluate=measured_so_far)
     final = model.merge_and_unload() if section.lora and recipe.output.merge_lora else model
     with autocast(dtype, device):
         after = heldout_loss(final, heldout_rows)

@@ -45,6 +45,7 @@ from .strategies import Sharding, check_launch
 from .trainer import Processes, run_stage
 
 logger = logging.getLogger(__name__)
+HELD_OUT_CURVE = "heldout_kl_teacher_student"  # what loss_curve.png draws beside a stage's loss (train.eval_every)
 
 
 
@@ -303,6 +304,11 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
             for name, ids in wider_ids.items():
                 wider[name][stage] = against_teacher(name, model, ids)
 
+    def measured_so_far() -> dict:  # train.eval_every: the held-out measures during a stage (LoRA is in student)
+        with torch.no_grad(), autocast(dtype, device):
+            measures = against_teacher("heldout", student, heldout_ids)
+        return {name: value for name, value in measures.items() if name != "teacher_perplexity"}
+
     evaluate("init", student)
     histories = {}
     common = dict(blocks=train_ids, train=recipe.train, out_dir=out, checkpoint_every=recipe.output.checkpoint_every,
@@ -320,7 +326,8 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         if recipe.stage1.blockwise:
             return _blockwise_stage1(student, teacher.model, layers, parameters, recipe, train_ids, common)
         return run_stage(stage, attention_transfer_loss(student, teacher.model, layers), parameters, steps=steps,
-                         lr=recipe.train.lr, sharding=sharding_for(student, layers), **common)
+                         lr=recipe.train.lr, sharding=sharding_for(student, layers), evaluate=measured_so_far,
+                         **common)
 
     stage1_steps = recipe.stage1.steps if recipe.stage1.enabled else 0
     if selects_after_stage1(recipe):  # kl:K: a short stage 1 on every layer, then the ranking, then the rest
@@ -344,7 +351,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
                                     recipe.stage2.loss_chunk_rows)
         histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
                                         lr=recipe.stage2.lr or recipe.train.lr, sharding=sharding_for(peft_model),
-                                        **common)
+                                        evaluate=measured_so_far, **common)
         del loss_fn  # it holds the teacher, which the export may free
         if recipe.output.merge_lora:  # merging writes into the adapted weights: the teacher's must stay as they are
             unshare_weights(peft_model, teacher.model, only=("base_layer",))
@@ -503,10 +510,15 @@ def plot_losses(histories: dict, path: str) -> None:
     figure, axes = plt.subplots(1, len(stages), figsize=(5.5 * len(stages), 3.8), squeeze=False)
     titles = {"stage1": "stage 1: attention transfer (relative MSE)", "stage2": "stage 2: LoRA KD (loss)"}
     for axis, name in zip(axes[0], stages):
-        axis.plot([row["step"] for row in histories[name]], [row["loss"] for row in histories[name]])
+        axis.plot([row["step"] for row in histories[name]], [row["loss"] for row in histories[name]], label="loss")
         axis.set_title(titles.get(name, name))
         axis.set_xlabel("step")
         if min(row["loss"] for row in histories[name]) > 0:
             axis.set_yscale("log")
         axis.grid(True, alpha=0.3)
+        held_out = [(row["step"], row[HELD_OUT_CURVE]) for row in histories[name] if HELD_OUT_CURVE in row]
+        if held_out:  # train.eval_every: the held-out KL on its own scale
+            twin = axis.twinx()
+            twin.plot(*zip(*held_out), "o-", color="tab:orange", label="held-out KL to the teacher")
+            twin.set_ylabel("held-out KL to the teacher", color="tab:orange")
     save_figure(figure, path)

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..common.files import write_atomically
+from .optimizers import check_optimizer, make_optimizer
 from .precision import check_launch_precision, training_dtype
 from .processes import Processes
 
@@ -165,10 +166,12 @@ def check_launch(train) -> None:
     """Fail before any work when the launch and the recipe disagree: the recipe shards the model but no process
     group exists (a plain ``python``), an accelerate config asked for FSDP / DeepSpeed, which the trainer would
     not see (it shards by the recipe's ``train.strategy``; accelerate's plugins act only through ``prepare``), or
-    for a mixed precision the recipe does not run (recipes/precision.py)."""
+    for a mixed precision the recipe does not run (recipes/precision.py); or when ``train.optimizer`` cannot run
+    here (recipes/optimizers.py)."""
     from .config import shards_the_model
 
     check_launch_precision(train.precision)
+    check_optimizer(train)
     for variable, (strategy, overlay) in ACCELERATE_PLUGINS.items():
         if os.environ.get(variable, "").lower() in ("1", "true") and train.strategy != strategy:
             raise ValueError(f"the accelerate config of this launch turns on {strategy} ({variable}), but the recipe "
@@ -238,7 +241,7 @@ class LocalOptimizer:
                  sharding: Sharding | None = None, data_parallel: bool = True):
         self.parameters, self.train, self.processes, self.path = parameters, train, processes, path
         self.loss_fn = loss_fn
-        self.optimizer = torch.optim.AdamW(list(parameters.values()), lr=lr, weight_decay=train.weight_decay)
+        self.optimizer = make_optimizer(list(parameters.values()), train, lr)
         self.ddp, self._micro = None, 0
         if data_parallel and processes.world > 1:
             from torch.nn.parallel import DistributedDataParallel

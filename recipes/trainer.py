@@ -10,8 +10,12 @@
   state, the step and the loss history. Launching the same run again continues after the last checkpoint with the
   same losses.
 - A NaN or inf loss stops the run with the step and the last good checkpoint named.
+- The rate of each step follows ``train.lr_scheduler`` after ``train.warmup_steps`` (recipes/schedule.py), a
+  function of the step: a resumed stage continues it exactly. The optimizer is ``train.optimizer``
+  (recipes/optimizers.py).
 - Progress bar with loss and tokens/s; one JSON line per logged step in ``metrics.jsonl``, and the same scalars
-  as TensorBoard events under ``tensorboard/``.
+  as TensorBoard events under ``tensorboard/``; every ``train.eval_every`` steps the row also holds ``evaluate()``'s
+  held-out measures (``heldout_*``).
 - Several processes (torchrun / accelerate launch): rank r takes micro-batches r, r + world, ...; how they share
   the work is the strategy's (recipes/strategies.py: ddp gradient averaging, DeepSpeed ZeRO-1/2/3, FSDP2);
   rank 0 writes.
@@ -30,6 +34,7 @@ from tqdm.auto import tqdm
 
 from .precision import autocast, fp32_masters, training_dtype
 from .processes import Processes
+from .schedule import learning_rate
 from .strategies import STRATEGIES, Sharding
 
 
@@ -80,7 +85,7 @@ def _tensorboard(folder: str):
 def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps: int, train, lr: float,
               out_dir: str, checkpoint_every: int, log_every: int = 1, progress: bool = True,
               processes: Processes | None = None, tokens_per_row: int | None = None,
-              sharding: Sharding | None = None) -> list[dict]:
+              sharding: Sharding | None = None, evaluate=None) -> list[dict]:
     """Train ``parameters`` (name -> tensor with requires_grad) for ``steps`` optimiser steps on ``blocks``.
 
     ``loss_fn(batch) -> (loss, metrics)``. Returns the history: one dict per step (step, loss, metrics). With
@@ -88,6 +93,8 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
     reduce-scattered by DeepSpeed ZeRO (``deepspeed``) or by FSDP2 (``fsdp``); rank 0 writes metrics.
     ``tokens_per_row`` (default: the blocks' last dimension) is what one row stands for in the tokens/s figure.
     ``sharding`` says what ``fsdp`` / ZeRO-3 shard (the model, sharded for the stage, is whole again on return).
+    ``evaluate() -> {name: value}``: held-out measures of the model as trained so far, taken every
+    ``train.eval_every`` steps on every rank (a sharded model's forward needs them all).
     """
     processes = processes or Processes()
     os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
@@ -119,7 +126,7 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
     try:
         for step in range(start + 1, steps + 1):
             began = time.perf_counter()
-            step_lr = lr * min(1.0, step / train.warmup_steps) if train.warmup_steps else lr
+            step_lr = learning_rate(train, lr, step, steps)
             optimizer.set_lr(step_lr)
             optimizer.zero_grad()
             total, extra, first_rows = 0.0, {}, None
@@ -144,13 +151,15 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
             row = {"stage": stage, "step": step, "loss": processes.mean(total), "lr": step_lr,
                    "tokens_per_s": tokens_per_step / seconds,
                    "world_size": processes.world, **{k: processes.mean(float(v)) for k, v in extra.items()}}
+            if evaluate is not None and train.eval_every and step % train.eval_every == 0:
+                row.update({f"heldout_{key}": value for key, value in evaluate().items()})
             first_tokens = processes.gather(first_rows)  # which data each rank trained on (first token per row)
             history.append(row)
             if metrics_file and (step % log_every == 0 or step == steps):
                 metrics_file.write(json.dumps({**row, "first_tokens_per_rank": first_tokens}) + "\n")
                 metrics_file.flush()
                 if board:
-                    for key in ("loss", "lr", "tokens_per_s", *extra):
+                    for key in ("loss", "lr", "tokens_per_s", *extra, *(k for k in row if k.startswith("heldout_"))):
                         board.add_scalar(f"{stage}/{key}", row[key], step)
             bar.set_postfix(loss=f"{row['loss']:.4g}", tok_s=f"{row['tokens_per_s']:.0f}")
             bar.update()

@@ -171,3 +171,22 @@ def test_conversion_on_the_device_equals_the_cpu_conversion(mixer, tmp_path, rec
             assert device_layer.error == pytest.approx(cpu_layer.error, rel=5e-2, abs=1e-3), (mixer, cpu_layer.index)
     assert on_device.kl_teacher_student == pytest.approx(on_cpu.kl_teacher_student, rel=5e-2, abs=1e-4)
     record(test="conversion", mixer=mixer, kl_cpu=on_cpu.kl_teacher_student, kl_device=on_device.kl_teacher_student)
+
+
+def test_adamw_is_fused_on_the_device_and_steps_like_the_cpus():
+    """train.optimizer=adamw takes torch's fused kernel for tensors on CUDA (the foreach one on the CPU, and under the
+    dry run), and one step moves the weights as the CPU's does."""
+    from hf_mixers.recipes.config import TrainSection
+    from hf_mixers.recipes.optimizers import make_optimizer
+
+    torch.manual_seed(0)
+    start, grad = torch.randn(64, 32), torch.randn(64, 32)
+    stepped = {}
+    for device in ("cpu", str(DEVICE)):
+        weight = torch.nn.Parameter(start.to(device))
+        optimizer = make_optimizer([weight], TrainSection(weight_decay=0.01), 1e-2)
+        assert bool(optimizer.defaults.get("fused")) == (torch.device(device).type == "cuda")
+        weight.grad = grad.to(device)
+        optimizer.step()
+        stepped[device] = weight.detach().cpu()
+    torch.testing.assert_close(stepped[str(DEVICE)], stepped["cpu"], rtol=1e-5, atol=1e-6)

@@ -67,8 +67,11 @@ def test_the_parts_follow_the_strategy_and_the_precision(teacher_dir):
         assert "student weights (1/N shard)" in sharded and "DDP gradient buckets" not in sharded
         assert "loss logits (whole batch)" in sharded  # a sharded head runs the dense loss
     assert "DDP gradient buckets" in ddp and "loss logits (chunked)" in ddp
-    # AdamW: two fp32 states per trained value; the gradients one
+    # AdamW: two fp32 states per trained value; the gradients one; Adafactor a row and a column per matrix
     assert ddp["AdamW states"] == 2 * ddp["gradients (fp32)"]
+    adafactor = plan_memory(recipe(teacher_dir, *base, "train.optimizer=adafactor"), processes=8,
+                            device="cpu").stages["stage 2"]
+    assert 0 < adafactor["Adafactor states (factored)"] < ddp["AdamW states"] / 4 and "AdamW states" not in adafactor
     # on CPU loading is a stage of its own: an fp32 checkpoint read into bf16 is held beside the converted tensors
     loading = plan_memory(recipe(teacher_dir, *base), device="cpu").stages["loading"]
     assert loading["checkpoint being read (float32)"] == 2 * loading["teacher weights (bfloat16)"]

@@ -281,8 +281,10 @@ def test_nan_loss_stops_with_the_step_and_checkpoint(teacher_dir, tmp_path, monk
 
 
 def test_killed_run_resumes_with_the_same_losses(teacher_dir, tmp_path):
-    """SIGKILL a real `hf-mixers distill` process mid-stage-2, relaunch, compare with an uninterrupted run."""
-    steps = ["stage1.steps=3", "stage2.steps=8", "output.checkpoint_every=1"]
+    """SIGKILL a real `hf-mixers distill` process mid-stage-2, relaunch, compare with an uninterrupted run: the same
+    losses, the cosine schedule continued exactly (rates and held-out measures every 2 steps equal too)."""
+    steps = ["stage1.steps=3", "stage2.steps=8", "output.checkpoint_every=1", "train.lr_scheduler=cosine",
+             "train.warmup_steps=2", "train.eval_every=2"]
     reference = distill(load_recipe([], small(teacher_dir, tmp_path / "reference", *steps)), progress=False)
     out = tmp_path / "killed"
     command = [sys.executable, "-m", "hf_mixers", "distill"]
@@ -307,6 +309,12 @@ def test_killed_run_resumes_with_the_same_losses(teacher_dir, tmp_path):
     assert [(r["stage"], r["step"]) for r in rows] == [(r["stage"], r["step"]) for r in expected]
     for got, want in zip(rows, expected):
         assert abs(got["loss"] - want["loss"]) <= 1e-6, (got, want)
+        assert got["lr"] == pytest.approx(want["lr"], rel=1e-12)
+        assert ("heldout_kl_teacher_student" in got) == (got["step"] % 2 == 0)
+        if got["step"] % 2 == 0:
+            assert got["heldout_kl_teacher_student"] == pytest.approx(want["heldout_kl_teacher_student"], abs=1e-6)
+    stage2 = [row["lr"] for row in expected if row["stage"] == "stage2"]
+    assert stage2[0] == 0 and stage2[2] == max(stage2) and stage2[-1] < stage2[3]  # warmup, then cosine down
     summary = json.loads((out / "summary.json").read_text())
     assert summary["evaluations"]["stage2"]["kl_teacher_student"] == pytest.approx(
         reference["evaluations"]["stage2"]["kl_teacher_student"], abs=1e-6)
@@ -379,9 +387,15 @@ def test_finetune_lowers_the_heldout_answer_loss(teacher_dir, tmp_path):
 
     summary = finetune(load_recipe([], [f"model.student={student}", f"finetune.source={data}", "finetune.steps=8",
                                         "finetune.max_length=32", "finetune.lora=false", "train.lr=1e-2",
-                                        f"output.dir={tmp_path / 'sft'}", "output.checkpoint_every=4"]),
+                                        f"output.dir={tmp_path / 'sft'}", "output.checkpoint_every=4",
+                                        "train.eval_every=4", "train.lr_scheduler=linear"]),
                        progress=False)
     assert summary["heldout_assistant_loss_after"] < 0.5 * summary["heldout_assistant_loss_before"]
+    rows = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    held_out = [row["heldout_assistant_loss"] for row in rows if "heldout_assistant_loss" in row]
+    assert [row["step"] for row in rows if "heldout_assistant_loss" in row] == [4, 8]  # train.eval_every=4
+    assert held_out[-1] == pytest.approx(summary["heldout_assistant_loss_after"], rel=1e-5)  # the same measure
+    assert rows[0]["lr"] == 1e-2 and rows[-1]["lr"] == pytest.approx(1e-2 / 8)  # linear decay over the 8 steps
     assert summary["train_examples"] == 36 and (tmp_path / "sft" / "model" / "model.safetensors").exists()
     # the conversion report travels on; the stage's own summary joins it
     assert (tmp_path / "sft" / "model" / "conversion_report.json").read_text() == \
