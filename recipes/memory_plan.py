@@ -226,6 +226,10 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
             if rows and not sharded:
                 parts["loss logits (chunked)"] = int(LOSS_TENSORS_PER_CHUNK_ROW * min(rows, tokens)
                                                      * config.vocab_size * 4)
+            elif sharded:  # the loss runs after the last block: the two gathered blocks are released by then
+                logits = int(LOSS_TENSORS_DENSE * tokens * config.vocab_size * 4)
+                parts["loss logits (whole batch), less the released blocks"] = max(
+                    0, logits - 2 * counts["largest_block"] * element)
             else:
                 parts["loss logits (whole batch)"] = int(LOSS_TENSORS_DENSE * tokens * config.vocab_size * 4)
         parts["runtime" + (" (CUDA context)" if device == "cuda" else " (this process)")] = runtime

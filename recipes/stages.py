@@ -70,18 +70,21 @@ def new_mixer_parameters(model, train_qkv: bool = False) -> dict:
     return chosen
 
 
-def sharding_for(model, layers: list[int] | None = None) -> Sharding:
+def sharding_for(model, layers: list[int] | None = None, teacher_model=None) -> Sharding:
     """What ``train.strategy: fsdp`` / ZeRO-3 shard: the whole model (a peft model or a MixerForCausalLM), with the
     decoder blocks as the units the loss runs and the transformers model as FSDP's root.
 
     Stage 1 (``layers``) calls the converted mixers directly on the teacher's inputs: those mixers are the units,
     the blocks are sharded around them, and FSDP leaves the root (embeddings, final norm, head) whole, since the
-    loss never runs it (and FSDP can shard a module object once per process: stage 2 shards it as its root)."""
+    loss never runs it (and FSDP can shard a module object once per process: stage 2 shards it as its root).
+    The frozen weights the student shares with ``teacher_model`` are ``kept``: put back, not gathered, at the end."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     blocks = list(base.model.layers)
+    teacher = {p.data_ptr() for p in teacher_model.parameters()} if teacher_model is not None else set()
+    kept = {name: p.data for name, p in model.named_parameters() if not p.requires_grad and p.data_ptr() in teacher}
     if layers is None:
-        return Sharding(model=model, units=blocks, blocks=blocks, root=base)
-    return Sharding(model=model, units=[blocks[i].mixer for i in layers], blocks=blocks, root=None)
+        return Sharding(model=model, units=blocks, blocks=blocks, root=base, kept=kept)
+    return Sharding(model=model, units=[blocks[i].mixer for i in layers], blocks=blocks, root=None, kept=kept)
 
 
 def attention_transfer_loss(student, teacher_model, layers):
@@ -326,8 +329,8 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         if recipe.stage1.blockwise:
             return _blockwise_stage1(student, teacher.model, layers, parameters, recipe, train_ids, common)
         return run_stage(stage, attention_transfer_loss(student, teacher.model, layers), parameters, steps=steps,
-                         lr=recipe.train.lr, sharding=sharding_for(student, layers), evaluate=measured_so_far,
-                         **common)
+                         lr=recipe.train.lr, sharding=sharding_for(student, layers, teacher.model),
+                         evaluate=measured_so_far, **common)
 
     stage1_steps = recipe.stage1.steps if recipe.stage1.enabled else 0
     if selects_after_stage1(recipe):  # kl:K: a short stage 1 on every layer, then the ranking, then the rest
@@ -350,7 +353,8 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         loss_fn = distillation_loss(peft_model, teacher.model, recipe.stage2.temperature, recipe.stage2.ce_weight,
                                     recipe.stage2.loss_chunk_rows)
         histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
-                                        lr=recipe.stage2.lr or recipe.train.lr, sharding=sharding_for(peft_model),
+                                        lr=recipe.stage2.lr or recipe.train.lr,
+                                        sharding=sharding_for(peft_model, teacher_model=teacher.model),
                                         evaluate=measured_so_far, **common)
         del loss_fn  # it holds the teacher, which the export may free
         if recipe.output.merge_lora:  # merging writes into the adapted weights: the teacher's must stay as they are

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -145,12 +145,17 @@ class Sharding:
     ``blocks``  the decoder blocks, then ``root`` (the transformers model, when the loss runs it): FSDP shards
                 each one that is not a unit already, so MLPs, and with the root embeddings and head, are sharded too
 
+    ``kept``    name -> the tensor of each frozen parameter that lives on outside ``model`` (the teacher's, shared
+                with the student): sharding it frees nothing, and the stage's end puts it back rather than gathering
+                a second whole copy
+
     ZeRO-3 partitions all of ``model`` and gathers it module by module, whatever units, blocks and root say.
     """
     model: nn.Module
     units: list
     blocks: list
     root: nn.Module | None
+    kept: dict = field(default_factory=dict)
 
 
 def _strategy_name(train) -> str:
@@ -319,7 +324,12 @@ class FSDPOptimizer(LocalOptimizer):
         from torch.distributed.tensor import DTensor
 
         model = _sharded_model(sharding, train)
-        self.model, self.skeleton = model, _meta_skeleton(model)
+        scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+        if scalars:  # FSDP2 shards along dimension 0
+            raise ValueError(f"train.strategy=fsdp cannot shard scalar parameters ({', '.join(scalars[:3])}"
+                             f"{', ...' if len(scalars) > 3 else ''}: Sessa's gamma_bias); use train.strategy=deepspeed "
+                             "with train.zero_stage=3 to shard this student, or ddp")
+        self.model, self.skeleton, self.kept = model, _meta_skeleton(model), sharding.kept
         device = processes.device
         mesh = init_device_mesh(device.type, (processes.world,))
         done, root = set(), [sharding.root] if sharding.root is not None else []
@@ -373,7 +383,8 @@ class FSDPOptimizer(LocalOptimizer):
     def finish(self) -> None:
         from torch.distributed.tensor import DTensor
 
-        full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()  # all-gathered on every rank
+        full = {name: self.kept[name] if name in self.kept else  # the same names on every rank: gathers stay paired
+                (p.full_tensor() if isinstance(p, DTensor) else p).detach()  # all-gathered on every rank
                 for name, p in self.model.named_parameters()}
         _restore_whole(self.model, self.skeleton, full)
 
@@ -425,7 +436,7 @@ class DeepSpeedOptimizer:
         zero = {"stage": train.zero_stage}
         if self.zero3:
             self.model = _sharded_model(sharding, train)
-            self.skeleton = _meta_skeleton(self.model)
+            self.skeleton, self.kept = _meta_skeleton(self.model), sharding.kept
             # registered: ZeRO-3 partitions every parameter of the student and hooks every submodule, each gathering
             # its own parameters for its forward and backward (weights read outside their module's forward, like
             # RSA's inter-level MLPs, are found by ZeRO-3's external-parameter discovery during the engine's forward)
@@ -524,10 +535,11 @@ class DeepSpeedOptimizer:
             return  # ZeRO-1/2 trained the model's own tensors in place
         import deepspeed
 
-        full = {}
+        full = dict(self.kept)  # frozen tensors that live on outside the model (the same names on every rank)
         for name, parameter in self.model.named_parameters():  # one tensor at a time: the peak stays one model
-            with deepspeed.zero.GatheredParameters([parameter]):
-                full[name] = parameter.detach().clone()
+            if name not in full:
+                with deepspeed.zero.GatheredParameters([parameter]):
+                    full[name] = parameter.detach().clone()
         self.engine.destroy()  # its hooks and partitions go with the sharded modules
         _restore_whole(self.model, self.skeleton, full)
 

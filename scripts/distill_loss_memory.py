@@ -3,9 +3,10 @@
 chunked one (kernels/distill_loss.py) at several chunk sizes, each in a fresh process (ru_maxrss is per process).
 
 A two-layer Llama (hidden 256, vocabulary 128,256 as Llama-3's, tied head) as teacher and a copy of it as student
-(head frozen, as under LoRA), batch 2 x 2,048 tokens, KL + 0.5 CE, on CPU. Writes distill_loss_memory.json to --out.
+(head frozen, as under LoRA), batch 2 x 2,048 tokens, KL + 0.5 CE, on CPU, in fp32 or (``--dtype bfloat16``) with
+bf16 weights under bf16 autocast, as train.precision=bf16 runs. Writes distill_loss_memory[_bfloat16].json to --out.
 
-  python scripts/distill_loss_memory.py [--out outputs/bench] [--chunks 0,1024,512,256]
+  python scripts/distill_loss_memory.py [--out outputs/bench] [--chunks 0,1024,512,256] [--dtype bfloat16]
 """
 
 import argparse
@@ -17,24 +18,26 @@ import sys
 import time
 
 
-def measure(chunk_rows: int, batch: int, length: int) -> dict:
+def measure(chunk_rows: int, batch: int, length: int, dtype: str) -> dict:
     import copy
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from hf_mixers.recipes.precision import autocast
     from hf_mixers.recipes.stages import distillation_loss
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    teacher = LlamaForCausalLM(config).eval()
+    teacher = LlamaForCausalLM(config).eval().to(getattr(torch, dtype))
     student = copy.deepcopy(teacher).train()
     student.get_output_embeddings().weight.requires_grad_(False)
     ids = torch.randint(0, config.vocab_size, (batch, length))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     began = time.perf_counter()
-    loss, _ = distillation_loss(student, teacher, 1.0, 0.5, chunk_rows)(ids)
+    with autocast(getattr(torch, dtype), torch.device("cpu")):
+        loss, _ = distillation_loss(student, teacher, 1.0, 0.5, chunk_rows)(ids)
     loss.backward()
     seconds = time.perf_counter() - began
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -48,22 +51,25 @@ def main() -> int:
     parser.add_argument("--chunks", default="0,1024,512,256", help="chunk_rows values (0: the dense loss)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:
-        print(json.dumps(measure(args.one, args.batch, args.length)))
+        print(json.dumps(measure(args.one, args.batch, args.length, args.dtype)))
         return 0
     rows = []
     for chunk in map(int, args.chunks.split(",")):
         out = subprocess.run([sys.executable, __file__, "--one", str(chunk), "--batch", str(args.batch), "--length",
-                              str(args.length)], capture_output=True, text=True, check=True).stdout
+                              str(args.length), "--dtype", args.dtype], capture_output=True, text=True,
+                             check=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
         print(("dense" if chunk == 0 else f"chunks of {chunk}") + f": +{rows[-1]['over_models_gib']} GiB over the "
               f"models, peak {rows[-1]['peak_rss_gib']} GiB, {rows[-1]['seconds']} s, loss {rows[-1]['loss']:.4f}")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "distill_loss_memory.json"), "w", encoding="utf-8") as handle:
+    name = "distill_loss_memory" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    with open(os.path.join(args.out, f"{name}.json"), "w", encoding="utf-8") as handle:
         json.dump({"benchmark": "distill_loss_memory", "vocab": 128256, "batch": args.batch, "length": args.length,
-                   "threads": os.cpu_count(), "results": rows}, handle, indent=1)
+                   "dtype": args.dtype, "threads": os.cpu_count(), "results": rows}, handle, indent=1)
     return 0
 
 

@@ -135,3 +135,57 @@ def test_a_student_read_from_its_folder_is_compared_as_stored_and_keeps_no_file_
     ids = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(student(ids).logits, usual(ids).logits, rtol=0, atol=0)
+
+
+def test_a_sharded_stage_ends_with_the_frozen_weights_still_the_teachers(teacher, tmp_path):
+    """FSDP (one process here) shards every weight of the student for a stage and makes it whole again at the end:
+    the frozen weights the student shared with the teacher come back as the teacher's tensors (Sharding.kept), not
+    as a gathered second copy, and the trained ones as the trained values."""
+    import torch.distributed as dist
+
+    from hf_mixers.recipes.config import DistillSection, TrainSection
+    from hf_mixers.recipes.processes import Processes
+    from hf_mixers.recipes.stages import add_lora, distillation_loss, sharding_for
+    from hf_mixers.recipes.trainer import run_stage
+
+    student, _ = convert(teacher, "rsa", mixer_options={"rsa_num_slots": 8, "rsa_num_levels": 2}, sequence_length=32,
+                         calibration_sequences=2, heldout_sequences=1, progress=False)
+    share_frozen_weights(student, teacher.model)
+    model = add_lora(student, DistillSection(), 0)
+    parameters = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    before = {name: p.detach().clone() for name, p in parameters.items()}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        run_stage("stage2", distillation_loss(model, teacher.model, 1.0, 0.0), parameters,
+                  torch.randint(3, 300, (4, 16)), steps=2, train=TrainSection(strategy="fsdp", batch_size=1),
+                  lr=1e-2, out_dir=str(tmp_path), checkpoint_every=10, progress=False, processes=Processes(),
+                  sharding=sharding_for(model, teacher_model=teacher.model))
+    finally:
+        dist.destroy_process_group()
+    teacher_storage = {p.data_ptr() for p in teacher.model.parameters()}
+    after = dict(model.named_parameters())
+    frozen = [name for name, p in after.items() if not p.requires_grad]
+    assert frozen and all(after[name].data_ptr() in teacher_storage for name in frozen), \
+        [name for name in frozen if after[name].data_ptr() not in teacher_storage]
+    assert any(not torch.equal(after[name], before[name]) for name in parameters)  # it trained
+
+
+def test_fsdp_refuses_a_student_with_scalar_parameters_by_name(teacher, tmp_path):
+    """FSDP2 shards along dimension 0 and cannot take Sessa's scalar gamma_bias: one line naming it and the way out,
+    before anything is sharded."""
+    import torch.distributed as dist
+
+    from hf_mixers.recipes.config import TrainSection
+    from hf_mixers.recipes.processes import Processes
+    from hf_mixers.recipes.stages import sharding_for
+    from hf_mixers.recipes.strategies import FSDPOptimizer
+
+    student = _student(teacher)
+    parameters = {name: p for name, p in student.named_parameters() if "gamma" in name}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"cannot shard scalar parameters \(model.layers.0.mixer.gamma_bias"):
+            FSDPOptimizer(parameters, TrainSection(strategy="fsdp"), 1e-3, Processes(), str(tmp_path / "x"), None,
+                          sharding_for(student))
+    finally:
+        dist.destroy_process_group()
