@@ -49,9 +49,9 @@ gpu-check:
 	fi
 
 # What `make gpu-check` needs that a CUDA machine without network lacks, into .gpu-wheels/ (git-ignored; carry it):
-# pure-Python wheels for CPython 3.12 (datasets and its missing needs, flash-linear-attention), the embedded corpus,
-# SmolLM2's tokenizer. Versions from constraints.txt.
-GPU_WHEELS := datasets dill multiprocess flash-linear-attention fla-core
+# pure-Python wheels for CPython 3.12 (datasets and its missing needs, flash-linear-attention, liger-kernel), the
+# embedded corpus, SmolLM2's tokenizer. Versions from constraints.txt.
+GPU_WHEELS := datasets dill multiprocess flash-linear-attention fla-core liger-kernel
 DOWNLOAD := $(PIP) download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -c constraints.txt
 gpu-wheels: $(VENV)/.installed

@@ -9,6 +9,10 @@ The dense form (``distillation_loss_dense``, the reference) holds z_s, z_t, both
 rows at a time, in fp32 only inside a chunk, and computes the gradients of h_s (and of W_s when it trains) in the
 same pass, as Liger-Kernel's fused linear losses do: the backward only scales what the forward kept, so the logits
 are computed once. Extra memory: one (chunk_rows, V) block of each side, plus a gradient the size of h_s (and W_s).
+
+``distillation_loss`` is the entry: on CUDA, where Liger-Kernel is installed, its fused linear JSD (beta 0: the
+forward KL(teacher || student)) and fused linear cross-entropy (kernels/dispatch.py ``library_kernel``, one log
+line); otherwise the chunked PyTorch path, which is also the oracle of the Liger path's test.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import compute_dtype
+from .dispatch import library_kernel
 
 IGNORE = -100  # a target that counts for nothing (padding, the last position)
 
@@ -90,10 +95,38 @@ class _ChunkedDistillationLoss(torch.autograd.Function):
         return scale(grad_h), grad_w, None, None, None, None, None, None
 
 
-def chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature: float = 1.0, ce_weight: float = 0.0,
-                              chunk_rows: int = 512):
-    """``distillation_loss_dense`` in chunks of ``chunk_rows`` rows (same arguments; the same values and gradients
-    to float tolerance). Returns (loss, kl, ce): the loss takes gradients to h_s and w_s, kl and ce are for logs."""
+def distillation_loss(h_s, w_s, h_t, w_t, targets, temperature: float = 1.0, ce_weight: float = 0.0,
+                      chunk_rows: int = 512, backend: str = "auto"):
+    """The loss from final hidden states (the arguments of ``chunked_distillation_loss``): Liger-Kernel's fused linear
+    kernels on CUDA where installed, else the chunked PyTorch path. ``backend`` as in kernels/dispatch.py."""
+    _check_shapes(h_s, w_s, h_t, w_t, targets)
+    fused = library_kernel("distillation_loss", "liger_kernel.ops.fused_linear_jsd", "LigerFusedLinearJSDFunction",
+                           h_s.device, backend)
+    if fused is not None:
+        return liger_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature, ce_weight)
+    return chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature, ce_weight, chunk_rows)
+
+
+def liger_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature: float = 1.0, ce_weight: float = 0.0):
+    """The same loss through Liger-Kernel: its fused linear JSD at beta 0 is KL(teacher || student) per row, averaged
+    over the rows (no labels given: every row counts), times T^2; its fused linear cross-entropy averages over the
+    rows with a target. Both compute their gradients in the forward, a chunk of rows at a time. The CE is computed
+    for the logs when ce_weight is 0 (on detached inputs: no gradient work)."""
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    from liger_kernel.ops.fused_linear_jsd import LigerFusedLinearJSDFunction
+
+    kl = LigerFusedLinearJSDFunction.apply(h_s, w_s, h_t.detach(), w_t.detach(), None, 0.0, IGNORE,
+                                           float(temperature)) * temperature**2
+    trained = ce_weight != 0
+    ce = LigerFusedLinearCrossEntropyFunction.apply(h_s if trained else h_s.detach(), w_s if trained else w_s.detach(),
+                                                    targets, None, None, IGNORE)[0]
+    if not (targets != IGNORE).any():
+        ce = ce * 0  # no row has a target: the CE counts for nothing (as the chunked path's)
+    loss = kl + ce_weight * ce if trained else kl
+    return loss, kl.detach().float(), ce.detach().float()
+
+
+def _check_shapes(h_s, w_s, h_t, w_t, targets) -> None:
     if h_s.dim() != 2 or h_t.dim() != 2 or h_s.shape[0] != h_t.shape[0] or targets.shape != h_s.shape[:1]:
         raise ValueError(f"distillation loss: h_s {tuple(h_s.shape)}, h_t {tuple(h_t.shape)} and targets "
                          f"{tuple(targets.shape)} must be (N, H), (N, Ht) and (N,)")
@@ -101,6 +134,13 @@ def chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature: float = 
         raise ValueError(f"distillation loss: lm_head weights {tuple(w_s.shape)} (student) and {tuple(w_t.shape)} "
                          f"(teacher) must share the vocabulary and match the hidden sizes {h_s.shape[1]}, "
                          f"{h_t.shape[1]}")
+
+
+def chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature: float = 1.0, ce_weight: float = 0.0,
+                              chunk_rows: int = 512):
+    """``distillation_loss_dense`` in chunks of ``chunk_rows`` rows (same arguments; the same values and gradients
+    to float tolerance). Returns (loss, kl, ce): the loss takes gradients to h_s and w_s, kl and ce are for logs."""
+    _check_shapes(h_s, w_s, h_t, w_t, targets)
     if chunk_rows < 1:
         raise ValueError(f"distillation loss: chunk_rows must be >= 1, got {chunk_rows}")
     return _ChunkedDistillationLoss.apply(h_s, w_s, h_t.detach(), w_t.detach(), targets, float(temperature),

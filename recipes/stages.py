@@ -37,7 +37,8 @@ from ..conversion.shared_weights import release_freed_memory, share_frozen_weigh
 from .precision import autocast, dtype_name, output_dtype, training_dtype
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
-from ..kernels.distill_loss import IGNORE, chunked_distillation_loss
+from ..kernels import distill_loss as loss_from_hidden
+from ..kernels.distill_loss import IGNORE
 from .config import Recipe, RecipeError, check_mixer_options, recipe_changes, selects_after_stage1
 from .blockwise import transfer_loss
 from .data import materialise_sources, pack
@@ -121,8 +122,8 @@ def _to(value, device):
 def distillation_loss(student, teacher_model, temperature: float, ce_weight: float, chunk_rows: int = 512):
     """Stage 2: T^2 KL(softmax(teacher / T) || softmax(student / T)) per token, + ce_weight x CE on the next token.
 
-    From the final hidden states through the lm_heads in chunks of ``chunk_rows`` tokens (kernels/distill_loss.py):
-    the batch's (B, T, V) logits never exist. The dense form (full logits) runs with ``chunk_rows=0``, or when a
+    From the final hidden states through the lm_heads in chunks of ``chunk_rows`` tokens (kernels/distill_loss.py; on
+    CUDA Liger-Kernel's fused linear kernels where installed): the batch's (B, T, V) logits never exist. The dense form (full logits) runs with ``chunk_rows=0``, or when a
     head's weight is not a whole local tensor (sharded by FSDP or ZeRO-3: read only inside its module's forward)."""
     def heads():
         weights = (student.get_output_embeddings().weight, teacher_model.get_output_embeddings().weight)
@@ -136,7 +137,7 @@ def distillation_loss(student, teacher_model, temperature: float, ce_weight: flo
             h_t = teacher_model.get_decoder()(batch.to(teacher_model.device), use_cache=False).last_hidden_state
         h_s = student.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
         targets = torch.cat([batch[:, 1:], torch.full_like(batch[:, :1], IGNORE)], 1)  # the last has no next token
-        loss, kl, ce = chunked_distillation_loss(
+        loss, kl, ce = loss_from_hidden.distillation_loss(  # Liger's fused kernels on CUDA where installed
             h_s.reshape(-1, h_s.shape[-1]), weights[0], h_t.to(h_s.device).reshape(-1, h_t.shape[-1]),
             weights[1].to(h_s.device), targets.reshape(-1), temperature, ce_weight, chunk_rows)
         return loss, {"kl": kl.item(), "ce": ce.item()}

@@ -7,7 +7,8 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
   compile-*      each Triton kernel's first forward+backward at each head layout (fp32, bf16): compiles what the
                  later steps launch, and names a kernel that compiles for minutes or does not launch
   pytest-mixers  tests/gpu/test_mixers_cuda.py: every mixer on CUDA against the CPU reference (forward, backward,
-                 decode, generate), the dispatch log, compiled decode (also as a CUDA graph), fla where carried
+                 decode, generate), the dispatch log, compiled decode (also as a CUDA graph), fla and Liger's
+                 distillation loss where carried
   pytest-kernels tests/gpu/test_kernels_cuda.py: the Triton kernels against their fp64 references at realistic
                  shapes (fp32, bf16; values and gradients)
   bench-kernels  `hf-mixers bench kernels --dtype bfloat16` at T = 1K..16K against SDPA (FlashAttention)

@@ -190,3 +190,34 @@ def test_adamw_is_fused_on_the_device_and_steps_like_the_cpus():
         optimizer.step()
         stepped[device] = weight.detach().cpu()
     torch.testing.assert_close(stepped[str(DEVICE)], stepped["cpu"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_liger_distillation_loss_equals_the_chunked_loss(dtype, record):
+    """kernels/distill_loss.distillation_loss on CUDA dispatches to Liger-Kernel's fused linear JSD + cross-entropy
+    (where carried); at SmolLM2's head (hidden 576, vocabulary 49,152) over 2,048 rows it equals the chunked PyTorch
+    loss, values and the gradient of the student's hidden states, and its peak memory is recorded beside it."""
+    pytest.importorskip("liger_kernel")
+    if DEVICE.type != "cuda":
+        pytest.skip("Liger-Kernel's kernels need CUDA (the interpreter test is tests/unit/test_distill_loss_liger.py)")
+    from hf_mixers.kernels.distill_loss import IGNORE, distillation_loss
+
+    g = torch.Generator().manual_seed(0)
+    rows, hidden, vocab = 2048, 576, 49152
+    h_s = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype).requires_grad_()
+    w_s = (0.05 * torch.randn(vocab, hidden, generator=g)).to(DEVICE, dtype)
+    h_t = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
+    w_t = (0.05 * torch.randn(vocab, hidden, generator=g)).to(DEVICE, dtype)
+    targets = torch.randint(0, vocab, (rows,), generator=g).to(DEVICE)
+    targets[-1] = IGNORE
+    results, peaks = {}, {}
+    for backend in ("triton", "torch"):  # "triton": the library kernel, or an error saying why it cannot run
+        h_s.grad = None
+        torch.cuda.reset_peak_memory_stats()
+        loss, kl, ce = distillation_loss(h_s, w_s, h_t, w_t, targets, 2.0, 0.5, 512, backend=backend)
+        loss.backward()
+        peaks[backend] = torch.cuda.max_memory_allocated() / 2**20
+        results[backend] = {"loss": loss.detach(), "kl": kl, "ce": ce, "grad": h_s.grad.clone()}
+    errors = {k: relative_error(results["triton"][k], results["torch"][k]) for k in results["torch"]}
+    record(errors=errors, peak_mib_liger=round(peaks["triton"], 1), peak_mib_chunked=round(peaks["torch"], 1))
+    assert max(errors.values()) < (1e-4 if dtype == torch.float32 else 2e-2), errors
