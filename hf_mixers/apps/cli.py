@@ -128,10 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         "distill", help="stage 1 (attention transfer) and stage 2 (LoRA KD) of a converted model, from YAML recipes",
         description="Recipes stack left to right; --set key.sub=value overrides any field (e.g. --set "
                     "stage2.steps=50). Relaunching the same command resumes from the last checkpoint.")
-    distill.add_argument("recipes", nargs="*", help="YAML recipe files (later files win)")
-    distill.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                         help="override a recipe field (repeatable)")
-    _output_flags(distill)
+    _recipe_arguments(distill)
     distill.add_argument("--plan", action="store_true",
                          help="print each process's memory for the recipe (weights by dtype, gradients, optimizer "
                               "states, activations, logits) and whether it fits, without loading or training")
@@ -143,10 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         "finetune", help="stage 3: supervised fine-tuning of a converted model on chat data (LoRA or full)",
         description="Needs model.student (a converted or distilled folder); finetune.source is a JSONL of "
                     "{\"messages\": [...]} or {\"prompt\", \"response\"} (default: Shakespeare speeches).")
-    finetune.add_argument("recipes", nargs="*", help="YAML recipe files (later files win)")
-    finetune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                          help="override a recipe field (repeatable)")
-    _output_flags(finetune)
+    _recipe_arguments(finetune)
 
     evaluate = commands.add_parser(
         "eval", help="held-out perplexity, KL and agreement with the teacher, passkey retrieval, samples, decode speed",
@@ -267,12 +261,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _output_flags(command) -> None:
-    """--out / --overwrite of a recipe command: the same flags as every other command, for output.dir and
-    output.overwrite (a later --set still wins)."""
+def _recipe_arguments(command) -> None:
+    """The recipe arguments of distill and finetune: recipes (files or built-in names), --set, --out / --overwrite
+    (the same flags as every other command, for output.dir and output.overwrite; a later --set still wins), --list,
+    --print-config."""
+    command.add_argument("recipes", nargs="*",
+                         help="YAML recipe files or built-in recipe names, e.g. base stage2_lora_kd (later ones win)")
+    command.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a recipe field (repeatable)")
     command.add_argument("--out", default=None, help="output folder: output.dir of the recipe")
     command.add_argument("--overwrite", action="store_true",
                          help="replace a finished or changed run in --out (output.overwrite=true)")
+    command.add_argument("--list", action="store_true", help="list the built-in recipes and exit")
+    command.add_argument("--print-config", action="store_true",
+                         help="print the merged recipe with every field's doc, range and default, and exit")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,6 +361,22 @@ def _train(args) -> int:
     run = distill if args.command == "distill" else finetune
     flags = [f"output.dir={json.dumps(args.out)}"] if args.out is not None else []
     flags += ["output.overwrite=true"] if args.overwrite else []
+    if args.list:
+        from ..recipes.catalog import builtin_recipes
+
+        recipes = builtin_recipes()
+        width = max(map(len, recipes))
+        print("\n".join(f"{name:<{width}}  {description}" for name, description in recipes.items()))
+        return 0
+    if args.print_config:
+        from ..recipes.config import recipe_text
+
+        try:
+            recipe = load_recipe(args.recipes, [*flags, *args.overrides])
+        except EXPECTED_ERRORS as error:
+            return _fail(f"{args.command} --print-config", error)
+        print(recipe_text(recipe, [*args.recipes, *(f"--set {item}" for item in [*flags, *args.overrides])]))
+        return 0
     if getattr(args, "plan", False):
         from ..recipes.memory_plan import parse_size, plan_memory
 
