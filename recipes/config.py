@@ -78,6 +78,9 @@ class TrainSection:
     optimizer: str = "adamw"
     # held-out KL to the teacher and perplexity every this many steps of a stage (0: only between the stages)
     eval_every: int = bounded(0, 0)
+    # experiment trackers through accelerate: tensorboard (OUT/tensorboard), wandb, mlflow, aim, ..., "all" (every
+    # one installed) or [] (none); each reads its own settings (WANDB_MODE=offline, MLFLOW_TRACKING_URI, ...)
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     seed: int = bounded(0, 0)  # data order, LoRA init, conversion's k-means
     # recompute each block's activations in the backward pass instead of keeping them: long sequences fit in memory
     # for about a third more compute (stage 2 and finetune; stage 1 trains one mixer at a time and keeps no blocks)
@@ -192,7 +195,8 @@ def load_recipe(paths=(), overrides=()) -> Recipe:
 # rates, the model, the mixer's options) makes the checkpoints belong to another run
 RESUMABLE_CHANGES = ("output.dir", "output.checkpoint_every", "output.log_every", "output.overwrite",
                      "output.merge_lora", "output.allow_recipe_change", "stage1.steps", "stage2.steps",
-                     "finetune.steps", "model.teacher_device", "train.strategy", "train.zero_stage")
+                     "finetune.steps", "model.teacher_device", "train.strategy", "train.zero_stage", "train.report_to",
+                     "train.eval_every")
 
 
 def recipe_text(recipe: Recipe, sources=()) -> str:

@@ -22,6 +22,11 @@ class Processes:
         device = self.accelerator.device if self.accelerator else torch.device("cpu")
         return torch.device("cpu") if device.type == "cpu" else device
 
+    def log(self, values: dict, step: int) -> None:
+        """Scalars to the run's experiment trackers (recipes/tracking.py); nothing without them, or off rank 0."""
+        if self.accelerator is not None and self.accelerator.log_with:
+            self.accelerator.log(values, step=step)
+
     def mean(self, value: float) -> float:
         if self.world == 1:
             return value

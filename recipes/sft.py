@@ -24,6 +24,7 @@ from ..conversion.teacher import stored_dtype
 from .config import Recipe
 from .precision import autocast, dtype_name, output_dtype, training_dtype
 from .strategies import check_launch
+from .tracking import finish_tracking, start_tracking
 from .trainer import Processes, run_stage
 
 
@@ -113,7 +114,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
         raise FileExistsError(f"{model_dir} exists: this run already finished; set output.overwrite=true")
     if student is None and not recipe.model.student:
         raise ValueError("finetune needs model.student: the folder of a converted or distilled model")
-    processes = Processes(_accelerator())
+    processes = Processes(_accelerator(recipe))
     check_launch(recipe.train)
     device = processes.device
     dtype = training_dtype(recipe.train.precision, device)
@@ -128,6 +129,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
         raise ValueError("finetune: a model passed in needs its tokenizer (tokenizer=...)")
     saved_dtype = output_dtype(recipe.output.dtype, stored)
     write_recipe(recipe, checked_recipe(recipe), processes)
+    start_tracking(processes, recipe, os.path.basename(os.path.normpath(out)))
     started = time.perf_counter()
     examples = chat_examples(section.source)
     held = max(1, len(examples) // 10)
@@ -173,5 +175,6 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
         save_model(final.eval(), model_dir, tokenizer, extra=write_history)
         with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as handle:
             json.dump(summary, handle, indent=2)
+    finish_tracking(processes)
     processes.barrier()
     return summary

@@ -43,6 +43,7 @@ from .config import Recipe, RecipeError, check_mixer_options, recipe_changes, se
 from .blockwise import transfer_loss
 from .data import materialise_sources, pack
 from .strategies import Sharding, check_launch
+from .tracking import finish_tracking, start_tracking, trackers
 from .trainer import Processes, run_stage
 
 logger = logging.getLogger(__name__)
@@ -234,7 +235,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     if os.path.isdir(model_dir) and os.listdir(model_dir) and not recipe.output.overwrite:
         raise FileExistsError(f"{model_dir} exists: this run already finished; set output.overwrite=true to redo "
                               "the export, or choose another output.dir")
-    processes = Processes(_accelerator())
+    processes = Processes(_accelerator(recipe))
     check_launch(recipe.train)
     progress = progress and processes.is_main
     record = checked_recipe(recipe)
@@ -288,6 +289,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         tqdm.write(f"student and teacher hold their {shared / 2**20:.0f} MiB of common frozen weights once")
     train_ids, heldout_ids = train_ids.to(device), heldout_ids.to(device)
     write_recipe(recipe, record, processes)
+    start_tracking(processes, recipe, os.path.basename(os.path.normpath(out)))
 
     wider_ids = {name: ids.to(device) for name, ids in
                  wider_evaluation_sets(recipe, teacher.tokenizer, heldout_text, data_name).items()}
@@ -319,6 +321,11 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
                   log_every=recipe.output.log_every, progress=progress, processes=processes)
     train_mode(student, recipe.train)
 
+    selection_steps = recipe.stage1.selection_steps if selects_after_stage1(recipe) else 0
+    # the run-wide step of each stage's first step, less one: the trackers see one increasing step
+    log_offsets = {"stage1-selection": 0, "stage1": selection_steps,
+                   "stage2": recipe.stage1.steps if recipe.stage1.enabled else 0}
+
     def transfer(stage: str, steps: int) -> list[dict]:
         """``steps`` of attention transfer on the layers converted now (stage 1, or its selection part)."""
         layers = converted_layers(student)
@@ -331,7 +338,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
             return _blockwise_stage1(student, teacher.model, layers, parameters, recipe, train_ids, common)
         return run_stage(stage, attention_transfer_loss(student, teacher.model, layers), parameters, steps=steps,
                          lr=recipe.train.lr, sharding=sharding_for(student, layers, teacher.model),
-                         evaluate=measured_so_far, **common)
+                         evaluate=measured_so_far, log_offset=log_offsets[stage], **common)
 
     stage1_steps = recipe.stage1.steps if recipe.stage1.enabled else 0
     if selects_after_stage1(recipe):  # kl:K: a short stage 1 on every layer, then the ranking, then the rest
@@ -356,7 +363,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
                                         lr=recipe.stage2.lr or recipe.train.lr,
                                         sharding=sharding_for(peft_model, teacher_model=teacher.model),
-                                        evaluate=measured_so_far, **common)
+                                        evaluate=measured_so_far, log_offset=log_offsets["stage2"], **common)
         del loss_fn  # it holds the teacher, which the export may free
         if recipe.output.merge_lora:  # merging writes into the adapted weights: the teacher's must stay as they are
             unshare_weights(peft_model, teacher.model, only=("base_layer",))
@@ -392,6 +399,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as handle:
             json.dump(summary, handle, indent=2)
         plot_losses(histories, os.path.join(out, LOSS_CURVE))
+    finish_tracking(processes)
     processes.barrier()
     return {**summary, "model": student}
 
@@ -415,7 +423,8 @@ def _blockwise_stage1(student, teacher_model, layers, parameters, recipe, train_
         loss_fn = layer_loss(mixer, cache["layers"][index], cache["rope"], student.device, scale=1 / len(layers))
         histories.append(run_stage(f"stage1-layer{index}", loss_fn,
                                    own, **{**common, "blocks": row_indices}, steps=recipe.stage1.steps,
-                                   lr=recipe.train.lr, tokens_per_row=train_ids.shape[1]))
+                                   lr=recipe.train.lr, tokens_per_row=train_ids.shape[1],
+                                   log_offset=len(histories) * recipe.stage1.steps))
     return [{"stage": "stage1", "step": rows[0]["step"], "loss": sum(r["loss"] for r in rows)}
             for rows in zip(*histories)]
 
@@ -496,11 +505,13 @@ def peak_memory(device: torch.device) -> dict:
     return {name: round(value, 3) for name, value in peaks.items()}
 
 
-def _accelerator():
-    """accelerate's view of the launch (torchrun / accelerate launch / plain python); CPU runs use gloo."""
+def _accelerator(recipe: Recipe):
+    """accelerate's view of the launch (torchrun / accelerate launch / plain python; CPU runs use gloo), with the
+    recipe's experiment trackers (recipes/tracking.py; TensorBoard under OUT/tensorboard)."""
     from accelerate import Accelerator
 
-    return Accelerator(cpu=not torch.cuda.is_available())
+    return Accelerator(cpu=not torch.cuda.is_available(), log_with=trackers(recipe.train) or None,
+                       project_dir=os.path.join(recipe.output.dir, "tensorboard"))
 
 
 def plot_losses(histories: dict, path: str) -> None:

@@ -14,7 +14,7 @@
   function of the step: a resumed stage continues it exactly. The optimizer is ``train.optimizer``
   (recipes/optimizers.py).
 - Progress bar with loss and tokens/s; one JSON line per logged step in ``metrics.jsonl``, and the same scalars
-  as TensorBoard events under ``tensorboard/``; every ``train.eval_every`` steps the row also holds ``evaluate()``'s
+  to the run's experiment trackers (``train.report_to``, recipes/tracking.py: TensorBoard under ``tensorboard/``); every ``train.eval_every`` steps the row also holds ``evaluate()``'s
   held-out measures (``heldout_*``).
 - Several processes (torchrun / accelerate launch): rank r takes micro-batches r, r + world, ...; how they share
   the work is the strategy's (recipes/strategies.py: ddp gradient averaging, DeepSpeed ZeRO-1/2/3, FSDP2);
@@ -73,19 +73,10 @@ def check_checkpoint_space(path: str, parameters: dict) -> None:
                                     f"{free / 2**30:.2f} GiB are free")
 
 
-def _tensorboard(folder: str):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is a dependency; a broken install must not stop training
-        tqdm.write("tensorboard is not importable: training logs go to metrics.jsonl only")
-        return None
-    return SummaryWriter(folder)
-
-
 def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps: int, train, lr: float,
               out_dir: str, checkpoint_every: int, log_every: int = 1, progress: bool = True,
               processes: Processes | None = None, tokens_per_row: int | None = None,
-              sharding: Sharding | None = None, evaluate=None) -> list[dict]:
+              sharding: Sharding | None = None, evaluate=None, log_offset: int = 0) -> list[dict]:
     """Train ``parameters`` (name -> tensor with requires_grad) for ``steps`` optimiser steps on ``blocks``.
 
     ``loss_fn(batch) -> (loss, metrics)``. Returns the history: one dict per step (step, loss, metrics). With
@@ -94,7 +85,8 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
     ``tokens_per_row`` (default: the blocks' last dimension) is what one row stands for in the tokens/s figure.
     ``sharding`` says what ``fsdp`` / ZeRO-3 shard (the model, sharded for the stage, is whole again on return).
     ``evaluate() -> {name: value}``: held-out measures of the model as trained so far, taken every
-    ``train.eval_every`` steps on every rank (a sharded model's forward needs them all).
+    ``train.eval_every`` steps on every rank (a sharded model's forward needs them all). The experiment trackers
+    (``processes.log``) get step ``log_offset + step``: one increasing step across a run's stages.
     """
     processes = processes or Processes()
     os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
@@ -122,7 +114,6 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
     tokens_per_step = train.batch_size * train.grad_accum * (tokens_per_row or blocks.shape[-1]) * processes.world
     bar = tqdm(total=steps, initial=start, desc=stage, disable=not (progress and processes.is_main), unit="step")
     metrics_file = open(metrics_path, "a", encoding="utf-8") if processes.is_main else None
-    board = _tensorboard(os.path.join(out_dir, "tensorboard")) if processes.is_main else None
     try:
         for step in range(start + 1, steps + 1):
             began = time.perf_counter()
@@ -158,9 +149,8 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
             if metrics_file and (step % log_every == 0 or step == steps):
                 metrics_file.write(json.dumps({**row, "first_tokens_per_rank": first_tokens}) + "\n")
                 metrics_file.flush()
-                if board:
-                    for key in ("loss", "lr", "tokens_per_s", *extra, *(k for k in row if k.startswith("heldout_"))):
-                        board.add_scalar(f"{stage}/{key}", row[key], step)
+                scalars = ("loss", "lr", "tokens_per_s", *extra, *(key for key in row if key.startswith("heldout_")))
+                processes.log({f"{stage}/{key}": row[key] for key in scalars}, step=log_offset + step)
             bar.set_postfix(loss=f"{row['loss']:.4g}", tok_s=f"{row['tokens_per_s']:.0f}")
             bar.update()
             if step % checkpoint_every == 0 or step == steps:
@@ -170,7 +160,5 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
         bar.close()
         if metrics_file:
             metrics_file.close()
-        if board:
-            board.close()
     optimizer.finish()
     return history

@@ -258,7 +258,27 @@ def build_parser() -> argparse.ArgumentParser:
                     "--help` lists its own flags.")
     bench.add_argument("target", choices=LazyChoices(bench_targets), metavar="TARGET", help="%(choices)s")
     bench.add_argument("options", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # the target's own flags
+    verbose = dict(action="store_true", help="also show the info lines of hf-mixers and its libraries (default: "
+                                             "warnings and errors only)")
+    parser.add_argument("--verbose", **verbose)
+    for command in commands.choices.values():  # before or after the command; SUPPRESS: a command's default
+        command.add_argument("--verbose", default=argparse.SUPPRESS, **verbose)  # never hides the top-level flag
     return parser
+
+
+def configure_logging(verbose: bool) -> None:
+    """Once per command: Python logging's records (hf-mixers' own, transformers', accelerate's) reach stderr, warnings
+    and errors by default, info lines too with --verbose."""
+    import logging
+
+    level = logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for name in ("hf_mixers", "accelerate"):
+        logging.getLogger(name).setLevel(level)
+    if verbose:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_info()
 
 
 def _recipe_arguments(command) -> None:
@@ -287,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     except PluginError as error:
         print(f"hf-mixers: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    configure_logging(getattr(args, "verbose", False))
     if args.command == "convert":
         return _convert(args)
     if args.command in ("distill", "finetune"):
