@@ -21,8 +21,9 @@ import torch
 import yaml
 
 from .catalog import field_docs, recipe_path
+from .deepspeed_config import deepspeed_settings, merged, read_deepspeed_config
 from .optimizers import OPTIMIZERS
-from .precision import OUTPUT_DTYPES, PRECISIONS
+from .precision import OUTPUT_DTYPES, PRECISIONS, training_dtype
 from .schedule import SCHEDULERS
 
 
@@ -89,6 +90,9 @@ class TrainSection:
     precision: str = "auto"
     strategy: str = "ddp"  # "ddp": DistributedDataParallel; "deepspeed": ZeRO partitioning; "fsdp": FSDP2 sharding
     zero_stage: int = 2  # with "deepspeed": 1 (optimizer states), 2 (+ gradients), 3 (+ the whole student)
+    # with "deepspeed": a DeepSpeed JSON merged with the recipe's settings ("auto" takes the recipe's; its own keys,
+    # e.g. offload_optimizer, are kept; one that contradicts the recipe is refused: recipes/deepspeed_config.py)
+    deepspeed_config: str | None = None
 
 
 @dataclass
@@ -196,7 +200,7 @@ def load_recipe(paths=(), overrides=()) -> Recipe:
 RESUMABLE_CHANGES = ("output.dir", "output.checkpoint_every", "output.log_every", "output.overwrite",
                      "output.merge_lora", "output.allow_recipe_change", "stage1.steps", "stage2.steps",
                      "finetune.steps", "model.teacher_device", "train.strategy", "train.zero_stage", "train.report_to",
-                     "train.eval_every")
+                     "train.eval_every", "train.deepspeed_config")
 
 
 def recipe_text(recipe: Recipe, sources=()) -> str:
@@ -277,6 +281,8 @@ def _validate(recipe: Recipe, origin: str, origins: dict | None = None) -> None:
          f"{train.lr_scheduler!r}"),
         (train.optimizer in OPTIMIZERS, f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got "
          f"{train.optimizer!r}"),
+        (train.deepspeed_config is None or train.strategy == "deepspeed",
+         "train.deepspeed_config is read with train.strategy=deepspeed only"),
         (train.optimizer == "adamw" or train.strategy == "ddp",
          f"train.optimizer={train.optimizer} steps under train.strategy=ddp only ({sharding} partitions or shards "
          "AdamW's states): use train.optimizer=adamw, or train.strategy=ddp"),
@@ -309,6 +315,13 @@ def _validate(recipe: Recipe, origin: str, origins: dict | None = None) -> None:
     for ok, message in checks:
         if not ok:
             raise RecipeError(f"{origin}: {message}")
+    if train.deepspeed_config is not None:  # its disagreements with the recipe, before any work
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            merged(read_deepspeed_config(train.deepspeed_config),
+                   deepspeed_settings(train, train.lr, training_dtype(train.precision, device)), train.deepspeed_config)
+        except ValueError as error:
+            raise RecipeError(f"{origins.get('train.deepspeed_config', origin)}: {error}") from None
     if recipe.model.teacher_device is not None:
         try:
             torch.device(recipe.model.teacher_device)

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..common.files import write_atomically
+from .deepspeed_config import deepspeed_settings, merged, read_deepspeed_config
 from .optimizers import check_optimizer, make_optimizer
 from .precision import check_launch_precision, training_dtype
 from .processes import Processes
@@ -327,8 +328,8 @@ class FSDPOptimizer(LocalOptimizer):
         scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
         if scalars:  # FSDP2 shards along dimension 0
             raise ValueError(f"train.strategy=fsdp cannot shard scalar parameters ({', '.join(scalars[:3])}"
-                             f"{', ...' if len(scalars) > 3 else ''}: Sessa's gamma_bias); use train.strategy=deepspeed "
-                             "with train.zero_stage=3 to shard this student, or ddp")
+                             f"{', ...' if len(scalars) > 3 else ''}: Sessa's gamma_bias); use "
+                             "train.strategy=deepspeed with train.zero_stage=3 to shard this student, or ddp")
         self.model, self.skeleton, self.kept = model, _meta_skeleton(model), sharding.kept
         device = processes.device
         mesh = init_device_mesh(device.type, (processes.world,))
@@ -400,13 +401,6 @@ def _fsdp_precision(dtype: torch.dtype):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def deepspeed_precision(dtype: torch.dtype) -> dict:
-    """The DeepSpeed config's precision block for ``train.precision``: under bf16 the engine holds the trained
-    tensors in bf16 and ZeRO keeps their fp32 masters and Adam states in its partitions (DeepSpeed's own bf16 mode;
-    gradients are reduced in bf16, as in DeepSpeed's default); fp32: nothing."""
-    return {} if dtype == torch.float32 else {"bf16": {"enabled": True}}
-
-
 class _LossModule(nn.Module):
     """What DeepSpeed's engine wraps: its forward is the stage's loss, so the loss runs through the engine (which
     sets up ZeRO's backward bookkeeping); it holds the tensors DeepSpeed manages."""
@@ -433,7 +427,7 @@ class DeepSpeedOptimizer:
         self.processes, self.parameters, self.path = processes, parameters, path
         self.zero3 = train.zero_stage == 3
         holder = _LossModule(loss_fn)
-        zero = {"stage": train.zero_stage}
+        config = deepspeed_settings(train, lr, training_dtype(train.precision, processes.device))
         if self.zero3:
             self.model = _sharded_model(sharding, train)
             self.skeleton, self.kept = _meta_skeleton(self.model), sharding.kept
@@ -443,16 +437,15 @@ class DeepSpeedOptimizer:
             holder.model = self.model
             hidden = getattr(self.model.config, "hidden_size", None)
             if hidden:  # transformers' "auto" value: tensors smaller than this (norms, biases) stay whole
-                zero["stage3_param_persistence_threshold"] = 10 * hidden
+                config["zero_optimization"]["stage3_param_persistence_threshold"] = 10 * hidden
         else:
             holder.trained = nn.ParameterList(list(parameters.values()))  # frozen weights stay outside DeepSpeed
-        config = {"train_micro_batch_size_per_gpu": train.batch_size,
-                  "gradient_accumulation_steps": train.grad_accum,
-                  "zero_optimization": zero,
-                  "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": train.weight_decay,
-                                                            "torch_adam": True}},
-                  "gradient_clipping": train.max_grad_norm or 0.0, "steps_per_print": 10**9,
-                  **deepspeed_precision(training_dtype(train.precision, processes.device))}
+        if train.deepspeed_config:  # the user's JSON, merged: its own keys kept, the recipe's checked
+            user = read_deepspeed_config(train.deepspeed_config)
+            config = merged(user, config, train.deepspeed_config)
+            if processes.is_main:
+                stage = os.path.basename(path).removesuffix(".safetensors")
+                tqdm.write(f"{stage}: deepspeed: {train.deepspeed_config} merged into the recipe's settings")
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=holder, model_parameters=list(parameters.values()), config=config)
         if self.zero3:  # at rest a partitioned tensor's data is empty; a persistent one keeps it whole as well

@@ -1,0 +1,78 @@
+"""The DeepSpeed config of ``train.strategy: deepspeed``: what the recipe sets, merged with a user's JSON.
+
+    config = merged(read_deepspeed_config(path), deepspeed_settings(train, lr, dtype), path)
+
+``train.deepspeed_config: PATH`` is a DeepSpeed JSON as users keep them for the HF Trainer: ``"auto"`` values take the
+recipe's, keys the recipe does not set (offload, bucket sizes, overlap_comm, ...) are kept as written, and a key the
+recipe sets (batch size, accumulation, ZeRO stage, optimizer, rate, weight decay, clipping, precision) written with
+another value is refused, naming the file, the key and the recipe field, as is a ``scheduler``: the recipe's
+``train.lr_scheduler`` sets every step's rate.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import torch
+
+# the keys the recipe decides, with the field that decides each
+RECIPE_OWNED = {"train_micro_batch_size_per_gpu": "train.batch_size", "gradient_accumulation_steps": "train.grad_accum",
+                "zero_optimization.stage": "train.zero_stage", "optimizer.type": "train.optimizer",
+                "optimizer.params.lr": "train.lr / stage2.lr (set it to \"auto\")",
+                "optimizer.params.weight_decay": "train.weight_decay", "gradient_clipping": "train.max_grad_norm",
+                "bf16.enabled": "train.precision", "fp16.enabled": "train.precision (fp16 is not run: use bf16)"}
+
+
+def deepspeed_settings(train, lr: float, dtype: torch.dtype) -> dict:
+    """What the recipe sets: micro-batch and accumulation, the ZeRO stage, torch's AdamW at the stage's rate, clipping,
+    the precision block (bf16: the engine's copies in bf16, fp32 masters and Adam states in ZeRO's partitions)."""
+    return {"train_micro_batch_size_per_gpu": train.batch_size,
+            "gradient_accumulation_steps": train.grad_accum,
+            "zero_optimization": {"stage": train.zero_stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": train.weight_decay,
+                                                      "torch_adam": True}},
+            "gradient_clipping": train.max_grad_norm or 0.0, "steps_per_print": 10**9,
+            "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": False}}
+
+
+def read_deepspeed_config(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except OSError as error:
+        raise ValueError(f"train.deepspeed_config: {path}: cannot be read ({error.strerror})") from None
+    except ValueError as error:
+        raise ValueError(f"train.deepspeed_config: {path}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"train.deepspeed_config: {path}: a DeepSpeed config is a JSON object")
+    return config
+
+
+def merged(user: dict, ours: dict, path: str) -> dict:
+    """``ours`` with ``user``'s keys merged in (see the module's docstring); every conflict named in one error."""
+    conflicts = []
+    if "scheduler" in user:
+        conflicts.append("scheduler: the recipe's train.lr_scheduler sets each step's rate; remove it")
+    config = _merge(user, ours, "", conflicts)
+    if conflicts:
+        raise ValueError(f"train.deepspeed_config: {path} disagrees with the recipe: " + "; ".join(conflicts))
+    return config
+
+
+def _merge(user: dict, ours: dict, prefix: str, conflicts: list) -> dict:
+    config = copy.deepcopy(ours)
+    for key, value in user.items():
+        name = prefix + key
+        if key == "scheduler" and not prefix:
+            continue
+        if isinstance(value, dict) and isinstance(ours.get(key), dict):
+            config[key] = _merge(value, ours[key], f"{name}.", conflicts)
+        elif value == "auto":
+            continue  # the recipe's value, or (a key it does not set) DeepSpeed's own default
+        elif name in RECIPE_OWNED and value != ours.get(key):
+            conflicts.append(f"{name} is {json.dumps(value)} there, {json.dumps(ours.get(key))} from "
+                             f"{RECIPE_OWNED[name]}")
+        else:
+            config[key] = value
+    return config
