@@ -42,7 +42,7 @@ def recipe_path(given: str) -> str:
     name = os.path.basename(given).removesuffix(".yaml")
     if (os.path.dirname(given) in ("", "recipes")) and name in builtin_recipes():
         return os.path.join(RECIPES_DIR, f"{name}.yaml")
-    raise FileNotFoundError(f"{given}: no such recipe file, and not a built-in recipe (one of "
+    raise FileNotFoundError(f"{given}: cannot read the recipe: no such file, and not a built-in recipe (one of "
                             f"{', '.join(builtin_recipes())}; hf-mixers distill --list describes them)")
 
 

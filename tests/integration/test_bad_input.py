@@ -91,8 +91,9 @@ def test_a_recipe_number_out_of_range_names_the_key_and_range(section, name, bou
                                           rf", got {bad}"):
         load_recipe([], [f"{section}.{name}={bad}"])
     if high is not None:
-        with pytest.raises(RecipeError, match=rf"{section}\.{name} must be .*, got {high}"):
-            load_recipe([], [f"{section}.{name}={high}"])
+        too_high = high if high_open else high + 1
+        with pytest.raises(RecipeError, match=rf"{section}\.{name} must be .*, got {too_high}"):
+            load_recipe([], [f"{section}.{name}={too_high}"])
 
 
 def test_an_enabled_stage_with_no_steps_is_refused():

@@ -26,10 +26,11 @@ def test_builtin_recipes_are_named_without_a_path_from_any_folder(tmp_path, monk
 
 def test_a_missing_recipe_names_the_argument_and_the_builtin_ones(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(RecipeError, match=r"smollm2_rsa_windw: no such recipe file, and not a built-in recipe \(one "
-                                          r"of base, .*smollm2_rsa_window, .*hf-mixers distill --list"):
+    with pytest.raises(RecipeError, match=r"smollm2_rsa_windw: cannot read the recipe: no such file, and not a "
+                                          r"built-in recipe \(one of base, .*smollm2_rsa_window, .*hf-mixers distill "
+                                          r"--list"):
         load_recipe(["base", "smollm2_rsa_windw"])
-    with pytest.raises(RecipeError, match="elsewhere/base.yaml: no such recipe file"):
+    with pytest.raises(RecipeError, match="elsewhere/base.yaml: cannot read the recipe: no such file"):
         load_recipe(["elsewhere/base.yaml"])  # only a bare name or recipes/NAME falls back to the packaged ones
 
 
