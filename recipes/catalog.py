@@ -1,4 +1,4 @@
-"""The built-in recipes by name, and a recipe printed with every field's doc.
+"""The built-in recipes by name, and the docs of a recipe's fields.
 
 The YAML files of this folder install with the package: ``hf-mixers distill base stage2_lora_kd smollm2_rsa_window``
 names them without a path (``recipes/base.yaml`` from a checkout still works, and is found in the package when

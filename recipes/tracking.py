@@ -51,7 +51,7 @@ def start_tracking(processes, recipe, run_name: str) -> None:
     accelerator.init_trackers(PROJECT, config=config, init_kwargs={"wandb": {"name": run_name}})
 
 
-
 def finish_tracking(processes) -> None:
+    """Close the run's trackers (their files flushed, a wandb run marked finished)."""
     for tracker in getattr(processes.accelerator, "trackers", []):
         tracker.finish()
