@@ -39,11 +39,12 @@ def recipe_path(given: str) -> str:
     ``recipes/base.yaml``); a missing one is a FileNotFoundError that lists the built-in names."""
     if os.path.exists(given):
         return given
-    name = os.path.basename(given).removesuffix(".yaml")
-    if (os.path.dirname(given) in ("", "recipes")) and name in builtin_recipes():
-        return os.path.join(RECIPES_DIR, f"{name}.yaml")
+    builtin = os.path.join(RECIPES_DIR, os.path.basename(given).removesuffix(".yaml") + ".yaml")
+    if os.path.dirname(given) in ("", "recipes") and os.path.isfile(builtin):
+        return builtin
+    names = sorted(file.removesuffix(".yaml") for file in os.listdir(RECIPES_DIR) if file.endswith(".yaml"))
     raise FileNotFoundError(f"{given}: cannot read the recipe: no such file, and not a built-in recipe (one of "
-                            f"{', '.join(builtin_recipes())}; hf-mixers distill --list describes them)")
+                            f"{', '.join(names)}; hf-mixers distill --list describes them)")
 
 
 def field_docs(section_class) -> dict[str, str]:

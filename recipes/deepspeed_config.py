@@ -64,8 +64,6 @@ def _merge(user: dict, ours: dict, prefix: str, conflicts: list) -> dict:
     config = copy.deepcopy(ours)
     for key, value in user.items():
         name = prefix + key
-        if key == "scheduler" and not prefix:
-            continue
         if isinstance(value, dict) and isinstance(ours.get(key), dict):
             config[key] = _merge(value, ours[key], f"{name}.", conflicts)
         elif value == "auto":

@@ -129,7 +129,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
         raise ValueError("finetune: a model passed in needs its tokenizer (tokenizer=...)")
     saved_dtype = output_dtype(recipe.output.dtype, stored)
     write_recipe(recipe, checked_recipe(recipe), processes)
-    start_tracking(processes, recipe, os.path.basename(os.path.normpath(out)))
+    start_tracking(processes, recipe)
     started = time.perf_counter()
     examples = chat_examples(section.source)
     held = max(1, len(examples) // 10)

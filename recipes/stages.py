@@ -124,8 +124,9 @@ def distillation_loss(student, teacher_model, temperature: float, ce_weight: flo
     """Stage 2: T^2 KL(softmax(teacher / T) || softmax(student / T)) per token, + ce_weight x CE on the next token.
 
     From the final hidden states through the lm_heads in chunks of ``chunk_rows`` tokens (kernels/distill_loss.py; on
-    CUDA Liger-Kernel's fused linear kernels where installed): the batch's (B, T, V) logits never exist. The dense form (full logits) runs with ``chunk_rows=0``, or when a
-    head's weight is not a whole local tensor (sharded by FSDP or ZeRO-3: read only inside its module's forward)."""
+    CUDA Liger-Kernel's fused linear kernels where installed): the batch's (B, T, V) logits never exist. The dense
+    form (full logits) runs with ``chunk_rows=0``, or when a head's weight is not a whole local tensor (sharded by
+    FSDP or ZeRO-3: read only inside its module's forward)."""
     def heads():
         weights = (student.get_output_embeddings().weight, teacher_model.get_output_embeddings().weight)
         return None if not chunk_rows or any(_sharded(w) for w in weights) else weights
@@ -289,7 +290,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         tqdm.write(f"student and teacher hold their {shared / 2**20:.0f} MiB of common frozen weights once")
     train_ids, heldout_ids = train_ids.to(device), heldout_ids.to(device)
     write_recipe(recipe, record, processes)
-    start_tracking(processes, recipe, os.path.basename(os.path.normpath(out)))
+    start_tracking(processes, recipe)
 
     wider_ids = {name: ids.to(device) for name, ids in
                  wider_evaluation_sets(recipe, teacher.tokenizer, heldout_text, data_name).items()}

@@ -15,6 +15,7 @@ stages (run_stage's ``log_offset``: the steps of the stages before), as wandb re
 from __future__ import annotations
 
 import json
+import os
 
 from .config import flatten
 
@@ -41,13 +42,15 @@ def trackers(train) -> list[str]:
     return names
 
 
-def start_tracking(processes, recipe, run_name: str) -> None:
-    """The run's trackers, with the recipe (dotted keys; lists and mappings as JSON text) as their configuration."""
+def start_tracking(processes, recipe) -> None:
+    """The run's trackers, named after its output folder, with the recipe (dotted keys; lists and mappings as JSON
+    text) as their configuration."""
     accelerator = processes.accelerator
     if accelerator is None or not accelerator.log_with:
         return
     config = {key: value if isinstance(value, (int, float, str, bool)) else json.dumps(value)
               for key, value in flatten(recipe.to_dict()).items()}
+    run_name = os.path.basename(os.path.normpath(recipe.output.dir))
     accelerator.init_trackers(PROJECT, config=config, init_kwargs={"wandb": {"name": run_name}})
 
 

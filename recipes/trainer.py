@@ -14,8 +14,8 @@
   function of the step: a resumed stage continues it exactly. The optimizer is ``train.optimizer``
   (recipes/optimizers.py).
 - Progress bar with loss and tokens/s; one JSON line per logged step in ``metrics.jsonl``, and the same scalars
-  to the run's experiment trackers (``train.report_to``, recipes/tracking.py: TensorBoard under ``tensorboard/``); every ``train.eval_every`` steps the row also holds ``evaluate()``'s
-  held-out measures (``heldout_*``).
+  to the run's experiment trackers (``train.report_to``, recipes/tracking.py: TensorBoard under ``tensorboard/``);
+  every ``train.eval_every`` steps the row also holds ``evaluate()``'s held-out measures (``heldout_*``).
 - Several processes (torchrun / accelerate launch): rank r takes micro-batches r, r + world, ...; how they share
   the work is the strategy's (recipes/strategies.py: ddp gradient averaging, DeepSpeed ZeRO-1/2/3, FSDP2);
   rank 0 writes.
