@@ -30,9 +30,12 @@ Split of the work:
     it runs once per KV head (not per query head) and costs O(C m d + C d h) per level, no C x C terms. Autograd
     differentiates it as usual (refs, MLPs, beta, prototypes, the incoming state), so no hand-written backward is
     needed for any of that.
-  * Read side: ``_fwd_kernel`` / ``_bwd_kernel``, one launch for *all* chunks of the call (given the write side,
-    the chunks' reads are independent): grid (n_chunks, B * H), one program = one query head x one chunk, all L
-    levels in order inside the program (the chain and the global normaliser couple them). Every tile is at most
+  * Read side: ``_fwd_kernel``, one launch for *all* chunks of the call (given the write side, the chunks' reads
+    are independent): grid (n_chunks, B * H), one program = one query head x one chunk, all L levels in order
+    inside the program (the chain and the global normaliser couple them). ``_bwd_kernel`` is launched once per
+    level, top level first, on the same grid: one level's body per program (the whole unrolled backward needed
+    288 KiB of shared memory on an H100 and did not launch); the routing's gradients for the level below pass
+    through three (B, H, Tp, m) buffers, dq accumulates in place. Every tile is at most
     C x C, C x m, C x d, m x m or m x d, kept in registers; fp32 accumulation, operands upcast before every
     ``tl.dot`` (q may be fp16 / bf16; the interpreter's bf16 dot is broken, and the math wants fp32 anyway).
 
@@ -41,12 +44,13 @@ Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp
     chunk-start sums KS0 (B, G, NC, L, m, d), VS0 (B, G, NC, L, m, dv), n0 (B, G, NC, L, m),
     R0 (B, G, NC, L-1, m, m); q (B, H, Tp, d) in its own dtype. That is O(T L (m + d + dv) + T/C L (m d + m dv
     + m^2)) per KV head and O(T d) per query head: nothing per query head and level beyond q itself.
-  * forward output (B, H, Tp, dv). Nothing else is saved: the backward recomputes the read side.
+  * forward output (B, H, Tp, dv [+ 1]). Nothing else is saved: the backward recomputes the read side.
   * backward, transient: ``_fwd_kernel`` is re-run to write chain_i (B, H, L-1, Tp, m) (only with routing),
-    the numerator (B, H, Tp, dv) and the normaliser (B, H, Tp); then ``_bwd_kernel`` walks the levels in
-    reverse, accumulating the gradients of the per-KV-head tensors and the parameters with ``tl.atomic_add``
-    (query heads of a group and all chunks / batch rows share them; fp32 atomics make the sums' order, hence the
-    last bits, nondeterministic on GPUs). dq is written directly.
+    the numerator (B, H, Tp, dv) and the normaliser (B, H, Tp); then ``_bwd_kernel`` runs level by level in
+    reverse (with routing, three (B, H, Tp, m) buffers carry d chain, d F, d N down), accumulating the
+    gradients of the per-KV-head tensors and the parameters with ``tl.atomic_add`` (query heads of a group and
+    all chunks / batch rows share them; fp32 atomics make the sums' order, hence the last bits, nondeterministic
+    on GPUs). dq is read, added to and written back by each level's launch.
   Measured (saved-tensor hooks, B=1, T=512, G=3 KV heads x 3 query heads, L=4, m=d=dv=64, C=64): 35 MiB saved
   for the backward here (of which the kernel inputs ~10 MiB, the rest the PyTorch write side's autograd) against
   133 MiB through the PyTorch chunk form (measured before its read side was batched over chunks; its autograd keeps
@@ -56,19 +60,18 @@ Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp
 
 Scope (``rsa_chunk_triton_supports`` returns the reason for anything else): assign_fn softmax | sigmoid (write
 side, PyTorch), readout sigmoid | softmax_count, routing relation | elementwise | none, RSA-q on or off, any
-L >= 1; no decay (``log_decay`` must be None); fp32 / fp16 / bf16 q, k, v (fp64 is out: fp32 accumulation);
+L >= 1, the local window's log weight (one more output channel, ``params.log_weight``); no decay (``log_decay``
+must be None); fp32 / fp16 / bf16 q, k, v (fp64 is out: fp32 accumulation);
 CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests). Sizes are limited to one tile per operand
 (MAX_TILE).
 
-GPU status: written and tested without a GPU, under the interpreter, which computes every dot in fp32 whatever
-``input_precision`` says. Ahead-of-time compiles for sm_90 (``triton.compile`` with a ``GPUTarget``, which needs
-no GPU) pass for all 72 combinations of L in {1, 2}, readout, routing, RSA-q and kernel, with bf16 q. At
-convert()'s default sizes (C = m = d = dv = 64, L = 4), though, one program holds too many tiles. With "tf32x3"
-dots (the default): forward 96 KiB of shared memory, backward 192 KiB (fits the 227 KiB of an H100 / H200), both
-at 255 registers with spills (tens of KiB in the backward), ~1 and ~5 min to compile. With "tf32": backward
-256 KiB (would not launch; 88 KiB at C = 32). With "ieee": the forward alone took ~5 min to compile and the
-backward had not finished after 25 CPU-minutes. Expect to split the backward per level or to tile the slot
-dimension before this is fast; speed is unmeasured, block sizes and warps are untuned.
+GPU status: tested under the interpreter (which computes every dot in fp32 whatever ``input_precision`` says)
+and, for resources, by ``scripts/kernel_resources.py`` (``triton.compile`` for sm_90 on a CPU, with the Triton of
+the lent H100, 3.6). At convert()'s sizes (C = m = d = dv = 64, L = 4, "tf32x3" dots): forward 96 KiB of shared
+memory, ~50 s to compile; backward per level 192 KiB, ~65 s per variant (two: level 0 and the others). The
+unrolled all-levels backward it replaces needed 288 KiB with Triton 3.6 (192 KiB with 3.9) and ~6 min to compile;
+on the H100 it raised OutOfResources at its first launch. "tf32" dots needed more shared memory, "ieee" did not
+finish compiling. Speed on a GPU is unmeasured; block sizes and warps are untuned.
 """
 
 from __future__ import annotations
@@ -112,8 +115,6 @@ def rsa_chunk_triton_supports(params: RSAParams, q=None, v=None, log_decay=None)
     """None when ``rsa_chunked_triton`` can run this call, else the reason (for a fallback with a log line)."""
     if log_decay is not None:
         return "GLA-style decay (log_decay / rsa_decay=True) is not implemented in the Triton RSA kernel"
-    if params.log_weight:
-        return "the local window's log weight (rsa_window > 0) is not returned by the Triton RSA kernel"
     if params.assign_fn not in ASSIGN_FNS:
         return f"unknown assign_fn {params.assign_fn!r}"
     if params.readout not in READOUTS:
@@ -190,11 +191,11 @@ def _value_read(w, n, f, y, vs0, causal, eps, PRECISION: tl.constexpr):
 @triton.jit
 def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
-                out_ptr, chain_ptr, num_ptr, den_ptr,  # out (B, H, Tp, DV); SAVE: chains, numerator, normaliser
-                Tp, NC, H, G, GS, C, M, D, DV, tau, eps,
+                out_ptr, lw_ptr, chain_ptr, num_ptr, den_ptr,  # out (B, H, Tp, DV), LOG_WEIGHT: (B, H, Tp);
+                Tp, NC, H, G, GS, C, M, D, DV, tau, eps,      # SAVE: chains, numerator, normaliser
                 L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
-                SAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+                LOG_WEIGHT: tl.constexpr, SAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     chunk = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)  # b * H + head
     head = bh % H
@@ -227,6 +228,11 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         kappa = tl.load(kappa_ptr + (bg % G) * L + i)
         qx, score, den_k, act = _scores(q, x, f, ks0, kappa, n, causal, slot_ok, tau, eps, i == 0, READOUT,
                                         PRECISION)
+        if LOG_WEIGHT and i == 0:  # log sum_j N_j exp(score_j) over the real level-0 slots (the window's merge)
+            z = tl.where(slot_ok[None, :], score + tl.log(tl.maximum(n, eps)), float("-inf"))
+            z_max = tl.max(z, 1)
+            tl.store(lw_ptr + bh * Tp + row0 + rows, z_max + tl.log(tl.sum(tl.exp(z - z_max[:, None]), 1)),
+                     mask=rows < C)
         hl = head * L + i
         theta = tl.load(theta_ptr + hl)
         w = tl.load(w_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
@@ -279,13 +285,16 @@ def _read_backward(g, w, n, f, y, vs0, causal, eps, PRECISION: tl.constexpr):
 @triton.jit
 def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
-                g_ptr, chain_ptr, num_ptr, den_ptr,  # dL/dout (B, H, Tp, DV) and what _fwd_kernel(SAVE) wrote
+                g_ptr, g_lw_ptr, chain_ptr, num_ptr, den_ptr,  # dL/d(out, log weight), what _fwd_kernel(SAVE) wrote
+                d_chain_ptr, df_next_ptr, dn_next_ptr,  # (B, H, Tp, m) each: level i + 1's gradients for level i
                 dq_ptr, df_ptr, dx_ptr, dy_ptr, dks0_ptr, dvs0_ptr, dn0_ptr, dr0_ptr, dkappa_ptr,
                 dw_ptr, dwr_ptr, dtheta_ptr, dwa_ptr, dwqr_ptr,  # fp32 gradients, zero-initialised, added into
-                Tp, NC, H, G, GS, C, M, D, DV, tau, eps,
+                Tp, NC, H, G, GS, C, M, D, DV, tau, eps, i,
                 L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
-                BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                PRECISION: tl.constexpr):
+                LOG_WEIGHT: tl.constexpr, LEVEL0: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    """Level ``i`` of the backward (launched for i = L-1 .. 0, LEVEL0 = i == 0): one level's body per program
+    keeps the shared memory and the compile time of one level; what crosses levels goes through global memory."""
     chunk = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     head = bh % H
@@ -307,137 +316,154 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     d_num = g / norm[:, None]  # out = num / max(den, eps) + extra
     d_den = tl.where(den >= eps, -tl.sum(g * num, 1) / (norm * norm), 0.0)  # (C,)
 
-    dq = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
+    dq_at = (bh * Tp + row0) * D + off_cd
+    dq = tl.load(dq_ptr + dq_at, mask=ok_cd, other=0.0)  # the levels above added theirs
+    carry_at = (bh * Tp + row0) * M + off_cm
     d_chain = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)  # into chain_i, from level i + 1's routing
     df_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)  # into F_i, from level i + 1's relation routing
     dn_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)  # into N_i, likewise
-    # Levels in reverse: level i + 1 hands its gradients for chain_i, F_i and N_i down. (The loop variable itself
-    # must run backwards: ``i = L - 1 - j`` would make i a tensor, and every ``if i > 0`` a runtime branch.)
-    for i in tl.static_range(L - 1, -1, -1):
-        level_row = (bg * L + i) * Tp + row0
-        state = (bg * NC + chunk) * L + i
-        kappa_at = (bg % G) * L + i
-        f = tl.load(f_ptr + level_row * M + off_cm, mask=ok_cm, other=0.0)
-        x = tl.load(x_ptr + level_row * D + off_cd, mask=ok_cd, other=0.0)
-        y = tl.load(y_ptr + level_row * DV + off_cv, mask=ok_cv, other=0.0)
-        ks0 = tl.load(ks0_ptr + state * M * D + off_md, mask=ok_md, other=0.0)
-        vs0 = tl.load(vs0_ptr + state * M * DV + off_mv, mask=ok_mv, other=0.0)
-        n = tl.load(n0_ptr + state * M + slots, mask=slot_ok, other=0.0)[None, :] \
-            + tl.dot(causal, f, input_precision=PRECISION)
-        kappa = tl.load(kappa_ptr + kappa_at)
-        qx, score, den_k, act = _scores(q, x, f, ks0, kappa, n, causal, slot_ok, tau, eps, i == 0, READOUT,
-                                        PRECISION)
-        hl = head * L + i
-        w = tl.load(w_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
-        wr = tl.load(wr_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
-        theta = tl.load(theta_ptr + hl)
-        scale = tl.load(wa_ptr + hl)
-        a_hat = tl.dot(act, w, input_precision=PRECISION)
-        active = (a_hat > theta) & slot_ok[None, :]  # where the relu passes
-        sparse = tl.where(slot_ok[None, :], scale * tl.maximum(a_hat - theta, 0.0) + theta / M, 0.0)
+    if ROUTING != 0:
+        if i < L - 1:  # written by level i + 1; none above the top level
+            d_chain = tl.load(d_chain_ptr + carry_at, mask=ok_cm, other=0.0)
+            if ROUTING == 2:
+                df_next = tl.load(df_next_ptr + carry_at, mask=ok_cm, other=0.0)
+                dn_next = tl.load(dn_next_ptr + carry_at, mask=ok_cm, other=0.0)
+    level_row = (bg * L + i) * Tp + row0
+    state = (bg * NC + chunk) * L + i
+    kappa_at = (bg % G) * L + i
+    f = tl.load(f_ptr + level_row * M + off_cm, mask=ok_cm, other=0.0)
+    x = tl.load(x_ptr + level_row * D + off_cd, mask=ok_cd, other=0.0)
+    y = tl.load(y_ptr + level_row * DV + off_cv, mask=ok_cv, other=0.0)
+    ks0 = tl.load(ks0_ptr + state * M * D + off_md, mask=ok_md, other=0.0)
+    vs0 = tl.load(vs0_ptr + state * M * DV + off_mv, mask=ok_mv, other=0.0)
+    n = tl.load(n0_ptr + state * M + slots, mask=slot_ok, other=0.0)[None, :] \
+        + tl.dot(causal, f, input_precision=PRECISION)
+    kappa = tl.load(kappa_ptr + kappa_at)
+    qx, score, den_k, act = _scores(q, x, f, ks0, kappa, n, causal, slot_ok, tau, eps, LEVEL0, READOUT,
+                                    PRECISION)
+    hl = head * L + i
+    w = tl.load(w_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
+    wr = tl.load(wr_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
+    theta = tl.load(theta_ptr + hl)
+    scale = tl.load(wa_ptr + hl)
+    a_hat = tl.dot(act, w, input_precision=PRECISION)
+    active = (a_hat > theta) & slot_ok[None, :]  # where the relu passes
+    sparse = tl.where(slot_ok[None, :], scale * tl.maximum(a_hat - theta, 0.0) + theta / M, 0.0)
 
-        # chain_i = routed . sparse, recomputed from the saved chain_{i-1}
-        routed = tl.full((BLOCK_C, BLOCK_M), 1.0, tl.float32)
-        if i > 0 and ROUTING != 0:
-            chain_prev = tl.load(chain_ptr + ((bh * (L - 1) + i - 1) * Tp + row0) * M + off_cm, mask=ok_cm,
-                                 other=0.0)
-            if ROUTING == 1:
-                routed = chain_prev
-            else:
-                r0_at = ((bg * NC + chunk) * (L - 1) + i - 1) * M * M
-                f_prev = tl.load(f_ptr + (level_row - Tp) * M + off_cm, mask=ok_cm, other=0.0)  # F_{i-1}
-                n_prev = tl.load(n0_ptr + (state - 1) * M + slots, mask=slot_ok, other=0.0)[None, :] \
-                    + tl.dot(causal, f_prev, input_precision=PRECISION)
-                r0 = tl.load(r0_ptr + r0_at + off_mm, mask=ok_mm, other=0.0)
-                norm_prev = tl.maximum(n_prev, eps)
-                scaled_prev = chain_prev / norm_prev
-                intra_prev = tl.dot(scaled_prev, tl.trans(f_prev), input_precision=PRECISION) * causal
-                routed = tl.dot(scaled_prev, r0, input_precision=PRECISION) \
-                    + tl.dot(intra_prev, f, input_precision=PRECISION)
-        chain = routed * sparse
-        a = tl.dot(chain, wr, input_precision=PRECISION)
-        norm_n = tl.maximum(n, eps)
-        mass_ok = n >= eps  # where clamp_min passes the gradient
-
-        # num += read(a_i), den += sum |a_i|
-        d_scaled, scaled, d_vs0, d_y, d_f = _read_backward(d_num, a, n, f, y, vs0, causal, eps, PRECISION)
-        sign = tl.where(a > 0, 1.0, tl.where(a < 0, -1.0, 0.0))
-        d_a = d_scaled / norm_n + d_den[:, None] * sign
-        d_n = tl.where(mass_ok, -(d_scaled / norm_n) * scaled, 0.0) + dn_next
-        d_f += df_next
-        if QUERY_READ:  # extra += read(q W_qr / 16)
-            wqr = tl.load(wqr_ptr + hl * D * M + off_dm, mask=ok_dm, other=0.0)
-            d_scaled_q, scaled_q, d_vs0_q, d_y_q, d_f_q = _read_backward(
-                g, tl.dot(q, wqr, input_precision=PRECISION) / 16, n, f, y, vs0, causal, eps, PRECISION)
-            d_weights = d_scaled_q / norm_n
-            d_vs0 += d_vs0_q
-            d_y += d_y_q
-            d_f += d_f_q
-            d_n += tl.where(mass_ok, -d_weights * scaled_q, 0.0)
-            dq += tl.dot(d_weights, tl.trans(wqr), input_precision=PRECISION) / 16
-            tl.atomic_add(dwqr_ptr + hl * D * M + off_dm, tl.dot(tl.trans(q), d_weights, input_precision=PRECISION)
-                          / 16, mask=ok_dm)
-
-        # a = chain W_r
-        d_chain_i = tl.dot(d_a, tl.trans(wr), input_precision=PRECISION) + d_chain
-        tl.atomic_add(dwr_ptr + hl * M * M + off_mm, tl.dot(tl.trans(chain), d_a, input_precision=PRECISION),
-                      mask=ok_mm)
-        d_sparse = d_chain_i * routed
-        d_chain = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
-        df_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
-        dn_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
-        if i > 0 and ROUTING == 1:
-            d_chain = d_chain_i * sparse
-        if i > 0 and ROUTING == 2:  # routed = c~ R0 + ((c~ F_{i-1}^T) . M) F_i, c~ = chain_{i-1} / N_{i-1}
-            d_routed = d_chain_i * sparse
-            tl.atomic_add(dr0_ptr + r0_at + off_mm, tl.dot(tl.trans(scaled_prev), d_routed,
-                                                             input_precision=PRECISION), mask=ok_mm)
-            d_f += tl.dot(tl.trans(intra_prev), d_routed, input_precision=PRECISION)
-            d_intra_prev = tl.dot(d_routed, tl.trans(f), input_precision=PRECISION) * causal
-            d_scaled_prev = tl.dot(d_routed, tl.trans(r0), input_precision=PRECISION) \
-                + tl.dot(d_intra_prev, f_prev, input_precision=PRECISION)
-            df_next = tl.dot(tl.trans(d_intra_prev), scaled_prev, input_precision=PRECISION)
-            d_chain = d_scaled_prev / norm_prev
-            dn_next = tl.where(n_prev >= eps, -d_chain * scaled_prev, 0.0)
-
-        # sparse = w_a relu(act W - theta) + theta / m
-        d_sparse = tl.where(ok_cm, d_sparse, 0.0)
-        d_a_hat = tl.where(active, d_sparse * scale, 0.0)
-        tl.atomic_add(dwa_ptr + hl, tl.sum(tl.sum(tl.where(active, d_sparse * (a_hat - theta), 0.0), 1), 0))
-        tl.atomic_add(dtheta_ptr + hl, tl.sum(tl.sum(d_sparse * (1.0 / M - tl.where(active, scale, 0.0)), 1), 0))
-        tl.atomic_add(dw_ptr + hl * M * M + off_mm, tl.dot(tl.trans(act), d_a_hat, input_precision=PRECISION),
-                      mask=ok_mm)
-        d_act = tl.dot(d_a_hat, tl.trans(w), input_precision=PRECISION)
-        if READOUT == 1:
-            d_score = act * (d_act - tl.sum(act * d_act, 1)[:, None])
-            if i == 0:  # the count prior log max(N, eps)
-                d_n += tl.where(mass_ok, d_score / norm_n, 0.0)
+    # chain_i = routed . sparse, recomputed from the saved chain_{i-1}
+    routed = tl.full((BLOCK_C, BLOCK_M), 1.0, tl.float32)
+    if not LEVEL0 and ROUTING != 0:
+        chain_prev = tl.load(chain_ptr + ((bh * (L - 1) + i - 1) * Tp + row0) * M + off_cm, mask=ok_cm,
+                             other=0.0)
+        if ROUTING == 1:
+            routed = chain_prev
         else:
-            d_score = d_act * act * (1.0 - act)
-        d_score = tl.where(slot_ok[None, :], d_score, 0.0)
+            r0_at = ((bg * NC + chunk) * (L - 1) + i - 1) * M * M
+            f_prev = tl.load(f_ptr + (level_row - Tp) * M + off_cm, mask=ok_cm, other=0.0)  # F_{i-1}
+            n_prev = tl.load(n0_ptr + (state - 1) * M + slots, mask=slot_ok, other=0.0)[None, :] \
+                + tl.dot(causal, f_prev, input_precision=PRECISION)
+            r0 = tl.load(r0_ptr + r0_at + off_mm, mask=ok_mm, other=0.0)
+            norm_prev = tl.maximum(n_prev, eps)
+            scaled_prev = chain_prev / norm_prev
+            intra_prev = tl.dot(scaled_prev, tl.trans(f_prev), input_precision=PRECISION) * causal
+            routed = tl.dot(scaled_prev, r0, input_precision=PRECISION) \
+                + tl.dot(intra_prev, f, input_precision=PRECISION)
+    chain = routed * sparse
+    a = tl.dot(chain, wr, input_precision=PRECISION)
+    norm_n = tl.maximum(n, eps)
+    mass_ok = n >= eps  # where clamp_min passes the gradient
 
-        # score = tau (q KS0^T + ((q X^T) . M) F) / max(kappa + N, eps)
-        d_snum = tau * d_score / den_k
-        d_den_k = tl.where(kappa + n >= eps, -d_score * score / den_k, 0.0)
-        d_n += d_den_k
-        tl.atomic_add(dkappa_ptr + kappa_at, tl.sum(tl.sum(d_den_k, 1), 0))
-        dq += tl.dot(d_snum, ks0, input_precision=PRECISION)
-        tl.atomic_add(dks0_ptr + state * M * D + off_md, tl.dot(tl.trans(d_snum), q, input_precision=PRECISION),
-                      mask=ok_md)
-        d_qx = tl.dot(d_snum, tl.trans(f), input_precision=PRECISION) * causal
-        d_f += tl.dot(tl.trans(qx), d_snum, input_precision=PRECISION)
-        dq += tl.dot(d_qx, x, input_precision=PRECISION)
-        tl.atomic_add(dx_ptr + level_row * D + off_cd, tl.dot(tl.trans(d_qx), q, input_precision=PRECISION),
-                      mask=ok_cd)
+    # num += read(a_i), den += sum |a_i|
+    d_scaled, scaled, d_vs0, d_y, d_f = _read_backward(d_num, a, n, f, y, vs0, causal, eps, PRECISION)
+    sign = tl.where(a > 0, 1.0, tl.where(a < 0, -1.0, 0.0))
+    d_a = d_scaled / norm_n + d_den[:, None] * sign
+    d_n = tl.where(mass_ok, -(d_scaled / norm_n) * scaled, 0.0) + dn_next
+    d_f += df_next
+    if QUERY_READ:  # extra += read(q W_qr / 16)
+        wqr = tl.load(wqr_ptr + hl * D * M + off_dm, mask=ok_dm, other=0.0)
+        d_scaled_q, scaled_q, d_vs0_q, d_y_q, d_f_q = _read_backward(
+            g, tl.dot(q, wqr, input_precision=PRECISION) / 16, n, f, y, vs0, causal, eps, PRECISION)
+        d_weights = d_scaled_q / norm_n
+        d_vs0 += d_vs0_q
+        d_y += d_y_q
+        d_f += d_f_q
+        d_n += tl.where(mass_ok, -d_weights * scaled_q, 0.0)
+        dq += tl.dot(d_weights, tl.trans(wqr), input_precision=PRECISION) / 16
+        tl.atomic_add(dwqr_ptr + hl * D * M + off_dm, tl.dot(tl.trans(q), d_weights, input_precision=PRECISION)
+                      / 16, mask=ok_dm)
 
-        # N = n0 + M F
-        d_n = tl.where(row_ok[:, None], d_n, 0.0)
-        d_f += tl.dot(tl.trans(causal), d_n, input_precision=PRECISION)
-        tl.atomic_add(dn0_ptr + state * M + slots, tl.sum(d_n, 0), mask=slot_ok)
-        tl.atomic_add(df_ptr + level_row * M + off_cm, d_f, mask=ok_cm)
-        tl.atomic_add(dy_ptr + level_row * DV + off_cv, d_y, mask=ok_cv)
-        tl.atomic_add(dvs0_ptr + state * M * DV + off_mv, d_vs0, mask=ok_mv)
-    tl.store(dq_ptr + (bh * Tp + row0) * D + off_cd, dq, mask=ok_cd)
+    # a = chain W_r
+    d_chain_i = tl.dot(d_a, tl.trans(wr), input_precision=PRECISION) + d_chain
+    tl.atomic_add(dwr_ptr + hl * M * M + off_mm, tl.dot(tl.trans(chain), d_a, input_precision=PRECISION),
+                  mask=ok_mm)
+    d_sparse = d_chain_i * routed
+    d_chain = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+    df_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+    dn_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+    if not LEVEL0 and ROUTING == 1:
+        d_chain = d_chain_i * sparse
+    if not LEVEL0 and ROUTING == 2:  # routed = c~ R0 + ((c~ F_{i-1}^T) . M) F_i, c~ = chain_{i-1} / N_{i-1}
+        d_routed = d_chain_i * sparse
+        tl.atomic_add(dr0_ptr + r0_at + off_mm, tl.dot(tl.trans(scaled_prev), d_routed,
+                                                         input_precision=PRECISION), mask=ok_mm)
+        d_f += tl.dot(tl.trans(intra_prev), d_routed, input_precision=PRECISION)
+        d_intra_prev = tl.dot(d_routed, tl.trans(f), input_precision=PRECISION) * causal
+        d_scaled_prev = tl.dot(d_routed, tl.trans(r0), input_precision=PRECISION) \
+            + tl.dot(d_intra_prev, f_prev, input_precision=PRECISION)
+        df_next = tl.dot(tl.trans(d_intra_prev), scaled_prev, input_precision=PRECISION)
+        d_chain = d_scaled_prev / norm_prev
+        dn_next = tl.where(n_prev >= eps, -d_chain * scaled_prev, 0.0)
+
+    # sparse = w_a relu(act W - theta) + theta / m
+    d_sparse = tl.where(ok_cm, d_sparse, 0.0)
+    d_a_hat = tl.where(active, d_sparse * scale, 0.0)
+    tl.atomic_add(dwa_ptr + hl, tl.sum(tl.sum(tl.where(active, d_sparse * (a_hat - theta), 0.0), 1), 0))
+    tl.atomic_add(dtheta_ptr + hl, tl.sum(tl.sum(d_sparse * (1.0 / M - tl.where(active, scale, 0.0)), 1), 0))
+    tl.atomic_add(dw_ptr + hl * M * M + off_mm, tl.dot(tl.trans(act), d_a_hat, input_precision=PRECISION),
+                  mask=ok_mm)
+    d_act = tl.dot(d_a_hat, tl.trans(w), input_precision=PRECISION)
+    if READOUT == 1:
+        d_score = act * (d_act - tl.sum(act * d_act, 1)[:, None])
+        if LEVEL0:  # the count prior log max(N, eps)
+            d_n += tl.where(mass_ok, d_score / norm_n, 0.0)
+    else:
+        d_score = d_act * act * (1.0 - act)
+    d_score = tl.where(slot_ok[None, :], d_score, 0.0)
+    if LOG_WEIGHT and LEVEL0:  # lw = log sum_j max(N_j, eps) exp(score_j): through p = softmax(score + log N)
+        g_lw = tl.load(g_lw_ptr + bh * Tp + row0 + rows, mask=row_ok, other=0.0)
+        z = tl.where(slot_ok[None, :], score + tl.log(norm_n), float("-inf"))
+        p = tl.exp(z - tl.max(z, 1)[:, None])
+        d_lw = g_lw[:, None] * p / tl.sum(p, 1)[:, None]
+        d_score += d_lw
+        d_n += tl.where(mass_ok, d_lw / norm_n, 0.0)
+
+    # score = tau (q KS0^T + ((q X^T) . M) F) / max(kappa + N, eps)
+    d_snum = tau * d_score / den_k
+    d_den_k = tl.where(kappa + n >= eps, -d_score * score / den_k, 0.0)
+    d_n += d_den_k
+    tl.atomic_add(dkappa_ptr + kappa_at, tl.sum(tl.sum(d_den_k, 1), 0))
+    dq += tl.dot(d_snum, ks0, input_precision=PRECISION)
+    tl.atomic_add(dks0_ptr + state * M * D + off_md, tl.dot(tl.trans(d_snum), q, input_precision=PRECISION),
+                  mask=ok_md)
+    d_qx = tl.dot(d_snum, tl.trans(f), input_precision=PRECISION) * causal
+    d_f += tl.dot(tl.trans(qx), d_snum, input_precision=PRECISION)
+    dq += tl.dot(d_qx, x, input_precision=PRECISION)
+    tl.atomic_add(dx_ptr + level_row * D + off_cd, tl.dot(tl.trans(d_qx), q, input_precision=PRECISION),
+                  mask=ok_cd)
+
+    # N = n0 + M F
+    d_n = tl.where(row_ok[:, None], d_n, 0.0)
+    d_f += tl.dot(tl.trans(causal), d_n, input_precision=PRECISION)
+    tl.atomic_add(dn0_ptr + state * M + slots, tl.sum(d_n, 0), mask=slot_ok)
+    tl.atomic_add(df_ptr + level_row * M + off_cm, d_f, mask=ok_cm)
+    tl.atomic_add(dy_ptr + level_row * DV + off_cv, d_y, mask=ok_cv)
+    tl.atomic_add(dvs0_ptr + state * M * DV + off_mv, d_vs0, mask=ok_mv)
+    tl.store(dq_ptr + dq_at, dq, mask=ok_cd)
+    if not LEVEL0 and ROUTING != 0:  # for level i - 1 (the same program's rows: no other program reads them)
+        tl.store(d_chain_ptr + carry_at, d_chain, mask=ok_cm)
+        if ROUTING == 2:
+            tl.store(df_next_ptr + carry_at, df_next, mask=ok_cm)
+            tl.store(dn_next_ptr + carry_at, dn_next, mask=ok_cm)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -460,22 +486,44 @@ class _Read:
                       y.shape[-1], key_dim**-0.5, params.eps)
         self.batch, self.heads, self.levels, self.slots, self.value_dim = batch, heads, levels, slots, y.shape[-1]
         self.options = dict(L=levels, READOUT=READOUTS[params.readout], ROUTING=ROUTINGS[params.routing],
-                            QUERY_READ=params.query_read is not None, BLOCK_C=_block(params.chunk_size),
-                            BLOCK_M=_block(slots), BLOCK_D=_block(key_dim), BLOCK_DV=_block(y.shape[-1]),
+                            QUERY_READ=params.query_read is not None, LOG_WEIGHT=params.log_weight,
+                            BLOCK_C=_block(params.chunk_size), BLOCK_M=_block(slots), BLOCK_D=_block(key_dim),
+                            BLOCK_DV=_block(y.shape[-1]),
                             PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS)
 
     def forward(self, inputs, save: bool):
-        """``inputs``: the 14 kernel tensors (q ... wqr). Returns out (B, H, Tp, dv) fp32 [, chains, num, den]."""
+        """``inputs``: the 14 kernel tensors (q ... wqr). Returns out (B, H, Tp, dv [+ 1: the log weight]) fp32
+        [, chains, num, den]."""
         q = inputs[0]
         out = q.new_empty(self.batch, self.heads, self.padded, self.value_dim, dtype=torch.float32)
+        log_weight = out.new_empty(out.shape[:-1]) if self.options["LOG_WEIGHT"] else out  # else a dummy
         chain = num = den = out  # dummies when not saved
         if save:  # for _bwd_kernel: chain_i (only read back by the routing), numerator, normaliser
             if self.levels > 1 and self.options["ROUTING"] != 0:
                 chain = out.new_empty(self.batch, self.heads, self.levels - 1, self.padded, self.slots)
             num, den = torch.empty_like(out), out.new_empty(self.batch, self.heads, self.padded)
         if out.numel():
-            _fwd_kernel[self.grid](*inputs, out, chain, num, den, *self.sizes, SAVE=save, **self.options)
+            _fwd_kernel[self.grid](*inputs, out, log_weight, chain, num, den, *self.sizes, SAVE=save, **self.options)
+        if self.options["LOG_WEIGHT"]:
+            out = torch.cat([out, log_weight[..., None]], -1)
         return (out, chain, num, den) if save else out
+
+    def backward(self, inputs, grad_out):
+        """The gradients (fp32) of the 14 kernel inputs for dL/d(forward's output)."""
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in inputs]
+        if not grad_out.numel():
+            return grads
+        _, chain, num, den = self.forward(inputs, save=True)
+        grad_out = grad_out.float()
+        g = grad_out[..., :self.value_dim].contiguous()
+        g_log_weight = grad_out[..., self.value_dim].contiguous() if self.options["LOG_WEIGHT"] else g  # or dummy
+        carries = [g] * 3  # dummies without routing: (d chain, d F, d N) that level i + 1 hands to level i
+        if self.levels > 1 and self.options["ROUTING"] != 0:
+            carries = [g.new_empty(self.batch, self.heads, self.padded, self.slots) for _ in range(3)]
+        for level in reversed(range(self.levels)):  # one launch per level, the top one first
+            _bwd_kernel[self.grid](*inputs, g, g_log_weight, chain, num, den, *carries, *grads, *self.sizes, level,
+                                   LEVEL0=level == 0, **self.options)
+        return grads
 
 
 def _kernel_inputs(q_b, f, x, y, ks0, vs0, n0, r0, params: RSAParams, groups):
@@ -501,11 +549,7 @@ class _TritonRSARead(torch.autograd.Function):
     def backward(ctx, grad_out):
         read: _Read = ctx.read
         inputs = ctx.saved_tensors
-        grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in inputs]
-        if grad_out.numel():
-            _, chain, num, den = read.forward(inputs, save=True)
-            _bwd_kernel[read.grid](*inputs, grad_out.contiguous().float(), chain, num, den, *grads, *read.sizes,
-                                   **read.options)
+        grads = read.backward(inputs, grad_out)
         if not read.options["QUERY_READ"]:
             grads[-1] = None  # the dummy pointer
         return (None, *(None if grad is None else grad.to(t.dtype) for grad, t in zip(grads, inputs)))
@@ -536,7 +580,7 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
 
     layout = ChunkLayout.of(valid, state.count, size)  # the buffer of rsa_chunked: chunk boundaries at multiples of C
     if not layout.padded:
-        return q.new_zeros(batch, groups, group_size, length, v.shape[-1], dtype=cd), state  # no real token
+        return q.new_zeros(batch, groups, group_size, length, v.shape[-1] + params.log_weight, dtype=cd), state
     q_b, k_b, v_b = layout.pack(q, 3), layout.pack(k, 2), layout.pack(v, 2)
     writes, state = write_chunks(k_b, v_b, layout.valid(batch, q.device), layout, state, params)  # PyTorch, in order
 

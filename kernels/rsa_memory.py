@@ -241,7 +241,7 @@ def rsa_memory(q, k, v, valid, state: RSAState, params: RSAParams, method: str =
     method: "chunked" (training and prefill) or "recurrent" (the token recurrence, the reference). A single token
     always takes the token step. "chunked" runs its read side in Triton kernels (kernels/rsa_chunk_triton.py)
     where kernels/dispatch.py allows it for ``backend`` ("auto" | "triton" | "torch", e.g. ``config.kernel_backend``)
-    and the kernel covers the call (``rsa_chunk_triton_supports``: no log weight, no decay, fp32, ...).
+    and the kernel covers the call (``rsa_chunk_triton_supports``: no decay, fp32 / fp16 / bf16, tiles up to 64, ...).
     """
     if method not in ("chunked", "recurrent"):
         raise ValueError(f"rsa_memory: unknown method {method!r}; choose 'chunked' or 'recurrent'")

@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -136,7 +137,8 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     tier = {"HF_MIXERS_GPU_CHECK": "dry", "TRITON_INTERPRET": "1"} if dry else {}
     decode = ["--contexts", "64", "--decode-tokens", "2"] if dry else ["--contexts", "1024,4096,16384"]
     layer = ["--hidden-size", "64", "--heads", "4", "--kv-heads", "2"] if dry else []  # default: SmolLM2's
-    pytest = [*python, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider"]
+    # -v: each test's name and result as it ends, so a run cut off by its limit still says which ones failed
+    pytest = [*python, "-m", "pytest", "-m", "gpu", "-v", "--tb=short", "-rfEs", "-p", "no:cacheprovider"]
     shapes = ["smollm2-135m"] if dry else ["llama3-8b", "smollm2-135m"]  # the benches' head layouts
     warm = [(f"compile-{kernel}-{shape}", [*python, str(Path(__file__).resolve()), "--warm", kernel, shape],
              90 if dry else {"sessa": 150, "rsa": 300}[kernel], {"TRITON_INTERPRET": "1"} if dry else {})
@@ -166,18 +168,26 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
 
 
 _OUTPUT_LOCK = threading.Lock()
+INTERRUPT_GRACE = 15  # seconds a step has after its Ctrl-C at the time limit, before it is killed
 
 
 def run_step(name, argv, limit, env, log) -> dict:
     """Run one step under ``limit`` seconds; its output goes to the log, its tail to the screen (thread-safe: the
     compile steps run side by side)."""
     began = time.perf_counter()
+    process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               errors="replace")
     try:
-        result = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, timeout=limit, errors="replace")
-        output, status = result.stdout, "passed" if result.returncode == 0 else f"failed (exit {result.returncode})"
-    except subprocess.TimeoutExpired as expired:
-        output = expired.stdout if isinstance(expired.stdout, str) else (expired.stdout or b"").decode(errors="replace")
+        output, _ = process.communicate(timeout=limit)
+        status = "passed" if process.returncode == 0 else f"failed (exit {process.returncode})"
+    except subprocess.TimeoutExpired:
+        # Ctrl-C first: pytest then still prints its failures' tracebacks and summary (a kill loses them)
+        process.send_signal(signal.SIGINT)
+        try:
+            output, _ = process.communicate(timeout=INTERRUPT_GRACE)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output, _ = process.communicate()
         status = f"timed out after {limit} s"
     seconds = time.perf_counter() - began
     tail = [line for line in output.splitlines() if line.strip() and "\r" not in line][-6:]

@@ -36,3 +36,20 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
     assert figures["bench_rsa"] and figures["bench_sessa"]
     written = sorted(os.listdir(tmp_path))  # what comes back from a device machine: 8 files at most
     assert {"gpu_check.json", "gpu_check.log"} <= set(written) and len(written) <= 8, written
+
+
+def test_a_step_cut_off_by_its_limit_is_interrupted_first_so_its_summary_reaches_the_log(tmp_path):
+    """At a step's time limit it gets Ctrl-C before a kill: pytest still prints which tests failed and why (the
+    first H100 run lost that: its pytest step was killed mid-run and the log ended in a row of dots)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    program = ("import time\nprint('started', flush=True)\ntry:\n    time.sleep(60)\n"
+               "except KeyboardInterrupt:\n    print('FAILED test_x - the summary of an interrupted run')\n")
+    log_path = tmp_path / "step.log"
+    with open(log_path, "w", encoding="utf-8") as log:
+        result = gpu_check.run_step("sleeper", [sys.executable, "-c", program], 2, dict(os.environ), log)
+    assert result["status"] == "timed out after 2 s" and result["seconds"] < 2 + gpu_check.INTERRUPT_GRACE
+    assert "FAILED test_x - the summary of an interrupted run" in log_path.read_text()

@@ -151,6 +151,17 @@ def test_options_match_reference(assign_fn, readout, routing, query_read):
 
 
 @needs_kernels
+@pytest.mark.parametrize("readout, routing", first_in_fast(("softmax_count", "relation"), ("sigmoid", "elementwise")))
+def test_log_weight_matches_reference(readout, routing):
+    """The local window's merge weight (``params.log_weight``, one more output channel): its value and its share of
+    every gradient (the loss weighs the extra channel) equal rsa_chunked, with the read in the other channels."""
+    params = make_params(chunk=8, readout=readout, routing=routing, log_weight=True)
+    inputs = make_inputs(params)
+    out, _ = assert_matches(params, inputs, initial_state(params, 3, VALUE_DIM, torch.float32))
+    assert out.shape[-1] == VALUE_DIM + 1 and torch.isfinite(out).all()
+
+
+@needs_kernels
 def test_conversion_init_and_single_level():
     """The converted layer at init: W_r = 0 below level 0 (a_i = 0 exactly: |a| has a zero subgradient) and
     theta = 0, 4 levels; and a single level (no routing, no relation sums)."""
@@ -236,9 +247,11 @@ def test_supports_names_what_is_not_implemented():
 
 
 @needs_kernels
-def test_rsa_model_on_the_triton_path_equals_the_pytorch_path():
+@pytest.mark.parametrize("window", first_in_fast(0, 4))
+def test_rsa_model_on_the_triton_path_equals_the_pytorch_path(window):
     """The dispatch end to end: a tiny RSA model with kernel_backend="triton" gives the logits and gradients of the
-    same model on the PyTorch path (left-padded batch), and its prefill + token-by-token decode the full forward."""
+    same model on the PyTorch path (left-padded batch), and its prefill + token-by-token decode the full forward;
+    also with the local window (rsa_window), whose merge takes the kernel's log weight."""
     from conftest import step_through, tiny_config
     from hf_mixers import RSAConfig, RSAForCausalLM
 
@@ -246,7 +259,7 @@ def test_rsa_model_on_the_triton_path_equals_the_pytorch_path():
     for backend in ("torch", "triton"):
         torch.manual_seed(0)
         models[backend] = RSAForCausalLM(tiny_config(RSAConfig, kernel_backend=backend, rsa_num_levels=2,
-                                                     rsa_num_slots=8, rsa_chunk_size=8)).to(DEV)
+                                                     rsa_num_slots=8, rsa_chunk_size=8, rsa_window=window)).to(DEV)
     ids = torch.randint(1, 101, (2, 21), generator=torch.Generator().manual_seed(0)).to(DEV)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding

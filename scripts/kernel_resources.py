@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""What each Triton kernel asks of a GPU, read without one: its shared memory and compile time.
+
+`triton.compile` for a `GPUTarget` runs on a CPU (Triton ships `ptxas`); a kernel whose shared memory exceeds the
+block limit (227 KiB on an H100 / H200, sm_90) compiles but raises OutOfResources at its first launch, after
+minutes of compiling. This script runs the kernels' real launchers on small CPU tensors at a model's head layout
+(as `hf-mixers bench kernels` builds them), but every launch is compiled for the target instead of run, so each
+forward and backward kernel the layout would launch is measured with the exact constexprs and options it gets.
+
+Run it with the Triton version of the GPU machine (docs/benchmarks.md "Kernels": the lent H100 has Triton 3.6,
+this machine's venv 3.9, and they allocate shared memory differently), e.g.
+
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 numpy
+    echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \\
+        > /tmp/t36/lib/python3.11/site-packages/hf_mixers_venv.pth   # torch and this tree, after Triton 3.6
+    /tmp/t36/bin/python scripts/kernel_resources.py --kernel rsa --shape smollm2-135m
+
+Prints one line per compiled kernel and writes them as JSON with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}  # bytes a block may have (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+
+
+def _type_of(value) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "*" + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+                      torch.int64: "i64", torch.int32: "i32", torch.bool: "i1"}[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def capture_launches(arch: int, records: list, seen: set):
+    """Make every JITFunction launch compile for sm_``arch`` and append what it needs to ``records``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    def run(self, *args, grid, warmup=False, **kwargs):
+        options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+        names = self.arg_names
+        bound = dict(zip(names, args), **kwargs)
+        signature = {name: ("constexpr" if name in kwargs else _type_of(bound[name])) for name in names}
+        constexprs = {name: kwargs[name] for name in names if name in kwargs}
+        key = (self.__name__, tuple(sorted(constexprs.items())), tuple(sorted(options.items())),
+               tuple(signature.values()))
+        if key in seen:
+            return None
+        seen.add(key)
+        began = time.perf_counter()
+        try:
+            compiled = triton.compile(ASTSource(self, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+                                      options=options)
+            shared = compiled.metadata.shared  # registers and spills are known only once loaded on a GPU
+            record = {"kernel": self.__name__, "shared_bytes": shared,
+                      "fits": shared <= SHARED_LIMIT.get(arch, SHARED_LIMIT[90])}
+        except Exception as error:  # noqa: BLE001 - report and go on: the point is a list
+            record = {"kernel": self.__name__, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+        record.update(seconds=round(time.perf_counter() - began, 1), triton=triton.__version__, arch=arch,
+                      options=options, constexprs={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                                                   for k, v in constexprs.items()})
+        records.append(record)
+        print(json.dumps(record), flush=True)
+        return None
+
+    JITFunction.run = run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernel", choices=("rsa", "sessa", "all"), default="all")
+    parser.add_argument("--shape", default="smollm2-135m", help="a head layout of `hf-mixers bench kernels`")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--length", type=int, default=128, help="sequence length of the sample call")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability (90: H100 / H200)")
+    parser.add_argument("--rsa-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an RSA mixer option (e.g. rsa_window=64), as `hf-mixers convert --option`")
+    parser.add_argument("--out", help="write the records as JSON here")
+    args = parser.parse_args()
+
+    import torch
+
+    import hf_mixers.kernels.dispatch as dispatch
+    from hf_mixers.apps.bench.harness import build_mixer
+    from hf_mixers.apps.bench.kernels import SHAPES, _candidate
+    from hf_mixers.kernels import rsa_chunk_triton
+    from hf_mixers.kernels.rsa_memory import initial_state, rsa_memory
+
+    dispatch.triton_unavailable = lambda device: None  # CPU tensors: every launch is compiled, never run
+    rsa_chunk_triton._interpreted = lambda: True
+    records, seen = [], set()
+    capture_launches(args.arch, records, seen)
+    dtype = getattr(torch, args.dtype)
+    shape = SHAPES[args.shape]
+    generator = torch.Generator().manual_seed(0)
+    for kernel in ("sessa", "rsa") if args.kernel == "all" else (args.kernel,):
+        if kernel == "rsa" and args.rsa_option:
+            options = dict(option.split("=", 1) for option in args.rsa_option)
+            options = {key: json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
+                       for key, value in options.items()}
+            heads, kv_heads, head_dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
+            module, _ = build_mixer("rsa", options, heads * head_dim, heads, kv_heads, "cpu", torch.float32)
+            randn = lambda *size: torch.randn(*size, generator=generator).to(dtype).requires_grad_()  # noqa: E731
+            q, k, v = (randn(1, kv_heads, heads // kv_heads, args.length, head_dim),
+                       randn(1, kv_heads, args.length, head_dim), randn(1, kv_heads, args.length, head_dim))
+            params = module.memory_params(torch.float32)
+            out = rsa_memory(q, k, v, None, initial_state(params, 1, head_dim, torch.float32), params,
+                             backend="triton")[0]
+        else:
+            _, run = _candidate(f"{kernel}_triton", shape, args.length, "cpu", dtype, generator, 64)
+            out = run()
+        out.float().pow(2).mean().backward()
+    if args.out:
+        Path(args.out).write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
+    return 0 if all(record.get("fits") for record in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
