@@ -83,7 +83,16 @@ def block_step(block, hidden_states, position_embeddings, token_mask, state, con
     return block.around(hidden_states, mix), new["state"], new["history"]
 
 
-_compiled_block_steps = {}  # device type -> the compiled block_step
+_compiled_block_steps = {}  # device type -> (the compiled block_step, whether it replays as a CUDA graph)
+
+
+def compile_block_step(device: str, mode: str | None = None):
+    """``block_step`` compiled for ``device`` and kept for every later decode step there. ``mode``: torch.compile's
+    (None: the default; "reduce-overhead": replayed as a CUDA graph on CUDA)."""
+    options = {"cpp_wrapper": True} if device == "cpu" else None
+    step = torch.compile(block_step, dynamic=False, fullgraph=True, options=options, mode=mode)
+    _compiled_block_steps[device] = step, device == "cuda" and mode in ("reduce-overhead", "max-autotune")
+    return _compiled_block_steps[device]
 
 
 def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_key_values):
@@ -95,20 +104,23 @@ def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_
     cut to this token and every input made contiguous, so neither the context length nor a strided state recompiles
     it. On CPU the graph's launcher is C++ (``cpp_wrapper``): the default Python launcher of ~50 kernels cost ~0.13 ms
     per block call, a tenth of an RSA step. The first call compiles for 10-30 s on a CPU, hence opt-in
-    (``rsa_compile_decode``).
+    (``rsa_compile_decode``). Replayed as a CUDA graph, one graph serves every block, and each replay writes its
+    outputs into the same memory: they are copied out before the next block's replay would overwrite them.
     """
     device = hidden_states.device.type
-    step = _compiled_block_steps.get(device)
-    if step is None:
+    if device not in _compiled_block_steps:
         logger.warning("compiling the decoder block's token step with torch.compile (rsa_compile_decode=True); "
                        "the first decode step takes 10-30 s")
-        options = {"cpp_wrapper": True} if device == "cpu" else None
-        step = _compiled_block_steps[device] = torch.compile(block_step, dynamic=False, fullgraph=True,
-                                                             options=options)
+        compile_block_step(device)
+    step, cuda_graph = _compiled_block_steps[device]
+    if cuda_graph:
+        torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs were copied out: reuse is fine
     layer_cache = past_key_values.layers[block.mixer.layer_idx]
     output, state, history = step(
         block, hidden_states.contiguous(), position_embeddings,
         None if token_mask is None else token_mask[:, -1:].contiguous(),
         map_tensors(layer_cache.state, torch.Tensor.contiguous), layer_cache.conv_history)
+    if cuda_graph:
+        output, state, history = map_tensors((output, state, history), torch.Tensor.clone)
     layer_cache.update_state(state, 1, history)
     return output
