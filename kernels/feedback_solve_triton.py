@@ -106,7 +106,9 @@ def _key_ok(mask_ptr, pos, n_valid, HAS_MASK: tl.constexpr):
     return ok
 
 
-@triton.jit
+# Lengths and offsets are plain runtime integers (no specialisation on 1 or on alignment): one compiled kernel per
+# layout, whatever the prompt or past length (each compile takes tens of seconds).
+@triton.jit(do_not_specialize=["T", "P"])
 def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,  # inputs
                 s_ptr, h_ptr, lse_ptr,  # outputs: s, h (B, T, DV) fp32; lse (B, T) fp32
                 T, P, DK, DV, CHUNK, scale,
@@ -196,7 +198,7 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
         tl.debug_barrier()  # stores by some threads must be visible to the next chunk's loads by others
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "P", "N_CHUNKS"])
 def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # inputs (g: dL/ds, fp32)
                     lam_ptr, dgain_ptr,  # outputs: lam = df (B, T, DV) fp32; d_gain (B, T) fp32
                     T, P, DK, DV, CHUNK, N_CHUNKS, scale,
@@ -295,7 +297,7 @@ def _load_query_rows(q_ptr, lse_ptr, gain_ptr, lam_ptr, dgain_ptr, t, t_ok, cols
     return q_t, lse_t, gain_t, lam_t, dgain_t
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "P"])
 def _bwd_dq_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_ptr, lse_ptr, lam_ptr, dgain_ptr,
                    dq_ptr,  # output (B, T, DK) fp32
                    T, P, DK, DV, scale,
@@ -336,7 +338,7 @@ def _bwd_dq_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_p
              mask=t_ok[:, None] & (cols_k[None, :] < DK))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "P", "KEY_START"])
 def _bwd_dk_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_ptr, lse_ptr, lam_ptr, dgain_ptr,
                    dk_ptr, d_past_k_ptr, d_past_s_ptr,  # outputs (B, T, DK), (B, P, DK), (B, P, DV) fp32
                    T, P, DK, DV, KEY_START, scale,

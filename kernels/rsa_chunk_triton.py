@@ -35,14 +35,14 @@ Split of the work:
     inside the program (the chain and the global normaliser couple them). ``_bwd_kernel`` is launched once per
     level, top level first, on the same grid: one level's body per program (the whole unrolled backward needed
     288 KiB of shared memory on an H100 and did not launch); the routing's gradients for the level below pass
-    through three (B, H, Tp, m) buffers, dq accumulates in place. Every tile is at most
-    C x C, C x m, C x d, m x m or m x d, kept in registers; fp32 accumulation, operands upcast before every
-    ``tl.dot`` (q may be fp16 / bf16; the interpreter's bf16 dot is broken, and the math wants fp32 anyway).
+    through three (B, H, Tp, m) buffers, dq accumulates in place. Every tile is at most C x C, C x m, C x d,
+    m x m or m x d, kept in registers; fp32 operands and accumulation (an fp16 / bf16 q is copied to fp32 first:
+    the math wants fp32, the interpreter's bf16 dot is broken, and one compiled kernel then serves every dtype).
 
 Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp / C chunks):
   * kernel inputs, built by the write side and saved for the backward: F, X, Y (B, G, L, Tp, m | d | dv) and the
     chunk-start sums KS0 (B, G, NC, L, m, d), VS0 (B, G, NC, L, m, dv), n0 (B, G, NC, L, m),
-    R0 (B, G, NC, L-1, m, m); q (B, H, Tp, d) in its own dtype. That is O(T L (m + d + dv) + T/C L (m d + m dv
+    R0 (B, G, NC, L-1, m, m); q (B, H, Tp, d) (an fp32 copy where q is fp16 / bf16). That is O(T L (m + d + dv) + T/C L (m d + m dv
     + m^2)) per KV head and O(T d) per query head: nothing per query head and level beyond q itself.
   * forward output (B, H, Tp, dv [+ 1]). Nothing else is saved: the backward recomputes the read side.
   * backward, transient: ``_fwd_kernel`` is re-run to write chain_i (B, H, L-1, Tp, m) (only with routing),
@@ -188,13 +188,15 @@ def _value_read(w, n, f, y, vs0, causal, eps, PRECISION: tl.constexpr):
     return tl.dot(scaled, vs0, input_precision=PRECISION) + tl.dot(intra, y, input_precision=PRECISION)
 
 
-@triton.jit
+# Lengths, the level and the save flag are plain runtime integers (no specialisation on 1 or on alignment): one
+# compiled kernel per layout and options, whatever the sequence length (each compile takes a minute).
+@triton.jit(do_not_specialize=["Tp", "NC", "save"])
 def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
                 out_ptr, lw_ptr, chain_ptr, num_ptr, den_ptr,  # out (B, H, Tp, DV), LOG_WEIGHT: (B, H, Tp);
-                Tp, NC, H, G, GS, C, M, D, DV, tau, eps,      # SAVE: chains, numerator, normaliser
+                Tp, NC, H, G, GS, C, M, D, DV, tau, eps, save,  # save: chains, numerator, normaliser
                 L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
-                LOG_WEIGHT: tl.constexpr, SAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+                LOG_WEIGHT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     chunk = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)  # b * H + head
@@ -249,8 +251,9 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
             intra = tl.dot(scaled, tl.trans(f_prev), input_precision=PRECISION) * causal
             chain = (tl.dot(scaled, r0, input_precision=PRECISION)
                      + tl.dot(intra, f, input_precision=PRECISION)) * sparse
-        if SAVE and ROUTING != 0 and i < L - 1:  # the backward reads chain_i back at level i + 1
-            tl.store(chain_ptr + ((bh * (L - 1) + i) * Tp + row0) * M + off_cm, chain, mask=ok_cm)
+        if ROUTING != 0 and i < L - 1:
+            if save:  # the backward reads chain_i back at level i + 1
+                tl.store(chain_ptr + ((bh * (L - 1) + i) * Tp + row0) * M + off_cm, chain, mask=ok_cm)
         wr = tl.load(wr_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
         a = tl.dot(chain, wr, input_precision=PRECISION)
         num += _value_read(a, n, f, y, vs0, causal, eps, PRECISION)
@@ -263,7 +266,7 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         n_prev = n
     out_at = (bh * Tp + row0) * DV + off_cv
     tl.store(out_ptr + out_at, num / tl.maximum(den, eps)[:, None] + extra, mask=ok_cv)
-    if SAVE:
+    if save:
         tl.store(num_ptr + out_at, num, mask=ok_cv)
         tl.store(den_ptr + bh * Tp + row0 + rows, den, mask=rows < C)
 
@@ -282,10 +285,10 @@ def _read_backward(g, w, n, f, y, vs0, causal, eps, PRECISION: tl.constexpr):
     return d_scaled, scaled, d_vs0, d_y, d_f
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Tp", "NC", "i"])
 def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
-                g_ptr, g_lw_ptr, chain_ptr, num_ptr, den_ptr,  # dL/d(out, log weight), what _fwd_kernel(SAVE) wrote
+                g_ptr, g_lw_ptr, chain_ptr, num_ptr, den_ptr,  # dL/d(out, log weight), what _fwd_kernel(save) wrote
                 d_chain_ptr, df_next_ptr, dn_next_ptr,  # (B, H, Tp, m) each: level i + 1's gradients for level i
                 dq_ptr, df_ptr, dx_ptr, dy_ptr, dks0_ptr, dvs0_ptr, dn0_ptr, dr0_ptr, dkappa_ptr,
                 dw_ptr, dwr_ptr, dtheta_ptr, dwa_ptr, dwqr_ptr,  # fp32 gradients, zero-initialised, added into
@@ -503,7 +506,7 @@ class _Read:
                 chain = out.new_empty(self.batch, self.heads, self.levels - 1, self.padded, self.slots)
             num, den = torch.empty_like(out), out.new_empty(self.batch, self.heads, self.padded)
         if out.numel():
-            _fwd_kernel[self.grid](*inputs, out, log_weight, chain, num, den, *self.sizes, SAVE=save, **self.options)
+            _fwd_kernel[self.grid](*inputs, out, log_weight, chain, num, den, *self.sizes, int(save), **self.options)
         if self.options["LOG_WEIGHT"]:
             out = torch.cat([out, log_weight[..., None]], -1)
         return (out, chain, num, den) if save else out
@@ -527,17 +530,18 @@ class _Read:
 
 
 def _kernel_inputs(q_b, f, x, y, ks0, vs0, n0, r0, params: RSAParams, groups):
-    """The 14 tensors the kernels read, contiguous and (but q) fp32, in kernel argument order."""
+    """The 14 tensors the kernels read, contiguous and fp32 (q too: one compiled kernel for every input dtype), in
+    kernel argument order."""
     fp32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     query_read = params.query_read if params.query_read is not None else params.threshold  # dummy pointer
     batch, _, group_size, padded, key_dim = q_b.shape
-    return (q_b.reshape(batch, groups * group_size, padded, key_dim).contiguous(), fp32(f), fp32(x), fp32(y),
+    return (fp32(q_b.reshape(batch, groups * group_size, padded, key_dim)), fp32(f), fp32(x), fp32(y),
             fp32(ks0), fp32(vs0), fp32(n0), fp32(r0), fp32(params.kappa), fp32(params.read_proj),
             fp32(params.mix_proj), fp32(params.threshold), fp32(params.read_scale), fp32(query_read))
 
 
 class _TritonRSARead(torch.autograd.Function):
-    """Read side of every chunk: ``_fwd_kernel``; backward: ``_fwd_kernel(SAVE)`` then ``_bwd_kernel``."""
+    """Read side of every chunk: ``_fwd_kernel``; backward: ``_fwd_kernel(save)`` then ``_bwd_kernel`` per level."""
 
     @staticmethod
     def forward(ctx, read: _Read, *inputs):
