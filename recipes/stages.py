@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from ..core.attention import TEACHER_MODULES
 from ..common.history import CONVERSION_REPORT, HISTORY_FILES, LOSS_CURVE, TRAINING_SUMMARY, save_figure
 from ..core.registry import TEACHER_ATTENTION
-from ..common.corpus import HUB_ID, PYTHON_DOCS, PYTHON_DOCS_NAME, hub_offline, python_docs, split_texts
+from ..common.corpus import HUB_ID, PYTHON_DOCS, PYTHON_DOCS_NAME, hub_offline, python_docs
 from ..conversion import convert, load_teacher
 from ..conversion.converter import KL_RANKING_SEQUENCES
 from ..conversion.selection import keep_by_marginal_kl
@@ -42,6 +42,7 @@ from ..kernels.distill_loss import IGNORE
 from .config import Recipe, RecipeError, check_mixer_options, recipe_changes, selects_after_stage1
 from .blockwise import transfer_loss
 from .data import materialise_sources, pack
+from .dataset_sources import DataBlocks, parse_sources, source_blocks
 from .strategies import Sharding, check_launch
 from .tracking import finish_tracking, start_tracking, trackers
 from .trainer import Processes, run_stage
@@ -201,21 +202,25 @@ def teacher_text_folder(recipe: Recipe) -> str:
     return os.path.join(root, "teacher-text", name)
 
 
-def wider_evaluation_sets(recipe: Recipe, tokenizer, heldout_text: str, data_name: str) -> dict:
+def wider_evaluation_sets(recipe: Recipe, tokenizer, data: DataBlocks) -> dict:
     """{name: token blocks} of the wider evaluations (``data.wider_evaluations``): the held-out text at 4x the
-    training length, and the Python docs (a domain the run does not train on, unless it is its source) at 1x and 4x,
-    each with as many tokens as the main held-out set. A text too short for one long sequence is left out."""
+    training length (not for a mixture with a dataset), and the Python docs (a domain the run does not train on,
+    unless it is its source) at 1x and 4x, each with as many tokens as the main held-out set. A text too short for
+    one long sequence is left out."""
     if not recipe.data.wider_evaluations:
         return {}
     length, count = recipe.data.sequence_length, recipe.data.heldout_sequences
-    texts = [(f"{data_name}, {4 * length} tokens", heldout_text, 4 * length)]
+    sizes = [(data.name, data.heldout_at, 4 * length)] if data.heldout_at is not None else []
     sources = recipe.data.source if isinstance(recipe.data.source, list) else [recipe.data.source]
     if PYTHON_DOCS not in sources:  # the other domain stays one the run never trained on
-        texts += [(f"{PYTHON_DOCS_NAME}, {size} tokens", python_docs(), size) for size in (length, 4 * length)]
+        docs = python_docs()
+        blocks_of_docs = lambda size, count: pack(tokenizer, docs, size, count, PYTHON_DOCS_NAME)  # noqa: E731
+        sizes += [(PYTHON_DOCS_NAME, blocks_of_docs, size) for size in (length, 4 * length)]
     sets = {}
-    for name, text, size in texts:
+    for text_name, blocks, size in sizes:
+        name = f"{text_name}, {size} tokens"
         try:
-            sets[name] = pack(tokenizer, text, size, max(1, count * length // size), name)
+            sets[name] = blocks(size, max(1, count * length // size))
         except ValueError:  # shorter than one sequence of that length: measured at the training length only
             logger.info("%s: not enough text for one sequence, not evaluated", name)
     return sets
@@ -231,6 +236,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     """
     if student is None and recipe.model.student is None:
         check_mixer_options(recipe)  # a wrong option fails here, not after the teacher and the data are ready
+    parse_sources(recipe.data.source)  # likewise a wrong dataset key
     out = recipe.output.dir
     model_dir = os.path.join(out, "model")
     if os.path.isdir(model_dir) and os.listdir(model_dir) and not recipe.output.overwrite:
@@ -257,11 +263,9 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         materialise_sources(source, teacher, teacher_text_folder(recipe), recipe.train.seed, length, progress)
     processes.barrier()
     source = materialise_sources(source, teacher, teacher_text_folder(recipe), recipe.train.seed, length, False)
-    train_text, heldout_text, data_name = split_texts(source, recipe.data.heldout_fraction)
-    train_ids = pack(teacher.tokenizer, train_text, length, recipe.data.max_train_sequences,
-                     f"the training text of {data_name}")
-    heldout_ids = pack(teacher.tokenizer, heldout_text, length, recipe.data.heldout_sequences,
-                       f"the held-out text of {data_name}")
+    data = source_blocks(source, teacher.tokenizer, length, recipe.data.max_train_sequences,
+                         recipe.data.heldout_sequences, recipe.data.heldout_fraction)
+    train_ids, heldout_ids, data_name = data.train, data.heldout, data.name
     read_from = None  # the folder of a student read here: its weights are compared with the teacher's as stored
     if student is None and recipe.model.student:
         from transformers import AutoModelForCausalLM
@@ -293,7 +297,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     start_tracking(processes, recipe)
 
     wider_ids = {name: ids.to(device) for name, ids in
-                 wider_evaluation_sets(recipe, teacher.tokenizer, heldout_text, data_name).items()}
+                 wider_evaluation_sets(recipe, teacher.tokenizer, data).items()}
     evaluations, wider = {}, {name: {} for name in wider_ids}
     teacher_hidden = {}  # the frozen teacher's final states per evaluation set: computed once, not once per stage
 

@@ -549,6 +549,28 @@ def test_the_teacher_writes_its_own_distillation_data(teacher_dir, tmp_path):
     assert any("Python language reference" in name for name in summary["wider_evaluations"])
 
 
+def test_a_dataset_source_trains_on_its_train_split_and_evaluates_on_its_validation_split(teacher_dir, tmp_path):
+    """data.source as a mapping (recipes/dataset_sources.py): a DatasetDict saved to disk, its own text field; the
+    run holds out its validation split and names it, and the wider evaluation cuts that split at 4x the length."""
+    import datasets
+
+    from hf_mixers.common.corpus import shakespeare
+
+    paragraphs = [p for p in shakespeare("train").split("\n\n") if p.strip()][:400]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": paragraphs[:300]}),
+                          "validation": datasets.Dataset.from_dict({"body": paragraphs[300:]})}).save_to_disk(
+        str(tmp_path / "saved"))
+    summary = distill(load_recipe([], small(teacher_dir, tmp_path / "run", "stage1.enabled=false", "stage2.steps=1",
+                                            f"data.source={{path: {tmp_path / 'saved'}, text_field: body}}")),
+                      progress=False)
+    assert summary["data"] == f"{tmp_path / 'saved'} (held out: its validation split)"
+    assert any(name.startswith(summary["data"]) and name.endswith("128 tokens") for name in
+               summary["wider_evaluations"]), summary["wider_evaluations"]
+    with pytest.raises(ValueError, match="data.source: unknown key"):
+        distill(load_recipe([], small(teacher_dir, tmp_path / "bad", "data.source={path: json, text: body}")),
+                progress=False)
+
+
 def test_gradient_checkpointing_trains_to_the_same_losses(teacher_dir, tmp_path):
     """train.gradient_checkpointing recomputes blocks in backward: stage 2 (LoRA + the mixers' parameters) gives the
     losses of a run that keeps every activation (finetune goes through the same train_mode)."""

@@ -1,0 +1,265 @@
+"""``data.source`` entries as ``datasets`` gives them: a mapping names a dataset the way ``load_dataset`` does.
+
+    data:
+      source:
+        - {path: HuggingFaceFW/fineweb-edu, name: sample-10BT, split: train, streaming: true, weight: 3}
+        - {path: json, data_files: {train: notes/*.jsonl, validation: notes/dev.jsonl}, text_field: body}
+        - {path: ./saved_dataset_dict}          # DatasetDict.save_to_disk: its train / validation splits
+
+Keys: ``path`` (a Hub id, a builder such as json / parquet / csv / text with ``data_files``, a folder of data
+files, or a folder written by ``save_to_disk``), ``name`` (the config), ``split`` (default train),
+``heldout_split`` (default: the dataset's validation split when it has one, else the last ``data.heldout_fraction``
+of its documents, or with ``streaming`` its first documents), ``revision``, ``data_files``, ``text_field``
+(default text), ``streaming`` and ``weight`` (a mixture's share of the training sequences).
+
+Each document is tokenised alone, followed by the tokenizer's EOS, and the token stream is cut into
+``sequence_length`` blocks: no document is ever joined into one Python string with the others. Documents are
+tokenised lazily and only as many as the requested sequences need; without ``data.max_train_sequences`` a
+file-backed dataset is tokenised with ``Dataset.map``, which ``datasets`` caches on disk by fingerprint (the
+tokenizer included), so a second run or process reads it back. The short forms of ``data.source`` (a file,
+folder, ``shakespeare``, ``python-docs``, ``teacher:N``, lists of them) keep their own path (``corpus.split_texts``
+and ``data.pack``); a list that mixes both is mixed by weight at the level of token blocks (short forms weigh 1).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+HELDOUT_SPLITS = ("validation",)  # looked for, in order, when heldout_split is not given
+
+
+@dataclass(frozen=True)
+class DatasetSource:
+    path: str
+    name: str | None = None
+    split: str = "train"
+    heldout_split: str | None = None
+    revision: str | None = None
+    data_files: str | list | dict | None = None
+    text_field: str = "text"
+    streaming: bool = False
+    weight: float = 1.0
+
+    @classmethod
+    def parse(cls, entry: dict, where: str = "data.source") -> "DatasetSource":
+        """The mapping of a recipe, checked: an unknown key, a missing path or a value of the wrong type is a
+        ValueError that names ``where`` and the key."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(entry) - set(known))
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; a dataset source takes "
+                             f"{', '.join(known)}")
+        if not isinstance(entry.get("path"), str) or not entry["path"]:
+            raise ValueError(f"{where}: 'path' (a dataset id, builder or folder) is required, got "
+                             f"{entry.get('path')!r}")
+        for key in ("name", "split", "heldout_split", "revision", "text_field"):
+            if key in entry and entry[key] is not None and not isinstance(entry[key], str):
+                raise ValueError(f"{where}: '{key}' must be a string, got {entry[key]!r}")
+        if "streaming" in entry and not isinstance(entry["streaming"], bool):
+            raise ValueError(f"{where}: 'streaming' must be true or false, got {entry['streaming']!r}")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(f"{where}: 'weight' must be a positive number, got {weight!r}")
+        files = entry.get("data_files")
+        if files is not None and not isinstance(files, (str, list, dict)):
+            raise ValueError(f"{where}: 'data_files' must be a path, a list or a {{split: paths}} mapping, got "
+                             f"{files!r}")
+        return cls(**{**entry, "weight": float(weight)})
+
+    @property
+    def label(self) -> str:
+        """How reports and errors name it: path (config)."""
+        return self.path + (f" ({self.name})" if self.name else "")
+
+    @property
+    def saved(self) -> bool:
+        """A folder written by ``Dataset(Dict).save_to_disk`` (read with ``load_from_disk``)."""
+        return os.path.isdir(self.path) and any(os.path.exists(os.path.join(self.path, marker))
+                                                 for marker in ("dataset_dict.json", "state.json"))
+
+
+def uses_datasets(source) -> bool:
+    """Whether ``data.source`` has a mapping entry (this module's path) rather than only short forms."""
+    items = source if isinstance(source, (list, tuple)) else [source]
+    return any(isinstance(item, dict) for item in items)
+
+
+def parse_sources(source, where: str = "data.source") -> list:
+    """Every entry of ``data.source`` with its mappings parsed (short forms as they are): fails early, by name."""
+    items = source if isinstance(source, (list, tuple)) else [source]
+    return [DatasetSource.parse(item, f"{where}[{i}]" if isinstance(source, (list, tuple)) else where)
+            if isinstance(item, dict) else item for i, item in enumerate(items)]
+
+
+def split_names(source: DatasetSource) -> list[str]:
+    """The splits the dataset has."""
+    import datasets
+
+    if source.saved:
+        loaded = datasets.load_from_disk(source.path)
+        return list(loaded) if isinstance(loaded, datasets.DatasetDict) else ["train"]
+    return datasets.get_dataset_split_names(source.path, source.name, revision=source.revision,
+                                            data_files=source.data_files)
+
+
+def load_split(source: DatasetSource, split: str):
+    """One split as a ``Dataset`` (an ``IterableDataset`` with ``streaming``), its text field checked."""
+    import datasets
+
+    if source.saved:
+        loaded = datasets.load_from_disk(source.path)
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ValueError(f"{source.label}: no split {split!r} (splits: {', '.join(loaded)})")
+            loaded = loaded[split]
+        elif split != "train":
+            raise ValueError(f"{source.label}: a single saved Dataset has no split {split!r}")
+        dataset = loaded.to_iterable_dataset() if source.streaming else loaded
+    else:
+        try:
+            dataset = datasets.load_dataset(source.path, source.name, split=split, revision=source.revision,
+                                            data_files=source.data_files, streaming=source.streaming)
+        except ValueError as error:  # e.g. an unknown split: say which dataset
+            raise ValueError(f"{source.label}, split {split!r}: {error}") from None
+    columns = dataset.column_names
+    if columns is None:  # a stream that does not know its columns: look at its first row
+        columns = list(next(iter(dataset), {}))
+    if source.text_field not in columns:
+        raise ValueError(f"{source.label}, split {split!r}: no field {source.text_field!r} (fields: "
+                         f"{', '.join(columns)}); set text_field")
+    return dataset
+
+
+def document_splits(source: DatasetSource, heldout_fraction: float):
+    """(training documents, held-out documents or None, how the held-out part was chosen). None: a stream without
+    a validation split, whose first documents ``source_blocks`` holds out."""
+    names = None if source.heldout_split else split_names(source)
+    heldout_split = source.heldout_split or next((name for name in HELDOUT_SPLITS if name in names), None)
+    if heldout_split == source.split:
+        raise ValueError(f"{source.label}: heldout_split {heldout_split!r} is the training split")
+    train = load_split(source, source.split)
+    if heldout_split is not None:
+        return train, load_split(source, heldout_split), f"its {heldout_split} split"
+    if source.streaming:
+        return train, None, "the first documents of its stream"
+    cut = int(len(train) * (1.0 - heldout_fraction))
+    if cut == len(train) or cut == 0:
+        raise ValueError(f"{source.label}: {len(train)} document(s) in split {source.split!r}, too few to hold "
+                         f"out {heldout_fraction:.0%} of them; give it a validation split or heldout_split")
+    return (train.select(range(cut)), train.select(range(cut, len(train))),
+            f"the last {heldout_fraction:.0%} of its {source.split} split")
+
+
+def pack_documents(tokenizer, documents, source: DatasetSource, length: int, max_sequences: int | None,
+                   what: str) -> tuple[torch.Tensor, int]:
+    """(token blocks (N, length), documents read): each document tokenised alone and followed by EOS, the stream
+    cut into blocks, at most ``max_sequences`` of them (None: all). A row whose text is not a string is an error
+    naming the dataset and field; empty ones add nothing."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError(f"{what}: the tokenizer has no EOS token to separate documents with")
+    field = source.text_field
+
+    def tokenise(batch):
+        texts = batch[field]
+        for offset, text in enumerate(texts):
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"{source.label}: field {field!r} of a row holds {type(text).__name__}, not text")
+        ids = tokenizer([text or "" for text in texts], add_special_tokens=False)["input_ids"]
+        return {"ids": [row + [eos] if text else [] for row, text in zip(ids, texts)]}  # one row per row
+
+    columns = documents.column_names or [field]
+    lazy = max_sequences is not None or not hasattr(documents, "select")  # only what is needed, or a stream
+    if lazy and hasattr(documents, "to_iterable_dataset"):
+        documents = documents.to_iterable_dataset()
+    kwargs = {} if lazy else {"desc": f"tokenising {what}"}
+    tokens = documents.map(tokenise, batched=True, remove_columns=columns, **kwargs)
+    blocks, buffer, used = [], [], 0
+    full = lambda: max_sequences is not None and len(blocks) >= max_sequences  # noqa: E731
+    for batch in tokens.iter(batch_size=64):
+        for row in batch["ids"]:
+            used += 1
+            buffer.extend(row)  # an empty document adds nothing
+            while len(buffer) >= length and not full():
+                blocks.append(torch.tensor(buffer[:length], dtype=torch.long))
+                del buffer[:length]
+            if full():
+                break
+        if full():
+            break
+    if not blocks:
+        raise ValueError(f"{what}: fewer than {length} tokens in {source.label} (split {source.split!r}), not "
+                         "one sequence")
+    return torch.stack(blocks), used
+
+
+@dataclass
+class DataBlocks:
+    """What a run trains and evaluates on, as token blocks."""
+
+    train: torch.Tensor  # (N, length)
+    heldout: torch.Tensor  # (M, length)
+    name: str  # for reports
+    heldout_at: object = None  # (length, count) -> held-out blocks at another length (wider evaluations); or None
+
+
+def mix_blocks(parts: list[torch.Tensor], weights: list[float], total: int | None) -> torch.Tensor:
+    """Blocks of every part in the shares of ``weights``, spread evenly through the result: ``total`` blocks (None:
+    as many as the scarcest part allows at its share), at least one of each part."""
+    shares = [weight / sum(weights) for weight in weights]
+    if total is None:
+        total = min(math.floor(len(part) / share) for part, share in zip(parts, shares))
+    counts = [min(len(part), max(1, round(total * share))) for part, share in zip(parts, shares)]
+    slots = sorted(((k + 0.5) / count, index) for index, count in enumerate(counts) for k in range(count))
+    taken, rows = [0] * len(parts), []
+    for _, index in slots:
+        rows.append(parts[index][taken[index]])
+        taken[index] += 1
+    return torch.stack(rows)
+
+
+def _dataset_blocks(entry: DatasetSource, tokenizer, length, max_train, heldout_count, heldout_fraction):
+    train_docs, heldout_docs, how = document_splits(entry, heldout_fraction)
+    if heldout_docs is None:  # a stream without a validation split: its first documents, training after them
+        heldout, used = pack_documents(tokenizer, train_docs, entry, length, heldout_count,
+                                       f"the held-out text of {entry.label}")
+        heldout_docs, train_docs = train_docs.take(used), train_docs.skip(used)
+    else:
+        heldout, _ = pack_documents(tokenizer, heldout_docs, entry, length, heldout_count,
+                                    f"the held-out text of {entry.label}")
+    train, _ = pack_documents(tokenizer, train_docs, entry, length, max_train, f"the training text of {entry.label}")
+
+    def heldout_at(size, count):
+        return pack_documents(tokenizer, heldout_docs, entry, size, count, f"the held-out text of {entry.label}")[0]
+
+    return DataBlocks(train, heldout, f"{entry.label} (held out: {how})", heldout_at)
+
+
+def _text_blocks(source, tokenizer, length, max_train, heldout_count, heldout_fraction):
+    from ..common.corpus import split_texts
+    from .data import pack
+
+    train_text, heldout_text, name = split_texts(source, heldout_fraction)
+    train = pack(tokenizer, train_text, length, max_train, f"the training text of {name}")
+    heldout = pack(tokenizer, heldout_text, length, heldout_count, f"the held-out text of {name}")
+    return DataBlocks(train, heldout, name, lambda size, count: pack(tokenizer, heldout_text, size, count, name))
+
+
+def source_blocks(source, tokenizer, length: int, max_train: int | None = None, heldout_count: int = 4,
+                  heldout_fraction: float = 0.2) -> DataBlocks:
+    """Training and held-out token blocks of ``data.source`` (materialised: no ``teacher:N`` left)."""
+    entries = parse_sources(source)
+    if not uses_datasets(source):
+        return _text_blocks(source, tokenizer, length, max_train, heldout_count, heldout_fraction)
+    parts = [(_dataset_blocks if isinstance(entry, DatasetSource) else _text_blocks)(
+        entry, tokenizer, length, max_train, heldout_count, heldout_fraction) for entry in entries]
+    if len(parts) == 1:
+        return parts[0]
+    weights = [entry.weight if isinstance(entry, DatasetSource) else 1.0 for entry in entries]
+    return DataBlocks(mix_blocks([part.train for part in parts], weights, max_train),
+                      mix_blocks([part.heldout for part in parts], weights, max(heldout_count, len(parts))),
+                      " + ".join(part.name for part in parts))
