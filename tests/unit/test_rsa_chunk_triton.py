@@ -155,9 +155,9 @@ def test_options_match_reference(assign_fn, readout, routing, query_read):
 def test_log_weight_matches_reference(readout, routing):
     """The local window's merge weight (``params.log_weight``, one more output channel): its value and its share of
     every gradient (the loss weighs the extra channel) equal rsa_chunked, with the read in the other channels."""
-    params = make_params(chunk=8, readout=readout, routing=routing, log_weight=True)
-    inputs = make_inputs(params)
-    out, _ = assert_matches(params, inputs, initial_state(params, 3, VALUE_DIM, torch.float32))
+    params = make_params(chunk=16, readout=readout, routing=routing, log_weight=True)
+    inputs = make_inputs(params, batch=2)  # left padding included
+    out, _ = assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
     assert out.shape[-1] == VALUE_DIM + 1 and torch.isfinite(out).all()
 
 
