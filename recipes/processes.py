@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -44,3 +46,13 @@ class Processes:
     def barrier(self) -> None:
         if self.world > 1:
             self.accelerator.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def main_first(self):
+        """The main process runs the block first, the others after it: e.g. tokenising a dataset into ``datasets``'
+        cache once, which the others then read back instead of tokenising it again."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()

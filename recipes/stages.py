@@ -263,8 +263,9 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         materialise_sources(source, teacher, teacher_text_folder(recipe), recipe.train.seed, length, progress)
     processes.barrier()
     source = materialise_sources(source, teacher, teacher_text_folder(recipe), recipe.train.seed, length, False)
-    data = source_blocks(source, teacher.tokenizer, length, recipe.data.max_train_sequences,
-                         recipe.data.heldout_sequences, recipe.data.heldout_fraction)
+    with processes.main_first():  # a dataset is tokenised once, into datasets' cache, then read by the others
+        data = source_blocks(source, teacher.tokenizer, length, recipe.data.max_train_sequences,
+                             recipe.data.heldout_sequences, recipe.data.heldout_fraction)
     train_ids, heldout_ids, data_name = data.train, data.heldout, data.name
     read_from = None  # the folder of a student read here: its weights are compared with the teacher's as stored
     if student is None and recipe.model.student:

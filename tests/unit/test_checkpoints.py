@@ -122,3 +122,21 @@ def test_a_cpu_process_moves_models_to_plain_cpu_without_copying():
     assert processes.device == torch.device("cpu")
     assert model.to(processes.device).weight.data_ptr() == storage
     assert model.weight.to(torch.device("cpu", 0)).data_ptr() != storage  # what it avoids: a copy
+
+
+def test_main_first_runs_the_block_on_the_main_process_before_the_others():
+    """Processes.main_first: rank 0 runs the block, then meets the others at the barrier; every other rank waits at
+    the barrier first (a dataset tokenised once into datasets' cache, then read back)."""
+    from types import SimpleNamespace
+
+    for rank, expected in ((0, ["block", "barrier"]), (1, ["barrier", "block"])):
+        events = []
+        accelerator = SimpleNamespace(process_index=rank, num_processes=2,
+                                      wait_for_everyone=lambda: events.append("barrier"))
+        with Processes(accelerator).main_first():
+            events.append("block")
+        assert events == expected, rank
+    events = []
+    with Processes().main_first():  # one process: no barrier at all
+        events.append("block")
+    assert events == ["block"]
