@@ -131,8 +131,13 @@ class FinetuneSection:  # stage 3 (hf-mixers finetune)
     lora_r: int = bounded(8, 1)  # LoRA rank
     lora_alpha: int = bounded(16, 1)  # LoRA scale numerator (scale = alpha / r)
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # LoRA's modules
-    max_length: int = bounded(256, 2)  # tokens per chat example (longer ones are cut)
-    source: str | None = None  # JSONL: {"messages": [...]} or {"prompt", "response"}; None = Shakespeare speeches
+    max_length: int = bounded(256, 2)  # tokens per training row (a longer example is cut)
+    # chat data as TRL takes it: rows of "messages" ([{role, content}, ...]) or "prompt" + "completion" (or
+    # "response"; strings or message lists): a JSONL file, or a dataset mapping as data.source's
+    # ({path, name, split, heldout_split, revision, data_files, messages_field}); None = Shakespeare speeches
+    source: str | dict | None = None
+    assistant_turns: str = "all"  # which assistant turns the loss covers: all, or last
+    packing: bool = False  # several examples per row (EOS between them) instead of one padded example per row
 
 
 @dataclass
@@ -279,6 +284,8 @@ def _validate(recipe: Recipe, origin: str, origins: dict | None = None) -> None:
         (recipe.output.dtype in OUTPUT_DTYPES, f"output.dtype must be one of {', '.join(OUTPUT_DTYPES)}, got "
          f"{recipe.output.dtype!r}"),
         (train.zero_stage in (1, 2, 3), "train.zero_stage must be 1, 2 or 3"),
+        (recipe.finetune.assistant_turns in ("all", "last"), "finetune.assistant_turns must be 'all' or 'last', got "
+         f"{recipe.finetune.assistant_turns!r}"),
         (train.lr_scheduler in SCHEDULERS, f"train.lr_scheduler must be one of {', '.join(SCHEDULERS)}, got "
          f"{train.lr_scheduler!r}"),
         (train.optimizer in OPTIMIZERS, f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got "

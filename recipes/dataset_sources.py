@@ -10,7 +10,8 @@ Keys: ``path`` (a Hub id, a builder such as json / parquet / csv / text with ``d
 files, or a folder written by ``save_to_disk``), ``name`` (the config), ``split`` (default train),
 ``heldout_split`` (default: the dataset's validation split when it has one, else the last ``data.heldout_fraction``
 of its documents, or with ``streaming`` its first documents), ``revision``, ``data_files``, ``text_field``
-(default text), ``streaming`` and ``weight`` (a mixture's share of the training sequences).
+(default text), ``streaming`` and ``weight`` (a mixture's share of the training sequences); ``finetune.source``
+takes the same mapping, with ``messages_field`` for chat rows (recipes/sft.py).
 
 Each document is tokenised alone, followed by the tokenizer's EOS, and the token stream is cut into
 ``sequence_length`` blocks: no document is ever joined into one Python string with the others. Documents are
@@ -41,6 +42,7 @@ class DatasetSource:
     revision: str | None = None
     data_files: str | list | dict | None = None
     text_field: str = "text"
+    messages_field: str | None = None  # chat data (finetune.source): the column of message lists
     streaming: bool = False
     weight: float = 1.0
 
@@ -56,7 +58,7 @@ class DatasetSource:
         if not isinstance(entry.get("path"), str) or not entry["path"]:
             raise ValueError(f"{where}: 'path' (a dataset id, builder or folder) is required, got "
                              f"{entry.get('path')!r}")
-        for key in ("name", "split", "heldout_split", "revision", "text_field"):
+        for key in ("name", "split", "heldout_split", "revision", "text_field", "messages_field"):
             if key in entry and entry[key] is not None and not isinstance(entry[key], str):
                 raise ValueError(f"{where}: '{key}' must be a string, got {entry[key]!r}")
         if "streaming" in entry and not isinstance(entry["streaming"], bool):
@@ -106,8 +108,9 @@ def split_names(source: DatasetSource) -> list[str]:
                                             data_files=source.data_files)
 
 
-def load_split(source: DatasetSource, split: str):
-    """One split as a ``Dataset`` (an ``IterableDataset`` with ``streaming``), its text field checked."""
+def load_split(source: DatasetSource, split: str, fields=None):
+    """One split as a ``Dataset`` (an ``IterableDataset`` with ``streaming``), ``fields`` checked (default: the text
+    field; a callable takes the column names and returns the missing ones' message or None)."""
     import datasets
 
     if source.saved:
@@ -128,22 +131,24 @@ def load_split(source: DatasetSource, split: str):
     columns = dataset.column_names
     if columns is None:  # a stream that does not know its columns: look at its first row
         columns = list(next(iter(dataset), {}))
-    if source.text_field not in columns:
-        raise ValueError(f"{source.label}, split {split!r}: no field {source.text_field!r} (fields: "
-                         f"{', '.join(columns)}); set text_field")
+    problem = fields(columns) if fields is not None else (
+        None if source.text_field in columns else f"no field {source.text_field!r}")
+    if problem:
+        hint = "set messages_field" if fields is not None else "set text_field"
+        raise ValueError(f"{source.label}, split {split!r}: {problem} (fields: {', '.join(columns)}); {hint}")
     return dataset
 
 
-def document_splits(source: DatasetSource, heldout_fraction: float):
+def document_splits(source: DatasetSource, heldout_fraction: float, fields=None):
     """(training documents, held-out documents or None, how the held-out part was chosen). None: a stream without
-    a validation split, whose first documents ``source_blocks`` holds out."""
+    a validation split, whose first documents ``source_blocks`` holds out. ``fields``: as ``load_split``'s."""
     names = None if source.heldout_split else split_names(source)
     heldout_split = source.heldout_split or next((name for name in HELDOUT_SPLITS if name in names), None)
     if heldout_split == source.split:
         raise ValueError(f"{source.label}: heldout_split {heldout_split!r} is the training split")
-    train = load_split(source, source.split)
+    train = load_split(source, source.split, fields)
     if heldout_split is not None:
-        return train, load_split(source, heldout_split), f"its {heldout_split} split"
+        return train, load_split(source, heldout_split, fields), f"its {heldout_split} split"
     if source.streaming:
         return train, None, "the first documents of its stream"
     cut = int(len(train) * (1.0 - heldout_fraction))

@@ -1,9 +1,11 @@
 """Stage 3, supervised fine-tuning of a converted (or distilled) model on chat data with the tokenizer's template.
 
-    examples  JSONL with "messages" ([{role, content}, ...], the last one the assistant's) or "prompt"/"response";
-              embedded default: continue a Shakespeare speech (the prompt gives a speech's opening lines, the
-              answer is the rest), from the training plays only
-    encoding  chat template; the loss covers the final assistant turn only (prompt tokens are labelled -100)
+    examples  TRL's layouts: "messages" ([{role, content}, ...]) or "prompt" + "completion" / "response" (strings or
+              message lists), from a JSONL file or a dataset (``finetune.source`` as a data.source mapping; its
+              validation split held out when it has one); embedded default: continue a Shakespeare speech (the
+              prompt gives a speech's opening lines, the answer is the rest), from the training plays only
+    encoding  chat template; the loss covers every assistant turn (``finetune.assistant_turns: last``: the last
+              one), end-of-turn tokens included, -100 elsewhere; one padded example per row, or ``packing``
     training  LoRA (``finetune.lora``) or every parameter; the same loop as stages 1 and 2 (checkpoints, resume)
     output    OUT/model, OUT/summary.json with the held-out assistant-token loss before and after
 """
@@ -28,26 +30,80 @@ from .tracking import finish_tracking, start_tracking
 from .trainer import Processes, run_stage
 
 
-def chat_examples(source: str | None) -> list[list[dict]]:
-    if source is None:
-        return _shakespeare_examples()
+def conversation(row: dict, where: str, messages_field: str | None = None) -> list[dict]:
+    """One row in a layout TRL takes, as a conversation: ``messages`` (or ``messages_field``), or ``prompt`` with
+    ``completion`` (or ``response``), each a string or a list of messages. Bad rows name ``where``."""
+    field = messages_field or ("messages" if "messages" in row else None)
+    answer_field = "completion" if "completion" in row else "response"
+    if field is not None:
+        if field not in row:
+            raise ValueError(f"{where}: no field {field!r} (fields: {', '.join(row)})")
+        messages = row[field]
+    elif "prompt" in row and answer_field in row:
+        def as_messages(value, role):
+            return [{"role": role, "content": value}] if isinstance(value, str) else value
+        messages = as_messages(row["prompt"], "user"), as_messages(row[answer_field], "assistant")
+        if not all(isinstance(part, list) for part in messages):
+            raise ValueError(f"{where}: 'prompt' and '{answer_field}' must be strings or lists of messages")
+        messages = messages[0] + messages[1]
+    else:
+        raise ValueError(f"{where}: expected 'messages', or 'prompt' with 'completion' (or 'response'); fields: "
+                         f"{', '.join(row)}")
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise ValueError(f"{where}: messages must be a list of {{role, content}} with string values")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where}: no assistant message to learn from")
+    return messages
+
+
+def _chat_fields(columns) -> str | None:
+    """Why a dataset's columns hold no chat layout (None: they do)."""
+    if "messages" in columns or ("prompt" in columns and ("completion" in columns or "response" in columns)):
+        return None
+    return "no 'messages', and no 'prompt' with 'completion' or 'response'"
+
+
+def chat_examples(source, heldout_share: float = 0.1) -> tuple[list, list, str]:
+    """(training conversations, held-out conversations, where the held-out ones come from) of ``finetune.source``:
+    None (Shakespeare speeches), a JSONL file, or a dataset mapping (recipes/dataset_sources.py; its validation
+    split is the held-out set when it has one). Otherwise the last ``heldout_share`` of the examples is held out."""
+    if isinstance(source, dict):
+        from .dataset_sources import DatasetSource, document_splits
+
+        entry = DatasetSource.parse(source, "finetune.source")
+        if entry.streaming:
+            raise ValueError("finetune.source: streaming is not supported for chat data (the examples are read whole)")
+        fields = (lambda columns: None if entry.messages_field in columns else f"no field {entry.messages_field!r}") \
+            if entry.messages_field else _chat_fields
+        train, heldout, how = document_splits(entry, heldout_share, fields)
+        where = lambda split, i: f"{entry.label}, split {split!r}, row {i}"  # noqa: E731
+        train = [conversation(row, where(entry.split, i), entry.messages_field) for i, row in enumerate(train)]
+        heldout = [conversation(row, where("held out", i), entry.messages_field) for i, row in enumerate(heldout)]
+        return train, heldout, how
+    examples = _shakespeare_examples() if source is None else _jsonl_examples(source)
+    held = max(1, int(len(examples) * heldout_share))
+    if len(examples) < 2:
+        raise ValueError(f"{source or 'the default chat data'}: {len(examples)} example(s), too few to hold one out")
+    return examples[:-held], examples[-held:], f"the last {held} examples"
+
+
+def _jsonl_examples(path: str) -> list[list[dict]]:
     examples = []
-    with open(source, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                messages = row["messages"] if "messages" in row else [
-                    {"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"]}]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{source}, line {number}: expected {{\"messages\": [...]}} or "
-                                 "{\"prompt\": ..., \"response\": ...}") from None
-            if not messages or messages[-1].get("role") != "assistant":
-                raise ValueError(f"{source}, line {number}: the last message must be the assistant's")
-            examples.append(messages)
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}, line {number}: not JSON") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, line {number}: expected a JSON object")
+            examples.append(conversation(row, f"{path}, line {number}"))
     if not examples:
-        raise ValueError(f"{source}: no examples")
+        raise ValueError(f"{path}: no examples")
     return examples
 
 
@@ -67,21 +123,47 @@ def _shakespeare_examples(limit: int = 2000) -> list[list[dict]]:
     return examples
 
 
-def encode(tokenizer, examples, max_length: int) -> torch.Tensor:
-    """(N, 2, max_length): token ids and labels (-100 outside the final assistant turn and on padding)."""
+def conversation_tokens(tokenizer, messages, turns: str = "all"):
+    """(token ids, labels) of one conversation through the chat template: labels are the tokens of every assistant
+    turn (``turns="last"``: the last one only), end-of-turn tokens included, -100 elsewhere. None when the template
+    lacks the prefix property the spans are read with (a conversation's tokens start with those of its start)."""
+    def template(part, prompt=False):
+        return tokenizer.apply_chat_template(part, add_generation_prompt=prompt, tokenize=True, return_dict=False)
+
+    full = template(messages)
+    labels = [-100] * len(full)
+    answers = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    for i in answers[-1:] if turns == "last" else answers:
+        prefix = template(messages[:i], prompt=True) if i else []
+        upto = template(messages[:i + 1])
+        if full[:len(upto)] != upto or upto[:len(prefix)] != prefix or len(prefix) >= len(upto):
+            return None
+        labels[len(prefix):len(upto)] = upto[len(prefix):]
+    return full, labels
+
+
+def encode(tokenizer, examples, max_length: int, turns: str = "all", packing: bool = False) -> torch.Tensor:
+    """(N, 2, max_length): token ids and labels (-100 outside the learned assistant turns and on padding). One
+    example per row, cut at ``max_length`` and padded; with ``packing``, examples one after the other with EOS
+    between them, cut into full rows (an example may continue on the next row)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    encoded = [tokens for tokens in (conversation_tokens(tokenizer, m, turns) for m in examples) if tokens]
     rows = []
-    for messages in examples:
-        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)
-        full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)[:max_length]
-        if full[:len(prompt)] != prompt or len(prompt) >= len(full):
-            continue  # template without the prefix property, or no answer token left after truncation
-        labels = [-100] * len(prompt) + full[len(prompt):]
-        padding = max_length - len(full)
-        rows.append([full + [pad] * padding, labels + [-100] * padding])
+    if packing:
+        ids = [t for full, _ in encoded for t in full + [tokenizer.eos_token_id]]
+        labels = [t for _, lab in encoded for t in lab + [-100]]
+        for start in range(0, len(ids), max_length):
+            row_ids, row_labels = ids[start:start + max_length], labels[start:start + max_length]
+            padding = max_length - len(row_ids)
+            rows.append([row_ids + [pad] * padding, row_labels + [-100] * padding])
+    else:
+        for full, labels in encoded:
+            full, labels = full[:max_length], labels[:max_length]
+            padding = max_length - len(full)
+            rows.append([full + [pad] * padding, labels + [-100] * padding])
+    rows = [row for row in rows if any(label != -100 for label in row[1])]  # no answer token left: nothing to learn
     if not rows:
-        raise ValueError(f"no example fits in finetune.max_length = {max_length} tokens")
+        raise ValueError(f"no example fits in finetune.max_length = {max_length} tokens with an answer token")
     return torch.tensor(rows, dtype=torch.long)
 
 
@@ -131,10 +213,9 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     write_recipe(recipe, checked_recipe(recipe), processes)
     start_tracking(processes, recipe)
     started = time.perf_counter()
-    examples = chat_examples(section.source)
-    held = max(1, len(examples) // 10)
-    encoded = encode(tokenizer, examples, section.max_length)
-    train_rows, heldout_rows = encoded[:-held], encoded[-held:]
+    train_examples, heldout_examples, heldout_from = chat_examples(section.source)
+    train_rows = encode(tokenizer, train_examples, section.max_length, section.assistant_turns, section.packing)
+    heldout_rows = encode(tokenizer, heldout_examples, section.max_length, section.assistant_turns)
     student.to(device=device, dtype=dtype)  # bf16: the frozen weights; run_stage keeps what it trains in fp32
     with autocast(dtype, device):
         before = heldout_loss(student, heldout_rows)
@@ -160,7 +241,8 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     final = model.merge_and_unload() if section.lora and recipe.output.merge_lora else model
     with autocast(dtype, device):
         after = heldout_loss(final, heldout_rows)
-    summary = {"examples": len(examples), "train_examples": len(train_rows), "heldout_examples": len(heldout_rows),
+    summary = {"examples": len(train_examples) + len(heldout_examples), "train_examples": len(train_examples),
+               "train_rows": len(train_rows), "heldout_examples": len(heldout_rows), "heldout_from": heldout_from,
                "heldout_assistant_loss_before": before, "heldout_assistant_loss_after": after,
                "steps": len(history), "seconds": time.perf_counter() - started, "model_dir": model_dir,
                "precision": dtype_name(dtype), "saved_dtype": dtype_name(saved_dtype)}

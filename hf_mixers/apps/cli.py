@@ -138,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     finetune = commands.add_parser(
         "finetune", help="stage 3: supervised fine-tuning of a converted model on chat data (LoRA or full)",
-        description="Needs model.student (a converted or distilled folder); finetune.source is a JSONL of "
-                    "{\"messages\": [...]} or {\"prompt\", \"response\"} (default: Shakespeare speeches).")
+        description="Needs model.student (a converted or distilled folder); finetune.source is chat data in TRL's "
+                    "layouts ({\"messages\": [...]} or {\"prompt\", \"completion\"}): a JSONL file or a dataset "
+                    "mapping like data.source's (default: Shakespeare speeches).")
     _recipe_arguments(finetune)
 
     evaluate = commands.add_parser(

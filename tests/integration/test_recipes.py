@@ -362,8 +362,9 @@ def test_sft_encoding_trains_only_the_answer():
                                            return_dict=False)
     assert (labels[:len(prompt)] == -100).all() and (labels[len(prompt):len(prompt) + 3] == ids[len(prompt):][:3]).all()
     assert tokenizer.decode([t for t in labels.tolist() if t != -100]).startswith("assistant: Yes, my lord.")
-    speeches = chat_examples(None)
+    speeches, held_out, how = chat_examples(None)
     assert len(speeches) > 100 and speeches[0][0]["content"].startswith("Continue this speech by")
+    assert len(held_out) == (len(speeches) + len(held_out)) // 10 and how == f"the last {len(held_out)} examples"
 
 
 def test_sft_data_errors_name_the_line(tmp_path, capsys):
@@ -373,8 +374,11 @@ def test_sft_data_errors_name_the_line(tmp_path, capsys):
     bad.write_text('{"prompt": "a", "response": "b"}\n{"question": "c"}\n')
     with pytest.raises(ValueError, match="chat.jsonl, line 2: expected"):
         chat_examples(str(bad))
-    bad.write_text(json.dumps({"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]}))
-    with pytest.raises(ValueError, match="line 1: the last message must be the assistant's"):
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]}))
+    with pytest.raises(ValueError, match="line 1: no assistant message to learn from"):
+        chat_examples(str(bad))
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": 3}]}))
+    with pytest.raises(ValueError, match=r"line 1: messages must be a list of \{role, content\}"):
         chat_examples(str(bad))
     assert cli_main(["finetune", "--set", f"output.dir={tmp_path / 'out'}"]) == 2
     assert "finetune needs model.student" in capsys.readouterr().err
@@ -409,6 +413,32 @@ def test_finetune_lowers_the_heldout_answer_loss(teacher_dir, tmp_path):
     assert json.loads((tmp_path / "sft" / "model" / "finetune_summary.json").read_text())["steps"] == 8
     with pytest.raises(ValueError, match="needs model.student"):
         finetune(load_recipe([], [f"output.dir={tmp_path / 'x'}"]), progress=False)
+
+
+def test_finetune_on_a_chat_dataset_with_packing(teacher_dir, tmp_path):
+    """finetune.source as a dataset mapping (TRL's prompt/completion layout, json files with a validation split),
+    packed rows, the last assistant turn only: it trains, holds out the validation split and says so."""
+    from hf_mixers.conversion import convert
+    from hf_mixers.recipes import finetune
+
+    student = tmp_path / "student"
+    convert(teacher_dir, "rsa", mixer_options={"rsa_num_slots": 8, "rsa_num_levels": 2}, out=str(student),
+            progress=False)
+    for split, count in (("train", 30), ("validation", 4)):
+        (tmp_path / f"{split}.jsonl").write_text("\n".join(json.dumps(
+            {"prompt": [{"role": "user", "content": f"Count to {n}."}], "completion": " ".join(["one"] * 4)})
+            for n in range(count)))
+    source = (f"{{path: json, data_files: {{train: {tmp_path / 'train.jsonl'}, validation: "
+              f"{tmp_path / 'validation.jsonl'}}}}}")
+    summary = finetune(load_recipe([], [f"model.student={student}", f"finetune.source={source}", "finetune.steps=3",
+                                        "finetune.max_length=48", "finetune.packing=true",
+                                        "finetune.assistant_turns=last", "train.lr=1e-2",
+                                        f"output.dir={tmp_path / 'sft'}"]), progress=False)
+    assert summary["train_examples"] == 30 and summary["heldout_examples"] == 4
+    assert summary["heldout_from"] == "its validation split" and summary["train_rows"] < 30  # packed
+    assert summary["heldout_assistant_loss_after"] < summary["heldout_assistant_loss_before"]
+    with pytest.raises(RecipeError, match="finetune.assistant_turns must be 'all' or 'last'"):
+        load_recipe([], ["finetune.assistant_turns=first"])
 
 
 def test_finetune_with_gradient_checkpointing_trains_to_the_same_losses(teacher_dir, tmp_path):
