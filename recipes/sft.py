@@ -16,6 +16,7 @@ import json
 import os
 import re
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from ..common.history import FINETUNE_SUMMARY
 from ..conversion.teacher import stored_dtype
 from .config import Recipe
 from .precision import autocast, dtype_name, output_dtype, training_dtype
-from .strategies import check_launch
+from .strategies import check_launch, from_accelerate_config
 from .tracking import finish_tracking, start_tracking
 from .trainer import Processes, run_stage
 
@@ -196,6 +197,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
         raise FileExistsError(f"{model_dir} exists: this run already finished; set output.overwrite=true")
     if student is None and not recipe.model.student:
         raise ValueError("finetune needs model.student: the folder of a converted or distilled model")
+    recipe = replace(recipe, train=from_accelerate_config(recipe.train))  # what an agreeing accelerate config adds
     processes = Processes(_accelerator(recipe))
     check_launch(recipe.train)
     device = processes.device

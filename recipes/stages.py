@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,7 @@ from .config import Recipe, RecipeError, check_mixer_options, recipe_changes, se
 from .blockwise import transfer_loss
 from .data import materialise_sources, pack
 from .dataset_sources import DataBlocks, parse_sources, source_blocks
-from .strategies import Sharding, check_launch
+from .strategies import Sharding, check_launch, from_accelerate_config
 from .tracking import finish_tracking, start_tracking, trackers
 from .trainer import Processes, run_stage
 
@@ -242,6 +243,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     if os.path.isdir(model_dir) and os.listdir(model_dir) and not recipe.output.overwrite:
         raise FileExistsError(f"{model_dir} exists: this run already finished; set output.overwrite=true to redo "
                               "the export, or choose another output.dir")
+    recipe = replace(recipe, train=from_accelerate_config(recipe.train))  # what an agreeing accelerate config adds
     processes = Processes(_accelerator(recipe))
     check_launch(recipe.train)
     progress = progress and processes.is_main

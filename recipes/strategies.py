@@ -168,6 +168,40 @@ ACCELERATE_PLUGINS = {"ACCELERATE_USE_FSDP": ("fsdp", "recipes/fsdp.yaml"),
                       "ACCELERATE_USE_DEEPSPEED": ("deepspeed", "recipes/zero2.yaml or recipes/zero3.yaml")}
 
 
+def from_accelerate_config(train):
+    """``train`` with what an accelerate config of this launch says and the recipe does not, when the two agree on
+    the strategy (``check_launch`` refuses them when not): its DeepSpeed JSON (``deepspeed_config_file``) becomes
+    ``train.deepspeed_config`` and is merged like one (recipes/deepspeed_config.py). What it sets that the recipe
+    runs otherwise is an error naming both: another ZeRO stage, another DeepSpeed JSON, an FSDP sharding strategy
+    other than full sharding, FSDP parameter offload."""
+    from dataclasses import replace
+
+    def enabled(variable):
+        return os.environ.get(variable, "").lower() in ("1", "true")
+
+    if enabled("ACCELERATE_USE_DEEPSPEED") and train.strategy == "deepspeed":
+        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+        if stage not in (None, "", "None") and int(stage) != train.zero_stage:
+            raise ValueError(f"the accelerate config of this launch has zero_stage {stage}, the recipe "
+                             f"train.zero_stage={train.zero_stage}: make them agree (recipes/zero2.yaml, zero3.yaml)")
+        path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if path not in (None, "", "none", "None"):
+            if train.deepspeed_config and os.path.abspath(train.deepspeed_config) != os.path.abspath(path):
+                raise ValueError(f"the accelerate config of this launch names the DeepSpeed config {path}, the recipe "
+                                 f"train.deepspeed_config={train.deepspeed_config}: give one of them")
+            train = replace(train, deepspeed_config=path)
+    if enabled("ACCELERATE_USE_FSDP") and train.strategy == "fsdp":
+        sharding = os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
+        if sharding not in ("FULL_SHARD", "1"):
+            raise ValueError(f"the accelerate config of this launch asks for the FSDP sharding strategy {sharding}; "
+                             "train.strategy=fsdp shards fully (FULL_SHARD): change the accelerate config, or use "
+                             "train.strategy=deepspeed with train.zero_stage=2 to shard gradients and optimizer states")
+        if enabled("FSDP_OFFLOAD_PARAMS"):
+            raise ValueError("the accelerate config of this launch offloads FSDP parameters to the CPU "
+                             "(fsdp_offload_params), which train.strategy=fsdp does not do: turn it off")
+    return train
+
+
 def check_launch(train) -> None:
     """Fail before any work when the launch and the recipe disagree: the recipe shards the model but no process
     group exists (a plain ``python``), an accelerate config asked for FSDP / DeepSpeed, which the trainer would

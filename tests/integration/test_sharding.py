@@ -153,6 +153,41 @@ def test_an_accelerate_sharding_plugin_the_recipe_does_not_ask_for_is_refused(te
         distill(load_recipe([], small(teacher_dir, tmp_path / "run", "train.strategy=fsdp")), progress=False)
 
 
+def test_an_agreeing_accelerate_config_is_used_and_a_disagreeing_one_named(monkeypatch, tmp_path):
+    """from_accelerate_config: with the recipe's strategy, accelerate's DeepSpeed JSON becomes
+    train.deepspeed_config; another ZeRO stage, another JSON, FSDP's SHARD_GRAD_OP or parameter offload are errors
+    that name both sides; without an accelerate plugin the recipe is untouched."""
+    from dataclasses import replace
+
+    from hf_mixers.recipes.strategies import from_accelerate_config
+
+    ds = load_recipe([], ["train.strategy=deepspeed", "train.zero_stage=2"]).train
+    assert from_accelerate_config(ds) is ds
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
+    assert from_accelerate_config(ds).deepspeed_config == str(tmp_path / "ds.json") and ds.deepspeed_config is None
+    with pytest.raises(ValueError, match=r"names the DeepSpeed config .*ds.json, the recipe "
+                                         r"train.deepspeed_config=.*mine.json: give one of them"):
+        from_accelerate_config(replace(ds, deepspeed_config=str(tmp_path / "mine.json")))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    with pytest.raises(ValueError, match="has zero_stage 3, the recipe train.zero_stage=2"):
+        from_accelerate_config(ds)
+    for variable in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        monkeypatch.delenv(variable)
+    fsdp = load_recipe([], ["train.strategy=fsdp"]).train
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
+    assert from_accelerate_config(fsdp) == fsdp
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP")
+    with pytest.raises(ValueError, match="sharding strategy SHARD_GRAD_OP; train.strategy=fsdp shards fully"):
+        from_accelerate_config(fsdp)
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "1")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    with pytest.raises(ValueError, match="offloads FSDP parameters to the CPU"):
+        from_accelerate_config(fsdp)
+
+
 def test_a_sharded_model_comes_back_whole_in_place():
     """The gathered weights go back into the same module object: plain tensors, tied weights still one tensor."""
     model = tiny_sessa_model(feedback=False, tie_word_embeddings=True)
