@@ -136,14 +136,23 @@ def save_tiny_teacher(folder, family: str = "llama", card: str | None = None):
     return tokenizer
 
 
-def torchrun_distill(settings, timeout=900) -> str:
-    """``hf-mixers distill --set S ...`` on 2 CPU processes under torchrun (gloo); returns rank 0's stdout. The
-    rendezvous takes a free port (--standalone), so parallel test workers never collide."""
+def torchrun_distill(settings, timeout=900, launcher="torchrun") -> str:
+    """``hf-mixers distill --set S ...`` on 2 CPU processes under torchrun (gloo), or the ``deepspeed`` launcher;
+    returns rank 0's stdout. The rendezvous takes a free port, so parallel test workers never collide."""
+    import socket
     import subprocess
     import sys
 
-    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node", "2",
-               "-m", "hf_mixers", "distill"]
+    bin_dir = os.path.dirname(sys.executable)
+    if launcher == "deepspeed":  # its documented form: no --local_rank argument, the package as a module
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        command = [os.path.join(bin_dir, "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
+                   "--no_local_rank", "--module", "hf_mixers", "distill"]
+    else:
+        command = [os.path.join(bin_dir, "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "hf_mixers",
+                   "distill"]
     for item in settings:
         command += ["--set", item]
     result = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",

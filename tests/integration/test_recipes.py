@@ -467,15 +467,15 @@ def test_finetune_with_gradient_checkpointing_trains_to_the_same_losses(teacher_
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_deepspeed_zero2_under_torchrun_matches_data_parallel_and_resumes(teacher_dir, tmp_path):
     """DeepSpeed ZeRO-2, 2 CPU processes under torchrun (gloo): the same losses as plain gradient averaging, also
-    across a relaunch that resumes from its step-2 checkpoint (parameters and the partitioned Adam states). The first
+    across a relaunch (with the `deepspeed` launcher) that resumes from its step-2 checkpoint (parameters and the partitioned Adam states). The first
     launch reads a user's DeepSpeed JSON ("auto" values, keys of its own) merged into the recipe's settings; the
     relaunch without it resumes (like the strategy, how the run is distributed may change on resume)."""
     said = []
 
-    def launch(strategy, steps, *extra):
+    def launch(strategy, steps, *extra, launcher="torchrun"):
         said.append(torchrun_distill(small(teacher_dir, tmp_path / strategy, "stage1.enabled=false",
                                            f"stage2.steps={steps}", "train.batch_size=1", f"train.strategy={strategy}",
-                                           "output.checkpoint_every=1", *extra)))
+                                           "output.checkpoint_every=1", *extra), launcher=launcher))
         return [json.loads(line) for line in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()]
 
     user_json = tmp_path / "ds.json"
@@ -486,8 +486,9 @@ def test_deepspeed_zero2_under_torchrun_matches_data_parallel_and_resumes(teache
     want = launch("ddp", 4)
     launch("deepspeed", 2, f"train.deepspeed_config={user_json}")
     assert f"stage2: deepspeed: {user_json} merged into the recipe's settings" in said[-1]
-    # step 4's loss follows step 3's update, which used the restored Adam states
-    got = launch("deepspeed", 4, "output.overwrite=true")
+    # step 4's loss follows step 3's update, which used the restored Adam states; relaunched with the `deepspeed`
+    # launcher (docs/cli.md's command), which gives the processes their ranks as torchrun does
+    got = launch("deepspeed", 4, "output.overwrite=true", launcher="deepspeed")
     assert [r["step"] for r in got] == [1, 2, 3, 4] and [r["world_size"] for r in got] == [2, 2, 2, 2]
     for row, expected in zip(got, want):
         assert abs(row["loss"] - expected["loss"]) <= 1e-5 * max(1.0, abs(expected["loss"])), (row, expected)
