@@ -64,3 +64,13 @@ def key_value(text: str) -> tuple[str, object]:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
+
+
+def option_dict(pairs) -> dict:
+    """The repeated ``--option KEY=VALUE`` flags as a dict; a key given twice is an error, not the last one silently."""
+    options = {}
+    for key, value in pairs:
+        if key in options:
+            raise ValueError(f"--option {key} is given twice ({options[key]!r} and {value!r})")
+        options[key] = value
+    return options

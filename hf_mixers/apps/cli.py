@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from .arguments import at_least, int_list, keep_attention, key_value, non_negative_list, positive_list
+from .arguments import at_least, int_list, keep_attention, key_value, non_negative_list, option_dict, positive_list
 
 EXIT_USAGE, EXIT_FAULT, EXIT_DIVERGED = 2, 3, 4
 # what a command reports as one line (anything else is a bug in hf-mixers: a traceback and exit 1)
@@ -350,23 +350,13 @@ def _bench(args) -> int:
     return 0
 
 
-def _option_dict(pairs) -> dict:
-    """The repeated ``--option KEY=VALUE`` flags as a dict; a key given twice is an error, not the last one silently."""
-    options = {}
-    for key, value in pairs:
-        if key in options:
-            raise ValueError(f"--option {key} is given twice ({options[key]!r} and {value!r})")
-        options[key] = value
-    return options
-
-
 def _convert(args) -> int:
     from ..conversion import convert
 
     try:
         _, report = convert(args.source, args.mixer, layers=args.layers, keep_attention=args.keep_attention,
                             calibration=args.calibration, dtype=args.dtype, out=args.out, overwrite=args.overwrite,
-                            mixer_options=_option_dict(args.option),
+                            mixer_options=option_dict(args.option),
                             sequence_length=args.sequence_length,
                             calibration_sequences=args.calibration_sequences,
                             heldout_sequences=args.heldout_sequences, seed=args.seed)
@@ -452,7 +442,7 @@ def _diagnose(args) -> int:
                 raise ValueError(f"--text {args.text}: not UTF-8 text") from None
         report = diagnose(args.target, args.out, length=args.length, source=args.source, probes=args.probes,
                           layers=args.layers, text=text, hidden_size=args.hidden_size, num_heads=args.heads,
-                          num_kv_heads=args.kv_heads, options=_option_dict(args.option))
+                          num_kv_heads=args.kv_heads, options=option_dict(args.option))
     except EXPECTED_ERRORS as error:
         return _fail("diagnose", error)
     for entry in report["entries"]:

@@ -130,16 +130,21 @@ def passkey_accuracy(model, tokenizer, lengths, trials: int = 5, seed: int = 0, 
 
 
 @torch.no_grad()
-def decode_latency(model, context: int, decode_tokens: int, vocab: int, device, warmup: int = 3,
-                   batch: int = 1) -> tuple[float, int]:
-    """Prefill ``batch`` rows of ``context`` random tokens, decode ``warmup`` tokens untimed, then time
-    ``decode_tokens`` single-token steps; returns (median s per step, cache bytes after the prefill)."""
+def generation_timing(model, context: int, decode_tokens: int, vocab: int, device, warmup: int = 3,
+                      batch: int = 1) -> dict:
+    """Prefill ``batch`` rows of ``context`` random tokens (timed), decode ``warmup`` tokens untimed, then time
+    ``decode_tokens`` single-token steps: {"prefill_s", "decode_s" (median per step), "cache_bytes" (after the
+    prefill)}."""
     device = torch.device(device)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, context + warmup + decode_tokens), generator=generator).to(device)
     cache = DynamicCache(config=model.config)
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
     model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    synchronize()
+    prefill = time.perf_counter() - start
     cache_bytes = cache_nbytes(cache)
     for t in range(context, context + warmup):  # warm-up: allocator, kernel caches (and the compile, if asked)
         model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
@@ -150,7 +155,14 @@ def decode_latency(model, context: int, decode_tokens: int, vocab: int, device, 
         model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
         synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), cache_bytes
+    return {"prefill_s": prefill, "decode_s": statistics.median(times) if times else None, "cache_bytes": cache_bytes}
+
+
+def decode_latency(model, context: int, decode_tokens: int, vocab: int, device, warmup: int = 3,
+                   batch: int = 1) -> tuple[float, int]:
+    """``generation_timing``'s (median s per decode step, cache bytes after the prefill)."""
+    timing = generation_timing(model, context, decode_tokens, vocab, device, warmup, batch)
+    return timing["decode_s"], timing["cache_bytes"]
 
 
 def cache_bytes_at(model, contexts, vocab: int, device, probes=(64, 128, 256)) -> dict:

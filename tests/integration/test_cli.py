@@ -89,11 +89,11 @@ def test_bad_arguments_are_reported_by_the_parser(capsys):
 def test_every_benchmark_has_its_own_flags_and_help(capsys):
     from hf_mixers.apps.bench import targets
 
-    assert {"sessa", "rsa", "selective_ssm", "gltm", "vort", "distill", "kernels"} <= set(targets())
+    assert {"sessa", "rsa", "selective_ssm", "gltm", "vort", "distill", "kernels", "generate"} <= set(targets())
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     listed = " ".join(capsys.readouterr().out.split())
-    assert "distill, gltm, kernels, rsa, selective_ssm, sessa, vort" in listed
+    assert "distill, generate, gltm, kernels, rsa, selective_ssm, sessa, vort" in listed
     with pytest.raises(SystemExit):
         main(["bench", "gltm", "--help"])
     out = capsys.readouterr().out
@@ -218,6 +218,39 @@ def test_bench_distill_writes_the_ratio(tmp_path):
     assert set(report["tokens_per_s"]) == {"distill", "baseline_lora"} and report["ratio"] > 0
     assert report["target"] == 0.6 and isinstance(report["target_met"], bool)
     assert report["dtype"] == "float32" and report["device"]  # the GPU when there is one, else "cpu"
+
+
+def test_bench_generate_measures_models_against_their_teacher(tmp_path):
+    """bench generate: a saved converted model and one converted in the run, against the teacher at every batch and
+    context; ratios to the teacher's point, the largest batch in the budget, the generate timing, the table."""
+    from conftest import save_tiny_teacher
+
+    from hf_mixers.conversion import convert
+
+    teacher = str(tmp_path / "teacher")
+    save_tiny_teacher(teacher)
+    convert(teacher, "rsa", mixer_options={"rsa_num_slots": 8, "rsa_num_levels": 2}, out=str(tmp_path / "rsa"),
+            progress=False)
+    assert main(["bench", "generate", str(tmp_path / "rsa"), "--teacher", teacher, "--mixer", "gltm",
+                 "--out", str(tmp_path / "bench"), "--batch-sizes", "1,2", "--contexts", "16,64", "--decode-tokens",
+                 "2", "--prompt-tokens", "8", "--generate-tokens", "3", "--memory-budget-gib", "0.01",
+                 "--repeats", "1"]) == 0
+    report = json.loads((tmp_path / "bench" / "bench_generate.json").read_text())
+    assert report["models"] == ["teacher", "rsa", "gltm"] and len(report["rows"]) == 3 * 2 * 2
+    for row in report["rows"]:
+        assert row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0 and row["cache_bytes"] > 0
+        assert row["max_batch_in_budget"] >= 0
+        if row["model"] == "teacher":
+            assert row["decode_speedup_vs_teacher"] == 1.0
+    teacher_cache = {r["context"]: r["cache_bytes"] for r in report["rows"] if r["model"] == "teacher" and
+                     r["batch"] == 1}
+    assert teacher_cache[64] > teacher_cache[16]  # attention's cache grows with the context
+    assert set(report["generate"]["seconds"]) == {"teacher", "rsa", "gltm"}
+    assert report["generate"]["speedup_vs_teacher"]["teacher"] == 1.0
+    table = (tmp_path / "bench" / "bench_generate.md").read_text()
+    assert table.count("\n| rsa | ") == 4 and "generate, 3 new tokens after a 8-token prompt" in table
+    assert (tmp_path / "bench" / "bench_generate.png").exists()
+    assert main(["bench", "generate", "--teacher", teacher, "--out", str(tmp_path / "none")]) == 2  # no model named
 
 
 def test_bench_kernels_on_cpu_compares_the_pytorch_paths_only(tmp_path, monkeypatch):

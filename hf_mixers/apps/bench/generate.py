@@ -1,0 +1,182 @@
+"""``hf-mixers bench generate``: serving a converted model as a user meets it, against its teacher in the same run.
+
+Models: the teacher (``--teacher``, default the embedded SmolLM2-135M), each saved MODEL_DIR, and the teacher
+converted here to each ``--mixer`` (with ``--option KEY=VALUE``). For each model, batch size and context:
+  prefill   one forward over batch x context prompt tokens that builds the cache: prompt tokens/s
+  decode    one-token steps after that prompt, the median of ``--decode-tokens``: tokens/s = batch / step
+  cache     its bytes after the prompt; with the weights, the largest batch whose weights + caches fit
+            ``--memory-budget-gib`` at that context (activations not counted: a lower bound on what fits)
+and at batch 1 the wall time of ``generate`` for ``--generate-tokens`` new tokens after a ``--prompt-tokens``
+prompt (greedy). Each figure also as a ratio to the teacher's at the same point. Written to bench_generate.json,
+bench_generate.md (the table) and bench_generate.png (decode tokens/s against the context, a line per model and
+batch).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from . import register_bench
+from ..arguments import at_least, key_value, option_dict, positive_list
+
+
+def _weights_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def _models(teacher_source: str, model_dirs, mixers, options, dtype, device) -> tuple[dict, object]:
+    """{label: model} in ``dtype`` on ``device``, the teacher first; and the teacher's tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from ...conversion import convert, load_teacher
+
+    teacher = load_teacher(teacher_source)
+    models = {"teacher": teacher.model}
+    for folder in model_dirs:
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"bench generate: {folder}: no such model folder")
+        models[os.path.basename(os.path.normpath(folder))] = AutoModelForCausalLM.from_pretrained(folder)
+    for mixer in mixers:
+        student, _ = convert(teacher, mixer, mixer_options=options, progress=False)
+        label = mixer + "".join(f" {key}={value}" for key, value in sorted(options.items()))
+        models[label] = student
+    for model in models.values():
+        model.to(device=device, dtype=dtype).eval()
+    return models, teacher.tokenizer
+
+
+@torch.no_grad()
+def _generate_seconds(model, tokenizer, prompt_tokens: int, new_tokens: int, device) -> float:
+    """Wall time of greedy ``generate``: ``new_tokens`` tokens after a random ``prompt_tokens`` prompt, batch 1."""
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    synchronize()
+    began = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                   do_sample=False, pad_token_id=pad)
+    synchronize()
+    return time.perf_counter() - began
+
+
+def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), mixers=(), options=None,
+                   batch_sizes=(1, 4), contexts=(512, 2048), decode_tokens: int = 8, prompt_tokens: int = 512,
+                   generate_tokens: int = 32, memory_budget_gib: float = 8.0, dtype: str = "float32", device=None,
+                   repeats: int = 1) -> dict:
+    from tqdm.auto import tqdm
+
+    from .harness import bench_device
+    from ...common.measures import generation_timing
+
+    if not model_dirs and not mixers:
+        raise ValueError("bench generate: name a model: MODEL_DIR arguments (saved converted models) and/or --mixer "
+                         "(the teacher converted here)")
+    device = bench_device(device, "generate")
+    models, tokenizer = _models(teacher, model_dirs, mixers, options or {}, getattr(torch, dtype), device)
+    budget = memory_budget_gib * 2**30
+    rows = []
+    points = [(label, batch, context) for label in models for batch in batch_sizes for context in contexts]
+    for label, batch, context in tqdm(points, desc="bench generate", unit="point"):
+        model = models[label]
+        runs = [generation_timing(model, context, decode_tokens, model.config.vocab_size, device, warmup=2,
+                                  batch=batch) for _ in range(repeats)]
+        prefill, decode = min(r["prefill_s"] for r in runs), min(r["decode_s"] for r in runs)
+        per_row = runs[0]["cache_bytes"] / batch
+        fits = max(0, int((budget - _weights_bytes(model)) // per_row)) if per_row else None
+        rows.append({"model": label, "batch": batch, "context": context, "prefill_s": prefill,
+                     "prefill_tokens_per_s": batch * context / prefill, "decode_s_per_step": decode,
+                     "decode_tokens_per_s": batch / decode, "cache_bytes": runs[0]["cache_bytes"],
+                     "max_batch_in_budget": fits})
+    teacher_rows = {(r["batch"], r["context"]): r for r in rows if r["model"] == "teacher"}
+    for row in rows:
+        base = teacher_rows[(row["batch"], row["context"])]
+        row["decode_speedup_vs_teacher"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        row["prefill_speedup_vs_teacher"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
+        if row["max_batch_in_budget"] is not None and base["max_batch_in_budget"]:
+            row["max_batch_vs_teacher"] = row["max_batch_in_budget"] / base["max_batch_in_budget"]
+    generation = {label: _generate_seconds(model, tokenizer, prompt_tokens, generate_tokens, device)
+                  for label, model in models.items()}
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report = {"benchmark": "generate", "device": device_name, "dtype": dtype, "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "teacher": teacher, "models": list(models), "batch_sizes": list(batch_sizes),
+              "contexts": list(contexts), "decode_tokens": decode_tokens, "memory_budget_gib": memory_budget_gib,
+              "rows": rows, "generate": {"prompt_tokens": prompt_tokens, "new_tokens": generate_tokens,
+                                         "seconds": generation,
+                                         "speedup_vs_teacher": {label: generation["teacher"] / seconds
+                                                                for label, seconds in generation.items()}}}
+    from .harness import write_report
+    from ...common.files import write_atomically
+
+    os.makedirs(out_dir, exist_ok=True)
+    write_atomically(os.path.join(out_dir, "bench_generate.md"), table(report))
+    return write_report(report, out_dir, "bench_generate", _plot, lambda r: print(table(r)))
+
+
+def table(report: dict) -> str:
+    """The report as a markdown table, then the generate line."""
+    lines = [f"Decode and prefill on {report['device']} ({report['dtype']}, {report['threads']} threads), budget "
+             f"{report['memory_budget_gib']:g} GiB (weights + caches); ratios to the teacher at the same point.", "",
+             "| model | batch | context | prefill tok/s | x teacher | decode tok/s | x teacher | cache MiB | "
+             "max batch in budget | x teacher |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        most, ratio = row["max_batch_in_budget"], row.get("max_batch_vs_teacher")
+        cells = [row["model"], row["batch"], row["context"], f"{row['prefill_tokens_per_s']:.0f}",
+                 f"{row['prefill_speedup_vs_teacher']:.2f}", f"{row['decode_tokens_per_s']:.1f}",
+                 f"{row['decode_speedup_vs_teacher']:.2f}", f"{row['cache_bytes'] / 2**20:.1f}",
+                 "-" if most is None else most, "-" if ratio is None else f"{ratio:.1f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    generate = report["generate"]
+    lines += ["", f"generate, {generate['new_tokens']} new tokens after a {generate['prompt_tokens']}-token prompt, "
+              "batch 1: " + ", ".join(f"{label} {seconds:.2f} s (x{generate['speedup_vs_teacher'][label]:.2f})"
+                                      for label, seconds in generate["seconds"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(report: dict, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    from .harness import format_log_axes, save_figure
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for label in report["models"]:
+        for batch in report["batch_sizes"]:
+            rows = [r for r in report["rows"] if r["model"] == label and r["batch"] == batch]
+            axis.plot([r["context"] for r in rows], [r["decode_tokens_per_s"] for r in rows], marker="o",
+                      linestyle="--" if label == "teacher" else "-", label=f"{label}, batch {batch}")
+    format_log_axes([(axis, "decode tokens/s")], "context (prompt tokens)")
+    axis.set_title(f"decode throughput, {report['device']}, {report['dtype']}")
+    save_figure(figure, path)
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("model_dirs", nargs="*", metavar="MODEL_DIR", help="saved converted models to measure")
+    parser.add_argument("--teacher", default="smollm2-135m", help="the baseline (any convert SOURCE; default the "
+                        "embedded SmolLM2-135M)")
+    parser.add_argument("--mixer", action="append", default=[], help="also convert the teacher to this mixer here "
+                        "(repeatable)")
+    parser.add_argument("--option", type=key_value, action="append", default=[], metavar="KEY=VALUE",
+                        help="a mixer option for --mixer, e.g. rsa_window=64 (repeatable)")
+    parser.add_argument("--batch-sizes", type=positive_list, default=[1, 4], help="default 1,4")
+    parser.add_argument("--contexts", type=positive_list, default=[512, 2048], help="prompt lengths (default "
+                        "512,2048)")
+    parser.add_argument("--decode-tokens", type=at_least(1), default=8, help="timed decode steps per point")
+    parser.add_argument("--prompt-tokens", type=at_least(1), default=512, help="the generate timing's prompt")
+    parser.add_argument("--generate-tokens", type=at_least(1), default=32, help="the generate timing's new tokens")
+    parser.add_argument("--memory-budget-gib", type=float, default=8.0, help="weights + caches (default 8)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+
+
+def _run(args):
+    return bench_generate(args.out, teacher=args.teacher, model_dirs=args.model_dirs, mixers=args.mixer,
+                          options=option_dict(args.option), batch_sizes=args.batch_sizes, contexts=args.contexts,
+                          decode_tokens=args.decode_tokens, prompt_tokens=args.prompt_tokens,
+                          generate_tokens=args.generate_tokens, memory_budget_gib=args.memory_budget_gib,
+                          dtype=args.dtype, device=args.device, repeats=args.repeats)
+
+
+register_bench("generate", "prefill and decode tokens/s, cache and the largest batch in a memory budget, and the time "
+               "to generate, of converted models against their teacher", _arguments, _run)
