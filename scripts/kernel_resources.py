@@ -46,12 +46,12 @@ def _type_of(value) -> str:
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
-def capture_launches(arch: int, records: list, seen: set):
-    """Make every JITFunction launch compile for sm_``arch`` and append what it needs to ``records``."""
+def compiling_run(arch: int, records: list, seen: set):
+    """A replacement for ``JITFunction.run`` that compiles each launch for sm_``arch`` (once per kernel, constexprs,
+    options and argument types) instead of running it, and appends what it needs to ``records``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
 
     def run(self, *args, grid, warmup=False, **kwargs):
         options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
@@ -80,7 +80,7 @@ def capture_launches(arch: int, records: list, seen: set):
         print(json.dumps(record), flush=True)
         return None
 
-    JITFunction.run = run
+    return run
 
 
 def main() -> int:
@@ -105,8 +105,10 @@ def main() -> int:
 
     dispatch.triton_unavailable = lambda device: None  # CPU tensors: every launch is compiled, never run
     rsa_chunk_triton._interpreted = lambda: True
+    from triton.runtime.jit import JITFunction
+
     records, seen = [], set()
-    capture_launches(args.arch, records, seen)
+    JITFunction.run = compiling_run(args.arch, records, seen)
     dtype = getattr(torch, args.dtype)
     shape = SHAPES[args.shape]
     generator = torch.Generator().manual_seed(0)

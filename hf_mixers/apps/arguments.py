@@ -28,6 +28,20 @@ def at_least(least: int):
     return parse
 
 
+def positive_number(text: str) -> float:
+    """A number > 0 (e.g. a memory budget in GiB)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+positive_number.__name__ = "number > 0"
+
+
 def positive_list(text: str) -> list[int]:
     values = int_list(text)
     if not values or min(values) < 1:

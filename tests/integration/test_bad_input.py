@@ -34,6 +34,8 @@ def _numeric_flags():
             if action.type is int or action.type is float:
                 yield words, action.option_strings[0], None
             name = getattr(action.type, "__name__", "")
+            if name == "number > 0":
+                continue  # positive_number: checked (tests/integration/test_cli.py, bench generate)
             if name.startswith("integer >= "):
                 yield words, action.option_strings[0], int(name.removeprefix("integer >= "))
 

@@ -82,8 +82,8 @@ def test_bad_arguments_are_reported_by_the_parser(capsys):
     assert "expected comma-separated integers" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "nothing"])
-    assert "argument TARGET: invalid choice: 'nothing' (choose from 'distill', 'gltm', 'kernels', 'rsa'" in \
-        capsys.readouterr().err
+    assert ("argument TARGET: invalid choice: 'nothing' (choose from 'distill', 'generate', 'gltm', 'kernels', "
+            "'rsa'") in capsys.readouterr().err
 
 
 def test_every_benchmark_has_its_own_flags_and_help(capsys):
@@ -251,6 +251,9 @@ def test_bench_generate_measures_models_against_their_teacher(tmp_path):
     assert table.count("\n| rsa | ") == 4 and "generate, 3 new tokens after a 8-token prompt" in table
     assert (tmp_path / "bench" / "bench_generate.png").exists()
     assert main(["bench", "generate", "--teacher", teacher, "--out", str(tmp_path / "none")]) == 2  # no model named
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "generate", "--mixer", "rsa", "--memory-budget-gib", "0"])
+    assert exit_info.value.code == 2
 
 
 def test_bench_kernels_on_cpu_compares_the_pytorch_paths_only(tmp_path, monkeypatch):

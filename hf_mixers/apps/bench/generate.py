@@ -20,7 +20,7 @@ import time
 import torch
 
 from . import register_bench
-from ..arguments import at_least, key_value, option_dict, positive_list
+from ..arguments import at_least, key_value, option_dict, positive_list, positive_number
 
 
 def _weights_bytes(model) -> int:
@@ -166,7 +166,8 @@ def _arguments(parser) -> None:
     parser.add_argument("--decode-tokens", type=at_least(1), default=8, help="timed decode steps per point")
     parser.add_argument("--prompt-tokens", type=at_least(1), default=512, help="the generate timing's prompt")
     parser.add_argument("--generate-tokens", type=at_least(1), default=32, help="the generate timing's new tokens")
-    parser.add_argument("--memory-budget-gib", type=float, default=8.0, help="weights + caches (default 8)")
+    parser.add_argument("--memory-budget-gib", type=positive_number, default=8.0,
+                        help="weights + caches (default 8)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
 
 

@@ -1,0 +1,42 @@
+"""scripts/kernel_resources.py: a launch compiled for a GPU target on this CPU, its shared memory read, nothing run."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_launch_is_compiled_for_sm90_and_its_shared_memory_read(monkeypatch):
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(tl.zeros, InterpretedFunction):
+        pytest.skip("under TRITON_INTERPRET=1 kernels are interpreted, not compiled")
+    spec = importlib.util.spec_from_file_location("kernel_resources", ROOT / "scripts" / "kernel_resources.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    @triton.jit
+    def square_tile(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        rows = tl.arange(0, BLOCK)
+        tile = tl.load(x_ptr + rows[:, None] * BLOCK + rows[None, :], mask=rows[:, None] < n, other=0.0)
+        tl.store(out_ptr + rows[:, None] * BLOCK + rows[None, :], tl.dot(tile, tile))
+
+    records, seen = [], set()
+    monkeypatch.setattr(JITFunction, "run", tool.compiling_run(90, records, seen))
+    x = torch.ones(32, 32)
+    for _ in range(2):  # the second launch of the same variant is not compiled again
+        square_tile[(1,)](x, torch.empty_like(x), 32, BLOCK=32, num_warps=4)
+    assert len(records) == 1, records
+    record = records[0]
+    assert record["kernel"] == "square_tile" and record["arch"] == 90 and record["constexprs"] == {"BLOCK": 32}
+    assert record["options"] == {"num_warps": 4} and 0 < record["shared_bytes"] <= tool.SHARED_LIMIT[90]
+    assert record["fits"] is True
