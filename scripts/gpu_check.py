@@ -16,6 +16,8 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
   bench-distill  `hf-mixers bench distill`: a stage-2 step (RSA) against a teacher-LoRA step, tokens/s
   distill-30     `hf-mixers distill`: 30 stage-2 steps of the demo's windowed RSA on that teacher
   bench-rsa, bench-sessa   the mixers' benches at T = 1K..16K against SDPA, and their decoding
+  bench-generate the windowed RSA conversion of that teacher against it: prefill / decode tokens/s at 1K and 16K,
+                 batch 1 and 16, bf16, the largest batch within 40 GiB
   pytest-triton  the Triton unit tests (tests/unit/test_*_triton.py) in-process on CUDA
 Each step is timed, runs under its own time limit and a global budget, and the run goes on past a failure. Written
 to --out (default $OUT, else outputs/gpu-check), at most 8 files: gpu_check.json (every figure), gpu_check.log (every
@@ -161,6 +163,11 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
          90, {}),
         ("bench-sessa", [*cli, "bench", "sessa", "--lengths", lengths, *layer, *small, "--out", work, "--overwrite"],
          90, {}),
+        ("bench-generate", [*cli, "bench", "generate", "--teacher", teacher, "--mixer", "rsa", "--option", "window=64",
+                            "--dtype", "float32" if dry else "bfloat16", "--contexts", "32" if dry else "1024,16384",
+                            "--batch-sizes", "1" if dry else "1,16", "--decode-tokens", "2" if dry else "16",
+                            "--prompt-tokens", "16" if dry else "1024", "--generate-tokens", "4" if dry else "64",
+                            "--memory-budget-gib", "40", *small, "--out", work, "--overwrite"], 150, {}),
     ] + ([] if dry else [  # on CPU `make test` runs these under the interpreter already
         ("pytest-triton", [*python, "-m", "pytest", "tests/unit/test_feedback_solve_triton.py",
                            "tests/unit/test_rsa_chunk_triton.py", "-m", "", "-q", "-p", "no:cacheprovider"], 120, {}),

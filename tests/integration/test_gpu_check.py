@@ -23,8 +23,8 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
     assert {name: step["status"] for name, step in report["steps"].items()} == \
         {name: "passed" for name in report["steps"]}
     assert {"compile-sessa-llama3-8b", "compile-rsa-smollm2-135m", "pytest-mixers", "pytest-kernels",
-            "bench-kernels", "teacher", "bench-distill", "distill-30", "bench-rsa", "bench-sessa"} <= \
-        set(report["steps"])
+            "bench-kernels", "teacher", "bench-distill", "distill-30", "bench-rsa", "bench-sessa",
+            "bench-generate"} <= set(report["steps"])
     figures = report["figures"]
     tested = {row["test"].split("[")[0] for name in ("pytest_mixers", "pytest_kernels")
               for row in figures[name]["records"]}
@@ -34,6 +34,7 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
     assert figures["bench_kernels"]["results"] and figures["bench_distill"]["tokens_per_s"]["distill"] > 0
     assert figures["distill_30"]["steps_logged"] == 2
     assert figures["bench_rsa"] and figures["bench_sessa"]
+    assert figures["bench_generate"]["models"] == ["teacher", "rsa window=64"]
     written = sorted(os.listdir(tmp_path))  # what comes back from a device machine: 8 files at most
     assert {"gpu_check.json", "gpu_check.log"} <= set(written) and len(written) <= 8, written
 
