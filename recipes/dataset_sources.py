@@ -171,7 +171,7 @@ def pack_documents(tokenizer, documents, source: DatasetSource, length: int, max
 
     def tokenise(batch):
         texts = batch[field]
-        for offset, text in enumerate(texts):
+        for text in texts:
             if text is not None and not isinstance(text, str):
                 raise ValueError(f"{source.label}: field {field!r} of a row holds {type(text).__name__}, not text")
         ids = tokenizer([text or "" for text in texts], add_special_tokens=False)["input_ids"]
