@@ -17,9 +17,11 @@ Each document is tokenised alone, followed by the tokenizer's EOS, and the token
 ``sequence_length`` blocks: no document is ever joined into one Python string with the others. Documents are
 tokenised lazily and only as many as the requested sequences need; without ``data.max_train_sequences`` a
 file-backed dataset is tokenised with ``Dataset.map``, which ``datasets`` caches on disk by fingerprint (the
-tokenizer included), so a second run or process reads it back. The short forms of ``data.source`` (a file,
+tokenizer included), so a second run or process reads it back. A JSONL or parquet file given as a short form is
+read the same way (its rows are documents, its "text" field the text). The other short forms (a text file or
 folder, ``shakespeare``, ``python-docs``, ``teacher:N``, lists of them) keep their own path (``corpus.split_texts``
-and ``data.pack``); a list that mixes both is mixed by weight at the level of token blocks (short forms weigh 1).
+and ``data.pack``: paragraphs, no EOS); a list that mixes both is mixed by weight at the level of token blocks
+(short forms weigh 1).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from dataclasses import dataclass, fields
 import torch
 
 HELDOUT_SPLITS = ("validation",)  # looked for, in order, when heldout_split is not given
+BUILDERS = ("json", "parquet", "csv", "text")  # datasets' packaged builders that read data_files
+DOCUMENT_FILES = {".jsonl": "json", ".parquet": "parquet"}  # short-form files whose rows are documents
 
 
 @dataclass(frozen=True)
@@ -74,8 +78,9 @@ class DatasetSource:
 
     @property
     def label(self) -> str:
-        """How reports and errors name it: path (config)."""
-        return self.path + (f" ({self.name})" if self.name else "")
+        """How reports and errors name it: path (config), or a builder's one data file."""
+        named = self.data_files if self.path in BUILDERS and isinstance(self.data_files, str) else self.path
+        return named + (f" ({self.name})" if self.name else "")
 
     @property
     def saved(self) -> bool:
@@ -84,34 +89,61 @@ class DatasetSource:
                                                  for marker in ("dataset_dict.json", "state.json"))
 
 
+def _document_file(item) -> dict | None:
+    """A short-form JSONL / parquet file as the mapping that reads its rows as documents (its "text" field)."""
+    if isinstance(item, str) and os.path.isfile(item) and os.path.splitext(item)[1] in DOCUMENT_FILES:
+        return {"path": DOCUMENT_FILES[os.path.splitext(item)[1]], "data_files": item}
+    return None
+
+
 def uses_datasets(source) -> bool:
-    """Whether ``data.source`` has a mapping entry (this module's path) rather than only short forms."""
+    """Whether ``data.source`` has an entry this module reads (a mapping, or a JSONL / parquet file) rather than
+    only text short forms."""
     items = source if isinstance(source, (list, tuple)) else [source]
-    return any(isinstance(item, dict) for item in items)
+    return any(isinstance(item, dict) or _document_file(item) for item in items)
 
 
 def parse_sources(source, where: str = "data.source") -> list:
-    """Every entry of ``data.source`` with its mappings parsed (short forms as they are): fails early, by name."""
+    """Every entry of ``data.source`` with its mappings parsed and its JSONL / parquet files as mappings (other
+    short forms as they are): fails early, by name."""
     items = source if isinstance(source, (list, tuple)) else [source]
-    return [DatasetSource.parse(item, f"{where}[{i}]" if isinstance(source, (list, tuple)) else where)
-            if isinstance(item, dict) else item for i, item in enumerate(items)]
+    return [DatasetSource.parse(_document_file(item) or item,
+                                f"{where}[{i}]" if isinstance(source, (list, tuple)) else where)
+            if isinstance(item, dict) or _document_file(item) else item for i, item in enumerate(items)]
+
+
+def _unreadable(source: DatasetSource, split: str | None, error: Exception) -> ValueError:
+    """A ``datasets`` error as one line naming the dataset and split, with its root cause (an empty file, a JSON
+    parse error in row N, a missing file...) rather than datasets' generic wrapper."""
+    cause = error
+    while cause.__cause__ is not None or cause.__context__ is not None:
+        cause = cause.__cause__ or cause.__context__
+    where = source.label + (f", split {split!r}" if split else "")
+    detail = str(error) if cause is error else f"{error} ({type(cause).__name__}: {cause})" if str(cause) else \
+        f"{error} (no row could be read: an empty file?)"
+    return ValueError(f"{where}: {detail}")
 
 
 def split_names(source: DatasetSource) -> list[str]:
     """The splits the dataset has."""
     import datasets
+    from datasets.exceptions import DatasetsError
 
     if source.saved:
         loaded = datasets.load_from_disk(source.path)
         return list(loaded) if isinstance(loaded, datasets.DatasetDict) else ["train"]
-    return datasets.get_dataset_split_names(source.path, source.name, revision=source.revision,
-                                            data_files=source.data_files)
+    try:
+        return datasets.get_dataset_split_names(source.path, source.name, revision=source.revision,
+                                                data_files=source.data_files)
+    except (ValueError, DatasetsError) as error:  # e.g. an empty data file: no split can be read from it
+        raise _unreadable(source, None, error) from None
 
 
 def load_split(source: DatasetSource, split: str, fields=None):
     """One split as a ``Dataset`` (an ``IterableDataset`` with ``streaming``), ``fields`` checked (default: the text
     field; a callable takes the column names and returns the missing ones' message or None)."""
     import datasets
+    from datasets.exceptions import DatasetsError
 
     if source.saved:
         loaded = datasets.load_from_disk(source.path)
@@ -126,8 +158,8 @@ def load_split(source: DatasetSource, split: str, fields=None):
         try:
             dataset = datasets.load_dataset(source.path, source.name, split=split, revision=source.revision,
                                             data_files=source.data_files, streaming=source.streaming)
-        except ValueError as error:  # e.g. an unknown split: say which dataset
-            raise ValueError(f"{source.label}, split {split!r}: {error}") from None
+        except (ValueError, DatasetsError) as error:  # an unknown split, a row that is not JSON...: say where
+            raise _unreadable(source, split, error) from None
     columns = dataset.column_names
     if columns is None:  # a stream that does not know its columns: look at its first row
         columns = list(next(iter(dataset), {}))

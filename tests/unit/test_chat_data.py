@@ -66,7 +66,8 @@ def test_a_chat_dataset_holds_out_its_validation_split(tmp_path):
               "data_files": {split: str(tmp_path / f"{split}.jsonl") for split in ("train", "validation")}}
     train, heldout, how = chat_examples(source)
     assert train == [DIALOGUE] * 5 and heldout == [DIALOGUE[:2]] * 2 and how == "its validation split"
-    with pytest.raises(ValueError, match=r"json, split 'train': no 'messages', and no 'prompt' with 'completion'"):
+    with pytest.raises(ValueError, match=r"train.jsonl, split 'train': no 'messages', and no 'prompt' with "
+                                         r"'completion'"):
         chat_examples({"path": "json", "data_files": str(tmp_path / "train.jsonl")})
     with pytest.raises(ValueError, match="streaming is not supported for chat data"):
         chat_examples({**source, "streaming": True})

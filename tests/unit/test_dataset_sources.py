@@ -37,7 +37,9 @@ def test_documents_are_tokenised_alone_and_separated_by_eos(tokenizer, tmp_path)
     assert torch.equal(data.train, torch.tensor(expected[:blocks * 16]).view(blocks, 16))
     assert (data.train == tokenizer.eos_token_id).sum() >= train_docs - 1
     assert data.heldout.shape == (2, 16) and data.heldout.flatten().tolist() == stream[len(expected):][:32]
-    assert "held out: the last 20% of its train split" in data.name
+    assert "held out: the last 20% of its train split" in data.name and data.name.startswith(files)
+    short = source_blocks(files, tokenizer, length=16, heldout_count=2)  # the file as a short form: the same rows
+    assert torch.equal(short.train, data.train) and torch.equal(short.heldout, data.heldout)
 
 
 def test_the_validation_split_is_the_held_out_set_and_max_sequences_reads_only_what_it_needs(tokenizer, tmp_path):
@@ -99,10 +101,10 @@ def test_bad_keys_are_named(entry, message):
 
 def test_bad_fields_and_splits_name_the_dataset(tokenizer, tmp_path):
     files = write_jsonl(tmp_path / "t.jsonl", DOCS, field="content")
-    with pytest.raises(ValueError, match=r"json, split 'train': no field 'text' \(fields: content, id\); set "
+    with pytest.raises(ValueError, match=r"t.jsonl, split 'train': no field 'text' \(fields: content, id\); set "
                                          r"text_field"):
         source_blocks({"path": "json", "data_files": files}, tokenizer, length=16)
-    with pytest.raises(ValueError, match=r"json, split 'dev'"):
+    with pytest.raises(ValueError, match=r"t.jsonl, split 'dev': Unknown split"):
         source_blocks({"path": "json", "data_files": files, "text_field": "content", "heldout_split": "dev"},
                       tokenizer, length=16)
     with pytest.raises(ValueError, match=r"heldout_split 'train' is the training split"):
@@ -110,3 +112,14 @@ def test_bad_fields_and_splits_name_the_dataset(tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"data.source\[1\]: unknown key"):
         parse_sources(["shakespeare", {"path": "json", "bogus": 1}])
     assert parse_sources([{"path": "json"}])[0] == DatasetSource(path="json")
+
+
+def test_unreadable_files_are_one_line_naming_the_file(tokenizer, tmp_path):
+    """datasets' generic errors come back with the file, the split and the root cause."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    with pytest.raises(ValueError, match=r"empty.jsonl: .*no row could be read: an empty file\?"):
+        source_blocks(str(tmp_path / "empty.jsonl"), tokenizer, length=16)
+    with pytest.raises(ValueError, match=r"bad.jsonl, split 'train': An error occurred while generating the dataset "
+                                         r"\(ValueError: "):
+        source_blocks(str(tmp_path / "bad.jsonl"), tokenizer, length=16)
