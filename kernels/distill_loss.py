@@ -100,9 +100,8 @@ def distillation_loss(h_s, w_s, h_t, w_t, targets, temperature: float = 1.0, ce_
     """The loss from final hidden states (the arguments of ``chunked_distillation_loss``): Liger-Kernel's fused linear
     kernels on CUDA where installed, else the chunked PyTorch path. ``backend`` as in kernels/dispatch.py."""
     _check_shapes(h_s, w_s, h_t, w_t, targets)
-    fused = library_kernel("distillation_loss", "liger_kernel.ops.fused_linear_jsd", "LigerFusedLinearJSDFunction",
-                           h_s.device, backend)
-    if fused is not None:
+    if library_kernel("distillation_loss", "liger_kernel.ops.fused_linear_jsd", "LigerFusedLinearJSDFunction",
+                      h_s.device, backend) is not None:  # the choice and its log line; the call imports both ops
         return liger_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature, ce_weight)
     return chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature, ce_weight, chunk_rows)
 

@@ -209,25 +209,24 @@ def pack_documents(tokenizer, documents, source: DatasetSource, length: int, max
         ids = tokenizer([text or "" for text in texts], add_special_tokens=False)["input_ids"]
         return {"ids": [row + [eos] if text else [] for row, text in zip(ids, texts)]}  # one row per row
 
+    import datasets
+
     columns = documents.column_names or [field]
-    lazy = max_sequences is not None or not hasattr(documents, "select")  # only what is needed, or a stream
-    if lazy and hasattr(documents, "to_iterable_dataset"):
-        documents = documents.to_iterable_dataset()
-    kwargs = {} if lazy else {"desc": f"tokenising {what}"}
+    if max_sequences is not None and isinstance(documents, datasets.Dataset):
+        documents = documents.to_iterable_dataset()  # tokenise lazily: only the documents the blocks need
+    kwargs = {} if isinstance(documents, datasets.IterableDataset) else {"desc": f"tokenising {what}"}
     tokens = documents.map(tokenise, batched=True, remove_columns=columns, **kwargs)
+    rows = (row for batch in tokens.iter(batch_size=64) for row in batch["ids"])
     blocks, buffer, used = [], [], 0
-    full = lambda: max_sequences is not None and len(blocks) >= max_sequences  # noqa: E731
-    for batch in tokens.iter(batch_size=64):
-        for row in batch["ids"]:
-            used += 1
-            buffer.extend(row)  # an empty document adds nothing
-            while len(buffer) >= length and not full():
-                blocks.append(torch.tensor(buffer[:length], dtype=torch.long))
-                del buffer[:length]
-            if full():
-                break
-        if full():
+    wanted = float("inf") if max_sequences is None else max_sequences
+    for row in rows:
+        if len(blocks) >= wanted:
             break
+        used += 1
+        buffer.extend(row)  # an empty document adds nothing
+        while len(buffer) >= length and len(blocks) < wanted:
+            blocks.append(torch.tensor(buffer[:length], dtype=torch.long))
+            del buffer[:length]
     if not blocks:
         raise ValueError(f"{what}: fewer than {length} tokens in {source.label} (split {source.split!r}), not "
                          "one sequence")

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import time
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +25,8 @@ from ..common.history import FINETUNE_SUMMARY
 from ..conversion.teacher import stored_dtype
 from .config import Recipe
 from .precision import autocast, dtype_name, output_dtype, training_dtype
-from .strategies import check_launch, from_accelerate_config
 from .tracking import finish_tracking, start_tracking
-from .trainer import Processes, run_stage
+from .trainer import run_stage
 
 
 def conversation(row: dict, where: str, messages_field: str | None = None) -> list[dict]:
@@ -188,7 +186,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     """Stage 3 on ``recipe.model.student`` (or the given model); returns the summary (OUT/summary.json)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .stages import (_accelerator, add_lora, checked_recipe, copy_history, local_student, save_model,
+    from .stages import (add_lora, checked_recipe, copy_history, launched, local_student, save_model,
                          sharding_for, train_mode, write_recipe)
 
     section, out = recipe.finetune, recipe.output.dir
@@ -197,9 +195,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
         raise FileExistsError(f"{model_dir} exists: this run already finished; set output.overwrite=true")
     if student is None and not recipe.model.student:
         raise ValueError("finetune needs model.student: the folder of a converted or distilled model")
-    recipe = replace(recipe, train=from_accelerate_config(recipe.train))  # what an agreeing accelerate config adds
-    processes = Processes(_accelerator(recipe))
-    check_launch(recipe.train)
+    recipe, processes = launched(recipe)
     device = processes.device
     dtype = training_dtype(recipe.train.precision, device)
     if student is None:  # read straight in the training dtype

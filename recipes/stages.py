@@ -243,9 +243,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     if os.path.isdir(model_dir) and os.listdir(model_dir) and not recipe.output.overwrite:
         raise FileExistsError(f"{model_dir} exists: this run already finished; set output.overwrite=true to redo "
                               "the export, or choose another output.dir")
-    recipe = replace(recipe, train=from_accelerate_config(recipe.train))  # what an agreeing accelerate config adds
-    processes = Processes(_accelerator(recipe))
-    check_launch(recipe.train)
+    recipe, processes = launched(recipe)
     progress = progress and processes.is_main
     record = checked_recipe(recipe)
     started = time.perf_counter()
@@ -513,13 +511,18 @@ def peak_memory(device: torch.device) -> dict:
     return {name: round(value, 3) for name, value in peaks.items()}
 
 
-def _accelerator(recipe: Recipe):
-    """accelerate's view of the launch (torchrun / accelerate launch / plain python; CPU runs use gloo), with the
-    recipe's experiment trackers (recipes/tracking.py; TensorBoard under OUT/tensorboard)."""
+def launched(recipe: Recipe) -> tuple[Recipe, Processes]:
+    """The recipe with what an agreeing accelerate config of this launch adds (``from_accelerate_config``), and
+    accelerate's view of the launch (torchrun / accelerate launch / plain python; CPU runs use gloo) with the
+    recipe's experiment trackers (recipes/tracking.py; TensorBoard under OUT/tensorboard). A launch that disagrees
+    with the recipe fails here, before any work (``check_launch``)."""
     from accelerate import Accelerator
 
-    return Accelerator(cpu=not torch.cuda.is_available(), log_with=trackers(recipe.train) or None,
-                       project_dir=os.path.join(recipe.output.dir, "tensorboard"))
+    recipe = replace(recipe, train=from_accelerate_config(recipe.train))
+    processes = Processes(Accelerator(cpu=not torch.cuda.is_available(), log_with=trackers(recipe.train) or None,
+                                      project_dir=os.path.join(recipe.output.dir, "tensorboard")))
+    check_launch(recipe.train)
+    return recipe, processes
 
 
 def plot_losses(histories: dict, path: str) -> None:

@@ -168,6 +168,11 @@ ACCELERATE_PLUGINS = {"ACCELERATE_USE_FSDP": ("fsdp", "recipes/fsdp.yaml"),
                       "ACCELERATE_USE_DEEPSPEED": ("deepspeed", "recipes/zero2.yaml or recipes/zero3.yaml")}
 
 
+def _turned_on(variable: str) -> bool:
+    """Whether `accelerate launch` set this boolean of its config in the environment."""
+    return os.environ.get(variable, "").lower() in ("1", "true")
+
+
 def from_accelerate_config(train):
     """``train`` with what an accelerate config of this launch says and the recipe does not, when the two agree on
     the strategy (``check_launch`` refuses them when not): its DeepSpeed JSON (``deepspeed_config_file``) becomes
@@ -176,10 +181,7 @@ def from_accelerate_config(train):
     other than full sharding, FSDP parameter offload."""
     from dataclasses import replace
 
-    def enabled(variable):
-        return os.environ.get(variable, "").lower() in ("1", "true")
-
-    if enabled("ACCELERATE_USE_DEEPSPEED") and train.strategy == "deepspeed":
+    if _turned_on("ACCELERATE_USE_DEEPSPEED") and train.strategy == "deepspeed":
         stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
         if stage not in (None, "", "None") and int(stage) != train.zero_stage:
             raise ValueError(f"the accelerate config of this launch has zero_stage {stage}, the recipe "
@@ -190,13 +192,13 @@ def from_accelerate_config(train):
                 raise ValueError(f"the accelerate config of this launch names the DeepSpeed config {path}, the recipe "
                                  f"train.deepspeed_config={train.deepspeed_config}: give one of them")
             train = replace(train, deepspeed_config=path)
-    if enabled("ACCELERATE_USE_FSDP") and train.strategy == "fsdp":
+    if _turned_on("ACCELERATE_USE_FSDP") and train.strategy == "fsdp":
         sharding = os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
         if sharding not in ("FULL_SHARD", "1"):
             raise ValueError(f"the accelerate config of this launch asks for the FSDP sharding strategy {sharding}; "
                              "train.strategy=fsdp shards fully (FULL_SHARD): change the accelerate config, or use "
                              "train.strategy=deepspeed with train.zero_stage=2 to shard gradients and optimizer states")
-        if enabled("FSDP_OFFLOAD_PARAMS"):
+        if _turned_on("FSDP_OFFLOAD_PARAMS"):
             raise ValueError("the accelerate config of this launch offloads FSDP parameters to the CPU "
                              "(fsdp_offload_params), which train.strategy=fsdp does not do: turn it off")
     return train
@@ -213,7 +215,7 @@ def check_launch(train) -> None:
     check_launch_precision(train.precision)
     check_optimizer(train)
     for variable, (strategy, overlay) in ACCELERATE_PLUGINS.items():
-        if os.environ.get(variable, "").lower() in ("1", "true") and train.strategy != strategy:
+        if _turned_on(variable) and train.strategy != strategy:
             raise ValueError(f"the accelerate config of this launch turns on {strategy} ({variable}), but the recipe "
                              f"has train.strategy={train.strategy}: the trainer shards by the recipe, not by "
                              f"accelerate's plugin. Stack {overlay} on the recipe and launch with "

@@ -1,6 +1,6 @@
 """Experiment trackers (``train.report_to``) through accelerate's: TensorBoard, Weights & Biases, MLflow, Aim, ...
 
-    accelerator = Accelerator(log_with=trackers(train), project_dir=OUT/tensorboard)   # stages._accelerator
+    accelerator = Accelerator(log_with=trackers(train), project_dir=OUT/tensorboard)   # stages.launched
     start_tracking(processes, recipe)        # once a run: the recipe as the run's configuration
     processes.log({"stage2/loss": ...}, step) # rank 0 only (accelerate's trackers live on the main process)
     finish_tracking(processes)               # (accelerate's end_training would also end the process group)

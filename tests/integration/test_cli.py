@@ -258,6 +258,24 @@ def test_bench_generate_measures_models_against_their_teacher(tmp_path):
     assert exit_info.value.code == 2
 
 
+def test_bench_generate_keeps_two_model_folders_of_the_same_name_apart(tmp_path):
+    """Distilled models all live in OUT/model: two such folders are both measured, the second under its path."""
+    import torch
+    from conftest import save_tiny_teacher
+
+    from hf_mixers.apps.bench.generate import _models
+    from hf_mixers.conversion import convert
+
+    teacher = str(tmp_path / "teacher")
+    save_tiny_teacher(teacher)
+    for run in ("a", "b"):
+        convert(teacher, "rsa", mixer_options={"rsa_num_slots": 8, "rsa_num_levels": 2},
+                out=str(tmp_path / run / "model"), progress=False)
+    models, _ = _models(teacher, [str(tmp_path / "a" / "model"), str(tmp_path / "b" / "model")], [], {},
+                        torch.float32, torch.device("cpu"))
+    assert list(models) == ["teacher", "model", str(tmp_path / "b" / "model")]
+
+
 def test_bench_kernels_on_cpu_compares_the_pytorch_paths_only(tmp_path, monkeypatch):
     """On CPU the Triton kernels are not timed (the interpreter is no benchmark); the report says why."""
     assert main(["bench", "kernels", "--out", str(tmp_path), "--lengths", "32,64", "--shapes", "smollm2-135m",

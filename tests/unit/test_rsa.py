@@ -313,3 +313,37 @@ def test_compiled_decode_step_equals_the_eager_step(block, window):
     stepped, _ = step_through(compiled, ids, mask, prefill=5)
     torch.testing.assert_close(stepped[mask.bool()], reference[mask.bool()], rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1  # one graph for both layers and every step: no recompiles
+
+
+def test_a_step_replayed_into_reused_buffers_is_copied_out(monkeypatch):
+    """decode_compiled with a CUDA-graph step (one graph for every block, each replay writing into the same output
+    memory): stood in for on the CPU by the eager block step writing into fixed buffers. Without the copy, the
+    second layer's replay would overwrite the first layer's cached state; with it, decoding equals eager."""
+    from hf_mixers.core.cache import map_tensors
+    from hf_mixers.model import blocks
+
+    def tensors(value) -> list:
+        found = []
+        map_tensors(value, lambda tensor: found.append(tensor) or tensor)
+        return found
+
+    buffers = {}
+
+    def replayed(*args):  # every call returns the same tensors, refilled, as a CUDA graph's replay does
+        outputs = blocks.block_step(*args)
+        if "out" not in buffers:
+            buffers["out"] = map_tensors(outputs, torch.Tensor.clone)
+        for held, fresh in zip(tensors(buffers["out"]), tensors(outputs), strict=True):
+            held.copy_(fresh)
+        return buffers["out"]
+
+    monkeypatch.setattr(blocks, "_compiled_block_steps", {"cpu": (replayed, True)})
+    ids = torch.randint(1, 101, (2, 10))
+    mask = torch.ones_like(ids)
+    options = dict(layer_types=["rsa", "rsa"], rsa_window=4)
+    eager = tiny_rsa_model(**options)
+    stepped_model = tiny_rsa_model(**options, rsa_compile_decode=True)
+    stepped_model.load_state_dict(eager.state_dict())
+    reference, _ = step_through(eager, ids, mask, prefill=4)
+    stepped, _ = step_through(stepped_model, ids, mask, prefill=4)
+    torch.testing.assert_close(stepped, reference, rtol=1e-5, atol=1e-5)

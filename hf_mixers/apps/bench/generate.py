@@ -38,7 +38,8 @@ def _models(teacher_source: str, model_dirs, mixers, options, dtype, device) -> 
     for folder in model_dirs:
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"bench generate: {folder}: no such model folder")
-        models[os.path.basename(os.path.normpath(folder))] = AutoModelForCausalLM.from_pretrained(folder)
+        label = os.path.basename(os.path.normpath(folder))  # the folder's name; its path when the name is taken
+        models[os.path.normpath(folder) if label in models else label] = AutoModelForCausalLM.from_pretrained(folder)
     for mixer in mixers:
         student, _ = convert(teacher, mixer, mixer_options=options, progress=False)
         label = mixer + "".join(f" {key}={value}" for key, value in sorted(options.items()))
@@ -69,7 +70,8 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
                    repeats: int = 1) -> dict:
     from tqdm.auto import tqdm
 
-    from .harness import bench_device
+    from .harness import bench_device, write_report
+    from ...common.files import write_atomically
     from ...common.measures import generation_timing
 
     if not model_dirs and not mixers:
@@ -78,6 +80,7 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
     device = bench_device(device, "generate")
     models, tokenizer = _models(teacher, model_dirs, mixers, options or {}, getattr(torch, dtype), device)
     budget = memory_budget_gib * 2**30
+    weights = {label: _weights_bytes(model) for label, model in models.items()}
     rows = []
     points = [(label, batch, context) for label in models for batch in batch_sizes for context in contexts]
     for label, batch, context in tqdm(points, desc="bench generate", unit="point"):
@@ -86,7 +89,7 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
                                   batch=batch) for _ in range(repeats)]
         prefill, decode = min(r["prefill_s"] for r in runs), min(r["decode_s"] for r in runs)
         per_row = runs[0]["cache_bytes"] / batch
-        fits = max(0, int((budget - _weights_bytes(model)) // per_row)) if per_row else None
+        fits = max(0, int((budget - weights[label]) // per_row)) if per_row else None
         rows.append({"model": label, "batch": batch, "context": context, "prefill_s": prefill,
                      "prefill_tokens_per_s": batch * context / prefill, "decode_s_per_step": decode,
                      "decode_tokens_per_s": batch / decode, "cache_bytes": runs[0]["cache_bytes"],
@@ -108,9 +111,6 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
                                          "seconds": generation,
                                          "speedup_vs_teacher": {label: generation["teacher"] / seconds
                                                                 for label, seconds in generation.items()}}}
-    from .harness import write_report
-    from ...common.files import write_atomically
-
     os.makedirs(out_dir, exist_ok=True)
     write_atomically(os.path.join(out_dir, "bench_generate.md"), table(report))
     return write_report(report, out_dir, "bench_generate", _plot, lambda r: print(table(r)))
