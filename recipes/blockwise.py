@@ -50,7 +50,7 @@ def capture_activations(teacher_model, layers, blocks, batch_size: int, folder: 
             with torch.no_grad():
                 for start in range(0, count, batch_size):
                     rows = slice(start, min(start + batch_size, count))
-                    teacher_model.model(blocks[rows].to(teacher_model.device), use_cache=False)
+                    teacher_model.model(blocks[rows].to(teacher_model.device, torch.long), use_cache=False)
         finally:
             for handle in handles:
                 handle.remove()

@@ -32,6 +32,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .token_blocks import BlockWriter, read_blocks, write_blocks
+
 HELDOUT_SPLITS = ("validation",)  # looked for, in order, when heldout_split is not given
 BUILDERS = ("json", "parquet", "csv", "text")  # datasets' packaged builders that read data_files
 DOCUMENT_FILES = {".jsonl": "json", ".parquet": "parquet"}  # short-form files whose rows are documents
@@ -192,9 +194,10 @@ def document_splits(source: DatasetSource, heldout_fraction: float, fields=None)
 
 
 def pack_documents(tokenizer, documents, source: DatasetSource, length: int, max_sequences: int | None,
-                   what: str) -> tuple[torch.Tensor, int]:
-    """(token blocks (N, length), documents read): each document tokenised alone and followed by EOS, the stream
-    cut into blocks, at most ``max_sequences`` of them (None: all). A row whose text is not a string is an error
+                   what: str, path: str | None = None) -> tuple[torch.Tensor, int]:
+    """(token blocks (N, length) int32, documents read): each document tokenised alone and followed by EOS, the
+    stream cut into blocks, at most ``max_sequences`` of them (None: all), written to the token-block file ``path``
+    as they are cut (recipes/token_blocks.py; None: kept in memory). A row whose text is not a string is an error
     naming the dataset and field; empty ones add nothing."""
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -217,48 +220,59 @@ def pack_documents(tokenizer, documents, source: DatasetSource, length: int, max
     kwargs = {} if isinstance(documents, datasets.IterableDataset) else {"desc": f"tokenising {what}"}
     tokens = documents.map(tokenise, batched=True, remove_columns=columns, **kwargs)
     rows = (row for batch in tokens.iter(batch_size=64) for row in batch["ids"])
-    blocks, buffer, used = [], [], 0
+    writer, buffer, used = BlockWriter(length, path), [], 0
     wanted = float("inf") if max_sequences is None else max_sequences
-    for row in rows:
-        if len(blocks) >= wanted:
-            break
-        used += 1
-        buffer.extend(row)  # an empty document adds nothing
-        while len(buffer) >= length and len(blocks) < wanted:
-            blocks.append(torch.tensor(buffer[:length], dtype=torch.long))
-            del buffer[:length]
-    if not blocks:
-        raise ValueError(f"{what}: fewer than {length} tokens in {source.label} (split {source.split!r}), not "
-                         "one sequence")
-    return torch.stack(blocks), used
+    try:
+        for row in rows:
+            if writer.count >= wanted:
+                break
+            used += 1
+            buffer.extend(row)  # an empty document adds nothing
+            while len(buffer) >= length and writer.count < wanted:
+                writer.add(buffer[:length])
+                del buffer[:length]
+        if not writer.count:
+            raise ValueError(f"{what}: fewer than {length} tokens in {source.label} (split {source.split!r}), not "
+                             "one sequence")
+    except BaseException:
+        writer.abandon()
+        raise
+    return writer.finish(), used
 
 
 @dataclass
 class DataBlocks:
     """What a run trains and evaluates on, as token blocks."""
 
-    train: torch.Tensor  # (N, length)
+    train: torch.Tensor  # (N, length) token ids (int32 when packed from documents; memory-mapped from a file)
     heldout: torch.Tensor  # (M, length)
     name: str  # for reports
     heldout_at: object = None  # (length, count) -> held-out blocks at another length (wider evaluations); or None
 
 
-def mix_blocks(parts: list[torch.Tensor], weights: list[float], total: int | None) -> torch.Tensor:
+def mix_blocks(parts: list[torch.Tensor], weights: list[float], total: int | None,
+               path: str | None = None) -> torch.Tensor:
     """Blocks of every part in the shares of ``weights``, spread evenly through the result: ``total`` blocks (None:
-    as many as the scarcest part allows at its share), at least one of each part."""
+    as many as the scarcest part allows at its share), at least one of each part; written to ``path`` (a token-block
+    file) or kept in memory."""
     shares = [weight / sum(weights) for weight in weights]
     if total is None:
         total = min(math.floor(len(part) / share) for part, share in zip(parts, shares))
     counts = [min(len(part), max(1, round(total * share))) for part, share in zip(parts, shares)]
     slots = sorted(((k + 0.5) / count, index) for index, count in enumerate(counts) for k in range(count))
-    taken, rows = [0] * len(parts), []
-    for _, index in slots:
-        rows.append(parts[index][taken[index]])
-        taken[index] += 1
-    return torch.stack(rows)
+    writer, taken = BlockWriter(parts[0].shape[1], path), [0] * len(parts)
+    try:
+        for _, index in slots:
+            writer.add(parts[index][taken[index]])
+            taken[index] += 1
+    except BaseException:
+        writer.abandon()
+        raise
+    return writer.finish()
 
 
-def _dataset_blocks(entry: DatasetSource, tokenizer, length, max_train, heldout_count, heldout_fraction):
+def _dataset_blocks(entry: DatasetSource, tokenizer, length, max_train, heldout_count, heldout_fraction,
+                    train_path=None, pack_train=True):
     train_docs, heldout_docs, how = document_splits(entry, heldout_fraction)
     if heldout_docs is None:  # a stream without a validation split: its first documents, training after them
         heldout, used = pack_documents(tokenizer, train_docs, entry, length, heldout_count,
@@ -267,7 +281,8 @@ def _dataset_blocks(entry: DatasetSource, tokenizer, length, max_train, heldout_
     else:
         heldout, _ = pack_documents(tokenizer, heldout_docs, entry, length, heldout_count,
                                     f"the held-out text of {entry.label}")
-    train, _ = pack_documents(tokenizer, train_docs, entry, length, max_train, f"the training text of {entry.label}")
+    train = pack_documents(tokenizer, train_docs, entry, length, max_train, f"the training text of {entry.label}",
+                           train_path)[0] if pack_train else None
 
     def heldout_at(size, count):
         return pack_documents(tokenizer, heldout_docs, entry, size, count, f"the held-out text of {entry.label}")[0]
@@ -275,27 +290,52 @@ def _dataset_blocks(entry: DatasetSource, tokenizer, length, max_train, heldout_
     return DataBlocks(train, heldout, f"{entry.label} (held out: {how})", heldout_at)
 
 
-def _text_blocks(source, tokenizer, length, max_train, heldout_count, heldout_fraction):
+def _text_blocks(source, tokenizer, length, max_train, heldout_count, heldout_fraction, train_path=None,
+                 pack_train=True):
     from ..common.corpus import split_texts
     from .data import pack
 
     train_text, heldout_text, name = split_texts(source, heldout_fraction)
-    train = pack(tokenizer, train_text, length, max_train, f"the training text of {name}")
+    train = None
+    if pack_train:
+        train = pack(tokenizer, train_text, length, max_train, f"the training text of {name}")
+        train = write_blocks(train, train_path) if train_path else train
     heldout = pack(tokenizer, heldout_text, length, heldout_count, f"the held-out text of {name}")
     return DataBlocks(train, heldout, name, lambda size, count: pack(tokenizer, heldout_text, size, count, name))
 
 
 def source_blocks(source, tokenizer, length: int, max_train: int | None = None, heldout_count: int = 4,
-                  heldout_fraction: float = 0.2) -> DataBlocks:
-    """Training and held-out token blocks of ``data.source`` (materialised: no ``teacher:N`` left)."""
+                  heldout_fraction: float = 0.2, train_path: str | None = None,
+                  read_train: bool = False) -> DataBlocks:
+    """Training and held-out token blocks of ``data.source`` (materialised: no ``teacher:N`` left).
+
+    ``train_path``: the training blocks are written to this token-block file as they are packed and come back
+    memory-mapped from it (None: in memory). ``read_train``: another process already wrote it; only the held-out
+    blocks are packed here (they are few) and the training blocks are the file's."""
     entries = parse_sources(source)
+    pack_train = not read_train
     if not uses_datasets(source):
-        return _text_blocks(source, tokenizer, length, max_train, heldout_count, heldout_fraction)
-    parts = [(_dataset_blocks if isinstance(entry, DatasetSource) else _text_blocks)(
-        entry, tokenizer, length, max_train, heldout_count, heldout_fraction) for entry in entries]
-    if len(parts) == 1:
-        return parts[0]
-    weights = [entry.weight if isinstance(entry, DatasetSource) else 1.0 for entry in entries]
-    return DataBlocks(mix_blocks([part.train for part in parts], weights, max_train),
-                      mix_blocks([part.heldout for part in parts], weights, max(heldout_count, len(parts))),
-                      " + ".join(part.name for part in parts))
+        data = _text_blocks(source, tokenizer, length, max_train, heldout_count, heldout_fraction, train_path,
+                            pack_train)
+    else:
+        single = len(entries) == 1
+        part_paths = [train_path if single or not train_path else f"{train_path}.part{i}"
+                      for i in range(len(entries))]
+        parts = [(_dataset_blocks if isinstance(entry, DatasetSource) else _text_blocks)(
+            entry, tokenizer, length, max_train, heldout_count, heldout_fraction, part_path, pack_train)
+            for entry, part_path in zip(entries, part_paths)]
+        if single:
+            data = parts[0]
+        else:
+            weights = [entry.weight if isinstance(entry, DatasetSource) else 1.0 for entry in entries]
+            train = mix_blocks([part.train for part in parts], weights, max_train, train_path) if pack_train else None
+            if pack_train and train_path:  # the parts are in the mixture now
+                for part_path in part_paths:
+                    for leftover in (part_path, part_path + ".json"):
+                        os.remove(leftover)
+            data = DataBlocks(train, mix_blocks([part.heldout for part in parts], weights,
+                                                max(heldout_count, len(parts))),
+                              " + ".join(part.name for part in parts))
+    if read_train:
+        data.train = read_blocks(train_path)
+    return data

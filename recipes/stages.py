@@ -263,9 +263,12 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         materialise_sources(source, teacher, teacher_text_folder(recipe), recipe.train.seed, length, progress)
     processes.barrier()
     source = materialise_sources(source, teacher, teacher_text_folder(recipe), recipe.train.seed, length, False)
-    with processes.main_first():  # a dataset is tokenised once, into datasets' cache, then read by the others
+    # a dataset is tokenised once, into datasets' cache; the main process packs the training blocks into
+    # OUT/data/train.int32, which every process then memory-maps (recipes/token_blocks.py)
+    with processes.main_first():
         data = source_blocks(source, teacher.tokenizer, length, recipe.data.max_train_sequences,
-                             recipe.data.heldout_sequences, recipe.data.heldout_fraction)
+                             recipe.data.heldout_sequences, recipe.data.heldout_fraction,
+                             train_path=os.path.join(out, "data", "train.int32"), read_train=not processes.is_main)
     train_ids, heldout_ids, data_name = data.train, data.heldout, data.name
     read_from = None  # the folder of a student read here: its weights are compared with the teacher's as stored
     if student is None and recipe.model.student:
@@ -293,11 +296,11 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     release_freed_memory()  # the student's own copies of those weights (a loaded model.student) are gone
     if shared and progress:
         tqdm.write(f"student and teacher hold their {shared / 2**20:.0f} MiB of common frozen weights once")
-    train_ids, heldout_ids = train_ids.to(device), heldout_ids.to(device)
+    heldout_ids = heldout_ids.to(device, torch.long)  # the training blocks stay mapped: batches move one by one
     write_recipe(recipe, record, processes)
     start_tracking(processes, recipe)
 
-    wider_ids = {name: ids.to(device) for name, ids in
+    wider_ids = {name: ids.to(device, torch.long) for name, ids in
                  wider_evaluation_sets(recipe, teacher.tokenizer, data).items()}
     evaluations, wider = {}, {name: {} for name in wider_ids}
     teacher_hidden = {}  # the frozen teacher's final states per evaluation set: computed once, not once per stage
@@ -352,8 +355,9 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         histories["stage1-selection"] = transfer("stage1-selection", selection)
         count = int(recipe.model.keep_attention.removeprefix("kl:"))
         with autocast(dtype, device):  # the frozen weights may be bf16 beside the fp32 trained ones
-            kept = keep_by_marginal_kl(student, teacher.model, train_ids[:KL_RANKING_SEQUENCES], count,
-                                       conversion_report, f"ranked after {selection} stage-1 steps")
+            ranked_on = train_ids[:KL_RANKING_SEQUENCES].to(device, torch.long)
+            kept = keep_by_marginal_kl(student, teacher.model, ranked_on, count, conversion_report,
+                                       f"ranked after {selection} stage-1 steps")
         if progress:
             tqdm.write(f"kl:{count}: layers {kept} back to attention (ranked after {selection} stage-1 steps)")
         evaluate("stage1-selection", student)

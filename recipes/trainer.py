@@ -43,7 +43,8 @@ class NonFiniteLoss(FloatingPointError):
 
 
 def batch_at(blocks: torch.Tensor, index: int, batch_size: int, seed: int) -> torch.Tensor:
-    """Micro-batch number ``index`` of an endless stream of seeded epoch permutations of ``blocks``."""
+    """Micro-batch number ``index`` of an endless stream of seeded epoch permutations of ``blocks`` (its rows only
+    are read: ``blocks`` may be a memory-mapped token-block file)."""
     count = blocks.shape[0]
     per_epoch = max(count // batch_size, 1)
     epoch, position = divmod(index, per_epoch)
@@ -123,7 +124,7 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
             total, extra, first_rows = 0.0, {}, None
             for micro in range(train.grad_accum):
                 index = ((step - 1) * train.grad_accum + micro) * processes.world + processes.rank
-                batch = batch_at(blocks, index, train.batch_size, train.seed)
+                batch = batch_at(blocks, index, train.batch_size, train.seed).to(device, torch.long)
                 first_rows = batch.flatten(1)[:, 0].tolist() if first_rows is None else first_rows
                 with autocast(dtype, device):
                     loss, extra = optimizer.loss(batch)

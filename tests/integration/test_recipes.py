@@ -18,6 +18,7 @@ from hf_mixers.recipes import RecipeError, distill, load_recipe
 from hf_mixers.common.corpus import split_texts
 from hf_mixers.recipes.data import pack
 from hf_mixers.recipes.stages import attention_transfer_loss, converted_layers, new_mixer_parameters
+from hf_mixers.recipes.token_blocks import read_blocks
 from hf_mixers.recipes.trainer import NonFiniteLoss, batch_at
 from hf_mixers.common.remote_check import load_in_fresh_process
 
@@ -595,6 +596,8 @@ def test_a_dataset_source_trains_on_its_train_split_and_evaluates_on_its_validat
                                             f"data.source={{path: {tmp_path / 'saved'}, text_field: body}}")),
                       progress=False)
     assert summary["data"] == f"{tmp_path / 'saved'} (held out: its validation split)"
+    blocks = read_blocks(str(tmp_path / "run" / "data" / "train.int32"))  # packed once, memory-mapped by the run
+    assert blocks.shape == (summary["train_sequences"], summary["sequence_length"])
     assert any(name.startswith(summary["data"]) and name.endswith("128 tokens") for name in
                summary["wider_evaluations"]), summary["wider_evaluations"]
     with pytest.raises(ValueError, match="data.source: unknown key"):
