@@ -148,17 +148,51 @@ def check_gradcheck(name):
 
 def check_decode_equals_forward(name):
     """Prefill + token-by-token decode of a left-padded batch equals one full forward."""
-    from transformers import DynamicCache
-
     model = tiny_model(name)
     ids, mask = _inputs()
-    full = _logits(model, ids, mask)
-    cache = DynamicCache(config=model.config)
-    steps = [_logits(model, ids[:, :5], mask[:, :5], past_key_values=cache, use_cache=True)]
-    for t in range(5, ids.shape[1]):
-        steps.append(_logits(model, ids[:, t:t + 1], mask[:, :t + 1], past_key_values=cache, use_cache=True))
     valid = mask.bool()
-    _close(torch.cat(steps, 1)[valid], full[valid], "prefill + decode vs one forward")
+    _close(_decode(model, ids, mask)[valid], _logits(model, ids, mask)[valid], "prefill + decode vs one forward")
+
+
+def _decode(model, ids, mask, prefill=5, after_first_step=None):
+    """Logits of a prefill of ``prefill`` tokens then one token at a time (``after_first_step()`` is called once
+    the first single-token step has run)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    steps = [_logits(model, ids[:, :prefill], mask[:, :prefill], past_key_values=cache, use_cache=True)]
+    for t in range(prefill, ids.shape[1]):
+        steps.append(_logits(model, ids[:, t:t + 1], mask[:, :t + 1], past_key_values=cache, use_cache=True))
+        if t == prefill and after_first_step is not None:
+            after_first_step()
+    return torch.cat(steps, 1)
+
+
+def check_compiled_decode(name):
+    """``config.compile_decode``: each one-token step of a block around a recurrent mixer runs as one torch.compile
+    graph, equal to the eager step and to one full forward, on a left-padded batch; one graph per recurrent mixer
+    class, built at the first step and never rebuilt for the later ones. Equal to fp32 precision, not fp64's: the
+    Llama RMSNorm computes in fp32 whatever the model's dtype, and the compiled graph sums in another order."""
+    from .core.mixer import RecurrentMixer
+
+    eager = tiny_model(name)
+    compiled = tiny_model(name, compile_decode=True)
+    ids, mask = _inputs()
+    valid = mask.bool()
+    full, reference = _logits(eager, ids, mask), _decode(eager, ids, mask)
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()  # a fresh count (and the recompile limit not spent by earlier models in this process)
+    counters.clear()
+    graphs = {}
+    stepped = _decode(compiled, ids, mask,
+                      after_first_step=lambda: graphs.setdefault("first", counters["stats"]["unique_graphs"]))
+    recurrent = {type(block.mixer) for block in compiled.model.layers if isinstance(block.mixer, RecurrentMixer)}
+    assert counters["stats"]["unique_graphs"] == graphs["first"] == len(recurrent), (
+        f"compiled decode: {counters['stats']['unique_graphs']} graphs ({graphs['first']} after the first step) for "
+        f"{len(recurrent)} recurrent mixer class(es): a later step recompiled, or a step did not compile")
+    assert not counters["graph_break"], f"compiled decode: graph breaks {dict(counters['graph_break'])}"
+    _close(stepped[valid], reference[valid], "compiled decode vs the eager decode", torch.float32)
+    _close(stepped[valid], full[valid], "compiled decode vs one forward", torch.float32)
 
 
 def check_chunked_prefill(name):
@@ -361,8 +395,8 @@ def check_window_exact_at_init(name):
                 assert beyond[key] > 1e-6, f"{kind}_window=4 on 10 tokens: the memory never took part"
 
 
-CHECKS = (check_config, check_forward_backward, check_gradcheck, check_decode_equals_forward, check_chunked_prefill,
-          check_padding, check_generate, check_remote_code, check_bf16, check_mixed_precision,
+CHECKS = (check_config, check_forward_backward, check_gradcheck, check_decode_equals_forward, check_compiled_decode,
+          check_chunked_prefill, check_padding, check_generate, check_remote_code, check_bf16, check_mixed_precision,
           check_gradient_checkpointing, check_from_attention, check_window_exact_at_init)
 
 

@@ -31,7 +31,6 @@ rho = sin(pi alpha) / pi lambda^-alpha.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -54,22 +53,33 @@ def power_weights(alpha: torch.Tensor, lags: torch.Tensor) -> torch.Tensor:
                        torch.zeros((), dtype=alpha.dtype, device=alpha.device))
 
 
-@lru_cache(maxsize=64)
+# Both are memoised by hand and marked constant for torch.compile: a compiled decode step (config.compile_decode)
+# takes the nodes as constants, where it could trace neither numpy's leggauss nor through an lru_cache
+_nodes, _tensors = {}, {}
+
+
+@torch.compiler.assume_constant_result
 def soe_nodes(num_terms: int, horizon: int, eps: float) -> tuple:
     """(xi, Omega, lambda_min, lambda_max) in float64: the alpha-independent quadrature of the Laplace integral."""
-    lambda_min, lambda_max = eps / (2 * horizon), 2 * math.log(2 * horizon / eps)
-    span = math.log(lambda_max / lambda_min)
-    x, varpi = np.polynomial.legendre.leggauss(num_terms)
-    xi = lambda_min * np.exp(span / 2 * (x + 1))
-    return tuple(xi.tolist()), tuple((span / 2 * varpi * xi).tolist()), lambda_min, lambda_max
+    key = (num_terms, horizon, eps)
+    if key not in _nodes:
+        lambda_min, lambda_max = eps / (2 * horizon), 2 * math.log(2 * horizon / eps)
+        span = math.log(lambda_max / lambda_min)
+        x, varpi = np.polynomial.legendre.leggauss(num_terms)
+        xi = lambda_min * np.exp(span / 2 * (x + 1))
+        _nodes[key] = tuple(xi.tolist()), tuple((span / 2 * varpi * xi).tolist()), lambda_min, lambda_max
+    return _nodes[key]
 
 
-@lru_cache(maxsize=64)
+@torch.compiler.assume_constant_result
 def _node_tensors(num_terms: int, horizon: int, eps: float, dtype, device) -> tuple:
     """(-xi then 0, xi, Omega) as tensors, made once per dtype and device (a decode step reads them per layer)."""
-    xi, omega, _, _ = soe_nodes(num_terms, horizon, eps)
-    xi_t = torch.tensor(xi, dtype=dtype, device=device)
-    return torch.cat([-xi_t, xi_t.new_zeros(1)]), xi_t, torch.tensor(omega, dtype=dtype, device=device)
+    key = (num_terms, horizon, eps, dtype, device)
+    if key not in _tensors:
+        xi, omega, _, _ = soe_nodes(num_terms, horizon, eps)
+        xi_t = torch.tensor(xi, dtype=dtype, device=device)
+        _tensors[key] = torch.cat([-xi_t, xi_t.new_zeros(1)]), xi_t, torch.tensor(omega, dtype=dtype, device=device)
+    return _tensors[key]
 
 
 def _check(num_terms: int, horizon: int, eps: float) -> None:

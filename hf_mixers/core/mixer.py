@@ -107,3 +107,12 @@ class RecurrentMixer(SequenceMixer):
 
     def mix(self, hidden_states, position_embeddings=None, token_mask=None, state=None, history=None):
         raise NotImplementedError(f"{type(self).__name__} must implement mix")
+
+    def compiled_decode_requested(self) -> bool:
+        return self.config.compile_decode
+
+    def compiles_decode(self, hidden_states, past_key_values) -> bool:
+        """Whether the block runs this step as one compiled graph (model/blocks.py): ``config.compile_decode``, one
+        token, its state already cached (a prefill and the first token run eagerly)."""
+        return (self.compiled_decode_requested() and hidden_states.shape[1] == 1 and past_key_values is not None
+                and past_key_values.layers[self.layer_idx].state is not None)

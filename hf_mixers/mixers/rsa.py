@@ -187,10 +187,8 @@ class RSAMixer(RecurrentMixer, FullAttention):
         out, state = self.memory_read(hidden_states, position_embeddings, token_mask, state)
         return self.o_proj(out), state, conv_history
 
-    def compiles_decode(self, hidden_states, past_key_values) -> bool:
-        """Whether the block runs this step as one compiled graph (``rsa_compile_decode``, one token, state cached)."""
-        return (self.config.rsa_compile_decode and hidden_states.shape[1] == 1 and past_key_values is not None
-                and past_key_values.layers[self.layer_idx].state is not None)
+    def compiled_decode_requested(self) -> bool:
+        return self.config.compile_decode or self.config.rsa_compile_decode  # the RSA-only switch came first
 
     def init_new_parameters(self):
         """Conversion init: the scratch init, then W_r = I at level 0 and 0 below (deeper levels silent),
@@ -321,8 +319,8 @@ RSA = register_mixer(MixerSpec(
                     "rotated; the memory's slot assignments then do not depend on absolute positions, which it "
                     "would otherwise meet untrained past its training length)", boolean),
         MixerOption("rsa_compile_decode", False, "run each one-token decode step of an RSA block as one "
-                    "torch.compile graph (about 2x faster per token on CPU; the first step compiles for 10-30 s)",
-                    boolean),
+                    "torch.compile graph (about 2x faster per token on CPU; the first step compiles for 10-30 s); "
+                    "the model-wide compile_decode does this for every recurrent mixer", boolean),
     ),
     derived_defaults=_derived_defaults, validate=_validate, cache_layer=RSACacheLayer, constant_state=True,
     conversion_options={"rsa_readout": "softmax_count"},  # count-aware softmax: the layer starts as cluster attention

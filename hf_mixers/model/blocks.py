@@ -11,6 +11,7 @@ it with the mixer, or with the compiled step when the mixer asks for one (``mixe
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 import torch.nn.functional as F
@@ -83,16 +84,32 @@ def block_step(block, hidden_states, position_embeddings, token_mask, state, con
     return block.around(hidden_states, mix), new["state"], new["history"]
 
 
-_compiled_block_steps = {}  # device type -> (the compiled block_step, whether it replays as a CUDA graph)
+_compiled_block_steps = {}  # (device type, mixer class, batch) -> (compiled block_step, replays as a CUDA graph)
+compile_modes = {}  # device type -> torch.compile's mode for the steps compiled from now on (absent: the default)
 
 
 def compile_block_step(device: str, mode: str | None = None):
-    """``block_step`` compiled for ``device`` and kept for every later decode step there. ``mode``: torch.compile's
-    (None: the default; "reduce-overhead": replayed as a CUDA graph on CUDA)."""
+    """``block_step`` compiled for ``device`` -> (the step, whether it replays as a CUDA graph). ``mode``:
+    torch.compile's (None: the default; "reduce-overhead": replayed as a CUDA graph on CUDA).
+
+    Each call compiles its own copy of the function's code: dynamo keeps its graphs, and its limit of 8 recompiles
+    before it silently falls back to eager, per code object. decode_compiled keeps one per mixer class and batch
+    size, so a process serving several models and batch sizes never reaches that limit."""
     options = {"cpp_wrapper": True} if device == "cpu" else None
-    step = torch.compile(block_step, dynamic=False, fullgraph=True, options=options, mode=mode)
-    _compiled_block_steps[device] = step, device == "cuda" and mode in ("reduce-overhead", "max-autotune")
-    return _compiled_block_steps[device]
+    copy = types.FunctionType(block_step.__code__.replace(), block_step.__globals__, block_step.__name__)
+    step = torch.compile(copy, dynamic=False, fullgraph=True, options=options, mode=mode)
+    return step, device == "cuda" and mode in ("reduce-overhead", "max-autotune")
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with the strides of a new contiguous one: dynamo guards on every stride, also of size-1 dimensions
+    (a batch-1 slice that a prefill leaves is contiguous but strided otherwise), and would recompile the step."""
+    strides, step = [], 1
+    for size in reversed(tensor.shape):
+        strides.append(step)
+        step *= size
+    dense = tensor.stride() == tuple(reversed(strides))
+    return tensor if dense else tensor.clone(memory_format=torch.contiguous_format)
 
 
 def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_key_values):
@@ -101,25 +118,27 @@ def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_
     Eager, a decode step of a recurrent memory is ~100 small ops and dispatch-bound; compiled with the whole block
     around it (projections, o_proj, norms, MLP), it is one graph of a few fused kernels. The block is an argument,
     so its parameters are graph inputs and every block of every model shares the graph. Static shapes: the mask is
-    cut to this token and every input made contiguous, so neither the context length nor a strided state recompiles
-    it. On CPU the graph's launcher is C++ (``cpp_wrapper``): the default Python launcher of ~50 kernels cost ~0.13 ms
-    per block call, a tenth of an RSA step. The first call compiles for 10-30 s on a CPU, hence opt-in
-    (``rsa_compile_decode``). Replayed as a CUDA graph, one graph serves every block, and each replay writes its
+    cut to this token and every input given dense strides, so neither the context length nor a strided state recompiles
+    it (one graph per mixer class and batch size, see compile_block_step). On CPU the graph's launcher is C++
+    (``cpp_wrapper``): the default Python launcher of ~50 kernels cost ~0.13 ms per block call, a tenth of an RSA
+    step. The first call compiles for 10-60 s on a CPU, hence opt-in
+    (``config.compile_decode``). Replayed as a CUDA graph, one graph serves every block, and each replay writes its
     outputs into the same memory: they are copied out before the next block's replay would overwrite them.
     """
     device = hidden_states.device.type
-    if device not in _compiled_block_steps:
-        logger.warning("compiling the decoder block's token step with torch.compile (rsa_compile_decode=True); "
-                       "the first decode step takes 10-30 s")
-        compile_block_step(device)
-    step, cuda_graph = _compiled_block_steps[device]
+    key = (device, type(block.mixer), hidden_states.shape[0])
+    if key not in _compiled_block_steps:
+        logger.warning("compiling the %s block's token step at batch %d with torch.compile (compile_decode=True); "
+                       "the first decode step takes 10-60 s", key[1].__name__, key[2])
+        _compiled_block_steps[key] = compile_block_step(device, compile_modes.get(device))
+    step, cuda_graph = _compiled_block_steps[key]
     if cuda_graph:
         torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs were copied out: reuse is fine
     layer_cache = past_key_values.layers[block.mixer.layer_idx]
     output, state, history = step(
-        block, hidden_states.contiguous(), position_embeddings,
-        None if token_mask is None else token_mask[:, -1:].contiguous(),
-        map_tensors(layer_cache.state, torch.Tensor.contiguous), layer_cache.conv_history)
+        block, _dense(hidden_states), position_embeddings,
+        None if token_mask is None else _dense(token_mask[:, -1:]),
+        *map_tensors((layer_cache.state, layer_cache.conv_history), _dense))
     if cuda_graph:
         output, state, history = map_tensors((output, state, history), torch.Tensor.clone)
     layer_cache.update_state(state, 1, history)

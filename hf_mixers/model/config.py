@@ -38,6 +38,10 @@ class MixerConfig(PreTrainedConfig):
     kernel_backend: "auto" (Triton kernels where they can run: CUDA with triton installed, else the PyTorch path,
         said once in the log), "triton" (the kernels or an error) or "torch" (always the PyTorch path). The
         environment variable HF_MIXERS_BACKEND overrides it (kernels/dispatch.py).
+    compile_decode: run each one-token decode step of a block around a recurrent mixer (RSA, the selective SSMs,
+        VORT: every ``RecurrentMixer``) as one torch.compile graph, shared by every such block (model/blocks.py);
+        the first step compiles for 10-60 s. A runtime switch: ``model.config.compile_decode = True`` on a loaded
+        model turns it on.
 
     Mixer options: see each mixer's ``MixerSpec.options`` (``hf_mixers.get_mixer("rsa").options``) and its page in
     docs/mixers/.
@@ -72,6 +76,7 @@ class MixerConfig(PreTrainedConfig):
     layer_types: list[str] | None = None
     block: str = "llama"
     kernel_backend: str = "auto"
+    compile_decode: bool = False
 
     default_mixer = "full_attention"  # class attribute: what layer_types defaults to
 
@@ -164,6 +169,8 @@ def validate_mixer_config(config: MixerConfig) -> None:
         fail(f"head_dim ({config.head_dim}) must be even for rotary embeddings")
     if config.kernel_backend not in KERNEL_BACKENDS:
         fail(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {config.kernel_backend!r}")
+    if not isinstance(config.compile_decode, bool):
+        fail(f"compile_decode must be true or false, got {config.compile_decode!r}")
     used = config.used_mixers()
     for spec in used:
         for option in spec.options:

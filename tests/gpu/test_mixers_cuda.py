@@ -110,8 +110,7 @@ def test_compiled_decode_equals_eager(mode, monkeypatch, record):
 
     torch._dynamo.reset()
     monkeypatch.setattr(blocks, "_compiled_block_steps", {})
-    if mode != "default":
-        blocks.compile_block_step(DEVICE.type, mode)
+    monkeypatch.setattr(blocks, "compile_modes", {} if mode == "default" else {DEVICE.type: mode})
     options = dict(layer_types=["rsa", "rsa"], rsa_query_read=True, rsa_decay=True, rsa_window=4)
     _, eager = _pair("rsa", **options)
     compiled = tiny_model("rsa", dtype=torch.float32, rsa_compile_decode=True, **options).to(DEVICE)

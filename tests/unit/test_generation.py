@@ -128,3 +128,28 @@ def test_mask_that_does_not_cover_the_cache_is_refused():
         model(ids[:, :6], past_key_values=cache, use_cache=True)
         with pytest.raises(ValueError, match="attention_mask has shape \\(1, 2\\) but expected \\(1, 8\\)"):
             model(ids[:, 6:], attention_mask=torch.ones(1, 2, dtype=torch.long), past_key_values=cache)
+
+
+def test_compiled_decode_serves_more_batch_sizes_than_dynamos_recompile_limit(monkeypatch):
+    """config.compile_decode at ten batch sizes (dynamo falls back to eager, silently, after 8 recompiles of one
+    code object): every batch size gets one compiled graph (also across prefill -> decode: the conv history a
+    prefill leaves is strided), and generate equals the eager model's. Dynamo's own eager backend stands in for
+    inductor: the limit and the graph count are dynamo's, and it compiles in milliseconds."""
+    from hf_mixers.model import blocks
+    from hf_mixers.testing import tiny_model
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, options=None, **kwargs: compile_(fn, backend="eager",
+                                                                                                 **kwargs))
+    monkeypatch.setattr(blocks, "_compiled_block_steps", {})
+    eager = tiny_model("selective_ssm", dtype=torch.float32)
+    compiled = tiny_model("selective_ssm", dtype=torch.float32, compile_decode=True)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    for batch in range(1, 11):
+        ids = torch.randint(3, 61, (batch, 4), generator=torch.Generator().manual_seed(batch))
+        outputs = [model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                                  pad_token_id=0) for model in (eager, compiled)]
+        assert torch.equal(*outputs), f"batch {batch}: compiled decode generated other tokens"
+    assert counters["stats"]["unique_graphs"] == 10 and not counters["recompile_limit_hit"], dict(counters["stats"])

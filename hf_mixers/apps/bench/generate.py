@@ -27,8 +27,10 @@ def _weights_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def _models(teacher_source: str, model_dirs, mixers, options, dtype, device) -> tuple[dict, object]:
-    """{label: model} in ``dtype`` on ``device``, the teacher first; and the teacher's tokenizer."""
+def _models(teacher_source: str, model_dirs, mixers, options, dtype, device,
+            compile_decode: bool = False) -> tuple[dict, object]:
+    """{label: model} in ``dtype`` on ``device``, the teacher first; and the teacher's tokenizer. ``compile_decode``:
+    the converted models' recurrent blocks decode through their compiled step (``config.compile_decode``)."""
     from transformers import AutoModelForCausalLM
 
     from ...conversion import convert, load_teacher
@@ -44,8 +46,13 @@ def _models(teacher_source: str, model_dirs, mixers, options, dtype, device) -> 
         student, _ = convert(teacher, mixer, mixer_options=options, progress=False)
         label = mixer + "".join(f" {key}={value}" for key, value in sorted(options.items()))
         models[label] = student
-    for model in models.values():
+    for label, model in models.items():
         model.to(device=device, dtype=dtype).eval()
+        if compile_decode and label != "teacher":
+            model.config.compile_decode = True
+    if compile_decode:
+        models = {label if label == "teacher" else f"{label}, compiled decode": model
+                  for label, model in models.items()}
     return models, teacher.tokenizer
 
 
@@ -67,7 +74,7 @@ def _generate_seconds(model, tokenizer, prompt_tokens: int, new_tokens: int, dev
 def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), mixers=(), options=None,
                    batch_sizes=(1, 4), contexts=(512, 2048), decode_tokens: int = 8, prompt_tokens: int = 512,
                    generate_tokens: int = 32, memory_budget_gib: float = 8.0, dtype: str = "float32", device=None,
-                   repeats: int = 1) -> dict:
+                   repeats: int = 1, compile_decode: bool = False) -> dict:
     from tqdm.auto import tqdm
 
     from .harness import bench_device, write_report
@@ -78,7 +85,8 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
         raise ValueError("bench generate: name a model: MODEL_DIR arguments (saved converted models) and/or --mixer "
                          "(the teacher converted here)")
     device = bench_device(device, "generate")
-    models, tokenizer = _models(teacher, model_dirs, mixers, options or {}, getattr(torch, dtype), device)
+    models, tokenizer = _models(teacher, model_dirs, mixers, options or {}, getattr(torch, dtype), device,
+                                compile_decode)
     budget = memory_budget_gib * 2**30
     weights = {label: _weights_bytes(model) for label, model in models.items()}
     rows = []
@@ -169,6 +177,9 @@ def _arguments(parser) -> None:
     parser.add_argument("--memory-budget-gib", type=positive_number, default=8.0,
                         help="weights + caches (default 8)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--compile-decode", action="store_true", help="decode the converted models' recurrent "
+                        "blocks through their torch.compile'd step (config.compile_decode; compiled during warmup, "
+                        "once per mixer and batch size); the teacher stays eager")
 
 
 def _run(args):
@@ -176,7 +187,8 @@ def _run(args):
                           options=option_dict(args.option), batch_sizes=args.batch_sizes, contexts=args.contexts,
                           decode_tokens=args.decode_tokens, prompt_tokens=args.prompt_tokens,
                           generate_tokens=args.generate_tokens, memory_budget_gib=args.memory_budget_gib,
-                          dtype=args.dtype, device=args.device, repeats=args.repeats)
+                          dtype=args.dtype, device=args.device, repeats=args.repeats,
+                          compile_decode=args.compile_decode)
 
 
 register_bench("generate", "prefill and decode tokens/s, cache and the largest batch in a memory budget, and the time "
