@@ -174,7 +174,10 @@ def windowed(query, keys, values, valid, extras, state: WindowState | None, wind
         share = torch.where(seen, share.to(local.dtype), torch.zeros((), dtype=local.dtype, device=local.device))
         remote = remote.to(local.dtype)
         out = local + share[..., None] * (remote if combine == "gated_sum" else remote - local)
-    state = WindowState(keys=keys[:, :, length:], values=values[:, :, length:], valid=valid[:, length:],
-                        extras=tuple(e[:, :, length:] for e in extras), memory=memory_state,
+    # the last w positions as dense tensors (w rows, not views into w + T): a compiled decode step writes them so
+    # and its next call sees the strides it was compiled for, with no copy in between
+    last = lambda t, dim: t.narrow(dim, length, window).clone(memory_format=torch.contiguous_format)  # noqa: E731
+    state = WindowState(keys=last(keys, 2), values=last(values, 2), valid=last(valid, 1),
+                        extras=tuple(last(e, 2) for e in extras), memory=memory_state,
                         written=state.written + writing.long().sum(1))
     return out, state
