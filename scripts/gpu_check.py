@@ -18,6 +18,8 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
   bench-rsa, bench-sessa   the mixers' benches at T = 1K..16K against SDPA, and their decoding
   bench-generate the windowed RSA conversion of that teacher against it: prefill / decode tokens/s at 1K and 16K,
                  batch 1 and 16, bf16, the largest batch within 40 GiB
+  bench-generate-compiled   the same with the compiled token step replayed as a CUDA graph
+                 (`--compile-decode reduce-overhead`)
   pytest-triton  the Triton unit tests (tests/unit/test_*_triton.py) in-process on CUDA
 Each step is timed, runs under its own time limit and a global budget, and the run goes on past a failure. Written
 to --out (default $OUT, else outputs/gpu-check), at most 8 files: gpu_check.json (every figure), gpu_check.log (every
@@ -139,6 +141,11 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     tier = {"HF_MIXERS_GPU_CHECK": "dry", "TRITON_INTERPRET": "1"} if dry else {}
     decode = ["--contexts", "64", "--decode-tokens", "2"] if dry else ["--contexts", "1024,4096,16384"]
     layer = ["--hidden-size", "64", "--heads", "4", "--kv-heads", "2"] if dry else []  # default: SmolLM2's
+    generate = [*cli, "bench", "generate", "--teacher", teacher, "--mixer", "rsa", "--option", "window=64",
+                "--dtype", "float32" if dry else "bfloat16", "--contexts", "32" if dry else "1024,16384",
+                "--batch-sizes", "1" if dry else "1,16", "--decode-tokens", "2" if dry else "16",
+                "--prompt-tokens", "16" if dry else "1024", "--generate-tokens", "4" if dry else "64",
+                "--memory-budget-gib", "40", *small]
     # -v: each test's name and result as it ends, so a run cut off by its limit still says which ones failed
     pytest = [*python, "-m", "pytest", "-m", "gpu", "-v", "--tb=short", "-rfEs", "-p", "no:cacheprovider"]
     shapes = ["smollm2-135m"] if dry else ["llama3-8b", "smollm2-135m"]  # the benches' head layouts
@@ -163,11 +170,9 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
          90, {}),
         ("bench-sessa", [*cli, "bench", "sessa", "--lengths", lengths, *layer, *small, "--out", work, "--overwrite"],
          90, {}),
-        ("bench-generate", [*cli, "bench", "generate", "--teacher", teacher, "--mixer", "rsa", "--option", "window=64",
-                            "--dtype", "float32" if dry else "bfloat16", "--contexts", "32" if dry else "1024,16384",
-                            "--batch-sizes", "1" if dry else "1,16", "--decode-tokens", "2" if dry else "16",
-                            "--prompt-tokens", "16" if dry else "1024", "--generate-tokens", "4" if dry else "64",
-                            "--memory-budget-gib", "40", *small, "--out", work, "--overwrite"], 150, {}),
+        ("bench-generate", [*generate, "--out", work, "--overwrite"], 150, {}),
+        ("bench-generate-compiled", [*generate, "--compile-decode", "reduce-overhead", "--out",
+                                     os.path.join(work, "compiled"), "--overwrite"], 150, {}),
     ] + ([] if dry else [  # on CPU `make test` runs these under the interpreter already
         ("pytest-triton", [*python, "-m", "pytest", "tests/unit/test_feedback_solve_triton.py",
                            "tests/unit/test_rsa_chunk_triton.py", "-m", "", "-q", "-p", "no:cacheprovider"], 120, {}),
@@ -239,9 +244,9 @@ def install(prefix: str, log) -> dict:
 def figures(work: str) -> dict:
     """Every JSON the steps wrote, by file name (bench_*.json, pytest_*.json), and the distillation's metrics."""
     found = {}
-    for path in sorted(glob.glob(os.path.join(work, "*.json"))):
-        with open(path, encoding="utf-8") as handle:
-            found[os.path.basename(path)[:-5]] = json.load(handle)
+    for path in sorted(glob.glob(os.path.join(work, "*.json")) + glob.glob(os.path.join(work, "compiled", "*.json"))):
+        with open(path, encoding="utf-8") as handle:  # compiled/bench_generate.json: the compiled-decode bench
+            found[os.path.relpath(path, work)[:-5]] = json.load(handle)
     metrics = os.path.join(work, "distill-run", "metrics.jsonl")
     if os.path.exists(metrics):
         with open(metrics, encoding="utf-8") as handle:

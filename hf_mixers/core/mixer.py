@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+
 
 class SequenceMixer(nn.Module):
     """Subclass this, implement ``forward``, and register a ``MixerSpec`` naming the class.
@@ -108,11 +110,14 @@ class RecurrentMixer(SequenceMixer):
     def mix(self, hidden_states, position_embeddings=None, token_mask=None, state=None, history=None):
         raise NotImplementedError(f"{type(self).__name__} must implement mix")
 
-    def compiled_decode_requested(self) -> bool:
-        return self.config.compile_decode
+    def decode_compile_mode(self) -> str | None:
+        """The torch.compile mode of the compiled token step (``config.compile_decode``: True is "default"), or None
+        for an eager one."""
+        mode = self.config.compile_decode
+        return "default" if mode is True else mode or None
 
     def compiles_decode(self, hidden_states, past_key_values) -> bool:
         """Whether the block runs this step as one compiled graph (model/blocks.py): ``config.compile_decode``, one
         token, its state already cached (a prefill and the first token run eagerly)."""
-        return (self.compiled_decode_requested() and hidden_states.shape[1] == 1 and past_key_values is not None
+        return (self.decode_compile_mode() is not None and hidden_states.shape[1] == 1 and past_key_values is not None
                 and past_key_values.layers[self.layer_idx].state is not None)

@@ -187,8 +187,10 @@ class RSAMixer(RecurrentMixer, FullAttention):
         out, state = self.memory_read(hidden_states, position_embeddings, token_mask, state)
         return self.o_proj(out), state, conv_history
 
-    def compiled_decode_requested(self) -> bool:
-        return self.config.compile_decode or self.config.rsa_compile_decode  # the RSA-only switch came first
+    def decode_compile_mode(self) -> str | None:
+        """``config.compile_decode``'s mode, or "default" with ``rsa_compile_decode`` (the RSA-only switch came
+        first)."""
+        return super().decode_compile_mode() or ("default" if self.config.rsa_compile_decode else None)
 
     def init_new_parameters(self):
         """Conversion init: the scratch init, then W_r = I at level 0 and 0 below (deeper levels silent),

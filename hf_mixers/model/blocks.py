@@ -84,18 +84,19 @@ def block_step(block, hidden_states, position_embeddings, token_mask, state, con
     return block.around(hidden_states, mix), new["state"], new["history"]
 
 
-_compiled_block_steps = {}  # (device type, mixer class, batch) -> (compiled block_step, replays as a CUDA graph)
-compile_modes = {}  # device type -> torch.compile's mode for the steps compiled from now on (absent: the default)
+_compiled_block_steps = {}  # (device type, mixer class, batch, mode) -> (compiled block_step, replays a CUDA graph)
 
 
 def compile_block_step(device: str, mode: str | None = None):
     """``block_step`` compiled for ``device`` -> (the step, whether it replays as a CUDA graph). ``mode``:
-    torch.compile's (None: the default; "reduce-overhead": replayed as a CUDA graph on CUDA).
+    torch.compile's (None or "default": the default, with a C++ launcher on CPU; "reduce-overhead": replayed as a
+    CUDA graph on CUDA).
 
     Each call compiles its own copy of the function's code: dynamo keeps its graphs, and its limit of 8 recompiles
     before it silently falls back to eager, per code object. decode_compiled keeps one per mixer class and batch
     size, so a process serving several models and batch sizes never reaches that limit."""
-    options = {"cpp_wrapper": True} if device == "cpu" else None
+    mode = None if mode == "default" else mode
+    options = {"cpp_wrapper": True} if device == "cpu" and mode is None else None  # torch.compile takes one of two
     copy = types.FunctionType(block_step.__code__.replace(), block_step.__globals__, block_step.__name__)
     step = torch.compile(copy, dynamic=False, fullgraph=True, options=options, mode=mode)
     return step, device == "cuda" and mode in ("reduce-overhead", "max-autotune")
@@ -126,11 +127,11 @@ def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_
     outputs into the same memory: they are copied out before the next block's replay would overwrite them.
     """
     device = hidden_states.device.type
-    key = (device, type(block.mixer), hidden_states.shape[0])
+    key = (device, type(block.mixer), hidden_states.shape[0], block.mixer.decode_compile_mode())
     if key not in _compiled_block_steps:
-        logger.warning("compiling the %s block's token step at batch %d with torch.compile (compile_decode=True); "
-                       "the first decode step takes 10-60 s", key[1].__name__, key[2])
-        _compiled_block_steps[key] = compile_block_step(device, compile_modes.get(device))
+        logger.warning("compiling the %s block's token step at batch %d with torch.compile (compile_decode=%s); the "
+                       "first decode step takes 10-60 s", key[1].__name__, key[2], key[3])
+        _compiled_block_steps[key] = compile_block_step(device, key[3])
     step, cuda_graph = _compiled_block_steps[key]
     if cuda_graph:
         torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs were copied out: reuse is fine

@@ -21,6 +21,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 from ..mixers import MIXERS  # noqa: F401  (importing registers the built-in mixers)
+from ..core.mixer import COMPILE_MODES
 from ..core.registry import get_mixer, list_mixers, on_register
 from ..kernels.dispatch import BACKENDS as KERNEL_BACKENDS
 
@@ -40,8 +41,9 @@ class MixerConfig(PreTrainedConfig):
         environment variable HF_MIXERS_BACKEND overrides it (kernels/dispatch.py).
     compile_decode: run each one-token decode step of a block around a recurrent mixer (RSA, the selective SSMs,
         VORT: every ``RecurrentMixer``) as one torch.compile graph, shared by every such block (model/blocks.py);
-        the first step compiles for 10-60 s. A runtime switch: ``model.config.compile_decode = True`` on a loaded
-        model turns it on.
+        the first step compiles for 10-60 s. True (torch.compile's default mode) or a mode name from
+        ``COMPILE_MODES``: "reduce-overhead" replays the step as a CUDA graph on CUDA. A runtime switch:
+        ``model.config.compile_decode = True`` on a loaded model turns it on.
 
     Mixer options: see each mixer's ``MixerSpec.options`` (``hf_mixers.get_mixer("rsa").options``) and its page in
     docs/mixers/.
@@ -76,7 +78,7 @@ class MixerConfig(PreTrainedConfig):
     layer_types: list[str] | None = None
     block: str = "llama"
     kernel_backend: str = "auto"
-    compile_decode: bool = False
+    compile_decode: bool | str = False
 
     default_mixer = "full_attention"  # class attribute: what layer_types defaults to
 
@@ -169,8 +171,9 @@ def validate_mixer_config(config: MixerConfig) -> None:
         fail(f"head_dim ({config.head_dim}) must be even for rotary embeddings")
     if config.kernel_backend not in KERNEL_BACKENDS:
         fail(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {config.kernel_backend!r}")
-    if not isinstance(config.compile_decode, bool):
-        fail(f"compile_decode must be true or false, got {config.compile_decode!r}")
+    if not isinstance(config.compile_decode, bool) and config.compile_decode not in COMPILE_MODES:
+        fail(f"compile_decode must be true, false or a torch.compile mode {COMPILE_MODES}, got "
+             f"{config.compile_decode!r}")
     used = config.used_mixers()
     for spec in used:
         for option in spec.options:

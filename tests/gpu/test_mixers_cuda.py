@@ -102,7 +102,7 @@ def test_dispatch_picks_each_fast_path_with_one_log_line(caplog, record):
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_compiled_decode_equals_eager(mode, monkeypatch, record):
-    """rsa_compile_decode: the torch.compile'd block step equals the eager step on the device; "reduce-overhead"
+    """compile_decode: the torch.compile'd block step equals the eager step on the device; "reduce-overhead"
     replays it as a CUDA graph."""
     if mode == "reduce-overhead" and DEVICE.type != "cuda":
         pytest.skip("CUDA graphs need CUDA")
@@ -110,10 +110,9 @@ def test_compiled_decode_equals_eager(mode, monkeypatch, record):
 
     torch._dynamo.reset()
     monkeypatch.setattr(blocks, "_compiled_block_steps", {})
-    monkeypatch.setattr(blocks, "compile_modes", {} if mode == "default" else {DEVICE.type: mode})
     options = dict(layer_types=["rsa", "rsa"], rsa_query_read=True, rsa_decay=True, rsa_window=4)
     _, eager = _pair("rsa", **options)
-    compiled = tiny_model("rsa", dtype=torch.float32, rsa_compile_decode=True, **options).to(DEVICE)
+    compiled = tiny_model("rsa", dtype=torch.float32, compile_decode=mode, **options).to(DEVICE)
     compiled.load_state_dict(eager.state_dict())
     ids, mask = _inputs(length=14)
     expected = _step_through(eager, ids, mask, prefill=5)

@@ -274,6 +274,14 @@ def test_bench_generate_keeps_two_model_folders_of_the_same_name_apart(tmp_path)
     models, _ = _models(teacher, [str(tmp_path / "a" / "model"), str(tmp_path / "b" / "model")], [], {},
                         torch.float32, torch.device("cpu"))
     assert list(models) == ["teacher", "model", str(tmp_path / "b" / "model")]
+    # --compile-decode MODE: the converted models decode through their compiled step, the teacher stays eager
+    models, _ = _models(teacher, [str(tmp_path / "a" / "model")], [], {}, torch.float32, torch.device("cpu"),
+                        compile_decode="reduce-overhead")
+    assert list(models) == ["teacher", "model, compiled decode (reduce-overhead)"]
+    assert models["model, compiled decode (reduce-overhead)"].config.compile_decode == "reduce-overhead"
+    assert not hasattr(models["teacher"].config, "compile_decode")
+    assert main(["bench", "generate", str(tmp_path / "a" / "model"), "--teacher", teacher, "--compile-decode",
+                 "fast", "--out", str(tmp_path / "bench")]) == 2
 
 
 def test_bench_kernels_on_cpu_compares_the_pytorch_paths_only(tmp_path, monkeypatch):

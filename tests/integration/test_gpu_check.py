@@ -24,7 +24,7 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
         {name: "passed" for name in report["steps"]}
     assert {"compile-sessa-llama3-8b", "compile-rsa-smollm2-135m", "pytest-mixers", "pytest-kernels",
             "bench-kernels", "teacher", "bench-distill", "distill-30", "bench-rsa", "bench-sessa",
-            "bench-generate"} <= set(report["steps"])
+            "bench-generate", "bench-generate-compiled"} <= set(report["steps"])
     figures = report["figures"]
     tested = {row["test"].split("[")[0] for name in ("pytest_mixers", "pytest_kernels")
               for row in figures[name]["records"]}
@@ -35,6 +35,7 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
     assert figures["distill_30"]["steps_logged"] == 2
     assert figures["bench_rsa"] and figures["bench_sessa"]
     assert figures["bench_generate"]["models"] == ["teacher", "rsa window=64"]
+    assert figures["compiled/bench_generate"]["models"] == ["teacher", "rsa window=64, compiled decode (reduce-overhead)"]
     written = sorted(os.listdir(tmp_path))  # what comes back from a device machine: 8 files at most
     assert {"gpu_check.json", "gpu_check.log"} <= set(written) and len(written) <= 8, written
 

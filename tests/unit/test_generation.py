@@ -153,3 +153,22 @@ def test_compiled_decode_serves_more_batch_sizes_than_dynamos_recompile_limit(mo
                                   pad_token_id=0) for model in (eager, compiled)]
         assert torch.equal(*outputs), f"batch {batch}: compiled decode generated other tokens"
     assert counters["stats"]["unique_graphs"] == 10 and not counters["recompile_limit_hit"], dict(counters["stats"])
+
+
+def test_compile_decode_takes_a_torch_compile_mode():
+    """compile_decode: true, false or one of torch.compile's modes ("reduce-overhead" is a CUDA graph on CUDA and
+    the plain compiled step on CPU, where torch.compile refuses a mode beside the C++-launcher option)."""
+    from hf_mixers.core.mixer import COMPILE_MODES
+    from hf_mixers.testing import tiny_model
+
+    eager = tiny_model("selective_ssm", dtype=torch.float32)
+    compiled = tiny_model("selective_ssm", dtype=torch.float32, compile_decode="reduce-overhead")
+    assert compiled.model.layers[0].mixer.decode_compile_mode() == "reduce-overhead"
+    ids = torch.randint(3, 61, (2, 5), generator=torch.Generator().manual_seed(0))
+    outputs = [model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                              pad_token_id=0) for model in (eager, compiled)]
+    assert torch.equal(*outputs)
+    with pytest.raises(ValueError, match=r"compile_decode must be true, false or a torch.compile mode .*'fast'"):
+        tiny_model("selective_ssm", compile_decode="fast")
+    assert "default" in COMPILE_MODES and tiny_model("rsa", rsa_compile_decode=True).model.layers[0].mixer \
+        .decode_compile_mode() == "default"

@@ -28,9 +28,10 @@ def _weights_bytes(model) -> int:
 
 
 def _models(teacher_source: str, model_dirs, mixers, options, dtype, device,
-            compile_decode: bool = False) -> tuple[dict, object]:
-    """{label: model} in ``dtype`` on ``device``, the teacher first; and the teacher's tokenizer. ``compile_decode``:
-    the converted models' recurrent blocks decode through their compiled step (``config.compile_decode``)."""
+            compile_decode: bool | str = False) -> tuple[dict, object]:
+    """{label: model} in ``dtype`` on ``device``, the teacher first; and the teacher's tokenizer. ``compile_decode``
+    (True or a torch.compile mode): the converted models' recurrent blocks decode through their compiled step
+    (``config.compile_decode``)."""
     from transformers import AutoModelForCausalLM
 
     from ...conversion import convert, load_teacher
@@ -49,10 +50,10 @@ def _models(teacher_source: str, model_dirs, mixers, options, dtype, device,
     for label, model in models.items():
         model.to(device=device, dtype=dtype).eval()
         if compile_decode and label != "teacher":
-            model.config.compile_decode = True
+            model.config.compile_decode = compile_decode
     if compile_decode:
-        models = {label if label == "teacher" else f"{label}, compiled decode": model
-                  for label, model in models.items()}
+        suffix = ", compiled decode" + ("" if compile_decode is True else f" ({compile_decode})")
+        models = {label if label == "teacher" else label + suffix: model for label, model in models.items()}
     return models, teacher.tokenizer
 
 
@@ -74,16 +75,21 @@ def _generate_seconds(model, tokenizer, prompt_tokens: int, new_tokens: int, dev
 def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), mixers=(), options=None,
                    batch_sizes=(1, 4), contexts=(512, 2048), decode_tokens: int = 8, prompt_tokens: int = 512,
                    generate_tokens: int = 32, memory_budget_gib: float = 8.0, dtype: str = "float32", device=None,
-                   repeats: int = 1, compile_decode: bool = False) -> dict:
+                   repeats: int = 1, compile_decode: bool | str = False) -> dict:
     from tqdm.auto import tqdm
 
     from .harness import bench_device, write_report
     from ...common.files import write_atomically
     from ...common.measures import generation_timing
 
+    from ...core.mixer import COMPILE_MODES
+
     if not model_dirs and not mixers:
         raise ValueError("bench generate: name a model: MODEL_DIR arguments (saved converted models) and/or --mixer "
                          "(the teacher converted here)")
+    if compile_decode not in (False, True, *COMPILE_MODES):
+        raise ValueError(f"bench generate: --compile-decode takes a torch.compile mode {COMPILE_MODES} or nothing, "
+                         f"got {compile_decode!r}")
     device = bench_device(device, "generate")
     models, tokenizer = _models(teacher, model_dirs, mixers, options or {}, getattr(torch, dtype), device,
                                 compile_decode)
@@ -177,9 +183,10 @@ def _arguments(parser) -> None:
     parser.add_argument("--memory-budget-gib", type=positive_number, default=8.0,
                         help="weights + caches (default 8)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--compile-decode", action="store_true", help="decode the converted models' recurrent "
-                        "blocks through their torch.compile'd step (config.compile_decode; compiled during warmup, "
-                        "once per mixer and batch size); the teacher stays eager")
+    parser.add_argument("--compile-decode", nargs="?", const=True, default=False, metavar="MODE", help="decode the converted models' recurrent blocks through their "
+                        "torch.compile'd step (config.compile_decode; compiled during warmup, once per mixer and "
+                        "batch size); MODE: a torch.compile mode, e.g. reduce-overhead (CUDA graphs on CUDA); the "
+                        "teacher stays eager")
 
 
 def _run(args):
