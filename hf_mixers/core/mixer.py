@@ -118,6 +118,6 @@ class RecurrentMixer(SequenceMixer):
 
     def compiles_decode(self, hidden_states, past_key_values) -> bool:
         """Whether the block runs this step as one compiled graph (model/blocks.py): ``config.compile_decode``, one
-        token, its state already cached (a prefill and the first token run eagerly)."""
+        token, its state already cached (a call with no cached state, e.g. the prompt's prefill, runs eagerly)."""
         return (self.decode_compile_mode() is not None and hidden_states.shape[1] == 1 and past_key_values is not None
                 and past_key_values.layers[self.layer_idx].state is not None)
