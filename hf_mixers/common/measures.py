@@ -131,10 +131,10 @@ def passkey_accuracy(model, tokenizer, lengths, trials: int = 5, seed: int = 0, 
 
 @torch.no_grad()
 def generation_timing(model, context: int, decode_tokens: int, vocab: int, device, warmup: int = 3,
-                      batch: int = 1) -> dict:
+                      batch: int = 1, keep_cache: bool = False) -> dict:
     """Prefill ``batch`` rows of ``context`` random tokens (timed), decode ``warmup`` tokens untimed, then time
     ``decode_tokens`` single-token steps: {"prefill_s", "decode_s" (median per step), "cache_bytes" (after the
-    prefill)}."""
+    prefill)}, and with ``keep_cache`` the "cache" itself."""
     device = torch.device(device)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, context + warmup + decode_tokens), generator=generator).to(device)
@@ -155,7 +155,27 @@ def generation_timing(model, context: int, decode_tokens: int, vocab: int, devic
         model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
         synchronize()
         times.append(time.perf_counter() - start)
-    return {"prefill_s": prefill, "decode_s": statistics.median(times) if times else None, "cache_bytes": cache_bytes}
+    timing = {"prefill_s": prefill, "decode_s": statistics.median(times) if times else None,
+              "cache_bytes": cache_bytes}
+    return {**timing, "cache": cache} if keep_cache else timing
+
+
+def decode_step_seconds(model, cache, batch: int, steps: int, vocab: int, device, warmup: int = 1) -> float:
+    """Median seconds of a single-token step of the ``batch`` rows of ``cache`` (random tokens), after ``warmup``
+    untimed steps (a compiled step compiles there)."""
+    device = torch.device(device)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    generator = torch.Generator().manual_seed(1)
+    times = []
+    for step in range(warmup + steps):
+        ids = torch.randint(0, vocab, (batch, 1), generator=generator).to(device)
+        synchronize()
+        start = time.perf_counter()
+        model(ids, past_key_values=cache, use_cache=True)
+        synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def decode_latency(model, context: int, decode_tokens: int, vocab: int, device, warmup: int = 3,

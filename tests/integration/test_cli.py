@@ -236,7 +236,7 @@ def test_bench_generate_measures_models_against_their_teacher(tmp_path):
     assert main(["bench", "generate", str(tmp_path / "rsa"), "--teacher", teacher, "--mixer", "gltm",
                  "--out", str(tmp_path / "bench"), "--batch-sizes", "1,2", "--contexts", "16,64", "--decode-tokens",
                  "2", "--prompt-tokens", "8", "--generate-tokens", "3", "--memory-budget-gib", "0.01",
-                 "--repeats", "1"]) == 0
+                 "--repeats", "1", "--budget-decode-steps", "1", "--budget-batch-cap", "3"]) == 0
     report = json.loads((tmp_path / "bench" / "bench_generate.json").read_text())
     assert report["models"] == ["teacher", "rsa", "gltm"] and len(report["rows"]) == 3 * 2 * 2
     for row in report["rows"]:
@@ -249,8 +249,13 @@ def test_bench_generate_measures_models_against_their_teacher(tmp_path):
     assert teacher_cache[64] > teacher_cache[16]  # attention's cache grows with the context
     assert set(report["generate"]["seconds"]) == {"teacher", "rsa", "gltm"}
     assert report["generate"]["speedup_vs_teacher"]["teacher"] == 1.0
+    at_budget = [row for row in report["rows"] if "budget_batch" in row]  # batch-1 rows whose model fits the budget
+    assert at_budget and all(row["batch"] == 1 and 1 <= row["budget_batch"] <= min(3, row["max_batch_in_budget"])
+                             and row["budget_decode_tokens_per_s"] > 0 for row in at_budget)
     table = (tmp_path / "bench" / "bench_generate.md").read_text()
-    assert table.count("\n| rsa | ") == 4 and "generate, 3 new tokens after a 8-token prompt" in table
+    assert table.count("\n| rsa | ") == 4 + sum(row["model"] == "rsa" for row in at_budget)  # + the budget table
+    assert "Decode at the largest batch within the budget (capped at 3" in table
+    assert "generate, 3 new tokens after a 8-token prompt" in table
     assert (tmp_path / "bench" / "bench_generate.png").exists()
     assert main(["bench", "generate", "--teacher", teacher, "--out", str(tmp_path / "none")]) == 2  # no model named
     with pytest.raises(SystemExit) as exit_info:

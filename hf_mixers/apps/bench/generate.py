@@ -7,7 +7,9 @@ converted here to each ``--mixer`` (with ``--option KEY=VALUE``). For each model
   cache     its bytes after the prompt; with the weights, the largest batch whose weights + caches fit
             ``--memory-budget-gib`` at that context (activations not counted: a lower bound on what fits)
 and at batch 1 the wall time of ``generate`` for ``--generate-tokens`` new tokens after a ``--prompt-tokens``
-prompt (greedy). Each figure also as a ratio to the teacher's at the same point. Written to bench_generate.json,
+prompt (greedy). With ``--budget-decode-steps N``: decode tokens/s at the largest batch that fits the budget (at
+most ``--budget-batch-cap``), each context, the batch-1 prompt's cache copied to every row (a step's cost does not
+depend on what the rows hold), so no batch x 16K prompt has to be prefilled. Each figure also as a ratio to the teacher's at the same point. Written to bench_generate.json,
 bench_generate.md (the table) and bench_generate.png (decode tokens/s against the context, a line per model and
 batch).
 """
@@ -75,12 +77,13 @@ def _generate_seconds(model, tokenizer, prompt_tokens: int, new_tokens: int, dev
 def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), mixers=(), options=None,
                    batch_sizes=(1, 4), contexts=(512, 2048), decode_tokens: int = 8, prompt_tokens: int = 512,
                    generate_tokens: int = 32, memory_budget_gib: float = 8.0, dtype: str = "float32", device=None,
-                   repeats: int = 1, compile_decode: bool | str = False) -> dict:
+                   repeats: int = 1, compile_decode: bool | str = False, budget_decode_steps: int = 0,
+                   budget_batch_cap: int = 512) -> dict:
     from tqdm.auto import tqdm
 
     from .harness import bench_device, write_report
     from ...common.files import write_atomically
-    from ...common.measures import generation_timing
+    from ...common.measures import decode_step_seconds, generation_timing
 
     from ...core.mixer import COMPILE_MODES
 
@@ -99,8 +102,9 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
     points = [(label, batch, context) for label in models for batch in batch_sizes for context in contexts]
     for label, batch, context in tqdm(points, desc="bench generate", unit="point"):
         model = models[label]
+        at_budget = budget_decode_steps and batch == 1
         runs = [generation_timing(model, context, decode_tokens, model.config.vocab_size, device, warmup=2,
-                                  batch=batch) for _ in range(repeats)]
+                                  batch=batch, keep_cache=at_budget and not repeat) for repeat in range(repeats)]
         prefill, decode = min(r["prefill_s"] for r in runs), min(r["decode_s"] for r in runs)
         per_row = runs[0]["cache_bytes"] / batch
         fits = max(0, int((budget - weights[label]) // per_row)) if per_row else None
@@ -108,6 +112,14 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
                      "prefill_tokens_per_s": batch * context / prefill, "decode_s_per_step": decode,
                      "decode_tokens_per_s": batch / decode, "cache_bytes": runs[0]["cache_bytes"],
                      "max_batch_in_budget": fits})
+        cache = runs[0].pop("cache", None)
+        if cache is not None and fits:  # the prompt's cache copied to the largest batch that fits (capped), decoded
+            rows[-1]["budget_batch"] = min(fits, budget_batch_cap)
+            cache.batch_repeat_interleave(rows[-1]["budget_batch"])
+            seconds = decode_step_seconds(model, cache, rows[-1]["budget_batch"], budget_decode_steps,
+                                          model.config.vocab_size, device)
+            rows[-1]["budget_decode_tokens_per_s"] = rows[-1]["budget_batch"] / seconds
+        del cache
     teacher_rows = {(r["batch"], r["context"]): r for r in rows if r["model"] == "teacher"}
     for row in rows:
         base = teacher_rows[(row["batch"], row["context"])]
@@ -115,12 +127,15 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
         row["prefill_speedup_vs_teacher"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
         if row["max_batch_in_budget"] is not None and base["max_batch_in_budget"]:
             row["max_batch_vs_teacher"] = row["max_batch_in_budget"] / base["max_batch_in_budget"]
+        if "budget_decode_tokens_per_s" in row and "budget_decode_tokens_per_s" in base:
+            row["budget_decode_vs_teacher"] = row["budget_decode_tokens_per_s"] / base["budget_decode_tokens_per_s"]
     generation = {label: _generate_seconds(model, tokenizer, prompt_tokens, generate_tokens, device)
                   for label, model in models.items()}
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = {"benchmark": "generate", "device": device_name, "dtype": dtype, "threads": torch.get_num_threads(),
               "torch": torch.__version__, "teacher": teacher, "models": list(models), "batch_sizes": list(batch_sizes),
               "contexts": list(contexts), "decode_tokens": decode_tokens, "memory_budget_gib": memory_budget_gib,
+              "budget_decode_steps": budget_decode_steps, "budget_batch_cap": budget_batch_cap,
               "rows": rows, "generate": {"prompt_tokens": prompt_tokens, "new_tokens": generate_tokens,
                                          "seconds": generation,
                                          "speedup_vs_teacher": {label: generation["teacher"] / seconds
@@ -143,6 +158,15 @@ def table(report: dict) -> str:
                  f"{row['decode_speedup_vs_teacher']:.2f}", f"{row['cache_bytes'] / 2**20:.1f}",
                  "-" if most is None else most, "-" if ratio is None else f"{ratio:.1f}"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    budget_rows = [row for row in report["rows"] if "budget_decode_tokens_per_s" in row]
+    if budget_rows:
+        lines += ["", f"Decode at the largest batch within the budget (capped at {report['budget_batch_cap']}; the "
+                  "prompt's cache copied to every row):", "",
+                  "| model | context | batch | decode tok/s | x teacher |", "|---|---|---|---|---|"]
+        lines += [f"| {row['model']} | {row['context']} | {row['budget_batch']} | "
+                  f"{row['budget_decode_tokens_per_s']:.1f} | "
+                  + ("-" if "budget_decode_vs_teacher" not in row else f"{row['budget_decode_vs_teacher']:.2f}") + " |"
+                  for row in budget_rows]
     generate = report["generate"]
     lines += ["", f"generate, {generate['new_tokens']} new tokens after a {generate['prompt_tokens']}-token prompt, "
               "batch 1: " + ", ".join(f"{label} {seconds:.2f} s (x{generate['speedup_vs_teacher'][label]:.2f})"
@@ -183,6 +207,11 @@ def _arguments(parser) -> None:
     parser.add_argument("--memory-budget-gib", type=positive_number, default=8.0,
                         help="weights + caches (default 8)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--budget-decode-steps", type=at_least(0), default=0, help="also time this many decode "
+                        "steps at the largest batch within --memory-budget-gib (each context, from the batch-1 "
+                        "prompt's cache copied to every row; 0: off)")
+    parser.add_argument("--budget-batch-cap", type=at_least(1), default=512, help="the most rows that decode "
+                        "(default 512)")
     parser.add_argument("--compile-decode", nargs="?", const=True, default=False, metavar="MODE", help="decode the converted models' recurrent blocks through their "
                         "torch.compile'd step (config.compile_decode; compiled during warmup, once per mixer and "
                         "batch size); MODE: a torch.compile mode, e.g. reduce-overhead (CUDA graphs on CUDA); the "
@@ -195,7 +224,8 @@ def _run(args):
                           decode_tokens=args.decode_tokens, prompt_tokens=args.prompt_tokens,
                           generate_tokens=args.generate_tokens, memory_budget_gib=args.memory_budget_gib,
                           dtype=args.dtype, device=args.device, repeats=args.repeats,
-                          compile_decode=args.compile_decode)
+                          compile_decode=args.compile_decode, budget_decode_steps=args.budget_decode_steps,
+                          budget_batch_cap=args.budget_batch_cap)
 
 
 register_bench("generate", "prefill and decode tokens/s, cache and the largest batch in a memory budget, and the time "
