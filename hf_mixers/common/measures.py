@@ -160,6 +160,7 @@ def generation_timing(model, context: int, decode_tokens: int, vocab: int, devic
     return {**timing, "cache": cache} if keep_cache else timing
 
 
+@torch.no_grad()
 def decode_step_seconds(model, cache, batch: int, steps: int, vocab: int, device, warmup: int = 1) -> float:
     """Median seconds of a single-token step of the ``batch`` rows of ``cache`` (random tokens), after ``warmup``
     untimed steps (a compiled step compiles there)."""

@@ -9,7 +9,8 @@ converted here to each ``--mixer`` (with ``--option KEY=VALUE``). For each model
 and at batch 1 the wall time of ``generate`` for ``--generate-tokens`` new tokens after a ``--prompt-tokens``
 prompt (greedy). With ``--budget-decode-steps N``: decode tokens/s at the largest batch that fits the budget (at
 most ``--budget-batch-cap``), each context, the batch-1 prompt's cache copied to every row (a step's cost does not
-depend on what the rows hold), so no batch x 16K prompt has to be prefilled. Each figure also as a ratio to the teacher's at the same point. Written to bench_generate.json,
+depend on what the rows hold), so no batch x 16K prompt has to be prefilled. Each figure also as a ratio to the
+teacher's at the same point. Written to bench_generate.json,
 bench_generate.md (the table) and bench_generate.png (decode tokens/s against the context, a line per model and
 batch).
 """
