@@ -213,10 +213,10 @@ def _arguments(parser) -> None:
                         "prompt's cache copied to every row; 0: off)")
     parser.add_argument("--budget-batch-cap", type=at_least(1), default=512, help="the most rows that decode "
                         "(default 512)")
-    parser.add_argument("--compile-decode", nargs="?", const=True, default=False, metavar="MODE", help="decode the converted models' recurrent blocks through their "
-                        "torch.compile'd step (config.compile_decode; compiled during warmup, once per mixer and "
-                        "batch size); MODE: a torch.compile mode, e.g. reduce-overhead (CUDA graphs on CUDA); the "
-                        "teacher stays eager")
+    parser.add_argument("--compile-decode", nargs="?", const=True, default=False, metavar="MODE",
+                        help="decode the converted models' recurrent blocks through their torch.compile'd step "
+                        "(config.compile_decode; compiled during warmup, once per mixer and batch size); MODE: a "
+                        "torch.compile mode, e.g. reduce-overhead (CUDA graphs on CUDA); the teacher stays eager")
 
 
 def _run(args):
