@@ -137,26 +137,18 @@ def generation_timing(model, context: int, decode_tokens: int, vocab: int, devic
     prefill)}, and with ``keep_cache`` the "cache" itself."""
     device = torch.device(device)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, context + warmup + decode_tokens), generator=generator).to(device)
+    ids = torch.randint(0, vocab, (batch, context), generator=generator).to(device)
     cache = DynamicCache(config=model.config)
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     synchronize()
     start = time.perf_counter()
-    model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     synchronize()
     prefill = time.perf_counter() - start
     cache_bytes = cache_nbytes(cache)
-    for t in range(context, context + warmup):  # warm-up: allocator, kernel caches (and the compile, if asked)
-        model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-    times = []
-    for t in range(context + warmup, context + warmup + decode_tokens):
-        synchronize()
-        start = time.perf_counter()
-        model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-        synchronize()
-        times.append(time.perf_counter() - start)
-    timing = {"prefill_s": prefill, "decode_s": statistics.median(times) if times else None,
-              "cache_bytes": cache_bytes}
+    # warm-up steps first: allocator, kernel caches (and the compile, if asked)
+    decode = decode_step_seconds(model, cache, batch, decode_tokens, vocab, device, warmup) if decode_tokens else None
+    timing = {"prefill_s": prefill, "decode_s": decode, "cache_bytes": cache_bytes}
     return {**timing, "cache": cache} if keep_cache else timing
 
 
