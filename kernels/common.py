@@ -1,7 +1,10 @@
 """What the PyTorch references and their Triton kernels share: the dtype that recurrent states, solves and softmax
-normalisers accumulate in, and the argument checks of the feedback solve."""
+normalisers accumulate in (and ``outside_autocast``, which keeps it so in a mixed-precision run), and the argument
+checks of the feedback solve."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -9,6 +12,23 @@ import torch
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Solves and softmax normalisers run in fp32 whatever the activation dtype (fp64 stays fp64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def outside_autocast(function):
+    """Run a kernel in the dtype of the tensors it is given, also inside torch.autocast (a bf16 / fp16 training run):
+    autocast would turn its fp32 matmuls and einsums into bf16 / fp16 ones, losing the fp32 accumulation the mixers
+    ask for (0.7% error in a bf16 retention) and, in fp16, overflowing the memories' sums. The mixers' projections
+    stay under autocast; what they hand a kernel is already in ``compute_dtype``."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        for device in ("cuda", "cpu"):  # off for each device where it is on (a plain `with`: dynamo traces it)
+            if torch.is_autocast_enabled(device):
+                with torch.autocast(device, enabled=False):
+                    return run(*args, **kwargs)
+        return function(*args, **kwargs)
+
+    return run
 
 
 def check_feedback_shapes(f, q, k, gain, key_mask, past_k, past_s) -> int:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_feedback_shapes, compute_dtype
+from .common import check_feedback_shapes, compute_dtype, outside_autocast
 from .dispatch import use_triton
 
 
@@ -184,6 +184,7 @@ def feedback_solve_chunked(f, q, k, gain, key_mask=None, past_k=None, past_s=Non
     return _ChunkedFeedbackSolve.apply(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size)
 
 
+@outside_autocast
 def gathered_softmax(q, keys, support, scale):
     """Softmax of <q_t, keys_j> * scale over the keys a table names: q (B, T, g, d) (g queries per key head, GQA),
     keys (B, N, d), support (B, T, K) indices into keys, -1 for none -> weights (B, T, g, K), 0 at -1 and all 0 on a
@@ -196,6 +197,7 @@ def gathered_softmax(q, keys, support, scale):
     return torch.softmax(logits, dim=-1).masked_fill(~valid, 0.0)
 
 
+@outside_autocast
 def sparse_attention(q, keys, values, support, scale):
     """Softmax attention of each query over the rows a table names: q (B, T, g, d), keys / values (B, N, d / dv),
     support (B, T, K) (-1: none) -> (B, T, g, dv) in the compute dtype; a row with no key gives 0."""
@@ -270,6 +272,7 @@ def _block(inside, local, size):
     return inside.new_zeros(*inside.shape[:2], size).scatter_add_(2, local, inside)
 
 
+@outside_autocast
 def feedback_solve_sparse(f, q, k, gain, support, past_k=None, past_s=None, scale=None, chunk_size=64,
                           method="chunked"):
     """(I - B) s = f with B[t, j] = gain_t * softmax_{j in support[t]}(scale <q_t, k_j>): f (B, T, D), q / k (B, T, d),
@@ -314,6 +317,7 @@ def sparse_solve(f, weights, support, past_s=None, chunk_size=64):
 SOLVERS = {"dense": feedback_solve_dense, "chunked": feedback_solve_chunked, "recurrent": feedback_solve_recurrent}
 
 
+@outside_autocast
 def feedback_solve(f, q, k, gain, *, key_mask=None, past_k=None, past_s=None, scale=None, method="chunked",
                    chunk_size=128, backend="auto"):
     """Solve ``(I - B) s = f``; every path gives the same result to float tolerance. The one entry point of the op:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import compute_dtype
+from .common import compute_dtype, outside_autocast
 from .dispatch import library_kernel
 from .selective_scan import ssm_chunked
 
@@ -77,6 +77,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     return (out, state[:, :, 0]) if return_last_state else out
 
 
+@outside_autocast
 def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False, initial_states=None,
              return_final_states=False, dt_limit=(0.0, float("inf")), backend="auto"):
     """Mamba-2's chunked scan (SSD). x: (batch, L, heads, P); dt: (batch, L, heads); A: (heads,); B, C:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import compute_dtype
+from .common import compute_dtype, outside_autocast
 
 
 def _check(q, k, v, log_rates, weights, skip, state):
@@ -62,6 +62,7 @@ def lag_kernel(log_rates, weights, length: int):
     return torch.einsum("gsti,bgis->bgti", decay, weights) * (lag >= 0)
 
 
+@outside_autocast
 def retention_quadratic(q, k, v, log_rates, weights, skip=None, state=None, include_current: bool = True,
                         scores=None):
     """The definition through the (T, T) matrix. ``scores`` (B, G, g, T, T) replaces q . k when given (q and k are
@@ -88,6 +89,7 @@ def retention_quadratic(q, k, v, log_rates, weights, skip=None, state=None, incl
     return out, final
 
 
+@outside_autocast
 def retention_step(q, k, v, log_rates, weights, skip, state, include_current: bool = True):
     """One token: q (B, G, g, F), k (B, G, F), v (B, G, V), weights (B, G, S), skip (B, G) or None, state
     (B, G, S, F, V) -> out (B, G, g, V), new state. Decay to t, (strict: read), write token t, (read + skip)."""
@@ -102,6 +104,7 @@ def retention_step(q, k, v, log_rates, weights, skip, state, include_current: bo
     return out, state
 
 
+@outside_autocast
 def retention_recurrent(q, k, v, log_rates, weights, skip=None, state=None, include_current: bool = True):
     """Token by token (``retention_step``): the decode path. Same signature and result as retention_quadratic."""
     _check(q, k, v, log_rates, weights, skip, state)
@@ -116,6 +119,7 @@ def retention_recurrent(q, k, v, log_rates, weights, skip=None, state=None, incl
     return torch.stack(outs, dim=3), state
 
 
+@outside_autocast
 def retention_chunked(q, k, v, log_rates, weights, skip=None, state=None, include_current: bool = True,
                       chunk_size: int = 64):
     """Chunks of ``chunk_size`` tokens; memory linear in T. Same signature and result as retention_quadratic."""

@@ -44,7 +44,7 @@ from dataclasses import replace
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .common import compute_dtype
+from .common import compute_dtype, outside_autocast
 from .dispatch import use_triton
 from .rsa_state import (ChunkLayout, ChunkWrites, ResidualMLPWeights, RSAParams, RSAState, assign, decay_masks,
                         decayed, initial_state, per_head, readout_activation, refresh_references, slot_prior,
@@ -232,6 +232,7 @@ def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=No
     return layout.unpack(out_b, length), state
 
 
+@outside_autocast
 def rsa_memory(q, k, v, valid, state: RSAState, params: RSAParams, method: str = "chunked", log_decay=None,
                backend: str = "auto"):
     """The op's entry point: every choice of path is made here. q (B, G, g, T, d), k (B, G, T, d), v (B, G, T, dv),

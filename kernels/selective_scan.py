@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import compute_dtype
+from .common import compute_dtype, outside_autocast
 
 GATED_CHUNK = 16  # the longest chunk of the per-slot matmul form (fastest on CPU at SmolLM2's shapes)
 
@@ -233,6 +233,7 @@ def ssm_factored(u, delta, A, B, C, state=None, segment: int = 64):
     return _FactoredRecurrence.apply(u, delta, A, B, C, state, segment)
 
 
+@outside_autocast
 def ssm_scan(u, delta, A, B, C, state=None, method: str = "auto", chunk_size: int = 64):
     """The scan for log_decay = delta * A (delta (B, T, H, Pd, Nd), A (H, Pa, Na)), by ``method``: "chunked",
     "recurrent" (the definition), "factored" (the recurrence with a recomputing backward, no (T, H, P, N) tensor), or

@@ -37,7 +37,7 @@ from ..core.mixer import RecurrentMixer
 from ..core.registry import (MixerOption, MixerSpec, boolean, non_negative_int, non_negative_number, number,
                              one_of, open_unit_interval, positive_int, positive_number, register_mixer)
 from ..core.window import windowed
-from ..kernels.common import compute_dtype
+from ..kernels.common import compute_dtype, outside_autocast
 from ..kernels.retention import lag_kernel, retention_chunked, retention_quadratic, retention_recurrent
 from ..kernels.soe import KERNELS, gl_weights, power_weights, soe_log_rates, soe_weights
 
@@ -103,6 +103,7 @@ class VORTMixer(RecurrentMixer, FullAttention):
 
     # ----- the pieces
 
+    @outside_autocast  # its exp in fp32: in fp16 it overflows
     def feature_map(self, x, side: str):
         """phi(x) for x (..., G, [g,] T, d) (KV-head axis 1) -> (features, log offset): phi(x) = features * exp(offset).
         FAVOR+ (Performer): exp(Omega x~ - |x~|^2 / 2) / sqrt(m), x~ = x d^-1/4, so phi(q) . phi(k) estimates
@@ -161,6 +162,7 @@ class VORTMixer(RecurrentMixer, FullAttention):
             return torch.ones_like(like)[..., None], None
         return F.softplus(self.mixture_logit.to(like.dtype))[None, :, None, :].expand(*like.shape, -1), None
 
+    @outside_autocast  # the memory's sums in fp32 (fp16 overflows them)
     def retain(self, q_feat, q_offset, k_feat, values, writing, alpha, state, lag: int = 0, method: str = "auto"):
         """The global branch over the tokens written by this call (``writing`` (B, T) marks real ones), ``lag``
         steps behind the queries (the window's delay) -> (output (B, G, g, T, dv), log weight (B, G, g, T), state).

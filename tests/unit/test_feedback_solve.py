@@ -230,3 +230,20 @@ def test_the_sparse_solve_passes_gradcheck_and_refuses_a_support_that_reads_the_
         feedback_solve_sparse(inputs["f"], inputs["q"], inputs["k"], inputs["gain"], index[0])
     with pytest.raises(ValueError, match="sparse_solve: weights"):
         sparse_solve(inputs["f"], torch.zeros(2, 9, 1, dtype=F64), index)
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_autocast_leaves_the_fp32_solve_alone(low):
+    """Under a bf16 / fp16 run's torch.autocast the solve still computes in the dtype it is given (fp32), values and
+    gradients, instead of autocast's low-precision matmuls."""
+    inputs = {key: value.detach().float().requires_grad_() if value is not None and value.is_floating_point()
+              else value for key, value in make_inputs(past=6).items()}
+    expected = _call(feedback_solve, inputs)
+    expected_grads = torch.autograd.grad(expected.square().sum(), [inputs["f"], inputs["q"]])
+    with torch.autocast("cpu", dtype=low):
+        got = _call(feedback_solve, inputs)
+    grads = torch.autograd.grad(got.square().sum(), [inputs["f"], inputs["q"]])  # outside, as the trainer does
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    for grad, want in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5)

@@ -117,3 +117,17 @@ def test_shapes_are_checked_by_name():
         retention_recurrent(**{**x, "state": x["state"][:, :, 1:]})
     with pytest.raises(ValueError, match="k .* do not match q"):
         retention_quadratic(**{**x, "k": x["k"][:, :, 1:]})
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_autocast_leaves_the_fp32_math_alone(low):
+    """A bf16 / fp16 training run wraps every forward in torch.autocast, which would run these einsums in the low
+    precision (0.7% error in bf16; fp16's range overflows the sums): every form computes in the dtype it is given."""
+    x = {key: value.float() for key, value in inputs().items()}
+    for form in (retention_quadratic, retention_recurrent, retention_chunked):
+        expected, expected_state = form(**x)
+        with torch.autocast("cpu", dtype=low):
+            out, state = form(**x)
+        assert out.dtype == state.dtype == torch.float32, form.__name__
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6, msg=form.__name__)
+        torch.testing.assert_close(state, expected_state, rtol=1e-6, atol=1e-6, msg=form.__name__)
