@@ -45,7 +45,7 @@ from .teacher import Teacher, load_teacher
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHE_CONTEXT = 2048  # the report compares both decode caches after a prefill this long (batch 1)
 KL_RANKING_SEQUENCES = 2  # calibration sequences kl:K ranks on: one student forward per converted layer each
 

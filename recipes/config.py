@@ -88,7 +88,8 @@ class TrainSection:
     # recompute each block's activations in the backward pass instead of keeping them: long sequences fit in memory
     # for about a third more compute (stage 2 and finetune; stage 1 trains one mixer at a time and keeps no blocks)
     gradient_checkpointing: bool = False
-    # "auto": bf16 on a GPU that has it, else fp32; "bf16": frozen weights in bf16, trained tensors fp32, autocast
+    # "auto": bf16 on a GPU that has it, else fp32; "bf16": frozen weights in bf16, trained tensors fp32, autocast;
+    # "fp16": the same in fp16 with dynamic loss scaling (GPUs without bf16)
     precision: str = "auto"
     strategy: str = "ddp"  # "ddp": DistributedDataParallel; "deepspeed": ZeRO partitioning; "fsdp": FSDP2 sharding
     zero_stage: int = 2  # with "deepspeed": 1 (optimizer states), 2 (+ gradients), 3 (+ the whole student)
@@ -279,8 +280,7 @@ def _validate(recipe: Recipe, origin: str, origins: dict | None = None) -> None:
     checks = [
         (train.strategy in ("ddp", "deepspeed", "fsdp"), "train.strategy must be 'ddp', 'deepspeed' or 'fsdp'"),
         (train.precision in PRECISIONS, f"train.precision must be one of {', '.join(PRECISIONS)}, got "
-         f"{train.precision!r}" + (" (fp16 needs loss scaling, which the trainer does not do: use bf16)"
-                                   if train.precision == "fp16" else "")),
+         f"{train.precision!r}"),
         (recipe.output.dtype in OUTPUT_DTYPES, f"output.dtype must be one of {', '.join(OUTPUT_DTYPES)}, got "
          f"{recipe.output.dtype!r}"),
         (train.zero_stage in (1, 2, 3), "train.zero_stage must be 1, 2 or 3"),

@@ -21,19 +21,20 @@ RECIPE_OWNED = {"train_micro_batch_size_per_gpu": "train.batch_size", "gradient_
                 "zero_optimization.stage": "train.zero_stage", "optimizer.type": "train.optimizer",
                 "optimizer.params.lr": "train.lr / stage2.lr (set it to \"auto\")",
                 "optimizer.params.weight_decay": "train.weight_decay", "gradient_clipping": "train.max_grad_norm",
-                "bf16.enabled": "train.precision", "fp16.enabled": "train.precision (fp16 is not run: use bf16)"}
+                "bf16.enabled": "train.precision", "fp16.enabled": "train.precision"}
 
 
 def deepspeed_settings(train, lr: float, dtype: torch.dtype) -> dict:
     """What the recipe sets: micro-batch and accumulation, the ZeRO stage, torch's AdamW at the stage's rate, clipping,
-    the precision block (bf16: the engine's copies in bf16, fp32 masters and Adam states in ZeRO's partitions)."""
+    the precision blocks (bf16 / fp16: the engine's copies in that dtype, fp32 masters and Adam states in ZeRO's
+    partitions; fp16 with DeepSpeed's dynamic loss scaling, whose settings a user's JSON may tune)."""
     return {"train_micro_batch_size_per_gpu": train.batch_size,
             "gradient_accumulation_steps": train.grad_accum,
             "zero_optimization": {"stage": train.zero_stage},
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": train.weight_decay,
                                                       "torch_adam": True}},
             "gradient_clipping": train.max_grad_norm or 0.0, "steps_per_print": 10**9,
-            "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": False}}
+            "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
 
 
 def read_deepspeed_config(path: str) -> dict:

@@ -5,12 +5,14 @@
            the mixers' new parameters) stay fp32 masters, and so do AdamW's states; every forward runs under
            torch.autocast(bf16), CUDA or CPU. Scans, recurrent states and the feedback solve accumulate in fp32
            whatever the activations (the kernels' rule).
+    fp16   as bf16, in fp16, with dynamic loss scaling (``loss_scaler``: the loss is multiplied by a scale before the
+           backward so that small fp16 gradients do not flush to zero; a step whose gradients overflow is skipped and
+           the scale halved, and it doubles after 2,000 clean steps). For GPUs without bf16 (V100, T4)
     auto   bf16 on a CUDA device that has it, else fp32; or what ``accelerate launch --mixed_precision`` asked for
 
-An accelerate launch passes its ``mixed_precision`` to the processes as ACCELERATE_MIXED_PRECISION: ``bf16`` is
-honoured by ``auto`` and refused beside ``fp32`` (``check_launch_precision``), fp16 and fp8 are refused; ``no`` is
-accelerate's default and leaves the recipe's choice alone. fp16 is refused in recipes too: it needs loss scaling,
-which the trainer does not do.
+An accelerate launch passes its ``mixed_precision`` to the processes as ACCELERATE_MIXED_PRECISION: ``bf16`` and
+``fp16`` are honoured by ``auto`` and refused beside another precision (``check_launch_precision``), fp8 is refused;
+``no`` is accelerate's default and leaves the recipe's choice alone.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 
 import torch
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PRECISIONS = ("auto", *DTYPES)  # train.precision
 OUTPUT_DTYPES = ("auto", *DTYPES)  # output.dtype: auto = the dtype the model came in
 ACCELERATE_PRECISION = "ACCELERATE_MIXED_PRECISION"  # set by `accelerate launch` from its config or flag
@@ -29,8 +31,9 @@ ACCELERATE_PRECISION = "ACCELERATE_MIXED_PRECISION"  # set by `accelerate launch
 def training_dtype(precision: str, device: torch.device) -> torch.dtype:
     """The dtype of the frozen weights for ``train.precision`` on ``device``."""
     if precision == "auto":
-        if os.environ.get(ACCELERATE_PRECISION, "no").lower() == "bf16":
-            return torch.bfloat16
+        launched = os.environ.get(ACCELERATE_PRECISION, "no").lower()
+        if launched in DTYPES:
+            return DTYPES[launched]
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     return DTYPES[precision]
 
@@ -38,12 +41,13 @@ def training_dtype(precision: str, device: torch.device) -> torch.dtype:
 def check_launch_precision(precision: str) -> None:
     """Refuse, in one line, an accelerate launch whose mixed_precision disagrees with ``train.precision``."""
     launched = os.environ.get(ACCELERATE_PRECISION, "no").lower()
-    if launched in ("no", "", "bf16") and not (launched == "bf16" and precision == "fp32"):
+    if launched in ("no", "") or (launched in DTYPES and precision in ("auto", launched)):
         return
-    if launched == "bf16":
-        reason = "but the recipe has train.precision=fp32: set train.precision=bf16 (or auto), or launch without it"
+    if launched in DTYPES:
+        reason = (f"but the recipe has train.precision={precision}: set train.precision={launched} (or auto), or "
+                  "launch without it")
     else:
-        reason = (f"which the trainer does not do (it needs loss scaling): use --mixed_precision bf16 or no, with "
+        reason = (f"which the trainer does not run: use --mixed_precision bf16, fp16 or no, with "
                   f"train.precision={precision}")
     raise ValueError(f"this accelerate launch asks for mixed_precision={launched} ({ACCELERATE_PRECISION}), {reason}")
 
@@ -53,6 +57,15 @@ def autocast(dtype: torch.dtype, device: torch.device):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
+
+
+def loss_scaler(dtype: torch.dtype, device: torch.device):
+    """torch's dynamic loss scaler for an fp16 run (None otherwise: bf16 has fp32's range). One for every strategy
+    but DeepSpeed (which scales by its own ``fp16`` block): under FSDP2 the gradients are DTensor shards, whose
+    overflow check torch reduces over the ranks, so every rank skips the same steps."""
+    if dtype != torch.float16:
+        return None
+    return torch.amp.GradScaler(device.type)
 
 
 def output_dtype(choice: str, original: torch.dtype) -> torch.dtype:

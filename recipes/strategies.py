@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from ..common.files import write_atomically
 from .deepspeed_config import deepspeed_settings, merged, read_deepspeed_config
 from .optimizers import check_optimizer, make_optimizer
-from .precision import check_launch_precision, training_dtype
+from .precision import check_launch_precision, loss_scaler, training_dtype
 from .processes import Processes
 
 
@@ -39,11 +39,13 @@ def previous_checkpoint(path: str) -> str:
     return path.removesuffix(".safetensors") + ".previous.safetensors"
 
 
-def save_checkpoint(path: str, step: int, history: list, parameters: dict, optimizer_state: dict) -> None:
+def save_checkpoint(path: str, step: int, history: list, parameters: dict, optimizer_state: dict,
+                    loss_scaler: dict | None = None) -> None:
     """One checkpoint format for every strategy: ``parameters`` (name -> whole tensor) and ``optimizer_state``
     (torch's optimizer ``state_dict`` layout, states indexed by the parameters' order) as safetensors, everything else
-    as JSON in its metadata, so a checkpoint is read without unpickling anything and resumes under any strategy and
-    process count. The checkpoint it replaces is kept as ``.previous``."""
+    as JSON in its metadata (``loss_scaler``: an fp16 run's scale, its clean steps since the last overflow, and the
+    scaler's own state under "torch" or "deepspeed"), so a checkpoint is read without unpickling anything and
+    resumes under any strategy and process count. The checkpoint it replaces is kept as ``.previous``."""
     tensors = {f"parameter/{name}": tensor.detach().cpu().contiguous().clone() for name, tensor in parameters.items()}
     values = {}
     for index, entries in optimizer_state["state"].items():
@@ -54,6 +56,8 @@ def save_checkpoint(path: str, step: int, history: list, parameters: dict, optim
                 values.setdefault(str(index), {})[key] = value
     meta = {"format": 1, "step": step, "history": history, "param_groups": optimizer_state["param_groups"],
             "state": values}
+    if loss_scaler is not None:
+        meta["loss_scaler"] = loss_scaler
     if os.path.exists(path):
         os.replace(path, previous_checkpoint(path))  # the last good one, until this one is complete
     write_atomically(path, lambda temporary: save_file(tensors, temporary, metadata={"hf_mixers": json.dumps(meta)}))
@@ -101,8 +105,9 @@ def _refuse_pickled_checkpoints(path: str) -> None:
 
 
 def load_training_state(path: str, names: list[str]):
-    """(parameters, optimizer_state, step, history) of the checkpoint at ``path`` for a run training ``names`` (the
-    layout ``save_checkpoint`` takes); None when there is no checkpoint."""
+    """(parameters, optimizer_state, step, history, loss_scaler) of the checkpoint at ``path`` for a run training
+    ``names`` (the layout ``save_checkpoint`` takes; ``loss_scaler`` None unless an fp16 run saved it); None when
+    there is no checkpoint."""
     loaded = load_checkpoint(path)
     if loaded is None:
         return None
@@ -117,7 +122,8 @@ def load_training_state(path: str, names: list[str]):
         if key.startswith("optimizer/"):
             _, index, name = key.split("/", 2)
             state.setdefault(int(index), {})[name] = tensor
-    return parameters, {"state": state, "param_groups": meta["param_groups"]}, meta["step"], meta["history"]
+    return (parameters, {"state": state, "param_groups": meta["param_groups"]}, meta["step"], meta["history"],
+            meta.get("loss_scaler"))
 
 
 def _by_name(optimizer_state: dict, names: list[str]) -> dict:
@@ -274,6 +280,8 @@ def _clip_gradients(parameters, max_norm: float) -> None:
 class LocalOptimizer:
     """AdamW on this process; with several processes (``ddp``) torch's DistributedDataParallel averages the
     gradients: bucketed all-reduces that start during the backward, as soon as a bucket's gradients are ready.
+    Under ``train.precision: fp16`` torch's GradScaler scales the loss, unscales the gradients before clipping and
+    skips a step whose gradients overflowed (recipes/precision.py ``loss_scaler``); its state is checkpointed.
 
     The interface every strategy has: ``loss(batch)`` (the stage's loss, through whatever wraps the model),
     ``set_lr``, ``zero_grad``, ``backward``, ``step``, ``save``, ``load``, ``finish`` (after the last step: the
@@ -284,6 +292,7 @@ class LocalOptimizer:
         self.parameters, self.train, self.processes, self.path = parameters, train, processes, path
         self.loss_fn = loss_fn
         self.optimizer = make_optimizer(list(parameters.values()), train, lr)
+        self.scaler = loss_scaler(training_dtype(train.precision, processes.device), processes.device)
         self.ddp, self._micro = None, 0
         if data_parallel and processes.world > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -316,20 +325,45 @@ class LocalOptimizer:
         self._micro = 0
 
     def backward(self, loss) -> None:
-        (loss / self.train.grad_accum).backward()
+        loss = loss / self.train.grad_accum
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def reduce_gradients(self) -> None:
         pass  # DistributedDataParallel averaged them during the backward (one process: nothing to do)
 
     def step(self) -> None:
         self.reduce_gradients()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients; notes whether any overflowed
         if self.train.max_grad_norm:
             _clip_gradients(self.parameters.values(), self.train.max_grad_norm)
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer)  # skipped when a gradient overflowed
+            self.scaler.update()  # halved after an overflow, doubled after growth_interval clean steps
+
+    def loss_scale(self) -> float | None:
+        """The fp16 loss scale for the next step (None without loss scaling)."""
+        return None if self.scaler is None else self.scaler.get_scale()
+
+    def _scaler_state(self) -> dict | None:
+        if self.scaler is None:
+            return None
+        state = self.scaler.state_dict()
+        return {"scale": state["scale"], "clean_steps": state["_growth_tracker"], "torch": state}
+
+    def _restore_scaler(self, state: dict | None) -> None:
+        if self.scaler is None or state is None:  # a bf16/fp32 checkpoint: the scale starts afresh
+            return
+        # a DeepSpeed run's checkpoint: its scale, and the clean steps towards the next growth
+        self.scaler.load_state_dict(state.get("torch") or {**self.scaler.state_dict(), "scale": state["scale"],
+                                                           "_growth_tracker": state["clean_steps"]})
 
     def save(self, step: int, history: list) -> None:
         if self.processes.is_main:
-            save_checkpoint(self.path, step, history, self.parameters, self.optimizer.state_dict())
+            save_checkpoint(self.path, step, history, self.parameters, self.optimizer.state_dict(),
+                            self._scaler_state())
         self.processes.barrier()
 
     def load(self):
@@ -337,11 +371,12 @@ class LocalOptimizer:
         loaded = load_training_state(self.path, list(self.parameters))
         if loaded is None:
             return None
-        parameters, optimizer_state, step, history = loaded
+        parameters, optimizer_state, step, history, scaler = loaded
         with torch.no_grad():
             for name, tensor in self.parameters.items():
                 tensor.copy_(parameters[name])
         self.optimizer.load_state_dict(optimizer_state)
+        self._restore_scaler(scaler)
         return step, history
 
     def finish(self) -> None:
@@ -402,7 +437,7 @@ class FSDPOptimizer(LocalOptimizer):
         if self.processes.is_main:
             names = list(self.parameters)
             save_checkpoint(self.path, step, history, {name: model_state[name] for name in names},
-                            _by_index(optimizer_state, names))
+                            _by_index(optimizer_state, names), self._scaler_state())
         self.processes.barrier()
 
     def load(self):
@@ -412,9 +447,10 @@ class FSDPOptimizer(LocalOptimizer):
         loaded = load_training_state(self.path, names)  # every rank reads the whole checkpoint, keeps its shards
         if loaded is None:
             return None
-        parameters, optimizer_state, step, history = loaded
+        parameters, optimizer_state, step, history, scaler = loaded
         set_state_dict(self.model, self.optimizer, model_state_dict=parameters,
                        optim_state_dict=_by_name(optimizer_state, names), options=self._options())
+        self._restore_scaler(scaler)
         return step, history
 
     def finish(self) -> None:
@@ -427,9 +463,9 @@ class FSDPOptimizer(LocalOptimizer):
 
 
 def _fsdp_precision(dtype: torch.dtype):
-    """FSDP2's MixedPrecisionPolicy for ``train.precision``: under bf16 every unit is gathered in bf16 (the frozen
-    weights are bf16 already, the fp32 trained shards are cast for the forward) and gradients are reduce-scattered
-    and kept in fp32, the masters' dtype; fp32: the default policy."""
+    """FSDP2's MixedPrecisionPolicy for ``train.precision``: under bf16 (fp16) every unit is gathered in bf16 (fp16;
+    the frozen weights are in it already, the fp32 trained shards are cast for the forward) and gradients are
+    reduce-scattered and kept in fp32, the masters' dtype; fp32: the default policy."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if dtype == torch.float32:
@@ -454,7 +490,10 @@ class DeepSpeedOptimizer:
     trainable parameters partitioned over the processes; with stage 3 the whole student too (frozen weights
     included), gathered module by module for the forward and backward and gathered whole when the stage ends.
     Checkpoints: the trainable parameters and their Adam states gathered whole (DeepSpeed's ``safe_get_full_*``),
-    in the one format (``save_checkpoint``), not DeepSpeed's own pickled files."""
+    in the one format (``save_checkpoint``), not DeepSpeed's own pickled files. Under fp16 DeepSpeed scales the
+    loss itself (its ``fp16`` block, dynamic); its scaler's counters go into the checkpoint."""
+
+    SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")  # DynamicLossScaler's state
 
     def __init__(self, parameters: dict, train, lr: float, processes: Processes, path: str, loss_fn,
                  sharding: Sharding | None = None):
@@ -462,6 +501,7 @@ class DeepSpeedOptimizer:
 
         self.processes, self.parameters, self.path = processes, parameters, path
         self.zero3 = train.zero_stage == 3
+        self.fp16 = training_dtype(train.precision, processes.device) == torch.float16
         holder = _LossModule(loss_fn)
         config = deepspeed_settings(train, lr, training_dtype(train.precision, processes.device))
         if self.zero3:
@@ -506,6 +546,27 @@ class DeepSpeedOptimizer:
     def step(self) -> None:
         pass
 
+    def loss_scale(self) -> float | None:
+        return float(self.optimizer.loss_scaler.cur_scale) if self.fp16 else None
+
+    def _scaler_state(self) -> dict | None:
+        if not self.fp16:
+            return None
+        scaler = self.optimizer.loss_scaler
+        return {"scale": float(scaler.cur_scale), "clean_steps": scaler.cur_iter - scaler.last_overflow_iter - 1,
+                "deepspeed": {key: getattr(scaler, key) for key in self.SCALER_FIELDS}}
+
+    def _restore_scaler(self, state: dict | None) -> None:
+        if not self.fp16 or state is None:
+            return
+        scaler = self.optimizer.loss_scaler
+        if "deepspeed" in state:
+            for key, value in state["deepspeed"].items():
+                setattr(scaler, key, value)
+        else:  # a checkpoint of torch's GradScaler (ddp, fsdp): its scale and clean steps
+            scaler.cur_scale = state["scale"]
+            scaler.last_overflow_iter = scaler.cur_iter - state["clean_steps"] - 1
+
     def _flat_partitions(self) -> list:
         """The flat fp32 partitions ZeRO made of this rank's share of the parameters: the tensors torch's AdamW (the
         base optimizer) steps and keys its states by (ZeRO-3 swaps them in and out of its param_groups per step)."""
@@ -516,18 +577,21 @@ class DeepSpeedOptimizer:
     def save(self, step: int, history: list) -> None:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-        # each call gathers one whole tensor from the partitions (every rank takes part; the keys come in one order)
-        flat = self.optimizer.optimizer.state[self._flat_partitions()[0]]
+        # each call gathers one whole tensor from the partitions (every rank takes part; the keys come in one order).
+        # No state before the first step that was taken (fp16: every step so far overflowed and was skipped)
+        flat = self.optimizer.optimizer.state.get(self._flat_partitions()[0], {})
         keys = [key for key, value in flat.items() if torch.is_tensor(value) and value.dim() > 0]  # exp_avg, ...
         parameters, state = {}, {}
         for index, (name, parameter) in enumerate(self.parameters.items()):
             parameters[name] = safe_get_full_fp32_param(parameter).cpu()
-            state[index] = {"step": flat["step"].clone(),  # one Adam step count per partition, the same in all
-                            **{key: safe_get_full_optimizer_state(parameter, key).cpu() for key in keys}}
+            if flat:
+                state[index] = {"step": flat["step"].clone(),  # one Adam step count per partition, the same in all
+                                **{key: safe_get_full_optimizer_state(parameter, key).cpu() for key in keys}}
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(range(len(parameters)))}
                   for group in self.optimizer.optimizer.param_groups[:1]]
         if self.processes.is_main:
-            save_checkpoint(self.path, step, history, parameters, {"state": state, "param_groups": groups})
+            save_checkpoint(self.path, step, history, parameters, {"state": state, "param_groups": groups},
+                            self._scaler_state())
         self.processes.barrier()
 
     def load(self):
@@ -537,16 +601,17 @@ class DeepSpeedOptimizer:
         loaded = load_training_state(self.path, list(self.parameters))
         if loaded is None:
             return None
-        parameters, optimizer_state, step, history = loaded
-        saved = optimizer_state["state"][0]
+        parameters, optimizer_state, step, history, scaler = loaded
+        saved = optimizer_state["state"].get(0, {})  # none when no step was taken yet (all skipped under fp16)
         keys = [key for key, value in saved.items() if key != "step" and torch.is_tensor(value)]
         # torch's Adam creates its states at the first step: create them now (what its first step would), so that
         # ZeRO's per-parameter views into them exist and the saved values can be scattered into the partitions
-        for flat in self._flat_partitions():
-            self.optimizer.optimizer.state[flat] = {"step": saved["step"].clone(),
-                                                    **{key: torch.zeros_like(flat) for key in keys}}
-        if not self.zero3:
-            self.optimizer._lazy_init_hp_params_optimizer_state()  # ZeRO-1/2 link those views after a first step
+        if saved:
+            for flat in self._flat_partitions():
+                self.optimizer.optimizer.state[flat] = {"step": saved["step"].clone(),
+                                                        **{key: torch.zeros_like(flat) for key in keys}}
+            if not self.zero3:
+                self.optimizer._lazy_init_hp_params_optimizer_state()  # ZeRO-1/2 link those views after a first step
         for index, (name, parameter) in enumerate(self.parameters.items()):
             value = parameters[name].to(parameter.device)
             safe_set_full_fp32_param(parameter, value)  # the fp32 master copy the optimizer updates
@@ -557,6 +622,7 @@ class DeepSpeedOptimizer:
                     parameter.data.copy_(value)
             else:
                 parameter.data.copy_(value)
+        self._restore_scaler(scaler)
         return step, history
 
     def finish(self) -> None:

@@ -9,7 +9,8 @@
   temporary file and renamed, the one before kept as ``.previous``): the trained parameters, the optimizer
   state, the step and the loss history. Launching the same run again continues after the last checkpoint with the
   same losses.
-- A NaN or inf loss stops the run with the step and the last good checkpoint named.
+- A NaN or inf loss stops the run with the step and the last good checkpoint named. Under fp16 an overflowing
+  gradient is not an error: the loss scaler skips that step and halves its scale (``loss_scale`` in the metrics).
 - The rate of each step follows ``train.lr_scheduler`` after ``train.warmup_steps`` (recipes/schedule.py), a
   function of the step: a resumed stage continues it exactly. The optimizer is ``train.optimizer``
   (recipes/optimizers.py).
@@ -143,6 +144,8 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
             row = {"stage": stage, "step": step, "loss": processes.mean(total), "lr": step_lr,
                    "tokens_per_s": tokens_per_step / seconds,
                    "world_size": processes.world, **{k: processes.mean(float(v)) for k, v in extra.items()}}
+            if optimizer.loss_scale() is not None:  # fp16: the scale after this step (it halves when one overflows)
+                row["loss_scale"] = optimizer.loss_scale()
             if evaluate is not None and train.eval_every and step % train.eval_every == 0:
                 row.update({f"heldout_{key}": value for key, value in evaluate().items()})
             first_tokens = processes.gather(first_rows)  # which data each rank trained on (first token per row)
@@ -150,7 +153,8 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
             if metrics_file and (step % log_every == 0 or step == steps):
                 metrics_file.write(json.dumps({**row, "first_tokens_per_rank": first_tokens}) + "\n")
                 metrics_file.flush()
-                scalars = ("loss", "lr", "tokens_per_s", *extra, *(key for key in row if key.startswith("heldout_")))
+                scalars = ("loss", "lr", "tokens_per_s", *extra, *(key for key in row if key.startswith("heldout_")),
+                           *(("loss_scale",) if "loss_scale" in row else ()))
                 processes.log({f"{stage}/{key}": row[key] for key in scalars}, step=log_offset + step)
             bar.set_postfix(loss=f"{row['loss']:.4g}", tok_s=f"{row['tokens_per_s']:.0f}")
             bar.update()

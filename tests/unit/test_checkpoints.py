@@ -140,3 +140,30 @@ def test_main_first_runs_the_block_on_the_main_process_before_the_others():
     with Processes().main_first():  # one process: no barrier at all
         events.append("block")
     assert events == ["block"]
+
+
+def test_an_fp16_loss_scale_crosses_between_torch_and_deepspeed():
+    """A checkpoint's loss scaler is written as (scale, clean steps since the last overflow) beside each scaler's own
+    state: a ddp / fsdp run (torch's GradScaler) resumes a DeepSpeed run's scale and progress towards the next
+    growth, and the other way round; a bf16 run's checkpoint (no scaler) leaves the scale as it starts."""
+    from types import SimpleNamespace
+
+    from hf_mixers.recipes.strategies import DeepSpeedOptimizer
+
+    local = LocalOptimizer({"w": torch.nn.Parameter(torch.ones(2))}, TrainSection(precision="fp16"), 1e-2, Processes(),
+                           "unused", loss_fn=None)
+    speed = DeepSpeedOptimizer.__new__(DeepSpeedOptimizer)  # only its scaler: a stand-in for ZeRO's
+    speed.fp16, speed.optimizer = True, SimpleNamespace(loss_scaler=SimpleNamespace(
+        cur_scale=4096.0, cur_iter=20, last_overflow_iter=12, cur_hysteresis=1))
+    saved = speed._scaler_state()
+    assert (saved["scale"], saved["clean_steps"]) == (4096.0, 7)
+    local._restore_scaler(saved)
+    assert local.loss_scale() == 4096.0 and local.scaler.state_dict()["_growth_tracker"] == 7
+    fresh = DeepSpeedOptimizer.__new__(DeepSpeedOptimizer)
+    fresh.fp16, fresh.optimizer = True, SimpleNamespace(loss_scaler=SimpleNamespace(
+        cur_scale=65536.0, cur_iter=0, last_overflow_iter=-1, cur_hysteresis=2))
+    fresh._restore_scaler(local._scaler_state())
+    assert fresh.loss_scale() == 4096.0 and fresh._scaler_state()["clean_steps"] == 7
+    assert fresh.optimizer.loss_scaler.cur_hysteresis == 2  # DeepSpeed's own counter, which torch has not
+    local._restore_scaler(None)
+    assert local.loss_scale() == 4096.0
