@@ -135,7 +135,7 @@ class FinetuneSection:  # stage 3 (hf-mixers finetune)
     max_length: int = bounded(256, 2)  # tokens per training row (a longer example is cut)
     # chat data as TRL takes it: rows of "messages" ([{role, content}, ...]) or "prompt" + "completion" (or
     # "response"; strings or message lists): a JSONL file, or a dataset mapping as data.source's
-    # ({path, name, split, heldout_split, revision, data_files, messages_field}); None = Shakespeare speeches
+    # ({path, name, split, heldout_split, revision, data_files, messages_field, streaming}); None = Shakespeare
     source: str | dict | None = None
     assistant_turns: str = "all"  # which assistant turns the loss covers: all, or last
     packing: bool = False  # several examples per row (EOS between them) instead of one padded example per row
@@ -148,7 +148,7 @@ class OutputSection:
     log_every: int = bounded(1, 1)  # steps between rows of metrics.jsonl
     merge_lora: bool = True  # False: OUT/model is the base model and OUT/model-adapter the LoRA adapter
     overwrite: bool = False  # redo a finished or changed run in output.dir
-    # the saved folder's dtype: auto = the teacher's (its config.json's dtype; fp32 when it says none), bf16, fp32
+    # the saved folder's dtype: auto = the teacher's (its config.json's dtype; fp32 when it says none), bf16, fp16, fp32
     dtype: str = "auto"
     allow_recipe_change: bool = False  # resume checkpoints made with another recipe (the changes are recorded)
 

@@ -2,8 +2,9 @@
 
     examples  TRL's layouts: "messages" ([{role, content}, ...]) or "prompt" + "completion" / "response" (strings or
               message lists), from a JSONL file or a dataset (``finetune.source`` as a data.source mapping; its
-              validation split held out when it has one); embedded default: continue a Shakespeare speech (the
-              prompt gives a speech's opening lines, the answer is the rest), from the training plays only
+              validation split held out when it has one; ``streaming``: read as a stream, as far as the steps
+              need); embedded default: continue a Shakespeare speech (the prompt gives a speech's opening lines,
+              the answer is the rest), from the training plays only
     encoding  chat template; the loss covers every assistant turn (``finetune.assistant_turns: last``: the last
               one), end-of-turn tokens included, -100 elsewhere; one padded example per row, or ``packing``
     training  LoRA (``finetune.lora``) or every parameter; the same loop as stages 1 and 2 (checkpoints, resume)
@@ -64,22 +65,40 @@ def _chat_fields(columns) -> str | None:
     return "no 'messages', and no 'prompt' with 'completion' or 'response'"
 
 
-def chat_examples(source, heldout_share: float = 0.1) -> tuple[list, list, str]:
+STREAM_HELDOUT = 64  # a streamed chat dataset: examples held out (its validation split's first, or its own first)
+
+
+def chat_examples(source, heldout_share: float = 0.1, needed: int | None = None) -> tuple[list, list, str]:
     """(training conversations, held-out conversations, where the held-out ones come from) of ``finetune.source``:
     None (Shakespeare speeches), a JSONL file, or a dataset mapping (recipes/dataset_sources.py; its validation
-    split is the held-out set when it has one). Otherwise the last ``heldout_share`` of the examples is held out."""
+    split is the held-out set when it has one). Otherwise the last ``heldout_share`` of the examples is held out.
+    A mapping with ``streaming: true`` is read as a stream, never whole: ``STREAM_HELDOUT`` held-out examples (the
+    first of its validation split, else the stream's first) and then ``needed`` training examples (None: the rest
+    of the stream)."""
     if isinstance(source, dict):
+        from itertools import islice
+
         from .dataset_sources import DatasetSource, document_splits
 
         entry = DatasetSource.parse(source, "finetune.source")
-        if entry.streaming:
-            raise ValueError("finetune.source: streaming is not supported for chat data (the examples are read whole)")
         fields = (lambda columns: None if entry.messages_field in columns else f"no field {entry.messages_field!r}") \
             if entry.messages_field else _chat_fields
         train, heldout, how = document_splits(entry, heldout_share, fields)
+        rows, first = iter(train), 0  # first: the training rows' number in their split
+        if entry.streaming:  # bounded reads from the stream, in its order
+            if heldout is None:
+                heldout = list(islice(rows, STREAM_HELDOUT))
+                how, first = f"the first {len(heldout)} examples of its stream", len(heldout)
+            else:
+                heldout = list(islice(heldout, STREAM_HELDOUT))
+                how = f"the first {len(heldout)} examples of {how.removeprefix('its ')}"
+            rows = islice(rows, needed)
         where = lambda split, i: f"{entry.label}, split {split!r}, row {i}"  # noqa: E731
-        train = [conversation(row, where(entry.split, i), entry.messages_field) for i, row in enumerate(train)]
+        train = [conversation(row, where(entry.split, first + i), entry.messages_field) for i, row in enumerate(rows)]
         heldout = [conversation(row, where("held out", i), entry.messages_field) for i, row in enumerate(heldout)]
+        if not train or not heldout:
+            raise ValueError(f"{entry.label}: no {'training' if not train else 'held-out'} examples "
+                             f"({len(train)} read for training, {len(heldout)} held out: {how})")
         return train, heldout, how
     examples = _shakespeare_examples() if source is None else _jsonl_examples(source)
     held = max(1, int(len(examples) * heldout_share))
@@ -211,7 +230,10 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     write_recipe(recipe, checked_recipe(recipe), processes)
     start_tracking(processes, recipe)
     started = time.perf_counter()
-    train_examples, heldout_examples, heldout_from = chat_examples(section.source)
+    # a streamed source is read for one example per training row the steps take (with packing they fill fewer rows,
+    # which the steps then go over again)
+    needed = section.steps * recipe.train.batch_size * recipe.train.grad_accum * processes.world
+    train_examples, heldout_examples, heldout_from = chat_examples(section.source, needed=needed)
     train_rows = encode(tokenizer, train_examples, section.max_length, section.assistant_turns, section.packing)
     heldout_rows = encode(tokenizer, heldout_examples, section.max_length, section.assistant_turns)
     student.to(device=device, dtype=dtype)  # bf16: the frozen weights; run_stage keeps what it trains in fp32

@@ -418,7 +418,8 @@ def test_finetune_lowers_the_heldout_answer_loss(teacher_dir, tmp_path):
 
 def test_finetune_on_a_chat_dataset_with_packing(teacher_dir, tmp_path):
     """finetune.source as a dataset mapping (TRL's prompt/completion layout, json files with a validation split),
-    packed rows, the last assistant turn only: it trains, holds out the validation split and says so."""
+    packed rows, the last assistant turn only: it trains, holds out the validation split and says so. The same
+    source streamed is read only as far as the steps need."""
     from hf_mixers.conversion import convert
     from hf_mixers.recipes import finetune
 
@@ -438,6 +439,13 @@ def test_finetune_on_a_chat_dataset_with_packing(teacher_dir, tmp_path):
     assert summary["train_examples"] == 30 and summary["heldout_examples"] == 4
     assert summary["heldout_from"] == "its validation split" and summary["train_rows"] < 30  # packed
     assert summary["heldout_assistant_loss_after"] < summary["heldout_assistant_loss_before"]
+    # streamed: the validation split's examples held out, then one training example per row the 2 steps take
+    stream = source[:-1] + ", streaming: true}"
+    streamed = finetune(load_recipe([], [f"model.student={student}", f"finetune.source={stream}", "finetune.steps=2",
+                                         "train.batch_size=3", "finetune.max_length=48",
+                                         f"output.dir={tmp_path / 'streamed'}"]), progress=False)
+    assert streamed["train_examples"] == 6 and streamed["train_rows"] == 6 and streamed["heldout_examples"] == 4
+    assert streamed["heldout_from"] == "the first 4 examples of validation split"
     with pytest.raises(RecipeError, match="finetune.assistant_turns must be 'all' or 'last'"):
         load_recipe([], ["finetune.assistant_turns=first"])
 

@@ -69,6 +69,30 @@ def test_a_chat_dataset_holds_out_its_validation_split(tmp_path):
     with pytest.raises(ValueError, match=r"train.jsonl, split 'train': no 'messages', and no 'prompt' with "
                                          r"'completion'"):
         chat_examples({"path": "json", "data_files": str(tmp_path / "train.jsonl")})
-    with pytest.raises(ValueError, match="streaming is not supported for chat data"):
-        chat_examples({**source, "streaming": True})
     assert torch.is_tensor(encode(tiny_tokenizer(), train, 64))
+
+
+def test_a_streamed_chat_dataset_is_read_only_as_far_as_needed(tmp_path):
+    """streaming: true reads the chat data as a stream: the validation split's first examples held out (or, without
+    one, the stream's first STREAM_HELDOUT), then as many training examples as asked for, in order; nothing more is
+    read, and a stream too short to hold anything out says so."""
+    from hf_mixers.recipes.sft import STREAM_HELDOUT
+
+    dialogue = lambda n: [{"role": "user", "content": f"q{n}"}, {"role": "assistant", "content": f"a{n}"}]  # noqa: E731
+    count = STREAM_HELDOUT + 40
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps({"messages": dialogue(n)}) for n in range(count)))
+    (tmp_path / "validation.jsonl").write_text("\n".join(json.dumps({"messages": dialogue(-n)}) for n in range(90)))
+    files = {split: str(tmp_path / f"{split}.jsonl") for split in ("train", "validation")}
+    train, heldout, how = chat_examples({"path": "json", "data_files": files, "streaming": True}, needed=7)
+    assert train == [dialogue(n) for n in range(7)] and heldout == [dialogue(-n) for n in range(STREAM_HELDOUT)]
+    assert how == f"the first {STREAM_HELDOUT} examples of validation split"
+    train, heldout, how = chat_examples({"path": "json", "data_files": {"train": files["train"]}, "streaming": True},
+                                        needed=10)
+    assert heldout == [dialogue(n) for n in range(STREAM_HELDOUT)] and how.endswith("examples of its stream")
+    assert train == [dialogue(n) for n in range(STREAM_HELDOUT, STREAM_HELDOUT + 10)]
+    train, _, _ = chat_examples({"path": "json", "data_files": {"train": files["train"]}, "streaming": True})
+    assert len(train) == 40  # needed=None: the rest of the stream
+    (tmp_path / "short.jsonl").write_text(json.dumps({"messages": dialogue(0)}))
+    with pytest.raises(ValueError, match=r"short.jsonl.*no training examples \(0 read for training, 1 held out: "
+                                         r"the first 1 examples of its stream\)"):
+        chat_examples({"path": "json", "data_files": str(tmp_path / "short.jsonl"), "streaming": True})
