@@ -278,16 +278,18 @@ def check_bf16(name):
     assert error < 0.05, f"bf16: relative RMS error {error:.3f} vs fp32"
 
 
-def check_mixed_precision(name):
+def check_mixed_precision(name, device="cpu"):
     """Training in bf16 or fp16 (``train.precision``): the weights taken from a teacher in that dtype, the mixer's own
-    new tensors in fp32, under CPU autocast. The forward stays close to fp32 (relative RMS error below 5%) and every
-    own tensor that takes a gradient gets a finite fp32 one."""
+    new tensors in fp32, under autocast on ``device`` (the GPU check runs it on CUDA, through the Triton kernels).
+    The forward stays close to fp32 (relative RMS error below 5%) and every own tensor that takes a gradient gets a
+    finite fp32 one."""
     from .core.attention import TEACHER_MODULES
 
-    ids, mask = _inputs()
+    device = torch.device(device)
+    ids, mask = (t.to(device) for t in _inputs())
     valid = mask.bool()
     for dtype in (torch.bfloat16, torch.float16):
-        model = tiny_model(name, dtype=torch.float32).train()
+        model = tiny_model(name, dtype=torch.float32).to(device).train()
         reference = _logits(model, ids, mask)
         own = []
         for key, parameter in model.named_parameters():
@@ -296,16 +298,16 @@ def check_mixed_precision(name):
             else:
                 parameter.data = parameter.data.to(dtype)
                 parameter.requires_grad_(False)
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(device.type, dtype=dtype):
             logits = model(ids, attention_mask=mask, use_cache=False).logits.float()
         error = ((logits.detach() - reference)[valid].pow(2).mean() / reference[valid].pow(2).mean()).sqrt().item()
-        assert error < 0.05, f"{dtype} weights + autocast: relative RMS error {error:.3f} vs fp32"
+        assert error < 0.05, f"{dtype} weights + autocast on {device}: relative RMS error {error:.3f} vs fp32"
         if own:
             logits[valid].pow(2).mean().backward()
             graded = [(key, p.grad) for key, p in own if p.grad is not None]
             assert graded, f"{dtype} weights + autocast: none of the mixer's own tensors got a gradient"
             bad = [key for key, grad in graded if grad.dtype != torch.float32 or not torch.isfinite(grad).all()]
-            assert not bad, f"{dtype} weights + autocast: gradients not finite fp32 for {bad[:3]}"
+            assert not bad, f"{dtype} weights + autocast on {device}: gradients not finite fp32 for {bad[:3]}"
 
 
 def check_gradient_checkpointing(name):

@@ -1,7 +1,7 @@
 """Every registered mixer on the GPU equals the same model on the CPU's PyTorch reference path: forward, backward,
-cached decoding and ``generate``, in fp32 (bf16 close to fp32); the dispatch picks each fast path with its one log
-line; the compiled decode step (torch.compile, and with CUDA graphs) equals the eager one; the maintained libraries'
-kernels, where installed, equal our scans.
+cached decoding and ``generate``, in fp32 (bf16 close to fp32); bf16 / fp16 training under autocast; the dispatch
+picks each fast path with its one log line; the compiled decode step (torch.compile, and with CUDA graphs) equals
+the eager one; the maintained libraries' kernels, where installed, equal our scans.
 
 The reference model sits on the CPU with ``kernel_backend="torch"``; the model under test is its copy on DEVICE with
 the default "auto" (Triton kernels on CUDA; under the dry run the interpreter on CPU tensors).
@@ -16,7 +16,7 @@ from gpu_setup import DEVICE, ON_DEVICE, record, relative_error  # noqa: F401 (r
 
 from hf_mixers.core.registry import list_mixers
 from hf_mixers.kernels import dispatch
-from hf_mixers.testing import HYBRID, _inputs, tiny_model
+from hf_mixers.testing import HYBRID, _inputs, check_mixed_precision, tiny_model
 
 pytestmark = ON_DEVICE
 NAMES = [spec.name for spec in list_mixers()] + [HYBRID]
@@ -218,3 +218,11 @@ def test_liger_distillation_loss_equals_the_chunked_loss(dtype, record):
     errors = {k: relative_error(results["triton"][k], results["torch"][k]) for k in results["torch"]}
     record(errors=errors, peak_mib_liger=round(peaks["triton"], 1), peak_mib_chunked=round(peaks["torch"], 1))
     assert max(errors.values()) < (1e-4 if dtype == torch.float32 else 2e-2), errors
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mixed_precision_training_on_device(name):
+    """train.precision bf16 and fp16 on the device: teacher weights in that dtype, the mixer's own tensors fp32, CUDA
+    autocast around the Triton kernels (which compute outside it, in fp32): close to fp32, finite fp32 gradients.
+    Last in the file: the step's time limit reaches the other tests first."""
+    check_mixed_precision(name, device=DEVICE)
