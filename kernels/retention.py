@@ -160,8 +160,15 @@ def retention_chunked(q, k, v, log_rates, weights, skip=None, state=None, includ
     read = torch.exp(log_rates[:, :, None] * (r + 1).to(q.dtype))  # (G, S, C)
     first = 0 if state is not None else 1  # without a carried state the first chunk reads zeros: skip it
     if chunks > first:  # the inter-chunk read, S F V per query: the form's main cost
-        decayed_q = torch.einsum("bgjnrf,gsr->bgjnrsf", qc[:, :, :, first:], read).flatten(-2)  # (.., C, S F)
-        inter = torch.einsum("bgjnrx,bgnxv->bgjnrv", decayed_q, before[:, :, first:].flatten(3, 4))
+        # per chunk one matmul of its queries (g C, F) with every slot's state (F, S V), then each slot's read weighed
+        # by its decay to the row and summed over the slots: 2.5x faster on CPU than decaying the queries per slot
+        # first (a (g, C, S F) tensor, copied again for the einsum's matmul)
+        queries = qc[:, :, :, first:].transpose(2, 3).flatten(3, 4)  # (B, G, N', g C, F)
+        states = before[:, :, first:].transpose(3, 4).flatten(4, 5)  # (B, G, N', F, S V)
+        per_slot = (queries @ states).unflatten(-1, (slots, width))  # (B, G, N', g C, S, V)
+        per_slot = per_slot.unflatten(3, (per_group, size))  # (B, G, N', g, C, S, V)
+        weigh = read.transpose(1, 2)[None, :, None, None, :, None, :]  # (1, G, 1, 1, C, 1, S)
+        inter = (weigh @ per_slot).squeeze(-2).transpose(2, 3)  # (B, G, g, N', C, V)
         out = torch.cat([out[:, :, :, :first], out[:, :, :, first:] + inter], dim=3)
     if pad:  # the final state at the last real token: the last chunk's state and writes decayed size - pad steps
         real = size - pad
