@@ -236,6 +236,21 @@ def test_bfloat16_output(teachers, tmp_path):
     assert full_report.kl_teacher_student < 1e-2  # gain 0 at init: still the teacher
 
 
+def test_float16_output_loads_and_generates(teachers, tmp_path):
+    """convert --dtype float16 (a student for fp16 serving or train.precision=fp16): the folder in fp16, the report
+    computed in it (still the teacher at init), and it loads back and generates."""
+    from transformers import AutoModelForCausalLM
+
+    model, report = convert(teachers["llama"], "sessa", dtype="float16", out=str(tmp_path / "fp16"), **SMALL)
+    assert model.dtype == torch.float16 and report.dtype == "float16" and report.kl_teacher_student < 1e-2
+    tensors = load_file(str(tmp_path / "fp16" / "model.safetensors"))
+    assert {tensor.dtype for tensor in tensors.values()} == {torch.float16}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fp16")
+    assert loaded.dtype == torch.float16
+    out = loaded.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 6)
+
+
 def test_sliding_window_teacher_kept_as_sliding_attention(tokenizer, tmp_path):
     folder = str(tmp_path / "mistral")
     teacher = tiny_teacher("mistral", len(tokenizer), sliding_window=8)
