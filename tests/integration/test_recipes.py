@@ -646,8 +646,8 @@ def test_every_shipped_recipe_loads():
 def test_low_precision_training_tracks_fp32(teacher_dir, tmp_path):
     """train.precision=bf16 / fp16 on CPU: frozen weights in that dtype, trained tensors fp32, autocast. bf16: every
     loss within 1% of the fp32 run's (a selective-SSM conversion: losses of order 1, not exact at init). fp16 runs
-    under a loss scaler whose scale is in every metrics row: each stage's first step overflows at the initial scale
-    2^16 and is skipped (the scale halves), as in any fp16 run, so only the first loss (the same weights, the same
+    under a loss scaler whose scale is in every metrics row: a stage's first steps may overflow at the initial scale
+    2^16 and be skipped (the scale halves), as in any fp16 run, so only the first loss (the same weights, the same
     batch) is compared with fp32's (within 1%); then each stage trains. The default (auto) is fp32 on CPU."""
     runs = {}
     for precision in ("auto", "bf16", "fp16"):
@@ -667,8 +667,10 @@ def test_low_precision_training_tracks_fp32(teacher_dir, tmp_path):
     assert bf16 == pytest.approx(fp32, rel=1e-2, abs=1e-4) and bf16 != fp32  # it did run in another precision
     assert runs["auto"][2] == runs["bf16"][2] == [None] * 6
     assert fp16[0] == pytest.approx(fp32[0], rel=1e-2) and fp16 != fp32
-    assert scales[0] < 2.0**16 and scales[3] < 2.0**16 and all(scale > 1 for scale in scales), scales
-    assert fp16[2] < fp16[0] and fp16[5] < fp16[3]  # after the skipped step, each stage trains
+    # whether a step overflows at 2^16 depends on the last bits of the gradients (threads, CPU): only the scale's
+    # rules are asserted, a power of two that starts at 2^16 and only halves in 3 steps
+    assert all(scale in (2.0**14, 2.0**15, 2.0**16) for scale in scales), scales
+    assert fp16[2] < fp16[0] and fp16[5] < fp16[3]  # each stage trains
 
 
 def test_an_fp16_run_skips_overflowing_steps_and_resumes_its_loss_scale(tmp_path):
