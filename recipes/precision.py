@@ -7,7 +7,7 @@
            whatever the activations (the kernels' rule).
     fp16   as bf16, in fp16, with dynamic loss scaling (``loss_scaler``: the loss is multiplied by a scale before the
            backward so that small fp16 gradients do not flush to zero; a step whose gradients overflow is skipped and
-           the scale halved, and it doubles after 2,000 clean steps). For GPUs without bf16 (V100, T4)
+           the scale halved, and it doubles after 2,000 clean steps). For GPUs without bf16 (V100, T4).
     auto   bf16 on a CUDA device that has it, else fp32; or what ``accelerate launch --mixed_precision`` asked for
 
 An accelerate launch passes its ``mixed_precision`` to the processes as ACCELERATE_MIXED_PRECISION: ``bf16`` and
