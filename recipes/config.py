@@ -399,9 +399,8 @@ def _merged(old: dict, new: dict) -> dict:
 def recipe_with_defaults(recorded: dict) -> dict:
     """A recorded recipe (``Recipe.to_dict()`` of an earlier run) with every field a later version added at its
     default, so that comparing it with today's recipe shows only real changes."""
-    recipe = Recipe()
-    _merge(recipe, {key: value for key, value in recorded.items() if key in {f.name for f in dataclasses.fields(Recipe)}},
-           "the recorded recipe", "")
+    recipe, sections = Recipe(), {f.name for f in dataclasses.fields(Recipe)}
+    _merge(recipe, {key: value for key, value in recorded.items() if key in sections}, "the recorded recipe", "")
     return recipe.to_dict()
 
 
