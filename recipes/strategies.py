@@ -501,9 +501,10 @@ class DeepSpeedOptimizer:
 
         self.processes, self.parameters, self.path = processes, parameters, path
         self.zero3 = train.zero_stage == 3
-        self.fp16 = training_dtype(train.precision, processes.device) == torch.float16
+        dtype = training_dtype(train.precision, processes.device)
+        self.fp16 = dtype == torch.float16
         holder = _LossModule(loss_fn)
-        config = deepspeed_settings(train, lr, training_dtype(train.precision, processes.device))
+        config = deepspeed_settings(train, lr, dtype)
         if self.zero3:
             self.model = _sharded_model(sharding, train)
             self.skeleton, self.kept = _meta_skeleton(self.model), sharding.kept

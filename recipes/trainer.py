@@ -144,8 +144,9 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
             row = {"stage": stage, "step": step, "loss": processes.mean(total), "lr": step_lr,
                    "tokens_per_s": tokens_per_step / seconds,
                    "world_size": processes.world, **{k: processes.mean(float(v)) for k, v in extra.items()}}
-            if optimizer.loss_scale() is not None:  # fp16: the scale after this step (it halves when one overflows)
-                row["loss_scale"] = optimizer.loss_scale()
+            scale = optimizer.loss_scale()
+            if scale is not None:  # fp16: the scale after this step (it halves when one overflows)
+                row["loss_scale"] = scale
             if evaluate is not None and train.eval_every and step % train.eval_every == 0:
                 row.update({f"heldout_{key}": value for key, value in evaluate().items()})
             first_tokens = processes.gather(first_rows)  # which data each rank trained on (first token per row)

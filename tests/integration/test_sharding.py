@@ -158,6 +158,27 @@ def test_fp16_scales_the_loss_under_every_strategy_and_resumes_its_scale(teacher
     assert scaler["scale"] == whole[-1]["loss_scale"] and set(scaler["deepspeed"]) >= {"cur_scale", "cur_hysteresis"}
 
 
+@needs_deepspeed
+def test_a_zero2_fp16_run_whose_every_step_overflowed_checkpoints_and_resumes(teacher_dir, tmp_path):
+    """A user's DeepSpeed JSON starting the scale at 2^32 (hysteresis 1): every step overflows and is skipped, so
+    the optimizer never stepped and has no Adam state. Its checkpoints hold the parameters and the scaler only, and
+    a relaunch with one more stage-2 step resumes from them (the scale halving on from where it stopped)."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"fp16": {"initial_scale_power": 32, "hysteresis": 1}}))
+    settings = ["train.precision=fp16", "train.strategy=deepspeed", "train.zero_stage=2",
+                f"train.deepspeed_config={config}"]
+    out = tmp_path / "run"
+    distill_on_two_processes(teacher_dir, out, *settings, "stage2.steps=2")
+    first = metrics(out)
+    assert [row["loss_scale"] for row in first] == [2.0**31, 2.0**30, 2.0**31, 2.0**30]  # a new scaler per stage
+    with safe_open(str(out / "checkpoints" / "stage2.safetensors"), framework="pt") as handle:
+        assert not [key for key in handle.keys() if key.startswith("optimizer/")]
+        assert json.loads(handle.metadata()["hf_mixers"])["loss_scaler"]["scale"] == 2.0**30
+    distill_on_two_processes(teacher_dir, out, *settings, "stage2.steps=3", "output.overwrite=true")
+    rows = metrics(out)
+    assert rows[:4] == first and rows[4]["loss_scale"] == 2.0**29
+
+
 def test_sharding_recipes_are_checked(teacher_dir, tmp_path):
     with pytest.raises(RecipeError, match="train.zero_stage must be 1, 2 or 3"):
         load_recipe([], ["train.strategy=deepspeed", "train.zero_stage=4"])
