@@ -96,15 +96,17 @@ def lattice_steps(offsets: list[int]) -> list[int]:
     return steps[: len(offsets)]
 
 
-def support_rows(pattern: str, positions: torch.Tensor, window: int = 8, offsets=None) -> torch.Tensor:
+def support_rows(pattern: str, positions: torch.Tensor, window: int = 8, offsets=None,
+                 longest: int | None = None) -> torch.Tensor:
     """The B-support of each 1-based position in ``positions`` (any shape; 0 = padding, no support) as rows (..., K)
     of 1-based positions, 0 where a row has fewer than K entries; each row sorted in decreasing order (newest
-    first), no repeats. K is the largest |P(i)| up to the largest position."""
+    first), no repeats. K is the largest |P(i)| up to ``longest``, by default the largest position (read from the
+    tensor: a host synchronisation, which a compiled decode step avoids by naming a bound)."""
     if pattern not in PATTERNS:
         raise ValueError(f"unknown pattern {pattern!r}; choose one of {', '.join(PATTERNS)}")
     if window < 1:
         raise ValueError(f"pattern support: window must be >= 1, got {window}")
-    last = int(positions.max()) if positions.numel() else 0
+    last = longest if longest is not None else int(positions.max()) if positions.numel() else 0
     i = positions[..., None]  # (..., 1)
     device = positions.device
     if pattern in ("attention", "local"):

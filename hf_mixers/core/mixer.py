@@ -57,9 +57,43 @@ class SequenceMixer(nn.Module):
         """An extra stage-1 training loss of this layer on the teacher's inputs (None: there is none)."""
         return None
 
-    def compiles_decode(self, hidden_states, past_key_values) -> bool:
-        """Whether the block runs this step as one compiled graph (see model/blocks.py); never by default."""
+    # The compiled token step (model/blocks.py decode_compiled). A mixer that has one says so in
+    # ``can_compile_decode`` and implements the three methods below; the block then runs each one-token step of
+    # its layer, with the block's own layers around it, as one torch.compile graph.
+    def can_compile_decode(self) -> bool:
+        """Whether this mixer has a one-token step the block can compile (never by default)."""
         return False
+
+    def decode_compile_mode(self) -> str | None:
+        """The torch.compile mode of the compiled token step (``config.compile_decode``: True is "default"), or None
+        for an eager one."""
+        mode = self.config.compile_decode
+        return "default" if mode is True else mode or None
+
+    def compiles_decode(self, hidden_states, past_key_values) -> bool:
+        """Whether the block runs this step as one compiled graph: a mixer that can, ``config.compile_decode``, one
+        token, its cache already filled (a call with an empty cache, e.g. the prompt's prefill, runs eagerly)."""
+        return (self.can_compile_decode() and self.decode_compile_mode() is not None and hidden_states.shape[1] == 1
+                and past_key_values is not None and self.decode_ready(past_key_values.layers[self.layer_idx]))
+
+    def decode_ready(self, layer_cache) -> bool:
+        """Whether ``layer_cache`` holds what ``decode_inputs`` reads."""
+        raise NotImplementedError(f"{type(self).__name__} has no compiled token step")
+
+    def decode_inputs(self, layer_cache, token_mask) -> tuple:
+        """What the compiled step reads besides the block's input and the rotary embedding, from the layer's cache
+        and the token mask (B, P + 1): tensors, tuples of them or None, of shapes that do not grow with the context
+        (each shape is a graph)."""
+        raise NotImplementedError(f"{type(self).__name__} has no compiled token step")
+
+    def decode_step(self, hidden_states, position_embeddings, *inputs) -> tuple:
+        """One token (B, 1, D) and ``decode_inputs`` -> (output (B, 1, D), the new state): traced by torch.compile
+        (fullgraph), so no host synchronisation and no shape that depends on values."""
+        raise NotImplementedError(f"{type(self).__name__} has no compiled token step")
+
+    def store_decode_state(self, layer_cache, state) -> None:
+        """Write the state ``decode_step`` returned back into the layer's cache."""
+        raise NotImplementedError(f"{type(self).__name__} has no compiled token step")
 
     @classmethod
     def teacher_state(cls, attention: nn.Module, config) -> dict:
@@ -110,14 +144,19 @@ class RecurrentMixer(SequenceMixer):
     def mix(self, hidden_states, position_embeddings=None, token_mask=None, state=None, history=None):
         raise NotImplementedError(f"{type(self).__name__} must implement mix")
 
-    def decode_compile_mode(self) -> str | None:
-        """The torch.compile mode of the compiled token step (``config.compile_decode``: True is "default"), or None
-        for an eager one."""
-        mode = self.config.compile_decode
-        return "default" if mode is True else mode or None
+    def can_compile_decode(self) -> bool:
+        return True
 
-    def compiles_decode(self, hidden_states, past_key_values) -> bool:
-        """Whether the block runs this step as one compiled graph (model/blocks.py): ``config.compile_decode``, one
-        token, its state already cached (a call with no cached state, e.g. the prompt's prefill, runs eagerly)."""
-        return (self.decode_compile_mode() is not None and hidden_states.shape[1] == 1 and past_key_values is not None
-                and past_key_values.layers[self.layer_idx].state is not None)
+    def decode_ready(self, layer_cache) -> bool:
+        return layer_cache.state is not None
+
+    def decode_inputs(self, layer_cache, token_mask) -> tuple:
+        """This token's mask (B, 1) or None, the state and the short-conv history."""
+        return None if token_mask is None else token_mask[:, -1:], layer_cache.state, layer_cache.conv_history
+
+    def decode_step(self, hidden_states, position_embeddings, token_mask, state, history):
+        output, state, history = self.mix(hidden_states, position_embeddings, token_mask, state, history)
+        return output, (state, history)
+
+    def store_decode_state(self, layer_cache, state) -> None:
+        layer_cache.update_state(state[0], 1, state[1])

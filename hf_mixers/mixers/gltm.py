@@ -275,6 +275,81 @@ class GLTMMixer(FullAttention):
                               else (key_all, value_all))
         return self.o_proj(y.transpose(1, 2).flatten(2).to(hidden_states.dtype))  # (B, T, H d) -> (B, T, D)
 
+    # The compiled token step (model/blocks.py; ``config.compile_decode``) of the evicting patterns: their cache
+    # holds exactly the positions the next token reads, at most ``decode_slots`` of them, so it is kept at that
+    # many slots (empty ones have position 0) and one token is: attention over the slots and itself, the feedback
+    # read of the slots, then the slots the token after it reads kept, all at shapes fixed for the whole run.
+    def can_compile_decode(self) -> bool:
+        return self.pattern in EVICTING
+
+    def decode_ready(self, layer_cache) -> bool:
+        return layer_cache.is_initialized
+
+    def decode_slots(self, length: int) -> int:
+        """Slots enough for every position up to ``length``: the number of offsets below it for the cache-efficient
+        patterns (ceil(log2) for pow2_ce), w for banded and local, 1 for ssm."""
+        following = torch.tensor([[length]])
+        return (self.a_support(following) if not self.recurrent else
+                support_rows(self.pattern, following, self.window, self.offsets)).shape[-1]
+
+    def decode_inputs(self, layer_cache, token_mask) -> tuple:
+        """This token's 1-based position (B, 1; 0 for padding) and the cache at a fixed number of slots: K/V
+        (B, Hkv, S, d), feedback keys (B, S, Hkv, d), outputs (B, S, H, d), positions (B, S). The slots cover
+        every position up to ``decode_length``: the model's max_position_embeddings, or beyond it the next power of
+        two past the token after this one (so a run past that length recompiles the step once per doubling)."""
+        length = layer_cache.seen_tokens + 1
+        if token_mask is None:
+            position = torch.full((layer_cache.positions.shape[0], 1), length, device=layer_cache.positions.device)
+        else:
+            position = token_mask.long().sum(-1, keepdim=True) * token_mask[:, -1:]
+        decode_length = max(self.config.max_position_embeddings, 1 << length.bit_length())
+        if decode_length != getattr(self, "decode_length", None):  # rarely: the slots are worked out once per length
+            self.decode_length, self.slots = decode_length, self.decode_slots(decode_length)
+        layer_cache.reserve(self.slots)
+        return (position, layer_cache.keys, layer_cache.values, layer_cache.feedback_keys, layer_cache.outputs,
+                layer_cache.positions)
+
+    def decode_step(self, hidden_states, position_embeddings, position, keys, values, feedback_keys, outputs,
+                    slots):
+        """``forward`` for one token on a cache of fixed slots (``decode_inputs``): the same math, no lookup table,
+        no host synchronisation."""
+        batch, groups, kv_heads = hidden_states.shape[0], self.num_key_value_groups, self.num_key_value_heads
+        cd = compute_dtype(hidden_states.dtype)
+        query, key, value = self.project(hidden_states, position_embeddings)  # (B, H, 1, d), (B, Hkv, 1, d) x 2
+        entries = torch.cat([slots, position], dim=1)  # (B, S + 1): the kept positions, then this token
+        rows = torch.arange(entries.shape[1], device=entries.device).where(entries > 0, -1)[:, None]  # (B, 1, S+1)
+        if self.diagonal_a:  # A reads x_i itself; the cache keeps no A-branch keys or values
+            direct, value = value.repeat_interleave(groups, dim=1), value[..., :0]
+        keys, values = torch.cat([keys, key], dim=2), torch.cat([values, value], dim=2)  # (B, Hkv, S + 1, d)
+        if not self.diagonal_a:  # N(i): the slots (exactly P(i), or the window) and the token itself
+            direct = sparse_attention(_by_kv_head(query, groups), keys.flatten(0, 1), values.flatten(0, 1),
+                                      rows.repeat_interleave(kv_heads, 0), self.scaling)
+            direct = _from_kv_head(direct, batch)  # (B, H, 1, d)
+        direct = direct.to(cd).masked_fill((position == 0)[:, None, :, None], 0.0)
+        if self.recurrent:  # B reads the slots' outputs: P(i), every kept position
+            q_b, feedback_key = self.project_feedback(hidden_states, position_embeddings)  # (B, H | Hkv, 1, d)
+            gate = self.gate(hidden_states).transpose(1, 2) * (position >= 2)[:, None]  # (B, H, 1)
+            scale, skip = self.input_scale(hidden_states, gate)
+            weights = gathered_softmax(_by_kv_head(q_b, groups).to(cd), feedback_keys.transpose(1, 2).flatten(0, 1)
+                                       .to(cd), rows[..., :-1].repeat_interleave(kv_heads, 0), self.scaling)
+            weights = _from_kv_head(weights, batch) * gate[..., None]  # (B, H, 1, S)
+            output = scale[..., None] * direct + torch.einsum("bhts,bshd->bhtd", weights, outputs.to(cd))
+            y = output if skip is None else output - skip[..., None] * direct
+            feedback_key, output = feedback_key.transpose(1, 2), output.transpose(1, 2)  # (B, 1, heads, d)
+        else:  # B = 0: no past output is ever read (the cache's entries are empty)
+            y, feedback_key, output = direct, feedback_keys[:, :1], outputs[:, :1]
+        feedback_keys = torch.cat([feedback_keys, feedback_key.to(feedback_keys.dtype)], dim=1)
+        outputs = torch.cat([outputs, output.to(outputs.dtype)], dim=1)
+        keep = self.still_read(entries, self.decode_length)  # at most S of the S + 1 entries
+        state = _compact(keep, slots.shape[1], ((keys, 2), (values, 2), (feedback_keys, 1), (outputs, 1),
+                                                (entries, 1)))
+        return self.o_proj(y.transpose(1, 2).flatten(2).to(hidden_states.dtype)), state
+
+    def store_decode_state(self, layer_cache, state) -> None:
+        layer_cache.keys, layer_cache.values, layer_cache.feedback_keys, layer_cache.outputs, layer_cache.positions \
+            = state
+        layer_cache.seen_tokens += 1
+
     def input_scale(self, hidden_states, gate):
         """The diagonal factor on the A-branch output, and what weight sharing subtracts afterwards: (1 - g, None);
         the Mamba rule's (Δ b, None); weight sharing's (d + d', d) (Eq. 26: z = (I - B)^-1 (d + d') x, y = z - d x).
@@ -310,11 +385,15 @@ class GLTMMixer(FullAttention):
             layer.append_extras(empty, empty.to(outputs.dtype), positions)
         layer.seen_tokens += positions.shape[1]
         if self.pattern in EVICTING:
-            following = layer.positions.max(dim=1).values + 1  # (B,): the next token of each row
-            needed = self.a_support(following[:, None])[:, 0] if not self.recurrent else \
-                support_rows(self.pattern, following[:, None], self.window, self.offsets)[:, 0]  # (B, K)
-            keep = (layer.positions[..., None] == needed[:, None, :]).any(-1) & (layer.positions > 0)  # (B, M)
-            layer.keep(keep)
+            layer.keep(self.still_read(layer.positions))
+
+    def still_read(self, positions, longest=None):
+        """Which cached 1-based ``positions`` (B, M) the next token of each row reads (B, M): its A-support but
+        itself for ``local``, its B-support for the recurrent patterns; what is not read is never read again."""
+        following = positions.max(dim=1).values[:, None] + 1  # (B, 1): the next token of each row
+        needed = self.a_support(following)[:, 0] if not self.recurrent else \
+            support_rows(self.pattern, following, self.window, self.offsets, longest)[:, 0]  # (B, K)
+        return (positions[..., None] == needed[:, None, :]).any(-1) & (positions > 0)
 
 
 def _by_kv_head(x, groups):
@@ -353,6 +432,23 @@ class _Lookup:
         return found.where(rows > 0, -1)
 
 
+def _compact(keep, count, tensors):
+    """The entries where ``keep`` (B, M) is True, in order, at ``count`` per row (at least the most a row keeps):
+    rows with fewer get empty entries in front, zeros (position 0). ``tensors``: (x, the dimension of M in x)."""
+    order = torch.where(keep, torch.arange(keep.shape[1], device=keep.device), -1).sort(dim=1).values
+    index = order[:, keep.shape[1] - count:]  # (B, count), -1 where the row has fewer
+    empty = index < 0
+    index = index.clamp(min=0)
+
+    def pick(x, dim):
+        shape = [1] * x.dim()
+        shape[0], shape[dim] = index.shape
+        picked = x.gather(dim, index.view(shape).expand(*[s if d != dim else count for d, s in enumerate(x.shape)]))
+        return picked.masked_fill(empty.view(shape), 0)
+
+    return tuple(pick(x, dim) for x, dim in tensors)
+
+
 class GLTMCacheLayer(KVPlusLayer):
     """For each kept position: kA, v (B, Hkv, M, d) as the K/V, kB (B, M, Hkv, d), y (B, M, H, d) fp32 and the
     1-based position (B, M; 0 = an empty slot of a shorter row). Counts every token seen, kept or not."""
@@ -373,21 +469,22 @@ class GLTMCacheLayer(KVPlusLayer):
 
     def keep(self, keep):
         """Keep the entries where ``keep`` (B, M) is True, in order; rows with fewer get empty slots in front."""
-        count = int(keep.sum(1).max())
-        order = torch.where(keep, torch.arange(keep.shape[1], device=keep.device), -1).sort(dim=1).values
-        index = order[:, -count:] if count else order[:, :0]  # (B, count), -1 where the row has fewer
-        empty = index < 0
-        index = index.clamp(min=0)
+        self.keys, self.values, self.feedback_keys, self.outputs, self.positions = _compact(
+            keep, int(keep.sum(1).max()), ((self.keys, 2), (self.values, 2), (self.feedback_keys, 1),
+                                           (self.outputs, 1), (self.positions, 1)))
 
-        def pick(x, dim):
-            shape = [1] * x.dim()
-            shape[0], shape[dim] = index.shape
-            expanded = index.view(shape).expand(*[s if d != dim else count for d, s in enumerate(x.shape)])
-            return x.gather(dim, expanded)
+    def reserve(self, slots: int) -> None:
+        """At least ``slots`` entries, empty ones (position 0) in front: the fixed shape of a compiled decode step."""
+        missing = slots - self.positions.shape[1]
+        if missing > 0:
+            def pad(x, dim):
+                shape = list(x.shape)
+                shape[dim] = missing
+                return torch.cat([x.new_zeros(shape), x], dim=dim)
 
-        self.keys, self.values = pick(self.keys, 2), pick(self.values, 2)
-        self.feedback_keys, self.outputs = pick(self.feedback_keys, 1), pick(self.outputs, 1)
-        self.positions = pick(self.positions, 1).masked_fill(empty, 0)
+            self.keys, self.values = pad(self.keys, 2), pad(self.values, 2)
+            self.feedback_keys, self.outputs = pad(self.feedback_keys, 1), pad(self.outputs, 1)
+            self.positions = pad(self.positions, 1)
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -435,7 +532,8 @@ GLTM = register_mixer(MixerSpec(
           "Delattre, Allauzen)",
     options=(
         MixerOption("gltm_pattern", "pow2_ce", "the sparsity pattern: " + ", ".join(PATTERNS), one_of(*PATTERNS)),
-        MixerOption("gltm_bandwidth", 8, "w of the local and banded patterns (local: w tokens including the current one; banded: w past outputs)", positive_int),
+        MixerOption("gltm_bandwidth", 8, "w of the local and banded patterns (local: w tokens including the current "
+                    "one; banded: w past outputs)", positive_int),
         MixerOption("gltm_offsets", None, "the offset function of custom / custom_ce: 'pow:b' (b^k) or 'poly:p,c' "
                     "(k^p + c); f(0) must be 1 and f strictly increasing", _offsets_spec),
         MixerOption("gltm_gate", "mamba2", "the gate g: 'mamba2' (exp(-softplus(dt) exp(A_log))), 'sigmoid', or "

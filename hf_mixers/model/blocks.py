@@ -1,11 +1,12 @@
-"""Decoder blocks around a mixer, and the compiled single-token decode step of a recurrent block.
+"""Decoder blocks around a mixer, and the compiled single-token decode step of a block.
 
     LlamaBlock ("llama"):  x + mixer(RMSNorm(x)), then + MLP(RMSNorm(.))   a converted teacher keeps its norms and MLP
     SessaBlock ("sessa"):  x + W_out(mixer(GELU(a)) * g), [a | g] = W_in(LayerNorm(x))   the Sessa paper's native
                            block: no MLP, a linear gate, exact erf GELU, LayerNorm eps 1e-5
 
 A block's ``around(x, mix)`` runs its own layers around ``mix`` (normed input -> mixer output); ``forward`` calls
-it with the mixer, or with the compiled step when the mixer asks for one (``mixer.compiles_decode``).
+it with the mixer, or with the mixer's compiled one-token step when it asks for one (``mixer.compiles_decode``: the
+recurrent mixers, GLTM's evicting patterns).
 """
 
 from __future__ import annotations
@@ -70,18 +71,18 @@ class SessaBlock(MixerBlock):
 BLOCK_CLASSES = {"llama": LlamaBlock, "sessa": SessaBlock}
 
 
-def block_step(block, hidden_states, position_embeddings, token_mask, state, conv_history):
-    """A block around a recurrent mixer, without cache objects: -> output, new state, new conv history.
+def block_step(block, hidden_states, position_embeddings, inputs):
+    """A block around its mixer's one-token step, without cache objects: -> output, the mixer's new state.
 
-    The mixer's ``mix(x, position_embeddings, token_mask, state, conv_history)`` is its layer without the cache
-    (a ``RecurrentStateLayer`` holds exactly that state and history)."""
+    ``inputs`` are what the mixer's ``decode_inputs`` read from its cache (for a recurrent mixer: the token's mask,
+    the state and the short-conv history); ``decode_step`` is the mixer's layer for one token on them."""
     new = {}
 
     def mix(x):
-        out, new["state"], new["history"] = block.mixer.mix(x, position_embeddings, token_mask, state, conv_history)
+        out, new["state"] = block.mixer.decode_step(x, position_embeddings, *inputs)
         return out
 
-    return block.around(hidden_states, mix), new["state"], new["history"]
+    return block.around(hidden_states, mix), new["state"]
 
 
 _compiled_block_steps = {}  # (device type, mixer class, batch, mode) -> (compiled block_step, replays a CUDA graph)
@@ -119,8 +120,9 @@ def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_
     Eager, a decode step of a recurrent memory is ~100 small ops and dispatch-bound; compiled with the whole block
     around it (projections, o_proj, norms, MLP), it is one graph of a few fused kernels. The block is an argument,
     so its parameters are graph inputs and every block of a mixer class shares the graph (one per class, batch size
-    and mode, see compile_block_step). Static shapes: the mask is cut to this token and every input given dense
-    strides, so neither the context length nor a strided state recompiles it. On CPU the graph's launcher is C++
+    and mode, see compile_block_step). Static shapes: what the mixer reads (``decode_inputs``) does not grow with the
+    context, and every input is given dense strides, so neither the context length nor a strided state recompiles
+    it. On CPU the graph's launcher is C++
     (``cpp_wrapper``): the default Python launcher of ~50 kernels cost ~0.13 ms per block call, a tenth of an RSA
     step. The first call compiles for 10-60 s on a CPU, hence opt-in (``config.compile_decode``). Replayed as a CUDA
     graph, one graph serves every block, and each replay writes its outputs into the same memory: they are copied
@@ -136,11 +138,9 @@ def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_
     if cuda_graph:
         torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs were copied out: reuse is fine
     layer_cache = past_key_values.layers[block.mixer.layer_idx]
-    output, state, history = step(
-        block, _dense(hidden_states), position_embeddings,
-        None if token_mask is None else _dense(token_mask[:, -1:]),
-        *map_tensors((layer_cache.state, layer_cache.conv_history), _dense))
+    inputs = map_tensors(block.mixer.decode_inputs(layer_cache, token_mask), _dense)
+    output, state = step(block, _dense(hidden_states), position_embeddings, inputs)
     if cuda_graph:
-        output, state, history = map_tensors((output, state, history), torch.Tensor.clone)
-    layer_cache.update_state(state, 1, history)
+        output, state = map_tensors((output, state), torch.Tensor.clone)
+    block.mixer.store_decode_state(layer_cache, state)
     return output

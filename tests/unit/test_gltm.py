@@ -149,6 +149,34 @@ def test_pow2_ce_cache_grows_like_log_t_not_t():
     assert cache.layers[0].keys.shape[2] == 10
 
 
+def test_the_compiled_step_keeps_fixed_slots_and_grows_them_once_past_the_model_length():
+    """``compile_decode`` on pow2_ce: the cache sits at ``decode_slots`` slots (3 up to max_position_embeddings = 8:
+    offsets 1, 2, 4), empty ones at position 0, holding exactly what the next token reads; from the token whose next
+    one passes 8 it has 4 slots, enough up to 16 (one more graph, then none); every step equals the eager decode (to
+    fp32's precision: the Llama RMSNorm computes in fp32 in any model dtype, and the graph sums in another order)."""
+    eager = gltm_model("pow2_ce", max_position_embeddings=8)
+    compiled = gltm_model("pow2_ce", max_position_embeddings=8, compile_decode=True)
+    ids = torch.randint(3, 60, (1, 15), generator=torch.Generator().manual_seed(0))
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    counters.clear()
+    caches = [None, None]
+    with torch.no_grad():
+        for t in range(3, 16):
+            chunk = ids[:, :3] if t == 3 else ids[:, t - 1:t]  # a 3-token prefill, then one token at a time
+            logits = []
+            for i, model in enumerate((eager, compiled)):
+                out = model(chunk, past_key_values=caches[i], use_cache=True)
+                caches[i] = out.past_key_values
+                logits.append(out.logits[:, -1])
+            torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-5)
+            layer = caches[1].layers[0]
+            if t > 3:  # after a compiled step: the slots of the run's length so far
+                assert layer.positions.shape[1] == (3 if t < 8 else 4), t
+            assert set(layer.positions[0].tolist()) - {0} == set(pattern_support("pow2_ce", t + 1)[t]), t
+    assert counters["stats"]["unique_graphs"] == 2  # up to 8 and up to 16 positions
+
+
 def test_dense_with_the_gate_off_is_the_teacher_attention_and_calibration_picks_the_closest_gate():
     from hf_mixers.core.attention import FullAttention
 

@@ -33,8 +33,8 @@ def _weights_bytes(model) -> int:
 def _models(teacher_source: str, model_dirs, mixers, options, dtype, device,
             compile_decode: bool | str = False) -> tuple[dict, object]:
     """{label: model} in ``dtype`` on ``device``, the teacher first; and the teacher's tokenizer. ``compile_decode``
-    (True or a torch.compile mode): the converted models' recurrent blocks decode through their compiled step
-    (``config.compile_decode``)."""
+    (True or a torch.compile mode): the converted models' blocks decode through their compiled step where they have
+    one (``config.compile_decode``)."""
     from transformers import AutoModelForCausalLM
 
     from ...conversion import convert, load_teacher
@@ -100,7 +100,13 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
     budget = memory_budget_gib * 2**30
     weights = {label: _weights_bytes(model) for label, model in models.items()}
     rows = []
-    points = [(label, batch, context) for label in models for batch in batch_sizes for context in contexts]
+    if compile_decode:  # each compiled step built before anything is timed: the steps right after a compile run
+        for label, model in models.items():  # ~20-30% slower on this CPU (measured), which warmup=2 did not cover
+            for batch in batch_sizes if label != "teacher" else ():
+                generation_timing(model, 16, 4, model.config.vocab_size, device, warmup=2, batch=batch)
+    # At each (batch, context) the models one after another: a shared CPU's speed drifts by 10-40% within minutes,
+    # and so the drift falls on the teacher and the converted models alike, not on one of them.
+    points = [(label, batch, context) for batch in batch_sizes for context in contexts for label in models]
     for label, batch, context in tqdm(points, desc="bench generate", unit="point"):
         model = models[label]
         at_budget = budget_decode_steps and batch == 1
@@ -121,6 +127,8 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
                                           model.config.vocab_size, device)
             rows[-1]["budget_decode_tokens_per_s"] = rows[-1]["budget_batch"] / seconds
         del cache
+    order = {label: index for index, label in enumerate(models)}
+    rows.sort(key=lambda row: order[row["model"]])  # by model, then (stable) by batch and context
     teacher_rows = {(r["batch"], r["context"]): r for r in rows if r["model"] == "teacher"}
     for row in rows:
         base = teacher_rows[(row["batch"], row["context"])]
@@ -214,9 +222,10 @@ def _arguments(parser) -> None:
     parser.add_argument("--budget-batch-cap", type=at_least(1), default=512, help="the most rows that decode "
                         "(default 512)")
     parser.add_argument("--compile-decode", nargs="?", const=True, default=False, metavar="MODE",
-                        help="decode the converted models' recurrent blocks through their torch.compile'd step "
-                        "(config.compile_decode; compiled during warmup, once per mixer and batch size); MODE: a "
-                        "torch.compile mode, e.g. reduce-overhead (CUDA graphs on CUDA); the teacher stays eager")
+                        help="decode the converted models' blocks through their torch.compile'd step where they "
+                        "have one (config.compile_decode; compiled during warmup, once per mixer and batch size); "
+                        "MODE: a torch.compile mode, e.g. reduce-overhead (CUDA graphs on CUDA); the teacher stays "
+                        "eager")
 
 
 def _run(args):
