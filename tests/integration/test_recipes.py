@@ -475,16 +475,18 @@ def test_finetune_with_gradient_checkpointing_trains_to_the_same_losses(teacher_
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_deepspeed_zero2_under_torchrun_matches_data_parallel_and_resumes(teacher_dir, tmp_path):
-    """DeepSpeed ZeRO-2, 2 CPU processes under torchrun (gloo): the same losses as plain gradient averaging, also
-    across a relaunch (with the `deepspeed` launcher) that resumes from its step-2 checkpoint (parameters and the partitioned Adam states). The first
-    launch reads a user's DeepSpeed JSON ("auto" values, keys of its own) merged into the recipe's settings; the
-    relaunch without it resumes (like the strategy, how the run is distributed may change on resume)."""
+    """DeepSpeed ZeRO-2, 2 CPU processes under torchrun (gloo): the same losses as plain gradient averaging (one
+    process accumulating both ranks' micro-batches, which equals ddp on 2 processes: the test above), also across a
+    relaunch (with the `deepspeed` launcher) that resumes from its step-2 checkpoint (parameters and the partitioned
+    Adam states). The first launch reads a user's DeepSpeed JSON ("auto" values, keys of its own) merged into the
+    recipe's settings; the relaunch without it resumes (like the strategy, how the run is distributed may change on
+    resume)."""
     said = []
+    settings = ["stage1.enabled=false", "train.batch_size=1", "output.checkpoint_every=1"]
 
     def launch(strategy, steps, *extra, launcher="torchrun"):
-        said.append(torchrun_distill(small(teacher_dir, tmp_path / strategy, "stage1.enabled=false",
-                                           f"stage2.steps={steps}", "train.batch_size=1", f"train.strategy={strategy}",
-                                           "output.checkpoint_every=1", *extra), launcher=launcher))
+        said.append(torchrun_distill(small(teacher_dir, tmp_path / strategy, *settings, f"stage2.steps={steps}",
+                                           f"train.strategy={strategy}", *extra), launcher=launcher))
         return [json.loads(line) for line in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()]
 
     user_json = tmp_path / "ds.json"
@@ -492,7 +494,9 @@ def test_deepspeed_zero2_under_torchrun_matches_data_parallel_and_resumes(teache
                                      "zero_optimization": {"stage": "auto", "overlap_comm": False,
                                                            "reduce_bucket_size": 5e7},
                                      "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
-    want = launch("ddp", 4)
+    distill(load_recipe([], small(teacher_dir, tmp_path / "single", *settings, "stage2.steps=4", "train.grad_accum=2")),
+            progress=False)
+    want = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
     launch("deepspeed", 2, f"train.deepspeed_config={user_json}")
     assert f"stage2: deepspeed: {user_json} merged into the recipe's settings" in said[-1]
     # step 4's loss follows step 3's update, which used the restored Adam states; relaunched with the `deepspeed`

@@ -2,7 +2,8 @@
 
 Each run is `hf-mixers distill` under torchrun with 2 CPU processes (gloo), stage 1 and stage 2, world size 2,
 each rank its own micro-batches. A sharded run must give the losses and the saved weights of the data-parallel run
-(`train.strategy=ddp`), and a relaunch with more steps must resume from its checkpoints with the same losses.
+(`train.strategy=ddp`), and a relaunch with more steps must resume from its checkpoints with the same losses (each
+strategy's run is resumed under the other: one checkpoint format).
 """
 
 import importlib.util
@@ -22,8 +23,8 @@ from hf_mixers.recipes.strategies import _meta_skeleton, _restore_whole
 from test_recipes import small
 
 STEPS = ["stage1.steps=2", "train.batch_size=1", "output.checkpoint_every=1"]
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="deepspeed is not installed")
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
 
 
 def distill_on_two_processes(teacher_dir, out, *settings) -> str:
@@ -82,25 +83,24 @@ def check_sharded_run(teacher_dir, reference, out, strategy: list[str], between=
             torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0, msg=name)
 
 
+ZERO3 = ["train.strategy=deepspeed", "train.zero_stage=3"]
+
+
 def test_fsdp_under_torchrun_matches_data_parallel_and_resumes(teacher_dir, data_parallel, tmp_path):
+    """FSDP2's two steps, its last checkpoint lost to a kill while saving, continue under ZeRO-3 (under FSDP where
+    deepspeed is not installed) as if uninterrupted: the checkpoint holds whole tensors, whatever the strategy."""
     def killed_while_saving_step_2(out):  # step 1's checkpoint set aside as .previous, step 2's never written
         os.remove(out / "checkpoints" / "stage2.safetensors")
 
-    check_sharded_run(teacher_dir, data_parallel, tmp_path / "fsdp", ["train.strategy=fsdp"],
-                      between=killed_while_saving_step_2)
+    resumed = ZERO3 if HAS_DEEPSPEED else ["train.strategy=fsdp"]
+    check_sharded_run(teacher_dir, data_parallel, tmp_path / "fsdp", resumed, between=killed_while_saving_step_2,
+                      first_strategy=["train.strategy=fsdp"])
 
 
 @needs_deepspeed
 def test_deepspeed_zero3_under_torchrun_matches_data_parallel_and_resumes(teacher_dir, data_parallel, tmp_path):
-    check_sharded_run(teacher_dir, data_parallel, tmp_path / "zero3",
-                      ["train.strategy=deepspeed", "train.zero_stage=3"])
-
-
-@needs_deepspeed
-def test_a_run_resumes_under_another_strategy(teacher_dir, data_parallel, tmp_path):
-    """The checkpoint holds whole tensors: ZeRO-3's two steps continue under FSDP as if uninterrupted."""
-    check_sharded_run(teacher_dir, data_parallel, tmp_path / "switch", ["train.strategy=fsdp"],
-                      first_strategy=["train.strategy=deepspeed", "train.zero_stage=3"])
+    """ZeRO-3's two steps continue under FSDP2 as if uninterrupted (and FSDP's under ZeRO-3 in the test above)."""
+    check_sharded_run(teacher_dir, data_parallel, tmp_path / "zero3", ["train.strategy=fsdp"], first_strategy=ZERO3)
 
 
 @needs_deepspeed
