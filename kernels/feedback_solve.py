@@ -121,23 +121,30 @@ class _ChunkedFeedbackSolve(torch.autograd.Function):
         cd = compute_dtype(f.dtype)
         batch, length, width = f.shape
         past = 0 if past_k is None else past_k.shape[1]
-        keys = (k if past_k is None else torch.cat([past_k, k], dim=1)).to(cd)  # (B, N, d)
-        q_cd, gain_cd = q.to(cd), gain.to(cd)
-        s_all = torch.empty(batch, past + length, width, dtype=cd, device=f.device)  # solved outputs, (B, N, D)
-        if past:
-            s_all[:, :past] = past_s.to(cd)
+        q_cd, k_cd, gain_cd = q.to(cd), k.to(cd), gain.to(cd)
+        past_k_cd, past_s_cd = (None, None) if not past else (past_k.to(cd), past_s.to(cd))
+        s = torch.empty(batch, length, width, dtype=cd, device=f.device)  # the new rows' solved outputs (B, T, D)
+        # The cached keys and outputs are read where they are, never copied beside the new ones: a decode step
+        # (T = 1 after P cached tokens) reads P rows once instead of copying them (what dominated its time).
         for c0 in range(0, length, chunk_size):
             c1 = min(c0 + chunk_size, length)
             r0, r1 = past + c0, past + c1  # absolute rows of this chunk
-            weights = feedback_weights(q_cd[:, c0:c1], keys[:, :r1], gain_cd[:, c0:c1], r0, key_mask, scale)
+            logits = torch.matmul(q_cd[:, c0:c1], k_cd[:, :c1].transpose(-1, -2))  # (B, C, c1) over the new keys
+            if past:
+                logits = torch.cat([torch.matmul(q_cd[:, c0:c1], past_k_cd.transpose(-1, -2)), logits], dim=-1)
+            weights = gain_cd[:, c0:c1, None] * strict_past_softmax(logits * scale, r0, key_mask)  # (B, C, r1)
             rhs = f[:, c0:c1].to(cd)
-            if r0:  # f + B_old s_old, the add fused into the GEMM
-                rhs = torch.baddbmm(rhs, weights[..., :r0], s_all[:, :r0])
-            s_all[:, r0:r1] = solve_block(weights[..., r0:r1], rhs)
-        ctx.save_for_backward(q_cd, keys, gain_cd, key_mask, s_all)
+            if past:  # f + B_old s_old, the add fused into the GEMM
+                rhs = torch.baddbmm(rhs, weights[..., :past], past_s_cd)
+            if c0:
+                rhs = torch.baddbmm(rhs, weights[..., past:r0], s[:, :c0])
+            s[:, c0:c1] = solve_block(weights[..., r0:r1], rhs)
+        if any(ctx.needs_input_grad):  # the backward's (B, N, .) keys and outputs, past and new together
+            keys, s_all = (k_cd, s) if not past else (torch.cat([past_k_cd, k_cd], 1), torch.cat([past_s_cd, s], 1))
+            ctx.save_for_backward(q_cd, keys, gain_cd, key_mask, s_all)
         ctx.meta = (past, scale, chunk_size, f.dtype, q.dtype, k.dtype, gain.dtype,
                     None if past_k is None else (past_k.dtype, past_s.dtype))
-        return s_all if past == 0 else s_all[:, past:].clone()
+        return s
 
     @staticmethod
     def backward(ctx, grad_s):

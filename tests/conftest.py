@@ -79,9 +79,9 @@ def cache_bytes_in_two_calls(model, ids, split):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids[:, :split], past_key_values=cache, use_cache=True)
-        first = cache_nbytes(cache)
+        first = cache_nbytes(cache, spare=False)
         model(ids[:, split:], past_key_values=cache, use_cache=True)
-    return cache, first, cache_nbytes(cache)
+    return cache, first, cache_nbytes(cache, spare=False)
 
 
 TEACHER_FAMILIES = tuple(SUPPORTED_FAMILIES)

@@ -133,8 +133,9 @@ def passkey_accuracy(model, tokenizer, lengths, trials: int = 5, seed: int = 0, 
 def generation_timing(model, context: int, decode_tokens: int, vocab: int, device, warmup: int = 3,
                       batch: int = 1, keep_cache: bool = False) -> dict:
     """Prefill ``batch`` rows of ``context`` random tokens (timed), decode ``warmup`` tokens untimed, then time
-    ``decode_tokens`` single-token steps: {"prefill_s", "decode_s" (median per step), "cache_bytes" (after the
-    prefill)}, and with ``keep_cache`` the "cache" itself."""
+    ``decode_tokens`` single-token steps: {"prefill_s", "decode_s" (median per step), "cache_bytes" (held after the
+    prefill, a cache's spare room included), "cache_used_bytes" (the cached tokens' alone)}, and with ``keep_cache``
+    the "cache" itself."""
     device = torch.device(device)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, context), generator=generator).to(device)
@@ -145,10 +146,11 @@ def generation_timing(model, context: int, decode_tokens: int, vocab: int, devic
     model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     synchronize()
     prefill = time.perf_counter() - start
-    cache_bytes = cache_nbytes(cache)
+    cache_bytes, cache_used_bytes = cache_nbytes(cache), cache_nbytes(cache, spare=False)
     # warm-up steps first: allocator, kernel caches (and the compile, if asked)
     decode = decode_step_seconds(model, cache, batch, decode_tokens, vocab, device, warmup) if decode_tokens else None
-    timing = {"prefill_s": prefill, "decode_s": decode, "cache_bytes": cache_bytes}
+    timing = {"prefill_s": prefill, "decode_s": decode, "cache_bytes": cache_bytes,
+              "cache_used_bytes": cache_used_bytes}
     return {**timing, "cache": cache} if keep_cache else timing
 
 
@@ -173,9 +175,9 @@ def decode_step_seconds(model, cache, batch: int, steps: int, vocab: int, device
 
 def decode_latency(model, context: int, decode_tokens: int, vocab: int, device, warmup: int = 3,
                    batch: int = 1) -> tuple[float, int]:
-    """``generation_timing``'s (median s per decode step, cache bytes after the prefill)."""
+    """``generation_timing``'s (median s per decode step, the cached tokens' bytes after the prefill)."""
     timing = generation_timing(model, context, decode_tokens, vocab, device, warmup, batch)
-    return timing["decode_s"], timing["cache_bytes"]
+    return timing["decode_s"], timing["cache_used_bytes"]
 
 
 def cache_bytes_at(model, contexts, vocab: int, device, probes=(64, 128, 256)) -> dict:

@@ -34,14 +34,52 @@ def map_tensors(value, fn):
 
 
 class KVPlusLayer(DynamicLayer):
-    """K/V of the attention branch plus the per-token tensors named in ``extra_names``, each (B, t, ...)."""
+    """K/V of the attention branch plus the per-token tensors named in ``extra_names``, each (B, t, ...).
+
+    Appends are amortised: each of these tensors is the front of a buffer with room for an eighth more tokens (at
+    least 64), so a decode step writes its token in place instead of copying the whole cache (``torch.cat``, what
+    transformers' ``DynamicLayer`` does). Anything that replaces a tensor (beam reordering, crop, batch selection)
+    leaves the buffer behind; the next append starts a new one from the tensor as it is."""
 
     extra_names: tuple[str, ...] = ()
+    SPARE = 0.125  # room kept beyond the cached tokens when a buffer grows (at least 64 tokens): a regrowth copies
+    # the cache once per SPARE * t steps, i.e. 1 / SPARE tokens' worth per step, where torch.cat copies all t
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
+        self.buffers = {}  # attribute name -> (buffer, the view of it the attribute holds)
         for name in self.extra_names:
             setattr(self, name, None)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Append K/V (B, Hkv, T, d) -> all the cached K/V (views of the buffers)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.append("keys", key_states, dim=-2)
+        self.append("values", value_states, dim=-2)
+        return self.keys, self.values
+
+    def append(self, name: str, tensor: torch.Tensor, dim: int) -> None:
+        """Attribute ``name`` with ``tensor`` appended along ``dim``, written into its buffer's spare room."""
+        current = getattr(self, name)
+        if current is None or current.numel() == 0:  # nothing cached yet (DynamicLayer starts from an empty tensor)
+            current = tensor.narrow(dim, 0, 0)
+        if torch.is_grad_enabled() and (tensor.requires_grad or current.requires_grad):
+            # a cache in a graph (training through a prefill): an in-place write would invalidate what was saved
+            self.buffers.pop(name, None)
+            setattr(self, name, torch.cat([current, tensor], dim=dim))
+            return
+        buffer, view = self.buffers.get(name, (None, None))
+        used, needed = current.shape[dim], current.shape[dim] + tensor.shape[dim]
+        if view is not current or buffer.shape[dim] < needed:
+            shape = list(current.shape)
+            shape[dim] = needed + max(int(needed * self.SPARE), 64)
+            buffer = current.new_empty(shape)
+            buffer.narrow(dim, 0, used).copy_(current)
+        buffer.narrow(dim, used, tensor.shape[dim]).copy_(tensor)
+        view = buffer.narrow(dim, 0, needed)
+        self.buffers[name] = (buffer, view)
+        setattr(self, name, view)
 
     @property
     def extras(self) -> tuple:
@@ -50,8 +88,7 @@ class KVPlusLayer(DynamicLayer):
 
     def append_extras(self, *tensors: torch.Tensor) -> None:
         for name, tensor in zip(self.extra_names, tensors, strict=True):
-            old = getattr(self, name)
-            setattr(self, name, tensor if old is None else torch.cat([old, tensor], dim=1))
+            self.append(name, tensor, dim=1)
 
     def _map_extras(self, fn):
         for name in self.extra_names:
@@ -60,6 +97,7 @@ class KVPlusLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self._map_extras(lambda x: None)
+        self.buffers = {}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -143,11 +181,19 @@ class RecurrentStateLayer(DynamicLayer):
         self._map_state(lambda x: x if x.device == self.device else x.to(self.device, non_blocking=True))
 
 
-def cache_nbytes(cache: Cache) -> int:
-    """Bytes held by every tensor of every layer of ``cache`` (for benchmarks and reports)."""
-    total = []
+def cache_nbytes(cache: Cache, spare: bool = True) -> int:
+    """Bytes held by the tensors of every layer of ``cache`` (for benchmarks and reports): each storage once and
+    whole, so a cache's spare room (``KVPlusLayer``) counts; ``spare=False``: the cached tokens' bytes alone."""
+    storages, used = {}, []
+
+    def count(x):
+        used.append(x.numel() * x.element_size())
+        storage = x.untyped_storage()
+        if storage.nbytes():
+            storages[storage.data_ptr()] = storage.nbytes()
+
     for layer in cache.layers:
         for value in vars(layer).values():
             if isinstance(value, (torch.Tensor, tuple, list)) or hasattr(value, "map"):
-                map_tensors(value, lambda x: total.append(x.numel() * x.element_size()))
-    return sum(total)
+                map_tensors(value, count)
+    return sum(storages.values()) if spare else sum(used)

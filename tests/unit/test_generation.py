@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import cache_bytes_in_two_calls, step_through, tiny_sessa_model
+from hf_mixers.core.cache import cache_nbytes
 from hf_mixers.mixers.sessa import SessaCacheLayer
 
 F64 = torch.float64
@@ -118,6 +119,34 @@ def test_cache_bytes_grow_with_context():
     _, small, full = cache_bytes_in_two_calls(model, torch.randint(1, 101, (1, 16)), 8)
     # per token and layer: K and V (2 kv heads x 16) fp32, feedback keys 64 fp32, outputs 64 fp32
     assert full == 2 * small == 2 * 2 * 8 * (2 * 32 + 64 + 64) * 4
+
+
+def test_decode_steps_write_into_the_cache_in_place_and_the_memory_held_is_counted():
+    """A KVPlusLayer (Sessa's) keeps each cached tensor as the front of a buffer with spare room: decode steps write
+    their token into it (the same storage step after step, no copy of the cache), the values are what torch.cat
+    would give, a replaced tensor (beam reordering) starts a new buffer, and cache_nbytes counts the buffers whole
+    (spare=False: the cached tokens alone)."""
+    model = tiny_sessa_model()
+    ids = torch.randint(1, 101, (2, 12), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        layer = cache.layers[0]
+        before = {name: getattr(layer, name).clone() for name in ("keys", "values", "feedback_keys", "outputs")}
+        storages = {name: getattr(layer, name).untyped_storage().data_ptr() for name in before}
+        for t in range(8, 12):
+            model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+    for name, old in before.items():
+        tensor = getattr(layer, name)
+        assert tensor.untyped_storage().data_ptr() == storages[name], name  # written in place, 4 steps running
+        dim = 2 if name in ("keys", "values") else 1
+        assert tensor.shape[dim] == 12 and torch.equal(tensor.narrow(dim, 0, 8), old), name
+    # spare room: 12 cached tokens in buffers of 8 + max(8 // 8, 64) = 72
+    assert layer.buffers["outputs"][0].shape[1] == 72
+    assert cache_nbytes(cache) == 72 / 12 * cache_nbytes(cache, spare=False)
+    layer.reorder_cache(torch.tensor([1, 0]))
+    model(ids[:, :1], past_key_values=cache, use_cache=True)
+    assert layer.outputs.untyped_storage().data_ptr() != storages["outputs"] and layer.outputs.shape[1] == 13
 
 
 def test_mask_that_does_not_cover_the_cache_is_refused():
