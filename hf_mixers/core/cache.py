@@ -38,8 +38,8 @@ class KVPlusLayer(DynamicLayer):
 
     Appends are amortised: each of these tensors is the front of a buffer with room for an eighth more tokens (at
     least 64), so a decode step writes its token in place instead of copying the whole cache (``torch.cat``, what
-    transformers' ``DynamicLayer`` does). Anything that replaces a tensor (beam reordering, crop, batch selection)
-    leaves the buffer behind; the next append starts a new one from the tensor as it is."""
+    transformers' ``DynamicLayer`` does). Anything that replaces the tensors (beam reordering, crop, batch
+    selection) drops the buffers; the next append starts new ones from the tensors as they are."""
 
     extra_names: tuple[str, ...] = ()
     SPARE = 0.125  # room kept beyond the cached tokens when a buffer grows (at least 64 tokens): a regrowth copies
@@ -91,13 +91,15 @@ class KVPlusLayer(DynamicLayer):
             self.append(name, tensor, dim=1)
 
     def _map_extras(self, fn):
+        """``fn`` on every extra tensor; every method that calls this replaces the K/V too, so the appends' buffers
+        go (the next append starts new ones)."""
         for name in self.extra_names:
             setattr(self, name, map_tensors(getattr(self, name), fn))
+        self.buffers = {}
 
     def reset(self) -> None:
         super().reset()
         self._map_extras(lambda x: None)
-        self.buffers = {}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)

@@ -226,9 +226,8 @@ class GLTMMixer(FullAttention):
             direct, _ = attention(self, query, key_all, value_all, attention_mask, dropout=0.0, scaling=self.scaling,
                                   **kwargs)  # (B, T, H, d)
             direct = direct.transpose(1, 2).to(cd)
-        else:  # the A-support gathered from [kept positions, new tokens]
-            key_all = key if old is None else torch.cat([old.keys, key], dim=2)
-            value_all = value if old is None else torch.cat([old.values, value], dim=2)
+        else:  # the A-support gathered from [kept positions, new tokens], appended to the cache (in place) first
+            key_all, value_all = (key, value) if layer is None else layer.update(key, value)
             a_rows = index(self.a_support(positions))  # (B, T, Ka) into the M + T rows
             direct = sparse_attention(_by_kv_head(query, groups), key_all.flatten(0, 1), value_all.flatten(0, 1),
                                       a_rows.repeat_interleave(self.num_key_value_heads, 0), self.scaling)
@@ -271,8 +270,7 @@ class GLTMMixer(FullAttention):
             y = outputs = direct
         if layer is not None:
             self.update_cache(layer, key, value[..., :0] if self.diagonal_a else value, feedback_keys, outputs,
-                              positions, joined=None if self.diagonal_a or self.pattern in FULL_A
-                              else (key_all, value_all))
+                              positions)
         return self.o_proj(y.transpose(1, 2).flatten(2).to(hidden_states.dtype))  # (B, T, H d) -> (B, T, D)
 
     # The compiled token step (model/blocks.py; ``config.compile_decode``) of the evicting patterns: their cache
@@ -373,11 +371,11 @@ class GLTMMixer(FullAttention):
             return positions[..., None]
         return torch.cat([positions[..., None], support_rows(self.pattern, positions, self.window, self.offsets)], -1)
 
-    def update_cache(self, layer, key, value, feedback_keys, outputs, positions, joined=None):
-        """Append the new tokens' entries (``joined``: the K/V already concatenated with the cached ones, reused);
-        evict what no future token reads (the patterns in EVICTING)."""
-        if self.pattern not in FULL_A or self.diagonal_a:  # the attention path appended its K/V in update()
-            layer.append_kv(key, value, joined)
+    def update_cache(self, layer, key, value, feedback_keys, outputs, positions):
+        """Append the new tokens' entries (their K/V only with a diagonal A: the attention paths appended theirs
+        before attending); evict what no future token reads (the patterns in EVICTING)."""
+        if self.diagonal_a:
+            layer.update(key, value)
         if self.recurrent:  # (B, heads, T, d) -> (B, T, heads, d); y kept in the compute dtype (fp32 for bf16)
             layer.append_extras(feedback_keys.transpose(1, 2), outputs.transpose(1, 2), positions)
         else:  # B = 0: no past output is ever read
@@ -460,18 +458,12 @@ class GLTMCacheLayer(KVPlusLayer):
         super().__init__(**kwargs)
         self.seen_tokens = 0
 
-    def append_kv(self, key, value, joined=None):
-        """Append K/V (B, Hkv, T, d); ``joined``: the cached and new K/V already concatenated by the caller."""
-        if not self.is_initialized:
-            self.lazy_initialization(key, value)
-        self.keys, self.values = joined if joined is not None else (torch.cat([self.keys, key], dim=-2),
-                                                                    torch.cat([self.values, value], dim=-2))
-
     def keep(self, keep):
         """Keep the entries where ``keep`` (B, M) is True, in order; rows with fewer get empty slots in front."""
         self.keys, self.values, self.feedback_keys, self.outputs, self.positions = _compact(
             keep, int(keep.sum(1).max()), ((self.keys, 2), (self.values, 2), (self.feedback_keys, 1),
                                            (self.outputs, 1), (self.positions, 1)))
+        self.buffers = {}  # the appends' buffers, now replaced
 
     def reserve(self, slots: int) -> None:
         """At least ``slots`` entries, empty ones (position 0) in front: the fixed shape of a compiled decode step."""
