@@ -59,6 +59,7 @@ class GLTMMixer(FullAttention):
         self.offsets = offset_function(self.pattern, config.gltm_offsets)
         self.mamba_rule = config.gltm_ssm_rule == "mamba"  # the paper's Table 2: y = e^{Δa} y_prev + Δ b x
         self.weight_sharing = config.gltm_weight_sharing  # A = B D + D' (spec §4.3): no A-branch attention
+        self.decode_length = self.slots = None  # the compiled step's cache: slots enough up to decode_length
         self.gate_kind = "mamba2" if self.mamba_rule else config.gltm_gate
         self.recurrent = self.pattern in RECURRENT
         self.diagonal_a = self.pattern == "ssm" or self.weight_sharing  # A reads only the current input
@@ -286,9 +287,7 @@ class GLTMMixer(FullAttention):
     def decode_slots(self, length: int) -> int:
         """Slots enough for every position up to ``length``: the number of offsets below it for the cache-efficient
         patterns (ceil(log2) for pow2_ce), w for banded and local, 1 for ssm."""
-        following = torch.tensor([[length]])
-        return (self.a_support(following) if not self.recurrent else
-                support_rows(self.pattern, following, self.window, self.offsets)).shape[-1]
+        return self.read_by(torch.tensor([[length]]), length).shape[-1]
 
     def decode_inputs(self, layer_cache, token_mask) -> tuple:
         """This token's 1-based position (B, 1; 0 for padding) and the cache at a fixed number of slots: K/V
@@ -301,7 +300,7 @@ class GLTMMixer(FullAttention):
         else:
             position = token_mask.long().sum(-1, keepdim=True) * token_mask[:, -1:]
         decode_length = max(self.config.max_position_embeddings, 1 << length.bit_length())
-        if decode_length != getattr(self, "decode_length", None):  # rarely: the slots are worked out once per length
+        if decode_length != self.decode_length:  # rarely: the slots are worked out once per length
             self.decode_length, self.slots = decode_length, self.decode_slots(decode_length)
         layer_cache.reserve(self.slots)
         return (position, layer_cache.keys, layer_cache.values, layer_cache.feedback_keys, layer_cache.outputs,
@@ -389,9 +388,15 @@ class GLTMMixer(FullAttention):
         """Which cached 1-based ``positions`` (B, M) the next token of each row reads (B, M): its A-support but
         itself for ``local``, its B-support for the recurrent patterns; what is not read is never read again."""
         following = positions.max(dim=1).values[:, None] + 1  # (B, 1): the next token of each row
-        needed = self.a_support(following)[:, 0] if not self.recurrent else \
-            support_rows(self.pattern, following, self.window, self.offsets, longest)[:, 0]  # (B, K)
+        needed = self.read_by(following, longest)  # (B, K)
         return (positions[..., None] == needed[:, None, :]).any(-1) & (positions > 0)
+
+    def read_by(self, following, longest=None):
+        """The cached 1-based positions (B, K; 0: none) that the token at ``following`` (B, 1) reads: its A-support
+        but itself for ``local``, its B-support for the recurrent patterns."""
+        if not self.recurrent:
+            return self.a_support(following)[:, 0]
+        return support_rows(self.pattern, following, self.window, self.offsets, longest)[:, 0]
 
 
 def _by_kv_head(x, groups):

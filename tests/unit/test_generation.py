@@ -149,6 +149,22 @@ def test_decode_steps_write_into_the_cache_in_place_and_the_memory_held_is_count
     assert layer.outputs.untyped_storage().data_ptr() != storages["outputs"] and layer.outputs.shape[1] == 13
 
 
+def test_a_cache_inside_an_autograd_graph_appends_without_writing_in_place():
+    """With gradients on (training through a chunked prefill), the cache concatenates instead of writing into its
+    buffers: an in-place write would change tensors the first chunk saved for backward. The gradients equal one
+    full forward's."""
+    model = tiny_sessa_model(dtype=F64)
+    ids = torch.randint(1, 101, (1, 12), generator=torch.Generator().manual_seed(0))
+    weight = model.model.embed_tokens.weight
+    full = torch.autograd.grad(model(ids).logits.pow(2).sum(), weight)[0]
+    cache = DynamicCache(config=model.config)
+    chunks = [model(ids[:, :7], past_key_values=cache, use_cache=True).logits,
+              model(ids[:, 7:], past_key_values=cache, use_cache=True).logits]
+    assert not cache.layers[0].buffers  # nothing written in place
+    chunked = torch.autograd.grad(torch.cat(chunks, 1).pow(2).sum(), weight)[0]
+    torch.testing.assert_close(chunked, full, rtol=1e-7, atol=1e-9)
+
+
 def test_mask_that_does_not_cover_the_cache_is_refused():
     model = tiny_sessa_model()
     ids = torch.randint(1, 101, (1, 8))

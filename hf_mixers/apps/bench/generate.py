@@ -17,6 +17,7 @@ batch).
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -100,10 +101,11 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
     budget = memory_budget_gib * 2**30
     weights = {label: _weights_bytes(model) for label, model in models.items()}
     rows = []
-    if compile_decode:  # each compiled step built before anything is timed: the steps right after a compile run
-        for label, model in models.items():  # ~20-30% slower on this CPU (measured), which warmup=2 did not cover
-            for batch in batch_sizes if label != "teacher" else ():
-                generation_timing(model, 16, 4, model.config.vocab_size, device, warmup=2, batch=batch)
+    # Each compiled step built before anything is timed: the steps right after a compile ran ~20-30% slower on this
+    # CPU (measured), which the two warm-up steps of a point did not cover.
+    compiled = [model for label, model in models.items() if compile_decode and label != "teacher"]
+    for model, batch in itertools.product(compiled, batch_sizes):
+        generation_timing(model, 16, 4, model.config.vocab_size, device, warmup=2, batch=batch)
     # At each (batch, context) the models one after another: a shared CPU's speed drifts by 10-40% within minutes,
     # and so the drift falls on the teacher and the converted models alike, not on one of them.
     points = [(label, batch, context) for batch in batch_sizes for context in contexts for label in models]
