@@ -81,6 +81,22 @@ class FullAttention(SequenceMixer):
                 past_key_values=None, **kwargs):
         return self.o_proj(self.attend(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs))
 
+    def attend_one(self, query, key, value, past_keys, past_values, token_mask=None):
+        """``attend`` for one token over the cached K/V where they lie (a compiled step's: no mask tensor, no copy of
+        the cache beside the new key). query (B, H, 1, d); key, value (B, Hkv, 1, d); past_keys, past_values (B, Hkv,
+        P, d); token_mask (B, P + 1) bool or None -> (B, 1, H * d). One softmax over the past and the token itself,
+        in fp32 (fp64 stays fp64)."""
+        batch, kv_heads, past = query.shape[0], past_keys.shape[1], past_keys.shape[2]
+        grouped = query.reshape(batch, kv_heads, self.num_key_value_groups, self.head_dim)  # (B, Hkv, g, d)
+        logits = torch.cat([torch.matmul(grouped, past_keys.transpose(-1, -2)),  # (B, Hkv, g, P + 1)
+                            (grouped * key[:, :, 0, None]).sum(-1, keepdim=True)], -1)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * self.scaling
+        if token_mask is not None:
+            logits = logits.masked_fill(~token_mask[:, None, None, :], float("-inf"))
+        weights = torch.softmax(logits, -1).to(past_values.dtype)
+        output = torch.matmul(weights[..., :past], past_values) + weights[..., past:] * value[:, :, 0, None]
+        return output.reshape(batch, 1, -1)  # (B, Hkv, g, d) -> (B, 1, H * d): heads in the order of query's
+
 
 def attention_output_error(mixer: nn.Module, teacher: nn.Module, hidden_states, position_embeddings,
                            reference=None) -> float:

@@ -71,7 +71,9 @@ class KVPlusLayer(DynamicLayer):
             return
         buffer, view = self.buffers.get(name, (None, None))
         used, needed = current.shape[dim], current.shape[dim] + tensor.shape[dim]
-        if view is not current or buffer.shape[dim] < needed:
+        # never left full: a view that is its whole buffer has contiguous strides, and a compiled step with
+        # symbolic shapes guards on that (it would recompile the one time a view filled its buffer)
+        if view is not current or buffer.shape[dim] <= needed:
             shape = list(current.shape)
             shape[dim] = needed + max(int(needed * self.SPARE), 64)
             buffer = current.new_empty(shape)

@@ -60,6 +60,10 @@ class SequenceMixer(nn.Module):
     # The compiled token step (model/blocks.py decode_compiled). A mixer that has one says so in
     # ``can_compile_decode`` and implements the three methods below; the block then runs each one-token step of
     # its layer, with the block's own layers around it, as one torch.compile graph.
+    # A step whose inputs grow with the context (a per-token cache read where it lies) is compiled with dynamic
+    # shapes: one graph for every length, and the cache's views passed as they are (no copy to dense strides).
+    decode_dynamic_shapes = False
+
     def can_compile_decode(self) -> bool:
         """Whether this mixer has a one-token step the block can compile (never by default)."""
         return False
@@ -83,7 +87,7 @@ class SequenceMixer(nn.Module):
     def decode_inputs(self, layer_cache, token_mask) -> tuple:
         """What the compiled step reads besides the block's input and the rotary embedding, from the layer's cache
         and the token mask (B, P + 1): tensors, tuples of them or None, of shapes that do not grow with the context
-        (each shape is a graph)."""
+        (each shape is a graph), unless ``decode_dynamic_shapes``."""
         raise NotImplementedError(f"{type(self).__name__} has no compiled token step")
 
     def decode_step(self, hidden_states, position_embeddings, *inputs) -> tuple:

@@ -115,6 +115,53 @@ class SessaMixer(FullAttention):
         return s.unflatten(0, (-1, heads)).transpose(1, 2).flatten(2)
 
 
+    # The compiled token step (core/mixer.py, model/blocks.py): the cache grows with the context, so the block is
+    # compiled with symbolic shapes and reads the cached K/V, feedback keys and outputs where they lie.
+    decode_dynamic_shapes = True
+
+    def can_compile_decode(self) -> bool:
+        return True
+
+    def decode_ready(self, layer_cache) -> bool:
+        return layer_cache.is_initialized and layer_cache.keys.shape[-2] > 0 and layer_cache.outputs is not None
+
+    def decode_inputs(self, layer_cache, token_mask) -> tuple:
+        """The token mask (B, P + 1) or None, the cached K/V (B, Hkv, P, d), feedback keys (B, P, d_fb) and outputs
+        (B, P, D): views of the cache's buffers, never copied."""
+        return (token_mask, layer_cache.keys, layer_cache.values, layer_cache.feedback_keys, layer_cache.outputs)
+
+    def decode_step(self, hidden_states, position_embeddings, token_mask, keys, values, feedback_keys, outputs):
+        """``forward`` for one token (B, 1, D) after P cached ones: attention over the cache and the token, then
+        s = f + gamma * sum_j alpha_j s_j over the P cached outputs (the solve of one new row). -> (the layer's
+        output, (K, V, feedback key, s) to append)."""
+        query, key, value = self.project(hidden_states, position_embeddings)
+        f = self.o_proj(self.attend_one(query, key, value, keys, values, token_mask))  # (B, 1, D)
+        cd = compute_dtype(f.dtype)
+        if token_mask is not None:
+            f = f.masked_fill(~token_mask[:, -1:, None], 0.0)
+        feedback_query, feedback_key = self.feedback_proj(hidden_states).split(self.feedback_dim, dim=-1)
+        heads, past = self.feedback_heads, outputs.shape[1]
+
+        def by_head(x):  # (B, t, heads * w) -> (B, heads, t, w): each head routes its own channel group
+            return x.unflatten(-1, (heads, -1)).transpose(1, 2).to(cd)
+
+        logits = torch.matmul(by_head(feedback_query), by_head(feedback_keys).transpose(-1, -2))  # (B, h, 1, P)
+        logits = logits * (self.feedback_dim // heads) ** -0.5
+        allowed = (torch.ones_like(logits, dtype=torch.bool) if token_mask is None
+                   else token_mask[:, None, None, :past].expand_as(logits))
+        logits = logits.masked_fill(~allowed, float("-inf")).masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+        alpha = torch.softmax(logits, -1).masked_fill(~allowed, 0.0)  # a row with no past key reads nothing
+        read = torch.matmul(alpha, by_head(outputs)).transpose(1, 2).flatten(2)  # (B, 1, D)
+        s = f.to(cd) + self.gain(hidden_states)[..., None] * read
+        cached = s.to(f.dtype) if self.outputs_in_activation_dtype else s
+        return s.to(f.dtype), (key, value, feedback_key, cached)
+
+    def store_decode_state(self, layer_cache, state) -> None:
+        key, value, feedback_key, output = state
+        layer_cache.update(key, value)
+        layer_cache.append_extras(feedback_key, output)
+
+
 class SessaCacheLayer(KVPlusLayer):
     """Attention K/V (B, Hkv, t, hd) plus the feedback keys (B, t, d_fb) and solved outputs s (B, t, D; fp32 unless
     ``sessa_outputs_cache="activation"``)."""

@@ -6,7 +6,7 @@
 
 A block's ``around(x, mix)`` runs its own layers around ``mix`` (normed input -> mixer output); ``forward`` calls
 it with the mixer, or with the mixer's compiled one-token step when it asks for one (``mixer.compiles_decode``: the
-recurrent mixers, GLTM's evicting patterns).
+recurrent mixers, GLTM's evicting patterns, Sessa).
 """
 
 from __future__ import annotations
@@ -88,18 +88,21 @@ def block_step(block, hidden_states, position_embeddings, inputs):
 _compiled_block_steps = {}  # (device type, mixer class, batch, mode) -> (compiled block_step, replays a CUDA graph)
 
 
-def compile_block_step(device: str, mode: str | None = None):
+def compile_block_step(device: str, mode: str | None = None, dynamic: bool = False):
     """``block_step`` compiled for ``device`` -> (the step, whether it replays as a CUDA graph). ``mode``:
     torch.compile's (None or "default": the default, with a C++ launcher on CPU; "reduce-overhead": replayed as a
-    CUDA graph on CUDA).
+    CUDA graph on CUDA). ``dynamic``: symbolic shapes (a mixer whose cache grows, ``decode_dynamic_shapes``), never
+    replayed as a CUDA graph (it would record one per context length).
 
     Each call compiles its own copy of the function's code: dynamo keeps its graphs, and its limit of 8 recompiles
     before it silently falls back to eager, per code object. decode_compiled keeps one per mixer class and batch
     size, so a process serving several models and batch sizes never reaches that limit."""
     mode = None if mode == "default" else mode
+    if dynamic and mode in ("reduce-overhead", "max-autotune"):  # a CUDA graph has fixed shapes: one per length
+        mode = None if mode == "reduce-overhead" else "max-autotune-no-cudagraphs"
     options = {"cpp_wrapper": True} if device == "cpu" and mode is None else None  # torch.compile takes one of two
     copy = types.FunctionType(block_step.__code__.replace(), block_step.__globals__, block_step.__name__)
-    step = torch.compile(copy, dynamic=False, fullgraph=True, options=options, mode=mode)
+    step = torch.compile(copy, dynamic=dynamic, fullgraph=True, options=options, mode=mode)
     return step, device == "cuda" and mode in ("reduce-overhead", "max-autotune")
 
 
@@ -122,22 +125,26 @@ def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_
     so its parameters are graph inputs and every block of a mixer class shares the graph (one per class, batch size
     and mode, see compile_block_step). Static shapes: what the mixer reads (``decode_inputs``) does not grow with the
     context, and every input is given dense strides, so neither the context length nor a strided state recompiles
-    it. On CPU the graph's launcher is C++ (``cpp_wrapper``): the default Python launcher of ~50 kernels cost
-    ~0.13 ms per block call, a tenth of an RSA step. The first call compiles for 10-60 s on a CPU, hence opt-in
+    it; a mixer whose cache grows (Sessa, ``decode_dynamic_shapes``) is compiled with symbolic shapes instead, its
+    cache read in place. On CPU the graph's launcher is C++ (``cpp_wrapper``): the default Python launcher of ~50
+    kernels cost ~0.13 ms per block call, a tenth of an RSA step. The first call compiles for 10-60 s on a CPU, hence opt-in
     (``config.compile_decode``). Replayed as a CUDA graph, one graph serves every block, and each replay writes its
     outputs into the same memory: they are copied out before the next block's replay would overwrite them.
     """
     device = hidden_states.device.type
     key = (device, type(block.mixer), hidden_states.shape[0], block.mixer.decode_compile_mode())
+    dynamic = block.mixer.decode_dynamic_shapes
     if key not in _compiled_block_steps:
         logger.warning("compiling the %s block's token step at batch %d with torch.compile (compile_decode=%s); the "
                        "first decode step takes 10-60 s", key[1].__name__, key[2], key[3])
-        _compiled_block_steps[key] = compile_block_step(device, key[3])
+        _compiled_block_steps[key] = compile_block_step(device, key[3], dynamic)
     step, cuda_graph = _compiled_block_steps[key]
     if cuda_graph:
         torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs were copied out: reuse is fine
     layer_cache = past_key_values.layers[block.mixer.layer_idx]
-    inputs = map_tensors(block.mixer.decode_inputs(layer_cache, token_mask), _dense)
+    inputs = block.mixer.decode_inputs(layer_cache, token_mask)
+    if not dynamic:  # a growing cache's views keep their strides: symbolic there, and a copy would cost a cache a step
+        inputs = map_tensors(inputs, _dense)
     output, state = step(block, _dense(hidden_states), position_embeddings, inputs)
     if cuda_graph:
         output, state = map_tensors((output, state), torch.Tensor.clone)

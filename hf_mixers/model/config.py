@@ -40,8 +40,8 @@ class MixerConfig(PreTrainedConfig):
         said once in the log), "triton" (the kernels or an error) or "torch" (always the PyTorch path). The
         environment variable HF_MIXERS_BACKEND overrides it (kernels/dispatch.py).
     compile_decode: run each one-token decode step of a block around a mixer that has a compiled step (RSA, the
-        selective SSMs, VORT: every ``RecurrentMixer``; GLTM's evicting patterns) as one torch.compile graph, shared
-        by every such block (model/blocks.py); the first step compiles for 10-60 s. True (torch.compile's default
+        selective SSMs, VORT: every ``RecurrentMixer``; GLTM's evicting patterns; Sessa, with symbolic shapes) as
+        one torch.compile graph, shared by every such block (model/blocks.py); the first step compiles for 10-60 s. True (torch.compile's default
         mode) or a mode name from ``COMPILE_MODES``: "reduce-overhead" replays the step as a CUDA graph on CUDA. A
         runtime switch: ``model.config.compile_decode = True`` on a loaded model turns it on.
 

@@ -102,27 +102,32 @@ def test_dispatch_picks_each_fast_path_with_one_log_line(caplog, record):
     record(decisions=lines)
 
 
+COMPILED_STEPS = {"rsa": dict(layer_types=["rsa", "rsa"], rsa_query_read=True, rsa_decay=True, rsa_window=4),
+                  "sessa": dict(sessa_gamma_bias_init=0.4)}  # Sessa: symbolic shapes, its growing cache in place
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED_STEPS) if not DRY else ["rsa"])  # the dry run: that it runs
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_compiled_decode_equals_eager(mode, monkeypatch, record):
+def test_compiled_decode_equals_eager(mode, name, monkeypatch, record):
     """compile_decode: the torch.compile'd block step equals the eager step on the device; "reduce-overhead"
-    replays it as a CUDA graph."""
+    replays it as a CUDA graph (RSA; Sessa's step, of growing shapes, runs compiled without one)."""
     if mode == "reduce-overhead" and DEVICE.type != "cuda":
         pytest.skip("CUDA graphs need CUDA")
     from hf_mixers.model import blocks
 
     torch._dynamo.reset()
     monkeypatch.setattr(blocks, "_compiled_block_steps", {})
-    options = dict(layer_types=["rsa", "rsa"], rsa_query_read=True, rsa_decay=True, rsa_window=4)
-    _, eager = _pair("rsa", **options)
-    compiled = tiny_model("rsa", dtype=torch.float32, compile_decode=mode, **options).to(DEVICE)
+    options = COMPILED_STEPS[name]
+    _, eager = _pair(name, **options)
+    compiled = tiny_model(name, dtype=torch.float32, compile_decode=mode, **options).to(DEVICE)
     compiled.load_state_dict(eager.state_dict())
     ids, mask = _inputs(length=14)
     expected = _step_through(eager, ids, mask, prefill=5)
     stepped = _step_through(compiled, ids, mask, prefill=5)
     valid = mask.bool().to(DEVICE)
     error = relative_error(stepped[valid], expected[valid])
-    record(mode=mode, error=error)
-    assert error < 1e-5, f"compiled ({mode}) decode vs eager: relative error {error:.2e}"
+    record(mode=f"{name} {mode}", error=error)
+    assert error < 1e-5, f"{name}: compiled ({mode}) decode vs eager: relative error {error:.2e}"
 
 
 def test_flash_linear_attention_gla_equals_our_scan(record):

@@ -287,3 +287,55 @@ def test_lean_cache_keeps_outputs_in_the_activation_dtype():
     used = {mode: cache_nbytes(cache, spare=False) for mode, cache in caches.items()}  # the cached tokens' bytes
     assert used["compute"] - used["activation"] == 2 * outputs  # 4 -> 2 bytes each
     assert (logits["activation"] - logits["compute"]).abs().max() < 0.1 * logits["compute"].abs().max()
+
+
+@pytest.mark.parametrize("options", [dict(sessa_feedback_heads=2), dict(block="sessa", sessa_forward_rope=False),
+                                     dict(qk_norm=True, attention_bias=True, sessa_outputs_cache="activation")],
+                         ids=["two-feedback-heads", "native-block-nope", "qk-norm-bias-lean-cache"])
+def test_the_compiled_token_step_equals_the_eager_step_for_every_layout(options):
+    """config.compile_decode on Sessa (one graph with symbolic shapes, the cache read where it lies): equal to the
+    eager decode and one forward on a left-padded batch, for the layouts the contract's tiny config does not take."""
+    from hf_mixers.testing import _close, _decode, _inputs, _logits, tiny_model
+
+    eager, compiled = tiny_model("sessa", **options), tiny_model("sessa", compile_decode=True, **options)
+    ids, mask = _inputs()
+    valid = mask.bool()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    stepped = _decode(compiled, ids, mask)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    _close(stepped[valid], _decode(eager, ids, mask)[valid], "compiled vs eager decode", torch.float32)
+    _close(stepped[valid], _logits(eager, ids, mask)[valid], "compiled decode vs one forward", torch.float32)
+
+
+def test_the_compiled_token_step_is_one_graph_while_the_cache_grows():
+    """80 tokens after a 5-token prompt: the cache's buffers grow past their first spare room (64 tokens) and the
+    cached views change length and strides every step, and the step is still the graph of the first step."""
+    from transformers import DynamicCache
+
+    from hf_mixers.testing import _close, _logits, tiny_model
+
+    model = tiny_model("sessa", dtype=torch.float32, compile_decode=True, max_position_embeddings=128)
+    eager = tiny_model("sessa", dtype=torch.float32, max_position_embeddings=128)
+    ids = torch.randint(3, model.config.vocab_size, (1, 85), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :5], past_key_values=cache, use_cache=True).logits]
+        buffer = cache.layers[0].buffers["outputs"][0]
+        for t in range(5, ids.shape[1]):
+            steps.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    assert cache.layers[0].buffers["outputs"][0].data_ptr() != buffer.data_ptr()  # the buffer did grow
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    _close(torch.cat(steps, 1), _logits(eager, ids, torch.ones_like(ids)), "compiled decode vs one forward",
+           torch.float32)
+
+
+def test_a_step_of_growing_shapes_is_never_replayed_as_a_cuda_graph():
+    """A CUDA graph has fixed shapes: Sessa's compiled step would record one per context length, so its
+    "reduce-overhead" runs compiled without one (RSA's, of fixed shapes, replays one)."""
+    from hf_mixers.model.blocks import compile_block_step
+
+    assert compile_block_step("cuda", "reduce-overhead", dynamic=True)[1] is False
+    assert compile_block_step("cuda", "reduce-overhead")[1] is True
