@@ -148,6 +148,8 @@ class RecurrentMixer(SequenceMixer):
     def mix(self, hidden_states, position_embeddings=None, token_mask=None, state=None, history=None):
         raise NotImplementedError(f"{type(self).__name__} must implement mix")
 
+    decode_dynamic_shapes = False  # a constant state (before FullAttention in the subclasses' order)
+
     def can_compile_decode(self) -> bool:
         return True
 

@@ -278,6 +278,8 @@ class GLTMMixer(FullAttention):
     # holds exactly the positions the next token reads, at most ``decode_slots`` of them, so it is kept at that
     # many slots (empty ones have position 0) and one token is: attention over the slots and itself, the feedback
     # read of the slots, then the slots the token after it reads kept, all at shapes fixed for the whole run.
+    decode_dynamic_shapes = False
+
     def can_compile_decode(self) -> bool:
         return self.pattern in EVICTING
 

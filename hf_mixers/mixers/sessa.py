@@ -115,27 +115,24 @@ class SessaMixer(FullAttention):
         return s.unflatten(0, (-1, heads)).transpose(1, 2).flatten(2)
 
 
-    # The compiled token step (core/mixer.py, model/blocks.py): the cache grows with the context, so the block is
-    # compiled with symbolic shapes and reads the cached K/V, feedback keys and outputs where they lie.
-    decode_dynamic_shapes = True
-
+    # The compiled token step (core/mixer.py, model/blocks.py): like its attention's, compiled with symbolic shapes,
+    # the cached K/V, feedback keys and outputs read where they lie.
     def can_compile_decode(self) -> bool:
         return True
 
     def decode_ready(self, layer_cache) -> bool:
-        return layer_cache.is_initialized and layer_cache.keys.shape[-2] > 0 and layer_cache.outputs is not None
+        return super().decode_ready(layer_cache) and layer_cache.outputs is not None
 
     def decode_inputs(self, layer_cache, token_mask) -> tuple:
         """The token mask (B, P + 1) or None, the cached K/V (B, Hkv, P, d), feedback keys (B, P, d_fb) and outputs
         (B, P, D): views of the cache's buffers, never copied."""
-        return (token_mask, layer_cache.keys, layer_cache.values, layer_cache.feedback_keys, layer_cache.outputs)
+        return (*super().decode_inputs(layer_cache, token_mask), layer_cache.feedback_keys, layer_cache.outputs)
 
     def decode_step(self, hidden_states, position_embeddings, token_mask, keys, values, feedback_keys, outputs):
         """``forward`` for one token (B, 1, D) after P cached ones: attention over the cache and the token, then
         s = f + gamma * sum_j alpha_j s_j over the P cached outputs (the solve of one new row). -> (the layer's
         output, (K, V, feedback key, s) to append)."""
-        query, key, value = self.project(hidden_states, position_embeddings)
-        f = self.o_proj(self.attend_one(query, key, value, keys, values, token_mask))  # (B, 1, D)
+        f, key, value = self.attend_step(hidden_states, position_embeddings, token_mask, keys, values)  # (B, 1, D)
         cd = compute_dtype(f.dtype)
         if token_mask is not None:
             f = f.masked_fill(~token_mask[:, -1:, None], 0.0)
@@ -157,9 +154,8 @@ class SessaMixer(FullAttention):
         return s.to(f.dtype), (key, value, feedback_key, cached)
 
     def store_decode_state(self, layer_cache, state) -> None:
-        key, value, feedback_key, output = state
-        layer_cache.update(key, value)
-        layer_cache.append_extras(feedback_key, output)
+        super().store_decode_state(layer_cache, state[:2])
+        layer_cache.append_extras(*state[2:])
 
 
 class SessaCacheLayer(KVPlusLayer):
