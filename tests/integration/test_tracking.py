@@ -26,13 +26,47 @@ def test_all_takes_every_installed_tracker_and_a_name_is_checked():
         trackers(TrainSection(report_to=["tensorbored"]))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+MISSING = [name for name in ("aim", "mlflow", "comet_ml", "clearml", "dvclive", "swanlab")
+           if importlib.util.find_spec(name) is None]
+
+
+@pytest.mark.skipif(not MISSING, reason="every tracker this test could name is installed here")
 def test_a_tracker_that_is_not_installed_is_refused_before_any_work(teacher_dir, tmp_path, capsys):
-    code = cli_main(["distill", "--set", f"model.teacher={teacher_dir}", "--set", "train.report_to=[wandb]",
+    name = MISSING[0]
+    code = cli_main(["distill", "--set", f"model.teacher={teacher_dir}", "--set", f"train.report_to=[{name}]",
                      "--out", str(tmp_path / "run")])
     assert code == 2
-    assert "train.report_to: wandb is not installed (pip install wandb); installed: " in capsys.readouterr().err
+    package = name.replace("_", "-")
+    assert f"train.report_to: {name} is not installed (pip install {package}); installed: " in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # refused before the teacher, the data or any folder
+
+
+def test_a_wandb_run_in_offline_mode_gets_every_stage_metric_and_the_recipe(teacher_dir, tmp_path, monkeypatch):
+    """train.report_to: [wandb] with WANDB_MODE=offline (what a user without network sets): no login, the run
+    written under WANDB_DIR for a later `wandb sync`; its history gets the stages' metrics at one increasing step
+    and its config the recipe. (The run file is wandb's binary log: the calls into it are what is checked.)"""
+    pytest.importorskip("wandb")
+    from wandb.sdk.wandb_run import Run
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged, runs, log = [], [], Run.log
+
+    def spy(run, data, step=None, *args, **kwargs):
+        logged.append((step, dict(data)))
+        runs.append(run)
+        return log(run, data, step, *args, **kwargs)
+
+    monkeypatch.setattr(Run, "log", spy)
+    distill(small(teacher_dir, tmp_path / "tracked", "train.report_to=[wandb]", "stage2.steps=3",
+                  "output.log_every=1"), progress=False)
+    losses = [(step, data["stage2/loss"]) for step, data in logged if "stage2/loss" in data]
+    assert [step for step, _ in losses] == sorted({step for step, _ in losses}) and len(losses) == 3
+    config = dict(runs[0].config)
+    assert config["stage2.steps"] == 3 and config["model.mixer"] == "gltm" and config["train.report_to"] == '["wandb"]'
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
 
 
 def test_no_tracker_writes_no_events(teacher_dir, tmp_path):
