@@ -18,7 +18,8 @@ is loaded, and whether it fits.
                  scripts/distill_loss_memory.py
     heap slack   (CPU plans, Linux) what glibc's heap keeps resident beyond the kept tensors (freed transients
                  between them), measured as the rise of resident memory over a first and a second block
-    runtime      this process's own memory after its imports (CPU), or 1 GiB of CUDA context and workspaces (GPU)
+    runtime      this process's own memory after its imports and the teacher folder's tokenizer (CPU), or 1 GiB of
+                 CUDA context and workspaces (GPU)
     loading      (on CPU, where the host is the device) the teacher in the training dtype, plus its checkpoint's
                  memory-mapped file while it is read into another dtype (a bf16 checkpoint trained in fp32); for a
                  ``model.student`` folder its own tensors and its largest tensor being compared with the teacher's
@@ -164,8 +165,9 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
              f"tokens per micro-batch, {strategy}" + (f" ZeRO-{train.zero_stage}" if strategy == "deepspeed" else "")
              + f" over {world} process{'es' if world > 1 else ''}, {dtype_name(dtype)} on {device}")
     plan = MemoryPlan(title, world, device, device_memory, dtype_name(dtype))
-    for module in ("accelerate", "peft"):  # what a run imports before it loads anything: part of its runtime
+    for module in ("accelerate", "peft", "datasets"):  # what a run imports before it loads anything: its runtime
         importlib.import_module(module)
+    _folder_tokenizer(recipe.model.teacher)  # a run holds it too (0.06 GiB for SmolLM2's): in the peak below
     host_runtime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # this process's peak so far, bytes
     runtime = CUDA_RUNTIME if device == "cuda" else host_runtime
     teacher_bytes = counts["teacher"] * element
@@ -242,6 +244,17 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         plan.notes.append("train.gradient_checkpointing: the blocks keep their inputs only, and one block is "
                           "recomputed at a time")
     return plan
+
+
+def _folder_tokenizer(source: str):
+    """The tokenizer of a teacher folder that has one, loaded as a run loads it (None otherwise: a hub id or GGUF
+    is not read for a plan)."""
+    if not (os.path.isdir(source) and any(os.path.isfile(os.path.join(source, name))
+                                          for name in ("tokenizer.json", "tokenizer.model"))):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
 
 
 def _student_config(recipe: Recipe, teacher):
