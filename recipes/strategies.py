@@ -229,6 +229,15 @@ def check_launch(train) -> None:
     if shards_the_model(train) and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ValueError(f"{_strategy_name(train)} shards the student over the processes of a torchrun / accelerate "
                          "launch, but this is one plain process: launch it with torchrun, or use train.strategy=ddp")
+    if train.strategy == "deepspeed" and train.precision == "fp16":
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        if not accelerator.is_fp16_supported():  # DeepSpeed's engine would refuse it after the models are loaded
+            raise ValueError(f"train.precision=fp16 under train.strategy=deepspeed: DeepSpeed's "
+                             f"{accelerator.device_name()} accelerator has no fp16 here (on a CPU it needs oneDNN's "
+                             "fp16 kernels: AVX512-FP16 or AMX-FP16); use train.precision=bf16, or fp16 under "
+                             "train.strategy=ddp or fsdp")
 
 
 def _sharded_model(sharding: Sharding | None, train) -> nn.Module:

@@ -25,6 +25,11 @@ from test_recipes import small
 STEPS = ["stage1.steps=2", "train.batch_size=1", "output.checkpoint_every=1"]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
+# DeepSpeed's CPU accelerator runs fp16 only where oneDNN has fp16 kernels (AVX512-FP16 / AMX-FP16 CPUs): elsewhere
+# a ZeRO fp16 run is refused before any work (test_fp16_under_deepspeed_is_refused_where_its_accelerator_has_none)
+DEEPSPEED_FP16 = HAS_DEEPSPEED and torch.ops.mkldnn._is_mkldnn_fp16_supported()
+needs_deepspeed_fp16 = pytest.mark.skipif(not DEEPSPEED_FP16, reason="deepspeed is not installed, or its CPU "
+                                          "accelerator has no fp16 on this CPU (no AVX512-FP16 / AMX-FP16)")
 
 
 def distill_on_two_processes(teacher_dir, out, *settings) -> str:
@@ -127,30 +132,38 @@ def test_bf16_under_every_sharding_strategy_tracks_the_fp32_run(teacher_dir, tmp
         assert losses[name] != losses["fp32"], name
 
 
-@needs_deepspeed
-def test_fp16_scales_the_loss_under_every_strategy_and_resumes_its_scale(teacher_dir, data_parallel, tmp_path):
-    """train.precision=fp16 on 2 CPU processes under FSDP2 (torch's GradScaler, as under ddp; FSDP's overflow check is
-    reduced over the ranks) and DeepSpeed ZeRO-2 (its own dynamic scaler, its fp16 block): every row has its loss
-    scale and the first loss (the same weights, the same batch) is the fp32 run's within 1%. A ZeRO-2 run stopped
-    after stage 2's second step continues with its scaler's saved state (scale, hysteresis, counters): the losses and
-    scales of the run that was not stopped."""
-    fp16 = ["train.precision=fp16", "stage2.steps=4"]
-    zero2 = ["train.strategy=deepspeed", "train.zero_stage=2"]
-    reference = metrics(data_parallel)  # fp32
-    runs = {}
-    for name, strategy in {"fsdp": ["train.strategy=fsdp"], "zero2": zero2}.items():
-        out = tmp_path / name
-        distill_on_two_processes(teacher_dir, out, *fp16, *strategy)
-        assert json.loads((out / "summary.json").read_text())["precision"] == "float16"
-        rows = runs[name] = metrics(out)
-        assert [(r["stage"], r["step"]) for r in rows] == [(r["stage"], r["step"]) for r in reference]
-        assert all(row["loss_scale"] in (2.0**13, 2.0**14, 2.0**15, 2.0**16) for row in rows), (name, rows)
-        assert rows[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-2), name
+FP16 = ["train.precision=fp16", "stage2.steps=4"]
+ZERO2 = ["train.strategy=deepspeed", "train.zero_stage=2"]
 
+
+def _fp16_run(teacher_dir, reference, out, strategy) -> list[dict]:
+    """An fp16 run on 2 CPU processes: every row has its loss scale and the first loss (the same weights, the same
+    batch) is the fp32 run's within 1%."""
+    distill_on_two_processes(teacher_dir, out, *FP16, *strategy)
+    assert json.loads((out / "summary.json").read_text())["precision"] == "float16"
+    rows = metrics(out)
+    assert [(r["stage"], r["step"]) for r in rows] == [(r["stage"], r["step"]) for r in reference]
+    assert all(row["loss_scale"] in (2.0**13, 2.0**14, 2.0**15, 2.0**16) for row in rows), rows
+    assert rows[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-2)
+    return rows
+
+
+def test_fp16_scales_the_loss_under_fsdp(teacher_dir, data_parallel, tmp_path):
+    """train.precision=fp16 under FSDP2: torch's GradScaler, as under ddp, FSDP's overflow check reduced over the
+    ranks."""
+    _fp16_run(teacher_dir, metrics(data_parallel), tmp_path / "fsdp", ["train.strategy=fsdp"])
+
+
+@needs_deepspeed_fp16
+def test_fp16_scales_the_loss_under_zero2_and_resumes_its_scale(teacher_dir, data_parallel, tmp_path):
+    """train.precision=fp16 under DeepSpeed ZeRO-2 (its own dynamic scaler, its fp16 block). A run stopped after
+    stage 2's second step continues with its scaler's saved state (scale, hysteresis, counters): the losses and
+    scales of the run that was not stopped."""
+    whole = _fp16_run(teacher_dir, metrics(data_parallel), tmp_path / "zero2", ZERO2)
     out = tmp_path / "zero2-stopped"
-    distill_on_two_processes(teacher_dir, out, "train.precision=fp16", "stage2.steps=2", *zero2)
-    distill_on_two_processes(teacher_dir, out, *fp16, *zero2, "output.overwrite=true")
-    rows, whole = metrics(out), runs["zero2"]
+    distill_on_two_processes(teacher_dir, out, "train.precision=fp16", "stage2.steps=2", *ZERO2)
+    distill_on_two_processes(teacher_dir, out, *FP16, *ZERO2, "output.overwrite=true")
+    rows = metrics(out)
     assert [row["loss_scale"] for row in rows] == [row["loss_scale"] for row in whole]
     assert [row["loss"] for row in rows] == pytest.approx([row["loss"] for row in whole], rel=1e-6)
     with safe_open(str(out / "checkpoints" / "stage2.safetensors"), framework="pt") as handle:
@@ -159,6 +172,23 @@ def test_fp16_scales_the_loss_under_every_strategy_and_resumes_its_scale(teacher
 
 
 @needs_deepspeed
+def test_fp16_under_deepspeed_is_refused_where_its_accelerator_has_none(monkeypatch):
+    """Where DeepSpeed's accelerator has no fp16 (a CPU without AVX512-FP16 / AMX-FP16), the launch check refuses
+    train.precision=fp16 under deepspeed by name, before the models load (DeepSpeed's engine would refuse it after)."""
+    from deepspeed.accelerator import get_accelerator
+
+    from hf_mixers.recipes.config import TrainSection
+    from hf_mixers.recipes.strategies import check_launch
+
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: False)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # as under torchrun
+    with pytest.raises(ValueError, match=r"train.precision=fp16 under train.strategy=deepspeed: DeepSpeed's \w+ "
+                                         r"accelerator has no fp16 here .* use train.precision=bf16"):
+        check_launch(TrainSection(strategy="deepspeed", zero_stage=2, precision="fp16"))
+    check_launch(TrainSection(strategy="deepspeed", zero_stage=2, precision="bf16"))
+
+
+@needs_deepspeed_fp16
 def test_a_zero2_fp16_run_whose_every_step_overflowed_checkpoints_and_resumes(teacher_dir, tmp_path):
     """A user's DeepSpeed JSON starting the scale at 2^32 (hysteresis 1): every step overflows and is skipped, so
     the optimizer never stepped and has no Adam state. Its checkpoints hold the parameters and the scaler only, and
