@@ -139,7 +139,12 @@ def distillation_loss(student, teacher_model, temperature: float, ce_weight: flo
             return _dense_distillation_loss(student, teacher_model, batch, temperature, ce_weight)
         with torch.no_grad():  # the teacher may sit on another device (model.teacher_device)
             h_t = teacher_model.get_decoder()(batch.to(teacher_model.device), use_cache=False).last_hidden_state
+        on_host = batch.device.type == "cpu"
+        if on_host:  # each forward's freed transients go back to the OS before the next part of the step stands
+            release_freed_memory()  # on them (the 1.1B run's peak: 4.06 -> 3.62 GiB, at the same tokens/s)
         h_s = student.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
+        if on_host:
+            release_freed_memory()
         targets = torch.cat([batch[:, 1:], torch.full_like(batch[:, :1], IGNORE)], 1)  # the last has no next token
         loss, kl, ce = loss_from_hidden.distillation_loss(  # Liger's fused kernels on CUDA where installed
             h_s.reshape(-1, h_s.shape[-1]), weights[0], h_t.to(h_s.device).reshape(-1, h_t.shape[-1]),
