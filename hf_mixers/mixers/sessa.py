@@ -114,7 +114,6 @@ class SessaMixer(FullAttention):
                            past_k=fold(past_keys), past_s=fold(past_outputs), **options)
         return s.unflatten(0, (-1, heads)).transpose(1, 2).flatten(2)
 
-
     # The compiled token step (core/mixer.py, model/blocks.py): like its attention's, compiled with symbolic shapes,
     # the cached K/V, feedback keys and outputs read where they lie.
     def can_compile_decode(self) -> bool:

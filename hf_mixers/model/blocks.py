@@ -128,8 +128,9 @@ def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_
     it; a mixer whose cache grows (Sessa, ``decode_dynamic_shapes``) is compiled with symbolic shapes instead, its
     cache read in place. On CPU the graph's launcher is C++ (``cpp_wrapper``): the default Python launcher of ~50
     kernels cost ~0.13 ms per block call, a tenth of an RSA step. The first call compiles for 10-60 s on a CPU,
-    hence opt-in (``config.compile_decode``). Replayed as a CUDA graph, one graph serves every block, and each replay writes its
-    outputs into the same memory: they are copied out before the next block's replay would overwrite them.
+    hence opt-in (``config.compile_decode``). Replayed as a CUDA graph, one graph serves every block, and each
+    replay writes its outputs into the same memory: they are copied out before the next block's replay would
+    overwrite them.
     """
     device = hidden_states.device.type
     key = (device, type(block.mixer), hidden_states.shape[0], block.mixer.decode_compile_mode())
