@@ -339,3 +339,17 @@ def test_a_step_of_growing_shapes_is_never_replayed_as_a_cuda_graph():
 
     assert compile_block_step("cuda", "reduce-overhead", dynamic=True)[1] is False
     assert compile_block_step("cuda", "reduce-overhead")[1] is True
+
+
+def test_generate_through_the_compiled_step_equals_the_eager_one():
+    """generate() greedy and with beam search (whose cache reordering hands the step whole tensors instead of buffer
+    views) writes the same tokens with config.compile_decode as without."""
+    from hf_mixers.testing import _inputs, tiny_model
+
+    eager = tiny_model("sessa", dtype=torch.float32)
+    compiled = tiny_model("sessa", dtype=torch.float32, compile_decode=True)
+    ids, mask = _inputs(length=6, pad=2)
+    for options in (dict(do_sample=False), dict(do_sample=False, num_beams=2)):
+        expected, got = (model.generate(ids, attention_mask=mask, max_new_tokens=10, **options)
+                         for model in (eager, compiled))
+        assert torch.equal(got, expected), options
