@@ -147,7 +147,7 @@ class OutputSection:
     checkpoint_every: int = bounded(25, 1)  # steps between checkpoints (and at the end of a stage)
     log_every: int = bounded(1, 1)  # steps between rows of metrics.jsonl
     merge_lora: bool = True  # False: OUT/model is the base model and OUT/model-adapter the LoRA adapter
-    overwrite: bool = False  # redo a finished or changed run in output.dir
+    overwrite: bool = False  # export a finished run again (its finished stages resume from their checkpoints)
     # the saved folder's dtype: auto = the teacher's (its config.json's dtype; fp32 when it says none), bf16, fp16, fp32
     dtype: str = "auto"
     allow_recipe_change: bool = False  # resume checkpoints made with another recipe (the changes are recorded)

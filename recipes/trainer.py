@@ -109,6 +109,9 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
         if start < steps and processes.is_main:
             tqdm.write(f"{stage}: resuming from the checkpoint at step {start} ({optimizer.path})")
     if start >= steps:
+        if restored is not None and processes.is_main:  # a relaunch (or --overwrite) of a finished stage
+            tqdm.write(f"{stage}: already trained to step {start} ({optimizer.path}): not trained again; delete "
+                       "that checkpoint, or choose another output.dir, to train it from the start")
         optimizer.finish()  # a sharded model comes back whole, with the checkpoint's weights
         return history
 

@@ -540,7 +540,7 @@ def test_a_relaunch_with_another_recipe_is_refused_before_anything_is_rewritten(
     assert json.loads((out / "recipe.json").read_text())["changed_on_resume"] == ["train.lr: 0.003 -> 0.01"]
 
 
-def test_kl_selection_after_a_short_stage_1(teacher_dir, tmp_path):
+def test_kl_selection_after_a_short_stage_1(teacher_dir, tmp_path, capsys):
     """model.keep_attention kl:K: stage 1 trains every layer for selection_steps, the layer whose restoration lowers
     the KL most goes back to attention, stage 1 goes on for the rest of its steps; the export and its report say so,
     and a relaunch resumes to the same choice."""
@@ -561,8 +561,12 @@ def test_kl_selection_after_a_short_stage_1(teacher_dir, tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["stage"] for r in rows] == ["stage1-selection"] * 2 + ["stage1"] * 2 + ["stage2"] * 2
     # relaunched for a longer stage 2: everything before resumes from its checkpoints, to the same layer choice
+    capsys.readouterr()
     again = distill(load_recipe([], [*settings[:-1], "stage2.steps=3", "output.overwrite=true"]), progress=False)
     assert again["layer_types"] == kinds and again["stages"]["stage2"]["steps"] == 3
+    said = capsys.readouterr().out  # the finished stages say they are not trained again; stage 2 resumes
+    assert "stage1-selection: already trained to step 2" in said and "stage1: already trained to step 2" in said
+    assert "stage2: resuming from the checkpoint at step 2" in said
     with pytest.raises(RecipeError, match=r"stage1.selection_steps \(9\) is part of stage1.steps \(4\)"):
         load_recipe([], small(teacher_dir, out, "model.keep_attention=kl:1", "stage1.selection_steps=9"))
 
