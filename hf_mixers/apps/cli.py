@@ -292,8 +292,8 @@ def _recipe_arguments(command) -> None:
                          help="override a recipe field (repeatable)")
     command.add_argument("--out", default=None, help="output folder: output.dir of the recipe")
     command.add_argument("--overwrite", action="store_true",
-                         help="export a finished run in --out again (output.overwrite=true); its finished stages resume "
-                              "from OUT/checkpoints and are not trained again")
+                         help="export a finished run in --out again (output.overwrite=true); its finished stages "
+                              "resume from OUT/checkpoints and are not trained again")
     command.add_argument("--list", action="store_true", help="list the built-in recipes and exit")
     command.add_argument("--print-config", action="store_true",
                          help="print the merged recipe with every field's doc, range and default, and exit")
