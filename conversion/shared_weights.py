@@ -76,10 +76,15 @@ def _stored_tensors(folder: str):
     return read
 
 
+def _storages(model) -> set:
+    """Where ``model``'s parameters lie (their data pointers): a student parameter found there shares it."""
+    return {parameter.data_ptr() for parameter in model.parameters()}
+
+
 def _own_storage(student, teacher_model) -> None:
     """A copy of its own for every student tensor not shared with the teacher: none of them is then a view into the
     files it was read from, so their mappings close."""
-    teacher = {parameter.data_ptr() for parameter in teacher_model.parameters()}
+    teacher = _storages(teacher_model)
     for parameter in student.parameters():
         if parameter.data_ptr() not in teacher:
             parameter.data = parameter.data.clone()
@@ -93,7 +98,7 @@ def unshare_weights(student, teacher_model, only=(), release_teacher_pages: bool
     when given) a copy of its own; returns the bytes copied. ``release_teacher_pages``: the teacher will not read
     these tensors again (or may read them back from its files), so each one's memory-mapped pages leave the
     process's resident memory as its copy is made, and the copies never stand beside both (``release_file_pages``)."""
-    teacher = {parameter.data_ptr() for parameter in teacher_model.parameters()}
+    teacher = _storages(teacher_model)
     copied = 0
     for name, parameter in student.named_parameters():
         if parameter.data_ptr() in teacher and (not only or any(fragment in name for fragment in only)):
@@ -139,7 +144,7 @@ def release_file_pages(tensor) -> int:
 
 def shared_bytes(student, teacher_model) -> int:
     """Bytes of the student's parameters that are the teacher's tensors (held once for both)."""
-    teacher = {parameter.data_ptr() for parameter in teacher_model.parameters()}
+    teacher = _storages(teacher_model)
     return sum(parameter.numel() * parameter.element_size() for parameter in student.parameters()
                if parameter.data_ptr() in teacher)
 

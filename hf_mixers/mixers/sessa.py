@@ -28,7 +28,7 @@ from ..core.cache import KVPlusLayer
 from ..core.registry import (MixerOption, MixerSpec, boolean, number, one_of, open_unit_interval, positive_int,
                              register_mixer)
 from ..kernels.common import compute_dtype
-from ..kernels.feedback_solve import feedback_solve
+from ..kernels.feedback_solve import feedback_solve, strict_past_softmax
 
 
 class SessaMixer(FullAttention):
@@ -142,12 +142,10 @@ class SessaMixer(FullAttention):
             return x.unflatten(-1, (heads, -1)).transpose(1, 2).to(cd)
 
         logits = torch.matmul(by_head(feedback_query), by_head(feedback_keys).transpose(-1, -2))  # (B, h, 1, P)
-        logits = logits * (self.feedback_dim // heads) ** -0.5
-        allowed = (torch.ones_like(logits, dtype=torch.bool) if token_mask is None
-                   else token_mask[:, None, None, :past].expand_as(logits))
-        logits = logits.masked_fill(~allowed, float("-inf")).masked_fill(~allowed.any(-1, keepdim=True), 0.0)
-        alpha = torch.softmax(logits, -1).masked_fill(~allowed, 0.0)  # a row with no past key reads nothing
-        read = torch.matmul(alpha, by_head(outputs)).transpose(1, 2).flatten(2)  # (B, 1, D)
+        # the solve's own softmax, one row per head at row P: every cached key is past, padded ones masked, a row
+        # with none reads nothing
+        alpha = strict_past_softmax(logits.flatten(1, 2) * (self.feedback_dim // heads) ** -0.5, past, token_mask)
+        read = torch.matmul(alpha.unflatten(1, (heads, 1)), by_head(outputs)).transpose(1, 2).flatten(2)  # (B, 1, D)
         s = f.to(cd) + self.gain(hidden_states)[..., None] * read
         cached = s.to(f.dtype) if self.outputs_in_activation_dtype else s
         return s.to(f.dtype), (key, value, feedback_key, cached)
