@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..conversion.shared_weights import release_freed_memory
+from ..conversion.shared_weights import freed_memory_released_per_block, release_freed_memory
 from ..core.registry import TEACHER_ATTENTION, get_mixer
 from .config import Recipe, shards_the_model
+from .deepspeed_config import read_deepspeed_config, zero3_gathered, zero3_settings
 from .optimizers import state_bytes
 from .precision import dtype_name, training_dtype
 
@@ -200,8 +201,12 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         if sharded:
             student_bytes = (counts["student"] - counts["new"]) * element + own
             parts["student weights (1/N shard)"] = student_bytes // world
-            parts["gathered blocks (2 in flight)"] = 2 * counts["largest_block"] * element + (
-                counts["root"] * element if name == "stage 2" else 0)
+            root = counts["root"] * element if name == "stage 2" else 0
+            if strategy == "deepspeed":  # what its prefetch and reuse settings let it hold (deepspeed_config.py)
+                gathered = zero3_gathered(_zero3_settings(config, counts, train), counts["student"] - counts["root"])
+                parts["gathered weights (ZeRO-3 prefetch and reuse)"] = gathered * element + root
+            else:
+                parts["gathered blocks (2 in flight)"] = 2 * counts["largest_block"] * element + root
         else:
             parts["student's own weights (fp32)"] = own
         deepspeed = strategy == "deepspeed"
@@ -240,10 +245,24 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         raise ValueError("the recipe trains nothing (stage 1 and stage 2 are off or have 0 steps): nothing to plan")
     if sharded and recipe.stage2.loss_chunk_rows:
         plan.notes.append("a sharded head (fsdp, ZeRO-3) runs the dense loss: its logits are the whole batch's")
+    if sharded and device == "cpu" and not train.release_host_memory:
+        plan.notes.append("gathering and freeing each block's weights fragments a CPU host's heap beyond the slack "
+                          "counted here (a 1.1B ZeRO-3 run: 7.5 GiB per process against 5.9 planned); "
+                          "train.release_host_memory keeps the run to the plan, for steps about a third longer")
     if train.gradient_checkpointing:
         plan.notes.append("train.gradient_checkpointing: the blocks keep their inputs only, and one block is "
                           "recomputed at a time")
     return plan
+
+
+def _zero3_settings(config, counts: dict, train) -> dict:
+    """The ``zero_optimization`` block a ZeRO-3 run will have: the settings sized to the model, a user's JSON over
+    them (as recipes/strategies.py builds it)."""
+    ours = zero3_settings(config.hidden_size, counts["largest_block"])
+    if train.deepspeed_config:
+        user = read_deepspeed_config(train.deepspeed_config).get("zero_optimization", {})
+        ours.update({key: value for key, value in user.items() if value != "auto"})
+    return ours
 
 
 def _folder_tokenizer(source: str):
@@ -401,10 +420,11 @@ def _block_memory(config, kind: str, recipe: Recipe, dtype: torch.dtype, stage: 
     def forward():
         release_freed_memory()  # earlier work's freed pages out of the count: what the blocks touch is counted
         start = _resident_heap()
-        if stage == "stage 2":
-            hooks = [block.register_forward_hook(lambda *args: rises.append(_resident_heap() - start))
-                     for block in model.layers]
-            kept.append(model(inputs_embeds=hidden, use_cache=False))
+        if stage == "stage 2":  # with train.release_host_memory as a run's stage 2 releases (stages.py)
+            with freed_memory_released_per_block(model.layers if recipe.train.release_host_memory else ()):
+                hooks = [block.register_forward_hook(lambda *args: rises.append(_resident_heap() - start))
+                         for block in model.layers]
+                kept.append(model(inputs_embeds=hidden, use_cache=False))
             for hook in hooks:
                 hook.remove()
             return

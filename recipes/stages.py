@@ -34,7 +34,8 @@ from ..common.corpus import HUB_ID, PYTHON_DOCS, PYTHON_DOCS_NAME, hub_offline, 
 from ..conversion import convert, load_teacher
 from ..conversion.converter import KL_RANKING_SEQUENCES
 from ..conversion.selection import keep_by_marginal_kl
-from ..conversion.shared_weights import release_freed_memory, share_frozen_weights, shared_bytes, unshare_weights
+from ..conversion.shared_weights import (freed_memory_released_per_block, release_freed_memory, share_frozen_weights,
+                                         shared_bytes, unshare_weights)
 from .precision import autocast, dtype_name, output_dtype, training_dtype
 from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
@@ -378,10 +379,13 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         parameters = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
         loss_fn = distillation_loss(peft_model, teacher.model, recipe.stage2.temperature, recipe.stage2.ce_weight,
                                     recipe.stage2.loss_chunk_rows)
-        histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
-                                        lr=recipe.stage2.lr or recipe.train.lr,
-                                        sharding=sharding_for(peft_model, teacher_model=teacher.model),
-                                        evaluate=measured_so_far, log_offset=log_offsets["stage2"], **common)
+        releasing = recipe.train.release_host_memory and device.type == "cpu"
+        blocks = peft_model.get_decoder().layers if releasing else ()
+        with freed_memory_released_per_block(blocks):
+            histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
+                                            lr=recipe.stage2.lr or recipe.train.lr,
+                                            sharding=sharding_for(peft_model, teacher_model=teacher.model),
+                                            evaluate=measured_so_far, log_offset=log_offsets["stage2"], **common)
         del loss_fn  # it holds the teacher, which the export may free
         if recipe.output.merge_lora:  # merging writes into the adapted weights: the teacher's must stay as they are
             unshare_weights(peft_model, teacher.model, only=("base_layer",), release_teacher_pages=True)

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..common.files import write_atomically
-from .deepspeed_config import deepspeed_settings, merged, read_deepspeed_config
+from .deepspeed_config import deepspeed_settings, merged, read_deepspeed_config, zero3_settings
 from .optimizers import check_optimizer, make_optimizer
 from .precision import check_launch_precision, loss_scaler, training_dtype
 from .processes import Processes
@@ -522,8 +522,11 @@ class DeepSpeedOptimizer:
             # RSA's inter-level MLPs, are found by ZeRO-3's external-parameter discovery during the engine's forward)
             holder.model = self.model
             hidden = getattr(self.model.config, "hidden_size", None)
-            if hidden:  # transformers' "auto" value: tensors smaller than this (norms, biases) stay whole
-                config["zero_optimization"]["stage3_param_persistence_threshold"] = 10 * hidden
+            blocks = [block for block in sharding.blocks if block is not sharding.root]
+            if hidden and blocks:
+                largest = max(sum(getattr(p, "ds_numel", p.numel()) for p in block.parameters())
+                              for block in blocks)
+                config["zero_optimization"].update(zero3_settings(hidden, largest))
         else:
             holder.trained = nn.ParameterList(list(parameters.values()))  # frozen weights stay outside DeepSpeed
         if train.deepspeed_config:  # the user's JSON, merged: its own keys kept, the recipe's checked

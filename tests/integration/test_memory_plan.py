@@ -79,6 +79,26 @@ def test_the_parts_follow_the_strategy_and_the_precision(teacher_dir):
                                                                 device="cpu").stages["loading"]
 
 
+def test_zero3s_gathered_weights_follow_its_settings_and_a_cpu_heap_is_released_on_request(teacher_dir, tmp_path):
+    """ZeRO-3 gathers at most its prefetch (stage3_max_live_parameters) and its reuse window ahead: three of the
+    largest blocks with the settings a run gets, less where a user's JSON allows less; on a CPU host the plan says
+    that gathering fragments the heap unless train.release_host_memory, which measures the blocks' slack as it runs."""
+    base = ["model.mixer=gltm", "train.precision=bf16", "train.strategy=deepspeed", "train.zero_stage=3"]
+    zero3 = plan_memory(recipe(teacher_dir, *base), processes=2, device="cpu")
+    fsdp = plan_memory(recipe(teacher_dir, "model.mixer=gltm", "train.precision=bf16", "train.strategy=fsdp"),
+                       processes=2, device="cpu").stages["stage 2"]
+    gathered = zero3.stages["stage 2"]["gathered weights (ZeRO-3 prefetch and reuse)"]
+    # three blocks (at most all of them) against FSDP's two, the same embeddings and head
+    assert fsdp["gathered blocks (2 in flight)"] < gathered <= 1.5 * fsdp["gathered blocks (2 in flight)"]
+    assert any("train.release_host_memory" in note for note in zero3.notes)
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}}')
+    narrow = plan_memory(recipe(teacher_dir, *base, f"train.deepspeed_config={path}"), processes=2, device="cpu")
+    assert narrow.stages["stage 2"]["gathered weights (ZeRO-3 prefetch and reuse)"] < gathered
+    released = plan_memory(recipe(teacher_dir, *base, "train.release_host_memory=true"), processes=2, device="cpu")
+    assert not any("train.release_host_memory" in note for note in released.notes)
+
+
 def test_a_student_folder_is_planned_as_read_one_tensor_at_a_time(teacher_dir, tmp_path):
     """A ``model.student`` folder never lies whole beside the teacher (its frozen weights are compared with the
     teacher's one stored tensor at a time, conversion/shared_weights.py): loading counts its own tensors and the

@@ -58,3 +58,22 @@ def test_a_bad_file_is_named(tmp_path, content, said):
                          "output.dir=unused"])
     with pytest.raises(RecipeError, match="train.deepspeed_config is read with train.strategy=deepspeed only"):
         load_recipe([], [f"train.deepspeed_config={path}", "output.dir=unused"])
+
+
+def test_zero3_gathers_at_most_two_blocks_ahead_and_a_users_json_may_say_otherwise(tmp_path):
+    """ZeRO-3's prefetch and reuse are sized to the model (DeepSpeed's defaults of 1e9 values each let a 1.1B model
+    be gathered nearly whole); the plan's bound follows the settings, a user's JSON over them."""
+    from hf_mixers.recipes.deepspeed_config import zero3_gathered, zero3_settings
+
+    ours = zero3_settings(hidden=64, largest_block=1000)
+    assert ours == {"stage3_param_persistence_threshold": 640, "stage3_prefetch_bucket_size": int(0.9 * 64**2),
+                    "stage3_max_live_parameters": 2000, "stage3_max_reuse_distance": 1000}
+    assert zero3_gathered(ours, parameters=10**6) == 3000
+    assert zero3_gathered({}, parameters=10**6) == 10**6  # DeepSpeed's defaults: everything, for a small model
+    assert zero3_gathered({}, parameters=10**10) == 2 * 10**9
+    train = TrainSection(zero_stage=3)
+    config = merged({"zero_optimization": {"stage3_max_live_parameters": 5000, "stage3_max_reuse_distance": "auto"}},
+                    {**deepspeed_settings(train, 1e-3, torch.float32),
+                     "zero_optimization": {"stage": 3, **ours}}, "ds.json")
+    assert config["zero_optimization"]["stage3_max_live_parameters"] == 5000
+    assert config["zero_optimization"]["stage3_max_reuse_distance"] == 1000

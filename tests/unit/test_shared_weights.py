@@ -233,3 +233,37 @@ def test_memory_mapped_pages_leave_resident_memory_and_come_back_unchanged(tmp_p
 
     weight[128, 0] = 7.0  # copy-on-write: that page is the process's own now, so the tensor is left as it is
     assert release_file_pages(weight) == 0 and weight[128, 0].item() == 7.0
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_freed_memory_is_released_at_every_block_boundary_forward_and_backward(teacher, monkeypatch, checkpointing):
+    """``train.release_host_memory``: a release before and after each block's forward and one as each block's output
+    gradient arrives (a checkpointed block's recomputation bypasses the module hooks, so the gradient hook is what
+    marks the backward), the gradients unchanged, and no hook left once the stage is over."""
+    from hf_mixers.conversion import shared_weights
+
+    student = _student(teacher).train()
+    if checkpointing:
+        student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    blocks = student.model.layers
+    ids = torch.randint(3, 300, (1, 24))
+
+    def gradients():
+        student.zero_grad()
+        student(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in student.parameters() if p.grad is not None]
+
+    expected = gradients()
+    calls = []
+    monkeypatch.setattr(shared_weights, "_MALLOC_TRIM", lambda pad: calls.append(torch.is_grad_enabled()))
+    with shared_weights.freed_memory_released_per_block(blocks):
+        student.zero_grad()
+        loss = student(input_ids=ids, labels=ids).loss
+        assert len(calls) == 2 * len(blocks)
+        loss.backward()
+        assert len(calls) >= 3 * len(blocks)
+        got = [p.grad.clone() for p in student.parameters() if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)) and len(got) == len(expected)
+    calls.clear()
+    gradients()
+    assert calls == []
