@@ -248,7 +248,8 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
     if sharded and device == "cpu" and not train.release_host_memory:
         plan.notes.append("gathering and freeing each block's weights fragments a CPU host's heap beyond the slack "
                           "counted here (a 1.1B ZeRO-3 run: 7.5 GiB per process against 5.9 planned); "
-                          "train.release_host_memory keeps the run to the plan, for steps about a third longer")
+                          "train.release_host_memory kept that run to the plan (FSDP not measured), for steps about "
+                          "a third longer")
     if train.gradient_checkpointing:
         plan.notes.append("train.gradient_checkpointing: the blocks keep their inputs only, and one block is "
                           "recomputed at a time")
