@@ -247,8 +247,8 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         plan.notes.append("a sharded head (fsdp, ZeRO-3) runs the dense loss: its logits are the whole batch's")
     if sharded and device == "cpu" and not train.release_host_memory:
         plan.notes.append("gathering and freeing each block's weights fragments a CPU host's heap beyond the slack "
-                          "counted here (a 1.1B ZeRO-3 run: 7.5 GiB per process against 5.9 planned); "
-                          "train.release_host_memory kept that run to the plan (FSDP not measured), for steps about "
+                          "counted here (a 1.1B run: ZeRO-3 7.5, FSDP 6.9 GiB per process against 6.0 and 5.9 "
+                          "planned); train.release_host_memory kept both within 5% of their plans, for steps about "
                           "a third longer")
     if train.gradient_checkpointing:
         plan.notes.append("train.gradient_checkpointing: the blocks keep their inputs only, and one block is "
