@@ -17,7 +17,10 @@ is loaded, and whether it fits.
                  ``stage2.loss_chunk_rows`` (7 over the whole batch for the dense loss), the factors measured by
                  scripts/distill_loss_memory.py
     heap slack   (CPU plans, Linux) what glibc's heap keeps resident beyond the kept tensors (freed transients
-                 between them), measured as the rise of resident memory over a first and a second block
+                 between them), measured as the rise of resident memory over a first and a second block (with
+                 ``train.release_host_memory``, releasing at each block as the run does); under fsdp and ZeRO-3
+                 without it, also the heap fragmented by gathering: up to every block's gathered weights once (an
+                 upper bound from the 1.1B runs of docs/benchmarks.md, where the heap grew by about a block a block)
     runtime      this process's own memory after its imports and the teacher folder's tokenizer (CPU), or 1 GiB of
                  CUDA context and workspaces (GPU)
     loading      (on CPU, where the host is the device) the teacher in the training dtype, plus its checkpoint's
@@ -225,6 +228,11 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         parts["activations"] = per_row * train.batch_size
         if slack:
             parts["heap slack (freed, still resident)"] = slack * train.batch_size
+        if sharded and device == "cpu" and RESIDENT_MEASURED and not train.release_host_memory:
+            # gathered weights freed between the tensors the backward keeps: the heap grew by about one gathered
+            # block per block in the 1.1B runs (ZeRO-3 +1.6, FSDP +1.1 GiB over the plan; 1.86 GiB of blocks)
+            parts["heap fragmented by gathering (up to every block once)"] = (
+                (counts["student"] - counts["root"]) * element)
         if name == "stage 1":
             converted = sum(count for kind, count in blocks.items() if kind not in TEACHER_ATTENTION)
             parts["captured teacher activations"] = 2 * converted * tokens * config.hidden_size * element
@@ -246,10 +254,9 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
     if sharded and recipe.stage2.loss_chunk_rows:
         plan.notes.append("a sharded head (fsdp, ZeRO-3) runs the dense loss: its logits are the whole batch's")
     if sharded and device == "cpu" and not train.release_host_memory:
-        plan.notes.append("gathering and freeing each block's weights fragments a CPU host's heap beyond the slack "
-                          "counted here (a 1.1B run: ZeRO-3 7.5, FSDP 6.9 GiB per process against 6.0 and 5.9 "
-                          "planned); train.release_host_memory kept both within 5% of their plans, for steps about "
-                          "a third longer")
+        plan.notes.append("on a CPU host, gathering and freeing each block's weights fragments the heap (counted as "
+                          "an upper bound); train.release_host_memory hands the memory back at each block, for steps "
+                          "about a third longer")
     if train.gradient_checkpointing:
         plan.notes.append("train.gradient_checkpointing: the blocks keep their inputs only, and one block is "
                           "recomputed at a time")

@@ -91,12 +91,15 @@ def test_zero3s_gathered_weights_follow_its_settings_and_a_cpu_heap_is_released_
     # three blocks (at most all of them) against FSDP's two, the same embeddings and head
     assert fsdp["gathered blocks (2 in flight)"] < gathered <= 1.5 * fsdp["gathered blocks (2 in flight)"]
     assert any("train.release_host_memory" in note for note in zero3.notes)
+    fragmented = "heap fragmented by gathering (up to every block once)"
+    assert zero3.stages["stage 2"][fragmented] == fsdp[fragmented] > 0  # the blocks' weights in bf16
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}}')
     narrow = plan_memory(recipe(teacher_dir, *base, f"train.deepspeed_config={path}"), processes=2, device="cpu")
     assert narrow.stages["stage 2"]["gathered weights (ZeRO-3 prefetch and reuse)"] < gathered
     released = plan_memory(recipe(teacher_dir, *base, "train.release_host_memory=true"), processes=2, device="cpu")
     assert not any("train.release_host_memory" in note for note in released.notes)
+    assert fragmented not in released.stages["stage 2"]
 
 
 def test_a_student_folder_is_planned_as_read_one_tensor_at_a_time(teacher_dir, tmp_path):
