@@ -88,8 +88,8 @@ class TrainSection:
     # recompute each block's activations in the backward pass instead of keeping them: long sequences fit in memory
     # for about a third more compute (stage 2 and finetune; stage 1 trains one mixer at a time and keeps no blocks)
     gradient_checkpointing: bool = False
-    # CPU hosts, stage 2: hand the memory each block frees back to the OS at the blocks' boundaries, forward and
-    # backward: a lower peak (a 1.1B ZeRO-3 run: 7.5 -> 5.9 GiB per process) for steps about a third longer
+    # CPU hosts, stage 2 and finetune: hand the memory each block frees back to the OS at the blocks' boundaries,
+    # forward and backward: a lower peak (a 1.1B ZeRO-3 run: 7.5 -> 5.9 GiB per process) for steps a third longer
     release_host_memory: bool = False
     # "auto": bf16 on a GPU that has it, else fp32; "bf16": frozen weights in bf16, trained tensors fp32, autocast;
     # "fp16": the same in fp16 with dynamic loss scaling (GPUs without bf16)

@@ -205,8 +205,8 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     """Stage 3 on ``recipe.model.student`` (or the given model); returns the summary (OUT/summary.json)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .stages import (add_lora, checked_recipe, copy_history, launched, local_student, save_model,
-                         sharding_for, train_mode, write_recipe)
+    from .stages import (add_lora, checked_recipe, copy_history, launched, local_student, released_per_block,
+                         save_model, sharding_for, train_mode, write_recipe)
 
     section, out = recipe.finetune, recipe.output.dir
     model_dir = os.path.join(out, "model")
@@ -253,11 +253,12 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
         with autocast(dtype, device):
             return {"assistant_loss": heldout_loss(model, heldout_rows)}
 
-    history = run_stage("finetune", lambda batch: (assistant_loss(model, batch), {}), parameters, train_rows,
-                        steps=section.steps, train=recipe.train, lr=section.lr or recipe.train.lr, out_dir=out,
-                        checkpoint_every=recipe.output.checkpoint_every, log_every=recipe.output.log_every,
-                        progress=progress and processes.is_main, processes=processes, sharding=sharding_for(model),
-                        evaluate=measured_so_far)
+    with released_per_block(model, recipe.train, device):
+        history = run_stage("finetune", lambda batch: (assistant_loss(model, batch), {}), parameters, train_rows,
+                            steps=section.steps, train=recipe.train, lr=section.lr or recipe.train.lr, out_dir=out,
+                            checkpoint_every=recipe.output.checkpoint_every, log_every=recipe.output.log_every,
+                            progress=progress and processes.is_main, processes=processes,
+                            sharding=sharding_for(model), evaluate=measured_so_far)
     final = model.merge_and_unload() if section.lora and recipe.output.merge_lora else model
     with autocast(dtype, device):
         after = heldout_loss(final, heldout_rows)

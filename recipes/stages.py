@@ -198,6 +198,13 @@ def train_mode(model, train) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
+def released_per_block(model, train, device: torch.device):
+    """Within it, with ``train.release_host_memory`` on a CPU host, the memory each of ``model``'s decoder blocks
+    frees goes back to the OS at the block's boundaries (conversion/shared_weights.py); otherwise nothing."""
+    releasing = train.release_host_memory and device.type == "cpu"
+    return freed_memory_released_per_block(model.get_decoder().layers if releasing else ())
+
+
 def teacher_text_folder(recipe: Recipe) -> str:
     """Where ``teacher:N`` text is kept: ``data.teacher_text_dir``, else $HF_MIXERS_CACHE (default
     ~/.cache/hf-mixers)/teacher-text/<teacher>, shared by every run of the same teacher."""
@@ -379,9 +386,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         parameters = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
         loss_fn = distillation_loss(peft_model, teacher.model, recipe.stage2.temperature, recipe.stage2.ce_weight,
                                     recipe.stage2.loss_chunk_rows)
-        releasing = recipe.train.release_host_memory and device.type == "cpu"
-        blocks = peft_model.get_decoder().layers if releasing else ()
-        with freed_memory_released_per_block(blocks):
+        with released_per_block(peft_model, recipe.train, device):
             histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
                                             lr=recipe.stage2.lr or recipe.train.lr,
                                             sharding=sharding_for(peft_model, teacher_model=teacher.model),
