@@ -86,7 +86,7 @@ class TrainSection:
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     seed: int = bounded(0, 0)  # data order, LoRA init, conversion's k-means
     # recompute each block's activations in the backward pass instead of keeping them: long sequences fit in memory
-    # for about a third more compute (stage 2 and finetune; stage 1 trains one mixer at a time and keeps no blocks)
+    # for about a third more compute (stage 2 and finetune; in stage 1 each converted mixer's, on the teacher's inputs)
     gradient_checkpointing: bool = False
     # CPU hosts, stage 2 and finetune: hand the memory each block frees back to the OS at the blocks' boundaries,
     # forward and backward: a lower peak (a 1.1B ZeRO-3 run: 7.5 -> 5.9 GiB per process) for steps a third longer

@@ -258,8 +258,8 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
                           "an upper bound); train.release_host_memory hands the memory back at each block, for steps "
                           "about a third longer")
     if train.gradient_checkpointing:
-        plan.notes.append("train.gradient_checkpointing: the blocks keep their inputs only, and one block is "
-                          "recomputed at a time")
+        plan.notes.append("train.gradient_checkpointing: the blocks (stage 1: the converted mixers) keep their "
+                          "inputs only, and one is recomputed at a time")
     return plan
 
 
@@ -364,6 +364,9 @@ def _activations(config, recipe: Recipe, dtype: torch.dtype, stage: str, residen
         if recipe.train.gradient_checkpointing and stage == "stage 2":
             kept = length * config.hidden_size * torch.finfo(dtype).bits // 8
             total += count * kept + max(0, saved - kept)  # inputs of each block; one block recomputed at a time
+            slack += max(0, first - saved) if resident else 0
+        elif recipe.train.gradient_checkpointing:  # stage 1: one mixer recomputed at a time; its inputs are the
+            total += saved  # teacher's captured tensors, counted on their own
             slack += max(0, first - saved) if resident else 0
         else:
             total += count * saved

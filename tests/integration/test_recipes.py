@@ -211,6 +211,40 @@ def test_attention_transfer_uses_teacher_inputs(teacher_dir):
     assert loss.item() < 1e-10
 
 
+def test_a_checkpointed_attention_transfer_gives_the_same_loss_and_gradients(teacher_dir):
+    """train.gradient_checkpointing in stage 1: each converted mixer's term recomputed in the backward pass (one
+    mixer's activations at a time), the same loss and gradients; the plan counts one mixer's activations."""
+    from hf_mixers.conversion import convert, load_teacher
+    from hf_mixers.recipes.memory_plan import plan_memory
+
+    teacher = load_teacher(teacher_dir)
+    student, _ = convert(teacher, "rsa", mixer_options={"rsa_num_slots": 8, "rsa_num_levels": 2},
+                         calibration_sequences=2, heldout_sequences=1, progress=False)
+    parameters = new_mixer_parameters(student)
+    for parameter in student.parameters():
+        parameter.requires_grad_(False)
+    for parameter in parameters.values():
+        parameter.requires_grad_(True)
+    batch = torch.randint(1, 300, (2, 20))
+    results = []
+    for checkpointing in (False, True):
+        student.zero_grad()
+        loss, _ = attention_transfer_loss(student, teacher.model, converted_layers(student), checkpointing)(batch)
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad.clone() for name, p in parameters.items()}))
+    (plain, plain_grads), (checkpointed, checkpointed_grads) = results
+    assert plain.item() > 1e-4 and torch.equal(plain, checkpointed)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(checkpointed_grads[name], grad, rtol=1e-6, atol=1e-9, msg=name)
+    settings = [f"model.teacher={teacher_dir}", "model.mixer=rsa", "data.sequence_length=64", "stage2.enabled=false",
+                "output.dir=unused"]
+    whole = plan_memory(load_recipe([], settings), device="cuda").stages["stage 1"]["activations"]
+    recomputed = plan_memory(load_recipe([], [*settings, "train.gradient_checkpointing=true"]),
+                             device="cuda").stages["stage 1"]["activations"]
+    layers = len(converted_layers(student))
+    assert layers > 1 and recomputed * layers == pytest.approx(whole, rel=1e-6)
+
+
 def test_full_run_exports_a_model_that_loads_without_hf_mixers(teacher_dir, tmp_path):
     out = tmp_path / "run"
     summary = distill(load_recipe([], small(teacher_dir, out, "model.teacher_device=cpu")), progress=False)
