@@ -207,12 +207,13 @@ def load_recipe(paths=(), overrides=()) -> Recipe:
 
 # what a relaunch may change and still resume its checkpoints: where the run lives (a moved folder), how often to
 # save and log, how the result is exported, how long to train, where the teacher sits, how the work is spread over
-# the processes and what a CPU host does with freed memory; anything else (data, learning rates, the model, the
-# mixer's options) makes the checkpoints belong to another run
+# the processes, what a CPU host does with freed memory and whether activations are recomputed; anything else (data,
+# learning rates, the model, the mixer's options) makes the checkpoints belong to another run
 RESUMABLE_CHANGES = ("output.dir", "output.checkpoint_every", "output.log_every", "output.overwrite",
                      "output.merge_lora", "output.allow_recipe_change", "stage1.steps", "stage2.steps",
                      "finetune.steps", "model.teacher_device", "train.strategy", "train.zero_stage", "train.report_to",
-                     "train.eval_every", "train.deepspeed_config", "train.release_host_memory")
+                     "train.eval_every", "train.deepspeed_config", "train.release_host_memory",
+                     "train.gradient_checkpointing")
 
 
 def recipe_text(recipe: Recipe, sources=()) -> str:

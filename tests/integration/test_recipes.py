@@ -656,17 +656,18 @@ def test_a_dataset_source_trains_on_its_train_split_and_evaluates_on_its_validat
 
 
 def test_gradient_checkpointing_trains_to_the_same_losses(teacher_dir, tmp_path):
-    """train.gradient_checkpointing recomputes blocks in backward: stage 2 (LoRA + the mixers' parameters) gives the
-    losses of a run that keeps every activation (finetune goes through the same train_mode)."""
+    """train.gradient_checkpointing recomputes in backward: stage 1 (each converted mixer) and stage 2 (each block:
+    LoRA + the mixers' parameters) give the losses of a run that keeps every activation (finetune goes through the
+    same train_mode)."""
     rows = {}
     for checkpointing in (False, True):
         out = tmp_path / f"gc-{checkpointing}"
-        summary = distill(load_recipe([], small(teacher_dir, out, "stage1.steps=1", "stage2.steps=3",
+        summary = distill(load_recipe([], small(teacher_dir, out, "stage1.steps=2", "stage2.steps=3",
                                                 f"train.gradient_checkpointing={str(checkpointing).lower()}")),
                           progress=False)
         rows[checkpointing] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert not summary["model"].training
-    assert [r["stage"] for r in rows[True]] == ["stage1", "stage2", "stage2", "stage2"]
+    assert [r["stage"] for r in rows[True]] == ["stage1", "stage1", "stage2", "stage2", "stage2"]
     for got, want in zip(rows[True], rows[False], strict=True):
         assert got["loss"] == pytest.approx(want["loss"], abs=1e-6), (got, want)
 
