@@ -48,6 +48,15 @@ def zero3_settings(hidden: int, largest_block: int) -> dict:
             "stage3_max_live_parameters": 2 * largest_block, "stage3_max_reuse_distance": largest_block}
 
 
+def zero3_settings_with(path: str | None, hidden: int, largest_block: int) -> dict:
+    """``zero3_settings`` with the ``zero_optimization`` block of the user's JSON at ``path`` merged over them as a
+    run merges it ("auto" keeps ours; the recipe-owned ``stage`` was checked when the recipe loaded)."""
+    ours = zero3_settings(hidden, largest_block)
+    if not path:
+        return ours
+    return _merge(read_deepspeed_config(path).get("zero_optimization", {}), ours, "zero_optimization.", [])
+
+
 def zero3_gathered(zero_optimization: dict, parameters: int) -> int:
     """An upper bound on the weights (values) ZeRO-3 holds gathered at once, beyond the embeddings and head: what
     its prefetch may hold ahead (``stage3_max_live_parameters``) plus what it keeps for a reuse

@@ -47,7 +47,7 @@ import torch
 from ..conversion.shared_weights import freed_memory_released_per_block, release_freed_memory
 from ..core.registry import TEACHER_ATTENTION, get_mixer
 from .config import Recipe, shards_the_model
-from .deepspeed_config import read_deepspeed_config, zero3_gathered, zero3_settings
+from .deepspeed_config import zero3_gathered, zero3_settings_with
 from .optimizers import state_bytes
 from .precision import dtype_name, training_dtype
 
@@ -191,6 +191,8 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
                 config.vocab_size * config.hidden_size * (student_element + element))
 
     stages, shapes = [], counts["shapes"]
+    # a CPU host's heap under fsdp / ZeRO-3, which gather and free each block's weights (train.release_host_memory)
+    fragmenting = sharded and device == "cpu" and RESIDENT_MEASURED and not train.release_host_memory
     if recipe.stage1.enabled and recipe.stage1.steps > 0 and not recipe.model.student:
         stages.append(("stage 1", shapes["new"] + (shapes["qkv"] if recipe.stage1.train_qkv else [])))
     if recipe.stage2.enabled and recipe.stage2.steps > 0:
@@ -206,7 +208,8 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
             parts["student weights (1/N shard)"] = student_bytes // world
             root = counts["root"] * element if name == "stage 2" else 0
             if strategy == "deepspeed":  # what its prefetch and reuse settings let it hold (deepspeed_config.py)
-                gathered = zero3_gathered(_zero3_settings(config, counts, train), counts["student"] - counts["root"])
+                settings = zero3_settings_with(train.deepspeed_config, config.hidden_size, counts["largest_block"])
+                gathered = zero3_gathered(settings, counts["student"] - counts["root"])
                 parts["gathered weights (ZeRO-3 prefetch and reuse)"] = gathered * element + root
             else:
                 parts["gathered blocks (2 in flight)"] = 2 * counts["largest_block"] * element + root
@@ -228,7 +231,7 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         parts["activations"] = per_row * train.batch_size
         if slack:
             parts["heap slack (freed, still resident)"] = slack * train.batch_size
-        if sharded and device == "cpu" and RESIDENT_MEASURED and not train.release_host_memory:
+        if fragmenting:
             # gathered weights freed between the tensors the backward keeps: the heap grew by about one gathered
             # block per block in the 1.1B runs (ZeRO-3 +1.6, FSDP +1.1 GiB over the plan; 1.86 GiB of blocks)
             parts["heap fragmented by gathering (up to every block once)"] = (
@@ -253,7 +256,7 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         raise ValueError("the recipe trains nothing (stage 1 and stage 2 are off or have 0 steps): nothing to plan")
     if sharded and recipe.stage2.loss_chunk_rows:
         plan.notes.append("a sharded head (fsdp, ZeRO-3) runs the dense loss: its logits are the whole batch's")
-    if sharded and device == "cpu" and not train.release_host_memory:
+    if fragmenting:
         plan.notes.append("on a CPU host, gathering and freeing each block's weights fragments the heap (counted as "
                           "an upper bound); train.release_host_memory hands the memory back at each block, for steps "
                           "about a third longer")
@@ -261,16 +264,6 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         plan.notes.append("train.gradient_checkpointing: the blocks (stage 1: the converted mixers) keep their "
                           "inputs only, and one is recomputed at a time")
     return plan
-
-
-def _zero3_settings(config, counts: dict, train) -> dict:
-    """The ``zero_optimization`` block a ZeRO-3 run will have: the settings sized to the model, a user's JSON over
-    them (as recipes/strategies.py builds it)."""
-    ours = zero3_settings(config.hidden_size, counts["largest_block"])
-    if train.deepspeed_config:
-        user = read_deepspeed_config(train.deepspeed_config).get("zero_optimization", {})
-        ours.update({key: value for key, value in user.items() if value != "auto"})
-    return ours
 
 
 def _folder_tokenizer(source: str):
