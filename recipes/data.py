@@ -1,42 +1,65 @@
-"""Training text -> fixed-length token blocks (the held-out split itself is ``corpus.split_texts``), and text the
-teacher writes itself (``data.source: teacher:N``).
+"""Text -> fixed-length token blocks (the held-out split itself is ``corpus.split_texts`` for the embedded corpora,
+``text_files.TextFiles.split`` for files), and text the teacher writes itself (``data.source: teacher:N``).
 
-Tokenising and packing go through ``datasets``: a batched map over paragraphs, then concatenate-and-cut into
-``sequence_length`` blocks, the usual causal-LM packing.
+Text is a stream of pieces, paragraphs each followed by its blank line, with ``DOCUMENT_END`` where a document
+ends: the pieces are tokenised a batch at a time, a document end becomes the tokenizer's EOS, and the token stream
+is cut into ``sequence_length`` blocks as it comes (the usual causal-LM packing), never tokenised whole.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from itertools import islice
 
 import torch
 
+from .token_blocks import cut_blocks
 
-def pack(tokenizer, text: str, length: int, max_sequences: int | None = None, what: str = "text") -> torch.Tensor:
-    """Token blocks (N, length) of ``text``: tokenised by paragraphs with ``datasets``, concatenated, cut."""
-    import datasets
+DOCUMENT_END = None  # in a stream of text pieces: the document ends here (the tokenizer's EOS follows it)
+TOKENISE_BATCH = 256  # pieces per tokenizer call (a fast tokenizer works through a batch in parallel)
 
-    if max_sequences is not None:  # tokenise only what is needed (~4 characters per token; 2x margin)
-        text = text[: 8 * length * max_sequences]
-    paragraphs = [p for p in text.split("\n\n") if p.strip()]
-    if not paragraphs:
+
+def paragraphs(text: str):
+    """The pieces of one text: each paragraph (split at blank lines) with its blank line; blank ones left out."""
+    return (paragraph + "\n\n" for paragraph in text.split("\n\n") if paragraph.strip())
+
+
+def tokenised(tokenizer, pieces, what: str = "text", characters: int | None = None, progress: bool = True):
+    """Token ids of each piece (no special tokens), ``TOKENISE_BATCH`` pieces per call, lazily; a ``DOCUMENT_END``
+    is the tokenizer's EOS. A progress bar over ``characters`` (the pieces' total, when known)."""
+    from tqdm.auto import tqdm
+
+    eos = tokenizer.eos_token_id
+    pieces = iter(pieces)
+    with tqdm(total=characters, desc=f"tokenising {what}", unit="char", unit_scale=True,
+              disable=not progress) as bar:
+        while batch := list(islice(pieces, TOKENISE_BATCH)):
+            if DOCUMENT_END in batch and eos is None:
+                raise ValueError(f"{what}: the tokenizer has no EOS token to separate documents with")
+            texts = [piece for piece in batch if piece is not DOCUMENT_END]
+            ids = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+            for piece in batch:
+                yield [eos] if piece is DOCUMENT_END else next(ids)
+            bar.update(sum(len(text) for text in texts))
+
+
+def pack_pieces(tokenizer, pieces, length: int, max_sequences: int | None = None, what: str = "text",
+                path: str | None = None, characters: int | None = None, progress: bool = True) -> torch.Tensor:
+    """Token blocks (N, length) int32 of a stream of text pieces (``tokenised``), at most ``max_sequences`` of
+    them, the stream read only as far as they need; written to the token-block file ``path`` (None: in memory)."""
+    rows = tokenised(tokenizer, pieces, what, characters, progress)
+    return cut_blocks(rows, length, max_sequences, path, f"{what} is shorter than one sequence of {length} tokens")[0]
+
+
+def pack(tokenizer, text: str, length: int, max_sequences: int | None = None, what: str = "text",
+         path: str | None = None, progress: bool = True) -> torch.Tensor:
+    """Token blocks (N, length) int32 of one text, tokenised by paragraphs and packed without EOS (the embedded
+    corpora: a text is one document)."""
+    if not text.strip():
         raise ValueError(f"{what} is empty: no sequence of {length} tokens can be cut from it")
-    table = datasets.Dataset.from_dict({"text": [p + "\n\n" for p in paragraphs]})
-    tokens = table.map(lambda batch: {"ids": tokenizer(batch["text"], add_special_tokens=False)["input_ids"]},
-                       batched=True, remove_columns=["text"], desc=f"tokenising {what}")
-
-    def cut(batch):
-        flat = [token for ids in batch["ids"] for token in ids]
-        usable = len(flat) // length * length
-        return {"input_ids": [flat[i:i + length] for i in range(0, usable, length)]}
-
-    blocks = tokens.map(cut, batched=True, batch_size=len(tokens) or 1, remove_columns=["ids"],
-                        desc=f"packing {what}")
-    if len(blocks) == 0:
-        raise ValueError(f"{what} is shorter than one sequence of {length} tokens")
-    ids = torch.tensor(blocks["input_ids"], dtype=torch.long)
-    return ids if max_sequences is None else ids[:max_sequences]
+    return pack_pieces(tokenizer, paragraphs(text), length, max_sequences, what, path, len(text), progress)
 
 
 TEACHER_SOURCE = re.compile(r"teacher:(\d+)")  # data.source "teacher:N": N tokens the teacher writes itself
@@ -45,15 +68,16 @@ TEACHER_SOURCE = re.compile(r"teacher:(\d+)")  # data.source "teacher:N": N toke
 @torch.no_grad()
 def teacher_text(teacher, tokens: int, folder: str, seed: int = 0, length: int = 256, batch: int = 8,
                  progress: bool = True) -> str:
-    """Path of a text file the teacher wrote itself: rows of ``length`` tokens sampled from its own distribution
+    """Path of a JSONL file the teacher wrote itself: samples of ``length`` tokens from its own distribution
     (temperature 1, no truncation, cached decoding through ``generate``) from its first token, ``tokens`` tokens in
-    all. The data closest to what the teacher knows, for distilling it: the student is asked to match the teacher
-    where the teacher is at home. Written once into ``folder`` (keyed by the count, length and seed) and reused."""
+    all, one sample a row (``{"text": ...}``: each a document, followed by EOS when packed). The data closest to what
+    the teacher knows, for distilling it: the student is asked to match the teacher where the teacher is at home.
+    Written once into ``folder`` (keyed by the count, length and seed) and reused."""
     from tqdm.auto import tqdm
 
     from ..common.files import write_atomically
 
-    path = os.path.join(folder, f"teacher-{tokens}tok-{length}len-seed{seed}.txt")
+    path = os.path.join(folder, f"teacher-{tokens}tok-{length}len-seed{seed}.jsonl")
     if os.path.exists(path):
         return path
     tokenizer, model = teacher.tokenizer, teacher.model
@@ -74,7 +98,7 @@ def teacher_text(teacher, tokens: int, folder: str, seed: int = 0, length: int =
             bar.update(count * length)
     bar.close()
     os.makedirs(folder, exist_ok=True)
-    write_atomically(path, "\n\n".join(text for text in texts if text) + "\n")
+    write_atomically(path, "".join(json.dumps({"text": text}) + "\n" for text in texts if text))
     return path
 
 

@@ -17,22 +17,27 @@ Each document is tokenised alone, followed by the tokenizer's EOS, and the token
 ``sequence_length`` blocks: no document is ever joined into one Python string with the others. Documents are
 tokenised lazily and only as many as the requested sequences need; without ``data.max_train_sequences`` a
 file-backed dataset is tokenised with ``Dataset.map``, which ``datasets`` caches on disk by fingerprint (the
-tokenizer included), so a second run or process reads it back. A JSONL or parquet file given as a short form is
-read the same way (its rows are documents, its "text" field the text). The other short forms (a text file or
-folder, ``shakespeare``, ``python-docs``, ``teacher:N``, lists of them) keep their own path (``corpus.split_texts``
-and ``data.pack``: paragraphs, no EOS); a list that mixes both is mixed by weight at the level of token blocks
-(short forms weigh 1).
+tokenizer included), so a second run or process reads it back.
+
+Short forms: a JSONL or parquet file (or a folder of them) is read the same way (its rows are documents, its
+"text" field the text), a hub id as ``{path: id}``, ``teacher:N`` is the JSONL file the teacher writes (a sample a
+document), and a .txt / .md file or folder is a stream of documents, one per file (recipes/text_files.py). Only
+the embedded corpora (``shakespeare``, ``python-docs``) are texts in memory, packed by paragraphs without EOS, a
+list of them interleaved by paragraphs: the demo's figures were measured so. Any other list is mixed by weight at
+the level of token blocks (short forms weigh 1).
 """
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 from dataclasses import dataclass, fields
 
 import torch
 
-from .token_blocks import BlockWriter, read_blocks, write_blocks
+from .text_files import TEXT_FILES, TextFiles
+from .token_blocks import BlockWriter, cut_blocks, read_blocks
 
 HELDOUT_SPLITS = ("validation",)  # looked for, in order, when heldout_split is not given
 BUILDERS = ("json", "parquet", "csv", "text")  # datasets' packaged builders that read data_files
@@ -91,27 +96,60 @@ class DatasetSource:
                                                  for marker in ("dataset_dict.json", "state.json"))
 
 
-def _document_file(item) -> dict | None:
-    """A short-form JSONL / parquet file as the mapping that reads its rows as documents (its "text" field)."""
-    if isinstance(item, str) and os.path.isfile(item) and os.path.splitext(item)[1] in DOCUMENT_FILES:
-        return {"path": DOCUMENT_FILES[os.path.splitext(item)[1]], "data_files": item}
-    return None
+def _short_form(item, where: str):
+    """A short-form string as what reads it: a JSONL / parquet file (or a folder of them) as the mapping that reads
+    its rows as documents, a .txt / .md file or folder as ``TextFiles``, a hub id as ``{path: id}``; the embedded
+    corpora, ``teacher:N`` (written later) and anything that is not a string as they are. A path that is none of
+    these is a FileNotFoundError naming ``where``."""
+    from ..common.corpus import EMBEDDED, HUB_ID
+    from .data import TEACHER_SOURCE
+
+    if not isinstance(item, str) or item in EMBEDDED or TEACHER_SOURCE.fullmatch(item):
+        return item
+    suffix = os.path.splitext(item)[1]
+    if os.path.isfile(item) and suffix in DOCUMENT_FILES:
+        return {"path": DOCUMENT_FILES[suffix], "data_files": item}
+    if os.path.isdir(item):
+        found = {kind: sorted(glob.glob(os.path.join(item, "**", f"*{kind}"), recursive=True))
+                 for kind in (*DOCUMENT_FILES, *TEXT_FILES)}
+        kinds = [kind for kind, files in found.items() if files]
+        if len(kinds) == 1 and kinds[0] in DOCUMENT_FILES:
+            return {"path": DOCUMENT_FILES[kinds[0]], "data_files": found[kinds[0]]}
+        if any(kind in DOCUMENT_FILES for kind in kinds):
+            raise ValueError(f"{where}: {item} holds {' and '.join(kinds)} files; one kind of file per folder (give "
+                             "each kind as its own entry of a list)")
+        if not kinds:
+            raise FileNotFoundError(f"{where}: {item}: no {'/'.join((*DOCUMENT_FILES, *TEXT_FILES))} files in this "
+                                    "folder")
+    text = TextFiles.find(item)
+    if text is not None:
+        return text
+    if os.path.isfile(item):
+        raise ValueError(f"{where}: {item}: unsupported text file; use one of {(*TEXT_FILES, *DOCUMENT_FILES)}")
+    if HUB_ID.fullmatch(item):
+        return {"path": item}
+    raise FileNotFoundError(f"{where}: {item}: no such file or folder")
 
 
-def uses_datasets(source) -> bool:
-    """Whether ``data.source`` has an entry this module reads (a mapping, or a JSONL / parquet file) rather than
-    only text short forms."""
+def embedded_only(source) -> bool:
+    """Whether ``data.source`` names only the embedded corpora (``shakespeare``, ``python-docs``; None is the
+    first): text held in memory, packed by paragraphs without EOS, a list of them interleaved by paragraphs."""
+    from ..common.corpus import EMBEDDED
+
     items = source if isinstance(source, (list, tuple)) else [source]
-    return any(isinstance(item, dict) or _document_file(item) for item in items)
+    return all(item is None or item in EMBEDDED for item in items)
 
 
 def parse_sources(source, where: str = "data.source") -> list:
-    """Every entry of ``data.source`` with its mappings parsed and its JSONL / parquet files as mappings (other
-    short forms as they are): fails early, by name."""
+    """Every entry of ``data.source`` as what reads it: mappings parsed into ``DatasetSource``, short forms as
+    ``_short_form`` gives them (the embedded corpora and ``teacher:N`` as they are). Fails early, by name."""
     items = source if isinstance(source, (list, tuple)) else [source]
-    return [DatasetSource.parse(_document_file(item) or item,
-                                f"{where}[{i}]" if isinstance(source, (list, tuple)) else where)
-            if isinstance(item, dict) or _document_file(item) else item for i, item in enumerate(items)]
+    entries = []
+    for i, item in enumerate(items):
+        named = f"{where}[{i}]" if isinstance(source, (list, tuple)) else where
+        item = _short_form(item, named)
+        entries.append(DatasetSource.parse(item, named) if isinstance(item, dict) else item)
+    return entries
 
 
 def _unreadable(source: DatasetSource, split: str | None, error: Exception) -> ValueError:
@@ -219,25 +257,9 @@ def pack_documents(tokenizer, documents, source: DatasetSource, length: int, max
         documents = documents.to_iterable_dataset()  # tokenise lazily: only the documents the blocks need
     kwargs = {} if isinstance(documents, datasets.IterableDataset) else {"desc": f"tokenising {what}"}
     tokens = documents.map(tokenise, batched=True, remove_columns=columns, **kwargs)
-    rows = (row for batch in tokens.iter(batch_size=64) for row in batch["ids"])
-    writer, buffer, used = BlockWriter(length, path), [], 0
-    wanted = float("inf") if max_sequences is None else max_sequences
-    try:
-        for row in rows:
-            if writer.count >= wanted:
-                break
-            used += 1
-            buffer.extend(row)  # an empty document adds nothing
-            while len(buffer) >= length and writer.count < wanted:
-                writer.add(buffer[:length])
-                del buffer[:length]
-        if not writer.count:
-            raise ValueError(f"{what}: fewer than {length} tokens in {source.label} (split {source.split!r}), not "
-                             "one sequence")
-    except BaseException:
-        writer.abandon()
-        raise
-    return writer.finish(), used
+    rows = (row for batch in tokens.iter(batch_size=64) for row in batch["ids"])  # an empty document adds nothing
+    return cut_blocks(rows, length, max_sequences, path, f"{what}: fewer than {length} tokens in {source.label} "
+                      f"(split {source.split!r}), not one sequence")
 
 
 @dataclass
@@ -292,36 +314,57 @@ def _dataset_blocks(entry: DatasetSource, tokenizer, length, max_train, heldout_
 
 def _text_blocks(source, tokenizer, length, max_train, heldout_count, heldout_fraction, train_path=None,
                  pack_train=True):
+    """The embedded corpora (or a list of them): one text each in memory (corpus.split_texts), packed by paragraphs
+    without EOS, as every documented figure of the demo was measured."""
     from ..common.corpus import split_texts
     from .data import pack
 
     train_text, heldout_text, name = split_texts(source, heldout_fraction)
-    train = None
-    if pack_train:
-        train = pack(tokenizer, train_text, length, max_train, f"the training text of {name}")
-        train = write_blocks(train, train_path) if train_path else train
+    train = pack(tokenizer, train_text, length, max_train, f"the training text of {name}", train_path) \
+        if pack_train else None
     heldout = pack(tokenizer, heldout_text, length, heldout_count, f"the held-out text of {name}")
     return DataBlocks(train, heldout, name, lambda size, count: pack(tokenizer, heldout_text, size, count, name))
 
 
+def _text_file_blocks(files: TextFiles, tokenizer, length, max_train, heldout_count, heldout_fraction,
+                      train_path=None, pack_train=True):
+    """Text files (recipes/text_files.py): each file a document followed by EOS, read as a stream; the last
+    ``heldout_fraction`` of the characters held out."""
+    from .data import pack_pieces
+
+    sizes = files.characters()
+    total = sum(sizes)
+    cut = int(total * (1.0 - heldout_fraction))
+
+    def blocks(start, stop, size, count, what, path=None):
+        return pack_pieces(tokenizer, files.pieces(start, stop, sizes), size, count, f"{what} of {files.label}",
+                           path, stop - start)
+
+    train = blocks(0, cut, length, max_train, "the training text", train_path) if pack_train else None
+    heldout = blocks(cut, total, length, heldout_count, "the held-out text")
+    return DataBlocks(train, heldout, f"{files.label} (held out: the last {heldout_fraction:.0%} of its text)",
+                      lambda size, count: blocks(cut, total, size, count, "the held-out text"))
+
+
 def source_blocks(source, tokenizer, length: int, max_train: int | None = None, heldout_count: int = 4,
-                  heldout_fraction: float = 0.2, train_path: str | None = None,
-                  read_train: bool = False) -> DataBlocks:
+                  heldout_fraction: float = 0.2, train_path: str | None = None, read_train: bool = False,
+                  heldout_only: bool = False) -> DataBlocks:
     """Training and held-out token blocks of ``data.source`` (materialised: no ``teacher:N`` left).
 
     ``train_path``: the training blocks are written to this token-block file as they are packed and come back
     memory-mapped from it (None: in memory). ``read_train``: another process already wrote it; only the held-out
-    blocks are packed here (they are few) and the training blocks are the file's."""
+    blocks are packed here (they are few) and the training blocks are the file's. ``heldout_only``: no training
+    blocks at all (``train`` is None: an evaluation)."""
     entries = parse_sources(source)
-    pack_train = not read_train
-    if not uses_datasets(source):
+    pack_train = not (read_train or heldout_only)
+    if embedded_only(source):
         data = _text_blocks(source, tokenizer, length, max_train, heldout_count, heldout_fraction, train_path,
                             pack_train)
     else:
         single = len(entries) == 1
         part_paths = [train_path if single or not train_path else f"{train_path}.part{i}"
                       for i in range(len(entries))]
-        parts = [(_dataset_blocks if isinstance(entry, DatasetSource) else _text_blocks)(
+        parts = [{DatasetSource: _dataset_blocks, TextFiles: _text_file_blocks}.get(type(entry), _text_blocks)(
             entry, tokenizer, length, max_train, heldout_count, heldout_fraction, part_path, pack_train)
             for entry, part_path in zip(entries, part_paths)]
         if single:

@@ -3,6 +3,7 @@
     writer = BlockWriter(length, "OUT/data/train.int32")   # or BlockWriter(length): blocks kept in memory
     writer.add(ids)                                         # one block of ``length`` token ids
     blocks = writer.finish()                                # (N, length) int32, memory-mapped from the file
+    blocks, rows_read = cut_blocks(rows, length, wanted, path)   # token rows back to back, cut into blocks
 
 A corpus of billions of tokens never sits in a process's memory, and the processes of a node share one copy of it
 (the page cache). The file is raw int32 in row order, its block length in a JSON sidecar; it is written under a
@@ -73,6 +74,31 @@ class BlockWriter:
                     os.remove(leftover)
 
 
+def cut_blocks(rows, length: int, wanted: int | None = None, path: str | None = None,
+               too_short: str = "fewer tokens than one block") -> tuple[torch.Tensor, int]:
+    """(blocks (N, length) int32, rows read): ``rows`` of token ids (documents, paragraphs) back to back, cut into
+    blocks of ``length`` as they come, at most ``wanted`` (None: every whole block), written to ``path`` as they are
+    cut (None: kept in memory). Rows are read only as far as the blocks need; not one whole block is
+    ``ValueError(too_short)``, and nothing is left behind."""
+    writer, buffer, used = BlockWriter(length, path), [], 0
+    wanted = float("inf") if wanted is None else wanted
+    try:
+        for row in rows:
+            if writer.count >= wanted:
+                break
+            used += 1
+            buffer.extend(row)
+            while len(buffer) >= length and writer.count < wanted:
+                writer.add(buffer[:length])
+                del buffer[:length]
+        if not writer.count:
+            raise ValueError(too_short)
+    except BaseException:
+        writer.abandon()
+        raise
+    return writer.finish(), used
+
+
 def read_blocks(path: str) -> torch.Tensor:
     """The (N, length) int32 blocks a BlockWriter wrote to ``path``, memory-mapped (pages read as rows are used;
     writes to the tensor stay private to this process)."""
@@ -85,15 +111,3 @@ def read_blocks(path: str) -> torch.Tensor:
     if size == 0 or size % length:
         raise ValueError(f"{path}: {size} tokens, not a whole number of {length}-token blocks")
     return torch.from_file(path, shared=False, size=size, dtype=torch.int32).view(-1, length)
-
-
-def write_blocks(blocks: torch.Tensor, path: str) -> torch.Tensor:
-    """Blocks already in memory (N, length) to ``path``; returns them memory-mapped from it."""
-    writer = BlockWriter(blocks.shape[1], path)
-    try:
-        for start in range(0, blocks.shape[0], FLUSH_ROWS):
-            writer.extend(blocks[start:start + FLUSH_ROWS].numpy())
-    except BaseException:
-        writer.abandon()
-        raise
-    return writer.finish()

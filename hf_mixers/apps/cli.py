@@ -151,8 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--teacher", default="auto",
                           help="any convert SOURCE; 'auto' (default): from the conversion report; 'none': no teacher")
     evaluate.add_argument("--data", default=None,
-                          help="held-out text: file, folder or hub dataset, last 20%% held out (default: Shakespeare's "
-                               "held-out plays)")
+                          help="held-out text, as data.source names it: a file, folder or hub dataset, held out as a "
+                               "distillation holds it out (its validation split, else its last 20%%; default: "
+                               "Shakespeare's held-out plays)")
     evaluate.add_argument("--sequence-length", type=at_least(2), default=512, help="tokens per held-out sequence")
     evaluate.add_argument("--heldout-sequences", type=at_least(1), default=8)
     evaluate.add_argument("--passkey-lengths", type=positive_list, default=[256, 1024, 2048],

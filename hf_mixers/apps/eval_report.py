@@ -137,8 +137,7 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
     folder's own modeling code runs only with ``trust_remote_code``: hf-mixers folders load through its classes."""
     from .. import __version__
     from ..conversion import load_teacher
-    from ..common.corpus import split_texts
-    from ..recipes.data import pack
+    from ..recipes.dataset_sources import source_blocks
 
     started = time.perf_counter()
     model_dir = os.path.abspath(model_dir)
@@ -169,9 +168,9 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
             raise ValueError(f"{flag} {too_long} exceed{'s' if len(too_long) == 1 else ''} the model's "
                              f"max_position_embeddings ({limit}, {model_dir}/config.json)")
 
-    _, heldout_text, data_name = split_texts(data)
-    heldout_ids = pack(tokenizer, heldout_text, sequence_length, heldout_sequences, "held-out text")
-    quality = compare_to_teacher(teacher_model, model, heldout_ids.to(device))
+    heldout = source_blocks(data, tokenizer, sequence_length, heldout_count=heldout_sequences, heldout_only=True)
+    heldout_ids, data_name = heldout.heldout, heldout.name
+    quality = compare_to_teacher(teacher_model, model, heldout_ids.to(device, torch.long))
 
     passkey_model = passkey_accuracy(model, tokenizer, passkey_lengths, passkey_trials, seed, progress)
     passkey_teacher = (passkey_accuracy(teacher_model, tokenizer, passkey_lengths, passkey_trials, seed, progress)

