@@ -33,8 +33,8 @@ Because the state is sums, the token recurrence (``rsa_recurrent``, also the dec
 (``rsa_chunked``) compute the same function: assignments inside a chunk use the references, everything else is a
 causal cumulative sum. Chunk boundaries count each row's real tokens, so a padded row equals the sequence alone.
 The chunk form writes chunk by chunk (``write_chunks``, the only sequential part: assignments need the references
-of the previous boundary) and then reads every chunk at once (``read_chunks``, chunks as a batch dimension), so its
-op count does not grow with T. Everything runs in fp32 (fp64 stays fp64).
+of the previous boundary) and then reads the chunks a group at a time (``read_chunks``, chunks as a batch dimension),
+so its op count grows with T only by the groups. Everything runs in fp32 (fp64 stays fp64).
 """
 
 from __future__ import annotations
@@ -53,6 +53,13 @@ from .rsa_state import (ChunkLayout, ChunkWrites, ResidualMLPWeights, RSAParams,
 # the op's public names (the state and parameter types live in rsa_state.py, shared with the Triton read)
 __all__ = ["ResidualMLPWeights", "RSAParams", "RSAState", "initial_state", "rsa_step", "rsa_recurrent", "rsa_chunked",
            "rsa_memory"]
+
+
+# Elements of the read side's largest intermediate, (B, G, g, C, max(C, m, d)) per chunk, that one call of
+# ``read_chunks`` makes: chunks are read a group at a time so that its tensors stay a few MB. Reading all chunks at
+# once made them grow with T (38 MB each at 16K for SmolLM2's layout): past glibc's mmap threshold (32 MB) every one
+# of them was mapped and faulted in afresh, and read_chunks' time grew 4.4x from 8K to 16K.
+READ_GROUP_ELEMENTS = 1 << 20
 
 
 def rsa_step(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None):
@@ -191,6 +198,21 @@ def read_chunks(q_b, writes: ChunkWrites, params: RSAParams, valid_b, decay_b=No
     return out.transpose(2, 3).flatten(3, 4)  # (B, G, g, Tp, dv), or dv + 1 with the log weight
 
 
+def read_in_groups(q_b, writes: ChunkWrites, params: RSAParams, valid_b, decay_b=None):
+    """``read_chunks`` a group of chunks at a time (``READ_GROUP_ELEMENTS``): the same values, since each chunk's
+    read needs only its own writes and its start sums, from tensors of a few MB whatever the length."""
+    batch, groups, group_size, padded, key_dim = q_b.shape
+    size = params.chunk_size
+    widest = max(size, params.prototypes.shape[2], key_dim, writes.y.shape[-1])
+    rows = size * max(1, READ_GROUP_ELEMENTS // (batch * groups * group_size * size * widest))
+    if rows >= padded:
+        return read_chunks(q_b, writes, params, valid_b, decay_b)
+    return torch.cat([read_chunks(q_b[:, :, :, start:start + rows], writes.rows(start, start + rows, size), params,
+                                  valid_b[:, start:start + rows],
+                                  None if decay_b is None else decay_b[:, :, start:start + rows])
+                      for start in range(0, padded, rows)], 3)
+
+
 def _chunk_step(q_c, k_c, v_c, valid_c, state: RSAState, params: RSAParams, decay_c=None):
     """Write and read one chunk (the recompute unit): -> out (B, G, g, C, dv), the state after its writes."""
     f, x, y, written = write_chunk(k_c, v_c, valid_c, state, params, decay_c)
@@ -203,8 +225,9 @@ def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=No
 
     Each row's real tokens are packed into an aligned buffer at offset ``count % C`` (its phase), so every row's
     chunk boundaries fall on multiples of C in the buffer whatever its padding or cached length; outputs are
-    scattered back (padded positions get 0). The write side runs chunk by chunk, then the read side of all chunks
-    at once; with ``params.recompute``, each chunk is written and read in turn and recomputed in the backward pass.
+    scattered back (padded positions get 0). The write side runs chunk by chunk, then the read side of the chunks
+    a group at a time (``read_in_groups``); with ``params.recompute``, each chunk is written and read in turn and
+    recomputed in the backward pass.
     """
     batch, groups, group_size, length, key_dim = q.shape
     size = params.chunk_size
@@ -226,9 +249,9 @@ def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=No
             parts.append(out_c)
             state = refresh_references(state, params, layout.phase + layout.real >= start + size)
         out_b, state = torch.cat(parts, 3), replace(state, count=state.count + layout.real)
-    else:  # write chunk by chunk, then read all chunks at once
+    else:  # write chunk by chunk, then read the chunks a group at a time
         writes, state = write_chunks(k_b, v_b, valid_b, layout, state, params, decay_b)
-        out_b = read_chunks(q_b, writes, params, valid_b, decay_b)
+        out_b = read_in_groups(q_b, writes, params, valid_b, decay_b)
     return layout.unpack(out_b, length), state
 
 

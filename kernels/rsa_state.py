@@ -235,6 +235,12 @@ class ChunkWrites:
     mass: torch.Tensor  # (B, G, N, L, m)
     relation_sum: torch.Tensor  # (B, G, N, L - 1, m, m)
 
+    def rows(self, start: int, stop: int, size: int) -> "ChunkWrites":
+        """The writes of buffer rows [start, stop), whole chunks of ``size`` rows (a group of chunks to read)."""
+        chunks = slice(start // size, -(-stop // size))
+        return ChunkWrites(self.f[:, :, :, start:stop], self.x[:, :, :, start:stop], self.y[:, :, :, start:stop],
+                           *(t[:, :, chunks] for t in (self.key_sum, self.value_sum, self.mass, self.relation_sum)))
+
 
 def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params: RSAParams, decay_b=None):
     """The write side of every chunk of the aligned buffer, in order: k_b (B, G, Tp, d), v_b (B, G, Tp, dv),

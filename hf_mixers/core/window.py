@@ -65,6 +65,12 @@ def empty_window(keys: torch.Tensor, values: torch.Tensor, window: int) -> Windo
                        memory=None, written=torch.zeros(batch, dtype=torch.long, device=keys.device))
 
 
+# Scores one call of ``window_attention`` holds at most, (B, G, g, block, 2w) per block of w queries: longer inputs go
+# a segment of queries at a time. All at once, the scores grew with T (75 MB at 16K for SmolLM2) past glibc's mmap
+# threshold, and every such tensor was mapped and faulted in afresh: the window's time grew 3x from 8K to 16K.
+SEGMENT_SCORES = 1 << 20
+
+
 def window_attention(query, keys, values, valid, window: int, scale: float, with_entropy: bool = False):
     """Softmax attention of T queries over the window before each: ``keys`` / ``values`` / ``valid`` hold w earlier
     positions then the T new ones ((B, G, w + T, ...)), query i (position w + i) reads positions i+1 .. w+i.
@@ -72,9 +78,16 @@ def window_attention(query, keys, values, valid, window: int, scale: float, with
     Returns the output (B, G, g, T, dv) and the log of its softmax normaliser (B, G, g, T), both in the queries'
     dtype; ``with_entropy`` adds the entropy of each query's softmax row divided by log(number of keys it sees)
     (in [0, 1], 0 when it sees one key). Queries of long inputs go in blocks of w, each reading a span of 2w keys:
-    O(T w), not O(T^2).
+    O(T w), not O(T^2); and in segments of ``SEGMENT_SCORES`` scores.
     """
     batch, groups, per_group, length, _ = query.shape
+    segment = window * max(1, SEGMENT_SCORES // (batch * groups * per_group * 2 * window * window))
+    if length > segment:  # a segment of queries at a time, each with the w positions before it: the same values
+        spans = [(slice(start, start + segment), slice(start, start + segment + window))
+                 for start in range(0, length, segment)]
+        parts = [window_attention(query[:, :, :, rows], keys[:, :, span], values[:, :, span], valid[:, span], window,
+                                  scale, with_entropy) for rows, span in spans]
+        return tuple(torch.cat(part, dim=3) for part in zip(*parts))
     if length <= window:  # one block (decode, short prefill): every query against all w + T positions
         spans_k, spans_v, spans_valid = keys[:, :, None], values[:, :, None], valid[:, None]
         query_b = query[:, :, :, None]

@@ -68,6 +68,34 @@ def test_chunk_form_equals_token_recurrence(assign_fn, readout, routing, query_r
         torch.testing.assert_close(getattr(chunked_state, name), getattr(reference_state, name), rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("chunks_per_read", [1, 2, 4])
+def test_chunks_read_a_group_at_a_time_equal_the_recurrence(chunks_per_read, monkeypatch):
+    """READ_GROUP_ELEMENTS cut to ``chunks_per_read`` chunks a read: outputs, gradients and state equal the token
+    recurrence's, with decay, padding and a hole; and the read was in fact split."""
+    import hf_mixers.kernels.rsa_memory as module
+
+    params = make_params(levels=2, query_read=True)
+    q, k, v, valid = make_inputs(params)
+    log_decay = -torch.rand(q.shape[0], q.shape[1], q.shape[3], dtype=F64, generator=torch.Generator().manual_seed(2))
+    for x in (q, k, v):
+        x.requires_grad_()
+    start = initial_state(params, q.shape[0], v.shape[-1], F64)
+    reference, reference_state = rsa_recurrent(q, k, v, valid, start, params, log_decay)
+    per_chunk = q.shape[0] * q.shape[1] * q.shape[2] * params.chunk_size * 8  # widest: key_dim 8
+    monkeypatch.setattr(module, "READ_GROUP_ELEMENTS", chunks_per_read * per_chunk)
+    reads, real_read = [], module.read_chunks
+    monkeypatch.setattr(module, "read_chunks", lambda q_b, *a: reads.append(q_b.shape[3]) or real_read(q_b, *a))
+    chunked, chunked_state = module.rsa_chunked(q, k, v, valid, start, params, log_decay)
+    rows = chunks_per_read * params.chunk_size  # 24 buffer rows: 23 tokens in chunks of 4
+    assert reads == [min(rows, 24 - first) for first in range(0, 24, rows)]
+    torch.testing.assert_close(chunked, reference, rtol=0, atol=1e-10)
+    for name in STATE_FIELDS:
+        torch.testing.assert_close(getattr(chunked_state, name), getattr(reference_state, name), rtol=0, atol=1e-10)
+    for a, b in zip(torch.autograd.grad(chunked.pow(2).sum(), [q, k, v]),
+                    torch.autograd.grad(reference.pow(2).sum(), [q, k, v])):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("split", [1, 4, 9])
 def test_state_carried_across_calls_mid_chunk(split):
     """A prefill that stops mid-chunk and continues (chunked or token by token) equals one pass."""

@@ -57,6 +57,29 @@ def test_window_attention_equals_a_banded_mask(window, length, past):
     assert torch.isfinite(out).all() and torch.isfinite(log_normaliser).all()  # padded queries too
 
 
+@pytest.mark.parametrize("window, length, segment", [(4, 11, 1), (4, 11, 2), (3, 12, 3), (1, 7, 2), (5, 11, 1)])
+def test_long_inputs_go_a_segment_at_a_time_with_the_same_values(window, length, segment, monkeypatch):
+    """SEGMENT_SCORES cut to ``segment`` blocks of w queries a call: output, log normaliser and entropy are those of
+    one call over every query (and the banded mask's)."""
+    import hf_mixers.core.window as module
+
+    query, keys, values, valid = qkv(length=length)
+    _, earlier_k, earlier_v, _ = qkv(length=window, seed=1)
+    all_k, all_v = torch.cat([earlier_k, keys], 2), torch.cat([earlier_v, values], 2)
+    all_valid = torch.cat([torch.ones(3, window, dtype=torch.bool), valid], 1)
+    whole = window_attention(query, all_k, all_v, all_valid, window, SCALE, with_entropy=True)
+    calls = []
+    real_attention = module.window_attention
+    monkeypatch.setattr(module, "window_attention",
+                        lambda *a, **k: calls.append(a[0].shape[3]) or real_attention(*a, **k))
+    monkeypatch.setattr(module, "SEGMENT_SCORES", segment * 3 * 2 * 2 * 2 * window * window)
+    parts = module.window_attention(query, all_k, all_v, all_valid, window, SCALE, with_entropy=True)
+    assert calls[0] == length and calls[1:] == [min(segment * window, length - start)
+                                                for start in range(0, length, segment * window)]
+    for got, want in zip(parts, whole, strict=True):
+        torch.testing.assert_close(got.movedim(3, 1)[valid], want.movedim(3, 1)[valid], rtol=0, atol=1e-12)
+
+
 def exact_memory(query, keys, values, valid, extras, state):
     """A memory that keeps every token it is given and reads it with softmax attention: log weight = its log mass."""
     if state is None:
