@@ -18,7 +18,8 @@ Forms, equal in fp64 (tests/unit/test_retention.py):
                           replace q . k (e.g. the exact exp(q . k / sqrt(d)) of the identity checks)
     retention_recurrent   token by token: decay, (strict: read), write, (read): the decode path
     retention_chunked     chunks of C tokens: intra-chunk a masked matmul with the (C, C) kernel summed over the
-                          slots, inter-chunk the state read through exp(l_s (r + 1)); memory linear in T
+                          slots, inter-chunk the state read through exp(l_s (r + 1)); memory linear in T, and a
+                          long input a segment of chunks at a time (the state carried)
 States are fp32 (fp64 stays fp64): 1 - e^{l_s} can be 5.6e-7, below bf16's resolution.
 """
 
@@ -60,6 +61,12 @@ def lag_kernel(log_rates, weights, length: int):
     lag = t[:, None] - t[None, :]
     decay = torch.exp(log_rates[:, :, None, None] * lag.clamp(min=0).to(weights.dtype))  # (G, S, T, T)
     return torch.einsum("gsti,bgis->bgti", decay, weights) * (lag >= 0)
+
+
+# Elements of the chunk form's largest intermediates, (B, G, S, V) x max(g C, F) per chunk (each chunk's writes and
+# its per-slot read), that one call holds: longer inputs go a segment at a time. All at once they reached 400-600 MB
+# each at 16K for the converted SmolLM2 (16 slots), every one a fresh mapping faulted in page by page.
+SEGMENT_ELEMENTS = 1 << 22
 
 
 @outside_autocast
@@ -122,11 +129,23 @@ def retention_recurrent(q, k, v, log_rates, weights, skip=None, state=None, incl
 @outside_autocast
 def retention_chunked(q, k, v, log_rates, weights, skip=None, state=None, include_current: bool = True,
                       chunk_size: int = 64):
-    """Chunks of ``chunk_size`` tokens; memory linear in T. Same signature and result as retention_quadratic."""
+    """Chunks of ``chunk_size`` tokens; memory linear in T. Same signature and result as retention_quadratic.
+    A long input goes a segment of chunks at a time (``SEGMENT_ELEMENTS``), the state carried between them."""
     _check(q, k, v, log_rates, weights, skip, state)
     q, k, v, log_rates, weights, skip, state = _cast(q, k, v, log_rates, weights, skip, state)
     batch, groups, per_group, length, features = q.shape
     slots, width, size = log_rates.shape[-1], v.shape[-1], min(chunk_size, length)
+    per_chunk = batch * groups * slots * width * max(per_group * size, features)  # the read's and the writes' tensors
+    segment = size * max(1, SEGMENT_ELEMENTS // per_chunk)
+    if length > segment:
+        outs = []
+        for start in range(0, length, segment):
+            rows = slice(start, start + segment)
+            out, state = retention_chunked(q[:, :, :, rows], k[:, :, rows], v[:, :, rows], log_rates,
+                                           weights[:, :, rows], None if skip is None else skip[:, :, rows], state,
+                                           include_current, chunk_size)
+            outs.append(out)
+        return torch.cat(outs, dim=3), state
     chunks = -(-length // size)
     pad = chunks * size - length
     if pad:  # padded tokens: zero query, key and weights, so they neither read nor write

@@ -45,6 +45,33 @@ def test_three_forms_agree(include_current, with_state, per_group_rates):
         torch.testing.assert_close(state, expected_state, rtol=0, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("chunks_per_segment", [1, 2])
+@pytest.mark.parametrize("include_current, with_state", [(True, False), (False, True)])
+def test_a_long_input_goes_a_segment_at_a_time_with_the_same_values_and_gradients(
+        chunks_per_segment, include_current, with_state, monkeypatch):
+    import hf_mixers.kernels.retention as module
+
+    x = inputs(length=13)
+    if not with_state:
+        x["state"] = None
+    names = ("q", "k", "v", "weights") + (("skip",) if include_current else ()) + (("state",) if with_state else ())
+    leaves = {name: x[name].clone().requires_grad_(True) for name in names}
+    expected, expected_state = retention_quadratic(**{**x, **leaves}, include_current=include_current)
+    want = torch.autograd.grad(expected.sin().sum() + expected_state.cos().sum(), list(leaves.values()))
+    per_chunk = 2 * 2 * 7 * 4 * max(3 * 4, 5)  # B G S V max(g C, F) with chunks of 4
+    monkeypatch.setattr(module, "SEGMENT_ELEMENTS", chunks_per_segment * per_chunk)
+    calls, real = [], module.retention_chunked
+    monkeypatch.setattr(module, "retention_chunked", lambda q, *a, **k: calls.append(q.shape[3]) or real(q, *a, **k))
+    out, state = module.retention_chunked(**{**x, **leaves}, include_current=include_current, chunk_size=4)
+    segment = 4 * chunks_per_segment
+    assert calls == [13] + [min(segment, 13 - start) for start in range(0, 13, segment)]
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(state, expected_state, rtol=0, atol=1e-12)
+    got = torch.autograd.grad(out.sin().sum() + state.cos().sum(), list(leaves.values()))
+    for name, a, b in zip(names, got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
+
+
 def test_chunked_gradients_equal_the_definition():
     x = inputs(length=11)
     names = ("q", "k", "v", "weights", "skip", "state")
