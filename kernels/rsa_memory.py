@@ -138,6 +138,14 @@ def rsa_recurrent(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=
     return torch.stack(outputs, 3), state
 
 
+def shared(rows, matrix):
+    """rows (B, G, N, g, R, k) @ matrix (B, G, N, 1, k, n): one matrix per KV head and chunk, shared by its g query
+    heads, whose rows are stacked into one product instead of the matrix being copied g times."""
+    batch, groups, chunks, per_group, height, inner = rows.shape
+    out = rows.reshape(batch, groups, chunks, per_group * height, inner) @ matrix.squeeze(3)
+    return out.view(batch, groups, chunks, per_group, height, -1)
+
+
 def read_chunks(q_b, writes: ChunkWrites, params: RSAParams, valid_b, decay_b=None):
     """The read side of every chunk at once (steps 3-6 of a chunk): row t of a chunk reads its inclusive state, the
     chunk-start sums plus the causal sums of its chunk's writes up to t. q_b (B, G, g, Tp, d) -> (B, G, g, Tp, dv).
@@ -148,32 +156,40 @@ def read_chunks(q_b, writes: ChunkWrites, params: RSAParams, valid_b, decay_b=No
     groups, levels, slots, key_dim = params.prototypes.shape
     tau, eps, size = key_dim**-0.5, params.eps, params.chunk_size
     count = q_b.shape[3] // size
-    q = q_b.unflatten(3, (count, size)).transpose(2, 3)  # (B, G, N, g, C, d)
+    q = q_b.unflatten(3, (count, size)).transpose(2, 3).contiguous()  # (B, G, N, g, C, d)
     f, x, y = (t.unflatten(3, (count, size)).transpose(2, 3)[:, :, :, :, None] for t in (writes.f, writes.x, writes.y))
     f, x, y = f.unbind(3), x.unbind(3), y.unbind(3)  # per level: (B, G, N, 1, C, m | d | dv)
     write = valid_b.to(q.dtype).unflatten(1, (count, size))[:, None]  # (B, 1, N, C)
     carry, start = decay_masks(None if decay_b is None else decay_b.unflatten(2, (count, size)), write, size,
                                 q.device, q.dtype)
-    if decay_b is not None:  # (B, G, N, C, C), (B, G, N, C) -> broadcast over the query heads
-        carry, start = carry[:, :, :, None], start[:, :, :, None]
-    start = start[..., None]  # (.., C, 1): how much of the chunk-start sums each row sees
+    if decay_b is None:  # every row sees all of the chunk-start sums: no factor to apply
+        start = None
+    else:  # (B, G, N, C, C), (B, G, N, C) -> broadcast over the query heads; (.., C, 1): each row's share of the
+        carry, start = carry[:, :, :, None], start[:, :, :, None, :, None]  # chunk-start sums
     prior, kappa = slot_prior(params, q.dtype)  # (1, G, L, m, d), (1, G, L, 1)
     at_start = lambda t, i: t[:, :, :, i, None]  # noqa: E731  (B, G, N, L, ...) -> level i, (B, G, N, 1, ...)
-    running_mass = [start * at_start(writes.mass, i)[..., None, :] + carry @ f[i] for i in range(levels)]
+    seen = lambda t: t if start is None else start * t  # noqa: E731  the chunk-start part each row sees
+    # per KV head (B, G, N, 1, C, m): each row's inclusive mass, and its inverse (what a read divides by)
+    running_mass = [seen(at_start(writes.mass, i)[..., None, :]) + carry @ f[i] for i in range(levels)]
+    inverse_mass = [1.0 / mass.clamp_min(eps) for mass in running_mass]
 
     def causal_read(weights, level, sums, of):
         """weights (B, G, N, g, C, m) @ (chunk-start sums + causal sums of the chunk's writes ``of``) / mass."""
-        scaled = weights / running_mass[level].clamp_min(eps)
-        intra = (scaled @ f[level].transpose(-1, -2)) * carry
-        return (scaled * start) @ at_start(sums, level) + intra @ of
+        scaled = weights * inverse_mass[level]
+        intra = shared(scaled, f[level].transpose(-1, -2)) * carry
+        return shared(seen(scaled), at_start(sums, level)).add_(shared(intra, of))
 
     at_level = (lambda t, i: per_head(t, groups)[None, :, None, :, i])  # noqa: E731  (H, L, ..) -> (1, G, 1, g, ..)
     numerator, denominator, chain, log_weight = 0.0, 0.0, None, None
     for i in range(levels):
-        q_dot_k = (q @ x[i].transpose(-1, -2)) * carry  # (B, G, N, g, C, C)
-        scores = tau * (q @ prior[:, :, None, None, i].transpose(-1, -2)
-                        + start * (q @ at_start(writes.key_sum, i).transpose(-1, -2)) + q_dot_k @ f[i]) \
-            / (kappa[:, :, i, :, None, None, None] + running_mass[i]).clamp_min(eps)
+        q_dot_k = shared(q, x[i].transpose(-1, -2)) * carry  # (B, G, N, g, C, C)
+        if start is None:  # q . (kappa P + the chunk-start key sums) in one product
+            scores = shared(q, (prior[:, :, None, i, None] + at_start(writes.key_sum, i)).transpose(-1, -2))
+        else:
+            scores = (q.flatten(2, 4) @ prior[:, :, i].transpose(-1, -2)).view(q.shape[:-1] + (slots,))
+            scores.add_(start * shared(q, at_start(writes.key_sum, i).transpose(-1, -2)))
+        scores = scores.add_(shared(q_dot_k, f[i])).mul_(tau / (kappa[:, :, i, :, None, None, None]
+                                                                + running_mass[i]).clamp_min(eps))
         act = readout_activation(scores, i, running_mass[i], params)
         if i == 0 and params.log_weight:
             log_weight = torch.logsumexp(scores + torch.log(running_mass[0].clamp_min(eps)), -1)
