@@ -170,7 +170,7 @@ def _decode(model, ids, mask, prefill=5, after_first_step=None):
 
 def check_compiled_decode(name):
     """``config.compile_decode``: each one-token step of a block around a mixer that has a compiled step (the
-    recurrent mixers, GLTM's evicting patterns, Sessa) runs as one torch.compile graph, equal to the eager step and to one
+    recurrent mixers, GLTM, Sessa) runs as one torch.compile graph, equal to the eager step and to one
     full forward, on a left-padded batch; one graph per such mixer class, built at the first step and never rebuilt
     for the later ones. Equal to fp32 precision, not fp64's: the Llama RMSNorm computes in fp32 whatever the
     model's dtype, and the compiled graph sums in another order."""

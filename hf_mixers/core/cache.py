@@ -62,7 +62,9 @@ class KVPlusLayer(DynamicLayer):
     def append(self, name: str, tensor: torch.Tensor, dim: int) -> None:
         """Attribute ``name`` with ``tensor`` appended along ``dim``, written into its buffer's spare room."""
         current = getattr(self, name)
-        if current is None or current.numel() == 0:  # nothing cached yet (DynamicLayer starts from an empty tensor)
+        # nothing cached yet (DynamicLayer starts from an empty 1-D tensor); a tensor of zero width (GLTM's entries
+        # of a pattern that keeps none) still counts its tokens, so that every cached tensor has the same length
+        if current is None or current.dim() != tensor.dim() or current.shape[dim] == 0:
             current = tensor.narrow(dim, 0, 0)
         if torch.is_grad_enabled() and (tensor.requires_grad or current.requires_grad):
             # a cache in a graph (training through a prefill): an in-place write would invalidate what was saved

@@ -274,14 +274,18 @@ class GLTMMixer(FullAttention):
                               positions)
         return self.o_proj(y.transpose(1, 2).flatten(2).to(hidden_states.dtype))  # (B, T, H d) -> (B, T, D)
 
-    # The compiled token step (model/blocks.py; ``config.compile_decode``) of the evicting patterns: their cache
-    # holds exactly the positions the next token reads, at most ``decode_slots`` of them, so it is kept at that
-    # many slots (empty ones have position 0) and one token is: attention over the slots and itself, the feedback
-    # read of the slots, then the slots the token after it reads kept, all at shapes fixed for the whole run.
-    decode_dynamic_shapes = False
+    # The compiled token step (model/blocks.py; ``config.compile_decode``). The evicting patterns' cache holds
+    # exactly the positions the next token reads, at most ``decode_slots`` of them, so it is kept at that many slots
+    # (empty ones have position 0) and one token is: attention over the slots and itself, the feedback read of the
+    # slots, then the slots the token after it reads kept, all at shapes fixed for the whole run. The other
+    # patterns' cache keeps every position and grows: their step is compiled with symbolic shapes (as Sessa's),
+    # reads the cache where it lies through a mask of the positions the token reads, and appends its entry.
+    @property
+    def decode_dynamic_shapes(self) -> bool:
+        return self.pattern not in EVICTING
 
     def can_compile_decode(self) -> bool:
-        return self.pattern in EVICTING
+        return True
 
     def decode_ready(self, layer_cache) -> bool:
         return layer_cache.is_initialized
@@ -304,49 +308,86 @@ class GLTMMixer(FullAttention):
         decode_length = max(self.config.max_position_embeddings, 1 << length.bit_length())
         if decode_length != self.decode_length:  # rarely: the slots are worked out once per length
             self.decode_length, self.slots = decode_length, self.decode_slots(decode_length)
-        layer_cache.reserve(self.slots)
+        if self.pattern in EVICTING:
+            layer_cache.reserve(self.slots)
         return (position, layer_cache.keys, layer_cache.values, layer_cache.feedback_keys, layer_cache.outputs,
                 layer_cache.positions)
 
     def decode_step(self, hidden_states, position_embeddings, position, keys, values, feedback_keys, outputs,
                     slots):
-        """``forward`` for one token on a cache of fixed slots (``decode_inputs``): the same math, no lookup table,
-        no host synchronisation."""
+        """``forward`` for one token on the cache (``decode_inputs``: fixed slots, or every position so far): the
+        same math, no lookup table, no host synchronisation."""
         batch, groups, kv_heads = hidden_states.shape[0], self.num_key_value_groups, self.num_key_value_heads
         cd = compute_dtype(hidden_states.dtype)
         query, key, value = self.project(hidden_states, position_embeddings)  # (B, H, 1, d), (B, Hkv, 1, d) x 2
-        entries = torch.cat([slots, position], dim=1)  # (B, S + 1): the kept positions, then this token
+        everything = self.pattern in FULL_A  # A (and B for dense) read every cached position, where it lies
+        if not everything and self.pattern not in EVICTING:  # a growing cache: the entries of P(i) gathered
+            keys, values, feedback_keys, outputs, slots = self.support_entries(position, keys, values, feedback_keys,
+                                                                               outputs, slots)
+        entries = torch.cat([slots, position], dim=1)  # (B, S + 1): the positions read, then this token
         rows = torch.arange(entries.shape[1], device=entries.device).where(entries > 0, -1)[:, None]  # (B, 1, S+1)
         if self.diagonal_a:  # A reads x_i itself; the cache keeps no A-branch keys or values
             direct, value = value.repeat_interleave(groups, dim=1), value[..., :0]
-        keys, values = torch.cat([keys, key], dim=2), torch.cat([values, value], dim=2)  # (B, Hkv, S + 1, d)
-        if not self.diagonal_a:  # N(i): the slots (exactly P(i), or the window) and the token itself
-            direct = sparse_attention(_by_kv_head(query, groups), keys.flatten(0, 1), values.flatten(0, 1),
+        elif everything:  # causal attention over the cache and the token
+            direct = self.attend_one(query, key, value, keys, values, entries > 0)  # (B, 1, H d)
+            direct = direct.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (B, H, 1, d)
+        else:  # N(i): the slots (exactly P(i), or the window) and the token itself
+            keys_read, values_read = torch.cat([keys, key], dim=2), torch.cat([values, value], dim=2)
+            direct = sparse_attention(_by_kv_head(query, groups), keys_read.flatten(0, 1), values_read.flatten(0, 1),
                                       rows.repeat_interleave(kv_heads, 0), self.scaling)
             direct = _from_kv_head(direct, batch)  # (B, H, 1, d)
         direct = direct.to(cd).masked_fill((position == 0)[:, None, :, None], 0.0)
-        if self.recurrent:  # B reads the slots' outputs: P(i), every kept position
+        if self.recurrent:  # B reads the outputs of P(i): the slots, or every cached position (dense)
             q_b, feedback_key = self.project_feedback(hidden_states, position_embeddings)  # (B, H | Hkv, 1, d)
             gate = self.gate(hidden_states).transpose(1, 2) * (position >= 2)[:, None]  # (B, H, 1)
             scale, skip = self.input_scale(hidden_states, gate)
-            weights = gathered_softmax(_by_kv_head(q_b, groups).to(cd), feedback_keys.transpose(1, 2).flatten(0, 1)
-                                       .to(cd), rows[..., :-1].repeat_interleave(kv_heads, 0), self.scaling)
-            weights = _from_kv_head(weights, batch) * gate[..., None]  # (B, H, 1, S)
-            output = scale[..., None] * direct + torch.einsum("bhts,bshd->bhtd", weights, outputs.to(cd))
+            if everything:
+                weights = _past_softmax(q_b.to(cd), feedback_keys.to(cd), slots > 0, self.scaling)
+            else:
+                weights = gathered_softmax(_by_kv_head(q_b, groups).to(cd), feedback_keys.transpose(1, 2)
+                                           .flatten(0, 1).to(cd), rows[..., :-1].repeat_interleave(kv_heads, 0),
+                                           self.scaling)
+                weights = _from_kv_head(weights, batch)  # (B, H, 1, S)
+            output = scale[..., None] * direct + torch.einsum("bhts,bshd->bhtd", weights * gate[..., None],
+                                                              outputs.to(cd))
             y = output if skip is None else output - skip[..., None] * direct
             feedback_key, output = feedback_key.transpose(1, 2), output.transpose(1, 2)  # (B, 1, heads, d)
         else:  # B = 0: no past output is ever read (the cache's entries are empty)
             y, feedback_key, output = direct, feedback_keys[:, :1], outputs[:, :1]
-        feedback_keys = torch.cat([feedback_keys, feedback_key.to(feedback_keys.dtype)], dim=1)
-        outputs = torch.cat([outputs, output.to(outputs.dtype)], dim=1)
+        feedback_key, output = feedback_key.to(feedback_keys.dtype), output.to(outputs.dtype)
+        y = self.o_proj(y.transpose(1, 2).flatten(2).to(hidden_states.dtype))
+        if self.pattern not in EVICTING:  # the token's entry, appended to the cache
+            return y, (key, value, feedback_key, output, position)
+        keys, values = torch.cat([keys, key], dim=2), torch.cat([values, value], dim=2)  # (B, Hkv, S + 1, d)
+        feedback_keys, outputs = torch.cat([feedback_keys, feedback_key], dim=1), torch.cat([outputs, output], dim=1)
         keep = self.still_read(entries, self.decode_length)  # at most S of the S + 1 entries
-        state = _compact(keep, slots.shape[1], ((keys, 2), (values, 2), (feedback_keys, 1), (outputs, 1),
-                                                (entries, 1)))
-        return self.o_proj(y.transpose(1, 2).flatten(2).to(hidden_states.dtype)), state
+        return y, _compact(keep, slots.shape[1], ((keys, 2), (values, 2), (feedback_keys, 1), (outputs, 1),
+                                                  (entries, 1)))
+
+    def support_entries(self, position, keys, values, feedback_keys, outputs, cached):
+        """The cache entries of P(i), the positions the token at ``position`` (B, 1) reads, out of a cache that keeps
+        every position (B, M): K/V (B, Hkv, K, d), feedback keys (B, K, Hkv, d), outputs (B, K, H, d), positions
+        (B, K; 0 where the row has no such position yet). K: the offsets below ``decode_length``."""
+        needed = support_rows(self.pattern, position, self.window, self.offsets, self.decode_length)[:, 0]  # (B, K)
+        match = (cached[:, :, None] == needed[:, None, :]) & (needed > 0)[:, None, :]  # (B, M, K)
+        index, found = match.long().argmax(1), match.any(1)  # (B, K): where each one sits in the cache
+
+        def pick(x, dim):
+            shape = [1] * x.dim()
+            shape[0], shape[dim] = index.shape
+            return x.gather(dim, index.view(shape).expand(*[s if d != dim else index.shape[1]
+                                                             for d, s in enumerate(x.shape)]))
+
+        return (pick(keys, 2), pick(values, 2), pick(feedback_keys, 1), pick(outputs, 1),
+                torch.where(found, needed, 0))
 
     def store_decode_state(self, layer_cache, state) -> None:
-        layer_cache.keys, layer_cache.values, layer_cache.feedback_keys, layer_cache.outputs, layer_cache.positions \
-            = state
+        if self.pattern in EVICTING:
+            layer_cache.keys, layer_cache.values, layer_cache.feedback_keys, layer_cache.outputs, \
+                layer_cache.positions = state
+        else:
+            layer_cache.update(*state[:2])
+            layer_cache.append_extras(*state[2:])
         layer_cache.seen_tokens += 1
 
     def input_scale(self, hidden_states, gate):
@@ -399,6 +440,18 @@ class GLTMMixer(FullAttention):
         if not self.recurrent:
             return self.a_support(following)[:, 0]
         return support_rows(self.pattern, following, self.window, self.offsets, longest)[:, 0]
+
+
+def _past_softmax(q_b, feedback_keys, valid, scale):
+    """Softmax of <q, k_j> * scale over every cached feedback key where ``valid``: q_b (B, H, 1, d), feedback_keys
+    (B, M, Hkv, d) read where they lie, valid (B, M) -> (B, H, 1, M); a row with no valid key gets zeros (as
+    ``gathered_softmax``)."""
+    batch, heads, _, width = q_b.shape
+    grouped = q_b.view(batch, feedback_keys.shape[2], -1, width)  # (B, Hkv, g, d)
+    logits = torch.einsum("bkgd,bmkd->bkgm", grouped, feedback_keys) * scale
+    mask = valid[:, None, None, :]
+    logits = logits.masked_fill(~mask, float("-inf")).masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    return torch.softmax(logits, dim=-1).masked_fill(~mask, 0.0).view(batch, heads, 1, -1)
 
 
 def _by_kv_head(x, groups):
@@ -556,6 +609,7 @@ GLTM = register_mixer(MixerSpec(
     tiny_variants={pattern: {"gltm_pattern": pattern} for pattern in PATTERNS if pattern not in ("pow2_ce",)
                    and not pattern.startswith("custom")} | {
         "custom_ce": {"gltm_pattern": "custom_ce", "gltm_offsets": "pow:3"},
+        "custom": {"gltm_pattern": "custom", "gltm_offsets": "poly:2,1"},
         "sigmoid": {"gltm_gate": "sigmoid"}, "fixed": {"gltm_gate": "fixed", "gltm_gate_value": 0.3},
         "weight_sharing": {"gltm_weight_sharing": True},
         "dense_weight_sharing": {"gltm_pattern": "dense", "gltm_weight_sharing": True},

@@ -6,7 +6,7 @@
 
 A block's ``around(x, mix)`` runs its own layers around ``mix`` (normed input -> mixer output); ``forward`` calls
 it with the mixer, or with the mixer's compiled one-token step when it asks for one (``mixer.compiles_decode``: the
-recurrent mixers, GLTM's evicting patterns, Sessa).
+recurrent mixers, GLTM, Sessa).
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_
     overwrite them.
     """
     device = hidden_states.device.type
-    key = (device, type(block.mixer), hidden_states.shape[0], block.mixer.decode_compile_mode())
-    dynamic = block.mixer.decode_dynamic_shapes
+    dynamic = block.mixer.decode_dynamic_shapes  # a class may have both kinds (GLTM: by its pattern)
+    key = (device, type(block.mixer), hidden_states.shape[0], block.mixer.decode_compile_mode(), dynamic)
     if key not in _compiled_block_steps:
         logger.warning("compiling the %s block's token step at batch %d with torch.compile (compile_decode=%s); the "
                        "first decode step takes 10-60 s", key[1].__name__, key[2], key[3])

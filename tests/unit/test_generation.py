@@ -149,6 +149,25 @@ def test_decode_steps_write_into_the_cache_in_place_and_the_memory_held_is_count
     assert layer.outputs.untyped_storage().data_ptr() != storages["outputs"] and layer.outputs.shape[1] == 13
 
 
+def test_a_cached_tensor_of_zero_width_still_counts_its_tokens():
+    """GLTM's attention pattern keeps no feedback keys or outputs (zero-width entries) and a diagonal A no K/V: those
+    tensors still grow a token per step, so that every cached tensor has the length of the positions (a compiled
+    step with symbolic shapes ties them together)."""
+    from hf_mixers.core.cache import KVPlusLayer
+
+    class Layer(KVPlusLayer):
+        extra_names = ("empty", "positions")
+
+    layer = Layer()
+    layer.update(torch.zeros(2, 1, 3, 0), torch.zeros(2, 1, 3, 0))
+    layer.append_extras(torch.zeros(2, 3, 0), torch.ones(2, 3, dtype=torch.long))
+    for _ in range(2):
+        layer.update(torch.zeros(2, 1, 1, 0), torch.zeros(2, 1, 1, 0))
+        layer.append_extras(torch.zeros(2, 1, 0), torch.ones(2, 1, dtype=torch.long))
+    assert layer.keys.shape == layer.values.shape == (2, 1, 5, 0)
+    assert layer.empty.shape == (2, 5, 0) and layer.positions.shape == (2, 5)
+
+
 def test_a_cache_inside_an_autograd_graph_appends_without_writing_in_place():
     """With gradients on (training through a chunked prefill), the cache concatenates instead of writing into its
     buffers: an in-place write would change tensors the first chunk saved for backward. The gradients equal one
