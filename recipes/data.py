@@ -1,5 +1,6 @@
 """Text -> fixed-length token blocks (the held-out split itself is ``corpus.split_texts`` for the embedded corpora,
-``text_files.TextFiles.split`` for files), and text the teacher writes itself (``data.source: teacher:N``).
+``dataset_sources._text_file_blocks`` for text files), and text the teacher writes itself (``data.source:
+teacher:N``).
 
 Text is a stream of pieces, paragraphs each followed by its blank line, with ``DOCUMENT_END`` where a document
 ends: the pieces are tokenised a batch at a time, a document end becomes the tokenizer's EOS, and the token stream
