@@ -90,7 +90,8 @@ def rsa_step(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None)
     state = RSAState(key_sum=torch.stack(key_sum, 2), value_sum=torch.stack(value_sum, 2), mass=torch.stack(mass, 2),
                      relation_sum=torch.stack(relation, 2) if relation else state.relation_sum,
                      key_ref=state.key_ref, value_ref=state.value_ref, count=state.count + valid.long())
-    state = refresh_references(state, params, valid & (state.count % params.chunk_size == 0))
+    if params.refresh_in_step:  # only the next token's assignments read the references: a caller may do it after
+        state = refresh_references(state, params, valid & (state.count % params.chunk_size == 0))
 
     # Read: every level at once (slots, scores, activation, W, sparse threshold), then the chain down the levels.
     slots_k = (prior + state.key_sum) / (kappa + state.mass).clamp_min(eps)[..., None]  # (B, G, L, m, d)

@@ -50,6 +50,7 @@ class RSAParams:
     eps: float = 1e-6
     recompute: bool = False  # training: keep only chunk inputs, recompute each chunk in the backward pass
     log_weight: bool = False  # append each read's log weight as one more output channel (the local window's merge)
+    refresh_in_step: bool = True  # the token step refreshes the references at a boundary (False: its caller does)
 
 
 @dataclass

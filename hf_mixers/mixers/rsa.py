@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,9 @@ from ..core.cache import RecurrentStateLayer
 from ..core.mixer import RecurrentMixer
 from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
 from ..core.short_conv import causal_conv
-from ..core.window import window_option, windowed
+from ..core.window import WindowState, window_option, windowed
 from ..kernels.common import compute_dtype
-from ..kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, rsa_memory
+from ..kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, refresh_references, rsa_memory
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class RSAMixer(RecurrentMixer, FullAttention):
             init.zeros_(mlp.down.weight)
             init.zeros_(mlp.down.bias)
 
-    def memory_params(self, dtype) -> RSAParams:
+    def memory_params(self, dtype, refresh_in_step: bool = True) -> RSAParams:
         config = self.config
         cast = (lambda t: None if t is None else t.to(dtype))
         return RSAParams(
@@ -123,7 +124,7 @@ class RSAMixer(RecurrentMixer, FullAttention):
             threshold=cast(self.threshold).clamp(0.0, config.rsa_threshold_max), read_scale=cast(self.read_scale),
             query_read=cast(self.query_read), assign_fn=config.rsa_assign_fn, readout=config.rsa_readout,
             routing=config.rsa_routing, chunk_size=config.rsa_chunk_size, eps=config.rsa_eps,
-            recompute=config.rsa_recompute_chunks, log_weight=config.rsa_window > 0)
+            recompute=config.rsa_recompute_chunks, log_weight=config.rsa_window > 0, refresh_in_step=refresh_in_step)
 
     def projections(self, hidden_states, position_embeddings):
         """The window's queries (B, H, T, hd) and keys (B, Hkv, T, hd) (rotated), the memory's (rotated unless
@@ -137,13 +138,14 @@ class RSAMixer(RecurrentMixer, FullAttention):
         query, key = apply_rotary_pos_emb(plain_query, plain_key, *position_embeddings)
         return query, key, plain_query, plain_key, value
 
-    def memory_read(self, hidden_states, position_embeddings, token_mask=None, state=None, method="chunked"):
+    def memory_read(self, hidden_states, position_embeddings, token_mask=None, state=None, method="chunked",
+                    refresh_in_step=True):
         """(B, T, D) -> memory output (B, T, H * hd) before o_proj, and the new state (an RSAState, or with
         ``rsa_window`` a core.window.WindowState around one)."""
         batch, length = hidden_states.shape[:2]
         query, key, memory_query, memory_key, value = self.projections(hidden_states, position_embeddings)
         cd = compute_dtype(hidden_states.dtype)
-        params = self.memory_params(cd)
+        params = self.memory_params(cd, refresh_in_step)
         grouped = (self.num_key_value_heads, self.num_key_value_groups)
         query, memory_query = query.unflatten(1, grouped), memory_query.unflatten(1, grouped)  # (B, G, g, T, hd)
         valid = None if token_mask is None else token_mask[:, -length:]
@@ -180,12 +182,40 @@ class RSAMixer(RecurrentMixer, FullAttention):
         """The causal depthwise convolution (core/short_conv.py): (B, T, D) -> (B, T, D) and the decode history."""
         return causal_conv(hidden_states, self.short_conv, None, token_mask, history)
 
-    def mix(self, hidden_states, position_embeddings, token_mask=None, state=None, conv_history=None):
+    def mix(self, hidden_states, position_embeddings, token_mask=None, state=None, conv_history=None,
+            refresh_in_step=True):
         """The layer without its cache object: (B, T, D) -> output (B, T, D), new memory state, new conv history."""
         if self.short_conv is not None:
             hidden_states, conv_history = self.convolve(hidden_states, token_mask, conv_history)
-        out, state = self.memory_read(hidden_states, position_embeddings, token_mask, state)
+        out, state = self.memory_read(hidden_states, position_embeddings, token_mask, state,
+                                      refresh_in_step=refresh_in_step)
         return self.o_proj(out), state, conv_history
+
+    # The compiled token step on CPU leaves the references' refresh (at one token in C) to ``store_decode_state``,
+    # eagerly, where a host check costs nothing: in the graph they were recomputed and rewritten every token (RSA w=64
+    # on SmolLM2 at 512: 0.80-0.81x the teacher's tokens/s with them in the graph, 0.83-0.84x without). On CUDA they
+    # stay in the graph (no host synchronisation inside a CUDA graph).
+    def decode_step(self, hidden_states, position_embeddings, token_mask, state, history):
+        output, state, history = self.mix(hidden_states, position_embeddings, token_mask, state, history,
+                                          refresh_in_step=hidden_states.device.type != "cpu")
+        return output, (state, history)
+
+    def store_decode_state(self, layer_cache, state) -> None:
+        memory, history = state
+        super().store_decode_state(layer_cache, (self.references_refreshed(memory), history))
+
+    def references_refreshed(self, state):
+        """``state`` (an RSAState, or a WindowState around one) with the references of the CPU rows whose count has
+        just reached a chunk boundary refreshed (what the token step does in its graph elsewhere). Exact: a row
+        refreshed again without a write in between gets the same references."""
+        memory = state.memory if isinstance(state, WindowState) else state
+        if memory is None or memory.count.device.type != "cpu":
+            return state
+        rows = (memory.count % self.config.rsa_chunk_size == 0) & (memory.count > 0)
+        if not bool(rows.any()):
+            return state
+        memory = refresh_references(memory, self.memory_params(memory.mass.dtype), rows)
+        return replace(state, memory=memory) if isinstance(state, WindowState) else memory
 
     def decode_compile_mode(self) -> str | None:
         """``config.compile_decode``'s mode, or "default" with ``rsa_compile_decode`` (the RSA-only switch came
