@@ -109,10 +109,13 @@ def _short_form(item, where: str):
     suffix = os.path.splitext(item)[1]
     if os.path.isfile(item) and suffix in DOCUMENT_FILES:
         return {"path": DOCUMENT_FILES[suffix], "data_files": item}
-    if os.path.isdir(item):
-        found = {kind: sorted(glob.glob(os.path.join(item, "**", f"*{kind}"), recursive=True))
-                 for kind in (*DOCUMENT_FILES, *TEXT_FILES)}
-        kinds = [kind for kind, files in found.items() if files]
+    if os.path.isfile(item) and suffix in TEXT_FILES:
+        return TextFiles(item, (item,))
+    if os.path.isdir(item):  # one walk of the folder, its files by kind
+        files = sorted(path for path in glob.glob(os.path.join(item, "**", "*"), recursive=True)
+                       if os.path.isfile(path))
+        found = {kind: [path for path in files if path.endswith(kind)] for kind in (*DOCUMENT_FILES, *TEXT_FILES)}
+        kinds = [kind for kind, paths in found.items() if paths]
         if len(kinds) == 1 and kinds[0] in DOCUMENT_FILES:
             return {"path": DOCUMENT_FILES[kinds[0]], "data_files": found[kinds[0]]}
         if any(kind in DOCUMENT_FILES for kind in kinds):
@@ -121,9 +124,7 @@ def _short_form(item, where: str):
         if not kinds:
             raise FileNotFoundError(f"{where}: {item}: no {'/'.join((*DOCUMENT_FILES, *TEXT_FILES))} files in this "
                                     "folder")
-    text = TextFiles.find(item)
-    if text is not None:
-        return text
+        return TextFiles(item, tuple(path for path in files if path.endswith(TEXT_FILES)))
     if os.path.isfile(item):
         raise ValueError(f"{where}: {item}: unsupported text file; use one of {(*TEXT_FILES, *DOCUMENT_FILES)}")
     if HUB_ID.fullmatch(item):

@@ -9,8 +9,6 @@ the files taken in sorted order: it falls inside a file when it must, so a singl
 from __future__ import annotations
 
 import codecs
-import glob
-import os
 from dataclasses import dataclass
 
 from .data import DOCUMENT_END
@@ -53,22 +51,10 @@ def _chunks(path: str, start: int = 0, stop: int | None = None):
 
 @dataclass(frozen=True)
 class TextFiles:
-    label: str  # the source as the recipe names it
-    files: tuple[str, ...]
+    """A .txt / .md file or the ones in a folder (dataset_sources._short_form finds them), one document each."""
 
-    @classmethod
-    def find(cls, source) -> "TextFiles | None":
-        """``source`` as text files: a .txt / .md file, or a folder with such files in it (searched recursively);
-        None when it is neither."""
-        if not isinstance(source, str):
-            return None
-        if os.path.isfile(source) and source.endswith(TEXT_FILES):
-            return cls(source, (source,))
-        if os.path.isdir(source):
-            files = sorted(path for path in glob.glob(os.path.join(source, "**", "*"), recursive=True)
-                           if path.endswith(TEXT_FILES) and os.path.isfile(path))
-            return cls(source, tuple(files)) if files else None
-        return None
+    label: str  # the source as the recipe names it
+    files: tuple[str, ...]  # sorted paths
 
     def characters(self) -> list[int]:
         """Each file's number of characters (one pass over them, which also checks they are UTF-8 text); no text

@@ -42,7 +42,7 @@ from ..core.cache import KVPlusLayer
 from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
 from ..kernels.common import compute_dtype
 from ..kernels.feedback_solve import (feedback_solve, feedback_solve_sparse, gathered_softmax, sparse_attention,
-                                      sparse_solve)
+                                      sparse_solve, strict_past_softmax)
 from ..kernels.token_patterns import PATTERNS, RECURRENT, offset_function, offsets_below, support_rows
 
 GATES = ("mamba2", "sigmoid", "fixed")
@@ -307,8 +307,9 @@ class GLTMMixer(FullAttention):
             position = token_mask.long().sum(-1, keepdim=True) * token_mask[:, -1:]
         decode_length = max(self.config.max_position_embeddings, 1 << length.bit_length())
         if decode_length != self.decode_length:  # rarely: the slots are worked out once per length
-            self.decode_length, self.slots = decode_length, self.decode_slots(decode_length)
-        if self.pattern in EVICTING:
+            evicting = self.pattern in EVICTING  # a growing cache has no fixed slots
+            self.decode_length, self.slots = decode_length, self.decode_slots(decode_length) if evicting else None
+        if self.slots is not None:
             layer_cache.reserve(self.slots)
         return (position, layer_cache.keys, layer_cache.values, layer_cache.feedback_keys, layer_cache.outputs,
                 layer_cache.positions)
@@ -341,8 +342,10 @@ class GLTMMixer(FullAttention):
             q_b, feedback_key = self.project_feedback(hidden_states, position_embeddings)  # (B, H | Hkv, 1, d)
             gate = self.gate(hidden_states).transpose(1, 2) * (position >= 2)[:, None]  # (B, H, 1)
             scale, skip = self.input_scale(hidden_states, gate)
-            if everything:
-                weights = _past_softmax(q_b.to(cd), feedback_keys.to(cd), slots > 0, self.scaling)
+            if everything:  # the solve's own softmax, one row per head at row M, over the keys where they lie
+                logits = torch.einsum("bkgd,bmkd->bkgm", q_b.to(cd).view(batch, kv_heads, groups, -1),
+                                      feedback_keys.to(cd)).flatten(1, 2) * self.scaling  # (B, H, M)
+                weights = strict_past_softmax(logits, slots.shape[1], slots > 0)[:, :, None]  # (B, H, 1, M)
             else:
                 weights = gathered_softmax(_by_kv_head(q_b, groups).to(cd), feedback_keys.transpose(1, 2)
                                            .flatten(0, 1).to(cd), rows[..., :-1].repeat_interleave(kv_heads, 0),
@@ -371,15 +374,8 @@ class GLTMMixer(FullAttention):
         needed = support_rows(self.pattern, position, self.window, self.offsets, self.decode_length)[:, 0]  # (B, K)
         match = (cached[:, :, None] == needed[:, None, :]) & (needed > 0)[:, None, :]  # (B, M, K)
         index, found = match.long().argmax(1), match.any(1)  # (B, K): where each one sits in the cache
-
-        def pick(x, dim):
-            shape = [1] * x.dim()
-            shape[0], shape[dim] = index.shape
-            return x.gather(dim, index.view(shape).expand(*[s if d != dim else index.shape[1]
-                                                             for d, s in enumerate(x.shape)]))
-
-        return (pick(keys, 2), pick(values, 2), pick(feedback_keys, 1), pick(outputs, 1),
-                torch.where(found, needed, 0))
+        return (_entries(keys, 2, index), _entries(values, 2, index), _entries(feedback_keys, 1, index),
+                _entries(outputs, 1, index), torch.where(found, needed, 0))
 
     def store_decode_state(self, layer_cache, state) -> None:
         if self.pattern in EVICTING:
@@ -442,18 +438,6 @@ class GLTMMixer(FullAttention):
         return support_rows(self.pattern, following, self.window, self.offsets, longest)[:, 0]
 
 
-def _past_softmax(q_b, feedback_keys, valid, scale):
-    """Softmax of <q, k_j> * scale over every cached feedback key where ``valid``: q_b (B, H, 1, d), feedback_keys
-    (B, M, Hkv, d) read where they lie, valid (B, M) -> (B, H, 1, M); a row with no valid key gets zeros (as
-    ``gathered_softmax``)."""
-    batch, heads, _, width = q_b.shape
-    grouped = q_b.view(batch, feedback_keys.shape[2], -1, width)  # (B, Hkv, g, d)
-    logits = torch.einsum("bkgd,bmkd->bkgm", grouped, feedback_keys) * scale
-    mask = valid[:, None, None, :]
-    logits = logits.masked_fill(~mask, float("-inf")).masked_fill(~mask.any(-1, keepdim=True), 0.0)
-    return torch.softmax(logits, dim=-1).masked_fill(~mask, 0.0).view(batch, heads, 1, -1)
-
-
 def _by_kv_head(x, groups):
     """Queries (B, H, T, d) -> (B Hkv, T, g, d): the g query heads that share a KV head side by side."""
     batch, heads, length, width = x.shape
@@ -497,14 +481,20 @@ def _compact(keep, count, tensors):
     index = order[:, keep.shape[1] - count:]  # (B, count), -1 where the row has fewer
     empty = index < 0
     index = index.clamp(min=0)
+    return tuple(_entries(x, dim, index).masked_fill(_per_entry(empty, x, dim), 0) for x, dim in tensors)
 
-    def pick(x, dim):
-        shape = [1] * x.dim()
-        shape[0], shape[dim] = index.shape
-        picked = x.gather(dim, index.view(shape).expand(*[s if d != dim else count for d, s in enumerate(x.shape)]))
-        return picked.masked_fill(empty.view(shape), 0)
 
-    return tuple(pick(x, dim) for x, dim in tensors)
+def _per_entry(index, x, dim):
+    """``index`` (B, K) viewed to broadcast over ``x`` with its entries on ``dim``."""
+    shape = [1] * x.dim()
+    shape[0], shape[dim] = index.shape
+    return index.view(shape)
+
+
+def _entries(x, dim, index):
+    """The entries of ``x`` (B, ..., M on ``dim``, ...) at ``index`` (B, K) of each row: (B, ..., K, ...)."""
+    return x.gather(dim, _per_entry(index, x, dim).expand(*[s if d != dim else index.shape[1]
+                                                             for d, s in enumerate(x.shape)]))
 
 
 class GLTMCacheLayer(KVPlusLayer):

@@ -125,6 +125,18 @@ def test_eval_without_a_teacher_and_its_errors(folders, tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
+def test_eval_holds_out_a_text_file_as_a_distillation_does(folders, tmp_path):
+    """--data goes through distill's data path: a text file's last 20% as held-out blocks, named the same way."""
+    from hf_mixers.recipes.dataset_sources import source_blocks
+
+    text = tmp_path / "notes.txt"
+    text.write_text("".join(f"Sentence number {i} of the notes.\n\n" for i in range(400)))
+    report = run_eval(str(folders["rsa"]), teacher=None, data=str(text), out=str(tmp_path / "report"), **SMALL)
+    held_out = source_blocks(str(text), folders["tokenizer"], 48, heldout_count=2, heldout_only=True)
+    assert report.data == held_out.name == f"{text} (held out: the last 20% of its text)"
+    assert report.heldout_sequences == 2 and held_out.train is None
+
+
 def test_lm_evaluation_harness_runs_the_converted_model(folders, tmp_path):
     """`lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True` on a local task: its per-choice
     log-likelihoods equal ours, and its greedy generations equal model.generate's."""

@@ -71,7 +71,7 @@ def test_reading_a_chunk_at_a_time_gives_the_same_pieces(tokenizer, tmp_path, mo
     assert torch.equal(chunked.train, whole.train) and torch.equal(chunked.heldout, whole.heldout)
     # a paragraph longer than a chunk is read in parts cut after a line, nothing lost
     long = "".join(f"line {i} of one long speech\n" for i in range(40))
-    files = TextFiles.find(write(tmp_path / "long", {"speech.txt": long}))
+    files = parse_sources(write(tmp_path / "long", {"speech.txt": long}))[0]
     sizes = files.characters()
     pieces = list(files.pieces(0, sum(sizes), sizes))
     assert pieces[-1] is None and "".join(pieces[:-1]) == long + "\n\n" and len(pieces) > 10
@@ -104,6 +104,9 @@ def test_bad_text_files_are_named(tokenizer, tmp_path, monkeypatch):
         parse_sources(["shakespeare", mixed])
     with pytest.raises(FileNotFoundError, match=r"data.source: .*absent.txt: no such file or folder"):
         parse_sources(str(tmp_path / "absent.txt"))
+    (tmp_path / "table.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match=r"data.source: .*table.csv: unsupported text file"):
+        parse_sources(str(tmp_path / "table.csv"))
     (tmp_path / "empty-folder").mkdir()
     with pytest.raises(FileNotFoundError, match="empty-folder: no .jsonl/.parquet/.txt/.md files in this folder"):
         parse_sources(str(tmp_path / "empty-folder"))
