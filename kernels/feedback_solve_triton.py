@@ -37,6 +37,9 @@ Backward, with lam = (I - B)^-T g and the formulas of ``_ChunkedFeedbackSolve``:
     are skipped when past_k / past_s need no gradient, the usual case for a detached cache).
 Both parallel kernels recompute alpha from q, k and lse (like flash attention's dq and dk/dv kernels).
 
+A training call's four kernels compile side by side before its first launch (``_warmups``, the launches' own
+argument lists; kernels/triton_compile.py), not one after another at each first launch.
+
 All kernels assume contiguous (B, rows, features) tensors (the wrapper makes them so). Block sizes are powers
 of two >= 16 (a ``tl.dot`` requirement on GPUs); ragged T, d, D and chunk sizes are handled with masks.
 """
@@ -55,6 +58,7 @@ finally:
     pass
 
 from .common import check_feedback_shapes, compute_dtype
+from .triton_compile import compile_side_by_side
 
 # fp32-accurate ``tl.dot``s: the solve feeds its own output back, and plain tf32 (10-bit mantissa) logits and values
 # would put it ~1e-3 away from the reference. "tf32x3" (three tf32 products, the RSA kernels' choice) is as accurate
@@ -397,38 +401,110 @@ def _block(n: int, cap: int | None = None) -> int:
     return size if cap is None else min(size, cap)
 
 
-def _forward(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size, save):
-    """Launch ``_fwd_kernel``. Returns s (B, T, D) fp32 and, when ``save``, what the backward needs."""
-    batch, length, width = f.shape
-    key_dim = q.shape[-1]
-    past = 0 if past_k is None else past_k.shape[1]
-    f, q, k, gain = f.contiguous(), q.contiguous(), k.contiguous(), gain.contiguous()
-    mask = None if key_mask is None else key_mask.bool().contiguous().view(torch.uint8)  # (B, P+T), 1 = real
-    if past:
-        past_k, past_s = past_k.contiguous(), past_s.contiguous()
+def _launch(launches) -> None:
+    for kernel, grid, args, constexprs in launches:
+        kernel[grid](*args, **constexprs)
+
+
+def _meta(length, key_dim, width, chunk_size) -> dict:
     chunk = min(chunk_size, max(length, 1))
-    meta = dict(chunk=chunk, block_c=_block(chunk), log_c=(chunk - 1).bit_length(),
+    return dict(chunk=chunk, block_c=_block(chunk), log_c=(chunk - 1).bit_length(),
                 block_n=_block(chunk, MAX_KEY_BLOCK), block_dk=_block(key_dim), block_dv=_block(width))
 
+
+def _forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, past, scale, meta, save):
+    """``_fwd_kernel``'s launch as ``(kernel, grid, args, constexprs)``; s, h, lse may be dtypes (a warmup)."""
+    batch, length, width = f.shape
+    return (_fwd_kernel, (batch,), (
+        f, q, k, gain, gain if mask is None else mask, k if not past else past_k, s if not past else past_s,
+        s, h, lse, length, past, q.shape[-1], width, meta["chunk"], float(scale)), dict(
+        HAS_MASK=mask is not None, SAVE=save, BLOCK_C=meta["block_c"], BLOCK_N=meta["block_n"],
+        BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"], LOG_C=meta["log_c"],
+        PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS, num_stages=NUM_STAGES))
+
+
+def _backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam, d_gain, dq, dk, d_past_k, d_past_s,
+                       batch, length, width, past, scale, meta):
+    """The backward's launches in order (the lam sweep, then dq where wanted, then dk where wanted): ``(kernel,
+    grid, args, constexprs)``. A gradient not wanted is None; the buffers may be dtypes (a warmup)."""
+    key_dim = q.shape[-1]
+    mask_arg = gain if mask is None else mask
+    common = dict(HAS_MASK=mask is not None, BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"],
+                  PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    launches = [(_bwd_lam_kernel, (batch,), (
+        q, k, gain, mask_arg, lse, h, grad_s, lam, d_gain,
+        length, past, key_dim, width, meta["chunk"], triton.cdiv(length, meta["chunk"]), scale), dict(
+        BLOCK_C=meta["block_c"], BLOCK_M=meta["block_n"], LOG_C=meta["log_c"], **common))]
+    pk = k if not past else past_k
+    ps = s if not past else past_s
+    block = meta["block_n"]
+    if dq is not None:
+        launches.append((_bwd_dq_kernel, (batch, triton.cdiv(length, block)), (
+            q, k, gain, mask_arg, pk, ps, s, lse, lam, d_gain, dq,
+            length, past, key_dim, width, scale), dict(BLOCK_M=block, BLOCK_N=block, **common)))
+    if dk is not None:  # the dk kernel writes the cached keys' gradients too
+        need_past = d_past_k is not None
+        key_start = 0 if need_past else past
+        launches.append((_bwd_dk_kernel, (batch, triton.cdiv(past + length - key_start, block)), (
+            q, k, gain, mask_arg, pk, ps, s, lse, lam, d_gain,
+            dk, dk if d_past_k is None else d_past_k, dk if d_past_s is None else d_past_s,
+            length, past, key_dim, width, key_start, scale), dict(HAS_PAST=need_past, BLOCK_M=block, BLOCK_N=block,
+                                                                    **common)))
+    return launches
+
+
+def _warmups(f, q, k, gain, mask, past_k, past_s, scale, meta, needs):
+    """(layout key, launches) of a training call: the forward's, then the backward's, with the buffers the kernels
+    write given as their dtype (fp32); ``needs``: (dq, dk, the cached keys' gradients) wanted."""
+    batch, length, width = f.shape
+    past = 0 if past_k is None else past_k.shape[1]
+    fp32 = torch.float32
+    need_q, need_k, need_past = needs
+    launches = [_forward_launch(f, q, k, gain, mask, past_k, past_s, fp32, fp32, fp32, past, scale, meta, True)]
+    launches += _backward_launches(q, k, gain, mask, past_k, past_s, fp32, fp32, fp32, fp32, fp32, fp32,
+                                   fp32 if need_q else None, fp32 if need_k or need_past else None,
+                                   fp32 if need_past else None, fp32 if need_past else None,
+                                   batch, length, width, past, scale, meta)
+    key = ("sessa", f.device, f.dtype, q.dtype, k.dtype, gain.dtype, mask is not None, past > 0, needs,
+           tuple(sorted(meta.items())), q.shape[-1], width)
+    return key, launches
+
+
+def _compile_kernels(f, q, k, gain, mask, past_k, past_s, scale, meta, needs) -> None:
+    """On CUDA, compile a training call's kernels side by side before the first launch (kernels/triton_compile.py)."""
+    if f.device.type == "cuda":  # the interpreter compiles nothing
+        compile_side_by_side("Sessa feedback solve", *_warmups(f, q, k, gain, mask, past_k, past_s, scale, meta,
+                                                               needs))
+
+
+def _prepared(f, q, k, gain, key_mask, past_k, past_s):
+    """The kernels' operands: contiguous, the key mask as bytes (1 = real)."""
+    f, q, k, gain = f.contiguous(), q.contiguous(), k.contiguous(), gain.contiguous()
+    mask = None if key_mask is None else key_mask.bool().contiguous().view(torch.uint8)  # (B, P+T)
+    if past_k is not None and past_k.shape[1]:
+        past_k, past_s = past_k.contiguous(), past_s.contiguous()
+    return f, q, k, gain, mask, past_k, past_s
+
+
+def _forward(f, q, k, gain, mask, past_k, past_s, scale, meta, save):
+    """Launch ``_fwd_kernel`` on prepared operands. Returns s (B, T, D) fp32 and, when ``save``, what the backward
+    needs."""
+    batch, length, width = f.shape
+    past = 0 if past_k is None else past_k.shape[1]
     s = torch.empty(batch, length, width, dtype=torch.float32, device=f.device)  # (B, T, D)
     h = torch.empty_like(s) if save else s  # alpha @ s, for d_gain (not allocated for inference)
     lse = torch.empty(batch, length, dtype=torch.float32, device=f.device) if save else s  # (B, T)
     if batch and length:
-        _fwd_kernel[(batch,)](
-            f, q, k, gain, gain if mask is None else mask, k if not past else past_k, s if not past else past_s,
-            s, h, lse, length, past, key_dim, width, chunk, float(scale),
-            HAS_MASK=mask is not None, SAVE=save, BLOCK_C=meta["block_c"], BLOCK_N=meta["block_n"],
-            BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"], LOG_C=meta["log_c"],
-            PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    return s, (q, k, gain, mask, past_k, past_s, s, h, lse), meta
+        _launch([_forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, past, scale, meta, save)])
+    return s, (q, k, gain, mask, past_k, past_s, s, h, lse)
 
 
 class _TritonFeedbackSolve(torch.autograd.Function):
     """Forward: ``_fwd_kernel``; backward: ``_bwd_lam_kernel`` then ``_bwd_dq_kernel`` and ``_bwd_dk_kernel``."""
 
     @staticmethod
-    def forward(ctx, f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size):
-        s, saved, meta = _forward(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size, save=True)
+    def forward(ctx, f, q, k, gain, mask, past_k, past_s, scale, meta):
+        s, saved = _forward(f, q, k, gain, mask, past_k, past_s, scale, meta, save=True)
         ctx.save_for_backward(*saved)
         ctx.meta = (meta, 0 if past_k is None else past_k.shape[1], float(scale), f.dtype, gain.dtype)
         return s
@@ -450,27 +526,8 @@ class _TritonFeedbackSolve(torch.autograd.Function):
         d_past_k = new_zeros(batch, past, key_dim) if need_past else None
         d_past_s = new_zeros(batch, past, width) if need_past else None
         if batch and length:
-            mask_arg = gain if mask is None else mask
-            common = dict(HAS_MASK=mask is not None, BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"],
-                          PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-            _bwd_lam_kernel[(batch,)](
-                q, k, gain, mask_arg, lse, h, grad_s, lam, d_gain,
-                length, past, key_dim, width, meta["chunk"], triton.cdiv(length, meta["chunk"]), scale,
-                BLOCK_C=meta["block_c"], BLOCK_M=meta["block_n"], LOG_C=meta["log_c"], **common)
-            pk = k if not past else past_k
-            ps = s if not past else past_s
-            block = meta["block_n"]
-            if need_q:
-                _bwd_dq_kernel[(batch, triton.cdiv(length, block))](
-                    q, k, gain, mask_arg, pk, ps, s, lse, lam, d_gain, dq,
-                    length, past, key_dim, width, scale, BLOCK_M=block, BLOCK_N=block, **common)
-            if need_k or need_past:
-                key_start = 0 if need_past else past
-                _bwd_dk_kernel[(batch, triton.cdiv(past + length - key_start, block))](
-                    q, k, gain, mask_arg, pk, ps, s, lse, lam, d_gain,
-                    dk, dk if d_past_k is None else d_past_k, dk if d_past_s is None else d_past_s,
-                    length, past, key_dim, width, key_start, scale,
-                    HAS_PAST=need_past, BLOCK_M=block, BLOCK_N=block, **common)
+            _launch(_backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam, d_gain, dq, dk,
+                                       d_past_k, d_past_s, batch, length, width, past, scale, meta))
         cast = lambda grad, like: None if grad is None else grad.to(like.dtype)  # noqa: E731
         return (lam.to(f_dtype), cast(dq, q), cast(dk, k), d_gain.to(gain_dtype), None,
                 cast(d_past_k, past_k), cast(d_past_s, past_s), None, None)
@@ -492,6 +549,12 @@ def feedback_solve_triton(f, q, k, gain, key_mask=None, past_k=None, past_s=None
                          "sends fp64 to the PyTorch path)")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     tensors = (f, q, k, gain) + (() if past_k is None else (past_k, past_s))
+    meta = _meta(f.shape[1], q.shape[-1], f.shape[-1], chunk_size)
+    operands = _prepared(f, q, k, gain, key_mask, past_k, past_s)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):  # inference: skip h and lse
-        return _forward(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size, save=False)[0]
-    return _TritonFeedbackSolve.apply(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size)
+        return _forward(*operands, scale, meta, save=False)[0]
+    past = 0 if past_k is None else past_k.shape[1]
+    needs = (q.requires_grad, k.requires_grad, past > 0 and (past_k.requires_grad or past_s.requires_grad))
+    if f.shape[0] and f.shape[1]:
+        _compile_kernels(*operands, scale, meta, needs)
+    return _TritonFeedbackSolve.apply(*operands, scale, meta)

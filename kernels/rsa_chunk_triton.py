@@ -65,13 +65,14 @@ must be None); fp32 / fp16 / bf16 q, k, v (fp64 is out: fp32 accumulation);
 CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests). Sizes are limited to one tile per operand
 (MAX_TILE).
 
-GPU status: tested under the interpreter (which computes every dot in fp32 whatever ``input_precision`` says)
-and, for resources, by ``scripts/kernel_resources.py`` (``triton.compile`` for sm_90 on a CPU, with the Triton of
-the lent H100, 3.6). At convert()'s sizes (C = m = d = dv = 64, L = 4, "tf32x3" dots): forward 96 KiB of shared
-memory, ~50 s to compile; backward per level 192 KiB, ~65 s per variant (two: level 0 and the others). The
-unrolled all-levels backward it replaces needed 288 KiB with Triton 3.6 (192 KiB with 3.9) and ~6 min to compile;
-on the H100 it raised OutOfResources at its first launch. "tf32" dots needed more shared memory, "ieee" did not
-finish compiling. Speed on a GPU is unmeasured; block sizes and warps are untuned.
+GPU status: tested under the interpreter (which computes every dot in fp32 whatever ``input_precision`` says),
+for resources by ``scripts/kernel_resources.py`` (``triton.compile`` for sm_90 on a CPU, with the Triton of the
+lent H100, 3.6), and on an H100 (2026-11-27, docs/benchmarks.md "Kernels"): at SmolLM2's heads, T = 1K and 8K,
+fp32 and bf16, values and every gradient within 8e-4 of the fp64 reference. At convert()'s sizes (C = m = d = dv =
+64, L = 4, "tf32x3" dots) the forward needs 96 KiB of shared memory, the backward per level 192 KiB (level 0:
+128 KiB); compiling the three took 98.8 s one after another on the H100's host, so a call compiles them side by
+side before its first launch (``_Read.compile_kernels``; 71 -> 36 s on two CPU cores). "tf32" dots needed more
+shared memory, "ieee" did not finish compiling. Speed on a GPU is unmeasured; block sizes and warps are untuned.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ finally:
 
 from .common import compute_dtype
 from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunks
+from .triton_compile import compile_side_by_side
 
 # fp32-accurate dots on tensor cores: plain tf32 would put the read ~1e-3 off the reference (it divides sums by
 # masses and chains levels); "ieee" (FMA dots) is exact too, but at the default sizes its backward did not finish
@@ -494,6 +496,24 @@ class _Read:
                             BLOCK_DV=_block(y.shape[-1]),
                             PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS)
 
+    def warmups(self, inputs, backward: bool) -> list:
+        """The launches of this call as ``(kernel, grid, args, constexprs)`` for ``JITFunction.warmup``: the forward,
+        and for a backward the level-0 variant and the other levels' one (the level is not specialised). Buffers not
+        yet allocated are given as their dtype (all fp32)."""
+        buffers = [torch.float32] * 5  # out, log weight, chain, num, den
+        warmups = [(_fwd_kernel, self.grid, (*inputs, *buffers, *self.sizes, 0), self.options)]
+        if backward:  # g, g_lw, chain, num, den, the 3 carries and the 14 gradients, then the sizes and the level
+            args = (*inputs, *[torch.float32] * (5 + 3 + len(inputs)), *self.sizes)
+            warmups += [(_bwd_kernel, self.grid, (*args, level), {**self.options, "LEVEL0": level == 0})
+                        for level in sorted({0, self.levels - 1})]
+        return warmups
+
+    def compile_kernels(self, inputs, backward: bool) -> None:
+        """Compile what this call launches side by side, once per layout (kernels/triton_compile.py)."""
+        if inputs[0].device.type == "cuda":  # the interpreter compiles nothing
+            key = ("rsa", inputs[0].device, tuple(sorted(self.options.items())), self.sizes[2:9], backward)
+            compile_side_by_side("RSA chunk read", key, self.warmups(inputs, backward))
+
     def forward(self, inputs, save: bool):
         """``inputs``: the 14 kernel tensors (q ... wqr). Returns out (B, H, Tp, dv [+ 1: the log weight]) fp32
         [, chains, num, den]."""
@@ -595,7 +615,9 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
     f, x, y = writes.f, writes.x, writes.y  # (B, G, L, Tp, m | d | dv)
     inputs = _kernel_inputs(q_b, f, x, y, ks0, writes.value_sum, writes.mass, r0, params, groups)
     read = _Read(params, inputs[0], f, y, layout.padded // size)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    read.compile_kernels(inputs, backward)
+    if backward:
         out_b = _TritonRSARead.apply(read, *inputs)
     else:  # inference: no autograd bookkeeping, nothing saved
         out_b = read.forward(inputs, save=False)

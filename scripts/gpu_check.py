@@ -4,22 +4,24 @@
 On a CUDA machine (its own torch, triton and transformers; nothing downloadable):
   install        the working tree and the wheels of .gpu-wheels/ (`make gpu-wheels` fills it, here) into a temporary
                  prefix with --no-deps, over the machine's torch/triton/transformers
-  compile-*      each Triton kernel's first forward+backward at each head layout (fp32, bf16): compiles what the
-                 later steps launch, and names a kernel that compiles for minutes or does not launch
+  compile-*      each Triton kernel's first forward+backward at each head layout (fp32, bf16), RSA with and without
+                 the local window: compiles what the later steps launch (a call's kernels side by side), and names a
+                 kernel that compiles for minutes or does not launch
   pytest-mixers  tests/gpu/test_mixers_cuda.py: every mixer on CUDA against the CPU reference (forward, backward,
-                 decode, generate), the dispatch log, compiled decode (also as a CUDA graph), fla and Liger's
-                 distillation loss where carried
+                 decode, generate), the dispatch log, compiled decode (also as a CUDA graph), conversion on the device
   pytest-kernels tests/gpu/test_kernels_cuda.py: the Triton kernels against their fp64 references at realistic
                  shapes (fp32, bf16; values and gradients)
-  bench-kernels  `hf-mixers bench kernels --dtype bfloat16` at T = 1K..16K against SDPA (FlashAttention)
   teacher        a SmolLM2-135M-shaped teacher with random weights (bf16 safetensors; SmolLM2's tokenizer)
-  bench-distill  `hf-mixers bench distill`: a stage-2 step (RSA) against a teacher-LoRA step, tokens/s
   distill-30     `hf-mixers distill`: 30 stage-2 steps of the demo's windowed RSA on that teacher
-  bench-rsa, bench-sessa   the mixers' benches at T = 1K..16K against SDPA, and their decoding
   bench-generate the windowed RSA conversion of that teacher against it: prefill / decode tokens/s at 1K and 16K,
                  batch 1 and 16, bf16, the largest batch within 40 GiB
-  bench-generate-compiled   the same with the compiled token step replayed as a CUDA graph
+  bench-distill  `hf-mixers bench distill`: a stage-2 step (RSA) against a teacher-LoRA step, tokens/s
+  bench-kernels  `hf-mixers bench kernels --dtype bfloat16` at T = 1K..16K against SDPA (FlashAttention)
+  bench-rsa, bench-sessa   the mixers' benches at T = 1K..16K against SDPA, and their decoding
+  bench-generate-compiled   bench-generate with the compiled token step replayed as a CUDA graph
                  (`--compile-decode reduce-overhead`)
+  pytest-libraries   tests/gpu/test_libraries_cuda.py: fla's GLA kernel and Liger's distillation loss against ours
+                 (where carried; their first calls autotune and compile for minutes, so they come last)
   pytest-triton  the Triton unit tests (tests/unit/test_*_triton.py) in-process on CUDA
 Each step is timed, runs under its own time limit and a global budget, and the run goes on past a failure. Written
 to --out (default $OUT, else outputs/gpu-check), at most 8 files: gpu_check.json (every figure), gpu_check.log (every
@@ -92,23 +94,43 @@ def make_teacher(folder: str, shape: str) -> None:
 
 
 def warm_kernel(kernel: str, shape: str, length: int) -> None:
-    """One forward and backward of the Triton ``kernel`` ("sessa" or "rsa") at ``shape``'s head layout, in fp32 and
-    bf16: compiles the variants the later steps launch (Triton caches them on disk) and says how long each took, so a
-    kernel that compiles for minutes or does not launch on this GPU is named by its own step."""
+    """One forward and backward of the Triton ``kernel`` at ``shape``'s head layout, in fp32 and bf16: compiles the
+    variants the later steps launch (Triton caches them on disk; a call's kernels compile side by side,
+    kernels/triton_compile.py) and says how long each took, so a kernel that compiles for minutes or does not launch
+    on this GPU is named by its own step. ``kernel``: "sessa", "rsa" (the conversion's defaults: `bench kernels`,
+    `bench distill`) or "rsa-window" (with the local window, whose read returns its merge weight: the demo's
+    distillation, `bench generate`)."""
+    import logging
+
     import torch
 
-    from hf_mixers.apps.bench.kernels import SHAPES, _candidate
+    from hf_mixers.apps.bench.harness import build_mixer
+    from hf_mixers.apps.bench.kernels import SHAPES, _candidate, _unsupported
+    from hf_mixers.kernels.rsa_memory import initial_state, rsa_memory
 
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("hf_mixers.kernels").setLevel(logging.INFO)  # the side-by-side compile's time
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    from hf_mixers.apps.bench.kernels import _unsupported
-
-    reason = _unsupported(SHAPES[shape]).get(f"{kernel}_triton")
+    reason = _unsupported(SHAPES[shape]).get(f"{kernel.split('-')[0]}_triton")
     if reason:
         print(f"{kernel} kernel, {shape} heads: not run, {reason}")
         return
     for dtype in (torch.float32, torch.bfloat16):
-        tensors, run = _candidate(f"{kernel}_triton", SHAPES[shape], length, device, dtype,
-                                  torch.Generator().manual_seed(0), 64)
+        generator = torch.Generator().manual_seed(0)
+        if kernel == "rsa-window":
+            heads, kv_heads, head_dim = (SHAPES[shape][key] for key in ("heads", "kv_heads", "head_dim"))
+            module, _ = build_mixer("rsa", {"rsa_window": 64}, heads * head_dim, heads, kv_heads, device,
+                                    torch.float32)
+            q, k, v = (torch.randn(*size, generator=generator).to(device, dtype).requires_grad_() for size in
+                       ((1, kv_heads, heads // kv_heads, length, head_dim), (1, kv_heads, length, head_dim),
+                        (1, kv_heads, length, head_dim)))
+            params = module.memory_params(torch.float32)
+
+            def run():
+                state = initial_state(params, 1, head_dim, torch.float32)
+                return rsa_memory(q, k, v, None, state, params, backend="triton")[0]
+        else:
+            _, run = _candidate(f"{kernel}_triton", SHAPES[shape], length, device, dtype, generator, 64)
         began = time.perf_counter()
         run().float().pow(2).mean().backward()
         if device.type == "cuda":
@@ -146,33 +168,40 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
                 "--batch-sizes", "1" if dry else "1,16", "--decode-tokens", "2" if dry else "16",
                 "--prompt-tokens", "16" if dry else "1024", "--generate-tokens", "4" if dry else "64",
                 "--memory-budget-gib", "40", *small]
-    # -v: each test's name and result as it ends, so a run cut off by its limit still says which ones failed
-    pytest = [*python, "-m", "pytest", "-m", "gpu", "-v", "--tb=short", "-rfEs", "-p", "no:cacheprovider"]
+    # -v: each test's name and result as it ends, so a run cut off by its limit still says which ones failed;
+    # --durations: where the time went (a first compile, a reference at 8K), for the next run's limits
+    pytest = [*python, "-m", "pytest", "-m", "gpu", "-v", "--tb=short", "-rfEs", "-p", "no:cacheprovider",
+              "--durations=12"]
     shapes = ["smollm2-135m"] if dry else ["llama3-8b", "smollm2-135m"]  # the benches' head layouts
     warm = [(f"compile-{kernel}-{shape}", [*python, str(Path(__file__).resolve()), "--warm", kernel, shape],
-             90 if dry else {"sessa": 150, "rsa": 300}[kernel], {"TRITON_INTERPRET": "1"} if dry else {})
-            for shape in shapes for kernel in ("sessa", "rsa")]
+             90 if dry else {"sessa": 150, "rsa": 200, "rsa-window": 200}[kernel],
+             {"TRITON_INTERPRET": "1"} if dry else {})
+            for shape in shapes for kernel in ("sessa", "rsa", "rsa-window")
+            if not (kernel == "rsa-window" and shape != "smollm2-135m")]  # the demo's layout
+    records = lambda name: {**tier, "HF_MIXERS_GPU_CHECK_RECORDS": os.path.join(work, f"pytest_{name}.json")}  # noqa
+    # In order of what a user asks first: do the mixers run right, does the demo's job train and serve faster than
+    # its teacher; then the kernels' figures; the maintained libraries' kernels (their own minutes of autotuning
+    # and compiling) last.
     return warm + [
-        ("pytest-mixers", [*pytest, "tests/gpu/test_mixers_cuda.py"], 180,
-         {**tier, "HF_MIXERS_GPU_CHECK_RECORDS": os.path.join(work, "pytest_mixers.json")}),
-        ("pytest-kernels", [*pytest, "tests/gpu/test_kernels_cuda.py"], 200,
-         {**tier, "HF_MIXERS_GPU_CHECK_RECORDS": os.path.join(work, "pytest_kernels.json")}),
-        ("bench-kernels", [*cli, "bench", "kernels", "--dtype", "bfloat16", "--lengths", lengths, *small,
-                           "--shapes", ",".join(shapes), "--out", work, "--overwrite"], 150, {}),
+        ("pytest-mixers", [*pytest, "tests/gpu/test_mixers_cuda.py"], 180, records("mixers")),
+        ("pytest-kernels", [*pytest, "tests/gpu/test_kernels_cuda.py"], 200, records("kernels")),
         ("teacher", [*python, str(Path(__file__).resolve()), "--make-teacher", teacher,
                      "--shape", "tiny" if dry else "smollm2-135m"], 60, {}),
+        ("distill-30", [*cli, "distill", recipe], 150, {}),
+        ("bench-generate", [*generate, "--out", work, "--overwrite"], 150, {}),
         ("bench-distill", [*cli, "bench", "distill", "--source", teacher, "--mixer", "rsa", "--dtype", "bfloat16",
                            "--sequence-length", "64" if dry else "1024", "--batch-size", "2" if dry else "8",
                            *small, "--out", work, "--overwrite"], 120, {}),
-        ("distill-30", [*cli, "distill", recipe], 150, {}),
+        ("bench-kernels", [*cli, "bench", "kernels", "--dtype", "bfloat16", "--lengths", lengths, *small,
+                           "--shapes", ",".join(shapes), "--out", work, "--overwrite"], 150, {}),
         ("bench-rsa", [*cli, "bench", "rsa", "--lengths", lengths, *decode, *layer, *small, "--out", work,
                        "--overwrite"],
          90, {}),
         ("bench-sessa", [*cli, "bench", "sessa", "--lengths", lengths, *layer, *small, "--out", work, "--overwrite"],
          90, {}),
-        ("bench-generate", [*generate, "--out", work, "--overwrite"], 150, {}),
         ("bench-generate-compiled", [*generate, "--compile-decode", "reduce-overhead", "--out",
                                      os.path.join(work, "compiled"), "--overwrite"], 150, {}),
+        ("pytest-libraries", [*pytest, "tests/gpu/test_libraries_cuda.py"], 180, records("libraries")),
     ] + ([] if dry else [  # on CPU `make test` runs these under the interpreter already
         ("pytest-triton", [*python, "-m", "pytest", "tests/unit/test_feedback_solve_triton.py",
                            "tests/unit/test_rsa_chunk_triton.py", "-m", "", "-q", "-p", "no:cacheprovider"], 120, {}),

@@ -37,6 +37,27 @@ needs_kernels = pytest.mark.skipif(DEVICE is None, reason="no GPU here: run by t
 interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter only")
 
 
+def compile_key(kernel, args, kwargs):
+    """What Triton compiles a launch by: the kernel, each argument's kind (a tensor's dtype, a specialised scalar's
+    value -- exact here, stricter than Triton's == 1 and % 16 -- a free scalar's type) and the constexprs. For the
+    tests that a call's warmups (kernels/triton_compile.py) are exactly what it launches."""
+    free = getattr(kernel, "kwargs", {}).get("do_not_specialize") or kernel.do_not_specialize
+    free = {kernel.arg_names[n] if isinstance(n, int) else n for n in free}
+    kinds = tuple(arg.dtype if isinstance(arg, torch.Tensor) else arg if isinstance(arg, torch.dtype) or name not in
+                  free else type(arg) for name, arg in zip(kernel.arg_names, args))
+    return kernel.fn.__name__, kinds, tuple(sorted((k, v) for k, v in kwargs.items() if k not in ("grid", "warmup")))
+
+
+def record_launches(monkeypatch, kernels) -> set:
+    """The compile keys of every launch of ``kernels`` from now on (each launch still runs)."""
+    launched = set()
+    for kernel in kernels:
+        real = kernel.run
+        monkeypatch.setattr(kernel, "run", lambda *args, _kernel=kernel, _real=real, **kwargs: (
+            launched.add(compile_key(_kernel, args, kwargs)), _real(*args, **kwargs))[1])
+    return launched
+
+
 def run_under_interpreter(test_file, timeout=600):
     """Run ``test_file`` in a fresh pytest process with TRITON_INTERPRET=1; fail with its output unless it passed."""
     root = Path(__file__).resolve().parents[1]

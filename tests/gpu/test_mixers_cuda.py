@@ -1,7 +1,8 @@
 """Every registered mixer on the GPU equals the same model on the CPU's PyTorch reference path: forward, backward,
 cached decoding and ``generate``, in fp32 (bf16 close to fp32); bf16 / fp16 training under autocast; the dispatch
 picks each fast path with its one log line; the compiled decode step (torch.compile, and with CUDA graphs) equals
-the eager one; the maintained libraries' kernels, where installed, equal our scans.
+the eager one; a conversion on the device equals the CPU's. The maintained libraries' kernels:
+test_libraries_cuda.py.
 
 The reference model sits on the CPU with ``kernel_backend="torch"``; the model under test is its copy on DEVICE with
 the default "auto" (Triton kernels on CUDA; under the dry run the interpreter on CPU tensors).
@@ -130,32 +131,6 @@ def test_compiled_decode_equals_eager(mode, name, monkeypatch, record):
     assert error < 1e-5, f"{name}: compiled ({mode}) decode vs eager: relative error {error:.2e}"
 
 
-def test_flash_linear_attention_gla_equals_our_scan(record):
-    """mamba_ops.delta_t_scan on fla's chunk_gla (CUDA) against our chunked scan, values and gradients."""
-    pytest.importorskip("fla")
-    if DEVICE.type != "cuda":
-        pytest.skip("flash-linear-attention's kernels need CUDA")
-    from hf_mixers.kernels.mamba_ops import delta_t_scan
-
-    g = torch.Generator().manual_seed(0)
-    batch, length, heads, p, n = 2, 1024, 4, 64, 16
-
-    def leaf(*size, scale=1.0):
-        return (torch.randn(*size, generator=g) * scale).to(DEVICE).requires_grad_()
-
-    x, dt, b, c = leaf(batch, length, heads, p), leaf(batch, length, heads, n), leaf(batch, length, 1, n, scale=0.3), \
-        leaf(batch, length, 1, n, scale=0.3)
-    a = (-torch.rand(heads, n, generator=g) - 0.5).to(DEVICE).requires_grad_()
-    results = {}
-    for backend in ("triton", "torch"):
-        y, state = delta_t_scan(x, dt, a, b, c, dt_softplus=True, return_final_states=True, backend=backend)
-        grads = torch.autograd.grad(y.pow(2).sum(), [x, dt, a, b, c])
-        results[backend] = {"y": y, "state": state, **{f"d{k}": v for k, v in zip("x dt A B C".split(), grads)}}
-    errors = {k: relative_error(results["triton"][k], results["torch"][k]) for k in results["torch"]}
-    record(errors=errors)
-    assert max(errors.values()) < 1e-2, f"fla chunk_gla vs our scan: {errors}"
-
-
 @pytest.mark.parametrize("mixer", [spec.name for spec in list_mixers(convertible=True)] if not DRY else ["sessa"])
 def test_conversion_on_the_device_equals_the_cpu_conversion(mixer, tmp_path, record):
     """A teacher on the device converts there (calibration forward, k-means, the at-init report) to the student the
@@ -194,37 +169,6 @@ def test_adamw_is_fused_on_the_device_and_steps_like_the_cpus():
         optimizer.step()
         stepped[device] = weight.detach().cpu()
     torch.testing.assert_close(stepped[str(DEVICE)], stepped["cpu"], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_liger_distillation_loss_equals_the_chunked_loss(dtype, record):
-    """kernels/distill_loss.distillation_loss on CUDA dispatches to Liger-Kernel's fused linear JSD + cross-entropy
-    (where carried); at SmolLM2's head (hidden 576, vocabulary 49,152) over 2,048 rows it equals the chunked PyTorch
-    loss, values and the gradient of the student's hidden states, and its peak memory is recorded beside it."""
-    pytest.importorskip("liger_kernel")
-    if DEVICE.type != "cuda":
-        pytest.skip("Liger-Kernel's kernels need CUDA (the interpreter test is tests/unit/test_distill_loss_liger.py)")
-    from hf_mixers.kernels.distill_loss import IGNORE, distillation_loss
-
-    g = torch.Generator().manual_seed(0)
-    rows, hidden, vocab = 2048, 576, 49152
-    h_s = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype).requires_grad_()
-    w_s = (0.05 * torch.randn(vocab, hidden, generator=g)).to(DEVICE, dtype)
-    h_t = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
-    w_t = (0.05 * torch.randn(vocab, hidden, generator=g)).to(DEVICE, dtype)
-    targets = torch.randint(0, vocab, (rows,), generator=g).to(DEVICE)
-    targets[-1] = IGNORE
-    results, peaks = {}, {}
-    for backend in ("triton", "torch"):  # "triton": the library kernel, or an error saying why it cannot run
-        h_s.grad = None
-        torch.cuda.reset_peak_memory_stats()
-        loss, kl, ce = distillation_loss(h_s, w_s, h_t, w_t, targets, 2.0, 0.5, 512, backend=backend)
-        loss.backward()
-        peaks[backend] = torch.cuda.max_memory_allocated() / 2**20
-        results[backend] = {"loss": loss.detach(), "kl": kl, "ce": ce, "grad": h_s.grad.clone()}
-    errors = {k: relative_error(results["triton"][k], results["torch"][k]) for k in results["torch"]}
-    record(errors=errors, peak_mib_liger=round(peaks["triton"], 1), peak_mib_chunked=round(peaks["torch"], 1))
-    assert max(errors.values()) < (1e-4 if dtype == torch.float32 else 2e-2), errors
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -22,8 +22,8 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
     assert report["environment"]["mode"] == "dry run (CPU)"
     assert {name: step["status"] for name, step in report["steps"].items()} == \
         {name: "passed" for name in report["steps"]}
-    assert {"compile-sessa-smollm2-135m", "compile-rsa-smollm2-135m", "pytest-mixers", "pytest-kernels",
-            "bench-kernels", "teacher", "bench-distill", "distill-30", "bench-rsa", "bench-sessa",
+    assert {"compile-sessa-smollm2-135m", "compile-rsa-smollm2-135m", "compile-rsa-window-smollm2-135m",
+            "pytest-mixers", "pytest-kernels", "pytest-libraries", "bench-kernels", "teacher", "bench-distill", "distill-30", "bench-rsa", "bench-sessa",
             "bench-generate", "bench-generate-compiled"} <= set(report["steps"])
     figures = report["figures"]
     tested = {row["test"].split("[")[0] for name in ("pytest_mixers", "pytest_kernels")

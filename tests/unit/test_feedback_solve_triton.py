@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import first_in_fast
-from triton_interpreter import DEVICE, interpreter_only, needs_kernels, run_under_interpreter  # skips w/o triton
+from triton_interpreter import (DEVICE, compile_key, interpreter_only, needs_kernels, record_launches,  # skips
+                                run_under_interpreter)  # without triton
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from hf_mixers.kernels.feedback_solve import feedback_solve_dense
@@ -173,6 +174,30 @@ def test_partial_gradients_detached_cache_and_non_contiguous_inputs():
         grads[fn] = (out, *torch.autograd.grad(out.square().sum(), (q, k)))
     for actual, expected in zip(grads[solve], grads[feedback_solve_dense]):
         _assert_close(actual, expected)
+
+
+@needs_kernels
+@pytest.mark.parametrize("past, detached_cache, need_q", first_in_fast((6, False, True), (0, False, False),
+                                                                      (6, True, True)))
+def test_warmups_are_exactly_what_the_call_launches(past, detached_cache, need_q, monkeypatch):
+    """``_warmups`` (compiled side by side before a training call's first launch on CUDA,
+    kernels/triton_compile.py) names every kernel variant the call then launches -- the forward, the lam sweep, dq
+    and dk as wanted -- with the same argument kinds and constexprs: none missing, none extra."""
+    launched = record_launches(monkeypatch, (fst._fwd_kernel, fst._bwd_lam_kernel, fst._bwd_dq_kernel,
+                                             fst._bwd_dk_kernel))
+    warmed = set()
+    monkeypatch.setattr(fst, "_compile_kernels", lambda *args: warmed.update(
+        compile_key(kernel, launch_args, constexprs) for kernel, _, launch_args, constexprs in fst._warmups(*args)[1]))
+    inputs = make_inputs(past=past, dtype=torch.bfloat16)
+    if detached_cache and past:
+        inputs["past_k"], inputs["past_s"] = inputs["past_k"].detach(), inputs["past_s"].detach()
+    if not need_q:
+        inputs["q"] = inputs["q"].detach()
+    out = solve(**inputs, chunk_size=16)
+    torch.autograd.grad(out.square().sum(), _leaves(inputs))
+    assert launched and warmed == launched
+    assert {key[0] for key in launched} == {"_fwd_kernel", "_bwd_lam_kernel", "_bwd_dk_kernel"} | (
+        {"_bwd_dq_kernel"} if need_q else set())
 
 
 @needs_kernels

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import first_in_fast
-from triton_interpreter import DEVICE, interpreter_only, needs_kernels, run_under_interpreter
+from triton_interpreter import (DEVICE, compile_key, interpreter_only, needs_kernels, record_launches,
+                                run_under_interpreter)
 
 from hf_mixers.kernels import rsa_chunk_triton as rct
 from hf_mixers.kernels.rsa_memory import RSAParams, ResidualMLPWeights, initial_state, rsa_chunked, rsa_recurrent
@@ -159,6 +160,22 @@ def test_log_weight_matches_reference(readout, routing):
     inputs = make_inputs(params, batch=2)  # left padding included
     out, _ = assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
     assert out.shape[-1] == VALUE_DIM + 1 and torch.isfinite(out).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("levels", first_in_fast(3, 1))
+def test_warmups_are_exactly_what_the_call_launches(levels, monkeypatch):
+    """``_Read.warmups`` (compiled side by side before the first launch on CUDA, kernels/triton_compile.py) names
+    every kernel variant a training call then launches, with the same argument kinds and constexprs: none missing (it
+    would compile at its launch, in turn) and none extra (minutes of compile for nothing)."""
+    launched, warmed = record_launches(monkeypatch, (rct._fwd_kernel, rct._bwd_kernel)), set()
+    monkeypatch.setattr(rct._Read, "compile_kernels", lambda read, inputs, backward: warmed.update(
+        compile_key(kernel, args, constexprs) for kernel, _, args, constexprs in read.warmups(inputs, backward)))
+    params = make_params(chunk=16, levels=levels, query_read=True, log_weight=True)
+    inputs = make_inputs(params, batch=2)
+    run(rct.rsa_chunked_triton, params, *inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
+    assert launched and warmed == launched
+    assert len(launched) == (2 if levels == 1 else 3)  # the forward; level 0's backward [and the other levels']
 
 
 @needs_kernels

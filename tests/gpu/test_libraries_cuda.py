@@ -1,0 +1,68 @@
+"""The maintained libraries' CUDA kernels that kernels/dispatch.py hands work to, where carried, against ours:
+flash-linear-attention's chunk_gla under the selective SSMs' delta-t scan, Liger-Kernel's fused linear JSD +
+cross-entropy under the distillation loss. Their first calls autotune and compile for minutes (the H100 run of
+2026-11-27 spent its mixer tests' whole limit in fla's), so `make gpu-check` runs this file last, in its own step.
+"""
+
+import pytest
+import torch
+from gpu_setup import DEVICE, ON_DEVICE, record, relative_error  # noqa: F401 (record: a fixture)
+
+pytestmark = ON_DEVICE
+
+
+def test_flash_linear_attention_gla_equals_our_scan(record):
+    """mamba_ops.delta_t_scan on fla's chunk_gla (CUDA) against our chunked scan, values and gradients."""
+    pytest.importorskip("fla")
+    if DEVICE.type != "cuda":
+        pytest.skip("flash-linear-attention's kernels need CUDA")
+    from hf_mixers.kernels.mamba_ops import delta_t_scan
+
+    g = torch.Generator().manual_seed(0)
+    batch, length, heads, p, n = 2, 1024, 4, 64, 16
+
+    def leaf(*size, scale=1.0):
+        return (torch.randn(*size, generator=g) * scale).to(DEVICE).requires_grad_()
+
+    x, dt, b, c = leaf(batch, length, heads, p), leaf(batch, length, heads, n), leaf(batch, length, 1, n, scale=0.3), \
+        leaf(batch, length, 1, n, scale=0.3)
+    a = (-torch.rand(heads, n, generator=g) - 0.5).to(DEVICE).requires_grad_()
+    results = {}
+    for backend in ("triton", "torch"):
+        y, state = delta_t_scan(x, dt, a, b, c, dt_softplus=True, return_final_states=True, backend=backend)
+        grads = torch.autograd.grad(y.pow(2).sum(), [x, dt, a, b, c])
+        results[backend] = {"y": y, "state": state, **{f"d{k}": v for k, v in zip("x dt A B C".split(), grads)}}
+    errors = {k: relative_error(results["triton"][k], results["torch"][k]) for k in results["torch"]}
+    record(errors=errors)
+    assert max(errors.values()) < 1e-2, f"fla chunk_gla vs our scan: {errors}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_liger_distillation_loss_equals_the_chunked_loss(dtype, record):
+    """kernels/distill_loss.distillation_loss on CUDA dispatches to Liger-Kernel's fused linear JSD + cross-entropy
+    (where carried); at SmolLM2's head (hidden 576, vocabulary 49,152) over 2,048 rows it equals the chunked PyTorch
+    loss, values and the gradient of the student's hidden states, and its peak memory is recorded beside it."""
+    pytest.importorskip("liger_kernel")
+    if DEVICE.type != "cuda":
+        pytest.skip("Liger-Kernel's kernels need CUDA (the interpreter test is tests/unit/test_distill_loss_liger.py)")
+    from hf_mixers.kernels.distill_loss import IGNORE, distillation_loss
+
+    g = torch.Generator().manual_seed(0)
+    rows, hidden, vocab = 2048, 576, 49152
+    h_s = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype).requires_grad_()
+    w_s = (0.05 * torch.randn(vocab, hidden, generator=g)).to(DEVICE, dtype)
+    h_t = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
+    w_t = (0.05 * torch.randn(vocab, hidden, generator=g)).to(DEVICE, dtype)
+    targets = torch.randint(0, vocab, (rows,), generator=g).to(DEVICE)
+    targets[-1] = IGNORE
+    results, peaks = {}, {}
+    for backend in ("triton", "torch"):  # "triton": the library kernel, or an error saying why it cannot run
+        h_s.grad = None
+        torch.cuda.reset_peak_memory_stats()
+        loss, kl, ce = distillation_loss(h_s, w_s, h_t, w_t, targets, 2.0, 0.5, 512, backend=backend)
+        loss.backward()
+        peaks[backend] = torch.cuda.max_memory_allocated() / 2**20
+        results[backend] = {"loss": loss.detach(), "kl": kl, "ce": ce, "grad": h_s.grad.clone()}
+    errors = {k: relative_error(results["triton"][k], results["torch"][k]) for k in results["torch"]}
+    record(errors=errors, peak_mib_liger=round(peaks["triton"], 1), peak_mib_chunked=round(peaks["torch"], 1))
+    assert max(errors.values()) < (1e-4 if dtype == torch.float32 else 2e-2), errors
