@@ -63,7 +63,7 @@ side, PyTorch), readout sigmoid | softmax_count, routing relation | elementwise 
 L >= 1, the local window's log weight (one more output channel, ``params.log_weight``); no decay (``log_decay``
 must be None); fp32 / fp16 / bf16 q, k, v (fp64 is out: fp32 accumulation);
 CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests). Sizes are limited to one tile per operand
-(MAX_TILE).
+(MAX_TILE; without gradients, where the forward launches alone, MAX_FORWARD_TILE: Llama-3-8B's 128-wide heads).
 
 GPU status: tested under the interpreter (which computes every dot in fp32 whatever ``input_precision`` says),
 for resources by ``scripts/kernel_resources.py`` (``triton.compile`` for sm_90 on a CPU, with the Triton of the
@@ -99,10 +99,13 @@ from .triton_compile import compile_side_by_side
 # compiling in 25 CPU-minutes, and tf32's backward needs more shared memory than an H100 has (module docstring).
 INPUT_PRECISION = "tf32x3"
 NUM_WARPS = 4  # untuned (needs a GPU)
-# largest chunk size, slot count or head dim held as one tile: at 64 the backward needs 192 KiB of shared memory for
-# sm_90, at a head dim of 128 (Llama-3-8B's heads) 256 KiB, over the 227 KiB an H100 block can have (`triton.compile`
-# on a CPU, docs/benchmarks.md "Kernels"); such calls run the PyTorch path, said in the dispatch's log line
+# Largest chunk size, slot count or head dim held as one tile. A call that trains: 64, where the backward needs 192
+# KiB of shared memory for sm_90; at a head dim of 128 (Llama-3-8B's heads) its levels above 0 need 288 KiB, over the
+# 227 KiB an H100 block can have. A call without gradients (prefill, evaluation) launches the forward alone, which
+# needs 128 KiB at 128 (`triton.compile` for sm_90 with Triton 3.6 on a CPU, docs/benchmarks.md "Kernels"). Calls
+# over the limit run the PyTorch path, said in the dispatch's log line.
 MAX_TILE = 64
+MAX_FORWARD_TILE = 128
 READOUTS = {"sigmoid": 0, "softmax_count": 1}
 ROUTINGS = {"none": 0, "elementwise": 1, "relation": 2}
 ASSIGN_FNS = ("softmax", "sigmoid")
@@ -127,10 +130,13 @@ def rsa_chunk_triton_supports(params: RSAParams, q=None, v=None, log_decay=None)
     sizes = {"chunk_size": params.chunk_size, "slots": slots, "key head dim": key_dim}
     if v is not None:
         sizes["value head dim"] = v.shape[-1]
+    training = torch.is_grad_enabled()  # without gradients only the forward launches, and it takes wider tiles
+    limit = MAX_TILE if training else MAX_FORWARD_TILE
     for name, size in sizes.items():
-        if size > MAX_TILE:
-            return (f"{name} {size} > {MAX_TILE}: one program holds whole tiles, and wider ones need more shared "
-                    f"memory than a GPU block has")
+        if size > limit:
+            return (f"{name} {size} > {limit}: one program holds whole tiles, and wider ones need more shared memory "
+                    f"than a GPU block has" + (f" (without gradients: up to {MAX_FORWARD_TILE})"
+                                               if training and size <= MAX_FORWARD_TILE else ""))
     for tensor in (q, v):
         if tensor is not None and tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return f"dtype {tensor.dtype}: the kernels compute in fp32 (fp32 / fp16 / bf16 inputs only)"

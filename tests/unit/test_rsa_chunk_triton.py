@@ -179,6 +179,30 @@ def test_warmups_are_exactly_what_the_call_launches(levels, monkeypatch):
 
 
 @needs_kernels
+def test_wider_heads_without_gradients_run_the_forward_alone(monkeypatch):
+    """Over MAX_TILE a call that trains is refused with the reason (the backward would not fit a GPU block); without
+    gradients, up to MAX_FORWARD_TILE, the forward launches alone and equals the PyTorch chunk form."""
+    monkeypatch.setattr(rct, "MAX_TILE", 8)  # KEY_DIM 12 and VALUE_DIM 10 over it, SLOTS 6 and the chunk 8 within
+    monkeypatch.setattr(rct, "MAX_FORWARD_TILE", 16)
+    params = make_params(chunk=8)
+    inputs = make_inputs(params, batch=2)
+    state = initial_state(params, 2, VALUE_DIM, torch.float32)
+    reason = rct.rsa_chunk_triton_supports(params, inputs[0], inputs[2])
+    assert "key head dim 12 > 8" in reason and "without gradients: up to 16" in reason
+    with pytest.raises(NotImplementedError, match="key head dim 12 > 8"):
+        rct.rsa_chunked_triton(*inputs, state, params)
+    with torch.no_grad():
+        assert rct.rsa_chunk_triton_supports(params, inputs[0], inputs[2]) is None
+        out, new_state = rct.rsa_chunked_triton(*inputs, state, params)
+        ref, ref_state = rsa_chunked(*inputs, state, params)
+        monkeypatch.setattr(rct, "MAX_FORWARD_TILE", 8)
+        assert "key head dim 12 > 8" in rct.rsa_chunk_triton_supports(params, inputs[0], inputs[2])
+    assert_close(out, ref, "output")
+    for name in STATE_FIELDS:
+        assert_close(getattr(new_state, name), getattr(ref_state, name), name)
+
+
+@needs_kernels
 def test_conversion_init_and_single_level():
     """The converted layer at init: W_r = 0 below level 0 (a_i = 0 exactly: |a| has a zero subgradient) and
     theta = 0, 4 levels; and a single level (no routing, no relation sums)."""
