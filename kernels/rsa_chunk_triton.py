@@ -35,8 +35,9 @@ Split of the work:
     inside the program (the chain and the global normaliser couple them). ``_bwd_kernel`` is launched once per
     level, top level first, on the same grid: one level's body per program (the whole unrolled backward needed
     288 KiB of shared memory on an H100 and did not launch); the routing's gradients for the level below pass
-    through three (B, H, Tp, m) buffers, dq accumulates in place. Every tile is at most C x C, C x m, C x d,
-    m x m or m x d, kept in registers; fp32 operands and accumulation (an fp16 / bf16 q is copied to fp32 first:
+    through three (B, H, Tp, m) buffers, dq accumulates in place; it takes the key and value features
+    FEATURE_BLOCK at a time, summing its products over them block by block. Every tile is at most C x C, C x m,
+    C x d, m x m or m x d (the backward's d and dv at most FEATURE_BLOCK), kept in registers; fp32 operands and accumulation (an fp16 / bf16 q is copied to fp32 first:
     the math wants fp32, the interpreter's bf16 dot is broken, and one compiled kernel then serves every dtype).
 
 Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp / C chunks):
@@ -62,17 +63,19 @@ Scope (``rsa_chunk_triton_supports`` returns the reason for anything else): assi
 side, PyTorch), readout sigmoid | softmax_count, routing relation | elementwise | none, RSA-q on or off, any
 L >= 1, the local window's log weight (one more output channel, ``params.log_weight``); no decay (``log_decay``
 must be None); fp32 / fp16 / bf16 q, k, v (fp64 is out: fp32 accumulation);
-CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests). Sizes are limited to one tile per operand
-(MAX_TILE; without gradients, where the forward launches alone, MAX_FORWARD_TILE: Llama-3-8B's 128-wide heads).
+CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests). Chunk size and slots up to MAX_TILE (64), head
+dims up to MAX_HEAD_DIM (128: Llama-3-8B's heads; the backward takes them FEATURE_BLOCK features at a time).
 
 GPU status: tested under the interpreter (which computes every dot in fp32 whatever ``input_precision`` says),
 for resources by ``scripts/kernel_resources.py`` (``triton.compile`` for sm_90 on a CPU, with the Triton of the
 lent H100, 3.6), and on an H100 (2026-11-27, docs/benchmarks.md "Kernels"): at SmolLM2's heads, T = 1K and 8K,
-fp32 and bf16, values and every gradient within 8e-4 of the fp64 reference. At convert()'s sizes (C = m = d = dv =
-64, L = 4, "tf32x3" dots) the forward needs 96 KiB of shared memory, the backward per level 192 KiB (level 0:
-128 KiB); compiling the three took 98.8 s one after another on the H100's host, so a call compiles them side by
-side before its first launch (``_Read.compile_kernels``; 71 -> 36 s on two CPU cores). "tf32" dots needed more
-shared memory, "ieee" did not finish compiling. Speed on a GPU is unmeasured; block sizes and warps are untuned.
+fp32 and bf16, values and every gradient within 8e-4 of the fp64 reference (the backward before it took feature
+blocks; since then checked under the interpreter only). Shared memory for sm_90 ("tf32x3" dots, C = m = 64, L = 4):
+at 64-wide heads forward 96 KiB, backward 176 KiB (level 0: 112 KiB); at 128-wide heads forward 128 KiB (224 with
+the window's merge weight and RSA-q), backward 176-192 KiB. A call's three kernels compile side by side before its
+first launch (``_Read.compile_kernels``: 98.8 s one after another on the H100's host; 71 -> 36 s on two CPU cores).
+"tf32" dots needed more shared memory, "ieee" did not finish compiling. Speed on a GPU is unmeasured; block sizes
+and warps are untuned.
 """
 
 from __future__ import annotations
@@ -99,13 +102,19 @@ from .triton_compile import compile_side_by_side
 # compiling in 25 CPU-minutes, and tf32's backward needs more shared memory than an H100 has (module docstring).
 INPUT_PRECISION = "tf32x3"
 NUM_WARPS = 4  # untuned (needs a GPU)
-# Largest chunk size, slot count or head dim held as one tile. A call that trains: 64, where the backward needs 192
-# KiB of shared memory for sm_90; at a head dim of 128 (Llama-3-8B's heads) its levels above 0 need 288 KiB, over the
-# 227 KiB an H100 block can have. A call without gradients (prefill, evaluation) launches the forward alone, which
-# needs 128 KiB at 128 (`triton.compile` for sm_90 with Triton 3.6 on a CPU, docs/benchmarks.md "Kernels"). Calls
-# over the limit run the PyTorch path, said in the dispatch's log line.
+# Largest chunk size and slot count, held as one tile by both kernels (their C x C, C x m and m x m tiles), and
+# largest head dim: the forward holds a (C, d) tile whole, the backward takes FEATURE_BLOCK features at a time.
+# Shared memory for sm_90 with Triton 3.6 (`triton.compile` on a CPU, docs/benchmarks.md "Kernels"): at SmolLM2's
+# 64-wide heads the forward 96 KiB, the backward 192 KiB; at Llama-3-8B's 128-wide heads the forward 128 KiB (224
+# KiB with the window's merge weight and RSA-q), the backward 176-208 KiB; an H100 block can have 227 KiB. Calls over
+# the limits run the PyTorch path, said in the dispatch's log line.
 MAX_TILE = 64
-MAX_FORWARD_TILE = 128
+MAX_HEAD_DIM = 128
+FEATURE_BLOCK = 64
+# Software pipelining of the backward's loops over feature blocks (a few iterations each): Triton's default of 3
+# buffers their loads three deep, which took the window's + RSA-q's variant at 128-wide heads to 240 KiB; with 1 it
+# needs 192 KiB.
+BACKWARD_STAGES = 1
 READOUTS = {"sigmoid": 0, "softmax_count": 1}
 ROUTINGS = {"none": 0, "elementwise": 1, "relation": 2}
 ASSIGN_FNS = ("softmax", "sigmoid")
@@ -127,16 +136,14 @@ def rsa_chunk_triton_supports(params: RSAParams, q=None, v=None, log_decay=None)
     if params.routing not in ROUTINGS:
         return f"routing {params.routing!r} is not implemented in the Triton RSA kernel (only {sorted(ROUTINGS)})"
     _, _, slots, key_dim = params.prototypes.shape
-    sizes = {"chunk_size": params.chunk_size, "slots": slots, "key head dim": key_dim}
+    sizes = {"chunk_size": (params.chunk_size, MAX_TILE), "slots": (slots, MAX_TILE),
+             "key head dim": (key_dim, MAX_HEAD_DIM)}
     if v is not None:
-        sizes["value head dim"] = v.shape[-1]
-    training = torch.is_grad_enabled()  # without gradients only the forward launches, and it takes wider tiles
-    limit = MAX_TILE if training else MAX_FORWARD_TILE
-    for name, size in sizes.items():
+        sizes["value head dim"] = (v.shape[-1], MAX_HEAD_DIM)
+    for name, (size, limit) in sizes.items():
         if size > limit:
-            return (f"{name} {size} > {limit}: one program holds whole tiles, and wider ones need more shared memory "
-                    f"than a GPU block has" + (f" (without gradients: up to {MAX_FORWARD_TILE})"
-                                               if training and size <= MAX_FORWARD_TILE else ""))
+            return (f"{name} {size} > {limit}: one program holds whole tiles of it, and wider ones need more shared "
+                    f"memory than a GPU block has")
     for tensor in (q, v):
         if tensor is not None and tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return f"dtype {tensor.dtype}: the kernels compute in fp32 (fp32 / fp16 / bf16 inputs only)"
@@ -170,10 +177,20 @@ def _tiles(rows, slots, cols_d, cols_v, C, M, D, DV):
 @triton.jit
 def _scores(q, x, f, ks0, kappa, n, causal, slot_ok, tau, eps,
             LEVEL0: tl.constexpr, READOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """Readout activation of every row against its inclusive key slots. Returns q.X^T masked (C, C), the
-    scores (C, m), their denominator max(kappa + N, eps) (C, m) and the activation (C, m), 0 on padded slots."""
+    """Readout activation of every row against its inclusive key slots, from whole (C, d) / (m, d) tiles. Returns
+    q.X^T masked (C, C), the scores (C, m), their denominator max(kappa + N, eps) (C, m) and the activation (C, m),
+    0 on padded slots."""
     qx = tl.dot(q, tl.trans(x), input_precision=PRECISION) * causal
-    num = tl.dot(q, tl.trans(ks0), input_precision=PRECISION) + tl.dot(qx, f, input_precision=PRECISION)
+    qk = tl.dot(q, tl.trans(ks0), input_precision=PRECISION)
+    score, den, act = _activation(qk, qx, f, kappa, n, slot_ok, tau, eps, LEVEL0, READOUT, PRECISION)
+    return qx, score, den, act
+
+
+@triton.jit
+def _activation(qk, qx, f, kappa, n, slot_ok, tau, eps,
+                LEVEL0: tl.constexpr, READOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """The scores, their denominator and the activation (``_scores``) from q KS0^T (C, m) and q.X^T masked (C, C)."""
+    num = qk + tl.dot(qx, f, input_precision=PRECISION)
     den = tl.maximum(kappa + n, eps)
     score = tau * num / den
     if READOUT == 1:  # softmax_count: a count prior log N on level 0 only
@@ -185,7 +202,7 @@ def _scores(q, x, f, ks0, kappa, n, causal, slot_ok, tau, eps,
         act = e / tl.sum(e, 1)[:, None]
     else:
         act = tl.where(slot_ok[None, :], tl.sigmoid(score), 0.0)
-    return qx, score, den, act
+    return score, den, act
 
 
 @triton.jit
@@ -279,20 +296,6 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         tl.store(den_ptr + bh * Tp + row0 + rows, den, mask=rows < C)
 
 
-@triton.jit
-def _read_backward(g, w, n, f, y, vs0, causal, eps, PRECISION: tl.constexpr):
-    """Backward of read(w) for the output gradient g (C, dv). Returns d(w~) (C, m) (then d w = d(w~) / max(N, eps)
-    and d N = -d(w~) w~ / max(N, eps)), w~, dVS0 (m, dv), dY (C, dv), dF (C, m)."""
-    scaled = w / tl.maximum(n, eps)
-    d_intra = tl.dot(g, tl.trans(y), input_precision=PRECISION) * causal  # (C, C)
-    d_scaled = tl.dot(g, tl.trans(vs0), input_precision=PRECISION) + tl.dot(d_intra, f, input_precision=PRECISION)
-    intra = tl.dot(scaled, tl.trans(f), input_precision=PRECISION) * causal
-    d_vs0 = tl.dot(tl.trans(scaled), g, input_precision=PRECISION)
-    d_y = tl.dot(tl.trans(intra), g, input_precision=PRECISION)
-    d_f = tl.dot(tl.trans(d_intra), scaled, input_precision=PRECISION)
-    return d_scaled, scaled, d_vs0, d_y, d_f
-
-
 @triton.jit(do_not_specialize=["Tp", "NC", "i"])
 def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
@@ -305,7 +308,10 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                 LOG_WEIGHT: tl.constexpr, LEVEL0: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """Level ``i`` of the backward (launched for i = L-1 .. 0, LEVEL0 = i == 0): one level's body per program
-    keeps the shared memory and the compile time of one level; what crosses levels goes through global memory."""
+    keeps the shared memory and the compile time of one level; what crosses levels goes through global memory.
+    The key and value features are taken BLOCK_D / BLOCK_DV at a time (at most FEATURE_BLOCK): every product over
+    them is summed block by block into (C, C) / (C, m) tiles, and every gradient of a (., d) or (., dv) tensor is
+    written block by block, so the tiles held stay C x C, C x m and m x m whatever the head width."""
     chunk = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     head = bh % H
@@ -313,46 +319,74 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     row0 = chunk * C
     rows = tl.arange(0, BLOCK_C)
     slots = tl.arange(0, BLOCK_M)
+    cols_d = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
     slot_ok = slots < M
     row_ok = rows < C
-    off_cm, ok_cm, off_cd, ok_cd, off_cv, ok_cv, off_mm, ok_mm, off_md, ok_md, off_mv, ok_mv, off_dm, ok_dm = \
-        _tiles(rows, slots, tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), C, M, D, DV)
+    off_cm, ok_cm = rows[:, None] * M + slots[None, :], row_ok[:, None] & slot_ok[None, :]
+    off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
     causal = (rows[None, :] <= rows[:, None]).to(tl.float32)
+    level_row = (bg * L + i) * Tp + row0
+    state = (bg * NC + chunk) * L + i
+    kappa_at = (bg % G) * L + i
+    hl = head * L + i
+    q_rows = (bh * Tp + row0 + rows)[:, None]  # row offsets of (B, H, Tp, .) tensors
+    level_rows = (level_row + rows)[:, None]  # of (B, G, L, Tp, .) tensors
 
-    q = tl.load(q_ptr + (bh * Tp + row0) * D + off_cd, mask=ok_cd, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + (bh * Tp + row0) * DV + off_cv, mask=ok_cv, other=0.0)  # dL/dout (C, dv)
-    num = tl.load(num_ptr + (bh * Tp + row0) * DV + off_cv, mask=ok_cv, other=0.0)
+    # Value side, a block of dv at a time: sum_v g num (for the normaliser), g Y^T (C, C) and g VS0^T (C, m)
     den = tl.load(den_ptr + bh * Tp + row0 + rows, mask=row_ok, other=0.0)
     norm = tl.maximum(den, eps)
-    d_num = g / norm[:, None]  # out = num / max(den, eps) + extra
-    d_den = tl.where(den >= eps, -tl.sum(g * num, 1) / (norm * norm), 0.0)  # (C,)
+    g_num = tl.zeros((BLOCK_C,), tl.float32)
+    g_y = tl.zeros((BLOCK_C, BLOCK_C), tl.float32)
+    g_vs0 = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+    for v0 in range(0, DV, BLOCK_DV):
+        cv = v0 + cols_v
+        ok_cv = row_ok[:, None] & (cv < DV)[None, :]
+        g = tl.load(g_ptr + q_rows * DV + cv[None, :], mask=ok_cv, other=0.0)  # dL/dout (C, dv block)
+        num = tl.load(num_ptr + q_rows * DV + cv[None, :], mask=ok_cv, other=0.0)
+        y = tl.load(y_ptr + level_rows * DV + cv[None, :], mask=ok_cv, other=0.0)
+        vs0 = tl.load(vs0_ptr + state * M * DV + slots[:, None] * DV + cv[None, :],
+                      mask=slot_ok[:, None] & (cv < DV)[None, :], other=0.0)
+        g_num += tl.sum(g * num, 1)
+        g_y += tl.dot(g, tl.trans(y), input_precision=PRECISION)
+        g_vs0 += tl.dot(g, tl.trans(vs0), input_precision=PRECISION)
+    d_den = tl.where(den >= eps, -g_num / (norm * norm), 0.0)  # out = num / max(den, eps) + extra
+    inv = 1.0 / norm  # d num = g / max(den, eps), row by row
 
-    dq_at = (bh * Tp + row0) * D + off_cd
-    dq = tl.load(dq_ptr + dq_at, mask=ok_cd, other=0.0)  # the levels above added theirs
-    carry_at = (bh * Tp + row0) * M + off_cm
+    # Key side, a block of d at a time: q X^T (C, C), q KS0^T (C, m) [, q W_qr (C, m)]
+    q_x = tl.zeros((BLOCK_C, BLOCK_C), tl.float32)
+    q_ks0 = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+    q_wqr = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cd = d0 + cols_d
+        ok_cd = row_ok[:, None] & (cd < D)[None, :]
+        q = tl.load(q_ptr + q_rows * D + cd[None, :], mask=ok_cd, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + level_rows * D + cd[None, :], mask=ok_cd, other=0.0)
+        ks0 = tl.load(ks0_ptr + state * M * D + slots[:, None] * D + cd[None, :],
+                      mask=slot_ok[:, None] & (cd < D)[None, :], other=0.0)
+        q_x += tl.dot(q, tl.trans(x), input_precision=PRECISION)
+        q_ks0 += tl.dot(q, tl.trans(ks0), input_precision=PRECISION)
+        if QUERY_READ:
+            wqr = tl.load(wqr_ptr + hl * D * M + cd[:, None] * M + slots[None, :],
+                          mask=(cd < D)[:, None] & slot_ok[None, :], other=0.0)
+            q_wqr += tl.dot(q, wqr, input_precision=PRECISION)
+    qx = q_x * causal
+
     d_chain = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)  # into chain_i, from level i + 1's routing
     df_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)  # into F_i, from level i + 1's relation routing
     dn_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)  # into N_i, likewise
+    carry_at = (bh * Tp + row0) * M + off_cm
     if ROUTING != 0:
         if i < L - 1:  # written by level i + 1; none above the top level
             d_chain = tl.load(d_chain_ptr + carry_at, mask=ok_cm, other=0.0)
             if ROUTING == 2:
                 df_next = tl.load(df_next_ptr + carry_at, mask=ok_cm, other=0.0)
                 dn_next = tl.load(dn_next_ptr + carry_at, mask=ok_cm, other=0.0)
-    level_row = (bg * L + i) * Tp + row0
-    state = (bg * NC + chunk) * L + i
-    kappa_at = (bg % G) * L + i
     f = tl.load(f_ptr + level_row * M + off_cm, mask=ok_cm, other=0.0)
-    x = tl.load(x_ptr + level_row * D + off_cd, mask=ok_cd, other=0.0)
-    y = tl.load(y_ptr + level_row * DV + off_cv, mask=ok_cv, other=0.0)
-    ks0 = tl.load(ks0_ptr + state * M * D + off_md, mask=ok_md, other=0.0)
-    vs0 = tl.load(vs0_ptr + state * M * DV + off_mv, mask=ok_mv, other=0.0)
     n = tl.load(n0_ptr + state * M + slots, mask=slot_ok, other=0.0)[None, :] \
         + tl.dot(causal, f, input_precision=PRECISION)
     kappa = tl.load(kappa_ptr + kappa_at)
-    qx, score, den_k, act = _scores(q, x, f, ks0, kappa, n, causal, slot_ok, tau, eps, LEVEL0, READOUT,
-                                    PRECISION)
-    hl = head * L + i
+    score, den_k, act = _activation(q_ks0, qx, f, kappa, n, slot_ok, tau, eps, LEVEL0, READOUT, PRECISION)
     w = tl.load(w_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
     wr = tl.load(wr_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
     theta = tl.load(theta_ptr + hl)
@@ -384,24 +418,36 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     norm_n = tl.maximum(n, eps)
     mass_ok = n >= eps  # where clamp_min passes the gradient
 
-    # num += read(a_i), den += sum |a_i|
-    d_scaled, scaled, d_vs0, d_y, d_f = _read_backward(d_num, a, n, f, y, vs0, causal, eps, PRECISION)
+    # num += read(a) = a~ VS0 + ((a~ F^T) . M) Y, a~ = a / max(N, eps); with d num = g / max(den, eps) row by row,
+    # its products with Y^T and VS0^T are the value side's g_y and g_vs0 scaled by inv
+    scaled = a / norm_n
+    d_intra = g_y * causal * inv[:, None]  # (d num Y^T) . M
+    d_scaled = g_vs0 * inv[:, None] + tl.dot(d_intra, f, input_precision=PRECISION)
+    intra = tl.dot(scaled, tl.trans(f), input_precision=PRECISION) * causal
+    d_f = tl.dot(tl.trans(d_intra), scaled, input_precision=PRECISION) + df_next
     sign = tl.where(a > 0, 1.0, tl.where(a < 0, -1.0, 0.0))
-    d_a = d_scaled / norm_n + d_den[:, None] * sign
+    d_a = d_scaled / norm_n + d_den[:, None] * sign  # den += sum |a_i|
     d_n = tl.where(mass_ok, -(d_scaled / norm_n) * scaled, 0.0) + dn_next
-    d_f += df_next
-    if QUERY_READ:  # extra += read(q W_qr / 16)
-        wqr = tl.load(wqr_ptr + hl * D * M + off_dm, mask=ok_dm, other=0.0)
-        d_scaled_q, scaled_q, d_vs0_q, d_y_q, d_f_q = _read_backward(
-            g, tl.dot(q, wqr, input_precision=PRECISION) / 16, n, f, y, vs0, causal, eps, PRECISION)
-        d_weights = d_scaled_q / norm_n
-        d_vs0 += d_vs0_q
-        d_y += d_y_q
-        d_f += d_f_q
+    w_vs0 = scaled * inv[:, None]  # dVS0 = w_vs0^T g and dY = w_y^T g, taken a value block at a time below
+    w_y = intra * inv[:, None]
+    if QUERY_READ:  # extra += read(q W_qr / 16), outside the normaliser: d extra = g
+        scaled_q = q_wqr / 16 / norm_n
+        d_intra_q = g_y * causal
+        d_weights = (g_vs0 + tl.dot(d_intra_q, f, input_precision=PRECISION)) / norm_n  # d(q W_qr / 16)
+        intra_q = tl.dot(scaled_q, tl.trans(f), input_precision=PRECISION) * causal
+        d_f += tl.dot(tl.trans(d_intra_q), scaled_q, input_precision=PRECISION)
         d_n += tl.where(mass_ok, -d_weights * scaled_q, 0.0)
-        dq += tl.dot(d_weights, tl.trans(wqr), input_precision=PRECISION) / 16
-        tl.atomic_add(dwqr_ptr + hl * D * M + off_dm, tl.dot(tl.trans(q), d_weights, input_precision=PRECISION)
-                      / 16, mask=ok_dm)
+        w_vs0 += scaled_q
+        w_y += intra_q
+    for v0 in range(0, DV, BLOCK_DV):
+        cv = v0 + cols_v
+        ok_cv = row_ok[:, None] & (cv < DV)[None, :]
+        g = tl.load(g_ptr + q_rows * DV + cv[None, :], mask=ok_cv, other=0.0)
+        tl.atomic_add(dvs0_ptr + state * M * DV + slots[:, None] * DV + cv[None, :],
+                      tl.dot(tl.trans(w_vs0), g, input_precision=PRECISION),
+                      mask=slot_ok[:, None] & (cv < DV)[None, :])
+        tl.atomic_add(dy_ptr + level_rows * DV + cv[None, :], tl.dot(tl.trans(w_y), g, input_precision=PRECISION),
+                      mask=ok_cv)
 
     # a = chain W_r
     d_chain_i = tl.dot(d_a, tl.trans(wr), input_precision=PRECISION) + d_chain
@@ -453,23 +499,35 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     d_den_k = tl.where(kappa + n >= eps, -d_score * score / den_k, 0.0)
     d_n += d_den_k
     tl.atomic_add(dkappa_ptr + kappa_at, tl.sum(tl.sum(d_den_k, 1), 0))
-    dq += tl.dot(d_snum, ks0, input_precision=PRECISION)
-    tl.atomic_add(dks0_ptr + state * M * D + off_md, tl.dot(tl.trans(d_snum), q, input_precision=PRECISION),
-                  mask=ok_md)
     d_qx = tl.dot(d_snum, tl.trans(f), input_precision=PRECISION) * causal
     d_f += tl.dot(tl.trans(qx), d_snum, input_precision=PRECISION)
-    dq += tl.dot(d_qx, x, input_precision=PRECISION)
-    tl.atomic_add(dx_ptr + level_row * D + off_cd, tl.dot(tl.trans(d_qx), q, input_precision=PRECISION),
-                  mask=ok_cd)
+    # the key side's gradients, a block of d at a time: dq (the levels above added theirs), dKS0, dX [, dW_qr]
+    for d0 in range(0, D, BLOCK_D):
+        cd = d0 + cols_d
+        ok_cd = row_ok[:, None] & (cd < D)[None, :]
+        ok_md = slot_ok[:, None] & (cd < D)[None, :]
+        q = tl.load(q_ptr + q_rows * D + cd[None, :], mask=ok_cd, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + level_rows * D + cd[None, :], mask=ok_cd, other=0.0)
+        ks0 = tl.load(ks0_ptr + state * M * D + slots[:, None] * D + cd[None, :], mask=ok_md, other=0.0)
+        dq = tl.load(dq_ptr + q_rows * D + cd[None, :], mask=ok_cd, other=0.0)
+        dq += tl.dot(d_snum, ks0, input_precision=PRECISION) + tl.dot(d_qx, x, input_precision=PRECISION)
+        tl.atomic_add(dks0_ptr + state * M * D + slots[:, None] * D + cd[None, :],
+                      tl.dot(tl.trans(d_snum), q, input_precision=PRECISION), mask=ok_md)
+        tl.atomic_add(dx_ptr + level_rows * D + cd[None, :], tl.dot(tl.trans(d_qx), q, input_precision=PRECISION),
+                      mask=ok_cd)
+        if QUERY_READ:
+            ok_dm = (cd < D)[:, None] & slot_ok[None, :]
+            wqr = tl.load(wqr_ptr + hl * D * M + cd[:, None] * M + slots[None, :], mask=ok_dm, other=0.0)
+            dq += tl.dot(d_weights, tl.trans(wqr), input_precision=PRECISION) / 16
+            tl.atomic_add(dwqr_ptr + hl * D * M + cd[:, None] * M + slots[None, :],
+                          tl.dot(tl.trans(q), d_weights, input_precision=PRECISION) / 16, mask=ok_dm)
+        tl.store(dq_ptr + q_rows * D + cd[None, :], dq, mask=ok_cd)
 
     # N = n0 + M F
     d_n = tl.where(row_ok[:, None], d_n, 0.0)
     d_f += tl.dot(tl.trans(causal), d_n, input_precision=PRECISION)
     tl.atomic_add(dn0_ptr + state * M + slots, tl.sum(d_n, 0), mask=slot_ok)
     tl.atomic_add(df_ptr + level_row * M + off_cm, d_f, mask=ok_cm)
-    tl.atomic_add(dy_ptr + level_row * DV + off_cv, d_y, mask=ok_cv)
-    tl.atomic_add(dvs0_ptr + state * M * DV + off_mv, d_vs0, mask=ok_mv)
-    tl.store(dq_ptr + dq_at, dq, mask=ok_cd)
     if not LEVEL0 and ROUTING != 0:  # for level i - 1 (the same program's rows: no other program reads them)
         tl.store(d_chain_ptr + carry_at, d_chain, mask=ok_cm)
         if ROUTING == 2:
@@ -501,6 +559,9 @@ class _Read:
                             BLOCK_C=_block(params.chunk_size), BLOCK_M=_block(slots), BLOCK_D=_block(key_dim),
                             BLOCK_DV=_block(y.shape[-1]),
                             PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS)
+        self.backward_options = dict(self.options, BLOCK_D=min(self.options["BLOCK_D"], FEATURE_BLOCK),
+                                     BLOCK_DV=min(self.options["BLOCK_DV"], FEATURE_BLOCK),
+                                     num_stages=BACKWARD_STAGES)
 
     def warmups(self, inputs, backward: bool) -> list:
         """The launches of this call as ``(kernel, grid, args, constexprs)`` for ``JITFunction.warmup``: the forward,
@@ -510,7 +571,7 @@ class _Read:
         warmups = [(_fwd_kernel, self.grid, (*inputs, *buffers, *self.sizes, 0), self.options)]
         if backward:  # g, g_lw, chain, num, den, the 3 carries and the 14 gradients, then the sizes and the level
             args = (*inputs, *[torch.float32] * (5 + 3 + len(inputs)), *self.sizes)
-            warmups += [(_bwd_kernel, self.grid, (*args, level), {**self.options, "LEVEL0": level == 0})
+            warmups += [(_bwd_kernel, self.grid, (*args, level), {**self.backward_options, "LEVEL0": level == 0})
                         for level in sorted({0, self.levels - 1})]
         return warmups
 
@@ -551,7 +612,7 @@ class _Read:
             carries = [g.new_empty(self.batch, self.heads, self.padded, self.slots) for _ in range(3)]
         for level in reversed(range(self.levels)):  # one launch per level, the top one first
             _bwd_kernel[self.grid](*inputs, g, g_log_weight, chain, num, den, *carries, *grads, *self.sizes, level,
-                                   LEVEL0=level == 0, **self.options)
+                                   LEVEL0=level == 0, **self.backward_options)
         return grads
 
 

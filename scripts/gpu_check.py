@@ -112,7 +112,7 @@ def warm_kernel(kernel: str, shape: str, length: int) -> None:
     logging.getLogger("hf_mixers.kernels").setLevel(logging.INFO)  # the side-by-side compile's time
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     reason = _unsupported(SHAPES[shape]).get(f"{kernel.split('-')[0]}_triton")
-    if reason and not kernel.startswith("rsa"):
+    if reason:
         print(f"{kernel} kernel, {shape} heads: not run, {reason}")
         return
     for dtype in (torch.float32, torch.bfloat16):
@@ -132,16 +132,10 @@ def warm_kernel(kernel: str, shape: str, length: int) -> None:
         else:
             _, run = _candidate(f"{kernel}_triton", SHAPES[shape], length, device, dtype, generator, 64)
         began = time.perf_counter()
-        if reason:  # heads too wide for the training kernels (the PyTorch path): RSA's forward alone, as a prefill
-            with torch.no_grad():
-                run()
-            what = f"first forward without gradients (training: {reason})"
-        else:
-            run().float().pow(2).mean().backward()
-            what = "first forward+backward"
+        run().float().pow(2).mean().backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        print(f"{kernel} kernel, {shape} heads, T={length}, {str(dtype)[6:]}: {what} (compiles) "
+        print(f"{kernel} kernel, {shape} heads, T={length}, {str(dtype)[6:]}: first forward+backward (compiles) "
               f"{time.perf_counter() - began:.1f} s", flush=True)
 
 

@@ -179,27 +179,19 @@ def test_warmups_are_exactly_what_the_call_launches(levels, monkeypatch):
 
 
 @needs_kernels
-def test_wider_heads_without_gradients_run_the_forward_alone(monkeypatch):
-    """Over MAX_TILE a call that trains is refused with the reason (the backward would not fit a GPU block); without
-    gradients, up to MAX_FORWARD_TILE, the forward launches alone and equals the PyTorch chunk form."""
-    monkeypatch.setattr(rct, "MAX_TILE", 8)  # KEY_DIM 12 and VALUE_DIM 10 over it, SLOTS 6 and the chunk 8 within
-    monkeypatch.setattr(rct, "MAX_FORWARD_TILE", 16)
-    params = make_params(chunk=8)
+@pytest.mark.parametrize("readout, routing, query_read", first_in_fast(("softmax_count", "relation", True),
+                                                                      ("sigmoid", "elementwise", False)))
+def test_backward_over_feature_blocks_matches_reference(readout, routing, query_read, monkeypatch):
+    """The backward takes the key / value features FEATURE_BLOCK at a time (so Llama-3-8B's 128-wide heads keep its
+    tiles 64 wide): cut to 8, the key dim 12 and value dim 10 each take two blocks, the second one ragged; output,
+    state and every gradient still equal rsa_chunked, the window's merge weight included."""
+    monkeypatch.setattr(rct, "FEATURE_BLOCK", 8)
+    params = make_params(chunk=16, readout=readout, routing=routing, query_read=query_read, log_weight=True)
+    read = rct._Read(params, torch.zeros(1, 4, 16, KEY_DIM), torch.zeros(1, 2, 3, 16, SLOTS),
+                     torch.zeros(1, 2, 3, 16, VALUE_DIM), 1)
+    assert read.backward_options["BLOCK_D"] == read.backward_options["BLOCK_DV"] == 8 < KEY_DIM
     inputs = make_inputs(params, batch=2)
-    state = initial_state(params, 2, VALUE_DIM, torch.float32)
-    reason = rct.rsa_chunk_triton_supports(params, inputs[0], inputs[2])
-    assert "key head dim 12 > 8" in reason and "without gradients: up to 16" in reason
-    with pytest.raises(NotImplementedError, match="key head dim 12 > 8"):
-        rct.rsa_chunked_triton(*inputs, state, params)
-    with torch.no_grad():
-        assert rct.rsa_chunk_triton_supports(params, inputs[0], inputs[2]) is None
-        out, new_state = rct.rsa_chunked_triton(*inputs, state, params)
-        ref, ref_state = rsa_chunked(*inputs, state, params)
-        monkeypatch.setattr(rct, "MAX_FORWARD_TILE", 8)
-        assert "key head dim 12 > 8" in rct.rsa_chunk_triton_supports(params, inputs[0], inputs[2])
-    assert_close(out, ref, "output")
-    for name in STATE_FIELDS:
-        assert_close(getattr(new_state, name), getattr(ref_state, name), name)
+    assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
 
 
 @needs_kernels
@@ -284,7 +276,8 @@ def test_supports_names_what_is_not_implemented():
     for field, (value, message) in cases.items():
         assert message in rct.rsa_chunk_triton_supports(replace(params, **{field: value})), field
     wide = torch.zeros(1, 2, 3, 200, device=DEV)
-    assert "value head dim 200 > 64" in rct.rsa_chunk_triton_supports(params, v=wide)
+    assert "value head dim 200 > 128" in rct.rsa_chunk_triton_supports(params, v=wide)
+    assert rct.rsa_chunk_triton_supports(params, v=wide[..., :128]) is None  # Llama-3-8B's heads
 
 
 @needs_kernels
