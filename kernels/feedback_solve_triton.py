@@ -8,7 +8,9 @@ over the P cached keys and the new keys, shared by every feature column of f (B,
 accumulated in fp32 whatever the input dtype (fp32 / fp16 / bf16 operands are upcast before every ``tl.dot``,
 which also sidesteps the interpreter's broken bf16 dot), and s is returned in fp32.
 
-Forward (``_fwd_kernel``, grid (B,)): one program per batch row sweeps the query chunks of C rows in order.
+Forward (``_fwd_kernel``, grid (B, D / BLOCK_DV)): one program per batch row and block of value columns (the
+columns solve apart, under the same alpha; each program recomputes the logits) sweeps the query chunks of C rows in
+order.
 For chunk rows R = c0..c0+C-1:
   1. old keys (the P cached ones, then new rows < c0, already solved), in blocks of BLOCK_N: the logits are
      folded into an online softmax (running max m, sum z, flash-attention style) while the numerator
@@ -26,12 +28,13 @@ h and lse are neither computed nor allocated when no gradient is needed (inferen
 Memory: O(T*D + T) per batch row; no T x T matrix is ever formed (tiles are C x BLOCK_N and C x C).
 
 Backward, with lam = (I - B)^-T g and the formulas of ``_ChunkedFeedbackSolve``:
-  * ``_bwd_lam_kernel`` (grid (B,), sequential): the reverse chunk sweep. For chunk J it gathers
-    ``g_J + sum_{t in later chunks} B[t, J]^T lam_t`` over later row blocks (their lam is already written), then
-    solves the upper C x C system (I - W_JJ)^T lam_J = that, again by doubling. df = lam; and
-    d_gain_t = lam_t . h_t (exact, no division by gain).
+  * ``_bwd_lam_kernel`` (grid (B, D / BLOCK_DV), sequential): the reverse chunk sweep, a block of columns each.
+    For chunk J it gathers ``g_J + sum_{t in later chunks} B[t, J]^T lam_t`` over later row blocks (their lam is
+    already written), then solves the upper C x C system (I - W_JJ)^T lam_J = that, again by doubling. df = lam; and
+    d_gain_t = lam_t . h_t (exact, no division by gain), added up over the column blocks.
   * ``_bwd_dq_kernel`` (grid (B, T/BLOCK_M), parallel): per query block, over all admissible keys,
-    d_logits = gain_t alpha_tj (lam_t . s_j - d_gain_t) and dq = scale * d_logits @ k.
+    d_logits = gain_t alpha_tj (lam_t . s_j - d_gain_t) (lam_t . s_j summed over column blocks) and
+    dq = scale * d_logits @ k.
   * ``_bwd_dk_kernel`` (grid (B, (P+T)/BLOCK_N), parallel): per key block (cached and new keys alike), over all
     later query rows, dk = scale * d_logits^T @ q and, for cached keys, d_past_s = B^T lam (the cached blocks
     are skipped when past_k / past_s need no gradient, the usual case for a detached cache).
@@ -72,17 +75,20 @@ NUM_WARPS = 4  # untuned: tuning (and an autotune config list) needs a GPU
 # not launch); with 1 it needs 96 KiB (`triton.compile` for sm_90 on a CPU, docs/benchmarks.md "Kernels"). The sweep
 # is a chain of dependent steps, so deeper pipelining has little to overlap.
 NUM_STAGES = 1
-# Each program holds a whole key / value row in one tile. At 128 the four kernels need 96-224 KiB of shared memory
-# for sm_90 (tf32x3, one stage), at 256 the backward needs 288-416 KiB: over the 227 KiB an H100 block can have.
-MAX_FEATURES = 128
+# A program holds a whole key row in one tile, and the value columns VALUE_BLOCK at a time: the forward and the lam
+# sweep take one block of columns per program (the columns solve apart, under the same alpha), dq and dk sum
+# lam_t . s_j over the blocks. At 128-wide tiles the four kernels need 96-224 KiB of shared memory for sm_90 (tf32x3,
+# one stage), at 256 the backward needs 288-416 KiB: over the 227 KiB an H100 block can have. So any feedback row
+# (SmolLM2's one head of 576, an 8B model's of 4096) takes the kernels, with keys up to 128 wide.
+MAX_KEY_FEATURES = 128
+VALUE_BLOCK = 128
 
 
 def feedback_solve_triton_supports(key_dim: int, width: int) -> str | None:
-    """Why the kernels cannot take rows ``key_dim`` / ``width`` features wide (None: they can)."""
-    widest = max(key_dim, width)
-    if widest > MAX_FEATURES:
-        return (f"feedback rows {widest} features wide (the kernels hold a row in one tile, at most {MAX_FEATURES} "
-                f"within a GPU block's shared memory; more sessa_feedback_heads make narrower rows)")
+    """Why the kernels cannot take keys ``key_dim`` features wide (None: they can; rows of any ``width``)."""
+    if key_dim > MAX_KEY_FEATURES:
+        return (f"feedback keys {key_dim} features wide (the kernels hold a key row in one tile, at most "
+                f"{MAX_KEY_FEATURES} within a GPU block's shared memory)")
     return None
 
 
@@ -134,7 +140,7 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
     offs_c = tl.arange(0, BLOCK_C)
     offs_n = tl.arange(0, BLOCK_N)
     cols_k = tl.arange(0, BLOCK_DK)
-    cols_v = tl.arange(0, BLOCK_DV)
+    cols_v = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)  # the columns solve apart: same alpha for each
     lower = offs_c[None, :] < offs_c[:, None]  # strictly lower (C, C): key j < row t inside the chunk
 
     for c0 in range(0, T, CHUNK):
@@ -198,7 +204,8 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
             h_c = h_old + tl.dot(alpha_cc, s_c, input_precision=PRECISION)
             tl.store(h_ptr + rows[:, None] * DV + cols_v[None, :], h_c, mask=out_mask)
             lse_c = tl.where(has_key, m_i + tl.log(tl.where(has_key, z_i, 1.0)), 0.0)
-            tl.store(lse_ptr + rows, lse_c, mask=row_ok)
+            first_block = (rows * 0 + tl.program_id(1)) == 0  # every column block has the same lse: one writes it
+            tl.store(lse_ptr + rows, lse_c, mask=row_ok & first_block)
         tl.debug_barrier()  # stores by some threads must be visible to the next chunk's loads by others
 
 
@@ -209,7 +216,7 @@ def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # 
                     HAS_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, LOG_C: tl.constexpr,
                     PRECISION: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(0).to(tl.int64)  # program_id(1): this program's block of BLOCK_DV value columns
     q_ptr += b * T * DK
     k_ptr += b * T * DK
     gain_ptr += b * T
@@ -223,7 +230,7 @@ def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # 
     offs_c = tl.arange(0, BLOCK_C)
     offs_m = tl.arange(0, BLOCK_M)
     cols_k = tl.arange(0, BLOCK_DK)
-    cols_v = tl.arange(0, BLOCK_DV)
+    cols_v = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     k_col_ok = cols_k < DK
     v_col_ok = cols_v < DV
     lower = offs_c[None, :] < offs_c[:, None]
@@ -271,12 +278,12 @@ def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # 
         h_c = tl.load(h_ptr + rows[:, None] * DV + cols_v[None, :],
                       mask=row_ok[:, None] & v_col_ok[None, :], other=0.0)
         tl.store(lam_ptr + rows[:, None] * DV + cols_v[None, :], lam, mask=row_ok[:, None] & v_col_ok[None, :])
-        tl.store(dgain_ptr + rows, tl.sum(lam * h_c, 1), mask=row_ok)  # d_gain_t = lam_t . h_t
+        tl.atomic_add(dgain_ptr + rows, tl.sum(lam * h_c, 1), mask=row_ok)  # d_gain_t = lam_t . h_t, by blocks
         tl.debug_barrier()  # the next (earlier) chunk reads this lam back
 
 
 @triton.jit
-def _d_logits(q_t, k_blk, s_blk, lam_t, lse_t, gain_t, dgain_t, allowed, scale, PRECISION: tl.constexpr):
+def _d_logits(q_t, k_blk, lam_dot_s, lse_t, gain_t, dgain_t, allowed, scale, PRECISION: tl.constexpr):
     """(d_logits, W) for query rows (M,) x keys (N,), both (M, N): W = gain*alpha, alpha recomputed from lse.
 
     d_logits = W * (lam_t . s_j - d_gain_t) is the gradient w.r.t. the softmax input scale*<q_t, k_j>, so
@@ -284,21 +291,32 @@ def _d_logits(q_t, k_blk, s_blk, lam_t, lse_t, gain_t, dgain_t, allowed, scale, 
     """
     logits = tl.dot(q_t, tl.trans(k_blk), input_precision=PRECISION) * scale  # (M, N)
     w = gain_t[:, None] * tl.exp(tl.where(allowed, logits - lse_t[:, None], float("-inf")))
-    lam_dot_s = tl.dot(lam_t, tl.trans(s_blk), input_precision=PRECISION)  # (M, N)
     return w * (lam_dot_s - dgain_t[:, None]), w
 
 
 @triton.jit
-def _load_query_rows(q_ptr, lse_ptr, gain_ptr, lam_ptr, dgain_ptr, t, t_ok, cols_k, cols_v, DK, DV):
-    """q (M, DK), lse, gain, d_gain (M,) and lam (M, DV) of local query rows t, all fp32."""
+def _lam_dot_s(lam_ptr, past_s_ptr, s_ptr, t, t_ok, pos, P, n_valid, DV,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    """lam_t . s_j (M, N) for query rows t and key positions pos, over the value columns BLOCK_DV at a time."""
+    total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for v0 in range(0, DV, BLOCK_DV):
+        cols_v = v0 + tl.arange(0, BLOCK_DV)
+        lam_t = tl.load(lam_ptr + t[:, None] * DV + cols_v[None, :],
+                        mask=t_ok[:, None] & (cols_v[None, :] < DV), other=0.0)  # (M, BLOCK_DV)
+        s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, n_valid, cols_v, DV)  # (N, BLOCK_DV)
+        total += tl.dot(lam_t, tl.trans(s_blk), input_precision=PRECISION)
+    return total
+
+
+@triton.jit
+def _load_query_rows(q_ptr, lse_ptr, gain_ptr, dgain_ptr, t, t_ok, cols_k, DK):
+    """q (M, DK), lse, gain and d_gain (M,) of local query rows t, all fp32."""
     q_t = tl.load(q_ptr + t[:, None] * DK + cols_k[None, :],
                   mask=t_ok[:, None] & (cols_k[None, :] < DK), other=0.0).to(tl.float32)
-    lam_t = tl.load(lam_ptr + t[:, None] * DV + cols_v[None, :],
-                    mask=t_ok[:, None] & (cols_v[None, :] < DV), other=0.0)
     lse_t = tl.load(lse_ptr + t, mask=t_ok, other=0.0)
     gain_t = tl.load(gain_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
     dgain_t = tl.load(dgain_ptr + t, mask=t_ok, other=0.0)
-    return q_t, lse_t, gain_t, lam_t, dgain_t
+    return q_t, lse_t, gain_t, dgain_t
 
 
 @triton.jit(do_not_specialize=["T", "P"])
@@ -323,20 +341,19 @@ def _bwd_dq_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_p
 
     offs_n = tl.arange(0, BLOCK_N)
     cols_k = tl.arange(0, BLOCK_DK)
-    cols_v = tl.arange(0, BLOCK_DV)
     t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (M,)
     t_ok = t < T
-    q_t, lse_t, gain_t, lam_t, dgain_t = _load_query_rows(q_ptr, lse_ptr, gain_ptr, lam_ptr, dgain_ptr, t, t_ok,
-                                                          cols_k, cols_v, DK, DV)
+    q_t, lse_t, gain_t, dgain_t = _load_query_rows(q_ptr, lse_ptr, gain_ptr, dgain_ptr, t, t_ok, cols_k, DK)
     dq = tl.zeros((BLOCK_M, BLOCK_DK), tl.float32)
     n_end = P + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1  # keys j < P + t <= n_end
     for n0 in range(0, n_end, BLOCK_N):
         pos = n0 + offs_n
         key_ok = _key_ok(mask_ptr, pos, n_end, HAS_MASK)
         k_blk = _load_rows(past_k_ptr, k_ptr, pos, P, n_end, cols_k, DK)  # (N, DK)
-        s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, n_end, cols_v, DV)  # (N, DV)
+        lam_dot_s = _lam_dot_s(lam_ptr, past_s_ptr, s_ptr, t, t_ok, pos, P, n_end, DV, BLOCK_M, BLOCK_N, BLOCK_DV,
+                               PRECISION)
         allowed = t_ok[:, None] & key_ok[None, :] & (pos[None, :] < P + t[:, None])
-        d_logits, _ = _d_logits(q_t, k_blk, s_blk, lam_t, lse_t, gain_t, dgain_t, allowed, scale, PRECISION)
+        d_logits, _ = _d_logits(q_t, k_blk, lam_dot_s, lse_t, gain_t, dgain_t, allowed, scale, PRECISION)
         dq += tl.dot(d_logits, k_blk, input_precision=PRECISION)
     tl.store(dq_ptr + t[:, None] * DK + cols_k[None, :], dq * scale,
              mask=t_ok[:, None] & (cols_k[None, :] < DK))
@@ -366,33 +383,35 @@ def _bwd_dk_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_p
 
     offs_m = tl.arange(0, BLOCK_M)
     cols_k = tl.arange(0, BLOCK_DK)
-    cols_v = tl.arange(0, BLOCK_DV)
     n0 = KEY_START + pid_n * BLOCK_N  # KEY_START = P skips the cached keys when they need no gradient
     pos = n0 + tl.arange(0, BLOCK_N)  # absolute key positions over [past; new] (N,)
     key_ok = _key_ok(mask_ptr, pos, P + T, HAS_MASK)
+    in_past = pos[:, None] < P
     k_blk = _load_rows(past_k_ptr, k_ptr, pos, P, P + T, cols_k, DK)  # (N, DK)
-    s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, P + T, cols_v, DV)  # (N, DV)
     dk = tl.zeros((BLOCK_N, BLOCK_DK), tl.float32)
-    d_s = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     for t0 in range(tl.maximum(n0 - P, 0), T, BLOCK_M):  # rows before n0 - P + 1 cannot see this block
         t = t0 + offs_m
         t_ok = t < T
-        q_t, lse_t, gain_t, lam_t, dgain_t = _load_query_rows(q_ptr, lse_ptr, gain_ptr, lam_ptr, dgain_ptr, t,
-                                                              t_ok, cols_k, cols_v, DK, DV)
+        q_t, lse_t, gain_t, dgain_t = _load_query_rows(q_ptr, lse_ptr, gain_ptr, dgain_ptr, t, t_ok, cols_k, DK)
+        lam_dot_s = _lam_dot_s(lam_ptr, past_s_ptr, s_ptr, t, t_ok, pos, P, P + T, DV, BLOCK_M, BLOCK_N, BLOCK_DV,
+                               PRECISION)
         allowed = t_ok[:, None] & key_ok[None, :] & (pos[None, :] < P + t[:, None])  # (M, N)
-        d_logits, w = _d_logits(q_t, k_blk, s_blk, lam_t, lse_t, gain_t, dgain_t, allowed, scale, PRECISION)
+        d_logits, w = _d_logits(q_t, k_blk, lam_dot_s, lse_t, gain_t, dgain_t, allowed, scale, PRECISION)
         dk += tl.dot(tl.trans(d_logits), q_t, input_precision=PRECISION)
-        if HAS_PAST:  # d past_s_j = sum_t B[t, j] lam_t (for new keys this is inside lam already)
-            d_s += tl.dot(tl.trans(w), lam_t, input_precision=PRECISION)
+        if HAS_PAST:  # d past_s_j = sum_t B[t, j] lam_t (for new keys this is inside lam already), by value blocks
+            for v0 in range(0, DV, BLOCK_DV):
+                cols_v = v0 + tl.arange(0, BLOCK_DV)
+                lam_t = tl.load(lam_ptr + t[:, None] * DV + cols_v[None, :],
+                                mask=t_ok[:, None] & (cols_v[None, :] < DV), other=0.0)
+                tl.atomic_add(d_past_s_ptr + pos[:, None] * DV + cols_v[None, :],
+                              tl.dot(tl.trans(w), lam_t, input_precision=PRECISION),
+                              mask=in_past & (cols_v[None, :] < DV))
     dk = dk * scale
     k_cols = cols_k[None, :] < DK
     tl.store(dk_ptr + (pos[:, None] - P) * DK + cols_k[None, :], dk,
              mask=(pos[:, None] >= P) & (pos[:, None] < P + T) & k_cols)
     if HAS_PAST:
-        in_past = pos[:, None] < P
         tl.store(d_past_k_ptr + pos[:, None] * DK + cols_k[None, :], dk, mask=in_past & k_cols)
-        tl.store(d_past_s_ptr + pos[:, None] * DV + cols_v[None, :], d_s,
-                 mask=in_past & (cols_v[None, :] < DV))
 
 
 def _block(n: int, cap: int | None = None) -> int:
@@ -409,13 +428,13 @@ def _launch(launches) -> None:
 def _meta(length, key_dim, width, chunk_size) -> dict:
     chunk = min(chunk_size, max(length, 1))
     return dict(chunk=chunk, block_c=_block(chunk), log_c=(chunk - 1).bit_length(),
-                block_n=_block(chunk, MAX_KEY_BLOCK), block_dk=_block(key_dim), block_dv=_block(width))
+                block_n=_block(chunk, MAX_KEY_BLOCK), block_dk=_block(key_dim), block_dv=_block(width, VALUE_BLOCK))
 
 
 def _forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, past, scale, meta, save):
     """``_fwd_kernel``'s launch as ``(kernel, grid, args, constexprs)``; s, h, lse may be dtypes (a warmup)."""
     batch, length, width = f.shape
-    return (_fwd_kernel, (batch,), (
+    return (_fwd_kernel, (batch, triton.cdiv(width, meta["block_dv"])), (
         f, q, k, gain, gain if mask is None else mask, k if not past else past_k, s if not past else past_s,
         s, h, lse, length, past, q.shape[-1], width, meta["chunk"], float(scale)), dict(
         HAS_MASK=mask is not None, SAVE=save, BLOCK_C=meta["block_c"], BLOCK_N=meta["block_n"],
@@ -431,7 +450,7 @@ def _backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam,
     mask_arg = gain if mask is None else mask
     common = dict(HAS_MASK=mask is not None, BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"],
                   PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    launches = [(_bwd_lam_kernel, (batch,), (
+    launches = [(_bwd_lam_kernel, (batch, triton.cdiv(width, meta["block_dv"])), (
         q, k, gain, mask_arg, lse, h, grad_s, lam, d_gain,
         length, past, key_dim, width, meta["chunk"], triton.cdiv(length, meta["chunk"]), scale), dict(
         BLOCK_C=meta["block_c"], BLOCK_M=meta["block_n"], LOG_C=meta["log_c"], **common))]
@@ -517,7 +536,7 @@ class _TritonFeedbackSolve(torch.autograd.Function):
         key_dim = q.shape[-1]
         grad_s = grad_s.contiguous().float()
         lam = torch.empty_like(s)  # (B, T, D): df in fp32 (it is read back by the sweep)
-        d_gain = torch.empty_like(lse)  # (B, T)
+        d_gain = torch.zeros_like(lse)  # (B, T): summed over the value blocks
         need_q, need_k = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         need_past = past > 0 and (ctx.needs_input_grad[5] or ctx.needs_input_grad[6])
         new_zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=s.device)  # noqa: E731

@@ -41,7 +41,9 @@ def _solve_inputs(shape, length, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     rows = shape["feedback_heads"]
     width = shape["heads"] * shape["head_dim"] // rows
-    inputs = {name: _random(g, rows, length, width, dtype=dtype) for name in ("f", "q", "k")}
+    key_dim = shape.get("feedback_key_dim", width)
+    inputs = {"f": _random(g, rows, length, width, dtype=dtype),
+              **{name: _random(g, rows, length, key_dim, dtype=dtype) for name in ("q", "k")}}
     inputs["gain"] = _random(g, rows, length, dtype=dtype, scale=1.8, shift=-0.9, uniform=True)
     mask = torch.ones(rows, length, dtype=torch.bool)
     mask[0, :length // 8] = False  # left padding on the first row
@@ -58,14 +60,22 @@ def _solve(inputs, mask, backend, dtype):
 
 @functools.lru_cache(maxsize=2)
 def _solve_reference(shape_name, length, dtype):
-    inputs, mask = _solve_inputs(SHAPES[shape_name], length, dtype)
+    inputs, mask = _solve_inputs(SOLVE_SHAPES[shape_name], length, dtype)
     return _solve(inputs, mask, "torch", torch.float64)
 
 
-@pytest.mark.parametrize("shape_name,length,dtype_name", CASES)
+# Sessa's lean conversion: one feedback row as wide as the model (576 for SmolLM2), narrow feedback keys (64); the
+# kernels take its columns 128 at a time
+LEAN = {f"{name}-lean": dict(shape, feedback_heads=1, feedback_key_dim=shape["head_dim"])
+        for name, shape in SHAPES.items() if name != "llama3-8b"}
+SOLVE_SHAPES = {**SHAPES, **LEAN}
+
+
+@pytest.mark.parametrize("shape_name,length,dtype_name",
+                         CASES + [(shape, length, dtype) for shape in LEAN for length in LENGTHS for dtype in DTYPES])
 def test_feedback_solve_kernel_matches_reference(shape_name, length, dtype_name, record):
     dtype = DTYPES[dtype_name]
-    inputs, mask = _solve_inputs(SHAPES[shape_name], length, dtype)
+    inputs, mask = _solve_inputs(SOLVE_SHAPES[shape_name], length, dtype)
     outputs = _solve(inputs, mask, "triton", dtype)
     _check(record, f"feedback solve {shape_name} T={length}", outputs,
            _solve_reference(shape_name, length, dtype), dtype)
