@@ -350,9 +350,8 @@ def feedback_solve(f, q, k, gain, *, key_mask=None, past_k=None, past_s=None, sc
 
 
 def _triton_unsupported(f, q) -> str | None:
-    """Why the Triton solve cannot take this call (None: it can); imports the kernel module, so triton."""
-    from .feedback_solve_triton import feedback_solve_triton_supports
-
+    """Why the Triton solve cannot take this call (None: it can): only fp64 (the kernels take keys and rows of any
+    width, in blocks)."""
     if compute_dtype(f.dtype) != torch.float32:
         return f"{f.dtype} inputs (the kernels compute in fp32)"
-    return feedback_solve_triton_supports(q.shape[-1], f.shape[-1])
+    return None

@@ -8,6 +8,10 @@ over the P cached keys and the new keys, shared by every feature column of f (B,
 accumulated in fp32 whatever the input dtype (fp32 / fp16 / bf16 operands are upcast before every ``tl.dot``,
 which also sidesteps the interpreter's broken bf16 dot), and s is returned in fp32.
 
+Key and value features are taken BLOCK_DK / BLOCK_DV at a time (at most KEY_FEATURE_BLOCK / VALUE_FEATURE_BLOCK,
+so feedback heads of any width fit a GPU block's shared memory): the logits <q_t, k_j> sum over key blocks
+(``_logits``), dq and dk write one block of their columns per program.
+
 Forward (``_fwd_kernel``, grid (B, D / BLOCK_DV)): one program per batch row and block of value columns (the
 columns solve apart, under the same alpha; each program recomputes the logits) sweeps the query chunks of C rows in
 order.
@@ -32,12 +36,12 @@ Backward, with lam = (I - B)^-T g and the formulas of ``_ChunkedFeedbackSolve``:
     For chunk J it gathers ``g_J + sum_{t in later chunks} B[t, J]^T lam_t`` over later row blocks (their lam is
     already written), then solves the upper C x C system (I - W_JJ)^T lam_J = that, again by doubling. df = lam; and
     d_gain_t = lam_t . h_t (exact, no division by gain), added up over the column blocks.
-  * ``_bwd_dq_kernel`` (grid (B, T/BLOCK_M), parallel): per query block, over all admissible keys,
+  * ``_bwd_dq_kernel`` (grid (B, T/BLOCK_M, d/BLOCK_DK), parallel): per query block, over all admissible keys,
     d_logits = gain_t alpha_tj (lam_t . s_j - d_gain_t) (lam_t . s_j summed over column blocks) and
     dq = scale * d_logits @ k.
-  * ``_bwd_dk_kernel`` (grid (B, (P+T)/BLOCK_N), parallel): per key block (cached and new keys alike), over all
-    later query rows, dk = scale * d_logits^T @ q and, for cached keys, d_past_s = B^T lam (the cached blocks
-    are skipped when past_k / past_s need no gradient, the usual case for a detached cache).
+  * ``_bwd_dk_kernel`` (grid (B, (P+T)/BLOCK_N, d/BLOCK_DK), parallel): per key block (cached and new keys
+    alike), over all later query rows, dk = scale * d_logits^T @ q and, for cached keys, d_past_s = B^T lam (the
+    cached blocks are skipped when past_k / past_s need no gradient, the usual case for a detached cache).
 Both parallel kernels recompute alpha from q, k and lse (like flash attention's dq and dk/dv kernels).
 
 A training call's four kernels compile side by side before its first launch (``_warmups``, the launches' own
@@ -75,21 +79,12 @@ NUM_WARPS = 4  # untuned: tuning (and an autotune config list) needs a GPU
 # not launch); with 1 it needs 96 KiB (`triton.compile` for sm_90 on a CPU, docs/benchmarks.md "Kernels"). The sweep
 # is a chain of dependent steps, so deeper pipelining has little to overlap.
 NUM_STAGES = 1
-# A program holds a whole key row in one tile, and the value columns VALUE_BLOCK at a time: the forward and the lam
-# sweep take one block of columns per program (the columns solve apart, under the same alpha), dq and dk sum
-# lam_t . s_j over the blocks. At 128-wide tiles the four kernels need 96-224 KiB of shared memory for sm_90 (tf32x3,
-# one stage), at 256 the backward needs 288-416 KiB: over the 227 KiB an H100 block can have. So any feedback row
-# (SmolLM2's one head of 576, an 8B model's of 4096) takes the kernels, with keys up to 128 wide.
-MAX_KEY_FEATURES = 128
-VALUE_BLOCK = 128
-
-
-def feedback_solve_triton_supports(key_dim: int, width: int) -> str | None:
-    """Why the kernels cannot take keys ``key_dim`` features wide (None: they can; rows of any ``width``)."""
-    if key_dim > MAX_KEY_FEATURES:
-        return (f"feedback keys {key_dim} features wide (the kernels hold a key row in one tile, at most "
-                f"{MAX_KEY_FEATURES} within a GPU block's shared memory)")
-    return None
+# The key and value features go KEY_FEATURE_BLOCK / VALUE_FEATURE_BLOCK at a time (module docstring). Whole rows
+# as one tile needed 288-416 KiB of shared memory for sm_90 in the backward at 256 features, over the 227 KiB an
+# H100 block can have; in blocks of 128 the four kernels need 64-128 KiB at any width (tf32x3, one stage), so the
+# official conversion's one feedback head (576 wide for SmolLM2, 4096 for an 8B model) takes the kernels.
+KEY_FEATURE_BLOCK = 128
+VALUE_FEATURE_BLOCK = 128
 
 
 @triton.jit
@@ -116,6 +111,21 @@ def _key_ok(mask_ptr, pos, n_valid, HAS_MASK: tl.constexpr):
     return ok
 
 
+@triton.jit
+def _logits(q_ptr, q_rows, q_ok, past_k_ptr, k_ptr, pos, P, n_valid, DK, scale,
+            BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DK: tl.constexpr, PRECISION: tl.constexpr):
+    """scale * <q_t, k_j> (BLOCK_Q, BLOCK_K) for local query rows ``q_rows`` and absolute key positions ``pos``
+    over [past; new] (< n_valid), the key features BLOCK_DK at a time."""
+    total = tl.zeros((BLOCK_Q, BLOCK_K), tl.float32)
+    for d0 in range(0, DK, BLOCK_DK):
+        cols = d0 + tl.arange(0, BLOCK_DK)
+        q = tl.load(q_ptr + q_rows[:, None] * DK + cols[None, :], mask=q_ok[:, None] & (cols[None, :] < DK),
+                    other=0.0).to(tl.float32)
+        total += tl.dot(q, tl.trans(_load_rows(past_k_ptr, k_ptr, pos, P, n_valid, cols, DK)),
+                        input_precision=PRECISION)
+    return total * scale
+
+
 # Lengths and offsets are plain runtime integers (no specialisation on 1 or on alignment): one compiled kernel per
 # layout, whatever the prompt or past length (each compile takes tens of seconds).
 @triton.jit(do_not_specialize=["T", "P"])
@@ -139,15 +149,12 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
 
     offs_c = tl.arange(0, BLOCK_C)
     offs_n = tl.arange(0, BLOCK_N)
-    cols_k = tl.arange(0, BLOCK_DK)
     cols_v = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)  # the columns solve apart: same alpha for each
     lower = offs_c[None, :] < offs_c[:, None]  # strictly lower (C, C): key j < row t inside the chunk
 
     for c0 in range(0, T, CHUNK):
         rows = c0 + offs_c  # local row index (BLOCK_C,)
         row_ok = (offs_c < CHUNK) & (rows < T)
-        q_c = tl.load(q_ptr + rows[:, None] * DK + cols_k[None, :],
-                      mask=row_ok[:, None] & (cols_k[None, :] < DK), other=0.0).to(tl.float32)  # (C, DK)
 
         # (1) old keys: online max / sum and the rescaled numerator acc = sum_j exp(l - m) s_j.
         m_i = tl.full((BLOCK_C,), -1e30, tl.float32)  # finite start: exp(m_old - m_new) never sees -inf - -inf
@@ -157,9 +164,9 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
         for n0 in range(0, n_old, BLOCK_N):
             pos = n0 + offs_n  # absolute key positions (BLOCK_N,)
             key_ok = _key_ok(mask_ptr, pos, n_old, HAS_MASK)
-            k_blk = _load_rows(past_k_ptr, k_ptr, pos, P, n_old, cols_k, DK)  # (N, DK)
             s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, n_old, cols_v, DV)  # (N, DV), solved rows only
-            logits = tl.dot(q_c, tl.trans(k_blk), input_precision=PRECISION) * scale  # (C, N)
+            logits = _logits(q_ptr, rows, row_ok, past_k_ptr, k_ptr, pos, P, n_old, DK, scale,
+                             BLOCK_C, BLOCK_N, BLOCK_DK, PRECISION)  # (C, N)
             logits = tl.where(key_ok[None, :], logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 1))
             corr = tl.exp(m_i - m_new)
@@ -169,11 +176,10 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
             m_i = m_new
 
         # (2) the chunk's own strictly-earlier keys join the normaliser (their s is not known yet).
-        k_c = tl.load(k_ptr + rows[:, None] * DK + cols_k[None, :],
-                      mask=row_ok[:, None] & (cols_k[None, :] < DK), other=0.0).to(tl.float32)  # (C, DK)
         key_c_ok = _key_ok(mask_ptr, P + rows, P + T, HAS_MASK) & row_ok
         allowed = lower & key_c_ok[None, :] & row_ok[:, None]  # (C, C)
-        logits = tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION) * scale
+        logits = _logits(q_ptr, rows, row_ok, past_k_ptr, k_ptr, P + rows, P, P + T, DK, scale,
+                         BLOCK_C, BLOCK_C, BLOCK_DK, PRECISION)
         logits = tl.where(allowed, logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         corr = tl.exp(m_i - m_new)
@@ -229,18 +235,14 @@ def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # 
 
     offs_c = tl.arange(0, BLOCK_C)
     offs_m = tl.arange(0, BLOCK_M)
-    cols_k = tl.arange(0, BLOCK_DK)
     cols_v = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    k_col_ok = cols_k < DK
-    v_col_ok = cols_v < DV
+    v_col_ok = cols_v < DV  # the chunk's keys are new ones (positions >= P): k_ptr stands in for the cache
     lower = offs_c[None, :] < offs_c[:, None]
 
     for ci in range(N_CHUNKS):
         c0 = (N_CHUNKS - 1 - ci) * CHUNK  # reverse sweep: later rows' lam is final before it is read
         rows = c0 + offs_c
         row_ok = (offs_c < CHUNK) & (rows < T)
-        k_c = tl.load(k_ptr + rows[:, None] * DK + cols_k[None, :],
-                      mask=row_ok[:, None] & k_col_ok[None, :], other=0.0).to(tl.float32)  # (C, DK)
         key_c_ok = _key_ok(mask_ptr, P + rows, P + T, HAS_MASK) & row_ok
         adj = tl.load(g_ptr + rows[:, None] * DV + cols_v[None, :],
                       mask=row_ok[:, None] & v_col_ok[None, :], other=0.0).to(tl.float32)  # (C, DV)
@@ -249,24 +251,22 @@ def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # 
         for t0 in range(c0 + CHUNK, T, BLOCK_M):
             t = t0 + offs_m  # (M,)
             t_ok = t < T
-            q_t = tl.load(q_ptr + t[:, None] * DK + cols_k[None, :],
-                          mask=t_ok[:, None] & k_col_ok[None, :], other=0.0).to(tl.float32)  # (M, DK)
             lse_t = tl.load(lse_ptr + t, mask=t_ok, other=0.0)
             gain_t = tl.load(gain_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
             lam_t = tl.load(lam_ptr + t[:, None] * DV + cols_v[None, :],
                             mask=t_ok[:, None] & v_col_ok[None, :], other=0.0)  # (M, DV)
-            logits = tl.dot(q_t, tl.trans(k_c), input_precision=PRECISION) * scale  # (M, C)
+            logits = _logits(q_ptr, t, t_ok, k_ptr, k_ptr, P + rows, P, P + T, DK, scale,
+                             BLOCK_M, BLOCK_C, BLOCK_DK, PRECISION)  # (M, C)
             allowed = t_ok[:, None] & key_c_ok[None, :]  # t > j always: t is in a later chunk
             # W = gain * alpha from the saved lse; exp(-inf) = 0 exactly off the admissible pattern.
             w = gain_t[:, None] * tl.exp(tl.where(allowed, logits - lse_t[:, None], float("-inf")))
             adj += tl.dot(tl.trans(w), lam_t, input_precision=PRECISION)
 
         # (I - W_JJ)^T lam_J = adj_J; W^T is strictly upper and nilpotent, so the same doubling applies.
-        q_c = tl.load(q_ptr + rows[:, None] * DK + cols_k[None, :],
-                      mask=row_ok[:, None] & k_col_ok[None, :], other=0.0).to(tl.float32)
         lse_c = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         gain_c = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        logits = tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION) * scale  # (C, C)
+        logits = _logits(q_ptr, rows, row_ok, k_ptr, k_ptr, P + rows, P, P + T, DK, scale,
+                         BLOCK_C, BLOCK_C, BLOCK_DK, PRECISION)  # (C, C)
         allowed = lower & key_c_ok[None, :] & row_ok[:, None]
         w_pow = tl.trans(gain_c[:, None] * tl.exp(tl.where(allowed, logits - lse_c[:, None], float("-inf"))))
         lam = adj
@@ -283,13 +283,12 @@ def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # 
 
 
 @triton.jit
-def _d_logits(q_t, k_blk, lam_dot_s, lse_t, gain_t, dgain_t, allowed, scale, PRECISION: tl.constexpr):
+def _d_logits(logits, lam_dot_s, lse_t, gain_t, dgain_t, allowed):
     """(d_logits, W) for query rows (M,) x keys (N,), both (M, N): W = gain*alpha, alpha recomputed from lse.
 
     d_logits = W * (lam_t . s_j - d_gain_t) is the gradient w.r.t. the softmax input scale*<q_t, k_j>, so
     dq = scale * d_logits @ k and dk = scale * d_logits^T @ q (the callers apply ``scale`` once at the end).
     """
-    logits = tl.dot(q_t, tl.trans(k_blk), input_precision=PRECISION) * scale  # (M, N)
     w = gain_t[:, None] * tl.exp(tl.where(allowed, logits - lse_t[:, None], float("-inf")))
     return w * (lam_dot_s - dgain_t[:, None]), w
 
@@ -309,14 +308,12 @@ def _lam_dot_s(lam_ptr, past_s_ptr, s_ptr, t, t_ok, pos, P, n_valid, DV,
 
 
 @triton.jit
-def _load_query_rows(q_ptr, lse_ptr, gain_ptr, dgain_ptr, t, t_ok, cols_k, DK):
-    """q (M, DK), lse, gain and d_gain (M,) of local query rows t, all fp32."""
-    q_t = tl.load(q_ptr + t[:, None] * DK + cols_k[None, :],
-                  mask=t_ok[:, None] & (cols_k[None, :] < DK), other=0.0).to(tl.float32)
+def _load_query_rows(lse_ptr, gain_ptr, dgain_ptr, t, t_ok):
+    """lse, gain and d_gain (M,) of local query rows t, all fp32."""
     lse_t = tl.load(lse_ptr + t, mask=t_ok, other=0.0)
     gain_t = tl.load(gain_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
     dgain_t = tl.load(dgain_ptr + t, mask=t_ok, other=0.0)
-    return q_t, lse_t, gain_t, dgain_t
+    return lse_t, gain_t, dgain_t
 
 
 @triton.jit(do_not_specialize=["T", "P"])
@@ -340,20 +337,22 @@ def _bwd_dq_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_p
     dq_ptr += b * T * DK
 
     offs_n = tl.arange(0, BLOCK_N)
-    cols_k = tl.arange(0, BLOCK_DK)
+    cols_k = tl.program_id(2) * BLOCK_DK + tl.arange(0, BLOCK_DK)  # this program's block of dq's columns
     t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (M,)
     t_ok = t < T
-    q_t, lse_t, gain_t, dgain_t = _load_query_rows(q_ptr, lse_ptr, gain_ptr, dgain_ptr, t, t_ok, cols_k, DK)
+    lse_t, gain_t, dgain_t = _load_query_rows(lse_ptr, gain_ptr, dgain_ptr, t, t_ok)
     dq = tl.zeros((BLOCK_M, BLOCK_DK), tl.float32)
     n_end = P + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1  # keys j < P + t <= n_end
     for n0 in range(0, n_end, BLOCK_N):
         pos = n0 + offs_n
         key_ok = _key_ok(mask_ptr, pos, n_end, HAS_MASK)
-        k_blk = _load_rows(past_k_ptr, k_ptr, pos, P, n_end, cols_k, DK)  # (N, DK)
+        k_blk = _load_rows(past_k_ptr, k_ptr, pos, P, n_end, cols_k, DK)  # (N, BLOCK_DK)
+        logits = _logits(q_ptr, t, t_ok, past_k_ptr, k_ptr, pos, P, n_end, DK, scale, BLOCK_M, BLOCK_N, BLOCK_DK,
+                         PRECISION)
         lam_dot_s = _lam_dot_s(lam_ptr, past_s_ptr, s_ptr, t, t_ok, pos, P, n_end, DV, BLOCK_M, BLOCK_N, BLOCK_DV,
                                PRECISION)
         allowed = t_ok[:, None] & key_ok[None, :] & (pos[None, :] < P + t[:, None])
-        d_logits, _ = _d_logits(q_t, k_blk, lam_dot_s, lse_t, gain_t, dgain_t, allowed, scale, PRECISION)
+        d_logits, _ = _d_logits(logits, lam_dot_s, lse_t, gain_t, dgain_t, allowed)
         dq += tl.dot(d_logits, k_blk, input_precision=PRECISION)
     tl.store(dq_ptr + t[:, None] * DK + cols_k[None, :], dq * scale,
              mask=t_ok[:, None] & (cols_k[None, :] < DK))
@@ -382,30 +381,34 @@ def _bwd_dk_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_p
     d_past_s_ptr += b * P * DV
 
     offs_m = tl.arange(0, BLOCK_M)
-    cols_k = tl.arange(0, BLOCK_DK)
+    cols_k = tl.program_id(2) * BLOCK_DK + tl.arange(0, BLOCK_DK)  # this program's block of dk's columns
     n0 = KEY_START + pid_n * BLOCK_N  # KEY_START = P skips the cached keys when they need no gradient
     pos = n0 + tl.arange(0, BLOCK_N)  # absolute key positions over [past; new] (N,)
     key_ok = _key_ok(mask_ptr, pos, P + T, HAS_MASK)
     in_past = pos[:, None] < P
-    k_blk = _load_rows(past_k_ptr, k_ptr, pos, P, P + T, cols_k, DK)  # (N, DK)
     dk = tl.zeros((BLOCK_N, BLOCK_DK), tl.float32)
     for t0 in range(tl.maximum(n0 - P, 0), T, BLOCK_M):  # rows before n0 - P + 1 cannot see this block
         t = t0 + offs_m
         t_ok = t < T
-        q_t, lse_t, gain_t, dgain_t = _load_query_rows(q_ptr, lse_ptr, gain_ptr, dgain_ptr, t, t_ok, cols_k, DK)
+        lse_t, gain_t, dgain_t = _load_query_rows(lse_ptr, gain_ptr, dgain_ptr, t, t_ok)
+        q_t = tl.load(q_ptr + t[:, None] * DK + cols_k[None, :], mask=t_ok[:, None] & (cols_k[None, :] < DK),
+                      other=0.0).to(tl.float32)  # (M, BLOCK_DK)
+        logits = _logits(q_ptr, t, t_ok, past_k_ptr, k_ptr, pos, P, P + T, DK, scale, BLOCK_M, BLOCK_N, BLOCK_DK,
+                         PRECISION)
         lam_dot_s = _lam_dot_s(lam_ptr, past_s_ptr, s_ptr, t, t_ok, pos, P, P + T, DV, BLOCK_M, BLOCK_N, BLOCK_DV,
                                PRECISION)
         allowed = t_ok[:, None] & key_ok[None, :] & (pos[None, :] < P + t[:, None])  # (M, N)
-        d_logits, w = _d_logits(q_t, k_blk, lam_dot_s, lse_t, gain_t, dgain_t, allowed, scale, PRECISION)
+        d_logits, w = _d_logits(logits, lam_dot_s, lse_t, gain_t, dgain_t, allowed)
         dk += tl.dot(tl.trans(d_logits), q_t, input_precision=PRECISION)
-        if HAS_PAST:  # d past_s_j = sum_t B[t, j] lam_t (for new keys this is inside lam already), by value blocks
+        if HAS_PAST:  # d past_s_j = sum_t B[t, j] lam_t (for new keys it is inside lam already), by value blocks,
+            first = (pos * 0 + tl.program_id(2)) == 0  # written by the programs of the first key-feature block
             for v0 in range(0, DV, BLOCK_DV):
                 cols_v = v0 + tl.arange(0, BLOCK_DV)
                 lam_t = tl.load(lam_ptr + t[:, None] * DV + cols_v[None, :],
                                 mask=t_ok[:, None] & (cols_v[None, :] < DV), other=0.0)
                 tl.atomic_add(d_past_s_ptr + pos[:, None] * DV + cols_v[None, :],
                               tl.dot(tl.trans(w), lam_t, input_precision=PRECISION),
-                              mask=in_past & (cols_v[None, :] < DV))
+                              mask=in_past & first[:, None] & (cols_v[None, :] < DV))
     dk = dk * scale
     k_cols = cols_k[None, :] < DK
     tl.store(dk_ptr + (pos[:, None] - P) * DK + cols_k[None, :], dk,
@@ -428,7 +431,8 @@ def _launch(launches) -> None:
 def _meta(length, key_dim, width, chunk_size) -> dict:
     chunk = min(chunk_size, max(length, 1))
     return dict(chunk=chunk, block_c=_block(chunk), log_c=(chunk - 1).bit_length(),
-                block_n=_block(chunk, MAX_KEY_BLOCK), block_dk=_block(key_dim), block_dv=_block(width, VALUE_BLOCK))
+                block_n=_block(chunk, MAX_KEY_BLOCK), block_dk=_block(key_dim, KEY_FEATURE_BLOCK),
+                block_dv=_block(width, VALUE_FEATURE_BLOCK))
 
 
 def _forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, past, scale, meta, save):
@@ -457,14 +461,15 @@ def _backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam,
     pk = k if not past else past_k
     ps = s if not past else past_s
     block = meta["block_n"]
+    key_blocks = triton.cdiv(key_dim, meta["block_dk"])  # dq and dk: one block of their columns per program
     if dq is not None:
-        launches.append((_bwd_dq_kernel, (batch, triton.cdiv(length, block)), (
+        launches.append((_bwd_dq_kernel, (batch, triton.cdiv(length, block), key_blocks), (
             q, k, gain, mask_arg, pk, ps, s, lse, lam, d_gain, dq,
             length, past, key_dim, width, scale), dict(BLOCK_M=block, BLOCK_N=block, **common)))
     if dk is not None:  # the dk kernel writes the cached keys' gradients too
         need_past = d_past_k is not None
         key_start = 0 if need_past else past
-        launches.append((_bwd_dk_kernel, (batch, triton.cdiv(past + length - key_start, block)), (
+        launches.append((_bwd_dk_kernel, (batch, triton.cdiv(past + length - key_start, block), key_blocks), (
             q, k, gain, mask_arg, pk, ps, s, lse, lam, d_gain,
             dk, dk if d_past_k is None else d_past_k, dk if d_past_s is None else d_past_s,
             length, past, key_dim, width, key_start, scale), dict(HAS_PAST=need_past, BLOCK_M=block, BLOCK_N=block,

@@ -25,8 +25,8 @@ else:
     DEVICE = None
 
 # head layouts (heads, kv heads, head width, Sessa feedback heads): SmolLM2-135M with one feedback head per attention
-# head (64 wide; the Sessa kernels take keys up to 128 wide, rows of any width: test_kernels_cuda.py adds the lean
-# conversion's one 576-wide row with 64-wide keys; the official 576-wide keys run the PyTorch path), Llama-3-8B
+# head (64 wide; test_kernels_cuda.py adds the official conversion's one 576-wide head, and with 64-wide keys),
+# Llama-3-8B
 SHAPES = {"smollm2-135m": dict(heads=9, kv_heads=3, head_dim=64, feedback_heads=9),
           "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128, feedback_heads=32)} if not DRY else \
     {"tiny": dict(heads=4, kv_heads=2, head_dim=8, feedback_heads=2)}

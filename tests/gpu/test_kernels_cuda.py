@@ -64,15 +64,18 @@ def _solve_reference(shape_name, length, dtype):
     return _solve(inputs, mask, "torch", torch.float64)
 
 
-# Sessa's lean conversion: one feedback row as wide as the model (576 for SmolLM2), narrow feedback keys (64); the
-# kernels take its columns 128 at a time
-LEAN = {f"{name}-lean": dict(shape, feedback_heads=1, feedback_key_dim=shape["head_dim"])
-        for name, shape in SHAPES.items() if name != "llama3-8b"}
-SOLVE_SHAPES = {**SHAPES, **LEAN}
+# Sessa's official conversion: one feedback head, its row and keys as wide as the model (576 for SmolLM2); the lean
+# one: that row with narrow keys (64). The kernels take keys and value columns 128 at a time.
+ONE_HEAD = {**{f"{name}-one-head": dict(shape, feedback_heads=1) for name, shape in SHAPES.items()
+               if name != "llama3-8b"},
+            **{f"{name}-one-head-lean": dict(shape, feedback_heads=1, feedback_key_dim=shape["head_dim"])
+               for name, shape in SHAPES.items() if name != "llama3-8b"}}
+SOLVE_SHAPES = {**SHAPES, **ONE_HEAD}
 
 
 @pytest.mark.parametrize("shape_name,length,dtype_name",
-                         CASES + [(shape, length, dtype) for shape in LEAN for length in LENGTHS for dtype in DTYPES])
+                         CASES + [(shape, length, dtype) for shape in ONE_HEAD for length in LENGTHS
+                                  for dtype in DTYPES])
 def test_feedback_solve_kernel_matches_reference(shape_name, length, dtype_name, record):
     dtype = DTYPES[dtype_name]
     inputs, mask = _solve_inputs(SOLVE_SHAPES[shape_name], length, dtype)

@@ -226,11 +226,11 @@ def test_the_entry_point_sends_fp64_to_pytorch_and_bad_arguments_are_named():
 @needs_kernels
 @pytest.mark.parametrize("past, detached_cache", first_in_fast((6, False), (0, False), (45, True)))
 def test_value_columns_in_blocks_match_dense(past, detached_cache, monkeypatch):
-    """The value columns are taken VALUE_BLOCK at a time (so SmolLM2's one feedback row of 576 and an 8B model's of
-    4096 take the kernels): cut to 8, a row of 20 takes three blocks, the last ragged. The forward and the lam sweep
-    run a block of columns per program, d_gain sums over them, dq and dk sum lam_t . s_j over them, the cached
-    values' gradient is written block by block: values and every gradient equal the dense solve."""
-    monkeypatch.setattr(fst, "VALUE_BLOCK", 8)
+    """The value columns are taken VALUE_FEATURE_BLOCK at a time (so SmolLM2's one feedback row of 576 and an 8B
+    model's of 4096 take the kernels): cut to 8, a row of 20 takes three blocks, the last ragged. The forward and
+    the lam sweep run a block of columns per program, d_gain sums over them, dq and dk sum lam_t . s_j over them, the
+    cached values' gradient is written block by block: values and every gradient equal the dense solve."""
+    monkeypatch.setattr(fst, "VALUE_FEATURE_BLOCK", 8)
     assert fst._meta(T, KD, D, 16)["block_dv"] == 8 < D
     inputs = make_inputs(past=past, padded=True)
     if detached_cache and past:
@@ -239,23 +239,20 @@ def test_value_columns_in_blocks_match_dense(past, detached_cache, monkeypatch):
 
 
 @needs_kernels
-def test_keys_wider_than_a_tile_take_the_pytorch_path_with_the_reason(caplog):
-    """Feedback keys over MAX_KEY_FEATURES wide do not fit a GPU block's shared memory in the kernels' one-tile
-    layout: "auto" takes the PyTorch path and says why, "triton" is an error naming it. Rows of any width take the
-    kernels (their columns in blocks)."""
-    from hf_mixers.kernels import dispatch
-    from hf_mixers.kernels.feedback_solve import feedback_solve, feedback_solve_chunked
-
-    wide = fst.MAX_KEY_FEATURES + 1
-    inputs = make_inputs(batch=1, length=6, width=4, key_dim=wide)
-    dispatch._announced.clear()
-    with caplog.at_level("WARNING", logger="hf_mixers.kernels"):
-        out = feedback_solve(**inputs, chunk_size=4)
-    torch.testing.assert_close(out, feedback_solve_chunked(**inputs, chunk_size=4), rtol=0, atol=0)
-    assert f"PyTorch path (feedback keys {wide} features wide" in caplog.text
-    with pytest.raises(RuntimeError, match=f"cannot run: feedback keys {wide} features wide"):
-        feedback_solve(**inputs, backend="triton")
-    assert fst.feedback_solve_triton_supports(64, 4096) is None  # an 8B model's one feedback row
+@pytest.mark.parametrize("past, detached_cache", first_in_fast((6, False), (0, False), (45, True)))
+def test_keys_in_blocks_match_dense(past, detached_cache, monkeypatch):
+    """The key features are taken KEY_FEATURE_BLOCK at a time (so the official conversion's one feedback head, 576
+    wide for SmolLM2 and 4096 for an 8B model, takes the kernels): cut to 8, keys 12 wide take two blocks, the
+    second ragged. The logits sum over them everywhere; dq and dk run one block of their columns per program; values
+    and every gradient equal the dense solve, with the value columns in blocks too."""
+    monkeypatch.setattr(fst, "KEY_FEATURE_BLOCK", 8)
+    monkeypatch.setattr(fst, "VALUE_FEATURE_BLOCK", 8)
+    meta = fst._meta(T, KD, D, 16)
+    assert meta["block_dk"] == 8 < KD and meta["block_dv"] == 8 < D
+    inputs = make_inputs(past=past, padded=True)
+    if detached_cache and past:
+        inputs["past_k"], inputs["past_s"] = inputs["past_k"].detach(), inputs["past_s"].detach()
+    _assert_matches_dense(inputs, chunk_size=16)
 
 
 @needs_kernels

@@ -71,16 +71,13 @@ def _candidate(candidate: str, shape: dict, length: int, device, dtype, generato
 
 
 def _unsupported(shape: dict) -> dict:
-    """{candidate: why its kernel cannot take this head layout}: the kernels hold whole tiles per program (the Sessa
-    solve a feedback row, the RSA read a head), and wider ones do not fit a GPU block's shared memory."""
-    from ...kernels.feedback_solve_triton import feedback_solve_triton_supports
+    """{candidate: why its kernel cannot take this head layout}: the RSA read holds a head's (C, d) tile whole, and
+    wider ones do not fit a GPU block's shared memory (the Sessa solve takes any width, in blocks)."""
     from ...kernels.rsa_chunk_triton import rsa_chunk_triton_supports
 
-    width = shape["heads"] * shape["head_dim"] // shape["feedback_heads"]
     module, _ = build_mixer("rsa", {}, shape["heads"] * shape["head_dim"], shape["heads"], shape["kv_heads"], "cpu",
                             torch.float32)
-    reasons = {"sessa_triton": feedback_solve_triton_supports(width, width),
-               "rsa_triton": rsa_chunk_triton_supports(module.memory_params(torch.float32),
+    reasons = {"rsa_triton": rsa_chunk_triton_supports(module.memory_params(torch.float32),
                                                        v=torch.zeros(1, 1, 1, shape["head_dim"]))}
     return {candidate: reason for candidate, reason in reasons.items() if reason}
 
