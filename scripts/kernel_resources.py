@@ -92,6 +92,9 @@ def main() -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability (90: H100 / H200)")
     parser.add_argument("--rsa-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an RSA mixer option (e.g. rsa_window=64), as `hf-mixers convert --option`")
+    parser.add_argument("--feedback", metavar="KEYS,ROW",
+                        help="Sessa: one feedback head with keys KEYS and a row ROW features wide (e.g. 576,576 for "
+                             "SmolLM2's official conversion), instead of the shape's")
     parser.add_argument("--out", help="write the records as JSON here")
     args = parser.parse_args()
 
@@ -125,6 +128,14 @@ def main() -> int:
             params = module.memory_params(torch.float32)
             out = rsa_memory(q, k, v, None, initial_state(params, 1, head_dim, torch.float32), params,
                              backend="triton")[0]
+        elif kernel == "sessa" and args.feedback:
+            from hf_mixers.kernels.feedback_solve import feedback_solve
+
+            keys, row = (int(size) for size in args.feedback.split(","))
+            randn = lambda *size: torch.randn(*size, generator=generator).to(dtype).requires_grad_()  # noqa: E731
+            gain = (torch.rand(1, args.length, generator=generator) * 1.8 - 0.9).to(dtype).requires_grad_()
+            out = feedback_solve(randn(1, args.length, row), randn(1, args.length, keys),
+                                 randn(1, args.length, keys), gain, chunk_size=64, backend="triton")
         else:
             _, run = _candidate(f"{kernel}_triton", shape, args.length, "cpu", dtype, generator, 64)
             out = run()

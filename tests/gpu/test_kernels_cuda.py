@@ -65,7 +65,8 @@ def _solve_reference(shape_name, length, dtype):
 
 
 # Sessa's official conversion: one feedback head, its row and keys as wide as the model (576 for SmolLM2); the lean
-# one: that row with narrow keys (64). The kernels take keys and value columns 128 at a time.
+# one: that row with narrow keys (64). The kernels take keys and value columns 128 at a time. At the shorter length
+# only: the blocks are what these layouts add, and the 8K references are the slow part of a GPU run.
 ONE_HEAD = {**{f"{name}-one-head": dict(shape, feedback_heads=1) for name, shape in SHAPES.items()
                if name != "llama3-8b"},
             **{f"{name}-one-head-lean": dict(shape, feedback_heads=1, feedback_key_dim=shape["head_dim"])
@@ -74,8 +75,7 @@ SOLVE_SHAPES = {**SHAPES, **ONE_HEAD}
 
 
 @pytest.mark.parametrize("shape_name,length,dtype_name",
-                         CASES + [(shape, length, dtype) for shape in ONE_HEAD for length in LENGTHS
-                                  for dtype in DTYPES])
+                         CASES + [(shape, LENGTHS[0], dtype) for shape in ONE_HEAD for dtype in DTYPES])
 def test_feedback_solve_kernel_matches_reference(shape_name, length, dtype_name, record):
     dtype = DTYPES[dtype_name]
     inputs, mask = _solve_inputs(SOLVE_SHAPES[shape_name], length, dtype)
