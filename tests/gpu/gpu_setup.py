@@ -37,16 +37,23 @@ ON_DEVICE = pytest.mark.skipif(DEVICE is None, reason="needs CUDA (make gpu-chec
 RECORDS = []
 
 
+def _write_records() -> None:
+    path = os.environ.get("HF_MIXERS_GPU_CHECK_RECORDS")
+    if path and DEVICE is not None:
+        device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (dry run)"
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump({"device": device, "torch": torch.__version__, "records": RECORDS}, handle, indent=1)
+
+
+_write_records()  # at once, empty: a step whose file is then missing never got this far (gpu_check says so)
+
+
 @pytest.fixture
 def record(request):
     """record(**figures): one row of measured figures for this test in the file $HF_MIXERS_GPU_CHECK_RECORDS."""
     def add(**figures):
         RECORDS.append({"test": request.node.nodeid.split("::", 1)[-1], **figures})
-        path = os.environ.get("HF_MIXERS_GPU_CHECK_RECORDS")
-        if path:
-            device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (dry run)"
-            with open(path, "w", encoding="utf-8") as handle:
-                json.dump({"device": device, "torch": torch.__version__, "records": RECORDS}, handle, indent=1)
+        _write_records()
     return add
 
 
