@@ -10,7 +10,7 @@ Triton reads only its dtype, and takes it as 16-byte aligned, as every fresh CUD
 
 Compiled kernels land in Triton's in-process cache and on disk (``~/.triton/cache``), so the launches that follow,
 and later processes, find them. Done once per layout and process; a Triton without ``AsyncCompileMode`` (before
-3.4) compiles at first launch as before.
+3.4), or ``HF_MIXERS_COMPILE_SIDE_BY_SIDE=0``, compiles at first launch, one kernel after another.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _DONE: set = set()  # layouts whose kernels this process compiled (or loaded fro
 def compile_side_by_side(what: str, key, warmups) -> bool:
     """Compile each ``(kernel, grid, args, constexprs)`` of ``warmups`` on its own thread, unless ``key`` (the
     layout: device, constexprs, specialised sizes) was done already. Returns whether it compiled anything."""
-    if key in _DONE or AsyncCompileMode is None:
+    if key in _DONE or AsyncCompileMode is None or os.environ.get("HF_MIXERS_COMPILE_SIDE_BY_SIDE") == "0":
         return False
     began = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, min(len(warmups), os.cpu_count() or 1))) as pool:

@@ -58,8 +58,12 @@ def test_a_compile_error_reaches_the_caller_and_the_layout_stays_undone(monkeypa
     assert _async_compile.active_mode.get() is None
 
 
-def test_without_async_compile_nothing_is_compiled_ahead(monkeypatch):
-    monkeypatch.setattr(triton_compile, "AsyncCompileMode", None)  # Triton < 3.4
+def test_without_async_compile_or_when_switched_off_nothing_is_compiled_ahead(monkeypatch):
+    monkeypatch.setattr(triton_compile, "_DONE", set())
     kernel = FakeKernel()
+    monkeypatch.setenv("HF_MIXERS_COMPILE_SIDE_BY_SIDE", "0")
+    assert not triton_compile.compile_side_by_side("test read", "layout", [(kernel, (1,), (), {})])
+    monkeypatch.delenv("HF_MIXERS_COMPILE_SIDE_BY_SIDE")
+    monkeypatch.setattr(triton_compile, "AsyncCompileMode", None)  # Triton < 3.4
     assert not triton_compile.compile_side_by_side("test read", "layout", [(kernel, (1,), (), {})])
     assert kernel.calls == []
