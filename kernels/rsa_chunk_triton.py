@@ -37,14 +37,16 @@ Split of the work:
     288 KiB of shared memory on an H100 and did not launch); the routing's gradients for the level below pass
     through three (B, H, Tp, m) buffers, dq accumulates in place; it takes the key and value features
     FEATURE_BLOCK at a time, summing its products over them block by block. Every tile is at most C x C, C x m,
-    C x d, m x m or m x d (the backward's d and dv at most FEATURE_BLOCK), kept in registers; fp32 operands and accumulation (an fp16 / bf16 q is copied to fp32 first:
-    the math wants fp32, the interpreter's bf16 dot is broken, and one compiled kernel then serves every dtype).
+    C x d, m x m or m x d (the backward's d and dv at most FEATURE_BLOCK), kept in registers; fp32 operands and
+    accumulation (an fp16 / bf16 q is copied to fp32 first: the math wants fp32, the interpreter's bf16 dot is
+    broken, and one compiled kernel then serves every dtype).
 
 Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp / C chunks):
   * kernel inputs, built by the write side and saved for the backward: F, X, Y (B, G, L, Tp, m | d | dv) and the
     chunk-start sums KS0 (B, G, NC, L, m, d), VS0 (B, G, NC, L, m, dv), n0 (B, G, NC, L, m),
-    R0 (B, G, NC, L-1, m, m); q (B, H, Tp, d) (an fp32 copy where q is fp16 / bf16). That is O(T L (m + d + dv) + T/C L (m d + m dv
-    + m^2)) per KV head and O(T d) per query head: nothing per query head and level beyond q itself.
+    R0 (B, G, NC, L-1, m, m); q (B, H, Tp, d) (an fp32 copy where q is fp16 / bf16). That is
+    O(T L (m + d + dv) + T/C L (m d + m dv + m^2)) per KV head and O(T d) per query head: nothing per query head and
+    level beyond q itself.
   * forward output (B, H, Tp, dv [+ 1]). Nothing else is saved: the backward recomputes the read side.
   * backward, transient: ``_fwd_kernel`` is re-run to write chain_i (B, H, L-1, Tp, m) (only with routing),
     the numerator (B, H, Tp, dv) and the normaliser (B, H, Tp); then ``_bwd_kernel`` runs level by level in
@@ -105,9 +107,9 @@ NUM_WARPS = 4  # untuned (needs a GPU)
 # Largest chunk size and slot count, held as one tile by both kernels (their C x C, C x m and m x m tiles), and
 # largest head dim: the forward holds a (C, d) tile whole, the backward takes FEATURE_BLOCK features at a time.
 # Shared memory for sm_90 with Triton 3.6 (`triton.compile` on a CPU, docs/benchmarks.md "Kernels"): at SmolLM2's
-# 64-wide heads the forward 96 KiB, the backward 192 KiB; at Llama-3-8B's 128-wide heads the forward 128 KiB (224
-# KiB with the window's merge weight and RSA-q), the backward 176-208 KiB; an H100 block can have 227 KiB. Calls over
-# the limits run the PyTorch path, said in the dispatch's log line.
+# 64-wide heads the forward 96 KiB, the backward 112-176 KiB; at Llama-3-8B's 128-wide heads the forward 128 KiB
+# (224 KiB with the window's merge weight and RSA-q), the backward 112-192 KiB; an H100 block can have 227 KiB.
+# Calls over the limits run the PyTorch path, said in the dispatch's log line.
 MAX_TILE = 64
 MAX_HEAD_DIM = 128
 FEATURE_BLOCK = 64
