@@ -184,7 +184,7 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     # and compiling) last.
     return warm + [
         ("pytest-mixers", [*pytest, "tests/gpu/test_mixers_cuda.py"], 180, records("mixers")),
-        ("pytest-kernels", [*pytest, "tests/gpu/test_kernels_cuda.py"], 200, records("kernels")),
+        ("pytest-kernels", [*pytest, "tests/gpu/test_kernels_cuda.py"], 240, records("kernels")),  # 20 cases
         ("teacher", [*python, str(Path(__file__).resolve()), "--make-teacher", teacher,
                      "--shape", "tiny" if dry else "smollm2-135m"], 60, {}),
         ("distill-30", [*cli, "distill", recipe], 150, {}),
