@@ -112,10 +112,23 @@ def _key_ok(mask_ptr, pos, n_valid, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _logits(q_ptr, q_rows, q_ok, past_k_ptr, k_ptr, pos, P, n_valid, DK, scale,
-            BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DK: tl.constexpr, PRECISION: tl.constexpr):
+def _queries(q_ptr, q_rows, q_ok, DK, BLOCK_DK: tl.constexpr):
+    """q (BLOCK_Q, BLOCK_DK) of local rows ``q_rows``, fp32: the whole key width when it is one block."""
+    cols = tl.arange(0, BLOCK_DK)
+    return tl.load(q_ptr + q_rows[:, None] * DK + cols[None, :], mask=q_ok[:, None] & (cols[None, :] < DK),
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _logits(q_ptr, q_rows, q_ok, past_k_ptr, k_ptr, pos, P, n_valid, DK, scale, q_whole,
+            BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DK: tl.constexpr, ONE_KEY_BLOCK: tl.constexpr,
+            PRECISION: tl.constexpr):
     """scale * <q_t, k_j> (BLOCK_Q, BLOCK_K) for local query rows ``q_rows`` and absolute key positions ``pos``
-    over [past; new] (< n_valid), the key features BLOCK_DK at a time."""
+    over [past; new] (< n_valid), the key features BLOCK_DK at a time. ONE_KEY_BLOCK: they are one block, and
+    ``q_whole`` holds the rows' queries already (``_queries``, loaded once outside the caller's loop)."""
+    if ONE_KEY_BLOCK:
+        return tl.dot(q_whole, tl.trans(_load_rows(past_k_ptr, k_ptr, pos, P, n_valid, tl.arange(0, BLOCK_DK), DK)),
+                      input_precision=PRECISION) * scale
     total = tl.zeros((BLOCK_Q, BLOCK_K), tl.float32)
     for d0 in range(0, DK, BLOCK_DK):
         cols = d0 + tl.arange(0, BLOCK_DK)
@@ -133,7 +146,7 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
                 s_ptr, h_ptr, lse_ptr,  # outputs: s, h (B, T, DV) fp32; lse (B, T) fp32
                 T, P, DK, DV, CHUNK, scale,
                 HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, LOG_C: tl.constexpr,
+                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, LOG_C: tl.constexpr, ONE_KEY_BLOCK: tl.constexpr,
                 PRECISION: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)  # int64 batch offsets: B*T*D may exceed 2^31
     f_ptr += b * T * DV
@@ -161,12 +174,15 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
         z_i = tl.zeros((BLOCK_C,), tl.float32)
         acc = tl.zeros((BLOCK_C, BLOCK_DV), tl.float32)
         n_old = P + c0  # every old key precedes every row of the chunk
+        q_c = 0.0  # the chunk's queries, loaded once when the keys are one block (_logits)
+        if ONE_KEY_BLOCK:
+            q_c = _queries(q_ptr, rows, row_ok, DK, BLOCK_DK)
         for n0 in range(0, n_old, BLOCK_N):
             pos = n0 + offs_n  # absolute key positions (BLOCK_N,)
             key_ok = _key_ok(mask_ptr, pos, n_old, HAS_MASK)
             s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, n_old, cols_v, DV)  # (N, DV), solved rows only
-            logits = _logits(q_ptr, rows, row_ok, past_k_ptr, k_ptr, pos, P, n_old, DK, scale,
-                             BLOCK_C, BLOCK_N, BLOCK_DK, PRECISION)  # (C, N)
+            logits = _logits(q_ptr, rows, row_ok, past_k_ptr, k_ptr, pos, P, n_old, DK, scale, q_c,
+                             BLOCK_C, BLOCK_N, BLOCK_DK, ONE_KEY_BLOCK, PRECISION)  # (C, N)
             logits = tl.where(key_ok[None, :], logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 1))
             corr = tl.exp(m_i - m_new)
@@ -178,8 +194,8 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
         # (2) the chunk's own strictly-earlier keys join the normaliser (their s is not known yet).
         key_c_ok = _key_ok(mask_ptr, P + rows, P + T, HAS_MASK) & row_ok
         allowed = lower & key_c_ok[None, :] & row_ok[:, None]  # (C, C)
-        logits = _logits(q_ptr, rows, row_ok, past_k_ptr, k_ptr, P + rows, P, P + T, DK, scale,
-                         BLOCK_C, BLOCK_C, BLOCK_DK, PRECISION)
+        logits = _logits(q_ptr, rows, row_ok, past_k_ptr, k_ptr, P + rows, P, P + T, DK, scale, q_c,
+                         BLOCK_C, BLOCK_C, BLOCK_DK, ONE_KEY_BLOCK, PRECISION)
         logits = tl.where(allowed, logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         corr = tl.exp(m_i - m_new)
@@ -255,8 +271,8 @@ def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # 
             gain_t = tl.load(gain_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
             lam_t = tl.load(lam_ptr + t[:, None] * DV + cols_v[None, :],
                             mask=t_ok[:, None] & v_col_ok[None, :], other=0.0)  # (M, DV)
-            logits = _logits(q_ptr, t, t_ok, k_ptr, k_ptr, P + rows, P, P + T, DK, scale,
-                             BLOCK_M, BLOCK_C, BLOCK_DK, PRECISION)  # (M, C)
+            logits = _logits(q_ptr, t, t_ok, k_ptr, k_ptr, P + rows, P, P + T, DK, scale, 0.0,
+                             BLOCK_M, BLOCK_C, BLOCK_DK, False, PRECISION)  # (M, C)
             allowed = t_ok[:, None] & key_c_ok[None, :]  # t > j always: t is in a later chunk
             # W = gain * alpha from the saved lse; exp(-inf) = 0 exactly off the admissible pattern.
             w = gain_t[:, None] * tl.exp(tl.where(allowed, logits - lse_t[:, None], float("-inf")))
@@ -265,8 +281,8 @@ def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # 
         # (I - W_JJ)^T lam_J = adj_J; W^T is strictly upper and nilpotent, so the same doubling applies.
         lse_c = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         gain_c = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        logits = _logits(q_ptr, rows, row_ok, k_ptr, k_ptr, P + rows, P, P + T, DK, scale,
-                         BLOCK_C, BLOCK_C, BLOCK_DK, PRECISION)  # (C, C)
+        logits = _logits(q_ptr, rows, row_ok, k_ptr, k_ptr, P + rows, P, P + T, DK, scale, 0.0,
+                         BLOCK_C, BLOCK_C, BLOCK_DK, False, PRECISION)  # (C, C)
         allowed = lower & key_c_ok[None, :] & row_ok[:, None]
         w_pow = tl.trans(gain_c[:, None] * tl.exp(tl.where(allowed, logits - lse_c[:, None], float("-inf"))))
         lam = adj
@@ -347,8 +363,8 @@ def _bwd_dq_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_p
         pos = n0 + offs_n
         key_ok = _key_ok(mask_ptr, pos, n_end, HAS_MASK)
         k_blk = _load_rows(past_k_ptr, k_ptr, pos, P, n_end, cols_k, DK)  # (N, BLOCK_DK)
-        logits = _logits(q_ptr, t, t_ok, past_k_ptr, k_ptr, pos, P, n_end, DK, scale, BLOCK_M, BLOCK_N, BLOCK_DK,
-                         PRECISION)
+        logits = _logits(q_ptr, t, t_ok, past_k_ptr, k_ptr, pos, P, n_end, DK, scale, 0.0, BLOCK_M, BLOCK_N,
+                         BLOCK_DK, False, PRECISION)
         lam_dot_s = _lam_dot_s(lam_ptr, past_s_ptr, s_ptr, t, t_ok, pos, P, n_end, DV, BLOCK_M, BLOCK_N, BLOCK_DV,
                                PRECISION)
         allowed = t_ok[:, None] & key_ok[None, :] & (pos[None, :] < P + t[:, None])
@@ -393,8 +409,8 @@ def _bwd_dk_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_p
         lse_t, gain_t, dgain_t = _load_query_rows(lse_ptr, gain_ptr, dgain_ptr, t, t_ok)
         q_t = tl.load(q_ptr + t[:, None] * DK + cols_k[None, :], mask=t_ok[:, None] & (cols_k[None, :] < DK),
                       other=0.0).to(tl.float32)  # (M, BLOCK_DK)
-        logits = _logits(q_ptr, t, t_ok, past_k_ptr, k_ptr, pos, P, P + T, DK, scale, BLOCK_M, BLOCK_N, BLOCK_DK,
-                         PRECISION)
+        logits = _logits(q_ptr, t, t_ok, past_k_ptr, k_ptr, pos, P, P + T, DK, scale, 0.0, BLOCK_M, BLOCK_N,
+                         BLOCK_DK, False, PRECISION)
         lam_dot_s = _lam_dot_s(lam_ptr, past_s_ptr, s_ptr, t, t_ok, pos, P, P + T, DV, BLOCK_M, BLOCK_N, BLOCK_DV,
                                PRECISION)
         allowed = t_ok[:, None] & key_ok[None, :] & (pos[None, :] < P + t[:, None])  # (M, N)
@@ -443,7 +459,8 @@ def _forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, past, scale,
         s, h, lse, length, past, q.shape[-1], width, meta["chunk"], float(scale)), dict(
         HAS_MASK=mask is not None, SAVE=save, BLOCK_C=meta["block_c"], BLOCK_N=meta["block_n"],
         BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"], LOG_C=meta["log_c"],
-        PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS, num_stages=NUM_STAGES))
+        ONE_KEY_BLOCK=meta["block_dk"] >= q.shape[-1], PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES))
 
 
 def _backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam, d_gain, dq, dk, d_past_k, d_past_s,
