@@ -340,7 +340,7 @@ def feedback_solve(f, q, k, gain, *, key_mask=None, past_k=None, past_s=None, sc
         raise ValueError(f"feedback_solve: unknown method {method!r}; choose one of {sorted(SOLVERS)}")
     check_feedback_shapes(f, q, k, gain, key_mask, past_k, past_s)
     if method == "chunked" and use_triton("Sessa feedback solve", f.device, backend,
-                                          check=lambda: _triton_unsupported(f, q)):
+                                          check=lambda: _triton_unsupported(f)):
         from .feedback_solve_triton import feedback_solve_triton  # needs triton: imported only when chosen
 
         return feedback_solve_triton(f, q, k, gain, key_mask=key_mask, past_k=past_k, past_s=past_s, scale=scale,
@@ -349,7 +349,7 @@ def feedback_solve(f, q, k, gain, *, key_mask=None, past_k=None, past_s=None, sc
     return SOLVERS[method](f, q, k, gain, key_mask=key_mask, past_k=past_k, past_s=past_s, scale=scale, **kwargs)
 
 
-def _triton_unsupported(f, q) -> str | None:
+def _triton_unsupported(f) -> str | None:
     """Why the Triton solve cannot take this call (None: it can): only fp64 (the kernels take keys and rows of any
     width, in blocks)."""
     if compute_dtype(f.dtype) != torch.float32:

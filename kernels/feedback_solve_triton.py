@@ -495,27 +495,27 @@ def _backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam,
 
 
 def _warmups(f, q, k, gain, mask, past_k, past_s, scale, meta, needs):
-    """(layout key, launches) of a training call: the forward's, then the backward's, with the buffers the kernels
-    write given as their dtype (fp32); ``needs``: (dq, dk, the cached keys' gradients) wanted."""
+    """The launches of a training call: the forward's, then the backward's, with the buffers the kernels write given
+    as their dtype (fp32); ``needs``: (dq, dk, the cached keys' gradients) wanted."""
     batch, length, width = f.shape
     past = 0 if past_k is None else past_k.shape[1]
     fp32 = torch.float32
     need_q, need_k, need_past = needs
     launches = [_forward_launch(f, q, k, gain, mask, past_k, past_s, fp32, fp32, fp32, past, scale, meta, True)]
-    launches += _backward_launches(q, k, gain, mask, past_k, past_s, fp32, fp32, fp32, fp32, fp32, fp32,
-                                   fp32 if need_q else None, fp32 if need_k or need_past else None,
-                                   fp32 if need_past else None, fp32 if need_past else None,
-                                   batch, length, width, past, scale, meta)
-    key = ("sessa", f.device, f.dtype, q.dtype, k.dtype, gain.dtype, mask is not None, past > 0, needs,
-           tuple(sorted(meta.items())), q.shape[-1], width)
-    return key, launches
+    return launches + _backward_launches(q, k, gain, mask, past_k, past_s, fp32, fp32, fp32, fp32, fp32, fp32,
+                                         fp32 if need_q else None, fp32 if need_k or need_past else None,
+                                         fp32 if need_past else None, fp32 if need_past else None,
+                                         batch, length, width, past, scale, meta)
 
 
 def _compile_kernels(f, q, k, gain, mask, past_k, past_s, scale, meta, needs) -> None:
-    """On CUDA, compile a training call's kernels side by side before the first launch (kernels/triton_compile.py)."""
+    """On CUDA, compile a training call's kernels side by side before the first launch (kernels/triton_compile.py);
+    the layout key: what the kernels are specialised on."""
     if f.device.type == "cuda":  # the interpreter compiles nothing
-        compile_side_by_side("Sessa feedback solve", *_warmups(f, q, k, gain, mask, past_k, past_s, scale, meta,
-                                                               needs))
+        key = ("sessa", f.device, f.dtype, q.dtype, k.dtype, gain.dtype, mask is not None, past_k is not None
+               and past_k.shape[1] > 0, needs, tuple(sorted(meta.items())), q.shape[-1], f.shape[-1])
+        compile_side_by_side("Sessa feedback solve", key,
+                             lambda: _warmups(f, q, k, gain, mask, past_k, past_s, scale, meta, needs))
 
 
 def _prepared(f, q, k, gain, key_mask, past_k, past_s):

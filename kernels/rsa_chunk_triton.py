@@ -75,7 +75,7 @@ fp32 and bf16, values and every gradient within 8e-4 of the fp64 reference (the 
 blocks; since then checked under the interpreter only). Shared memory for sm_90 ("tf32x3" dots, C = m = 64, L = 4):
 at 64-wide heads forward 96 KiB, backward 176 KiB (level 0: 112 KiB); at 128-wide heads forward 128 KiB (224 with
 the window's merge weight and RSA-q), backward 176-192 KiB. A call's three kernels compile side by side before its
-first launch (``_Read.compile_kernels``: 98.8 s one after another on the H100's host; 71 -> 36 s on two CPU cores).
+first launch (``_Read.compile_kernels``: 98.8 s one after another on the H100's host; 55 -> 31 s on two CPU cores).
 "tf32" dots needed more shared memory, "ieee" did not finish compiling. Speed on a GPU is unmeasured; block sizes
 and warps are untuned.
 """
@@ -581,7 +581,7 @@ class _Read:
         """Compile what this call launches side by side, once per layout (kernels/triton_compile.py)."""
         if inputs[0].device.type == "cuda":  # the interpreter compiles nothing
             key = ("rsa", inputs[0].device, tuple(sorted(self.options.items())), self.sizes[2:9], backward)
-            compile_side_by_side("RSA chunk read", key, self.warmups(inputs, backward))
+            compile_side_by_side("RSA chunk read", key, lambda: self.warmups(inputs, backward))
 
     def forward(self, inputs, save: bool):
         """``inputs``: the 14 kernel tensors (q ... wqr). Returns out (B, H, Tp, dv [+ 1: the log weight]) fp32

@@ -1,11 +1,12 @@
 """Compile the Triton kernels one call will launch side by side, before it launches the first.
 
 A Triton kernel compiles at its first launch, one after another: RSA's read is a forward and two backward variants
-(~70 s in all for sm_90 on a CPU core, ~100 s measured on the lent H100's host), Sessa's solve a forward and three
-backward kernels. About three quarters of each compile is ``ptxas``, a subprocess, so threads overlap them: RSA's
-three kernels on 2 CPU cores took 35.6 s side by side against 71 s in turn (Triton 3.6 for sm_90, docs/benchmarks.md
-"Kernels"). Triton's own ``AsyncCompileMode`` runs the compiles on an executor; ``JITFunction.warmup`` compiles a
-launch without running it, from the same arguments (a ``torch.dtype`` in place of a tensor that does not exist yet:
+(~55 s in all for sm_90 on a CPU core, ~100 s measured on the lent H100's host before its backward took feature
+blocks), Sessa's solve a forward and three backward kernels. About three quarters of each compile is ``ptxas``, a
+subprocess, so threads overlap them: RSA's three kernels on 2 CPU cores took 30.9 s side by side against 55 s in
+turn (Triton 3.6 for sm_90, ``scripts/kernel_resources.py --side-by-side``; docs/benchmarks.md "Kernels"). Triton's
+own ``AsyncCompileMode`` runs the compiles on an executor; ``JITFunction.warmup`` compiles a launch without running
+it, from the same arguments (a ``torch.dtype`` in place of a tensor that does not exist yet:
 Triton reads only its dtype, and takes it as 16-byte aligned, as every fresh CUDA allocation is).
 
 Compiled kernels land in Triton's in-process cache and on disk (``~/.triton/cache``), so the launches that follow,
@@ -32,12 +33,14 @@ logger = logging.getLogger("hf_mixers.kernels")
 _DONE: set = set()  # layouts whose kernels this process compiled (or loaded from Triton's disk cache) already
 
 
-def compile_side_by_side(what: str, key, warmups) -> bool:
-    """Compile each ``(kernel, grid, args, constexprs)`` of ``warmups`` on its own thread, unless ``key`` (the
-    layout: device, constexprs, specialised sizes) was done already. Returns whether it compiled anything."""
+def compile_side_by_side(what: str, key, make_warmups) -> bool:
+    """Compile each ``(kernel, grid, args, constexprs)`` that ``make_warmups()`` lists on its own thread, unless
+    ``key`` (the layout: device, constexprs, specialised sizes) was done already: on every call after the first,
+    only the key is looked up. Returns whether it compiled anything."""
     if key in _DONE or AsyncCompileMode is None or os.environ.get("HF_MIXERS_COMPILE_SIDE_BY_SIDE") == "0":
         return False
     began = time.perf_counter()
+    warmups = make_warmups()
     with ThreadPoolExecutor(max_workers=max(1, min(len(warmups), os.cpu_count() or 1))) as pool:
         with AsyncCompileMode(pool):  # on exit: every compile finished (its error raised here) and cached
             for kernel, grid, args, constexprs in warmups:

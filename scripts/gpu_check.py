@@ -104,9 +104,7 @@ def warm_kernel(kernel: str, shape: str, length: int) -> None:
 
     import torch
 
-    from hf_mixers.apps.bench.harness import build_mixer
     from hf_mixers.apps.bench.kernels import SHAPES, _candidate, _unsupported
-    from hf_mixers.kernels.rsa_memory import initial_state, rsa_memory
 
     logging.basicConfig(format="%(message)s")
     logging.getLogger("hf_mixers.kernels").setLevel(logging.INFO)  # the side-by-side compile's time
@@ -115,22 +113,10 @@ def warm_kernel(kernel: str, shape: str, length: int) -> None:
     if reason:
         print(f"{kernel} kernel, {shape} heads: not run, {reason}")
         return
+    options = {"rsa_window": 64} if kernel == "rsa-window" else None
     for dtype in (torch.float32, torch.bfloat16):
-        generator = torch.Generator().manual_seed(0)
-        if kernel == "rsa-window":
-            heads, kv_heads, head_dim = (SHAPES[shape][key] for key in ("heads", "kv_heads", "head_dim"))
-            module, _ = build_mixer("rsa", {"rsa_window": 64}, heads * head_dim, heads, kv_heads, device,
-                                    torch.float32)
-            q, k, v = (torch.randn(*size, generator=generator).to(device, dtype).requires_grad_() for size in
-                       ((1, kv_heads, heads // kv_heads, length, head_dim), (1, kv_heads, length, head_dim),
-                        (1, kv_heads, length, head_dim)))
-            params = module.memory_params(torch.float32)
-
-            def run():
-                state = initial_state(params, 1, head_dim, torch.float32)
-                return rsa_memory(q, k, v, None, state, params, backend="triton")[0]
-        else:
-            _, run = _candidate(f"{kernel}_triton", SHAPES[shape], length, device, dtype, generator, 64)
+        _, run = _candidate(f"{kernel.split('-')[0]}_triton", SHAPES[shape], length, device, dtype,
+                            torch.Generator().manual_seed(0), 64, options)
         began = time.perf_counter()
         run().float().pow(2).mean().backward()
         if device.type == "cuda":

@@ -46,9 +46,10 @@ def _type_of(value) -> str:
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
-def compiling_run(arch: int, records: list, seen: set):
+def compiling_run(arch: int, records: list, seen: set, pending: list | None = None):
     """A replacement for ``JITFunction.run`` that compiles each launch for sm_``arch`` (once per kernel, constexprs,
-    options and argument types) instead of running it, and appends what it needs to ``records``."""
+    options and argument types) instead of running it, and appends what it needs to ``records``. With ``pending``,
+    each compile is appended there as a function instead, for the caller to run (side by side, on threads)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -64,6 +65,13 @@ def compiling_run(arch: int, records: list, seen: set):
         if key in seen:
             return None
         seen.add(key)
+        if pending is not None:
+            pending.append(lambda: compile_one(self, signature, constexprs, options))
+        else:
+            compile_one(self, signature, constexprs, options)
+        return None
+
+    def compile_one(self, signature, constexprs, options):
         began = time.perf_counter()
         try:
             compiled = triton.compile(ASTSource(self, signature, constexprs), target=GPUTarget("cuda", arch, 32),
@@ -78,7 +86,6 @@ def compiling_run(arch: int, records: list, seen: set):
                                                    for k, v in constexprs.items()})
         records.append(record)
         print(json.dumps(record), flush=True)
-        return None
 
     return run
 
@@ -95,51 +102,44 @@ def main() -> int:
     parser.add_argument("--feedback", metavar="KEYS,ROW",
                         help="Sessa: one feedback head with keys KEYS and a row ROW features wide (e.g. 576,576 for "
                              "SmolLM2's official conversion), instead of the shape's")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="compile the kernels on threads at once, as kernels/triton_compile.py does before a "
+                             "call's first launch, and print the wall time (each record's seconds: under contention)")
     parser.add_argument("--out", help="write the records as JSON here")
     args = parser.parse_args()
 
     import torch
 
     import hf_mixers.kernels.dispatch as dispatch
-    from hf_mixers.apps.bench.harness import build_mixer
     from hf_mixers.apps.bench.kernels import SHAPES, _candidate
     from hf_mixers.kernels import rsa_chunk_triton
-    from hf_mixers.kernels.rsa_memory import initial_state, rsa_memory
 
     dispatch.triton_unavailable = lambda device: None  # CPU tensors: every launch is compiled, never run
     rsa_chunk_triton._interpreted = lambda: True
     from triton.runtime.jit import JITFunction
 
-    records, seen = [], set()
-    JITFunction.run = compiling_run(args.arch, records, seen)
+    records, seen, pending = [], set(), [] if args.side_by_side else None
+    JITFunction.run = compiling_run(args.arch, records, seen, pending)
     dtype = getattr(torch, args.dtype)
     shape = SHAPES[args.shape]
     generator = torch.Generator().manual_seed(0)
+    rsa_options = dict(option.split("=", 1) for option in args.rsa_option)
+    rsa_options = {key: json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
+                   for key, value in rsa_options.items()}
+    if args.feedback:  # one feedback head of ROW features (heads x head dim) with KEYS-wide keys
+        keys, row = (int(size) for size in args.feedback.split(","))
+        feedback = dict(heads=1, kv_heads=1, head_dim=row, feedback_heads=1, feedback_key_dim=keys)
     for kernel in ("sessa", "rsa") if args.kernel == "all" else (args.kernel,):
-        if kernel == "rsa" and args.rsa_option:
-            options = dict(option.split("=", 1) for option in args.rsa_option)
-            options = {key: json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
-                       for key, value in options.items()}
-            heads, kv_heads, head_dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
-            module, _ = build_mixer("rsa", options, heads * head_dim, heads, kv_heads, "cpu", torch.float32)
-            randn = lambda *size: torch.randn(*size, generator=generator).to(dtype).requires_grad_()  # noqa: E731
-            q, k, v = (randn(1, kv_heads, heads // kv_heads, args.length, head_dim),
-                       randn(1, kv_heads, args.length, head_dim), randn(1, kv_heads, args.length, head_dim))
-            params = module.memory_params(torch.float32)
-            out = rsa_memory(q, k, v, None, initial_state(params, 1, head_dim, torch.float32), params,
-                             backend="triton")[0]
-        elif kernel == "sessa" and args.feedback:
-            from hf_mixers.kernels.feedback_solve import feedback_solve
+        layout = feedback if kernel == "sessa" and args.feedback else shape
+        _, run = _candidate(f"{kernel}_triton", layout, args.length, "cpu", dtype, generator, 64, rsa_options)
+        run().float().pow(2).mean().backward()
+    if pending:
+        from concurrent.futures import ThreadPoolExecutor
 
-            keys, row = (int(size) for size in args.feedback.split(","))
-            randn = lambda *size: torch.randn(*size, generator=generator).to(dtype).requires_grad_()  # noqa: E731
-            gain = (torch.rand(1, args.length, generator=generator) * 1.8 - 0.9).to(dtype).requires_grad_()
-            out = feedback_solve(randn(1, args.length, row), randn(1, args.length, keys),
-                                 randn(1, args.length, keys), gain, chunk_size=64, backend="triton")
-        else:
-            _, run = _candidate(f"{kernel}_triton", shape, args.length, "cpu", dtype, generator, 64)
-            out = run()
-        out.float().pow(2).mean().backward()
+        began = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(pending)) as pool:
+            list(pool.map(lambda compile_one: compile_one(), pending))
+        print(json.dumps({"side_by_side_seconds": round(time.perf_counter() - began, 1), "kernels": len(pending)}))
     if args.out:
         Path(args.out).write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
     return 0 if all(record.get("fits") for record in records) else 1

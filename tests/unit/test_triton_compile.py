@@ -32,16 +32,16 @@ def test_each_warmup_runs_once_per_key_inside_async_compile(monkeypatch, caplog)
                (backward, (4, 2), (torch.ones(2), 7), {"LEVEL0": True}),
                (backward, (4, 2), (torch.ones(2), 7), {"LEVEL0": False})]
     with caplog.at_level(logging.INFO, logger="hf_mixers.kernels"):
-        assert triton_compile.compile_side_by_side("test read", ("layout", 1), warmups)
+        assert triton_compile.compile_side_by_side("test read", ("layout", 1), lambda: warmups)
     assert [call[2] for call in backward.calls] == [{"LEVEL0": True}, {"LEVEL0": False}]
     assert forward.calls[0][0] == (4, 2) and forward.calls[0][1][1:] == (torch.float32, 3)
     assert all(call[3] for call in forward.calls + backward.calls), "a warmup ran outside AsyncCompileMode"
     assert _async_compile.active_mode.get() is None  # the mode is left behind the call
     assert "test read: 3 Triton kernels ready" in caplog.text
 
-    assert not triton_compile.compile_side_by_side("test read", ("layout", 1), warmups)  # done: nothing again
+    assert not triton_compile.compile_side_by_side("test read", ("layout", 1), lambda: warmups)  # done: nothing again
     assert len(forward.calls) == 1 and len(backward.calls) == 2
-    assert triton_compile.compile_side_by_side("test read", ("layout", 2), warmups[:1])  # another layout
+    assert triton_compile.compile_side_by_side("test read", ("layout", 2), lambda: warmups[:1])  # another layout
     assert len(forward.calls) == 2
 
 
@@ -53,7 +53,7 @@ def test_a_compile_error_reaches_the_caller_and_the_layout_stays_undone(monkeypa
             raise RuntimeError("out of resources: shared memory")
 
     with pytest.raises(RuntimeError, match="shared memory"):
-        triton_compile.compile_side_by_side("test read", "layout", [(Broken(), (1,), (), {})])
+        triton_compile.compile_side_by_side("test read", "layout", lambda: [(Broken(), (1,), (), {})])
     assert "layout" not in triton_compile._DONE
     assert _async_compile.active_mode.get() is None
 
@@ -62,8 +62,8 @@ def test_without_async_compile_or_when_switched_off_nothing_is_compiled_ahead(mo
     monkeypatch.setattr(triton_compile, "_DONE", set())
     kernel = FakeKernel()
     monkeypatch.setenv("HF_MIXERS_COMPILE_SIDE_BY_SIDE", "0")
-    assert not triton_compile.compile_side_by_side("test read", "layout", [(kernel, (1,), (), {})])
+    assert not triton_compile.compile_side_by_side("test read", "layout", lambda: [(kernel, (1,), (), {})])
     monkeypatch.delenv("HF_MIXERS_COMPILE_SIDE_BY_SIDE")
     monkeypatch.setattr(triton_compile, "AsyncCompileMode", None)  # Triton < 3.4
-    assert not triton_compile.compile_side_by_side("test read", "layout", [(kernel, (1,), (), {})])
+    assert not triton_compile.compile_side_by_side("test read", "layout", lambda: [(kernel, (1,), (), {})])
     assert kernel.calls == []

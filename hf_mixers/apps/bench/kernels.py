@@ -40,8 +40,11 @@ SHAPES = {
 CANDIDATES = ("sdpa", "sessa_torch", "sessa_triton", "rsa_torch", "rsa_triton")
 
 
-def _candidate(candidate: str, shape: dict, length: int, device, dtype, generator, chunk_size: int):
-    """(input tensors that take gradients, run(): the output) of one candidate at one point."""
+def _candidate(candidate: str, shape: dict, length: int, device, dtype, generator, chunk_size: int,
+               rsa_options: dict | None = None):
+    """(input tensors that take gradients, run(): the output) of one candidate at one point. ``shape``: a head
+    layout (``SHAPES``; ``feedback_key_dim`` sets Sessa's feedback keys apart from its row width); ``rsa_options``:
+    RSA mixer options over the conversion defaults (e.g. the local window)."""
     def randn(*size):
         return torch.randn(*size, generator=generator).to(device, dtype).requires_grad_()
 
@@ -51,7 +54,7 @@ def _candidate(candidate: str, shape: dict, length: int, device, dtype, generato
                    "value": randn(1, kv_heads, length, head_dim)}
         return tensors, lambda: F.scaled_dot_product_attention(**tensors, is_causal=True, enable_gqa=True)
     if candidate.startswith("rsa"):  # the memory of an RSA layer of this shape (conversion defaults, 4 x 64 slots)
-        module, _ = build_mixer("rsa", {}, heads * head_dim, heads, kv_heads, device, torch.float32)
+        module, _ = build_mixer("rsa", rsa_options or {}, heads * head_dim, heads, kv_heads, device, torch.float32)
         tensors = {"q": randn(1, kv_heads, heads // kv_heads, length, head_dim),
                    "k": randn(1, kv_heads, length, head_dim), "v": randn(1, kv_heads, length, head_dim)}
         backend = "triton" if candidate == "rsa_triton" else "torch"  # each candidate on its own path, forced
@@ -63,8 +66,9 @@ def _candidate(candidate: str, shape: dict, length: int, device, dtype, generato
         return tensors, run
     rows = shape["feedback_heads"]
     width = heads * head_dim // rows  # f: the attention output, split by feedback head
+    key_dim = shape.get("feedback_key_dim", width)
     gain = (torch.rand(rows, length, generator=generator) * 1.8 - 0.9).to(device, dtype).requires_grad_()
-    tensors = {"f": randn(rows, length, width), "q": randn(rows, length, width), "k": randn(rows, length, width),
+    tensors = {"f": randn(rows, length, width), "q": randn(rows, length, key_dim), "k": randn(rows, length, key_dim),
                "gain": gain}
     backend = "triton" if candidate == "sessa_triton" else "torch"  # each candidate on its own path, forced
     return tensors, lambda: feedback_solve(**tensors, chunk_size=chunk_size, backend=backend)
@@ -77,9 +81,8 @@ def _unsupported(shape: dict) -> dict:
 
     module, _ = build_mixer("rsa", {}, shape["heads"] * shape["head_dim"], shape["heads"], shape["kv_heads"], "cpu",
                             torch.float32)
-    reasons = {"rsa_triton": rsa_chunk_triton_supports(module.memory_params(torch.float32),
-                                                       v=torch.zeros(1, 1, 1, shape["head_dim"]))}
-    return {candidate: reason for candidate, reason in reasons.items() if reason}
+    reason = rsa_chunk_triton_supports(module.memory_params(torch.float32), v=torch.zeros(1, 1, 1, shape["head_dim"]))
+    return {"rsa_triton": reason} if reason else {}
 
 
 def _calls(tensors, run):
