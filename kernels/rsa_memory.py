@@ -264,7 +264,7 @@ def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=No
                                       valid_b[:, rows], state, params, None if decay_b is None else decay_b[:, :, rows],
                                       use_reentrant=False)
             parts.append(out_c)
-            state = refresh_references(state, params, layout.phase + layout.real >= start + size)
+            state = refresh_references(state, params, layout.phase + layout.real >= start + size, skip_if_none=False)
         out_b, state = torch.cat(parts, 3), replace(state, count=state.count + layout.real)
     else:  # write chunk by chunk, then read the chunks a group at a time
         writes, state = write_chunks(k_b, v_b, valid_b, layout, state, params, decay_b)

@@ -118,9 +118,13 @@ def decayed(state: RSAState, factor) -> RSAState:
                    mass=state.mass * scale, relation_sum=state.relation_sum * scale[..., None])
 
 
-def refresh_references(state: RSAState, params: RSAParams, rows) -> RSAState:
-    """Set the references to the current slots for the batch rows in ``rows`` (bool (B,))."""
-    if not torch.compiler.is_compiling() and not bool(rows.any()):
+def refresh_references(state: RSAState, params: RSAParams, rows, skip_if_none: bool = True) -> RSAState:
+    """Set the references to the current slots for the batch rows in ``rows`` (bool (B,)).
+
+    ``skip_if_none``: look whether any row is at a boundary first and do nothing if none is: one host read, worth it
+    in the token step, where most steps are not at one. The chunk forms pass False: nearly every chunk ends at a
+    boundary, and on a GPU each host read would stall the queue of launches (8 per layer at T = 512)."""
+    if skip_if_none and not torch.compiler.is_compiling() and not bool(rows.any()):
         return state  # most decode steps: no row is at a boundary (one host sync saves the work; not when compiled)
     prior, kappa = slot_prior(params, state.mass.dtype)
     key_now = (prior + state.key_sum) / (kappa + state.mass).clamp_min(params.eps)[..., None]
@@ -261,7 +265,8 @@ def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params
         f.append(f_c)
         x.append(x_c)
         y.append(y_c)
-        state = refresh_references(state, params, layout.phase + layout.real >= stop)  # rows that reached this boundary
+        reached = layout.phase + layout.real >= stop  # the rows whose tokens reach this boundary
+        state = refresh_references(state, params, reached, skip_if_none=False)
     state = replace(state, count=state.count + layout.real)
     sums = (torch.stack([getattr(s, name) for s in starts], 2)
             for name in ("key_sum", "value_sum", "mass", "relation_sum"))

@@ -30,6 +30,7 @@ finally:
     pass
 
 logger = logging.getLogger("hf_mixers.kernels")
+SLOW_COMPILE_SECONDS = 2.0
 _DONE: set = set()  # layouts whose kernels this process compiled (or loaded from Triton's disk cache) already
 
 
@@ -46,6 +47,10 @@ def compile_side_by_side(what: str, key, make_warmups) -> bool:
             for kernel, grid, args, constexprs in warmups:
                 kernel.warmup(*args, grid=grid, **constexprs)
     _DONE.add(key)
-    logger.info("hf_mixers: %s: %d Triton kernels ready in %.1f s (compiled side by side, or read from Triton's "
-                "cache)", what, len(warmups), time.perf_counter() - began)
+    seconds = time.perf_counter() - began
+    # a real compile (tens of seconds on a GPU host) is worth a line in a training log: the first step's pause is it;
+    # read from Triton's disk cache it takes well under a second
+    logger.log(logging.WARNING if seconds > SLOW_COMPILE_SECONDS else logging.INFO,
+               "hf_mixers: %s: %d Triton kernels ready in %.1f s (compiled side by side, or read from Triton's cache)",
+               what, len(warmups), seconds)
     return True

@@ -100,6 +100,9 @@ class TrainSection:
     # with "deepspeed": a DeepSpeed JSON merged with the recipe's settings ("auto" takes the recipe's; its own keys,
     # e.g. offload_optimizer, are kept; one that contradicts the recipe is refused: recipes/deepspeed_config.py)
     deepspeed_config: str | None = None
+    # record this many steps of each stage with torch.profiler (after the first two): OUT/profile_<stage>.txt (kernel
+    # launches, synchronisations, operators by time) and .json (a Chrome / Perfetto trace); 0: off
+    profile_steps: int = bounded(0, 0)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from .precision import autocast, fp32_masters, training_dtype
 from .processes import Processes
+from .profiling import StepProfiler
 from .schedule import learning_rate
 from .strategies import STRATEGIES, Sharding
 
@@ -119,7 +120,9 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
     tokens_per_step = train.batch_size * train.grad_accum * (tokens_per_row or blocks.shape[-1]) * processes.world
     bar = tqdm(total=steps, initial=start, desc=stage, disable=not (progress and processes.is_main), unit="step")
     metrics_file = open(metrics_path, "a", encoding="utf-8") if processes.is_main else None
+    profiler = StepProfiler(train.profile_steps, stage, out_dir, device, enabled=processes.is_main)
     try:
+        profiler.start()
         for step in range(start + 1, steps + 1):
             began = time.perf_counter()
             step_lr = learning_rate(train, lr, step, steps)
@@ -144,6 +147,7 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
                 total += loss.item() / train.grad_accum
             optimizer.step()
             seconds = time.perf_counter() - began
+            profiler.step(seconds)
             row = {"stage": stage, "step": step, "loss": processes.mean(total), "lr": step_lr,
                    "tokens_per_s": tokens_per_step / seconds,
                    "world_size": processes.world, **{k: processes.mean(float(v)) for k, v in extra.items()}}
@@ -166,6 +170,7 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
                 optimizer.save(step, history)
                 last_good = optimizer.path
     finally:
+        profiler.stop()
         bar.close()
         if metrics_file:
             metrics_file.close()

@@ -126,14 +126,14 @@ def warm_kernel(kernel: str, shape: str, length: int) -> None:
 
 
 def distill_recipe(path: str, teacher: str, out_dir: str, dry: bool) -> None:
-    """The demo's windowed RSA, stage 2 only, 30 steps (the dry run: 2 short ones)."""
+    """The demo's windowed RSA, stage 2 only, 30 steps (the dry run: 3 short ones, the third profiled)."""
     import yaml
 
     recipe = {"model": {"teacher": teacher, "mixer": "rsa", "mixer_options": {"rsa_window": 64}},
               "data": {"sequence_length": 64 if dry else 512, "max_train_sequences": 8 if dry else 512,
                        "heldout_sequences": 2 if dry else 8, "wider_evaluations": False},
-              "train": {"batch_size": 2 if dry else 8},
-              "stage1": {"enabled": False}, "stage2": {"steps": 2 if dry else 30},
+              "train": {"batch_size": 2 if dry else 8, "profile_steps": 1 if dry else 3},  # where a step's time goes
+              "stage1": {"enabled": False}, "stage2": {"steps": 3 if dry else 30},
               "output": {"dir": out_dir, "checkpoint_every": 1000}}
     with open(path, "w", encoding="utf-8") as handle:
         yaml.safe_dump(recipe, handle)
@@ -178,7 +178,9 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
         ("bench-distill", [*cli, "bench", "distill", "--source", teacher, "--mixer", "rsa", "--dtype", "bfloat16",
                            "--sequence-length", "64" if dry else "1024", "--batch-size", "2" if dry else "8",
                            *small, "--out", work, "--overwrite"], 120, {}),
+        # --max-call-seconds: the PyTorch paths at 16K tokens and 8B heads would take the step's minutes
         ("bench-kernels", [*cli, "bench", "kernels", "--dtype", "bfloat16", "--lengths", lengths, *small,
+                           "--max-call-seconds", "2",
                            "--shapes", ",".join(shapes), "--out", work, "--overwrite"], 150, {}),
         ("bench-rsa", [*cli, "bench", "rsa", "--lengths", lengths, *decode, *layer, *small, "--out", work,
                        "--overwrite"],
@@ -270,6 +272,10 @@ def figures(work: str) -> dict:
         found["distill_30"] = {"steps_logged": len(trained), "last": trained[-1] if trained else None,
                                "median_tokens_per_s": sorted(r["tokens_per_s"] for r in trained)[len(trained) // 2]
                                if trained else None}
+    profile = os.path.join(work, "distill-run", "profile_stage2.txt")
+    if os.path.exists(profile):  # its header: wall time, launches, synchronisations per step (recipes/profiling.py)
+        with open(profile, encoding="utf-8") as handle:
+            found.setdefault("distill_30", {})["profile"] = handle.read().split("\n\n")[0].splitlines()
     return found
 
 
@@ -341,8 +347,10 @@ def main(argv=None) -> int:
     report["seconds"] = round(time.perf_counter() - began, 1)
     with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=1)
-    for plot in sorted(glob.glob(os.path.join(work, "bench_*.png")))[:6]:  # 8 files at most come back from $OUT
-        shutil.copy(plot, args.out)
+    # 8 files at most come back from $OUT: the log, the report, the distillation's profile table, 5 plots
+    for kept in sorted(glob.glob(os.path.join(work, "distill-run", "profile_*.txt")))[:1] + \
+            sorted(glob.glob(os.path.join(work, "bench_*.png")))[:5]:
+        shutil.copy(kept, args.out)
     failed = [name for name, step in report["steps"].items() if step["status"] != "passed"]
     print(f"\ngpu-check ({report['environment']['device']}): {len(report['steps']) - len(failed)} of "
           f"{len(report['steps'])} steps passed in {report['seconds']} s"

@@ -257,6 +257,7 @@ def test_bench_generate_measures_models_against_their_teacher(tmp_path):
     assert "Decode at the largest batch within the budget (capped at 3" in table
     assert "generate, 3 new tokens after a 8-token prompt" in table
     assert (tmp_path / "bench" / "bench_generate.png").exists()
+    assert not (tmp_path / "bench" / "bench_generate.partial.json").exists()  # written per point, then replaced
     assert main(["bench", "generate", "--teacher", teacher, "--out", str(tmp_path / "none")]) == 2  # no model named
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "generate", "--mixer", "rsa", "--memory-budget-gib", "0"])
@@ -307,3 +308,35 @@ def test_bench_kernels_on_cpu_compares_the_pytorch_paths_only(tmp_path, monkeypa
     assert report["triton"] == "TRITON_INTERPRET=1: the interpreter is no benchmark"
     with pytest.raises(ValueError, match="unknown shape"):
         bench_kernels(str(tmp_path), shapes=["gpt5"])
+
+
+def test_bench_kernels_cuts_slow_candidates_and_keeps_the_points_of_a_stopped_run(tmp_path, monkeypatch):
+    """A candidate past --max-call-seconds at one T is not run at the longer ones (and the report says so); each
+    point is written as it ends, so a run stopped at a later point leaves the earlier ones (the GPU check's steps run
+    under time limits)."""
+    from hf_mixers.apps.bench import kernels
+
+    report = kernels.bench_kernels(str(tmp_path), lengths=[64, 32], shapes=["smollm2-135m"], repeats=1,
+                                   max_call_seconds=1e-9)
+    assert {(r["T"], r["candidate"]) for r in report["results"]} == {(32, c) for c in ("sdpa", "sessa_torch",
+                                                                                       "rsa_torch")}
+    assert set(report["cut"]["smollm2-135m"]) == {"sdpa", "sessa_torch", "rsa_torch"}
+    assert "not run past T=32" in report["cut"]["smollm2-135m"]["rsa_torch"]
+    assert all(r["torch_fwd_bwd_vs_sdpa"] is None for r in report["ratios"] if r["T"] == 64)
+    assert not (tmp_path / "bench_kernels.partial.json").exists()  # the whole report replaced it
+
+    timed, real = [], kernels.time_calls
+
+    def stop_at_the_second_point(calls, repeats, device):
+        timed.append(len(calls))
+        if len(timed) > 2:  # the forward and the forward+backward of the first point ran
+            raise KeyboardInterrupt
+        return real(calls, repeats, device)
+
+    monkeypatch.setattr(kernels, "time_calls", stop_at_the_second_point)
+    with pytest.raises(KeyboardInterrupt):
+        kernels.bench_kernels(str(tmp_path / "stopped"), lengths=[32, 64], shapes=["smollm2-135m"], repeats=1)
+    partial = json.loads((tmp_path / "stopped" / "bench_kernels.partial.json").read_text())
+    assert partial["complete"] is False and {(r["T"], r["candidate"]) for r in partial["rows"]} == {
+        (32, c) for c in ("sdpa", "sessa_torch", "rsa_torch")}
+    assert not (tmp_path / "stopped" / "bench_kernels.json").exists()

@@ -1,5 +1,5 @@
 """`make gpu-check` without CUDA is a dry run: every step of scripts/gpu_check.py on CPU at tiny sizes (the CUDA tier
-tests/gpu under the Triton interpreter, the benches, a two-step distillation), so that the script a GPU session runs
+tests/gpu under the Triton interpreter, the benches, a three-step distillation), so that the script a GPU session runs
 at once cannot rot between the rare sessions that are lent one."""
 
 import json
@@ -32,7 +32,10 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
             "test_model_on_device_equals_the_cpu_reference", "test_dispatch_picks_each_fast_path_with_one_log_line",
             "test_compiled_decode_equals_eager"} <= tested
     assert figures["bench_kernels"]["results"] and figures["bench_distill"]["tokens_per_s"]["distill"] > 0
-    assert figures["distill_30"]["steps_logged"] == 2
+    assert figures["distill_30"]["steps_logged"] == 3
+    assert figures["distill_30"]["profile"][0].startswith("stage2: torch.profiler over 1 step(s)")  # the third
+    assert any(line.strip().startswith("kernel_launches_per_step") for line in figures["distill_30"]["profile"])
+    assert "profile_stage2.txt" in os.listdir(tmp_path)  # the operator table comes back too
     assert figures["bench_rsa"] and figures["bench_sessa"]
     assert figures["bench_generate"]["models"] == ["teacher", "rsa window=64"]
     compiled = figures["compiled/bench_generate"]  # the same bench with the compiled step, as a CUDA graph on CUDA

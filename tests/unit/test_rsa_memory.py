@@ -232,3 +232,24 @@ def test_output_stays_bounded_when_signed_read_weights_cancel(method):
     out, _ = rsa_memory(q, k, v, valid, state, params, method=method)
     assert torch.isfinite(out).all()
     assert out.abs().max() <= v.abs().max() * (1 + 1e-9)
+
+
+def test_the_chunk_form_reads_the_host_once_per_call_whatever_its_length():
+    """A host read (``.item()``, ``bool(tensor)``, ``nonzero``) stalls a GPU's queue of launches until the device
+    catches up. The chunk form reads twice per call (``ChunkLayout.of``: the buffer's length, where each real token
+    goes), not once more per chunk boundary: the token step's shortcut
+    (skip the references' refresh when no row is at a boundary) is not taken in a chunk loop, where nearly every
+    chunk ends at one. Counted with torch.profiler on CPU: the same calls run on CUDA."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = make_params(levels=2)
+    q, k, v, valid = make_inputs(params, batch=2, length=6 * params.chunk_size)
+    q.requires_grad_()
+    for recompute in (False, True):
+        params.recompute = recompute
+        with profile(activities=[ProfilerActivity.CPU]) as trace:
+            out, _ = rsa_chunked(q, k, v, valid, initial_state(params, 2, v.shape[-1], F64), params)
+            out.pow(2).sum().backward()
+        reads = [event.name for event in trace.events()
+                 if event.name in ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero")]
+        assert sorted(reads) == ["aten::_local_scalar_dense", "aten::nonzero"], (recompute, reads)

@@ -38,11 +38,15 @@ def test_each_warmup_runs_once_per_key_inside_async_compile(monkeypatch, caplog)
     assert all(call[3] for call in forward.calls + backward.calls), "a warmup ran outside AsyncCompileMode"
     assert _async_compile.active_mode.get() is None  # the mode is left behind the call
     assert "test read: 3 Triton kernels ready" in caplog.text
+    assert caplog.records[-1].levelno == logging.INFO  # fast (a cache hit): not in a training log
 
     assert not triton_compile.compile_side_by_side("test read", ("layout", 1), lambda: warmups)  # done: nothing again
     assert len(forward.calls) == 1 and len(backward.calls) == 2
-    assert triton_compile.compile_side_by_side("test read", ("layout", 2), lambda: warmups[:1])  # another layout
+    monkeypatch.setattr(triton_compile, "SLOW_COMPILE_SECONDS", -1.0)  # a real compile: a warning, so users see it
+    with caplog.at_level(logging.INFO, logger="hf_mixers.kernels"):
+        assert triton_compile.compile_side_by_side("test read", ("layout", 2), lambda: warmups[:1])  # another layout
     assert len(forward.calls) == 2
+    assert caplog.records[-1].levelno == logging.WARNING and "1 Triton kernels ready" in caplog.records[-1].message
 
 
 def test_a_compile_error_reaches_the_caller_and_the_layout_stays_undone(monkeypatch):

@@ -39,8 +39,9 @@ def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa"
     teacher = load_teacher(source)
     for parameter in teacher.model.parameters():
         parameter.requires_grad_(False)
-    student, _ = convert(teacher, mixer, mixer_options=mixer_options, progress=False)  # on CPU, in fp32 (k-means)
-    teacher.model.to(device=device, dtype=getattr(torch, dtype))
+    teacher.model.to(device)  # converted where its weights are (a GPU's k-means and calibration), in fp32
+    student, _ = convert(teacher, mixer, mixer_options=mixer_options, progress=False)
+    teacher.model.to(dtype=getattr(torch, dtype))
     student.to(device=device, dtype=getattr(torch, dtype))
     section = DistillSection()
     distilled = add_lora(student.train(), section, seed=0)

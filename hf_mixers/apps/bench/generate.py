@@ -83,7 +83,7 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
                    budget_batch_cap: int = 512) -> dict:
     from tqdm.auto import tqdm
 
-    from .harness import bench_device, write_report
+    from .harness import bench_device, save_point, write_report
     from ...common.files import write_atomically
     from ...common.measures import decode_step_seconds, generation_timing
 
@@ -129,6 +129,7 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
                                           model.config.vocab_size, device)
             rows[-1]["budget_decode_tokens_per_s"] = rows[-1]["budget_batch"] / seconds
         del cache
+        save_point(out_dir, "bench_generate", rows[-1], rows)
     order = {label: index for index, label in enumerate(models)}
     rows.sort(key=lambda row: order[row["model"]])  # by model, then (stable) by batch and context
     teacher_rows = {(r["batch"], r["context"]): r for r in rows if r["model"] == "teacher"}

@@ -156,9 +156,25 @@ def cpu_peak(mixer, options, length, hidden_size, num_heads, num_kv_heads, batch
     return int(result.stdout.strip().splitlines()[-1])
 
 
+def save_point(out_dir: str, name: str, row: dict, rows: list) -> None:
+    """After each measured point: its row as one log line, and ``out_dir/name.partial.json`` with the rows so far,
+    so that a run stopped part-way (a time limit, Ctrl-C, a failure at a later point) leaves what it measured.
+    ``write_report`` removes the partial file once the whole report is written."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"{name} point: " + json.dumps(row, default=str))
+    os.makedirs(out_dir, exist_ok=True)
+    write_atomically(os.path.join(out_dir, f"{name}.partial.json"),
+                     json.dumps({"complete": False, "rows": rows}, indent=1, default=str))
+
+
 def write_report(report: dict, out_dir: str, name: str, plot, show) -> dict:
-    """``out_dir/name.json`` (written to a temporary file, then renamed), ``out_dir/name.png``, and a table."""
+    """``out_dir/name.json`` (written to a temporary file, then renamed), ``out_dir/name.png``, and a table; the
+    partial file of ``save_point`` goes."""
     write_atomically(os.path.join(out_dir, f"{name}.json"), json.dumps(report, indent=2))
+    partial = os.path.join(out_dir, f"{name}.partial.json")
+    if os.path.exists(partial):
+        os.remove(partial)
     plot(report, os.path.join(out_dir, f"{name}.png"))
     show(report)
     return report

@@ -10,7 +10,11 @@ For each model shape (heads and widths of SmolLM2-135M and Llama-3-8B) and seque
     rsa_triton    rsa_chunked_triton: its read side in Triton kernels (CUDA only)
 
 timed round-robin (``bench.time_calls``) for the forward alone (no grad) and forward + backward, with the peak
-CUDA memory of a forward + backward step. On CPU only the PyTorch paths are compared and memory is not measured.
+CUDA memory of a forward + backward step. A candidate whose forward + backward took longer than
+``max_call_seconds`` at one T is not run at the longer ones of that shape (the report lists it under "cut"): the
+PyTorch paths at 16K tokens and Llama-3-8B's heads would take the run's minutes. Each point's rows are written as
+it ends (``bench_kernels.partial.json``, and a log line), so a run stopped part-way keeps what it measured. On CPU
+only the PyTorch paths are compared and memory is not measured.
 Written to bench_kernels.json / .png with ratios to the PyTorch path and to SDPA from the same run.
 """
 
@@ -24,12 +28,12 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ...common.history import save_figure
-from .harness import bench_device, build_mixer, format_log_axes, time_calls, write_report
+from .harness import bench_device, build_mixer, format_log_axes, save_point, time_calls, write_report
 from ...kernels.dispatch import triton_unavailable
 from ...kernels.feedback_solve import feedback_solve
 from ...kernels.rsa_memory import initial_state, rsa_memory
 from . import register_bench
-from ..arguments import at_least, name_list, positive_list
+from ..arguments import at_least, name_list, positive_list, positive_number
 
 # feedback heads: SmolLM2 as converted (one feedback head over the whole width, the official layout); Llama-3-8B
 # with one feedback head per attention head (D = d = 128 per row), the layout a kernel keeps in registers.
@@ -122,7 +126,7 @@ def _cuda_peak(step) -> int:
 
 
 def bench_kernels(out_dir, lengths=None, shapes=("smollm2-135m", "llama3-8b"), repeats=3, dtype="bfloat16",
-                  chunk_size=64, device=None) -> dict:
+                  chunk_size=64, device=None, max_call_seconds: float = 10.0) -> dict:
     device = bench_device(device, "kernels")
     unknown = [name for name in shapes if name not in SHAPES]
     if unknown:
@@ -133,12 +137,12 @@ def bench_kernels(out_dir, lengths=None, shapes=("smollm2-135m", "llama3-8b"), r
     if why_not is None and os.environ.get("TRITON_INTERPRET") == "1":
         why_not = "TRITON_INTERPRET=1: the interpreter is no benchmark"
     unsupported = {name: _unsupported(SHAPES[name]) if why_not is None else {} for name in shapes}
-    results = []
-    points = [(name, length) for name in shapes for length in lengths]
+    results, cut = [], {}  # cut: {shape: {candidate: the T at which it passed max_call_seconds}}
+    points = [(name, length) for name in shapes for length in sorted(lengths)]
     for name, length in tqdm(points, desc="bench kernels", unit="point"):
         generator = torch.Generator().manual_seed(0)
         candidates = [c for c in CANDIDATES if (not c.endswith("triton") or why_not is None)
-                      and c not in unsupported[name]]
+                      and c not in unsupported[name] and c not in cut.get(name, {})]
         inputs = {c: _candidate(c, SHAPES[name], length, device, torch_dtype, generator, chunk_size)
                   for c in candidates}
         calls = {c: _calls(*inputs[c]) for c in candidates}
@@ -148,6 +152,9 @@ def bench_kernels(out_dir, lengths=None, shapes=("smollm2-135m", "llama3-8b"), r
             results.append({"shape": name, "T": length, "candidate": candidate, "fwd_s": forward[index][0],
                             "fwd_bwd_s": forward_backward[index][0],
                             "peak_bytes": _cuda_peak(calls[candidate][1]) if device.type == "cuda" else None})
+            save_point(out_dir, "bench_kernels", results[-1], results)
+            if forward_backward[index][0] > max_call_seconds:
+                cut.setdefault(name, {})[candidate] = length
         del inputs, calls
         gc.collect()
 
@@ -167,6 +174,10 @@ def bench_kernels(out_dir, lengths=None, shapes=("smollm2-135m", "llama3-8b"), r
               "torch": torch.__version__, "dtype": dtype, "chunk_size": chunk_size, "repeats": repeats,
               "shapes": {name: SHAPES[name] for name in shapes}, "triton": why_not or "timed",
               "not_run": {name: reasons for name, reasons in unsupported.items() if reasons},
+              "max_call_seconds": max_call_seconds,
+              "cut": {name: {candidate: f"not run past T={length}: its forward+backward took over "
+                                        f"{max_call_seconds:g} s there" for candidate, length in by.items()}
+                      for name, by in cut.items()},
               "memory": "torch.cuda.max_memory_allocated over one forward+backward" if device.type == "cuda"
               else "not measured on CPU", "results": results, "ratios": ratios}
     return write_report(report, out_dir, "bench_kernels", _plot, _print_table)
@@ -199,6 +210,9 @@ def _print_table(report: dict) -> None:
     for name, reasons in report.get("not_run", {}).items():
         for candidate, reason in reasons.items():
             print(f"  {name}: {candidate} not run: {reason}")
+    for name, reasons in report.get("cut", {}).items():
+        for candidate, reason in reasons.items():
+            print(f"  {name}: {candidate} {reason}")
     print(f"{'shape':>13} {'T':>6} | {'candidate':>12} {'fwd s':>8} {'fwd+bwd s':>9} {'peak MiB':>9}")
     for row in report["results"]:
         print(f"{row['shape']:>13} {row['T']:>6} | {row['candidate']:>12} {fmt(row['fwd_s']):>8} "
@@ -220,8 +234,11 @@ def _arguments(parser) -> None:
                         help=f"model shapes (heads and widths), of {', '.join(SHAPES)}")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--chunk-size", type=at_least(1), default=64, help="query chunk of the feedback solve (64)")
+    parser.add_argument("--max-call-seconds", type=positive_number, default=10.0,
+                        help="a candidate slower than this per forward+backward at one T is not run at longer T (10)")
 
 
 register_bench("kernels", "the Triton kernels against their PyTorch paths and SDPA attention (CUDA)", _arguments,
                lambda args: bench_kernels(args.out, lengths=args.lengths, shapes=args.shapes, repeats=args.repeats,
-                                          dtype=args.dtype, chunk_size=args.chunk_size, device=args.device))
+                                          dtype=args.dtype, chunk_size=args.chunk_size, device=args.device,
+                                          max_call_seconds=args.max_call_seconds))
