@@ -7,6 +7,7 @@ chunk of an aligned buffer (``ChunkLayout``), in order, with the references refr
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields, replace
 from typing import Callable
@@ -51,6 +52,7 @@ class RSAParams:
     recompute: bool = False  # training: keep only chunk inputs, recompute each chunk in the backward pass
     log_weight: bool = False  # append each read's log weight as one more output channel (the local window's merge)
     refresh_in_step: bool = True  # the token step refreshes the references at a boundary (False: its caller does)
+    compile_write: bool = False  # the chunk forms write each chunk through one torch.compile graph (compiled_write)
 
 
 @dataclass
@@ -247,6 +249,19 @@ class ChunkWrites:
                            *(t[:, :, chunks] for t in (self.key_sum, self.value_sum, self.mass, self.relation_sum)))
 
 
+@functools.cache
+def compiled_write():
+    """``write_chunk`` as one torch.compile graph (``params.compile_write``, the mixer's ``rsa_compile_write``).
+
+    Eager, a chunk's write side is ~300 small operator calls forward and backward at 4 levels (an assignment, two
+    residual projections and two MLPs per level, the state sums, and autograd's backward of each): on a GPU each is a
+    kernel launch, and the step is bound by them, not by arithmetic (docs/benchmarks.md, "The fourth GPU run").
+    Compiled, the elementwise work fuses into a few kernels and the matmuls stay. One graph per input shape and grad
+    mode, shared by every layer and chunk (the weights are its inputs, not constants); built at the first call
+    (tens of seconds), then looked up."""
+    return torch.compile(write_chunk, fullgraph=True)
+
+
 def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params: RSAParams, decay_b=None):
     """The write side of every chunk of the aligned buffer, in order: k_b (B, G, Tp, d), v_b (B, G, Tp, dv),
     valid_b (B, Tp), decay_b (B, G, Tp) or None -> (ChunkWrites, the state after the last chunk, count advanced).
@@ -256,12 +271,13 @@ def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params
     at the previous boundary, which depend on every earlier write. Shared by the PyTorch and Triton chunk forms.
     """
     size = params.chunk_size
+    write = compiled_write() if params.compile_write else write_chunk
     f, x, y, starts = [], [], [], []
     for start in range(0, layout.padded, size):
         stop = start + size
         starts.append(state)
-        f_c, x_c, y_c, state = write_chunk(k_b[:, :, start:stop], v_b[:, :, start:stop], valid_b[:, start:stop], state,
-                                           params, None if decay_b is None else decay_b[:, :, start:stop])
+        f_c, x_c, y_c, state = write(k_b[:, :, start:stop], v_b[:, :, start:stop], valid_b[:, start:stop], state,
+                                     params, None if decay_b is None else decay_b[:, :, start:stop])
         f.append(f_c)
         x.append(x_c)
         y.append(y_c)

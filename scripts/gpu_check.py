@@ -12,7 +12,8 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
   pytest-kernels tests/gpu/test_kernels_cuda.py: the Triton kernels against their fp64 references at realistic
                  shapes (fp32, bf16; values and gradients)
   teacher        a SmolLM2-135M-shaped teacher with random weights (bf16 safetensors; SmolLM2's tokenizer)
-  distill-30     `hf-mixers distill`: 30 stage-2 steps of the demo's windowed RSA on that teacher
+  distill-30     `hf-mixers distill`: 30 stage-2 steps of the demo's windowed RSA on that teacher, steps 3-5 profiled
+  distill-30-compiled-write   the same with `rsa_compile_write` (each chunk's write side one torch.compile graph)
   bench-generate the windowed RSA conversion of that teacher against it: prefill / decode tokens/s at 1K and 16K,
                  batch 1 and 16, bf16, the largest batch within 40 GiB
   bench-distill  `hf-mixers bench distill`: a stage-2 step (RSA) against a teacher-LoRA step, tokens/s
@@ -125,11 +126,15 @@ def warm_kernel(kernel: str, shape: str, length: int) -> None:
               f"{time.perf_counter() - began:.1f} s", flush=True)
 
 
-def distill_recipe(path: str, teacher: str, out_dir: str, dry: bool) -> None:
+DISTILL_RUNS = {"distill-30": ("distill-run", {}),  # step name: (output folder, RSA options beyond the window)
+                "distill-30-compiled-write": ("distill-run-compiled-write", {"rsa_compile_write": True})}
+
+
+def distill_recipe(path: str, teacher: str, out_dir: str, dry: bool, options: dict) -> None:
     """The demo's windowed RSA, stage 2 only, 30 steps (the dry run: 3 short ones, the third profiled)."""
     import yaml
 
-    recipe = {"model": {"teacher": teacher, "mixer": "rsa", "mixer_options": {"rsa_window": 64}},
+    recipe = {"model": {"teacher": teacher, "mixer": "rsa", "mixer_options": {"rsa_window": 64, **options}},
               "data": {"sequence_length": 64 if dry else 512, "max_train_sequences": 8 if dry else 512,
                        "heldout_sequences": 2 if dry else 8, "wider_evaluations": False},
               "train": {"batch_size": 2 if dry else 8, "profile_steps": 1 if dry else 3},  # where a step's time goes
@@ -145,7 +150,6 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     teacher = os.path.join(work, "teacher")
     lengths = "64" if dry else "1024,2048,4096,8192,16384"
     small = ["--device", "cpu", "--repeats", "1"] if dry else ["--repeats", "3"]
-    recipe = os.path.join(work, "distill-30.yaml")
     tier = {"HF_MIXERS_GPU_CHECK": "dry", "TRITON_INTERPRET": "1"} if dry else {}
     decode = ["--contexts", "64", "--decode-tokens", "2"] if dry else ["--contexts", "1024,4096,16384"]
     layer = ["--hidden-size", "64", "--heads", "4", "--kv-heads", "2"] if dry else []  # default: SmolLM2's
@@ -173,7 +177,7 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
         ("pytest-kernels", [*pytest, "tests/gpu/test_kernels_cuda.py"], 240, records("kernels")),  # 20 cases
         ("teacher", [*python, str(Path(__file__).resolve()), "--make-teacher", teacher,
                      "--shape", "tiny" if dry else "smollm2-135m"], 60, {}),
-        ("distill-30", [*cli, "distill", recipe], 150, {}),
+        *((name, [*cli, "distill", os.path.join(work, f"{name}.yaml")], 150, {}) for name in DISTILL_RUNS),
         ("bench-generate", [*generate, "--out", work, "--overwrite"], 150, {}),
         ("bench-distill", [*cli, "bench", "distill", "--source", teacher, "--mixer", "rsa", "--dtype", "bfloat16",
                            "--sequence-length", "64" if dry else "1024", "--batch-size", "2" if dry else "8",
@@ -264,18 +268,20 @@ def figures(work: str) -> dict:
     for path in sorted(glob.glob(os.path.join(work, "*.json")) + glob.glob(os.path.join(work, "compiled", "*.json"))):
         with open(path, encoding="utf-8") as handle:  # compiled/bench_generate.json: the compiled-decode bench
             found[os.path.relpath(path, work)[:-5]] = json.load(handle)
-    metrics = os.path.join(work, "distill-run", "metrics.jsonl")
-    if os.path.exists(metrics):
-        with open(metrics, encoding="utf-8") as handle:
-            rows = [json.loads(line) for line in handle if line.strip()]
-        trained = [r for r in rows if "tokens_per_s" in r]
-        found["distill_30"] = {"steps_logged": len(trained), "last": trained[-1] if trained else None,
-                               "median_tokens_per_s": sorted(r["tokens_per_s"] for r in trained)[len(trained) // 2]
-                               if trained else None}
-    profile = os.path.join(work, "distill-run", "profile_stage2.txt")
-    if os.path.exists(profile):  # its header: wall time, launches, synchronisations per step (recipes/profiling.py)
-        with open(profile, encoding="utf-8") as handle:
-            found.setdefault("distill_30", {})["profile"] = handle.read().split("\n\n")[0].splitlines()
+    for name, (folder, _) in DISTILL_RUNS.items():
+        key = name.replace("-", "_")
+        metrics = os.path.join(work, folder, "metrics.jsonl")
+        if os.path.exists(metrics):
+            with open(metrics, encoding="utf-8") as handle:
+                rows = [json.loads(line) for line in handle if line.strip()]
+            trained = [r for r in rows if "tokens_per_s" in r]
+            found[key] = {"steps_logged": len(trained), "last": trained[-1] if trained else None,
+                          "median_tokens_per_s": sorted(r["tokens_per_s"] for r in trained)[len(trained) // 2]
+                          if trained else None}
+        profile = os.path.join(work, folder, "profile_stage2.txt")
+        if os.path.exists(profile):  # its header: wall time, launches, synchronisations per step (recipes/profiling.py)
+            with open(profile, encoding="utf-8") as handle:
+                found.setdefault(key, {})["profile"] = handle.read().split("\n\n")[0].splitlines()
     return found
 
 
@@ -321,8 +327,9 @@ def main(argv=None) -> int:
         else:
             print("gpu-check: no CUDA here -- a dry run of every step on CPU at tiny sizes (Triton interpreted); "
                   "it proves the script, not the GPU", flush=True)
-        distill_recipe(os.path.join(work, "distill-30.yaml"), os.path.join(work, "teacher"),
-                       os.path.join(work, "distill-run"), dry)
+        for name, (folder, options) in DISTILL_RUNS.items():
+            distill_recipe(os.path.join(work, f"{name}.yaml"), os.path.join(work, "teacher"),
+                           os.path.join(work, folder), dry, options)
         wanted = set(args.only.split(",")) if args.only else None
         todo = [step for step in steps([sys.executable, "-P"], work, dry) if wanted is None or step[0] in wanted]
         # the compile steps side by side (one core each; Triton compiles a kernel on one), the others in turn
@@ -347,10 +354,13 @@ def main(argv=None) -> int:
     report["seconds"] = round(time.perf_counter() - began, 1)
     with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=1)
-    # 8 files at most come back from $OUT: the log, the report, the distillation's profile table, 5 plots
-    for kept in sorted(glob.glob(os.path.join(work, "distill-run", "profile_*.txt")))[:1] + \
-            sorted(glob.glob(os.path.join(work, "bench_*.png")))[:5]:
-        shutil.copy(kept, args.out)
+    # 8 files at most come back from $OUT: the log, the report, the two distillations' profile tables, 4 plots
+    for folder, _ in DISTILL_RUNS.values():
+        profile = os.path.join(work, folder, "profile_stage2.txt")
+        if os.path.exists(profile):
+            shutil.copy(profile, os.path.join(args.out, f"profile_stage2_{folder}.txt"))
+    for plot in sorted(glob.glob(os.path.join(work, "bench_*.png")))[:4]:
+        shutil.copy(plot, args.out)
     failed = [name for name, step in report["steps"].items() if step["status"] != "passed"]
     print(f"\ngpu-check ({report['environment']['device']}): {len(report['steps']) - len(failed)} of "
           f"{len(report['steps'])} steps passed in {report['seconds']} s"

@@ -124,7 +124,8 @@ class RSAMixer(RecurrentMixer, FullAttention):
             threshold=cast(self.threshold).clamp(0.0, config.rsa_threshold_max), read_scale=cast(self.read_scale),
             query_read=cast(self.query_read), assign_fn=config.rsa_assign_fn, readout=config.rsa_readout,
             routing=config.rsa_routing, chunk_size=config.rsa_chunk_size, eps=config.rsa_eps,
-            recompute=config.rsa_recompute_chunks, log_weight=config.rsa_window > 0, refresh_in_step=refresh_in_step)
+            recompute=config.rsa_recompute_chunks, log_weight=config.rsa_window > 0, refresh_in_step=refresh_in_step,
+            compile_write=config.rsa_compile_write)
 
     def projections(self, hidden_states, position_embeddings):
         """The window's queries (B, H, T, hd) and keys (B, Hkv, T, hd) (rotated), the memory's (rotated unless
@@ -346,6 +347,10 @@ RSA = register_mixer(MixerSpec(
                     "head before each write (b starts at 4, a half-life of ~600 tokens)", boolean),
         MixerOption("rsa_recompute_chunks", False, "recompute each chunk's intermediates in the backward pass (about "
                     "10x less activation memory, 2-2.7x the time at T = 8192 on CPU)", boolean),
+        MixerOption("rsa_compile_write", False, "write each chunk of the chunk form (training, prefill) through one "
+                    "torch.compile graph shared by all RSA layers: its ~300 small operator calls a chunk fuse into "
+                    "a few kernels, for GPUs where the eager step is launch-bound; the first chunk compiles for "
+                    "tens of seconds per batch shape", boolean),
         window_option("rsa"),
         MixerOption("rsa_memory_rope", True, "RoPE on the memory's queries and keys (False: only the window's are "
                     "rotated; the memory's slot assignments then do not depend on absolute positions, which it "

@@ -23,7 +23,7 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
     assert {name: step["status"] for name, step in report["steps"].items()} == \
         {name: "passed" for name in report["steps"]}
     assert {"compile-sessa-smollm2-135m", "compile-rsa-smollm2-135m", "compile-rsa-window-smollm2-135m",
-            "pytest-mixers", "pytest-kernels", "pytest-libraries", "bench-kernels", "teacher", "bench-distill", "distill-30", "bench-rsa", "bench-sessa",
+            "pytest-mixers", "pytest-kernels", "pytest-libraries", "bench-kernels", "teacher", "bench-distill", "distill-30", "distill-30-compiled-write", "bench-rsa", "bench-sessa",
             "bench-generate", "bench-generate-compiled"} <= set(report["steps"])
     figures = report["figures"]
     tested = {row["test"].split("[")[0] for name in ("pytest_mixers", "pytest_kernels")
@@ -32,10 +32,12 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
             "test_model_on_device_equals_the_cpu_reference", "test_dispatch_picks_each_fast_path_with_one_log_line",
             "test_compiled_decode_equals_eager"} <= tested
     assert figures["bench_kernels"]["results"] and figures["bench_distill"]["tokens_per_s"]["distill"] > 0
-    assert figures["distill_30"]["steps_logged"] == 3
-    assert figures["distill_30"]["profile"][0].startswith("stage2: torch.profiler over 1 step(s)")  # the third
-    assert any(line.strip().startswith("kernel_launches_per_step") for line in figures["distill_30"]["profile"])
-    assert "profile_stage2.txt" in os.listdir(tmp_path)  # the operator table comes back too
+    for run in ("distill_30", "distill_30_compiled_write"):  # eager, then each chunk's write as one compiled graph
+        assert figures[run]["steps_logged"] == 3
+        assert figures[run]["profile"][0].startswith("stage2: torch.profiler over 1 step(s)")  # the third step
+        assert any(line.strip().startswith("kernel_launches_per_step") for line in figures[run]["profile"])
+    assert {"profile_stage2_distill-run.txt", "profile_stage2_distill-run-compiled-write.txt"} <= set(
+        os.listdir(tmp_path))  # the operator tables come back too
     assert figures["bench_rsa"] and figures["bench_sessa"]
     assert figures["bench_generate"]["models"] == ["teacher", "rsa window=64"]
     compiled = figures["compiled/bench_generate"]  # the same bench with the compiled step, as a CUDA graph on CUDA

@@ -253,3 +253,43 @@ def test_the_chunk_form_reads_the_host_once_per_call_whatever_its_length():
         reads = [event.name for event in trace.events()
                  if event.name in ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero")]
         assert sorted(reads) == ["aten::_local_scalar_dense", "aten::nonzero"], (recompute, reads)
+
+
+def test_the_compiled_write_equals_the_eager_one_and_one_graph_serves_every_layer():
+    """``rsa_compile_write``: each chunk's write side through one torch.compile graph (fewer launches on a GPU).
+    In fp64 on CPU: the output, the state and every gradient (inputs, prototypes, MLPs, beta) equal the eager
+    write's; a second layer of the same shape (other weights) reuses the graph, it does not compile again."""
+    from dataclasses import replace
+
+    from hf_mixers.apps.bench.harness import build_mixer
+    from hf_mixers.kernels.rsa_state import compiled_write
+
+    torch._dynamo.reset()
+    compiled_write.cache_clear()
+    options = {"rsa_num_levels": 3, "rsa_num_slots": 4, "rsa_chunk_size": 4, "rsa_query_read": True}
+    layers = [build_mixer("rsa", options, 16, 4, 2, "cpu", F64)[0] for _ in range(2)]
+    for layer in layers:
+        with torch.no_grad():  # MLPs and betas away from their identity / init values, so their gradients matter
+            for parameter in layer.parameters():
+                parameter.add_(0.05 * torch.randn_like(parameter))
+    q, k, v, valid = make_inputs(layers[0].memory_params(F64), batch=3, length=11, value_dim=4)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    graphs = []
+    for index, layer in enumerate(layers):
+        results = []
+        for compile_write in (False, True):
+            params = replace(layer.memory_params(F64), compile_write=compile_write)
+            layer.zero_grad()
+            out, state = rsa_chunked(q, k, v, valid, initial_state(params, 3, 4, F64), params)
+            grads = torch.autograd.grad(out.pow(2).sum() + state.key_sum.sum() + state.value_sum.pow(2).sum(),
+                                        [q, k, v, *layer.parameters()], allow_unused=True)
+            results.append((out, *(getattr(state, name) for name in STATE_FIELDS), *grads))
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        for eager, compiled in zip(*results):
+            if eager is None:
+                assert compiled is None
+            else:
+                torch.testing.assert_close(compiled, eager, rtol=1e-9, atol=1e-10)
+        assert any(g is not None and g.abs().sum() > 0 for g in results[1][1 + len(STATE_FIELDS) + 3:])
+    # layer 1 compiled its graphs (the first chunk's state needs no gradient, the later ones' do); layer 2 none
+    assert graphs[1] > graphs[0] and graphs[3] == graphs[1], graphs
