@@ -308,3 +308,29 @@ def test_rsa_model_on_the_triton_path_equals_the_pytorch_path(window):
         torch.testing.assert_close(results["triton"][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
     decoded, _ = step_through(models["triton"].eval(), ids, mask, prefill=13)  # prefill 13 (two chunks), decode 8
     torch.testing.assert_close(decoded[mask.bool()], results["triton"][0][mask.bool()], rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_launch(tmp_path, monkeypatch):
+    """`make gpu-check` compiles the RSA variants before its timed steps (scripts/gpu_check.py ``warm_kernel``, via
+    bench kernels' ``_candidate``). Each readout is its own variant: warming the mixer's default (sigmoid) while the
+    conversion sets the count-aware softmax left the demo's forward and backward to compile inside the distillation
+    on the fourth H100 run (38 s each). Here the launches of a converted teacher's calibration and training step
+    (the demo's window) are exactly those of the warm-up at the same head layout."""
+    from conftest import save_tiny_teacher
+    from hf_mixers.apps.bench.kernels import _candidate
+    from hf_mixers.conversion import convert
+
+    save_tiny_teacher(tmp_path / "teacher")
+    launched = record_launches(monkeypatch, (rct._fwd_kernel, rct._bwd_kernel))
+    student, _ = convert(str(tmp_path / "teacher"), "rsa", mixer_options={"rsa_window": 8}, sequence_length=48,
+                         calibration_sequences=2, heldout_sequences=1, progress=False)
+    student.to(DEV).train()
+    student(torch.randint(1, 50, (2, 40), device=DEV)).logits.float().pow(2).mean().backward()
+    demo = set(launched)
+    launched.clear()
+    shape = dict(heads=4, kv_heads=2, head_dim=16)  # the tiny teacher's heads (hidden 64)
+    _, run_warm = _candidate("rsa_triton", shape, 40, DEV, torch.float32, torch.Generator().manual_seed(0), 64,
+                             {"rsa_window": 8})
+    run_warm().pow(2).mean().backward()
+    assert len(demo) == 3 and launched == demo  # the forward and the two backward variants, none other

@@ -6,7 +6,8 @@ For each model shape (heads and widths of SmolLM2-135M and Llama-3-8B) and seque
                   the baseline a converted layer replaces
     sessa_torch   feedback_solve_chunked: the PyTorch chunked solve with its hand-written backward
     sessa_triton  feedback_solve_triton (CUDA only: the CPU interpreter is no benchmark)
-    rsa_torch     rsa_chunked: the RSA memory of a layer of this shape (4 levels x 64 slots, chunks of 64)
+    rsa_torch     rsa_chunked: the RSA memory of a layer of this shape as converted (4 levels x 64 slots,
+                  chunks of 64, the count-aware softmax readout)
     rsa_triton    rsa_chunked_triton: its read side in Triton kernels (CUDA only)
 
 timed round-robin (``bench.time_calls``) for the forward alone (no grad) and forward + backward, with the peak
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ...common.history import save_figure
+from ...core.registry import get_mixer
 from .harness import bench_device, build_mixer, format_log_axes, save_point, time_calls, write_report
 from ...kernels.dispatch import triton_unavailable
 from ...kernels.feedback_solve import feedback_solve
@@ -57,8 +59,9 @@ def _candidate(candidate: str, shape: dict, length: int, device, dtype, generato
         tensors = {"query": randn(1, heads, length, head_dim), "key": randn(1, kv_heads, length, head_dim),
                    "value": randn(1, kv_heads, length, head_dim)}
         return tensors, lambda: F.scaled_dot_product_attention(**tensors, is_causal=True, enable_gqa=True)
-    if candidate.startswith("rsa"):  # the memory of an RSA layer of this shape (conversion defaults, 4 x 64 slots)
-        module, _ = build_mixer("rsa", rsa_options or {}, heads * head_dim, heads, kv_heads, device, torch.float32)
+    if candidate.startswith("rsa"):  # the memory of an RSA layer of this shape as converted (4 x 64 slots)
+        module, _ = build_mixer("rsa", converted_rsa_options(rsa_options), heads * head_dim, heads, kv_heads, device,
+                                torch.float32)
         tensors = {"q": randn(1, kv_heads, heads // kv_heads, length, head_dim),
                    "k": randn(1, kv_heads, length, head_dim), "v": randn(1, kv_heads, length, head_dim)}
         backend = "triton" if candidate == "rsa_triton" else "torch"  # each candidate on its own path, forced
@@ -78,13 +81,21 @@ def _candidate(candidate: str, shape: dict, length: int, device, dtype, generato
     return tensors, lambda: feedback_solve(**tensors, chunk_size=chunk_size, backend=backend)
 
 
+def converted_rsa_options(rsa_options: dict | None = None) -> dict:
+    """RSA's options as ``convert`` sets them (its conversion defaults: the count-aware softmax readout), then
+    ``rsa_options``. Each readout is its own kernel variant, so what is timed and warmed (`make gpu-check`) must be the
+    converted layer's: the sigmoid readout warmed in the fourth GPU run left the demo's variant to compile twice
+    (~38 s each) inside its distillation."""
+    return {**get_mixer("rsa").conversion_options, **(rsa_options or {})}
+
+
 def _unsupported(shape: dict) -> dict:
     """{candidate: why its kernel cannot take this head layout}: the RSA read holds a head's (C, d) tile whole, and
     wider ones do not fit a GPU block's shared memory (the Sessa solve takes any width, in blocks)."""
     from ...kernels.rsa_chunk_triton import rsa_chunk_triton_supports
 
-    module, _ = build_mixer("rsa", {}, shape["heads"] * shape["head_dim"], shape["heads"], shape["kv_heads"], "cpu",
-                            torch.float32)
+    module, _ = build_mixer("rsa", converted_rsa_options(), shape["heads"] * shape["head_dim"], shape["heads"],
+                            shape["kv_heads"], "cpu", torch.float32)
     reason = rsa_chunk_triton_supports(module.memory_params(torch.float32), v=torch.zeros(1, 1, 1, shape["head_dim"]))
     return {"rsa_triton": reason} if reason else {}
 
