@@ -151,6 +151,8 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
             row = {"stage": stage, "step": step, "loss": processes.mean(total), "lr": step_lr,
                    "tokens_per_s": tokens_per_step / seconds,
                    "world_size": processes.world, **{k: processes.mean(float(v)) for k, v in extra.items()}}
+            if device.type == "cuda":  # what the memory plan (distill --plan) is checked against, as the run goes
+                row["peak_device_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 3)
             scale = optimizer.loss_scale()
             if scale is not None:  # fp16: the scale after this step (it halves when one overflows)
                 row["loss_scale"] = scale

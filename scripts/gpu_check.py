@@ -24,6 +24,9 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
   pytest-libraries   tests/gpu/test_libraries_cuda.py: fla's GLA kernel and Liger's distillation loss against ours
                  (where carried; their first calls autotune and compile for minutes, so they come last)
   pytest-triton  the Triton unit tests (tests/unit/test_*_triton.py) in-process on CUDA
+  scale-1b, scale-8b   TinyLlama-1.1B- and Llama-3-8B-shaped random teachers made on the GPU, their memory plan
+                 (`distill --plan --json`), 10 stage-2 steps of the windowed RSA conversion in bf16 at 512 / 2,048
+                 tokens: tokens/s and peak device memory against the plan (minutes each: run them with --only)
 Each step is timed, runs under its own time limit and a global budget, and the run goes on past a failure. Written
 to --out (default $OUT, else outputs/gpu-check), at most 8 files: gpu_check.json (every figure), gpu_check.log (every
 step's output), the benches' plots.
@@ -61,7 +64,14 @@ TEACHER_SHAPES = {
                          num_key_value_heads=3),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2),
+    # issue 34's scale checks: TinyLlama-1.1B's and Llama-3-8B's architectures (their config.json), random weights
+    "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                           num_key_value_heads=4),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
 }
+# scale step: (teacher shape, tokens a sequence, time limit in seconds); the dry run: the tiny shape, 64 tokens
+SCALE_RUNS = {"scale-1b": ("tinyllama-1.1b", 512, 300), "scale-8b": ("llama3-8b", 2048, 480)}
 
 
 def smollm2_tokenizer():
@@ -78,20 +88,59 @@ def smollm2_tokenizer():
 
 
 def make_teacher(folder: str, shape: str) -> None:
-    """A Llama of ``shape`` with random weights and SmolLM2's tokenizer, saved as bf16 safetensors in ``folder``."""
+    """A Llama of ``shape`` with random weights and SmolLM2's tokenizer, saved as bf16 safetensors in ``folder``
+    (built in bf16 on the GPU when there is one: an 8B model's fp32 init on the host would take minutes)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = smollm2_tokenizer()
-    config = LlamaConfig(vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, **TEACHER_SHAPES[shape])
+    fields = {"vocab_size": 49152, "tie_word_embeddings": True, **TEACHER_SHAPES[shape]}
+    config = LlamaConfig(max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **fields)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     print(f"teacher: {shape}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, random weights, "
           f"bf16, in {folder}")
+
+
+def scale_run(name: str, work: str, dry: bool) -> int:
+    """Issue 34's GPU check: a random teacher of the step's shape (``SCALE_RUNS``), its memory plan (`distill --plan
+    --json`), then 10 stage-2 steps of its windowed-RSA conversion, converted on the device, in bf16, batch 1: each
+    step's tokens/s and peak device memory against the plan (``figures``). Returns the distillation's exit code."""
+    import yaml
+
+    shape, length, _ = SCALE_RUNS[name]
+    shape, length = ("tiny", 64) if dry else (shape, length)
+    folder = os.path.join(work, name)
+    teacher = os.path.join(folder, "teacher")
+    if not os.path.isdir(teacher):
+        import torch
+
+        make_teacher(teacher, shape)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the teacher built on the GPU: its memory back before the distillation starts
+    recipe = os.path.join(folder, "recipe.yaml")
+    with open(recipe, "w", encoding="utf-8") as handle:
+        yaml.safe_dump({"model": {"teacher": teacher, "mixer": "rsa", "mixer_options": {"rsa_window": 64}},
+                        "data": {"sequence_length": length, "max_train_sequences": 16, "heldout_sequences": 1,
+                                 "wider_evaluations": False},
+                        "train": {"batch_size": 1, "report_to": []}, "stage1": {"enabled": False},
+                        "stage2": {"steps": 2 if dry else 10}, "output": {"dir": os.path.join(folder, "run"),
+                                                                           "checkpoint_every": 1000}}, handle)
+    cli = [sys.executable, "-P", "-m", "hf_mixers", "distill", recipe]
+    plan = subprocess.run([*cli, "--plan", "--json"], capture_output=True, text=True)
+    print(plan.stdout[-3000:] + plan.stderr[-3000:], flush=True)
+    with open(os.path.join(folder, "plan.json"), "w", encoding="utf-8") as handle:
+        handle.write(plan.stdout)
+    return subprocess.run(cli).returncode
 
 
 def warm_kernel(kernel: str, shape: str, length: int) -> None:
@@ -197,7 +246,10 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     ] + ([] if dry else [  # on CPU `make test` runs these under the interpreter already
         ("pytest-triton", [*python, "-m", "pytest", "tests/unit/test_feedback_solve_triton.py",
                            "tests/unit/test_rsa_chunk_triton.py", "-m", "", "-q", "-p", "no:cacheprovider"], 120, {}),
-    ])
+    ]) + [  # issue 34's scale checks, last: minutes each (`--only scale-1b,scale-8b` runs them alone)
+        (name, [*python, str(Path(__file__).resolve()), "--scale", name, work] + (["--dry-run"] if dry else []),
+         180 if dry else limit, {}) for name, (_, _, limit) in SCALE_RUNS.items()
+    ]
 
 
 _OUTPUT_LOCK = threading.Lock()
@@ -282,7 +334,35 @@ def figures(work: str) -> dict:
         if os.path.exists(profile):  # its header: wall time, launches, synchronisations per step (recipes/profiling.py)
             with open(profile, encoding="utf-8") as handle:
                 found.setdefault(key, {})["profile"] = handle.read().split("\n\n")[0].splitlines()
+    for name in SCALE_RUNS:
+        found.update(scale_figures(os.path.join(work, name), name.replace("-", "_")))
     return found
+
+
+def scale_figures(folder: str, key: str) -> dict:
+    """A scale run's plan against what its steps measured: tokens/s, and the peak device memory (CUDA) against the
+    plan's peak (the plan's claim: within 15%)."""
+    if not os.path.isdir(folder):
+        return {}
+    found = {}
+    try:
+        with open(os.path.join(folder, "plan.json"), encoding="utf-8") as handle:
+            plan = json.load(handle)
+        found["plan_peak_gib"] = round(plan["peak_bytes"] / 2**30, 3)
+        found["plan_fits"] = plan["fits"]
+    except (OSError, ValueError, KeyError) as error:
+        found["plan"] = f"not read: {error}"
+    metrics = os.path.join(folder, "run", "metrics.jsonl")
+    if os.path.exists(metrics):
+        with open(metrics, encoding="utf-8") as handle:
+            trained = [row for row in map(json.loads, filter(str.strip, handle)) if "tokens_per_s" in row]
+        found["steps_logged"] = len(trained)
+        if trained:
+            found["median_tokens_per_s"] = sorted(row["tokens_per_s"] for row in trained)[len(trained) // 2]
+            found["peak_device_gib"] = trained[-1].get("peak_device_gib")
+            if found["peak_device_gib"] and found.get("plan_peak_gib"):
+                found["measured_over_plan"] = round(found["peak_device_gib"] / found["plan_peak_gib"], 3)
+    return {key: found}
 
 
 def main(argv=None) -> int:
@@ -295,12 +375,15 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="smollm2-135m", help=argparse.SUPPRESS)
     parser.add_argument("--save-tokenizer", metavar="FOLDER", help=argparse.SUPPRESS)  # `make gpu-wheels`
     parser.add_argument("--warm", nargs=2, metavar=("KERNEL", "SHAPE"), help=argparse.SUPPRESS)
+    parser.add_argument("--scale", nargs=2, metavar=("STEP", "WORK"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.warm:
         import torch
 
         warm_kernel(*args.warm, length=128 if torch.cuda.is_available() else 32)
         return 0
+    if args.scale:
+        return scale_run(*args.scale, dry=args.dry_run)
     if args.save_tokenizer:
         smollm2_tokenizer().save_pretrained(args.save_tokenizer)
         return 0

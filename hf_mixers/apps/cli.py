@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--processes", type=at_least(1), default=1, help="with --plan: processes (GPUs) of the run")
     distill.add_argument("--device-memory", default=None, metavar="SIZE",
                          help="with --plan: memory of each process's device, e.g. 80GB (implies a CUDA device)")
+    distill.add_argument("--json", action="store_true", help="with --plan: the plan as JSON (bytes per part and stage)")
 
     finetune = commands.add_parser(
         "finetune", help="stage 3: supervised fine-tuning of a converted model on chat data (LoRA or full)",
@@ -399,7 +400,7 @@ def _train(args) -> int:
             plan = plan_memory(load_recipe(args.recipes, [*flags, *args.overrides]), args.processes, memory)
         except EXPECTED_ERRORS as error:
             return _fail("distill --plan", error)
-        print(plan.to_text())
+        print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.to_text())
         return 0 if plan.fits() is not False else 1
     try:
         summary = run(load_recipe(args.recipes, [*flags, *args.overrides]))

@@ -24,7 +24,7 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
         {name: "passed" for name in report["steps"]}
     assert {"compile-sessa-smollm2-135m", "compile-rsa-smollm2-135m", "compile-rsa-window-smollm2-135m",
             "pytest-mixers", "pytest-kernels", "pytest-libraries", "bench-kernels", "teacher", "bench-distill", "distill-30", "distill-30-compiled-write", "bench-rsa", "bench-sessa",
-            "bench-generate", "bench-generate-compiled"} <= set(report["steps"])
+            "bench-generate", "bench-generate-compiled", "scale-1b", "scale-8b"} <= set(report["steps"])
     figures = report["figures"]
     tested = {row["test"].split("[")[0] for name in ("pytest_mixers", "pytest_kernels")
               for row in figures[name]["records"]}
@@ -40,6 +40,9 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
         os.listdir(tmp_path))  # the operator tables come back too
     assert figures["bench_rsa"] and figures["bench_sessa"]
     assert figures["bench_generate"]["models"] == ["teacher", "rsa window=64"]
+    for run in ("scale_1b", "scale_8b"):  # the tiny shape here: the plan, and the steps it is checked against
+        assert figures[run]["steps_logged"] == 2 and figures[run]["plan_peak_gib"] > 0, figures[run]
+        assert figures[run]["median_tokens_per_s"] > 0 and figures[run]["peak_device_gib"] is None  # no CUDA here
     compiled = figures["compiled/bench_generate"]  # the same bench with the compiled step, as a CUDA graph on CUDA
     assert compiled["models"] == ["teacher", "rsa window=64, compiled decode (reduce-overhead)"]
     written = sorted(os.listdir(tmp_path))  # what comes back from a device machine: 8 files at most

@@ -4,6 +4,7 @@ The activation count is checked against a direct count of what autograd saves on
 its LoRA); the weights, gradients and optimizer states against the parameter counts, for every strategy; the
 verdict and the exit code of the command."""
 
+import json
 import os
 
 import pytest
@@ -126,6 +127,10 @@ def test_the_command_prints_the_plan_and_says_whether_it_fits(teacher_dir, capsy
     out = capsys.readouterr().out
     assert "ddp over 2 processes, bfloat16 on cuda" in out and "stage 1" in out and "stage 2" in out
     assert "fits in 80.00 GiB per cuda device" in out
+    assert cli_main(["distill", *settings, "--device-memory", "80GB", "--json"]) == 0  # for scripts (make gpu-check)
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["fits"] is True and planned["processes"] == 2 and planned["device_memory"] == 80 * GIB
+    assert planned["peak_bytes"] == sum(planned["stages"][planned["peak_stage"]].values())
     assert cli_main(["distill", *settings, "--device-memory", "1MB"]) == 1
     assert "does NOT fit in 0.00 GiB" in capsys.readouterr().out
     assert cli_main(["distill", *settings, "--device-memory", "lots"]) == 2
