@@ -63,7 +63,7 @@ class StepProfiler:
         if self.profile is None:
             return
         self.seen += 1
-        if self.seen > SKIPPED_STEPS + WARMUP_STEPS:
+        if 0 < self.seen - SKIPPED_STEPS - WARMUP_STEPS <= self.steps:  # a recorded step
             self.recorded_seconds.append(seconds)
         self.profile.step()
 
