@@ -12,7 +12,8 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
   distill-30-compiled-write   the same with `rsa_compile_write` (each chunk's write side one torch.compile graph)
   bench-generate the windowed RSA conversion of that teacher against it: prefill / decode tokens/s at 1K and 16K,
                  batch 1 and 16, bf16, the largest batch within 40 GiB
-  bench-distill  `hf-mixers bench distill`: a stage-2 step (RSA) against a teacher-LoRA step, tokens/s
+  bench-distill  `hf-mixers bench distill`: a stage-2 step (the demo's windowed RSA) against a teacher-LoRA step,
+                 tokens/s; bench-distill-compiled-write: the same with `rsa_compile_write`
   bench-kernels  `hf-mixers bench kernels --dtype bfloat16` at T = 1K..16K against SDPA (FlashAttention)
   pytest-mixers  tests/gpu/test_mixers_cuda.py: every mixer on CUDA against the CPU reference (forward, backward,
                  decode, generate), the dispatch log, compiled decode (also as a CUDA graph), conversion on the device
@@ -227,9 +228,13 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
                      "--shape", "tiny" if dry else "smollm2-135m"], 60, {}),
         *((name, [*cli, "distill", os.path.join(work, f"{name}.yaml")], 150, {}) for name in DISTILL_RUNS),
         ("bench-generate", [*generate, "--out", work, "--overwrite"], 150, {}),
-        ("bench-distill", [*cli, "bench", "distill", "--source", teacher, "--mixer", "rsa", "--dtype", "bfloat16",
-                           "--sequence-length", "64" if dry else "1024", "--batch-size", "2" if dry else "8",
-                           *small, "--out", work, "--overwrite"], 120, {}),
+        # the demo's windowed RSA against a teacher-LoRA step, eager and with each chunk's write compiled
+        *((name, [*cli, "bench", "distill", "--source", teacher, "--mixer", "rsa", "--dtype", "bfloat16",
+                  "--option", "rsa_window=64", *extra, "--sequence-length", "64" if dry else "1024",
+                  "--batch-size", "2" if dry else "8", *small, "--out", out, "--overwrite"], 120, {})
+          for name, extra, out in (("bench-distill", [], work),
+                                   ("bench-distill-compiled-write", ["--option", "rsa_compile_write=true"],
+                                    os.path.join(work, "compiled-write")))),
         # --max-call-seconds: the PyTorch paths at 16K tokens and 8B heads would take the step's minutes
         ("bench-kernels", [*cli, "bench", "kernels", "--dtype", "bfloat16", "--lengths", lengths, *small,
                            "--max-call-seconds", "2",
@@ -318,8 +323,9 @@ def install(prefix: str, log) -> dict:
 def figures(work: str) -> dict:
     """Every JSON the steps wrote, by file name (bench_*.json, pytest_*.json), and the distillation's metrics."""
     found = {}
-    for path in sorted(glob.glob(os.path.join(work, "*.json")) + glob.glob(os.path.join(work, "compiled", "*.json"))):
-        with open(path, encoding="utf-8") as handle:  # compiled/bench_generate.json: the compiled-decode bench
+    for path in sorted(glob.glob(os.path.join(work, "*.json")) + glob.glob(os.path.join(work, "compiled*", "*.json"))):
+        with open(path, encoding="utf-8") as handle:  # compiled/bench_generate.json: the compiled-decode bench;
+            # compiled-write/bench_distill.json: the distillation step with rsa_compile_write
             found[os.path.relpath(path, work)[:-5]] = json.load(handle)
     for name, (folder, _) in DISTILL_RUNS.items():
         key = name.replace("-", "_")

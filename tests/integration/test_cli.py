@@ -214,9 +214,10 @@ def test_bench_distill_writes_the_ratio(tmp_path):
 
     teacher = str(tmp_path / "teacher")
     save_tiny_teacher(teacher)
-    main(["bench", "distill", "--out", str(tmp_path / "bench"), "--source", teacher, "--mixer", "sessa",
-          "--sequence-length", "32", "--repeats", "1"])
+    assert main(["bench", "distill", "--out", str(tmp_path / "bench"), "--source", teacher, "--mixer", "sessa",
+                 "--sequence-length", "32", "--repeats", "1", "--option", "sessa_feedback_dim=16"]) == 0
     report = json.loads((tmp_path / "bench" / "bench_distill.json").read_text())
+    assert report["mixer_options"] == {"sessa_feedback_dim": 16}  # --option: the student's mixer options
     assert set(report["tokens_per_s"]) == {"distill", "baseline_lora"} and report["ratio"] > 0
     assert report["target"] == 0.6 and isinstance(report["target_met"], bool)
     assert report["dtype"] == "float32" and report["device"]  # the GPU when there is one, else "cpu"

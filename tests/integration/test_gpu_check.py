@@ -23,7 +23,8 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
     assert {name: step["status"] for name, step in report["steps"].items()} == \
         {name: "passed" for name in report["steps"]}
     assert {"compile-sessa-smollm2-135m", "compile-rsa-smollm2-135m", "compile-rsa-window-smollm2-135m",
-            "pytest-mixers", "pytest-kernels", "pytest-libraries", "bench-kernels", "teacher", "bench-distill", "distill-30", "distill-30-compiled-write", "bench-rsa", "bench-sessa",
+            "pytest-mixers", "pytest-kernels", "pytest-libraries", "bench-kernels", "teacher", "bench-distill",
+            "bench-distill-compiled-write", "distill-30", "distill-30-compiled-write", "bench-rsa", "bench-sessa",
             "bench-generate", "bench-generate-compiled", "scale-1b", "scale-8b"} <= set(report["steps"])
     figures = report["figures"]
     tested = {row["test"].split("[")[0] for name in ("pytest_mixers", "pytest_kernels")
@@ -32,6 +33,7 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
             "test_model_on_device_equals_the_cpu_reference", "test_dispatch_picks_each_fast_path_with_one_log_line",
             "test_compiled_decode_equals_eager"} <= tested
     assert figures["bench_kernels"]["results"] and figures["bench_distill"]["tokens_per_s"]["distill"] > 0
+    assert figures["compiled-write/bench_distill"]["mixer_options"] == {"rsa_window": 64, "rsa_compile_write": True}
     for run in ("distill_30", "distill_30_compiled_write"):  # eager, then each chunk's write as one compiled graph
         assert figures[run]["steps_logged"] == 3
         assert figures[run]["profile"][0].startswith("stage2: torch.profiler over 1 step(s)")  # the third step

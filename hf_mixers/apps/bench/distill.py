@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 from . import register_bench
-from ..arguments import at_least
+from ..arguments import at_least, key_value, option_dict
 
 
 def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa", sequence_length: int = 256,
@@ -70,7 +70,8 @@ def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa"
     tokens = batch.numel()
     best = {name: min(values[1:]) for name, values in times.items()}
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    report = {"benchmark": "distill", "source": source, "mixer": mixer, "device": device_name, "dtype": dtype,
+    report = {"benchmark": "distill", "source": source, "mixer": mixer, "mixer_options": mixer_options or {},
+              "device": device_name, "dtype": dtype,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "batch_size": batch_size,
               "sequence_length": sequence_length, "repeats": repeats,
               "step_seconds": best, "tokens_per_s": {name: tokens / s for name, s in best.items()},
@@ -91,10 +92,13 @@ def _arguments(parser) -> None:
     parser.add_argument("--sequence-length", type=at_least(2), default=256, help="tokens per sequence (default 256)")
     parser.add_argument("--batch-size", type=at_least(1), default=1)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--option", type=key_value, action="append", default=[], metavar="KEY=VALUE",
+                        help="a mixer option for --mixer, e.g. rsa_window=64 (repeatable)")
 
 
 register_bench("distill", "one distillation step of a converted student against the teacher's forward: the ratio of "
                "their times", _arguments,
                lambda args: bench_distill(args.out, source=args.source, mixer=args.mixer,
                                           sequence_length=args.sequence_length, batch_size=args.batch_size,
-                                          repeats=args.repeats, device=args.device, dtype=args.dtype))
+                                          repeats=args.repeats, device=args.device, dtype=args.dtype,
+                                          mixer_options=option_dict(args.option)))
