@@ -8,12 +8,12 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
                  the local window: compiles what the later steps launch (a call's kernels side by side), and names a
                  kernel that compiles for minutes or does not launch
   teacher        a SmolLM2-135M-shaped teacher with random weights (bf16 safetensors; SmolLM2's tokenizer)
+  bench-distill  `hf-mixers bench distill`: a stage-2 step (the demo's windowed RSA) against a teacher-LoRA step,
+                 tokens/s; bench-distill-compiled-write: the same with `rsa_compile_write`
   distill-30     `hf-mixers distill`: 30 stage-2 steps of the demo's windowed RSA on that teacher, steps 3-5 profiled
   distill-30-compiled-write   the same with `rsa_compile_write` (each chunk's write side one torch.compile graph)
   bench-generate the windowed RSA conversion of that teacher against it: prefill / decode tokens/s at 1K and 16K,
                  batch 1 and 16, bf16, the largest batch within 40 GiB
-  bench-distill  `hf-mixers bench distill`: a stage-2 step (the demo's windowed RSA) against a teacher-LoRA step,
-                 tokens/s; bench-distill-compiled-write: the same with `rsa_compile_write`
   bench-kernels  `hf-mixers bench kernels --dtype bfloat16` at T = 1K..16K against SDPA (FlashAttention)
   pytest-mixers  tests/gpu/test_mixers_cuda.py: every mixer on CUDA against the CPU reference (forward, backward,
                  decode, generate), the dispatch log, compiled decode (also as a CUDA graph), conversion on the device
@@ -226,8 +226,6 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     return warm + [
         ("teacher", [*python, str(Path(__file__).resolve()), "--make-teacher", teacher,
                      "--shape", "tiny" if dry else "smollm2-135m"], 60, {}),
-        *((name, [*cli, "distill", os.path.join(work, f"{name}.yaml")], 150, {}) for name in DISTILL_RUNS),
-        ("bench-generate", [*generate, "--out", work, "--overwrite"], 150, {}),
         # the demo's windowed RSA against a teacher-LoRA step, eager and with each chunk's write compiled
         *((name, [*cli, "bench", "distill", "--source", teacher, "--mixer", "rsa", "--dtype", "bfloat16",
                   "--option", "rsa_window=64", *extra, "--sequence-length", "64" if dry else "1024",
@@ -235,6 +233,8 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
           for name, extra, out in (("bench-distill", [], work),
                                    ("bench-distill-compiled-write", ["--option", "rsa_compile_write=true"],
                                     os.path.join(work, "compiled-write")))),
+        *((name, [*cli, "distill", os.path.join(work, f"{name}.yaml")], 150, {}) for name in DISTILL_RUNS),
+        ("bench-generate", [*generate, "--out", work, "--overwrite"], 150, {}),
         # --max-call-seconds: the PyTorch paths at 16K tokens and 8B heads would take the step's minutes
         ("bench-kernels", [*cli, "bench", "kernels", "--dtype", "bfloat16", "--lengths", lengths, *small,
                            "--max-call-seconds", "2",
