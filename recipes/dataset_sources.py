@@ -333,7 +333,8 @@ def _text_file_blocks(files: TextFiles, tokenizer, length, max_train, heldout_co
     ``heldout_fraction`` of the characters held out."""
     from .data import pack_pieces
 
-    sizes = files.characters()
+    # counted once per run: the main process writes the counts beside the training blocks, the others read them
+    sizes = files.characters(None if train_path is None else train_path + ".characters.json")
     total = sum(sizes)
     cut = int(total * (1.0 - heldout_fraction))
 

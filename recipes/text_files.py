@@ -9,8 +9,11 @@ the files taken in sorted order: it falls inside a file when it must, so a singl
 from __future__ import annotations
 
 import codecs
+import json
+import os
 from dataclasses import dataclass
 
+from ..common.files import write_atomically
 from .data import DOCUMENT_END
 
 TEXT_FILES = (".txt", ".md")
@@ -56,9 +59,29 @@ class TextFiles:
     label: str  # the source as the recipe names it
     files: tuple[str, ...]  # sorted paths
 
-    def characters(self) -> list[int]:
+    def characters(self, saved: str | None = None) -> list[int]:
         """Each file's number of characters (one pass over them, which also checks they are UTF-8 text); no text
-        at all is a ValueError naming the source."""
+        at all is a ValueError naming the source.
+
+        ``saved``: a JSON file of the counts with each file's byte size and modification time. Where it matches the
+        files, it answers without reading them; else they are counted and it is written. A run's main process counts
+        (recipes/stages.py packs the data there first) and the others read its counts: they need them for the
+        held-out cut, and otherwise every process would read the whole corpus once to find it."""
+        stamps = [[path, os.stat(path).st_size, os.stat(path).st_mtime_ns] for path in self.files]
+        if saved is not None and os.path.exists(saved):
+            try:
+                with open(saved, encoding="utf-8") as handle:
+                    known = json.load(handle)
+                if known["files"] == stamps:
+                    return known["characters"]
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # unreadable or another layout: counted again below, and rewritten
+        sizes = self._count()
+        if saved is not None:
+            write_atomically(saved, json.dumps({"files": stamps, "characters": sizes}))
+        return sizes
+
+    def _count(self) -> list[int]:
         sizes, text = [], False
         for path in self.files:
             sizes.append(0)

@@ -119,3 +119,28 @@ def test_short_forms_become_what_reads_them(tmp_path):
     assert folder[0] == DatasetSource("json", data_files=[f"{rows}/a.jsonl", f"{rows}/b.jsonl"])
     assert folder[1] == DatasetSource("owner/dataset") and folder[2:] == ["shakespeare", "teacher:100"]
     assert parse_sources(text) == [TextFiles(text, (f"{text}/a.txt", f"{text}/b.md", f"{text}/sub/c.txt"))]
+
+
+def test_the_main_process_counts_the_characters_once_and_the_others_read_its_counts(tokenizer, tmp_path,
+                                                                                    monkeypatch):
+    """Every process needs the held-out cut (the last fifth of the characters); the main one packs the training
+    blocks first (recipes/stages.py) and leaves the files' character counts beside them, so the others do not read
+    the whole corpus once more to find the cut. A changed file is counted again."""
+    folder = write(tmp_path / "plays")
+    train_path = str(tmp_path / "data" / "train.int32")
+    main = source_blocks(folder, tokenizer, length=16, heldout_count=2, train_path=train_path)
+    saved = json.loads((tmp_path / "data" / "train.int32.characters.json").read_text())
+    assert saved["characters"] == [len(PLAYS[name]) for name in ("a.txt", "b.md", "sub/c.txt")]
+
+    read, real = [], text_files._chunks
+    monkeypatch.setattr(text_files, "_chunks", lambda path, *a, **k: (read.append(path), real(path, *a, **k))[1])
+    other = source_blocks(folder, tokenizer, length=16, heldout_count=2, train_path=train_path, read_train=True)
+    assert torch.equal(other.heldout, main.heldout) and torch.equal(other.train, main.train)
+    assert read == [str(tmp_path / "plays" / "sub" / "c.txt")]  # only the file the held-out part lies in
+
+    (tmp_path / "plays" / "a.txt").write_text(PLAYS["a.txt"] + "One more line.\n\n", encoding="utf-8")
+    read.clear()
+    source_blocks(folder, tokenizer, length=16, heldout_count=2, train_path=train_path, read_train=True)
+    assert str(tmp_path / "plays" / "a.txt") in read  # the stale counts were not trusted
+    assert json.loads((tmp_path / "data" / "train.int32.characters.json").read_text())["characters"][0] == \
+        len(PLAYS["a.txt"]) + len("One more line.\n\n")
