@@ -73,10 +73,11 @@ class StepProfiler:
             self.profile = None
 
     def _write(self, profile) -> None:
-        steps = max(1, len(self.recorded_seconds))
+        if not self.recorded_seconds:  # the stage ended before its third step: nothing was recorded
+            return
+        steps = len(self.recorded_seconds)
         events = profile.key_averages()
-        wall = sum(self.recorded_seconds) / len(self.recorded_seconds) if self.recorded_seconds else None
-        facts = summary(events, steps, wall)
+        facts = summary(events, steps, sum(self.recorded_seconds) / steps)
         sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         header = [f"{self.stage}: torch.profiler over {steps} step(s) after {SKIPPED_STEPS + WARMUP_STEPS} "
                   f"unrecorded ({self.device.type})"]
