@@ -27,7 +27,8 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
   pytest-triton  the Triton unit tests (tests/unit/test_*_triton.py) in-process on CUDA
   scale-1b, scale-8b   TinyLlama-1.1B- and Llama-3-8B-shaped random teachers made on the GPU, their memory plan
                  (`distill --plan --json`), 10 stage-2 steps of the windowed RSA conversion in bf16 at 512 / 2,048
-                 tokens (8B: gradient checkpointing): tokens/s and peak device memory against the plan (minutes each: run them with --only)
+                 tokens (8B: gradient checkpointing): tokens/s and peak device memory against the plan (minutes
+                 each: run them with --only)
 Each step is timed, runs under its own time limit and a global budget, and the run goes on past a failure. Written
 to --out (default $OUT, else outputs/gpu-check), at most 8 files: gpu_check.json (every figure), gpu_check.log (every
 step's output), the benches' plots.
@@ -232,11 +233,12 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
         # the demo's windowed RSA against a teacher-LoRA step, eager and with each chunk's write compiled
         *((name, [*cli, "bench", "distill", "--source", teacher, "--mixer", "rsa", "--dtype", "bfloat16",
                   "--option", "rsa_window=64", *extra, "--sequence-length", "64" if dry else "1024",
-                  "--batch-size", "2" if dry else "8", *small, "--out", out, "--overwrite"], 120, {})
-          for name, extra, out in (("bench-distill", [], work),
-                                   ("bench-distill-compiled-write", ["--option", "rsa_compile_write=true"],
-                                    os.path.join(work, "compiled-write")))),
-        *((name, [*cli, "distill", os.path.join(work, f"{name}.yaml")], 150, {}) for name in DISTILL_RUNS),
+                  "--batch-size", "2" if dry else "8", *small, "--out", out, "--overwrite"], limit, {})
+          for name, extra, out, limit in (("bench-distill", [], work, 120),
+                                          ("bench-distill-compiled-write", ["--option", "rsa_compile_write=true"],
+                                           os.path.join(work, "compiled-write"), 180))),  # + Inductor's compiles
+        *((name, [*cli, "distill", os.path.join(work, f"{name}.yaml")], 180 if "compiled" in name else 150, {})
+          for name in DISTILL_RUNS),
         ("bench-generate", [*generate, "--out", work, "--overwrite"], 150, {}),
         # --max-call-seconds: the PyTorch paths at 16K tokens and 8B heads would take the step's minutes
         ("bench-kernels", [*cli, "bench", "kernels", "--dtype", "bfloat16", "--lengths", lengths, *small,
