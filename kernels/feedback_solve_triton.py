@@ -112,9 +112,8 @@ def _key_ok(mask_ptr, pos, n_valid, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _queries(q_ptr, q_rows, q_ok, DK, BLOCK_DK: tl.constexpr):
-    """q (BLOCK_Q, BLOCK_DK) of local rows ``q_rows``, fp32: the whole key width when it is one block."""
-    cols = tl.arange(0, BLOCK_DK)
+def _queries(q_ptr, q_rows, q_ok, cols, DK):
+    """q (rows, cols) of local rows ``q_rows`` and key feature columns ``cols``, fp32."""
     return tl.load(q_ptr + q_rows[:, None] * DK + cols[None, :], mask=q_ok[:, None] & (cols[None, :] < DK),
                    other=0.0).to(tl.float32)
 
@@ -132,10 +131,8 @@ def _logits(q_ptr, q_rows, q_ok, past_k_ptr, k_ptr, pos, P, n_valid, DK, scale, 
     total = tl.zeros((BLOCK_Q, BLOCK_K), tl.float32)
     for d0 in range(0, DK, BLOCK_DK):
         cols = d0 + tl.arange(0, BLOCK_DK)
-        q = tl.load(q_ptr + q_rows[:, None] * DK + cols[None, :], mask=q_ok[:, None] & (cols[None, :] < DK),
-                    other=0.0).to(tl.float32)
-        total += tl.dot(q, tl.trans(_load_rows(past_k_ptr, k_ptr, pos, P, n_valid, cols, DK)),
-                        input_precision=PRECISION)
+        total += tl.dot(_queries(q_ptr, q_rows, q_ok, cols, DK),
+                        tl.trans(_load_rows(past_k_ptr, k_ptr, pos, P, n_valid, cols, DK)), input_precision=PRECISION)
     return total * scale
 
 
@@ -176,7 +173,7 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
         n_old = P + c0  # every old key precedes every row of the chunk
         q_c = 0.0  # the chunk's queries, loaded once when the keys are one block (_logits)
         if ONE_KEY_BLOCK:
-            q_c = _queries(q_ptr, rows, row_ok, DK, BLOCK_DK)
+            q_c = _queries(q_ptr, rows, row_ok, tl.arange(0, BLOCK_DK), DK)
         for n0 in range(0, n_old, BLOCK_N):
             pos = n0 + offs_n  # absolute key positions (BLOCK_N,)
             key_ok = _key_ok(mask_ptr, pos, n_old, HAS_MASK)
@@ -407,8 +404,7 @@ def _bwd_dk_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_p
         t = t0 + offs_m
         t_ok = t < T
         lse_t, gain_t, dgain_t = _load_query_rows(lse_ptr, gain_ptr, dgain_ptr, t, t_ok)
-        q_t = tl.load(q_ptr + t[:, None] * DK + cols_k[None, :], mask=t_ok[:, None] & (cols_k[None, :] < DK),
-                      other=0.0).to(tl.float32)  # (M, BLOCK_DK)
+        q_t = _queries(q_ptr, t, t_ok, cols_k, DK)  # (M, BLOCK_DK)
         logits = _logits(q_ptr, t, t_ok, past_k_ptr, k_ptr, pos, P, P + T, DK, scale, 0.0, BLOCK_M, BLOCK_N,
                          BLOCK_DK, False, PRECISION)
         lam_dot_s = _lam_dot_s(lam_ptr, past_s_ptr, s_ptr, t, t_ok, pos, P, P + T, DV, BLOCK_M, BLOCK_N, BLOCK_DV,

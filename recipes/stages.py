@@ -48,7 +48,7 @@ from .data import materialise_sources, pack
 from .dataset_sources import DataBlocks, parse_sources, source_blocks
 from .strategies import Sharding, check_launch, from_accelerate_config
 from .tracking import finish_tracking, start_tracking, trackers
-from .trainer import Processes, run_stage
+from .trainer import Processes, peak_memory, run_stage
 
 logger = logging.getLogger(__name__)
 HELD_OUT_CURVE = "heldout_kl_teacher_student"  # what loss_curve.png draws beside a stage's loss (train.eval_every)
@@ -530,16 +530,6 @@ def copy_history(source: str, folder: str) -> None:
     for name in HISTORY_FILES:
         if os.path.isfile(os.path.join(source, name)):
             shutil.copy2(os.path.join(source, name), os.path.join(folder, name))
-
-
-def peak_memory(device: torch.device) -> dict:
-    """This process's peak memory so far, GiB: resident host memory, and on CUDA the device memory torch reserved."""
-    import resource
-
-    peaks = {"host": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    if device.type == "cuda":
-        peaks["device"] = torch.cuda.max_memory_reserved(device) / 2**30
-    return {name: round(value, 3) for name, value in peaks.items()}
 
 
 def launched(recipe: Recipe) -> tuple[Recipe, Processes]:

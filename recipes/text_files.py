@@ -67,7 +67,7 @@ class TextFiles:
         files, it answers without reading them; else they are counted and it is written. A run's main process counts
         (recipes/stages.py packs the data there first) and the others read its counts: they need them for the
         held-out cut, and otherwise every process would read the whole corpus once to find it."""
-        stamps = [[path, os.stat(path).st_size, os.stat(path).st_mtime_ns] for path in self.files]
+        stamps = [[path, stat.st_size, stat.st_mtime_ns] for path, stat in zip(self.files, map(os.stat, self.files))]
         if saved is not None and os.path.exists(saved):
             try:
                 with open(saved, encoding="utf-8") as handle:

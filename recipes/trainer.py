@@ -65,6 +65,16 @@ def _rewrite_metrics(path: str, stage: str, last_step: int) -> None:
         handle.writelines(json.dumps(row) + "\n" for row in kept)
 
 
+def peak_memory(device: torch.device) -> dict:
+    """This process's peak memory so far, GiB: resident host memory, and on CUDA the device memory torch reserved."""
+    import resource
+
+    peaks = {"host": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if device.type == "cuda":
+        peaks["device"] = torch.cuda.max_memory_reserved(device) / 2**30
+    return {name: round(value, 3) for name, value in peaks.items()}
+
+
 def check_checkpoint_space(path: str, parameters: dict) -> None:
     """Refuse a stage whose checkpoints cannot fit on the disk, before it trains: each holds the trainable tensors
     and their two Adam moments in fp32, and the one before stays as .previous."""
@@ -152,7 +162,7 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
                    "tokens_per_s": tokens_per_step / seconds,
                    "world_size": processes.world, **{k: processes.mean(float(v)) for k, v in extra.items()}}
             if device.type == "cuda":  # what the memory plan (distill --plan) is checked against, as the run goes
-                row["peak_device_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 3)
+                row["peak_device_gib"] = peak_memory(device)["device"]
             scale = optimizer.loss_scale()
             if scale is not None:  # fp16: the scale after this step (it halves when one overflows)
                 row["loss_scale"] = scale

@@ -333,21 +333,30 @@ def figures(work: str) -> dict:
             # compiled-write/bench_distill.json: the distillation step with rsa_compile_write
             found[os.path.relpath(path, work)[:-5]] = json.load(handle)
     for name, (folder, _) in DISTILL_RUNS.items():
-        key = name.replace("-", "_")
-        metrics = os.path.join(work, folder, "metrics.jsonl")
-        if os.path.exists(metrics):
-            with open(metrics, encoding="utf-8") as handle:
-                rows = [json.loads(line) for line in handle if line.strip()]
-            trained = [r for r in rows if "tokens_per_s" in r]
-            found[key] = {"steps_logged": len(trained), "last": trained[-1] if trained else None,
-                          "median_tokens_per_s": sorted(r["tokens_per_s"] for r in trained)[len(trained) // 2]
-                          if trained else None}
-        profile = os.path.join(work, folder, "profile_stage2.txt")
-        if os.path.exists(profile):  # its header: wall time, launches, synchronisations per step (recipes/profiling.py)
-            with open(profile, encoding="utf-8") as handle:
-                found.setdefault(key, {})["profile"] = handle.read().split("\n\n")[0].splitlines()
+        run = run_figures(os.path.join(work, folder))
+        if run:
+            found[name.replace("-", "_")] = run
     for name in SCALE_RUNS:
         found.update(scale_figures(os.path.join(work, name), name.replace("-", "_")))
+    return found
+
+
+def run_figures(folder: str) -> dict:
+    """A distillation's output folder: its trained steps (how many, the last row, the median tokens/s) from
+    metrics.jsonl, and the header of its stage-2 profile (wall time, launches, synchronisations per step:
+    recipes/profiling.py); {} when it wrote neither."""
+    found = {}
+    metrics = os.path.join(folder, "metrics.jsonl")
+    if os.path.exists(metrics):
+        with open(metrics, encoding="utf-8") as handle:
+            trained = [row for row in map(json.loads, filter(str.strip, handle)) if "tokens_per_s" in row]
+        found = {"steps_logged": len(trained), "last": trained[-1] if trained else None,
+                 "median_tokens_per_s": sorted(row["tokens_per_s"] for row in trained)[len(trained) // 2]
+                 if trained else None}
+    profile = os.path.join(folder, "profile_stage2.txt")
+    if os.path.exists(profile):
+        with open(profile, encoding="utf-8") as handle:
+            found["profile"] = handle.read().split("\n\n")[0].splitlines()
     return found
 
 
@@ -364,16 +373,11 @@ def scale_figures(folder: str, key: str) -> dict:
         found["plan_fits"] = plan["fits"]
     except (OSError, ValueError, KeyError) as error:
         found["plan"] = f"not read: {error}"
-    metrics = os.path.join(folder, "run", "metrics.jsonl")
-    if os.path.exists(metrics):
-        with open(metrics, encoding="utf-8") as handle:
-            trained = [row for row in map(json.loads, filter(str.strip, handle)) if "tokens_per_s" in row]
-        found["steps_logged"] = len(trained)
-        if trained:
-            found["median_tokens_per_s"] = sorted(row["tokens_per_s"] for row in trained)[len(trained) // 2]
-            found["peak_device_gib"] = trained[-1].get("peak_device_gib")
-            if found["peak_device_gib"] and found.get("plan_peak_gib"):
-                found["measured_over_plan"] = round(found["peak_device_gib"] / found["plan_peak_gib"], 3)
+    found.update(run_figures(os.path.join(folder, "run")))
+    if found.get("last"):
+        found["peak_device_gib"] = found["last"].get("peak_device_gib")
+        if found["peak_device_gib"] and found.get("plan_peak_gib"):
+            found["measured_over_plan"] = round(found["peak_device_gib"] / found["plan_peak_gib"], 3)
     return {key: found}
 
 

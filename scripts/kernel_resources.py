@@ -91,13 +91,15 @@ def compiling_run(arch: int, records: list, seen: set, pending: list | None = No
 
 
 def main() -> int:
+    from hf_mixers.apps.arguments import key_value, option_dict
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", choices=("rsa", "sessa", "all"), default="all")
     parser.add_argument("--shape", default="smollm2-135m", help="a head layout of `hf-mixers bench kernels`")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--length", type=int, default=128, help="sequence length of the sample call")
     parser.add_argument("--arch", type=int, default=90, help="compute capability (90: H100 / H200)")
-    parser.add_argument("--rsa-option", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--rsa-option", type=key_value, action="append", default=[], metavar="KEY=VALUE",
                         help="an RSA mixer option (e.g. rsa_window=64), as `hf-mixers convert --option`")
     parser.add_argument("--feedback", metavar="KEYS,ROW",
                         help="Sessa: one feedback head with keys KEYS and a row ROW features wide (e.g. 576,576 for "
@@ -123,9 +125,7 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     shape = SHAPES[args.shape]
     generator = torch.Generator().manual_seed(0)
-    rsa_options = dict(option.split("=", 1) for option in args.rsa_option)
-    rsa_options = {key: json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
-                   for key, value in rsa_options.items()}
+    rsa_options = option_dict(args.rsa_option)
     if args.feedback:  # one feedback head of ROW features (heads x head dim) with KEYS-wide keys
         keys, row = (int(size) for size in args.feedback.split(","))
         feedback = dict(heads=1, kv_heads=1, head_dim=row, feedback_heads=1, feedback_key_dim=keys)
