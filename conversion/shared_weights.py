@@ -10,7 +10,9 @@ teacher's); ``unshare_weights`` gives them their own storage again before anythi
 A student read from a folder (``model.student``) is compared with the teacher tensor by tensor as stored in its
 safetensors files, each read through a mapping closed straight after: ``from_pretrained`` maps the files and reads
 nothing until a tensor is used, so comparing its tensors in place would make the whole file resident beside the
-teacher, and keep it so for as long as one tensor still points into the mapping.
+teacher, and keep it so for as long as one tensor still points into the mapping. The comparison reads the teacher's
+memory-mapped tensors whole too; their pages are handed back after it, so that the embedding, of which a step reads
+only its tokens' rows, is not held whole for the run.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def share_frozen_weights(student, teacher_model, keep_separate=(), stored_in: st
         if value is not None and torch.equal(source, value):
             parameter.data = source.data
             freed += source.numel() * source.element_size()
+        if stored is not None:  # the comparison read all of the teacher's tensor: what a step uses maps back in
+            release_file_pages(source)  # (an embedding only its tokens' rows)
     if stored is not None:
         _own_storage(student, teacher_model)
     return freed

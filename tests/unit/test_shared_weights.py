@@ -9,7 +9,7 @@ import torch
 
 from conftest import save_tiny_teacher
 from hf_mixers.conversion import convert, load_teacher
-from hf_mixers.conversion.shared_weights import share_frozen_weights, unshare_weights
+from hf_mixers.conversion.shared_weights import release_file_pages, share_frozen_weights, unshare_weights
 from hf_mixers.recipes import distill, load_recipe
 
 
@@ -90,6 +90,23 @@ def test_a_conversion_can_build_the_student_from_the_teachers_own_tensors(teache
         torch.testing.assert_close(shared(ids).logits, cloned(ids).logits, rtol=0, atol=0)
     with pytest.raises(ValueError, match="the teacher is in torch.float32, the student would be bfloat16"):
         convert(teacher, "sessa", share_teacher_weights=True, dtype="bfloat16", **options)
+
+
+def test_a_shared_conversion_never_reads_the_tensors_it_shares_to_verify_them(teacher, monkeypatch):
+    """Verifying a student built from the teacher's own tensors compares nothing with itself: reading a shared,
+    memory-mapped embedding whole would make every row of it resident, where training touches only the rows its
+    tokens use. Every tensor still counts as verified, and a copy is still compared."""
+    import hf_mixers.conversion.converter as converter
+
+    compared, equal = [], torch.equal
+    monkeypatch.setattr(converter.torch, "equal", lambda a, b: compared.append(b.data_ptr()) or equal(a, b))
+    options = dict(sequence_length=32, calibration_sequences=2, heldout_sequences=1, progress=False)
+    _, shared_report = convert(teacher, "sessa", share_teacher_weights=True, **options)
+    teacher_storage = {p.data_ptr() for p in teacher.model.state_dict().values()}
+    assert not set(compared) & teacher_storage
+    compared.clear()
+    _, cloned_report = convert(teacher, "sessa", **options)
+    assert len(compared) == cloned_report.verified_tensors == shared_report.verified_tensors > 0
 
 
 def test_a_bf16_distillation_loads_the_teacher_in_bf16(teacher, tmp_path, monkeypatch):
@@ -233,6 +250,37 @@ def test_memory_mapped_pages_leave_resident_memory_and_come_back_unchanged(tmp_p
 
     weight[128, 0] = 7.0  # copy-on-write: that page is the process's own now, so the tensor is left as it is
     assert release_file_pages(weight) == 0 and weight[128, 0].item() == 7.0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux's /proc/self/pagemap")
+def test_comparing_a_student_folder_leaves_the_teachers_mapped_embedding_unread(tmp_path):
+    """Comparing a ``model.student`` folder with a memory-mapped teacher reads the teacher's tensors whole; their
+    pages are handed back after it, so that a run holds of the embedding only the rows its tokens use (4 MiB here, of
+    which a few rows come back on use), with the values unchanged."""
+    from conftest import tiny_teacher, tiny_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    teacher_folder, student_folder = str(tmp_path / "teacher"), str(tmp_path / "student")
+    tiny_teacher("llama", 8192, hidden_size=256, num_hidden_layers=1).to(torch.bfloat16).save_pretrained(
+        teacher_folder)
+    tokenizer.save_pretrained(teacher_folder)
+    converted, _ = convert(load_teacher(teacher_folder, dtype=torch.bfloat16), "sessa", sequence_length=32,
+                           calibration_sequences=2, heldout_sequences=1, progress=False, dtype="bfloat16")
+    converted.save_pretrained(student_folder)
+    teacher = load_teacher(teacher_folder, dtype=torch.bfloat16)
+    embedding = teacher.model.model.embed_tokens.weight
+    expected = embedding.clone()
+    for parameter in teacher.model.parameters():  # nothing resident but the pages the tensors share at their edges
+        release_file_pages(parameter)
+    if _resident_pages(embedding) > 2:
+        pytest.skip("the teacher was not read as a mapping of its file on this platform")
+    student = AutoModelForCausalLM.from_pretrained(student_folder, dtype="auto")
+    assert share_frozen_weights(student, teacher.model, stored_in=student_folder) > 0
+    assert student.model.embed_tokens.weight.data_ptr() == embedding.data_ptr()
+    pages = -(-embedding.numel() * embedding.element_size() // os.sysconf("SC_PAGE_SIZE"))
+    assert _resident_pages(embedding) < pages // 8
+    torch.testing.assert_close(embedding, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
