@@ -173,14 +173,18 @@ _MALLOC_TRIM = _malloc_trim()
 
 
 @contextlib.contextmanager
-def freed_memory_released_per_block(blocks):
+def freed_memory_released_per_block(blocks, embedding=None):
     """Within it, ``release_freed_memory`` at each block's boundaries, forward and backward (``train.
     release_host_memory``). On a CPU host the transients a block frees stay resident in glibc's heap, between the
     tensors kept for the backward pass, and the heap grows block by block; ZeRO-3, which gathers and frees each
     block's weights, fragments it further (a 1.1B run: 7.5 GiB per process, 5.9 released at each boundary). Released
     pages are faulted back in when reused: steps take about a third longer. A checkpointed block's recomputation
     calls its ``forward`` directly (transformers' GradientCheckpointingLayer), past the module hooks: a hook on the
-    gradient of each block's output marks its boundary in the backward pass."""
+    gradient of each block's output marks its boundary in the backward pass.
+
+    ``embedding``: the input embedding, when it is a frozen memory-mapped weight (the teacher's, shared) that nothing
+    else reads whole (not tied to the head): after each lookup its pages are handed back, so that the process holds
+    the rows of the batch at hand, not every row a run has looked up so far (which, over a run, is all of them)."""
     def after_forward(block, inputs, output):
         release_freed_memory()
         for tensor in output if isinstance(output, tuple) else (output,):
@@ -190,6 +194,12 @@ def freed_memory_released_per_block(blocks):
 
     handles = [handle for block in blocks for handle in (block.register_forward_pre_hook(release_freed_memory),
                                                          block.register_forward_hook(after_forward))]
+    if embedding is not None:
+        def after_lookup(module, inputs, output):
+            if type(module.weight.data) is torch.Tensor:  # not a DTensor shard (FSDP): those are never mapped
+                release_file_pages(module.weight)
+
+        handles.append(embedding.register_forward_hook(after_lookup))
     try:
         yield
     finally:

@@ -3,7 +3,9 @@ is loaded, and whether it fits.
 
     weights      the teacher in the training dtype (never sharded); the student's frozen weights are the teacher's
                  tensors (ddp, ZeRO-1/2) or 1/N shards of their own plus the gathered blocks (fsdp, ZeRO-3); what a
-                 stage trains (the mixers' new tensors, LoRA) in fp32
+                 stage trains (the mixers' new tensors, LoRA) in fp32. On a CPU host with
+                 ``train.release_host_memory`` an untied embedding read from its file counts only the pages one
+                 batch's lookups map (each token at most 64 KiB: the kernel's fault-around)
     gradients    fp32, of the trained tensors: whole (ddp: plus DistributedDataParallel's buckets; ZeRO-1) or 1/N
     optimizer    AdamW's two fp32 states per trained value (Adafactor's factored rows and columns, 8-bit AdamW's two
                  bytes: recipes/optimizers.py), 1/N under ZeRO and FSDP (DeepSpeed adds its fp32 masters)
@@ -60,6 +62,7 @@ OPTIMIZER_STATES = {"adamw": "AdamW states", "adafactor": "Adafactor states (fac
                     "adamw_8bit": "8-bit AdamW states"}
 MEASURED_LENGTHS = (1024, 2048, 4096)  # the block runs at the recipe's length, or at these when it is longer
 MLP_WIDTHS = (16, 32)
+FAULT_AROUND = 64 * 2**10  # Linux maps up to 64 KiB of a file mapping's cached pages around a faulting read
 RESIDENT_MEASURED = os.path.isfile("/proc/self/status")  # Linux: the heap's slack is measured (_activations)
 
 
@@ -197,9 +200,16 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         stages.append(("stage 1", shapes["new"] + (shapes["qkv"] if recipe.stage1.train_qkv else [])))
     if recipe.stage2.enabled and recipe.stage2.steps > 0:
         stages.append(("stage 2", shapes["new"] + shapes["lora"]))
+    # a CPU host releasing its memory at each block reads the memory-mapped (stored in the training dtype), untied
+    # embedding a batch's rows at a time, and hands them back after each lookup (recipes/stages.py released_per_block)
+    looked_up = (device == "cpu" and train.release_host_memory and not sharded and stored == dtype
+                 and not config.tie_word_embeddings)
+    embedding = config.vocab_size * config.hidden_size * element if looked_up else 0
     for name, trained_shapes in stages:
         trained = sum(math.prod(shape) for shape in trained_shapes)
-        parts = {f"teacher weights ({plan.dtype})": teacher_bytes}
+        parts = {f"teacher weights ({plan.dtype})": teacher_bytes - embedding}
+        if embedding:
+            parts["embedding rows a batch looks up (mapped)"] = min(embedding, tokens * FAULT_AROUND)
         own = counts["new"] * 4 + (counts["lora"] * 4 if name == "stage 2" else 0)
         if name == "stage 1" and recipe.stage1.train_qkv:
             own += counts["qkv"] * 4  # trained copies of the converted layers' q/k/v, no longer shared

@@ -209,9 +209,14 @@ def train_mode(model, train) -> None:
 
 def released_per_block(model, train, device: torch.device):
     """Within it, with ``train.release_host_memory`` on a CPU host, the memory each of ``model``'s decoder blocks
-    frees goes back to the OS at the block's boundaries (conversion/shared_weights.py); otherwise nothing."""
+    frees goes back to the OS at the block's boundaries, and an untied input embedding's memory-mapped rows after
+    each lookup (conversion/shared_weights.py); otherwise nothing."""
     releasing = train.release_host_memory and device.type == "cpu"
-    return freed_memory_released_per_block(model.get_decoder().layers if releasing else ())
+    if not releasing:
+        return freed_memory_released_per_block(())
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    looked_up = head is None or head.weight.data_ptr() != embedding.weight.data_ptr()  # a tied head reads it whole
+    return freed_memory_released_per_block(model.get_decoder().layers, embedding if looked_up else None)
 
 
 def teacher_text_folder(recipe: Recipe) -> str:

@@ -103,6 +103,32 @@ def test_zero3s_gathered_weights_follow_its_settings_and_a_cpu_heap_is_released_
     assert fragmented not in released.stages["stage 2"]
 
 
+def test_a_released_cpu_host_plans_only_one_batchs_rows_of_an_untied_mapped_embedding(teacher_dir, tmp_path):
+    """With ``train.release_host_memory`` a CPU run hands the embedding's pages back after each lookup
+    (recipes/stages.py released_per_block): of an untied embedding stored in the training dtype the plan counts what
+    one batch's lookups map, at most 64 KiB a token; tied (the head reads it whole), stored in another dtype (read
+    into anonymous memory) or without the release, the whole of it."""
+    from conftest import save_tiny_teacher
+
+    folder = str(tmp_path / "qwen2")  # untied
+    save_tiny_teacher(folder, family="qwen2")
+    config = load_teacher(folder).model.config
+    embedding = config.vocab_size * config.hidden_size * 4
+    plain = plan_memory(recipe(folder, "model.mixer=gltm", "train.precision=fp32"), device="cpu").stages["stage 2"]
+    released = plan_memory(recipe(folder, "model.mixer=gltm", "train.precision=fp32", "train.release_host_memory=true"),
+                           device="cpu").stages["stage 2"]
+    rows = "embedding rows a batch looks up (mapped)"
+    assert rows not in plain
+    assert released["teacher weights (float32)"] == plain["teacher weights (float32)"] - embedding
+    assert released[rows] == min(embedding, 2 * 32 * 64 * 2**10)
+    for other in (["train.precision=bf16"], ["train.strategy=fsdp"]):  # read into bf16; a sharded student
+        assert rows not in plan_memory(recipe(folder, "model.mixer=gltm", "train.release_host_memory=true", *other),
+                                       device="cpu").stages["stage 2"]
+    tied = plan_memory(recipe(teacher_dir, "model.mixer=gltm", "train.precision=fp32",
+                              "train.release_host_memory=true"), device="cpu")
+    assert rows not in tied.stages["stage 2"]  # the tiny Llama's head is its embedding
+
+
 def test_a_student_folder_is_planned_as_read_one_tensor_at_a_time(teacher_dir, tmp_path):
     """A ``model.student`` folder never lies whole beside the teacher (its frozen weights are compared with the
     teacher's one stored tensor at a time, conversion/shared_weights.py): loading counts its own tensors and the

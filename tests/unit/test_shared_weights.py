@@ -252,35 +252,83 @@ def test_memory_mapped_pages_leave_resident_memory_and_come_back_unchanged(tmp_p
     assert release_file_pages(weight) == 0 and weight[128, 0].item() == 7.0
 
 
+def _mapped_teacher(folder: str, tied: bool = True):
+    """A teacher saved in bf16 with a 4 MiB embedding (8 rows a page) and loaded in bf16, as a mapping of its file;
+    none of its pages resident but those its tensors share at their edges (else the test is skipped)."""
+    from conftest import tiny_teacher, tiny_tokenizer
+
+    tiny_teacher("llama", 8192, hidden_size=256, num_hidden_layers=1, tie_word_embeddings=tied).to(
+        torch.bfloat16).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    teacher = load_teacher(folder, dtype=torch.bfloat16)
+    for parameter in teacher.model.parameters():
+        release_file_pages(parameter)
+    if _resident_pages(teacher.model.model.embed_tokens.weight) > 2:
+        pytest.skip("the teacher was not read as a mapping of its file on this platform")
+    return teacher
+
+
+def _pages(tensor) -> int:
+    return -(-tensor.numel() * tensor.element_size() // os.sysconf("SC_PAGE_SIZE"))
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux's /proc/self/pagemap")
 def test_comparing_a_student_folder_leaves_the_teachers_mapped_embedding_unread(tmp_path):
     """Comparing a ``model.student`` folder with a memory-mapped teacher reads the teacher's tensors whole; their
-    pages are handed back after it, so that a run holds of the embedding only the rows its tokens use (4 MiB here, of
-    which a few rows come back on use), with the values unchanged."""
-    from conftest import tiny_teacher, tiny_tokenizer
+    pages are handed back after it, so that a run holds of the embedding only the rows its tokens use, with the
+    values unchanged."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = tiny_tokenizer()
     teacher_folder, student_folder = str(tmp_path / "teacher"), str(tmp_path / "student")
-    tiny_teacher("llama", 8192, hidden_size=256, num_hidden_layers=1).to(torch.bfloat16).save_pretrained(
-        teacher_folder)
-    tokenizer.save_pretrained(teacher_folder)
-    converted, _ = convert(load_teacher(teacher_folder, dtype=torch.bfloat16), "sessa", sequence_length=32,
-                           calibration_sequences=2, heldout_sequences=1, progress=False, dtype="bfloat16")
+    teacher = _mapped_teacher(teacher_folder)
+    converted, _ = convert(teacher, "sessa", sequence_length=32, calibration_sequences=2, heldout_sequences=1,
+                           progress=False, dtype="bfloat16")
     converted.save_pretrained(student_folder)
-    teacher = load_teacher(teacher_folder, dtype=torch.bfloat16)
+    teacher = load_teacher(teacher_folder, dtype=torch.bfloat16)  # a fresh mapping
     embedding = teacher.model.model.embed_tokens.weight
-    expected = embedding.clone()
-    for parameter in teacher.model.parameters():  # nothing resident but the pages the tensors share at their edges
+    for parameter in teacher.model.parameters():
         release_file_pages(parameter)
-    if _resident_pages(embedding) > 2:
-        pytest.skip("the teacher was not read as a mapping of its file on this platform")
+    expected = embedding.clone()
+    release_file_pages(embedding)
     student = AutoModelForCausalLM.from_pretrained(student_folder, dtype="auto")
     assert share_frozen_weights(student, teacher.model, stored_in=student_folder) > 0
     assert student.model.embed_tokens.weight.data_ptr() == embedding.data_ptr()
-    pages = -(-embedding.numel() * embedding.element_size() // os.sysconf("SC_PAGE_SIZE"))
-    assert _resident_pages(embedding) < pages // 8
+    assert _resident_pages(embedding) < _pages(embedding) // 8
     torch.testing.assert_close(embedding, expected, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux's /proc/self/pagemap")
+def test_releasing_host_memory_holds_only_the_looked_up_rows_of_a_mapped_embedding(tmp_path, monkeypatch):
+    """``train.release_host_memory``: an untied embedding shared with a memory-mapped teacher hands its pages back
+    after each lookup (over a run a step would otherwise leave every row it looked up resident: all of them, in
+    the end); the logits are unchanged. A tied one is left alone: the head reads every row of it each step."""
+    from hf_mixers.conversion import shared_weights
+    from hf_mixers.recipes.config import TrainSection
+    from hf_mixers.recipes.stages import released_per_block
+
+    teacher = _mapped_teacher(str(tmp_path / "teacher"), tied=False)
+    student, _ = convert(teacher, "sessa", sequence_length=32, calibration_sequences=2, heldout_sequences=1,
+                         progress=False, dtype="bfloat16", share_teacher_weights=True)
+    embedding = student.model.embed_tokens.weight
+    assert embedding.data_ptr() == teacher.model.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(0, 8192, (2, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = student(ids).logits
+        assert _resident_pages(embedding) > _pages(embedding) // 4  # 256 rows looked up, their neighbours mapped
+        release_file_pages(embedding)
+        with released_per_block(student, TrainSection(release_host_memory=True), torch.device("cpu")):
+            got = student(ids).logits
+        assert _resident_pages(embedding) <= 2
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+    released = []
+    monkeypatch.setattr(shared_weights, "release_file_pages", released.append)
+    tied_teacher = _mapped_teacher(str(tmp_path / "tied"), tied=True)
+    tied, _ = convert(tied_teacher, "sessa", sequence_length=32, calibration_sequences=2, heldout_sequences=1,
+                      progress=False, dtype="bfloat16", share_teacher_weights=True)
+    with torch.no_grad(), released_per_block(tied, TrainSection(release_host_memory=True), torch.device("cpu")):
+        tied(ids)
+    assert released == []
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
