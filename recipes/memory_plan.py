@@ -216,7 +216,10 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         if sharded:
             student_bytes = (counts["student"] - counts["new"]) * element + own
             parts["student weights (1/N shard)"] = student_bytes // world
-            root = counts["root"] * element if name == "stage 2" else 0
+            # stage 2 gathers the root's embeddings (and norm); its head is the teacher's tensor, left whole
+            # (recipes/stages.py sharding_for; tied, it is the embedding, gathered with it)
+            head = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+            root = (counts["root"] - head) * element if name == "stage 2" else 0
             if strategy == "deepspeed":  # what its prefetch and reuse settings let it hold (deepspeed_config.py)
                 settings = zero3_settings_with(train.deepspeed_config, config.hidden_size, counts["largest_block"])
                 gathered = zero3_gathered(settings, counts["student"] - counts["root"])
@@ -251,21 +254,15 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
             parts["captured teacher activations"] = 2 * converted * tokens * config.hidden_size * element
         else:
             rows = recipe.stage2.loss_chunk_rows
-            if rows and not sharded:
+            if rows:  # sharded too: the student's frozen head is the teacher's, read whole (stages.py)
                 parts["loss logits (chunked)"] = int(LOSS_TENSORS_PER_CHUNK_ROW * min(rows, tokens)
                                                      * config.vocab_size * 4)
-            elif sharded:  # the loss runs after the last block: the two gathered blocks are released by then
-                logits = int(LOSS_TENSORS_DENSE * tokens * config.vocab_size * 4)
-                parts["loss logits (whole batch), less the released blocks"] = max(
-                    0, logits - 2 * counts["largest_block"] * element)
             else:
                 parts["loss logits (whole batch)"] = int(LOSS_TENSORS_DENSE * tokens * config.vocab_size * 4)
         parts["runtime" + (" (CUDA context)" if device == "cuda" else " (this process)")] = runtime
         plan.stages[name] = {part: int(value) for part, value in parts.items()}
     if not set(plan.stages) - {"loading"}:
         raise ValueError("the recipe trains nothing (stage 1 and stage 2 are off or have 0 steps): nothing to plan")
-    if sharded and recipe.stage2.loss_chunk_rows:
-        plan.notes.append("a sharded head (fsdp, ZeRO-3) runs the dense loss: its logits are the whole batch's")
     if fragmenting:
         plan.notes.append("on a CPU host, gathering and freeing each block's weights fragments the heap (counted as "
                           "an upper bound); train.release_host_memory hands the memory back at each block, for steps "

@@ -83,13 +83,18 @@ def sharding_for(model, layers: list[int] | None = None, teacher_model=None) -> 
     Stage 1 (``layers``) calls the converted mixers directly on the teacher's inputs: those mixers are the units,
     the blocks are sharded around them, and FSDP leaves the root (embeddings, final norm, head) whole, since the
     loss never runs it (and FSDP can shard a module object once per process: stage 2 shards it as its root).
-    The frozen weights the student shares with ``teacher_model`` are ``kept``: put back, not gathered, at the end."""
+    The frozen weights the student shares with ``teacher_model`` are ``kept``: put back, not gathered, at the end.
+    A head among them is read as the teacher's by the stage-2 loss (``distillation_loss``), which then calls only the
+    decoder: the decoder is FSDP's root, and the head is left whole (sharding it would free nothing)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     blocks = list(base.model.layers)
     teacher = {p.data_ptr() for p in teacher_model.parameters()} if teacher_model is not None else set()
     kept = {name: p.data for name, p in model.named_parameters() if not p.requires_grad and p.data_ptr() in teacher}
     if layers is None:
-        return Sharding(model=model, units=blocks, blocks=blocks, root=base, kept=kept)
+        head = base.get_output_embeddings().weight
+        root = base.model if teacher_model is not None and _shares_frozen(
+            head, teacher_model.get_output_embeddings().weight) else base
+        return Sharding(model=model, units=blocks, blocks=blocks, root=root, kept=kept)
     return Sharding(model=model, units=[blocks[i].mixer for i in layers], blocks=blocks, root=None, kept=kept)
 
 
@@ -138,9 +143,15 @@ def distillation_loss(student, teacher_model, temperature: float, ce_weight: flo
     From the final hidden states through the lm_heads in chunks of ``chunk_rows`` tokens (kernels/distill_loss.py; on
     CUDA Liger-Kernel's fused linear kernels where installed): the batch's (B, T, V) logits never exist. The dense
     form (full logits) runs with ``chunk_rows=0``, or when a head's weight is not a whole local tensor (sharded by
-    FSDP or ZeRO-3: read only inside its module's forward)."""
+    FSDP or ZeRO-3: read only inside its module's forward). A frozen student head that is the teacher's tensor (one
+    copy of the frozen weights) is read as the teacher's, which is never sharded: the chunked form then runs under
+    FSDP and ZeRO-3 too (``sharding_for`` makes FSDP's root the decoder, whose forward the loss calls)."""
+    teacher_head = teacher_model.get_output_embeddings().weight
+    student_head = student.get_output_embeddings().weight
+    shared_head = _shares_frozen(student_head, teacher_head)  # decided now, before a strategy shards the student
+
     def heads():
-        weights = (student.get_output_embeddings().weight, teacher_model.get_output_embeddings().weight)
+        weights = (teacher_head if shared_head else student.get_output_embeddings().weight, teacher_head)
         return None if not chunk_rows or any(_sharded(w) for w in weights) else weights
 
     def loss_fn(batch):
@@ -161,6 +172,10 @@ def distillation_loss(student, teacher_model, temperature: float, ce_weight: flo
             weights[1].to(h_s.device), targets.reshape(-1), temperature, ce_weight, chunk_rows)
         return loss, {"kl": kl.item(), "ce": ce.item()}
     return loss_fn
+
+
+def _shares_frozen(weight, teacher_weight) -> bool:
+    return not weight.requires_grad and weight.data_ptr() == teacher_weight.data_ptr()
 
 
 def _sharded(weight) -> bool:
