@@ -149,8 +149,9 @@ class Sharding:
                 stage, whole again with the trained weights when it ends
     ``units``   the modules the loss runs, each an FSDP unit gathering all of its parameters for its forward: the
                 decoder blocks (stage 1: the converted mixers, which its loss calls on the teacher's inputs)
-    ``blocks``  the decoder blocks, then ``root`` (the transformers model, when the loss runs it): FSDP shards
-                each one that is not a unit already, so MLPs, and with the root embeddings and head, are sharded too
+    ``blocks``  the decoder blocks, then ``root`` (the module whose forward the loss calls: the decoder when the
+                student's head is the teacher's frozen tensor, read as the teacher's; else the whole causal LM): FSDP
+                shards each one that is not a unit already, so MLPs, and with the root its embeddings, are sharded
 
     ``kept``    name -> the tensor of each frozen parameter that lives on outside ``model`` (the teacher's, shared
                 with the student): sharding it frees nothing, and the stage's end puts it back rather than gathering
