@@ -67,8 +67,10 @@ class TextFiles:
         files, it answers without reading them; else they are counted and it is written. A run's main process counts
         (recipes/stages.py packs the data there first) and the others read its counts: they need them for the
         held-out cut, and otherwise every process would read the whole corpus once to find it."""
+        if saved is None:
+            return self._count()
         stamps = [[path, stat.st_size, stat.st_mtime_ns] for path, stat in zip(self.files, map(os.stat, self.files))]
-        if saved is not None and os.path.exists(saved):
+        if os.path.exists(saved):
             try:
                 with open(saved, encoding="utf-8") as handle:
                     known = json.load(handle)
@@ -77,8 +79,7 @@ class TextFiles:
             except (OSError, ValueError, KeyError, TypeError):
                 pass  # unreadable or another layout: counted again below, and rewritten
         sizes = self._count()
-        if saved is not None:
-            write_atomically(saved, json.dumps({"files": stamps, "characters": sizes}))
+        write_atomically(saved, json.dumps({"files": stamps, "characters": sizes}))
         return sizes
 
     def _count(self) -> list[int]:
