@@ -21,8 +21,8 @@ is loaded, and whether it fits.
     heap slack   (CPU plans, Linux) what glibc's heap keeps resident beyond the kept tensors (freed transients
                  between them), measured as the rise of resident memory over a first and a second block (with
                  ``train.release_host_memory``, releasing at each block as the run does); under fsdp and ZeRO-3
-                 without it, also the heap fragmented by gathering: up to every block's gathered weights once (an
-                 upper bound from the 1.1B runs of docs/benchmarks.md, where the heap grew by about a block a block)
+                 with it set to false (its "auto" releases there), also the heap fragmented by gathering: up to
+                 every block's gathered weights once (an upper bound: docs/benchmarks.md measured 15-95% of it)
     runtime      this process's own memory after its imports and the teacher folder's tokenizer (CPU), or 1 GiB of
                  CUDA context and workspaces (GPU)
     loading      (on CPU, where the host is the device) the teacher in the training dtype, plus its checkpoint's
@@ -48,7 +48,7 @@ import torch
 
 from ..conversion.shared_weights import freed_memory_released_per_block, release_freed_memory
 from ..core.registry import TEACHER_ATTENTION, get_mixer
-from .config import Recipe, shards_the_model
+from .config import Recipe, releases_host_memory, shards_the_model
 from .deepspeed_config import zero3_gathered, zero3_settings_with
 from .optimizers import state_bytes
 from .precision import dtype_name, training_dtype
@@ -195,14 +195,15 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
 
     stages, shapes = [], counts["shapes"]
     # a CPU host's heap under fsdp / ZeRO-3, which gather and free each block's weights (train.release_host_memory)
-    fragmenting = sharded and device == "cpu" and RESIDENT_MEASURED and not train.release_host_memory
+    releasing = device == "cpu" and releases_host_memory(train)
+    fragmenting = sharded and device == "cpu" and RESIDENT_MEASURED and not releasing
     if recipe.stage1.enabled and recipe.stage1.steps > 0 and not recipe.model.student:
         stages.append(("stage 1", shapes["new"] + (shapes["qkv"] if recipe.stage1.train_qkv else [])))
     if recipe.stage2.enabled and recipe.stage2.steps > 0:
         stages.append(("stage 2", shapes["new"] + shapes["lora"]))
     # a CPU host releasing its memory at each block reads the memory-mapped (stored in the training dtype), untied
     # embedding a batch's rows at a time, and hands them back after each lookup (recipes/stages.py released_per_block)
-    looked_up = (device == "cpu" and train.release_host_memory and not sharded and stored == dtype
+    looked_up = (releasing and not sharded and stored == dtype
                  and not config.tie_word_embeddings)
     embedding = config.vocab_size * config.hidden_size * element if looked_up else 0
     for name, trained_shapes in stages:
@@ -265,8 +266,8 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         raise ValueError("the recipe trains nothing (stage 1 and stage 2 are off or have 0 steps): nothing to plan")
     if fragmenting:
         plan.notes.append("on a CPU host, gathering and freeing each block's weights fragments the heap (counted as "
-                          "an upper bound); train.release_host_memory hands the memory back at each block, for steps "
-                          "about a third longer")
+                          "an upper bound); train.release_host_memory (its default, auto, where the model is sharded) "
+                          "hands the memory back at each block, for steps 10-15% longer")
     if train.gradient_checkpointing:
         plan.notes.append("train.gradient_checkpointing: the blocks (stage 1: the converted mixers) keep their "
                           "inputs only, and one is recomputed at a time")
@@ -432,7 +433,7 @@ def _block_memory(config, kind: str, recipe: Recipe, dtype: torch.dtype, stage: 
         release_freed_memory()  # earlier work's freed pages out of the count: what the blocks touch is counted
         start = _resident_heap()
         if stage == "stage 2":  # with train.release_host_memory as a run's stage 2 releases (stages.py)
-            with freed_memory_released_per_block(model.layers if recipe.train.release_host_memory else ()):
+            with freed_memory_released_per_block(model.layers if releases_host_memory(recipe.train) else ()):
                 hooks = [block.register_forward_hook(lambda *args: rises.append(_resident_heap() - start))
                          for block in model.layers]
                 kept.append(model(inputs_embeds=hidden, use_cache=False))

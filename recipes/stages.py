@@ -42,7 +42,8 @@ from ..common.measures import compare_to_teacher
 from ..common.files import save_atomically, write_atomically
 from ..kernels import distill_loss as loss_from_hidden
 from ..kernels.distill_loss import IGNORE
-from .config import Recipe, RecipeError, check_mixer_options, recipe_changes, selects_after_stage1
+from .config import (Recipe, RecipeError, check_mixer_options, recipe_changes, releases_host_memory,
+                     selects_after_stage1)
 from .blockwise import transfer_loss
 from .data import materialise_sources, pack
 from .dataset_sources import DataBlocks, parse_sources, source_blocks
@@ -223,10 +224,10 @@ def train_mode(model, train) -> None:
 
 
 def released_per_block(model, train, device: torch.device):
-    """Within it, with ``train.release_host_memory`` on a CPU host, the memory each of ``model``'s decoder blocks
-    frees goes back to the OS at the block's boundaries, and an untied input embedding's memory-mapped rows after
-    each lookup (conversion/shared_weights.py); otherwise nothing."""
-    releasing = train.release_host_memory and device.type == "cpu"
+    """Within it, with ``train.release_host_memory`` on a CPU host ("auto": where the run shards the model), the
+    memory each of ``model``'s decoder blocks frees goes back to the OS at the block's boundaries, and an untied input
+    embedding's memory-mapped rows after each lookup (conversion/shared_weights.py); otherwise nothing."""
+    releasing = releases_host_memory(train) and device.type == "cpu"
     if not releasing:
         return freed_memory_released_per_block(())
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()

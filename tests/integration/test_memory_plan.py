@@ -83,11 +83,13 @@ def test_the_parts_follow_the_strategy_and_the_precision(teacher_dir):
 def test_zero3s_gathered_weights_follow_its_settings_and_a_cpu_heap_is_released_on_request(teacher_dir, tmp_path):
     """ZeRO-3 gathers at most its prefetch (stage3_max_live_parameters) and its reuse window ahead: three of the
     largest blocks with the settings a run gets, less where a user's JSON allows less; on a CPU host the plan says
-    that gathering fragments the heap unless train.release_host_memory, which measures the blocks' slack as it runs."""
-    base = ["model.mixer=gltm", "train.precision=bf16", "train.strategy=deepspeed", "train.zero_stage=3"]
+    that gathering fragments the heap unless train.release_host_memory (by default, "auto", on for these two), which
+    measures the blocks' slack as it runs."""
+    base = ["model.mixer=gltm", "train.precision=bf16", "train.strategy=deepspeed", "train.zero_stage=3",
+            "train.release_host_memory=false"]
     zero3 = plan_memory(recipe(teacher_dir, *base), processes=2, device="cpu")
-    fsdp = plan_memory(recipe(teacher_dir, "model.mixer=gltm", "train.precision=bf16", "train.strategy=fsdp"),
-                       processes=2, device="cpu").stages["stage 2"]
+    fsdp = plan_memory(recipe(teacher_dir, "model.mixer=gltm", "train.precision=bf16", "train.strategy=fsdp",
+                              "train.release_host_memory=false"), processes=2, device="cpu").stages["stage 2"]
     gathered = zero3.stages["stage 2"]["gathered weights (ZeRO-3 prefetch and reuse)"]
     # three blocks (at most all of them) against FSDP's two, the same embeddings and head
     assert fsdp["gathered blocks (2 in flight)"] < gathered <= 1.5 * fsdp["gathered blocks (2 in flight)"]
@@ -98,9 +100,11 @@ def test_zero3s_gathered_weights_follow_its_settings_and_a_cpu_heap_is_released_
     path.write_text('{"zero_optimization": {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}}')
     narrow = plan_memory(recipe(teacher_dir, *base, f"train.deepspeed_config={path}"), processes=2, device="cpu")
     assert narrow.stages["stage 2"]["gathered weights (ZeRO-3 prefetch and reuse)"] < gathered
-    released = plan_memory(recipe(teacher_dir, *base, "train.release_host_memory=true"), processes=2, device="cpu")
-    assert not any("train.release_host_memory" in note for note in released.notes)
-    assert fragmented not in released.stages["stage 2"]
+    for release in ("true", "auto"):
+        released = plan_memory(recipe(teacher_dir, *base, f"train.release_host_memory={release}"), processes=2,
+                               device="cpu")
+        assert not any("train.release_host_memory" in note for note in released.notes)
+        assert fragmented not in released.stages["stage 2"]
 
 
 def test_a_released_cpu_host_plans_only_one_batchs_rows_of_an_untied_mapped_embedding(teacher_dir, tmp_path):

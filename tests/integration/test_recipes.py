@@ -59,6 +59,9 @@ def test_recipe_errors_name_the_file_and_key(tmp_path):
         load_recipe([], ["train.batch_size=two"])
     with pytest.raises(RecipeError, match="train.strategy must be 'ddp', 'deepspeed' or 'fsdp'"):
         load_recipe([], ["train.strategy=fsdp2"])
+    with pytest.raises(RecipeError, match="train.release_host_memory must be true, false or 'auto', got 'sometimes'"):
+        load_recipe([], ["train.release_host_memory=sometimes"])
+    assert load_recipe([], ["train.release_host_memory=false"]).train.release_host_memory is False
     with pytest.raises(RecipeError, match="model.teacher_device: .*gpu7"):
         load_recipe([], ["model.teacher_device=gpu7"])
     with pytest.raises(RecipeError, match="unknown key 'stage9'"):

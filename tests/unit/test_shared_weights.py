@@ -367,19 +367,25 @@ def test_freed_memory_is_released_at_every_block_boundary_forward_and_backward(t
 
 def test_a_stage_releases_per_block_only_on_request_and_on_a_cpu_host(teacher, monkeypatch):
     """recipes/stages.py ``released_per_block`` (stage 2 and finetune): hooks on the decoder blocks of the model
-    as the stage trains it (a LoRA-wrapped one too) with ``train.release_host_memory`` on a CPU host, none else."""
+    as the stage trains it (a LoRA-wrapped one too) with ``train.release_host_memory`` on a CPU host, none else;
+    its default, "auto", releases where the run shards the model (fsdp, ZeRO-3) and not under ddp or ZeRO-2."""
     from hf_mixers.conversion import shared_weights
-    from hf_mixers.recipes.config import TrainSection
+    from hf_mixers.recipes.config import TrainSection, releases_host_memory
     from hf_mixers.recipes.stages import add_lora, released_per_block
 
     model = add_lora(_student(teacher), load_recipe([], ["output.dir=unused"]).stage2, 0)
     calls = []
     monkeypatch.setattr(shared_weights, "_MALLOC_TRIM", lambda pad: calls.append(pad))
     ids = torch.randint(3, 300, (1, 16))
-    for release, device, expected in ((True, "cpu", 2 * len(model.get_decoder().layers)), (False, "cpu", 0),
-                                      (True, "meta", 0)):
+    every_block = 2 * len(model.get_decoder().layers)
+    cases = ((True, "ddp", "cpu", every_block), (False, "fsdp", "cpu", 0), (True, "ddp", "meta", 0),
+             ("auto", "fsdp", "cpu", every_block), ("auto", "ddp", "cpu", 0), ("auto", "fsdp", "meta", 0))
+    for release, strategy, device, expected in cases:
         calls.clear()
-        with released_per_block(model, TrainSection(release_host_memory=release), torch.device(device)):
+        train = TrainSection(release_host_memory=release, strategy=strategy)
+        with released_per_block(model, train, torch.device(device)):
             with torch.no_grad():
                 model(input_ids=ids)
-        assert len(calls) == expected, (release, device)
+        assert len(calls) == expected, (release, strategy, device)
+    zero = {stage: TrainSection(strategy="deepspeed", zero_stage=stage) for stage in (2, 3)}
+    assert not releases_host_memory(zero[2]) and releases_host_memory(zero[3])
