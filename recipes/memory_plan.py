@@ -21,8 +21,10 @@ is loaded, and whether it fits.
     heap slack   (CPU plans, Linux) what glibc's heap keeps resident beyond the kept tensors (freed transients
                  between them), measured as the rise of resident memory over a first and a second block (with
                  ``train.release_host_memory``, releasing at each block as the run does); under fsdp and ZeRO-3
-                 with it set to false (its "auto" releases there), also the heap fragmented by gathering: up to
-                 every block's gathered weights once (an upper bound: docs/benchmarks.md measured 15-95% of it)
+                 with it set to false (its default, "auto", releases there), also the heap fragmented by gathering:
+                 up to every block's gathered weights once (an upper bound: docs/benchmarks.md measured 15-95% of it)
+    at once      the stage-2 loss's logits are freed before the backward pass makes its own parts (one block
+                 recomputed under checkpointing, the heap's slack, the gradients): a stage's total counts the larger
     runtime      this process's own memory after its imports and the teacher folder's tokenizer (CPU), or 1 GiB of
                  CUDA context and workspaces (GPU)
     loading      (on CPU, where the host is the device) the teacher in the training dtype, plus its checkpoint's
@@ -68,7 +70,8 @@ RESIDENT_MEASURED = os.path.isfile("/proc/self/status")  # Linux: the heap's sla
 
 @dataclass
 class MemoryPlan:
-    """Per-process bytes of each part, per stage (``stages``: name -> {part: bytes}), and what it was planned for."""
+    """Per-process bytes of each part, per stage (``stages``: name -> {part: bytes}), and what it was planned for.
+    ``apart`` (stage -> two lists of parts) names parts never held at once: a stage's total counts the larger group."""
     title: str
     processes: int
     device: str
@@ -77,10 +80,16 @@ class MemoryPlan:
     stages: dict = field(default_factory=dict)
     host_at_load: int = 0
     notes: list = field(default_factory=list)
+    apart: dict = field(default_factory=dict)
+
+    def total(self, stage: str) -> int:
+        values = self.stages[stage]
+        groups = self.apart.get(stage, ())
+        return sum(values.values()) - (min(sum(values[part] for part in group) for group in groups) if groups else 0)
 
     def peak(self) -> tuple[str, int]:
-        name = max(self.stages, key=lambda stage: sum(self.stages[stage].values()))
-        return name, sum(self.stages[name].values())
+        name = max(self.stages, key=self.total)
+        return name, self.total(name)
 
     def fits(self) -> bool | None:
         if self.device_memory is None:
@@ -91,6 +100,7 @@ class MemoryPlan:
         stage, peak = self.peak()
         return {"title": self.title, "processes": self.processes, "device": self.device,
                 "device_memory": self.device_memory, "dtype": self.dtype, "stages": self.stages,
+                "totals": {name: self.total(name) for name in self.stages}, "apart": self.apart,
                 "peak_stage": stage, "peak_bytes": peak, "host_at_load": self.host_at_load, "fits": self.fits(),
                 "notes": self.notes}
 
@@ -101,8 +111,11 @@ class MemoryPlan:
         for part in parts:
             lines.append(f"  {part:<{width - 2}}" + "".join(f"{_gib(values.get(part, 0)):>14}"
                                                             for values in self.stages.values()))
-        lines.append(f"  {'total':<{width - 2}}" + "".join(f"{_gib(sum(values.values())):>14}"
-                                                        for values in self.stages.values()))
+        lines.append(f"  {'total':<{width - 2}}" + "".join(f"{_gib(self.total(name)):>14}" for name in self.stages))
+        for name, (first, second) in self.apart.items():
+            lines.append(f"{name}'s total counts the larger of {' + '.join(first)} "
+                         f"({_gib(sum(self.stages[name][part] for part in first))}) and {' + '.join(second)} "
+                         f"({_gib(sum(self.stages[name][part] for part in second))}), never held at once")
         stage, peak = self.peak()
         lines.append(f"host memory per process while loading the teacher: {_gib(self.host_at_load)}")
         if self.device_memory is not None:
@@ -241,8 +254,11 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
             parts["gradients (fp32, 1/N)"] = grads // world
         parts[OPTIMIZER_STATES[train.optimizer] + (" (1/N)" if partitioned else "")] = (
             state_bytes(train.optimizer, trained_shapes) // (world if partitioned else 1))
-        per_row, slack = _activations(config, recipe, dtype, name, resident=device == "cpu" and RESIDENT_MEASURED)
+        per_row, recomputed, slack = _activations(config, recipe, dtype, name,
+                                                  resident=device == "cpu" and RESIDENT_MEASURED)
         parts["activations"] = per_row * train.batch_size
+        if recomputed:
+            parts["one block recomputed (backward)"] = recomputed * train.batch_size
         if slack:
             parts["heap slack (freed, still resident)"] = slack * train.batch_size
         if fragmenting:
@@ -260,14 +276,24 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
                                                      * config.vocab_size * 4)
             else:
                 parts["loss logits (whole batch)"] = int(LOSS_TENSORS_DENSE * tokens * config.vocab_size * 4)
+            # the loss's logits are freed before the backward pass makes its own parts: one block recomputed, the
+            # heap it leaves (a CPU step hands the forwards' back before the loss), the gradients (None between
+            # steps, zero_grad; DeepSpeed keeps its buffers). Accumulating micro-batches hold gradients at the loss.
+            after = ["one block recomputed (backward)", "heap slack (freed, still resident)"]
+            if train.grad_accum == 1 and strategy != "deepspeed":
+                after += ["gradients (fp32)", "gradients (fp32, 1/N)"]
+            logits = [part for part in parts if part.startswith("loss logits")]
+            backward = [part for part in after if part in parts]
+            if logits and backward:
+                plan.apart[name] = (logits, backward)
         parts["runtime" + (" (CUDA context)" if device == "cuda" else " (this process)")] = runtime
         plan.stages[name] = {part: int(value) for part, value in parts.items()}
     if not set(plan.stages) - {"loading"}:
         raise ValueError("the recipe trains nothing (stage 1 and stage 2 are off or have 0 steps): nothing to plan")
     if fragmenting:
         plan.notes.append("on a CPU host, gathering and freeing each block's weights fragments the heap (counted as "
-                          "an upper bound); train.release_host_memory (its default, auto, where the model is sharded) "
-                          "hands the memory back at each block, for steps 10-15% longer")
+                          "an upper bound); train.release_host_memory (its default, auto, under fsdp and "
+                          "deepspeed) hands the memory back at each block, for steps 10-15% longer")
     if train.gradient_checkpointing:
         plan.notes.append("train.gradient_checkpointing: the blocks (stage 1: the converted mixers) keep their "
                           "inputs only, and one is recomputed at a time")
@@ -339,15 +365,16 @@ def _parameter_counts(config, teacher_config, recipe: Recipe) -> dict:
             "root": total - sum(blocks)}
 
 
-def _activations(config, recipe: Recipe, dtype: torch.dtype, stage: str, resident: bool) -> tuple[int, int]:
+def _activations(config, recipe: Recipe, dtype: torch.dtype, stage: str, resident: bool) -> tuple[int, int, int]:
     """(bytes autograd keeps for one sequence of the recipe's length through every block (stage 2: whole blocks with
-    LoRA; stage 1: the converted mixers alone, on the teacher's inputs), the heap's slack beside them), measured on
-    blocks of each kind. The slack (``resident``: a CPU plan on Linux) is what the process holds beyond the kept
-    tensors: transients freed between them stay resident in glibc's heap until reused. It is measured as the rise of
-    resident memory over a first block and over a second: the whole model holds the first block's rise, the second's
-    for every further block, less what the blocks keep."""
+    LoRA; stage 1: the converted mixers alone, on the teacher's inputs), what the backward pass adds recomputing one
+    block (stage 2 with checkpointing; else 0), the heap's slack beside them), measured on blocks of each kind. The
+    slack (``resident``: a CPU plan on Linux) is what the process holds beyond the kept tensors: transients freed
+    between them stay resident in glibc's heap until reused. It is measured as the rise of resident memory over a
+    first block and over a second: the whole model holds the first block's rise, the second's for every further
+    block, less what the blocks keep."""
     length = recipe.data.sequence_length
-    total = slack = 0
+    total = recomputed = slack = 0
     for kind, count in _block_counts(config).items():
         if stage == "stage 1" and kind in TEACHER_ATTENTION:
             continue  # stage 1 runs the teacher's attention without gradients
@@ -364,7 +391,8 @@ def _activations(config, recipe: Recipe, dtype: torch.dtype, stage: str, residen
                           for part in (1, 2))
         if recipe.train.gradient_checkpointing and stage == "stage 2":
             kept = length * config.hidden_size * torch.finfo(dtype).bits // 8
-            total += count * kept + max(0, saved - kept)  # inputs of each block; one block recomputed at a time
+            total += count * kept  # the inputs of each block; one block recomputed at a time in the backward pass
+            recomputed = max(recomputed, saved - kept)
             slack += max(0, first - saved) if resident else 0
         elif recipe.train.gradient_checkpointing:  # stage 1: one mixer recomputed at a time; its inputs are the
             total += saved  # teacher's captured tensors, counted on their own
@@ -372,7 +400,7 @@ def _activations(config, recipe: Recipe, dtype: torch.dtype, stage: str, residen
         else:
             total += count * saved
             slack += max(0, first + (count - 1) * further - count * saved) if resident else 0
-    return total, slack
+    return total, recomputed, slack
 
 
 def _extrapolated(measure, length: int, width: float) -> int:

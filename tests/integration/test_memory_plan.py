@@ -53,6 +53,25 @@ def test_the_activation_count_matches_the_whole_students(teacher_dir, mixer, opt
         assert planned == pytest.approx(direct, rel=0.05), (precision, planned, direct)
 
 
+def test_the_loss_logits_and_the_backward_parts_are_never_counted_at_once(teacher_dir):
+    """The loss's logit chunks are freed before the backward pass makes its parts (one block recomputed under
+    checkpointing, the heap's slack, the gradients): a stage's total counts the larger group, and says so. With
+    accumulated micro-batches the gradients stand at the loss too."""
+    settings = ["model.mixer=gltm", "train.gradient_checkpointing=true"]
+    plan = plan_memory(recipe(teacher_dir, *settings), processes=2, device="cpu")
+    stage = plan.stages["stage 2"]
+    logits, backward = plan.apart["stage 2"]
+    assert logits == ["loss logits (chunked)"]
+    assert {"one block recomputed (backward)", "gradients (fp32)"} <= set(backward)
+    sizes = [sum(stage[part] for part in group) for group in (logits, backward)]
+    assert plan.total("stage 2") == sum(stage.values()) - min(sizes) and min(sizes) > 0
+    assert plan.to_dict()["totals"]["stage 2"] == plan.peak()[1] == plan.total("stage 2")
+    assert "never held at once" in plan.to_text()
+    accumulating = plan_memory(recipe(teacher_dir, *settings, "train.grad_accum=2"), processes=2, device="cpu")
+    assert "gradients (fp32)" not in accumulating.apart["stage 2"][1]
+    assert "stage 1" not in plan.apart  # no logits there
+
+
 def test_the_parts_follow_the_strategy_and_the_precision(teacher_dir):
     base = ["model.mixer=gltm", "train.precision=bf16"]
     ddp = plan_memory(recipe(teacher_dir, *base), processes=8, device="cpu").stages["stage 2"]
@@ -160,7 +179,9 @@ def test_the_command_prints_the_plan_and_says_whether_it_fits(teacher_dir, capsy
     assert cli_main(["distill", *settings, "--device-memory", "80GB", "--json"]) == 0  # for scripts (make gpu-check)
     planned = json.loads(capsys.readouterr().out)
     assert planned["fits"] is True and planned["processes"] == 2 and planned["device_memory"] == 80 * GIB
-    assert planned["peak_bytes"] == sum(planned["stages"][planned["peak_stage"]].values())
+    peak = planned["stages"][planned["peak_stage"]]
+    apart = [sum(peak[part] for part in group) for group in planned["apart"].get(planned["peak_stage"], [[]])]
+    assert planned["peak_bytes"] == planned["totals"][planned["peak_stage"]] == sum(peak.values()) - min(apart)
     assert cli_main(["distill", *settings, "--device-memory", "1MB"]) == 1
     assert "does NOT fit in 0.00 GiB" in capsys.readouterr().out
     assert cli_main(["distill", *settings, "--device-memory", "lots"]) == 2
