@@ -20,6 +20,7 @@ from .arguments import at_least, int_list, keep_attention, key_value, non_negati
 EXIT_USAGE, EXIT_FAULT, EXIT_DIVERGED = 2, 3, 4
 # what a command reports as one line (anything else is a bug in hf-mixers: a traceback and exit 1)
 EXPECTED_ERRORS = (ValueError, OSError, ConnectionError, ImportError)
+DIAGNOSE_CHARACTERS_PER_TOKEN = 64  # diagnose --text reads at most this many characters a token (plus 64 KiB)
 # an OSError that says the machine cannot do what was asked (not that the user named a wrong thing)
 _FAULT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.ENOMEM}
 
@@ -237,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose.add_argument("--probes", type=at_least(1), default=8, help="random probes per target (default 8)")
     diagnose.add_argument("--layers", type=non_negative_list, default=None,
                           help="model folder: the layers measured (default: first, 1/3, 2/3, last)")
-    diagnose.add_argument("--text", default=None, help="model folder: a text file (default: held-out Shakespeare)")
+    diagnose.add_argument("--text", default=None, help="model folder: a text file, of which the first --length tokens "
+                          "are read (default: held-out Shakespeare)")
     diagnose.add_argument("--option", type=key_value, action="append", default=[], metavar="KEY=VALUE",
                           help="mixer name: a config field of the layer (repeatable)")
     diagnose.add_argument("--hidden-size", type=at_least(1), default=576, help="mixer name: width (default 576)")
@@ -438,9 +440,9 @@ def _diagnose(args) -> int:
         check_report_files(args.out, ["diagnose.json", "diagnose.png"], args.overwrite)
         text = None
         if args.text is not None:
-            try:
+            try:  # its first --length tokens are used: a large file is not read whole
                 with open(args.text, encoding="utf-8") as handle:
-                    text = handle.read()
+                    text = handle.read(DIAGNOSE_CHARACTERS_PER_TOKEN * args.length + 2**16)
             except UnicodeDecodeError:
                 raise ValueError(f"--text {args.text}: not UTF-8 text") from None
         report = diagnose(args.target, args.out, length=args.length, source=args.source, probes=args.probes,

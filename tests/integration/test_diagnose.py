@@ -90,3 +90,22 @@ def test_diagnose_command_on_a_mixer_and_on_a_model_folder(tmp_path, capsys):
     assert main(["diagnose", str(folder), "--length", str(limit + 1), "--out", str(tmp_path / "z")]) == 2
     assert f"--length {limit + 1} is more than the model's max_position_embeddings ({limit})" in \
         capsys.readouterr().err
+
+
+def test_diagnose_reads_only_the_start_of_a_large_text(tmp_path, monkeypatch):
+    """--text: its first --length tokens are used, so only the start of the file is read (a few characters a
+    token plus 64 KiB), not a corpus of gigabytes."""
+    from hf_mixers.apps import cli
+    from hf_mixers.apps import diagnose as module
+
+    seen = {}
+
+    def recording(*args, text=None, **kwargs):
+        seen["characters"] = len(text)
+        raise ValueError("diagnose: stopped by the test")
+
+    monkeypatch.setattr(module, "diagnose", recording)
+    big = tmp_path / "big.txt"
+    big.write_text("word " * 400_000)
+    assert main(["diagnose", "rsa", "--text", str(big), "--length", "40", "--out", str(tmp_path / "d")]) == 2
+    assert seen["characters"] == cli.DIAGNOSE_CHARACTERS_PER_TOKEN * 40 + 2**16 < big.stat().st_size
