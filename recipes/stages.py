@@ -224,7 +224,7 @@ def train_mode(model, train) -> None:
 
 
 def released_per_block(model, train, device: torch.device):
-    """Within it, with ``train.release_host_memory`` on a CPU host ("auto": where the run shards the model), the
+    """Within it, with ``train.release_host_memory`` on a CPU host ("auto": under fsdp and deepspeed), the
     memory each of ``model``'s decoder blocks frees goes back to the OS at the block's boundaries, and an untied input
     embedding's memory-mapped rows after each lookup (conversion/shared_weights.py); otherwise nothing."""
     releasing = releases_host_memory(train) and device.type == "cpu"
