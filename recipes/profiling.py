@@ -20,6 +20,7 @@ GPU: is the device busy (few long kernels) or waiting on the host (thousands of 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -71,6 +72,10 @@ class StepProfiler:
         if self.profile is not None:
             self.profile.stop()  # a stage shorter than the schedule: what was recorded is written here
             self.profile = None
+            if not self.recorded_seconds:  # say so rather than leave the user looking for a missing table
+                print(f"{self.stage}: train.profile_steps recorded nothing: the stage ran {self.seen} step(s) and "
+                      f"the first {SKIPPED_STEPS + WARMUP_STEPS} are never recorded (it needs at least "
+                      f"{SKIPPED_STEPS + WARMUP_STEPS + 1})", file=sys.stderr)
 
     def _write(self, profile) -> None:
         if not self.recorded_seconds:  # the stage ended before its third step: nothing was recorded

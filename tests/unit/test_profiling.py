@@ -37,10 +37,12 @@ def test_the_steps_after_the_first_two_are_profiled_and_summarised(tmp_path):
     assert trace["traceEvents"]
 
 
-def test_a_stage_shorter_than_the_schedule_writes_what_it_recorded_and_profile_steps_0_nothing(tmp_path):
+def test_a_stage_shorter_than_the_schedule_writes_what_it_recorded_and_profile_steps_0_nothing(tmp_path, capsys):
     _train(tmp_path / "short", steps=3, profile_steps=4)  # one step recorded of four: what there is is written
     assert "over 1 step(s)" in (tmp_path / "short" / "profile_stage2.txt").read_text()
     _train(tmp_path / "off", steps=3, profile_steps=0)
     assert not list((tmp_path / "off").glob("profile_*"))
-    _train(tmp_path / "two", steps=2, profile_steps=4)  # ended before its first recorded step
+    assert "recorded nothing" not in capsys.readouterr().err
+    _train(tmp_path / "two", steps=2, profile_steps=4)  # ended before its first recorded step: it says so
     assert not list((tmp_path / "two").glob("profile_*"))
+    assert "stage2: train.profile_steps recorded nothing: the stage ran 2 step(s)" in capsys.readouterr().err
