@@ -113,15 +113,16 @@ def test_deepspeed_zero3_under_torchrun_matches_data_parallel_and_resumes(teache
 
 @needs_deepspeed
 def test_bf16_under_every_sharding_strategy_tracks_the_fp32_run(teacher_dir, tmp_path):
-    """train.precision=bf16 under FSDP2 (MixedPrecisionPolicy: bf16 gathers, fp32 reduce-scatter and masters) and
-    DeepSpeed ZeRO-3 (its bf16 block: fp32 masters in the partitions; ZeRO-2's precision block runs in the fp16 test),
-    2 CPU processes: every loss within 1% of the fp32 data-parallel run (a selective-SSM conversion: losses of order
-    1), and not equal to it."""
+    """train.precision=bf16 under DistributedDataParallel (autocast, fp32 masters), FSDP2 (MixedPrecisionPolicy: bf16
+    gathers, fp32 reduce-scatter and masters) and DeepSpeed ZeRO-2 and ZeRO-3 (its bf16 block: fp32 masters in the
+    partitions), 2 CPU processes: every loss within 1% of the fp32 data-parallel run (a selective-SSM conversion:
+    losses of order 1), and not equal to it."""
     settings = [f"model.teacher={teacher_dir}", "model.mixer=selective_ssm", "data.sequence_length=32",
                 "data.max_train_sequences=8", "data.heldout_sequences=2", "data.wider_evaluations=false",
                 "stage1.steps=3", "stage2.steps=3", "train.lr=3e-3", "train.batch_size=1"]
-    runs = {"fp32": ["train.precision=fp32"], "fsdp": ["train.strategy=fsdp"],
-            "zero3": ["train.strategy=deepspeed", "train.zero_stage=3"]}  # ZeRO-2's precision block: the fp16 test
+    runs = {"fp32": ["train.precision=fp32"], "ddp": [], "fsdp": ["train.strategy=fsdp"],
+            "zero2": ["train.strategy=deepspeed", "train.zero_stage=2"],
+            "zero3": ["train.strategy=deepspeed", "train.zero_stage=3"]}
     losses = {}
     for name, extra in runs.items():
         out = tmp_path / name
@@ -130,7 +131,7 @@ def test_bf16_under_every_sharding_strategy_tracks_the_fp32_run(teacher_dir, tmp
                                                                                else "bfloat16")
         losses[name] = [row["loss"] for row in metrics(out)]
     assert len(losses["fp32"]) == 6 and losses["fp32"][0] > 0.1
-    for name in ("fsdp", "zero3"):
+    for name in ("ddp", "fsdp", "zero2", "zero3"):
         assert losses[name] == pytest.approx(losses["fp32"], rel=1e-2, abs=1e-4), name
         assert losses[name] != losses["fp32"], name
 
