@@ -116,7 +116,7 @@ def unshare_weights(student, teacher_model, only=(), release_teacher_pages: bool
 
 
 MADV_DONTNEED = 4
-PAGEMAP_PRESENT, PAGEMAP_FILE = 1 << 63, 1 << 61  # /proc/self/pagemap: page in memory; file page or shared
+PAGEMAP_FILE = 1 << 61  # /proc/self/pagemap: a file page or shared (bit 63: the page is in memory)
 
 
 def release_file_pages(tensor) -> int:
@@ -130,21 +130,18 @@ def release_file_pages(tensor) -> int:
     page = os.sysconf("SC_PAGE_SIZE")
     start = tensor.data_ptr()
     first, end = -(-start // page) * page, (start + tensor.numel() * tensor.element_size()) // page * page
-    if end <= first:
+    if end <= first or _LIBC is None:
         return 0
-    try:
-        with open("/proc/self/pagemap", "rb") as pagemap:
+    try:  # one 64-bit entry a page, read as int64: "present" is bit 63, the sign (an untied embedding's hook runs
+        with open("/proc/self/pagemap", "rb") as pagemap:  # this at every lookup: one tensor test, not a Python loop)
             pagemap.seek(first // page * 8)
-            entries = memoryview(pagemap.read((end - first) // page * 8)).cast("Q")
-        if any(entry & PAGEMAP_PRESENT and not entry & PAGEMAP_FILE for entry in entries):
-            return 0
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        if libc.madvise(first, end - first, MADV_DONTNEED) != 0:
-            return 0
-    except (OSError, AttributeError, ValueError):
+            entries = torch.frombuffer(bytearray(pagemap.read((end - first) // page * 8)), dtype=torch.int64)
+    except (OSError, ValueError):
         return 0
-    return sum(1 for entry in entries if entry & PAGEMAP_PRESENT) * page
+    present = entries < 0
+    if bool((present & ((entries & PAGEMAP_FILE) == 0)).any()) or _LIBC.madvise(first, end - first, MADV_DONTNEED):
+        return 0
+    return int(present.sum()) * page
 
 
 def shared_bytes(student, teacher_model) -> int:
@@ -162,14 +159,18 @@ def release_freed_memory(*_) -> None:
         _MALLOC_TRIM(0)
 
 
-def _malloc_trim():
+def _libc():
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
+        libc = ctypes.CDLL("libc.so.6")
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.malloc_trim  # noqa: B018  both or neither
+        return libc
     except (OSError, AttributeError):
         return None
 
 
-_MALLOC_TRIM = _malloc_trim()
+_LIBC = _libc()  # opened once: madvise and malloc_trim run at every block boundary and lookup
+_MALLOC_TRIM = None if _LIBC is None else _LIBC.malloc_trim
 
 
 @contextlib.contextmanager
