@@ -82,10 +82,12 @@ class MemoryPlan:
     notes: list = field(default_factory=list)
     apart: dict = field(default_factory=dict)
 
+    def bytes_of(self, stage: str, parts) -> int:
+        return sum(self.stages[stage][part] for part in parts)
+
     def total(self, stage: str) -> int:
-        values = self.stages[stage]
         groups = self.apart.get(stage, ())
-        return sum(values.values()) - (min(sum(values[part] for part in group) for group in groups) if groups else 0)
+        return self.bytes_of(stage, self.stages[stage]) - min((self.bytes_of(stage, g) for g in groups), default=0)
 
     def peak(self) -> tuple[str, int]:
         name = max(self.stages, key=self.total)
@@ -113,9 +115,8 @@ class MemoryPlan:
                                                             for values in self.stages.values()))
         lines.append(f"  {'total':<{width - 2}}" + "".join(f"{_gib(self.total(name)):>14}" for name in self.stages))
         for name, (first, second) in self.apart.items():
-            lines.append(f"{name}'s total counts the larger of {' + '.join(first)} "
-                         f"({_gib(sum(self.stages[name][part] for part in first))}) and {' + '.join(second)} "
-                         f"({_gib(sum(self.stages[name][part] for part in second))}), never held at once")
+            lines.append(f"{name}'s total counts the larger of {' + '.join(first)} ({_gib(self.bytes_of(name, first))})"
+                         f" and {' + '.join(second)} ({_gib(self.bytes_of(name, second))}), never held at once")
         stage, peak = self.peak()
         lines.append(f"host memory per process while loading the teacher: {_gib(self.host_at_load)}")
         if self.device_memory is not None:
@@ -216,8 +217,7 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         stages.append(("stage 2", shapes["new"] + shapes["lora"]))
     # a CPU host releasing its memory at each block reads the memory-mapped (stored in the training dtype), untied
     # embedding a batch's rows at a time, and hands them back after each lookup (recipes/stages.py released_per_block)
-    looked_up = (releasing and not sharded and stored == dtype
-                 and not config.tie_word_embeddings)
+    looked_up = releasing and not sharded and stored == dtype and not config.tie_word_embeddings
     embedding = config.vocab_size * config.hidden_size * element if looked_up else 0
     for name, trained_shapes in stages:
         trained = sum(math.prod(shape) for shape in trained_shapes)
