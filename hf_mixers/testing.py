@@ -172,7 +172,7 @@ def check_compiled_decode(name):
     """``config.compile_decode``: each one-token step of a block around a mixer that has a compiled step (the
     recurrent mixers, GLTM, Sessa) runs as one torch.compile graph, equal to the eager step and to one
     full forward, on a left-padded batch; one graph per such mixer class, built at the first step and never rebuilt
-    for the later ones. Equal to fp32 precision, not fp64's: the Llama RMSNorm computes in fp32 whatever the
+    for the later ones; the teacher's q/k/v_proj, where the mixer keeps them, as one product (``fuse_qkv``). Equal to fp32 precision, not fp64's: the Llama RMSNorm computes in fp32 whatever the
     model's dtype, and the compiled graph sums in another order."""
     eager = tiny_model(name)
     compiled = tiny_model(name, compile_decode=True)
@@ -190,6 +190,9 @@ def check_compiled_decode(name):
         f"compiled decode: {counters['stats']['unique_graphs']} graphs ({graphs['first']} after the first step) for "
         f"{len(stepping)} mixer class(es) with a compiled step: a later step recompiled, or a step did not compile")
     assert not counters["graph_break"], f"compiled decode: graph breaks {dict(counters['graph_break'])}"
+    unfused = [index for index, block in enumerate(compiled.model.layers) if block.mixer.can_compile_decode()
+               and getattr(block.mixer, "fuses_qkv", lambda: False)() and not block.mixer.qkv_fused()]
+    assert not unfused, f"compiled decode: layers {unfused} ran q/k/v_proj as three products, not one (fuse_qkv)"
     _close(stepped[valid], reference[valid], "compiled decode vs the eager decode", torch.float32)
     _close(stepped[valid], full[valid], "compiled decode vs one forward", torch.float32)
 

@@ -99,6 +99,10 @@ class SequenceMixer(nn.Module):
         """Write the state ``decode_step`` returned back into the layer's cache."""
         raise NotImplementedError(f"{type(self).__name__} has no compiled token step")
 
+    def prepare_compiled_decode(self) -> None:
+        """Host-side work before each compiled token step, outside the graph (nothing by default; the teacher's
+        attention stacks q/k/v_proj into one product: core/attention.py ``fuse_qkv``)."""
+
     @classmethod
     def teacher_state(cls, attention: nn.Module, config) -> dict:
         """The teacher tensors ``from_attention`` copies (default: all of them; a mixer without some of the teacher's

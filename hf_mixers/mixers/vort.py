@@ -207,11 +207,11 @@ class VORTMixer(RecurrentMixer, FullAttention):
         batch, length, _ = hidden_states.shape
         cd = compute_dtype(hidden_states.dtype)
         shape = (batch, length, -1, self.head_dim)
-        query, key = self.q_proj(hidden_states).view(shape), self.k_proj(hidden_states).view(shape)
+        query, key, value = (x.view(shape) for x in self.linear_qkv(hidden_states))
         if self.config.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2).to(cd), key.transpose(1, 2).to(cd)  # (B, H, T, d), (B, G, T, d)
-        value = self.v_proj(hidden_states).view(shape).transpose(1, 2).to(cd)
+        value = value.transpose(1, 2).to(cd)
         cos, sin = position_embeddings
         rotated_q, rotated_k = apply_rotary_pos_emb(query, key, cos.to(cd), sin.to(cd))
         global_q, global_k = (rotated_q, rotated_k) if self.config.vort_global_rope else (query, key)

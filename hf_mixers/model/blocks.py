@@ -142,6 +142,7 @@ def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_
     step, cuda_graph = _compiled_block_steps[key]
     if cuda_graph:
         torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs were copied out: reuse is fine
+    block.mixer.prepare_compiled_decode()
     layer_cache = past_key_values.layers[block.mixer.layer_idx]
     inputs = block.mixer.decode_inputs(layer_cache, token_mask)
     if not dynamic:  # a growing cache's views keep their strides: symbolic there, and a copy would cost a cache a step
