@@ -47,8 +47,13 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
         assert figures[run]["median_tokens_per_s"] > 0 and figures[run]["peak_device_gib"] is None  # no CUDA here
     compiled = figures["compiled/bench_generate"]  # the same bench with the compiled step, as a CUDA graph on CUDA
     assert compiled["models"] == ["teacher", "rsa window=64, compiled decode (reduce-overhead)"]
+    assert all(row["budget_decode_tokens_per_s"] > 0 for row in compiled["rows"])  # the largest batch in 40 GiB
+    order = list(report["steps"])  # the timings first: no GPU run has brought one back yet
+    assert order.index("bench-generate-compiled") < order.index("bench-distill") < order.index("bench-kernels") \
+        < order.index("distill-30") < order.index("pytest-mixers")
     written = sorted(os.listdir(tmp_path))  # what comes back from a device machine: 8 files at most
-    assert {"gpu_check.json", "gpu_check.log"} <= set(written) and len(written) <= 8, written
+    assert {"gpu_check.json", "gpu_check.log", "compiled_bench_generate.png"} <= set(written) and len(written) <= 8, \
+        written
 
 
 def test_a_step_cut_off_by_its_limit_is_interrupted_first_so_its_summary_reaches_the_log(tmp_path):
