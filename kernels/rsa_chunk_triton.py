@@ -25,9 +25,10 @@ linear attention.
 
 Split of the work:
   * Write side: PyTorch (``rsa_state.write_chunks``, shared with the PyTorch chunk form), a sequential loop over
-    chunks. Its assignments depend on the state at the chunk start (the refs), so chunks cannot run in parallel;
-    a residual MLP (d -> h -> d, shared across heads, any callable in ``RSAParams``) sits between every two levels;
-    it runs once per KV head (not per query head) and costs O(C m d + C d h) per level, no C x C terms. Autograd
+    chunks (without autograd, inference, one Triton launch walks them all: kernels/rsa_write_triton.py). Its
+    assignments depend on the state at the chunk start (the refs), so chunks cannot run in parallel; a residual
+    MLP (d -> h -> d, shared across heads, any callable in ``RSAParams``) sits between every two levels; it runs
+    once per KV head (not per query head) and costs O(C m d + C d h) per level, no C x C terms. Autograd
     differentiates it as usual (refs, MLPs, beta, prototypes, the incoming state), so no hand-written backward is
     needed for any of that.
   * Read side: ``_fwd_kernel``, one launch for *all* chunks of the call (given the write side, the chunks' reads
@@ -97,21 +98,17 @@ finally:
 
 from .common import compute_dtype
 from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunks
+# the write side's kernel (inference), and the tiles and dot precision both sides use: MAX_TILE (chunk size and slot
+# count, held as one tile: C x C, C x m and m x m) and MAX_HEAD_DIM (the read's forward holds a (C, d) tile whole,
+# its backward takes FEATURE_BLOCK features at a time). Shared memory of the read for sm_90 with Triton 3.6
+# (`triton.compile` on a CPU, docs/benchmarks.md "Kernels"): at SmolLM2's 64-wide heads the forward 96 KiB, the
+# backward 112-176 KiB; at Llama-3-8B's 128-wide heads the forward 128 KiB (224 KiB with the window's merge weight
+# and RSA-q), the backward 112-192 KiB; an H100 block can have 227 KiB. Calls over the limits run the PyTorch
+# path, said in the dispatch's log line.
+from .rsa_write_triton import (INPUT_PRECISION, MAX_HEAD_DIM, MAX_TILE, NUM_WARPS, tile_edge, write_chunks_triton,
+                               write_triton_supports)
 from .triton_compile import compile_side_by_side
 
-# fp32-accurate dots on tensor cores: plain tf32 would put the read ~1e-3 off the reference (it divides sums by
-# masses and chains levels); "ieee" (FMA dots) is exact too, but at the default sizes its backward did not finish
-# compiling in 25 CPU-minutes, and tf32's backward needs more shared memory than an H100 has (module docstring).
-INPUT_PRECISION = "tf32x3"
-NUM_WARPS = 4  # untuned (needs a GPU)
-# Largest chunk size and slot count, held as one tile by both kernels (their C x C, C x m and m x m tiles), and
-# largest head dim: the forward holds a (C, d) tile whole, the backward takes FEATURE_BLOCK features at a time.
-# Shared memory for sm_90 with Triton 3.6 (`triton.compile` on a CPU, docs/benchmarks.md "Kernels"): at SmolLM2's
-# 64-wide heads the forward 96 KiB, the backward 112-176 KiB; at Llama-3-8B's 128-wide heads the forward 128 KiB
-# (224 KiB with the window's merge weight and RSA-q), the backward 112-192 KiB; an H100 block can have 227 KiB.
-# Calls over the limits run the PyTorch path, said in the dispatch's log line.
-MAX_TILE = 64
-MAX_HEAD_DIM = 128
 FEATURE_BLOCK = 64
 # Software pipelining of the backward's loops over feature blocks (a few iterations each): Triton's default of 3
 # buffers their loads three deep, which took the window's + RSA-q's variant at 128-wide heads to 240 KiB; with 1 it
@@ -541,11 +538,6 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
 # Launchers and the autograd wrapper.
 
 
-def _block(n: int) -> int:
-    """A power-of-two tile edge >= max(n, 16) (``tl.dot`` needs >= 16 on GPUs)."""
-    return max(16, triton.next_power_of_2(max(n, 1)))
-
-
 class _Read:
     """Static launch arguments of one call: sizes, options and block sizes."""
 
@@ -558,8 +550,8 @@ class _Read:
         self.batch, self.heads, self.levels, self.slots, self.value_dim = batch, heads, levels, slots, y.shape[-1]
         self.options = dict(L=levels, READOUT=READOUTS[params.readout], ROUTING=ROUTINGS[params.routing],
                             QUERY_READ=params.query_read is not None, LOG_WEIGHT=params.log_weight,
-                            BLOCK_C=_block(params.chunk_size), BLOCK_M=_block(slots), BLOCK_D=_block(key_dim),
-                            BLOCK_DV=_block(y.shape[-1]),
+                            BLOCK_C=tile_edge(params.chunk_size), BLOCK_M=tile_edge(slots),
+                            BLOCK_D=tile_edge(key_dim), BLOCK_DV=tile_edge(y.shape[-1]),
                             PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS)
         self.backward_options = dict(self.options, BLOCK_D=min(self.options["BLOCK_D"], FEATURE_BLOCK),
                                      BLOCK_DV=min(self.options["BLOCK_DV"], FEATURE_BLOCK),
@@ -675,7 +667,11 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
     if not layout.padded:
         return q.new_zeros(batch, groups, group_size, length, v.shape[-1] + params.log_weight, dtype=cd), state
     q_b, k_b, v_b = layout.pack(q, 3), layout.pack(k, 2), layout.pack(v, 2)
-    writes, state = write_chunks(k_b, v_b, layout.valid(batch, q.device), layout, state, params)  # PyTorch, in order
+    valid_b = layout.valid(batch, q.device)
+    if torch.is_grad_enabled() or write_triton_supports(params, v) is not None:  # in order, differentiable
+        writes, state = write_chunks(k_b, v_b, valid_b, layout, state, params)
+    else:  # inference: every chunk's write in one launch (a GPU runs the PyTorch loop's calls one launch each)
+        writes, state = write_chunks_triton(k_b, v_b, valid_b, layout, state, params)
 
     # Read side: all chunks in one launch, from the chunk-start sums.
     levels = params.prototypes.shape[1]

@@ -174,6 +174,9 @@ def warm_kernel(kernel: str, shape: str, length: int) -> None:
         _, run = _candidate(f"{kernel.split('-')[0]}_triton", SHAPES[shape], length, device, dtype,
                             torch.Generator().manual_seed(0), 64, options)
         began = time.perf_counter()
+        if kernel.startswith("rsa"):
+            with torch.no_grad():  # inference (a conversion's evaluation, a prefill): the write kernel as well
+                run()
         run().float().pow(2).mean().backward()
         if device.type == "cuda":
             torch.cuda.synchronize()

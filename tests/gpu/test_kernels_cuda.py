@@ -96,17 +96,22 @@ def _rsa_layer(shape_name):
     return module
 
 
-def _rsa(shape_name, length, dtype, backend, compute):
+def _rsa_inputs(shape_name, length, dtype, compute):
     shape = SHAPES[shape_name]
-    module = _rsa_layer(shape_name)
     g = torch.Generator().manual_seed(2)
     kv, group, d = shape["kv_heads"], shape["heads"] // shape["kv_heads"], shape["head_dim"]
     q = _random(g, 1, kv, group, length, d, dtype=dtype).to(compute).requires_grad_()
     k = _random(g, 1, kv, length, d, dtype=dtype).to(compute).requires_grad_()
     v = _random(g, 1, kv, length, d, dtype=dtype).to(compute).requires_grad_()
+    return q, k, v
+
+
+def _rsa(shape_name, length, dtype, backend, compute):
+    module = _rsa_layer(shape_name)
+    q, k, v = _rsa_inputs(shape_name, length, dtype, compute)
     weights = [p for p in module.parameters() if p.requires_grad]
     params = module.memory_params(compute)
-    out, _ = rsa_memory(q, k, v, None, initial_state(params, 1, d, compute), params, backend=backend)
+    out, _ = rsa_memory(q, k, v, None, initial_state(params, 1, v.shape[-1], compute), params, backend=backend)
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.device, torch.float64)
     grads = torch.autograd.grad((out.double() * probe).sum(), [q, k, v, *weights], allow_unused=True)
     names = ["dq", "dk", "dv"] + [f"d[{name}]" for name, p in module.named_parameters() if p.requires_grad]
@@ -131,3 +136,28 @@ def test_rsa_memory_kernel_matches_reference(shape_name, length, dtype_name, rec
     reference = _rsa_reference(shape_name, length, dtype)
     assert outputs.keys() == reference.keys(), "the Triton path gives gradients to other parameters"
     _check(record, f"rsa memory {shape_name} T={length}", outputs, reference, dtype)
+
+
+def _rsa_inference(shape_name, length, dtype, backend, compute):
+    """A prefill's memory without autograd: the output and the state it leaves (the write side's results)."""
+    q, k, v = _rsa_inputs(shape_name, length, dtype, compute)
+    params = _rsa_layer(shape_name).memory_params(compute)
+    with torch.no_grad():
+        out, state = rsa_memory(q, k, v, None, initial_state(params, 1, v.shape[-1], compute), params,
+                                backend=backend)
+    return {"o": out, **{name: getattr(state, name) for name in ("key_sum", "value_sum", "mass", "relation_sum",
+                                                                 "key_ref", "value_ref")}}
+
+
+@pytest.mark.parametrize("shape_name,length,dtype_name", CASES)
+def test_rsa_memory_inference_write_kernel_matches_reference(shape_name, length, dtype_name, record):
+    """Without autograd (a prefill) the write side is a kernel too, every chunk in one launch
+    (kernels/rsa_write_triton.py): the output and the state it leaves against the fp64 reference."""
+    dtype = DTYPES[dtype_name]
+    reason = _unsupported(SHAPES[shape_name]).get("rsa_triton")
+    if reason:
+        record(kernel=f"rsa memory inference {shape_name}", not_run=reason)
+        return
+    outputs = _rsa_inference(shape_name, length, dtype, "triton", torch.float32)
+    reference = _rsa_inference(shape_name, length, dtype, "torch", torch.float64)
+    _check(record, f"rsa memory inference {shape_name} T={length}", outputs, reference, dtype)

@@ -6,7 +6,7 @@ the chunk), several KV groups with 2 query heads each; in the batch, left paddin
 ends exactly on a chunk boundary, so its references refresh at the end of the call) and a hole.
 """
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -16,7 +16,9 @@ from triton_interpreter import (DEVICE, compile_key, interpreter_only, needs_ker
                                 run_under_interpreter)
 
 from hf_mixers.kernels import rsa_chunk_triton as rct
+from hf_mixers.kernels import rsa_write_triton as rwt
 from hf_mixers.kernels.rsa_memory import RSAParams, ResidualMLPWeights, initial_state, rsa_chunked, rsa_recurrent
+from hf_mixers.kernels.rsa_state import ChunkLayout, write_chunks
 
 DEV = DEVICE or "cpu"  # where the tensors live (the parent process of a CPU machine builds some, launches nothing)
 STATE_FIELDS = ("key_sum", "value_sum", "mass", "relation_sum", "key_ref", "value_ref")
@@ -125,18 +127,59 @@ def test_kernels_are_interpreted():
 @pytest.mark.parametrize("chunk", first_in_fast(16, 8))  # 16 first: fewer programs in the fast tier
 def test_converted_default_matches_reference(chunk):
     """convert()'s options (softmax assign, softmax_count readout, relation routing, no RSA-q, no decay): output,
-    state and every gradient equal rsa_chunked; the output also equals the token recurrence; no-grad is the
-    same launch without autograd."""
+    state and every gradient equal rsa_chunked; the output also equals the token recurrence; without autograd (the
+    write side then one launch, kernels/rsa_write_triton.py) the same values."""
     params = make_params(chunk=chunk, readout="softmax_count")
     inputs = make_inputs(params)
     state = initial_state(params, 3, VALUE_DIM, torch.float32)
     out, new_state = assert_matches(params, inputs, state)
     with torch.no_grad():
         token, token_state = rsa_recurrent(*inputs, state, params)
-        assert torch.equal(rct.rsa_chunked_triton(*inputs, state, params)[0], out)
+        assert_close(rct.rsa_chunked_triton(*inputs, state, params)[0], out, "output without autograd")
     assert_close(out, token, "output vs token recurrence")
     assert_close(new_state.key_sum, token_state.key_sum, "key_sum vs token recurrence")
     assert torch.count_nonzero(out[1, ..., :5, :]) == 0  # padded positions output 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("assign_fn, levels", first_in_fast(("softmax", 3), ("sigmoid", 3), ("softmax", 1)))
+def test_write_kernel_equals_write_chunks(assign_fn, levels):
+    """The inference write side (kernels/rsa_write_triton.py: one launch walks every chunk) equals write_chunks:
+    each row's assignments, keys and values per level, the chunk-start sums and the state after the call (the
+    references refreshed at each boundary a row reaches), with rows at three phases (counts 0, 5, 13), left padding
+    and a hole, ragged sizes (d 12, dv 10, m 6, chunks of 8, MLPs as wide as their level); the caller's state is
+    left as it was."""
+    params = make_params(chunk=8, levels=levels, assign_fn=assign_fn)
+    _, k, v, valid = make_inputs(params)
+    with torch.no_grad():
+        state = replace(initial_state(params, 3, VALUE_DIM, torch.float32), count=torch.tensor([0, 5, 13]).to(DEV))
+        layout = ChunkLayout.of(valid, state.count, params.chunk_size)
+        k_b, v_b, valid_b = layout.pack(k, 2), layout.pack(v, 2), layout.valid(3, DEV)
+        before = {name: getattr(state, name).clone() for name in STATE_FIELDS}
+        writes, new_state = rwt.write_chunks_triton(k_b, v_b, valid_b, layout, state, params)
+        expected, expected_state = write_chunks(k_b, v_b, valid_b, layout, state, params)
+    for field in fields(expected):
+        assert_close(getattr(writes, field.name), getattr(expected, field.name), field.name)
+    for name in STATE_FIELDS:
+        assert_close(getattr(new_state, name), getattr(expected_state, name), f"state.{name}")
+        assert torch.equal(getattr(state, name), before[name]), name
+    assert torch.equal(new_state.count, expected_state.count)
+    assert not torch.equal(new_state.key_ref, state.key_ref)  # a boundary was reached and refreshed
+
+
+@needs_kernels
+def test_the_write_kernel_runs_without_autograd_only(monkeypatch):
+    """Inference (no autograd) writes every chunk in one launch; a training call keeps the PyTorch write side, which
+    autograd differentiates."""
+    launched = record_launches(monkeypatch, (rwt._write_kernel,))
+    params = make_params(chunk=8)
+    inputs = make_inputs(params, batch=2)
+    state = initial_state(params, 2, VALUE_DIM, torch.float32)
+    run(rct.rsa_chunked_triton, params, *inputs, state)
+    assert not launched
+    with torch.no_grad():
+        rct.rsa_chunked_triton(*inputs, state, params)
+    assert len(launched) == 1
 
 
 @needs_kernels
@@ -278,6 +321,12 @@ def test_supports_names_what_is_not_implemented():
     wide = torch.zeros(1, 2, 3, 200, device=DEV)
     assert "value head dim 200 > 128" in rct.rsa_chunk_triton_supports(params, v=wide)
     assert rct.rsa_chunk_triton_supports(params, v=wide[..., :128]) is None  # Llama-3-8B's heads
+    # the inference write kernel's scope (outside it, the PyTorch write side runs)
+    assert rwt.write_triton_supports(params, v=wide[..., :128]) is None
+    assert "decay" in rwt.write_triton_supports(params, log_decay=decay)
+    assert "ResidualMLPWeights" in rwt.write_triton_supports(replace(params, key_mlps=[lambda x: x] * 2))
+    assert "chunk_size 256 > 64" in rwt.write_triton_supports(replace(params, chunk_size=256))
+    assert "value head dim 200 > 128" in rwt.write_triton_supports(params, v=wide)
 
 
 @needs_kernels
@@ -316,13 +365,14 @@ def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_
     bench kernels' ``_candidate``). Each readout is its own variant: warming the mixer's default (sigmoid) while the
     conversion sets the count-aware softmax left the demo's forward and backward to compile inside the distillation
     on the fourth H100 run (38 s each). Here the launches of a converted teacher's calibration and training step
-    (the demo's window) are exactly those of the warm-up at the same head layout."""
+    (the demo's window) are exactly those of the warm-up at the same head layout, the inference write kernel (the
+    conversion's no-grad forwards) included."""
     from conftest import save_tiny_teacher
     from hf_mixers.apps.bench.kernels import _candidate
     from hf_mixers.conversion import convert
 
     save_tiny_teacher(tmp_path / "teacher")
-    launched = record_launches(monkeypatch, (rct._fwd_kernel, rct._bwd_kernel))
+    launched = record_launches(monkeypatch, (rct._fwd_kernel, rct._bwd_kernel, rwt._write_kernel))
     student, _ = convert(str(tmp_path / "teacher"), "rsa", mixer_options={"rsa_window": 8}, sequence_length=48,
                          calibration_sequences=2, heldout_sequences=1, progress=False)
     student.to(DEV).train()
@@ -332,5 +382,7 @@ def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_
     shape = dict(heads=4, kv_heads=2, head_dim=16)  # the tiny teacher's heads (hidden 64)
     _, run_warm = _candidate("rsa_triton", shape, 40, DEV, torch.float32, torch.Generator().manual_seed(0), 64,
                              {"rsa_window": 8})
+    with torch.no_grad():
+        run_warm()
     run_warm().pow(2).mean().backward()
-    assert len(demo) == 3 and launched == demo  # the forward and the two backward variants, none other
+    assert len(demo) == 4 and launched == demo  # the write, the read forward and its two backward variants
