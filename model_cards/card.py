@@ -120,7 +120,9 @@ def evaluation_rows(conversion: dict | None, training: dict | None, evaluation: 
                   blank_or(row["model_accuracy"], ".0%"), blank_or(row["teacher_accuracy"], ".0%"))
                  for row in evaluation["passkey"]]
         for row in evaluation["decode"]:
-            rows.append((f"decode tokens/s after {row['context']} tokens ({evaluation['device']}, batch 1)",
+            step = evaluation.get("decode_step", "eager")  # reports before 2026-11-28 did not say: eager
+            rows.append((f"decode tokens/s after {row['context']} tokens ({evaluation['device']}, batch 1, the "
+                         f"model's token step {step})",
                          blank_or(row["model_tokens_per_s"], ".1f"), blank_or(row["teacher_tokens_per_s"], ".1f")))
             rows.append((f"cache MiB after {row['context']} tokens", blank_or(row["model_cache_bytes"] / 2**20, ".2f"),
                          "" if row["teacher_cache_bytes"] is None else f"{row['teacher_cache_bytes'] / 2**20:.2f}"))

@@ -166,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-new-tokens", type=at_least(1), default=32, help="tokens generated per sample")
     evaluate.add_argument("--contexts", type=positive_list, default=[512, 2048], help="decode-speed contexts")
     evaluate.add_argument("--decode-tokens", type=at_least(1), default=16, help="timed decode steps per context")
+    evaluate.add_argument("--compile-decode", nargs="?", const=True, default=False, metavar="MODE",
+                          help="time the model's decode through its torch.compile'd token step where its mixers have "
+                               "one (config.compile_decode; the first step compiles), as a server would run it; "
+                               "MODE: a torch.compile mode, e.g. reduce-overhead (CUDA graphs on CUDA)")
     evaluate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     evaluate.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     evaluate.add_argument("--out", default=None, help="report folder (default: the model folder)")
@@ -498,7 +502,8 @@ def _last_mile(args) -> int:
                               passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials,
                               prompts=args.prompts or DEFAULT_PROMPTS, max_new_tokens=args.max_new_tokens,
                               decode_contexts=args.contexts, decode_tokens=args.decode_tokens, dtype=args.dtype,
-                              device=args.device, out=args.out, trust_remote_code=args.trust_remote_code)
+                              device=args.device, out=args.out, trust_remote_code=args.trust_remote_code,
+                              compile_decode=args.compile_decode)
             print(report.to_markdown())
         elif args.command == "card":
             from ..model_cards.card import build_card

@@ -24,6 +24,7 @@ from ..common.files import write_atomically
 from ..common.folder import check_model_weights
 from ..common.history import CONVERSION_REPORT, EVAL_REPORT, blank_or
 from ..common.measures import compare_to_teacher, decode_latency, generate_sample, passkey_accuracy
+from ..core.mixer import COMPILE_MODES
 
 DEFAULT_PROMPTS = ("Write one line of verse about the sea.", "What is the capital of France?",
                    "Explain in one sentence what a language model is.")
@@ -48,6 +49,7 @@ class EvalReport:
     seconds: float
     hf_mixers_version: str = ""
     notes: list[str] = field(default_factory=list)
+    decode_step: str = "eager"  # how the model's token steps ran: "eager", or "compiled (MODE)" (--compile-decode)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,7 +71,8 @@ class EvalReport:
                   "", "| context (tokens) | model | teacher |", "|---|---|---|"]
         lines += [f"| {row['prompt_tokens']:.0f} | {row['model_accuracy']:.0%} | "
                   f"{blank_or(row['teacher_accuracy'], '.0%')} |" for row in self.passkey]
-        lines += ["", f"## Decoding (batch 1, median of {self.decode_tokens} single-token steps after the prefill)", "",
+        lines += ["", f"## Decoding (batch 1, median of {self.decode_tokens} single-token steps after the prefill; "
+                  f"the model's token step {self.decode_step})", "",
                   "| context | model tokens/s | model cache MiB | teacher tokens/s | teacher cache MiB | speed-up |",
                   "|---|---|---|---|---|---|"]
         for row in self.decode:
@@ -132,13 +135,19 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
              heldout_sequences: int = 8, passkey_lengths=(256, 1024, 2048), passkey_trials: int = 5,
              prompts=DEFAULT_PROMPTS, max_new_tokens: int = 32, decode_contexts=(512, 2048), decode_tokens: int = 16,
              dtype: str = "float32", device: str | None = None, out: str | None = None, seed: int = 0,
-             progress: bool = True, trust_remote_code: bool = False) -> EvalReport:
+             progress: bool = True, trust_remote_code: bool = False,
+             compile_decode: bool | str = False) -> EvalReport:
     """Evaluate ``model_dir`` (and its teacher) and write the report into ``out`` (default: ``model_dir``). The
-    folder's own modeling code runs only with ``trust_remote_code``: hf-mixers folders load through its classes."""
+    folder's own modeling code runs only with ``trust_remote_code``: hf-mixers folders load through its classes.
+    ``compile_decode`` (True or a torch.compile mode): time the model's decode through its compiled token step
+    (``config.compile_decode``), as a server would run it, where its mixers have one."""
     from .. import __version__
     from ..conversion import load_teacher
     from ..recipes.dataset_sources import source_blocks
 
+    if compile_decode not in (False, True, *COMPILE_MODES):
+        raise ValueError(f"eval: --compile-decode takes a torch.compile mode {COMPILE_MODES} or nothing, got "
+                         f"{compile_decode!r}")
     started = time.perf_counter()
     model_dir = os.path.abspath(model_dir)
     device = resolve_device(device)
@@ -185,7 +194,11 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
                 "teacher": generate_sample(teacher_model, tokenizer, prompt, max_new_tokens)
                 if teacher_model is not None else None} for prompt in prompts]
 
-    decode = []
+    decode, decode_step, saved = [], "eager", getattr(model.config, "compile_decode", False)
+    mode = compile_decode or saved
+    if mode and _compiles_decode(model):
+        model.config.compile_decode = mode  # for the timing only: the samples and passkey ran as saved
+        decode_step = "compiled (" + ("default" if mode is True else mode) + ")"
     for context in decode_contexts:
         row = {"context": context}
         for name, candidate in (("model", model), ("teacher", teacher_model)):
@@ -194,13 +207,21 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
             row[f"{name}_tokens_per_s"] = None if latency is None else 1.0 / latency
             row[f"{name}_cache_bytes"] = cache_bytes
         decode.append(row)
+    if hasattr(model.config, "compile_decode"):
+        model.config.compile_decode = saved
 
     report = EvalReport(model=model_dir, teacher=teacher, data=data_name, heldout_sequences=int(heldout_ids.shape[0]),
                         sequence_length=sequence_length, dtype=dtype, device=str(device), quality=quality,
                         passkey_trials=passkey_trials, passkey=passkey, samples=samples, decode_tokens=decode_tokens,
                         decode=decode, seconds=time.perf_counter() - started, hf_mixers_version=__version__,
-                        notes=notes)
+                        notes=notes, decode_step=decode_step)
     out = out or model_dir
     os.makedirs(out, exist_ok=True)
     report.save(out)
     return report
+
+
+def _compiles_decode(model) -> bool:
+    """Whether any layer of ``model`` has a compiled token step (an hf-mixers model whose mixer has one)."""
+    return any(getattr(getattr(layer, "mixer", None), "can_compile_decode", lambda: False)()
+               for layer in getattr(getattr(model, "model", None), "layers", ()))

@@ -103,11 +103,28 @@ def test_eval_report_against_the_teacher(folders, tmp_path):
     assert short["model_cache_bytes"] == long["model_cache_bytes"]  # RSA: constant-size state
     assert long["teacher_cache_bytes"] == pytest.approx(4 * short["teacher_cache_bytes"], rel=0.05)  # KV grows
     assert all(row["model_tokens_per_s"] > 0 and row["teacher_tokens_per_s"] > 0 for row in report.decode)
+    assert report.decode_step == "eager"  # as the folder's config runs it (compile_decode off)
     assert EvalReport.load(str(tmp_path)) == EvalReport(**json.loads(json.dumps(report.to_dict())))
     markdown = (tmp_path / "eval_report.md").read_text()
     for heading in ("## Held-out text", "## Passkey retrieval", "## Decoding", "## Samples"):
         assert heading in markdown
     assert f"| perplexity | {report.quality['student_perplexity']:.3f} | " in markdown
+
+
+def test_eval_times_the_compiled_token_step_when_asked(folders, tmp_path):
+    """--compile-decode: the decode rows time the model's compiled token step (what a server runs); the report and
+    the card say which step ran (a report from before the field: eager)."""
+    from hf_mixers.model_cards.card import evaluation_rows
+
+    report = run_eval(str(folders["rsa"]), teacher=None, out=str(tmp_path), compile_decode=True, **SMALL)
+    assert report.decode_step == "compiled (default)" and all(row["model_tokens_per_s"] > 0 for row in report.decode)
+    assert "the model's token step compiled (default)" in (tmp_path / "eval_report.md").read_text()
+    _, rows = evaluation_rows(None, None, report.to_dict())
+    assert any("decode tokens/s after 64 tokens" in row[0] and "compiled (default)" in row[0] for row in rows)
+    old = {key: value for key, value in report.to_dict().items() if key != "decode_step"}  # a report before the field
+    assert any(row[0].endswith("token step eager)") for row in evaluation_rows(None, None, old)[1])
+    with pytest.raises(ValueError, match="--compile-decode takes a torch.compile mode"):
+        run_eval(str(folders["rsa"]), compile_decode="fastest", **SMALL)
 
 
 def test_eval_without_a_teacher_and_its_errors(folders, tmp_path, capsys):
