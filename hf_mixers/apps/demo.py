@@ -31,10 +31,16 @@ PROMPT = "Write one line of verse about the sea."
 DECODE_CONTEXT, DECODE_TOKENS = 512, 8  # the decode line of the summary: batch 1 after a prompt of this length
 
 
-def decode_speed(model) -> dict:
-    """Decode tokens/s (batch 1) and cache MiB after a DECODE_CONTEXT-token prompt, on the model's device."""
-    timing = generation_timing(model, DECODE_CONTEXT, DECODE_TOKENS, model.config.vocab_size,
-                               next(model.parameters()).device, warmup=2)
+def decode_speed(model, compiled: bool = False) -> dict:
+    """Decode tokens/s (batch 1) and cache MiB after a DECODE_CONTEXT-token prompt, on the model's device;
+    ``compiled``: through the model's compiled token step (``config.compile_decode``; it compiles in the warm-up)."""
+    saved = getattr(model.config, "compile_decode", False)
+    model.config.compile_decode = compiled or saved
+    try:
+        timing = generation_timing(model, DECODE_CONTEXT, DECODE_TOKENS, model.config.vocab_size,
+                                   next(model.parameters()).device, warmup=2)
+    finally:
+        model.config.compile_decode = saved
     return {"tokens_per_s": 1.0 / timing["decode_s"], "cache_mib": timing["cache_bytes"] / 2**20}
 # mixer -> (options, stage-1 steps, stage-2 steps): the best configurations the 15-minute budget of 2 CPU cores
 # allows. RSA keeps the teacher's attention over the last 64 tokens (docs/local-window.md), which takes it from
@@ -90,7 +96,8 @@ def run_demo(out_dir: str, overwrite: bool = False, max_steps: int | None = None
             "evaluations": result["evaluations"], "wider_evaluations": result["wider_evaluations"],
             "stages": result["stages"], "model_dir": result["model_dir"],
             "sample": generate_sample(result["model"], teacher.tokenizer, PROMPT),
-            "decode": decode_speed(result["model"])}
+            "decode": decode_speed(result["model"]),  # as saved: eager, and as a server would turn it on
+            "decode_compiled": decode_speed(result["model"], compiled=True)}
         del student, result  # the next mixer's model takes its place in memory
         gc.collect()
     summary["seconds"] = time.perf_counter() - started
@@ -127,11 +134,15 @@ def summary_table(summary: dict) -> str:
         lines += ["", *wider_table(wider)]
     if "teacher_decode" in summary:  # one line of what serving meets (hf-mixers bench generate: the whole picture)
         base = summary["teacher_decode"]
-        speeds = [f"{name(mixer, result)} {result['decode']['tokens_per_s']:.1f} "
-                  f"({result['decode']['tokens_per_s'] / base['tokens_per_s']:.2f}x, cache "
-                  f"{result['decode']['cache_mib']:.1f} MiB)" for mixer, result in summary["mixers"].items()]
+        def speed(decode):
+            return f"{decode['tokens_per_s']:.1f} ({decode['tokens_per_s'] / base['tokens_per_s']:.2f}x)"
+
+        speeds = [f"{name(mixer, result)} {speed(result['decode'])} eager, " + (
+                  f"{speed(result['decode_compiled'])} compiled, " if "decode_compiled" in result else "")
+                  + f"cache {result['decode']['cache_mib']:.1f} MiB" for mixer, result in summary["mixers"].items()]
         lines += ["", f"Decode tokens/s after a {DECODE_CONTEXT}-token prompt, batch 1: teacher "
-                  f"{base['tokens_per_s']:.1f} (cache {base['cache_mib']:.1f} MiB); " + "; ".join(speeds)]
+                  f"{base['tokens_per_s']:.1f} (cache {base['cache_mib']:.1f} MiB); " + "; ".join(speeds) + " "
+                  "(compiled: each block's token step one torch.compile graph, `model.config.compile_decode = True`)"]
     lines += ["", f"Samples for \"{summary['prompt']}\":", "", f"- teacher: {summary['teacher_sample']!r}"]
     lines += [f"- {mixer}: {result['sample']!r}" for mixer, result in summary["mixers"].items()]
     return "\n".join(lines) + "\n"

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -34,6 +35,9 @@ def test_demo_path_on_a_tiny_teacher(tmp_path, capsys):
     assert "| rsa (rsa_window=64) | stage2 | 2 |" in out and "Beyond the training text" in out
     assert "Decode tokens/s after a 512-token prompt, batch 1: teacher " in out and "sessa " in out
     assert rsa["decode"]["tokens_per_s"] > 0 and summary["teacher_decode"]["cache_mib"] > 0
+    # as saved (eager) and as a server would run it (the compiled token step)
+    assert rsa["decode_compiled"]["tokens_per_s"] > 0 and re.search(r"rsa \(rsa_window=64\) [\d.]+ \([\d.]+x\) "
+                                                                     r"eager, [\d.]+ \([\d.]+x\) compiled", out)
 
 
 @pytest.mark.slow
