@@ -65,8 +65,9 @@ def write_triton_supports(params: RSAParams, v=None, log_decay=None) -> str | No
              MAX_HEAD_DIM)}
     if v is not None:
         sizes["value head dim"] = (v.shape[-1], MAX_HEAD_DIM)
-    for mlp in (*params.key_mlps, *params.value_mlps):
-        sizes["MLP width"] = (max(sizes.get("MLP width", (0,))[0], mlp.up_weight.shape[0]), MAX_HEAD_DIM)
+    widths = [mlp.up_weight.shape[0] for mlp in (*params.key_mlps, *params.value_mlps)]
+    if widths:
+        sizes["MLP width"] = (max(widths), MAX_HEAD_DIM)
     for name, (size, limit) in sizes.items():
         if size > limit:
             return f"{name} {size} > {limit}"

@@ -22,7 +22,7 @@ import time
 
 from ..conversion import convert, load_teacher
 from ..common.corpus import SMOLLM2_ALIAS
-from ..common.measures import generate_sample, generation_timing
+from ..common.measures import compiles_decode, generate_sample, generation_timing
 from ..core.registry import get_mixer
 from ..common.files import check_output_folder
 from ..common.history import wider_table
@@ -96,8 +96,9 @@ def run_demo(out_dir: str, overwrite: bool = False, max_steps: int | None = None
             "evaluations": result["evaluations"], "wider_evaluations": result["wider_evaluations"],
             "stages": result["stages"], "model_dir": result["model_dir"],
             "sample": generate_sample(result["model"], teacher.tokenizer, PROMPT),
-            "decode": decode_speed(result["model"]),  # as saved: eager, and as a server would turn it on
-            "decode_compiled": decode_speed(result["model"], compiled=True)}
+            "decode": decode_speed(result["model"])}  # as saved: eager; and as a server would turn it on
+        if compiles_decode(result["model"]):
+            summary["mixers"][mixer]["decode_compiled"] = decode_speed(result["model"], compiled=True)
         del student, result  # the next mixer's model takes its place in memory
         gc.collect()
     summary["seconds"] = time.perf_counter() - started
@@ -134,6 +135,7 @@ def summary_table(summary: dict) -> str:
         lines += ["", *wider_table(wider)]
     if "teacher_decode" in summary:  # one line of what serving meets (hf-mixers bench generate: the whole picture)
         base = summary["teacher_decode"]
+
         def speed(decode):
             return f"{decode['tokens_per_s']:.1f} ({decode['tokens_per_s'] / base['tokens_per_s']:.2f}x)"
 

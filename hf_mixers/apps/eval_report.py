@@ -23,7 +23,8 @@ from ..common.device import resolve_device
 from ..common.files import write_atomically
 from ..common.folder import check_model_weights
 from ..common.history import CONVERSION_REPORT, EVAL_REPORT, blank_or
-from ..common.measures import compare_to_teacher, decode_latency, generate_sample, passkey_accuracy
+from ..common.measures import (compare_to_teacher, compiles_decode, decode_latency, generate_sample,
+                               passkey_accuracy)
 from ..core.mixer import COMPILE_MODES
 
 DEFAULT_PROMPTS = ("Write one line of verse about the sea.", "What is the capital of France?",
@@ -196,7 +197,7 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
 
     decode, decode_step, saved = [], "eager", getattr(model.config, "compile_decode", False)
     mode = compile_decode or saved
-    if mode and _compiles_decode(model):
+    if mode and compiles_decode(model):
         model.config.compile_decode = mode  # for the timing only: the samples and passkey ran as saved
         decode_step = "compiled (" + ("default" if mode is True else mode) + ")"
     for context in decode_contexts:
@@ -219,9 +220,3 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
     os.makedirs(out, exist_ok=True)
     report.save(out)
     return report
-
-
-def _compiles_decode(model) -> bool:
-    """Whether any layer of ``model`` has a compiled token step (an hf-mixers model whose mixer has one)."""
-    return any(getattr(getattr(layer, "mixer", None), "can_compile_decode", lambda: False)()
-               for layer in getattr(getattr(model, "model", None), "layers", ()))

@@ -173,6 +173,13 @@ def decode_step_seconds(model, cache, batch: int, steps: int, vocab: int, device
     return statistics.median(times)
 
 
+def compiles_decode(model) -> bool:
+    """Whether any layer of ``model`` has a compiled token step (``config.compile_decode`` changes its decoding): an
+    hf-mixers model with a mixer that has one."""
+    return any(getattr(getattr(layer, "mixer", None), "can_compile_decode", lambda: False)()
+               for layer in getattr(getattr(model, "model", None), "layers", ()))
+
+
 def decode_latency(model, context: int, decode_tokens: int, vocab: int, device, warmup: int = 3,
                    batch: int = 1) -> tuple[float, int]:
     """``generation_timing``'s (median s per decode step, the cached tokens' bytes after the prefill)."""
