@@ -143,6 +143,21 @@ class MixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    def _prepare_cache_for_generation(self, generation_config, *args, **kwargs):
+        """transformers' own, with its fixed-size caches (``cache_implementation="static"``, ...) refused in words: they
+        build K/V layers of a fixed length, which have no kind for this model's other mixers (a bare KeyError)."""
+        try:
+            return super()._prepare_cache_for_generation(generation_config, *args, **kwargs)
+        except KeyError as error:
+            if error.args and error.args[0] in self.config.layer_types:
+                raise ValueError(
+                    f"generate(cache_implementation={generation_config.cache_implementation!r}): transformers' "
+                    f"fixed-size caches hold attention K/V only, not this model's {error.args[0]!r} layers. Leave "
+                    "cache_implementation unset (each layer keeps its own cache; a recurrent mixer's state is "
+                    "constant-size already) and set model.config.compile_decode = True for a compiled token step "
+                    "('reduce-overhead': replayed as a CUDA graph)") from None
+            raise
+
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs) -> CausalLMOutputWithPast:

@@ -114,6 +114,23 @@ def test_generate_with_default_arguments_and_beam_search():
     assert torch.equal(beams, no_cache)  # reorder_cache keeps the feedback state aligned with the beams
 
 
+def test_transformers_fixed_size_caches_are_refused_in_words_and_the_dynamic_ones_work():
+    """cache_implementation="static" (transformers' fixed-length K/V layers) has no layer for a mixer: a clear error
+    naming what to do instead, not a bare KeyError; "dynamic" and "offloaded" generate as the default cache does."""
+    from hf_mixers.testing import tiny_model
+
+    model = tiny_model("rsa", dtype=torch.float32)
+    ids = torch.randint(3, 60, (1, 6), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(ids, max_new_tokens=3, do_sample=False)
+    for implementation in ("static", "offloaded_static"):
+        with pytest.raises(ValueError, match=r"fixed-size caches hold attention K/V only, not this model's 'rsa' "
+                                             r"layers.*compile_decode = True"):
+            model.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation=implementation)
+    for implementation in ("dynamic", "offloaded"):
+        assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False,
+                                          cache_implementation=implementation), expected), implementation
+
+
 def test_cache_bytes_grow_with_context():
     model = tiny_sessa_model()
     _, small, full = cache_bytes_in_two_calls(model, torch.randint(1, 101, (1, 16)), 8)
