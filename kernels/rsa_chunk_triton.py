@@ -105,7 +105,7 @@ from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunk
 # backward 112-176 KiB; at Llama-3-8B's 128-wide heads the forward 128 KiB (224 KiB with the window's merge weight
 # and RSA-q), the backward 112-192 KiB; an H100 block can have 227 KiB. Calls over the limits run the PyTorch
 # path, said in the dispatch's log line.
-from .rsa_write_triton import (INPUT_PRECISION, MAX_HEAD_DIM, MAX_TILE, NUM_WARPS, tile_edge, write_chunks_triton,
+from .rsa_write_triton import (INPUT_PRECISION, NUM_WARPS, scope_reason, tile_edge, write_chunks_triton,
                                write_triton_supports)
 from .triton_compile import compile_side_by_side
 
@@ -116,7 +116,6 @@ FEATURE_BLOCK = 64
 BACKWARD_STAGES = 1
 READOUTS = {"sigmoid": 0, "softmax_count": 1}
 ROUTINGS = {"none": 0, "elementwise": 1, "relation": 2}
-ASSIGN_FNS = ("softmax", "sigmoid")
 
 
 def _interpreted() -> bool:
@@ -126,23 +125,13 @@ def _interpreted() -> bool:
 
 def rsa_chunk_triton_supports(params: RSAParams, q=None, v=None, log_decay=None) -> str | None:
     """None when ``rsa_chunked_triton`` can run this call, else the reason (for a fallback with a log line)."""
-    if log_decay is not None:
-        return "GLA-style decay (log_decay / rsa_decay=True) is not implemented in the Triton RSA kernel"
-    if params.assign_fn not in ASSIGN_FNS:
-        return f"unknown assign_fn {params.assign_fn!r}"
+    reason = scope_reason(params, v, log_decay)  # decay, assign_fn, tile sizes: shared with the write kernel
+    if reason is not None:
+        return reason
     if params.readout not in READOUTS:
         return f"readout {params.readout!r} is not implemented in the Triton RSA kernel (only {sorted(READOUTS)})"
     if params.routing not in ROUTINGS:
         return f"routing {params.routing!r} is not implemented in the Triton RSA kernel (only {sorted(ROUTINGS)})"
-    _, _, slots, key_dim = params.prototypes.shape
-    sizes = {"chunk_size": (params.chunk_size, MAX_TILE), "slots": (slots, MAX_TILE),
-             "key head dim": (key_dim, MAX_HEAD_DIM)}
-    if v is not None:
-        sizes["value head dim"] = (v.shape[-1], MAX_HEAD_DIM)
-    for name, (size, limit) in sizes.items():
-        if size > limit:
-            return (f"{name} {size} > {limit}: one program holds whole tiles of it, and wider ones need more shared "
-                    f"memory than a GPU block has")
     for tensor in (q, v):
         if tensor is not None and tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return f"dtype {tensor.dtype}: the kernels compute in fp32 (fp32 / fp16 / bf16 inputs only)"

@@ -52,26 +52,32 @@ def tile_edge(n: int) -> int:
     return max(16, triton.next_power_of_2(max(n, 1)))
 
 
-def write_triton_supports(params: RSAParams, v=None, log_decay=None) -> str | None:
-    """None when ``write_chunks_triton`` can run this call, else the reason."""
+def scope_reason(params: RSAParams, v=None, log_decay=None, widths=()) -> str | None:
+    """Why the RSA Triton kernels (this write, the chunk read) cannot take this call as far as their shared scope goes
+    -- decay, the assignment function, tile sizes (``widths``: further (name, size) held as (h, d) tiles) -- or None."""
     if log_decay is not None:
-        return "GLA-style decay is not implemented in the Triton write kernel"
+        return "GLA-style decay (log_decay / rsa_decay=True) is not implemented in the Triton RSA kernels"
     if params.assign_fn not in ("softmax", "sigmoid"):
         return f"unknown assign_fn {params.assign_fn!r}"
-    if not all(isinstance(mlp, ResidualMLPWeights) for mlp in (*params.key_mlps, *params.value_mlps)):
-        return "the residual MLPs are not ResidualMLPWeights"
     _, _, slots, key_dim = params.prototypes.shape
-    sizes = {"chunk_size": (params.chunk_size, MAX_TILE), "slots": (slots, MAX_TILE), "key head dim": (key_dim,
-             MAX_HEAD_DIM)}
-    if v is not None:
-        sizes["value head dim"] = (v.shape[-1], MAX_HEAD_DIM)
-    widths = [mlp.up_weight.shape[0] for mlp in (*params.key_mlps, *params.value_mlps)]
-    if widths:
-        sizes["MLP width"] = (max(widths), MAX_HEAD_DIM)
-    for name, (size, limit) in sizes.items():
+    sizes = [("chunk_size", params.chunk_size, MAX_TILE), ("slots", slots, MAX_TILE),
+             ("key head dim", key_dim, MAX_HEAD_DIM)]
+    sizes += [("value head dim", v.shape[-1], MAX_HEAD_DIM)] if v is not None else []
+    sizes += [(name, size, MAX_HEAD_DIM) for name, size in widths]
+    for name, size, limit in sizes:
         if size > limit:
-            return f"{name} {size} > {limit}"
+            return (f"{name} {size} > {limit}: one program holds whole tiles of it, and wider ones need more shared "
+                    f"memory than a GPU block has")
     return None
+
+
+def write_triton_supports(params: RSAParams, v=None, log_decay=None) -> str | None:
+    """None when ``write_chunks_triton`` can run this call, else the reason."""
+    mlps = (*params.key_mlps, *params.value_mlps)
+    if not all(isinstance(mlp, ResidualMLPWeights) for mlp in mlps):
+        return "the residual MLPs are not ResidualMLPWeights"
+    widths = [("MLP width", max(mlp.up_weight.shape[0] for mlp in mlps))] if mlps else []
+    return scope_reason(params, v, log_decay, widths)
 
 
 @triton.jit

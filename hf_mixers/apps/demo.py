@@ -22,7 +22,7 @@ import time
 
 from ..conversion import convert, load_teacher
 from ..common.corpus import SMOLLM2_ALIAS
-from ..common.measures import compiles_decode, generate_sample, generation_timing
+from ..common.measures import compiled_decode, compiles_decode, generate_sample, generation_timing
 from ..core.registry import get_mixer
 from ..common.files import check_output_folder
 from ..common.history import wider_table
@@ -34,13 +34,9 @@ DECODE_CONTEXT, DECODE_TOKENS = 512, 8  # the decode line of the summary: batch 
 def decode_speed(model, compiled: bool = False) -> dict:
     """Decode tokens/s (batch 1) and cache MiB after a DECODE_CONTEXT-token prompt, on the model's device;
     ``compiled``: through the model's compiled token step (``config.compile_decode``; it compiles in the warm-up)."""
-    saved = getattr(model.config, "compile_decode", False)
-    model.config.compile_decode = compiled or saved
-    try:
+    with compiled_decode(model, compiled):
         timing = generation_timing(model, DECODE_CONTEXT, DECODE_TOKENS, model.config.vocab_size,
                                    next(model.parameters()).device, warmup=2)
-    finally:
-        model.config.compile_decode = saved
     return {"tokens_per_s": 1.0 / timing["decode_s"], "cache_mib": timing["cache_bytes"] / 2**20}
 # mixer -> (options, stage-1 steps, stage-2 steps): the best configurations the 15-minute budget of 2 CPU cores
 # allows. RSA keeps the teacher's attention over the last 64 tokens (docs/local-window.md), which takes it from

@@ -23,7 +23,7 @@ from ..common.device import resolve_device
 from ..common.files import write_atomically
 from ..common.folder import check_model_weights
 from ..common.history import CONVERSION_REPORT, EVAL_REPORT, blank_or
-from ..common.measures import (compare_to_teacher, compiles_decode, decode_latency, generate_sample,
+from ..common.measures import (compare_to_teacher, compiled_decode, decode_latency, generate_sample,
                                passkey_accuracy)
 from ..core.mixer import COMPILE_MODES
 
@@ -195,21 +195,16 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
                 "teacher": generate_sample(teacher_model, tokenizer, prompt, max_new_tokens)
                 if teacher_model is not None else None} for prompt in prompts]
 
-    decode, decode_step, saved = [], "eager", getattr(model.config, "compile_decode", False)
-    mode = compile_decode or saved
-    if mode and compiles_decode(model):
-        model.config.compile_decode = mode  # for the timing only: the samples and passkey ran as saved
-        decode_step = "compiled (" + ("default" if mode is True else mode) + ")"
-    for context in decode_contexts:
-        row = {"context": context}
-        for name, candidate in (("model", model), ("teacher", teacher_model)):
-            latency, cache_bytes = (decode_latency(candidate, context, decode_tokens, candidate.config.vocab_size,
-                                                   device) if candidate is not None else (None, None))
-            row[f"{name}_tokens_per_s"] = None if latency is None else 1.0 / latency
-            row[f"{name}_cache_bytes"] = cache_bytes
-        decode.append(row)
-    if hasattr(model.config, "compile_decode"):
-        model.config.compile_decode = saved
+    decode = []  # the samples and passkey ran as the folder's config says; the timing as asked
+    with compiled_decode(model, compile_decode or getattr(model.config, "compile_decode", False)) as decode_step:
+        for context in decode_contexts:
+            row = {"context": context}
+            for name, candidate in (("model", model), ("teacher", teacher_model)):
+                latency, cache_bytes = (decode_latency(candidate, context, decode_tokens, candidate.config.vocab_size,
+                                                       device) if candidate is not None else (None, None))
+                row[f"{name}_tokens_per_s"] = None if latency is None else 1.0 / latency
+                row[f"{name}_cache_bytes"] = cache_bytes
+            decode.append(row)
 
     report = EvalReport(model=model_dir, teacher=teacher, data=data_name, heldout_sequences=int(heldout_ids.shape[0]),
                         sequence_length=sequence_length, dtype=dtype, device=str(device), quality=quality,

@@ -7,6 +7,7 @@ retrieval over long filler text, generation samples, and decoding latency with i
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import re
@@ -178,6 +179,22 @@ def compiles_decode(model) -> bool:
     hf-mixers model with a mixer that has one."""
     return any(getattr(getattr(layer, "mixer", None), "can_compile_decode", lambda: False)()
                for layer in getattr(getattr(model, "model", None), "layers", ()))
+
+
+@contextlib.contextmanager
+def compiled_decode(model, mode):
+    """Inside the block, ``model`` decodes through its compiled token step (``config.compile_decode = mode``) when
+    ``mode`` is set and the model has one; yields the step's name ("eager" or "compiled (MODE)"). The config is
+    restored after, and a model without the field (a teacher) is left untouched."""
+    if not (mode and compiles_decode(model)):
+        yield "eager"
+        return
+    saved = model.config.compile_decode
+    model.config.compile_decode = mode
+    try:
+        yield "compiled (" + ("default" if mode is True else mode) + ")"
+    finally:
+        model.config.compile_decode = saved
 
 
 def decode_latency(model, context: int, decode_tokens: int, vocab: int, device, warmup: int = 3,

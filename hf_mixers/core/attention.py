@@ -52,6 +52,7 @@ class FullAttention(SequenceMixer):
         # q/k/v as one matrix product in the compiled token step (fuse_qkv); None until that step first runs
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self._qkv_prepared = None  # what prepare_compiled_decode last decided on (_qkv_identity)
 
     # ----- q, k and v in one matrix product
     # A token step multiplies one row by three matrices; one product of their rows stacked reads the same bytes in
@@ -108,6 +109,7 @@ class FullAttention(SequenceMixer):
     def unfuse_qkv(self) -> None:
         """Three products again. q/k/v_proj keep their views: the stacked storage lives on in them."""
         self.qkv_weight = self.qkv_bias = None
+        self._qkv_prepared = None
 
     def _apply(self, fn, recurse=True):
         self.unfuse_qkv()  # .to() / .half() give each weight new storage: the stacked one would part from them
@@ -122,13 +124,28 @@ class FullAttention(SequenceMixer):
                 [layer.out_features for layer in (self.q_proj, self.k_proj, self.v_proj)], -1)
         return self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
 
+    def _qkv_identity(self) -> tuple:
+        """What decides fusing, cheaply: each projection's class (peft wraps them) and its tensors' addresses (a
+        replaced weight), and whether autograd is on."""
+        identity = [torch.is_grad_enabled()]
+        for name in ("q_proj", "k_proj", "v_proj"):
+            layer = self._modules.get(name)
+            weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
+            identity += (type(layer), weight is not None and weight.data_ptr(), bias is not None and bias.data_ptr())
+        return tuple(identity)
+
     def prepare_compiled_decode(self) -> None:
         """Before each compiled token step (model/blocks.py decode_compiled): q/k/v fused, or fused again if a weight
-        was replaced since (``qkv_fused`` is a host-side check the graph cannot make)."""
+        was replaced since (a host-side check the graph cannot make). It runs per layer and token, so the decision is
+        kept and only its inputs are compared (4 us a layer; the full ``qkv_fused`` check took 16-23 us)."""
+        identity = self._qkv_identity()
+        if identity == self._qkv_prepared:
+            return
         if not self.qkv_fused():
             self.unfuse_qkv()
             if self.fuses_qkv() and not torch.is_grad_enabled():
                 self.fuse_qkv()
+        self._qkv_prepared = self._qkv_identity()  # fusing moved the weights: the addresses after it
 
     def project(self, hidden_states, position_embeddings, rotate: bool | None = None):
         """Queries (B, H, T, hd) and keys, values (B, Hkv, T, hd), after q/k norm and RoPE (``rotate``: None follows
