@@ -32,7 +32,7 @@ class MixerBlock(GradientCheckpointingLayer):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
                 past_key_values=None, **kwargs):
         if self.mixer.compiles_decode(hidden_states, past_key_values):
-            return decode_compiled(self, hidden_states, position_embeddings, token_mask, past_key_values)
+            return decode_compiled([self], hidden_states, position_embeddings, token_mask, past_key_values)
         return self.around(hidden_states, lambda x: self.mixer(x, position_embeddings, attention_mask, token_mask,
                                                               past_key_values, **kwargs))
 
@@ -85,25 +85,35 @@ def block_step(block, hidden_states, position_embeddings, inputs):
     return block.around(hidden_states, mix), new["state"]
 
 
-_compiled_block_steps = {}  # (device type, mixer class, batch, mode) -> (compiled block_step, replays a CUDA graph)
+def stack_step(blocks, hidden_states, position_embeddings, inputs):
+    """Every block's ``block_step`` in turn (``inputs``: one tuple a block) -> output, the list of the new states."""
+    states = []
+    for block, block_inputs in zip(blocks, inputs):
+        hidden_states, state = block_step(block, hidden_states, position_embeddings, block_inputs)
+        states.append(state)
+    return hidden_states, states
 
 
-def compile_block_step(device: str, mode: str | None = None, dynamic: bool = False):
-    """``block_step`` compiled for ``device`` -> (the step, whether it replays as a CUDA graph). ``mode``:
-    torch.compile's (None or "default": the default, with a C++ launcher on CPU; "reduce-overhead": replayed as a
-    CUDA graph on CUDA). ``dynamic``: symbolic shapes (a mixer whose cache grows, ``decode_dynamic_shapes``), never
-    replayed as a CUDA graph (it would record one per context length).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile's modes that replay a CUDA graph on CUDA
+_compiled_steps = {}  # (device type, mixer classes, batch, mode, dynamic) -> (compiled step, replays a CUDA graph)
+
+
+def compile_step(function, device: str, mode: str | None = None, dynamic: bool = False):
+    """``function`` (``block_step`` or ``stack_step``) compiled for ``device`` -> (the step, whether it replays as a
+    CUDA graph). ``mode``: torch.compile's (None or "default": the default, with a C++ launcher on CPU;
+    "reduce-overhead": replayed as a CUDA graph on CUDA). ``dynamic``: symbolic shapes (a mixer whose cache grows,
+    ``decode_dynamic_shapes``), never replayed as a CUDA graph (it would record one per context length).
 
     Each call compiles its own copy of the function's code: dynamo keeps its graphs, and its limit of 8 recompiles
-    before it silently falls back to eager, per code object. decode_compiled keeps one per mixer class and batch
+    before it silently falls back to eager, per code object. decode_compiled keeps one per mixer classes and batch
     size, so a process serving several models and batch sizes never reaches that limit."""
     mode = None if mode == "default" else mode
-    if dynamic and mode in ("reduce-overhead", "max-autotune"):  # a CUDA graph has fixed shapes: one per length
+    if dynamic and mode in CUDA_GRAPH_MODES:  # a CUDA graph has fixed shapes: one per length
         mode = None if mode == "reduce-overhead" else "max-autotune-no-cudagraphs"
     options = {"cpp_wrapper": True} if device == "cpu" and mode is None else None  # torch.compile takes one of two
-    copy = types.FunctionType(block_step.__code__.replace(), block_step.__globals__, block_step.__name__)
+    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
     step = torch.compile(copy, dynamic=dynamic, fullgraph=True, options=options, mode=mode)
-    return step, device == "cuda" and mode in ("reduce-overhead", "max-autotune")
+    return step, device == "cuda" and mode in CUDA_GRAPH_MODES
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
@@ -117,38 +127,71 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if dense else tensor.clone(memory_format=torch.contiguous_format)
 
 
-def decode_compiled(block, hidden_states, position_embeddings, token_mask, past_key_values):
-    """One token through ``block_step`` compiled with torch.compile (fullgraph, static shapes; built on first use).
+def _hooked(block) -> bool:
+    """Whether ``block`` has a forward hook of its own (transformers' output capture, idle unless asked, aside)."""
+    hooks = [*block._forward_pre_hooks.values(), *block._forward_hooks.values()]
+    return any(getattr(hook, "__name__", None) != "output_capturing_hook" for hook in hooks)
+
+
+def stack_compiles_decode(blocks, hidden_states, past_key_values, output_hidden_states=False) -> bool:
+    """Whether this token runs through the whole stack as one compiled graph (``decode_compiled(blocks, ...)``):
+    every block's mixer compiles this step with static shapes, in one mode that replays a CUDA graph, and no block
+    must run on its own (a hook, or hidden states asked for, sees each block's call).
+
+    Replayed block by block, a token costs the host one graph launch, dynamo's guards, cudagraph trees' input checks
+    and the cache's glue per block: the first H100 timings (docs/benchmarks.md) measured 20-35 ms a token for
+    SmolLM2's 30 blocks at batch 1, the teacher's eager step's time. The whole stack replays once. Not in the
+    default mode: on CPU its C++ launcher would be one source file for every block (g++ ran over 10 minutes)."""
+    mixers = [block.mixer for block in blocks]
+    mode = mixers[0].decode_compile_mode()
+    return (mode in CUDA_GRAPH_MODES and not output_hidden_states
+            and all(mixer.compiles_decode(hidden_states, past_key_values) and not mixer.decode_dynamic_shapes
+                    and mixer.decode_compile_mode() == mode for mixer in mixers)
+            and not any(_hooked(block) for block in blocks))
+
+
+def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past_key_values):
+    """One token through ``blocks`` (one block, or the whole stack: ``stack_compiles_decode``) as one torch.compile
+    graph (fullgraph, static shapes; built on first use).
 
     Eager, a decode step of a recurrent memory is ~100 small ops and dispatch-bound; compiled with the whole block
-    around it (projections, o_proj, norms, MLP), it is one graph of a few fused kernels. The block is an argument,
-    so its parameters are graph inputs and every block of a mixer class shares the graph (one per class, batch size
-    and mode, see compile_block_step). Static shapes: what the mixer reads (``decode_inputs``) does not grow with the
-    context, and every input is given dense strides, so neither the context length nor a strided state recompiles
+    around it (projections, o_proj, norms, MLP), it is one graph of a few fused kernels. The blocks are an argument,
+    so their parameters are graph inputs and every block of a mixer class shares the graph (one per mixer classes,
+    batch size and mode, see compile_step). Static shapes: what the mixer reads (``decode_inputs``) does not grow with
+    the context, and every input is given dense strides, so neither the context length nor a strided state recompiles
     it; a mixer whose cache grows (Sessa, ``decode_dynamic_shapes``) is compiled with symbolic shapes instead, its
     cache read in place. On CPU the graph's launcher is C++ (``cpp_wrapper``): the default Python launcher of ~50
-    kernels cost ~0.13 ms per block call, a tenth of an RSA step. The first call compiles for 10-60 s on a CPU,
-    hence opt-in (``config.compile_decode``). Replayed as a CUDA graph, one graph serves every block, and each
-    replay writes its outputs into the same memory: they are copied out before the next block's replay would
-    overwrite them.
+    kernels cost ~0.13 ms per block call, a tenth of an RSA step. The first call compiles for 10-60 s on a CPU (a
+    block; minutes for a stack), hence opt-in (``config.compile_decode``). Replayed as a CUDA graph, each replay
+    writes its outputs into the same memory: they are copied out before the next replay would overwrite them.
     """
     device = hidden_states.device.type
-    dynamic = block.mixer.decode_dynamic_shapes  # a class may have both kinds (GLTM: by its pattern)
-    key = (device, type(block.mixer), hidden_states.shape[0], block.mixer.decode_compile_mode(), dynamic)
-    if key not in _compiled_block_steps:
-        logger.warning("compiling the %s block's token step at batch %d with torch.compile (compile_decode=%s); the "
-                       "first decode step takes 10-60 s", key[1].__name__, key[2], key[3])
-        _compiled_block_steps[key] = compile_block_step(device, key[3], dynamic)
-    step, cuda_graph = _compiled_block_steps[key]
+    mixers = [block.mixer for block in blocks]
+    dynamic = any(mixer.decode_dynamic_shapes for mixer in mixers)  # a class may have both kinds (GLTM: by pattern)
+    key = (device, tuple(type(mixer) for mixer in mixers), hidden_states.shape[0], mixers[0].decode_compile_mode(),
+           dynamic)
+    if key not in _compiled_steps:
+        what = (f"{key[1][0].__name__} block's" if len(blocks) == 1 else f"{len(blocks)} blocks' (one graph)")
+        logger.warning("compiling the %s token step at batch %d with torch.compile (compile_decode=%s); the first "
+                       "decode step takes %s", what, key[2], key[3], "10-60 s" if len(blocks) == 1 else "minutes")
+        _compiled_steps[key] = compile_step(block_step if len(blocks) == 1 else stack_step, device, key[3], dynamic)
+    step, cuda_graph = _compiled_steps[key]
     if cuda_graph:
         torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs were copied out: reuse is fine
-    block.mixer.prepare_compiled_decode()
-    layer_cache = past_key_values.layers[block.mixer.layer_idx]
-    inputs = block.mixer.decode_inputs(layer_cache, token_mask)
-    if not dynamic:  # a growing cache's views keep their strides: symbolic there, and a copy would cost a cache a step
-        inputs = map_tensors(inputs, _dense)
-    output, state = step(block, _dense(hidden_states), position_embeddings, inputs)
+    caches = [past_key_values.layers[mixer.layer_idx] for mixer in mixers]
+    inputs = []
+    for mixer, layer_cache in zip(mixers, caches):
+        mixer.prepare_compiled_decode()
+        layer_inputs = mixer.decode_inputs(layer_cache, token_mask)
+        # a growing cache's views keep their strides: symbolic there, and a copy would cost a cache a step
+        inputs.append(layer_inputs if dynamic else map_tensors(layer_inputs, _dense))
+    if len(blocks) == 1:
+        output, state = step(blocks[0], _dense(hidden_states), position_embeddings, inputs[0])
+        states = [state]
+    else:
+        output, states = step(list(blocks), _dense(hidden_states), position_embeddings, inputs)
     if cuda_graph:
-        output, state = map_tensors((output, state), torch.Tensor.clone)
-    block.mixer.store_decode_state(layer_cache, state)
+        output, states = map_tensors((output, states), torch.Tensor.clone)
+    for mixer, layer_cache, state in zip(mixers, caches, states):
+        mixer.store_decode_state(layer_cache, state)
     return output

@@ -27,7 +27,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from ..core.mixer import SequenceMixer
 from ..core.registry import get_mixer, on_register
-from .blocks import BLOCK_CLASSES, LlamaBlock, SessaBlock
+from .blocks import BLOCK_CLASSES, LlamaBlock, SessaBlock, decode_compiled, stack_compiles_decode
 from .config import MixerConfig, config_class
 from .export import remote_auto_map, write_remote_code
 
@@ -125,10 +125,15 @@ class MixerModel(MixerPreTrainedModel):
                  for kind in self.mask_kinds}
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        for layer, mask_kind in zip(self.layers, self.layer_masks):
-            hidden_states = layer(hidden_states, position_embeddings=position_embeddings,
-                                  attention_mask=masks.get(mask_kind), token_mask=token_mask,
-                                  past_key_values=past_key_values, **kwargs)
+        capturing = kwargs.get("output_hidden_states", self.config.output_hidden_states)
+        if stack_compiles_decode(self.layers, hidden_states, past_key_values, capturing):
+            hidden_states = decode_compiled(self.layers, hidden_states, position_embeddings, token_mask,
+                                            past_key_values)
+        else:
+            for layer, mask_kind in zip(self.layers, self.layer_masks):
+                hidden_states = layer(hidden_states, position_embeddings=position_embeddings,
+                                      attention_mask=masks.get(mask_kind), token_mask=token_mask,
+                                      past_key_values=past_key_values, **kwargs)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
 

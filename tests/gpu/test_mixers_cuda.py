@@ -117,7 +117,7 @@ def test_compiled_decode_equals_eager(mode, name, monkeypatch, record):
     from hf_mixers.model import blocks
 
     torch._dynamo.reset()
-    monkeypatch.setattr(blocks, "_compiled_block_steps", {})
+    monkeypatch.setattr(blocks, "_compiled_steps", {})
     options = COMPILED_STEPS[name]
     _, eager = _pair(name, **options)
     compiled = tiny_model(name, dtype=torch.float32, compile_decode=mode, **options).to(DEVICE)

@@ -222,7 +222,7 @@ def test_compiled_decode_serves_more_batch_sizes_than_dynamos_recompile_limit(mo
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None, options=None, **kwargs: compile_(fn, backend="eager",
                                                                                                  **kwargs))
-    monkeypatch.setattr(blocks, "_compiled_block_steps", {})
+    monkeypatch.setattr(blocks, "_compiled_steps", {})
     eager = tiny_model("selective_ssm", dtype=torch.float32)
     compiled = tiny_model("selective_ssm", dtype=torch.float32, compile_decode=True)
     torch._dynamo.reset()

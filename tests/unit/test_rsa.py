@@ -337,8 +337,8 @@ def test_a_step_replayed_into_reused_buffers_is_copied_out(monkeypatch):
             held.copy_(fresh)
         return buffers["out"]
 
-    monkeypatch.setattr(blocks, "_compiled_block_steps", {})
-    monkeypatch.setattr(blocks, "compile_block_step", lambda device, mode=None, dynamic=False: (replayed, True))
+    monkeypatch.setattr(blocks, "_compiled_steps", {})
+    monkeypatch.setattr(blocks, "compile_step", lambda function, device, mode=None, dynamic=False: (replayed, True))
     ids = torch.randint(1, 101, (2, 10))
     mask = torch.ones_like(ids)
     options = dict(layer_types=["rsa", "rsa"], rsa_window=4)

@@ -1,0 +1,157 @@
+"""The whole stack's token step as one compiled graph (model/blocks.py ``stack_compiles_decode``): taken when every
+layer has a compiled step of fixed shapes and the mode replays CUDA graphs, equal to the eager decode and to one
+full forward, one graph for every step; every other model, and a call that must see each block, goes block by
+block."""
+
+import pytest
+import torch
+from conftest import first_in_fast
+
+from hf_mixers.core.cache import map_tensors
+from hf_mixers.model import blocks
+from hf_mixers.testing import HYBRID, _decode, _inputs, _logits, tiny_config
+
+STATIC = ["rsa", "vort", "selective_ssm", "gltm"]  # every mixer whose compiled step has fixed shapes
+
+
+def mixed_model(layer_types, dtype=torch.float64, seed=0, **overrides):
+    """A tiny model whose layers are ``layer_types`` (every mixer's tiny options in its config)."""
+    from hf_mixers.model.modeling import MixerForCausalLM
+
+    config = tiny_config(HYBRID, layer_types=list(layer_types), num_hidden_layers=len(layer_types), **overrides)
+    torch.manual_seed(seed)
+    return MixerForCausalLM(config).to(dtype).eval()
+
+
+@pytest.fixture
+def compiled_functions(monkeypatch):
+    """The names of the functions decode_compiled compiles, in order; dynamo's eager backend stands in for inductor
+    (the graph count and the dispatch are dynamo's and ours, and it compiles in milliseconds)."""
+    compile_ = torch.compile
+    names = []
+
+    def compile_eagerly(function, mode=None, options=None, **kwargs):
+        names.append(function.__name__)
+        return compile_(function, backend="eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_eagerly)
+    monkeypatch.setattr(blocks, "_compiled_steps", {})
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return names
+
+
+@pytest.mark.parametrize("layer_types", first_in_fast(["rsa", "vort"], STATIC))
+def test_the_stack_compiles_as_one_graph_equal_to_eager_and_one_forward(layer_types):
+    """Inductor, "reduce-overhead" (on CPU: compiled, without a CUDA graph): the kinds of mixer in one graph, every
+    step after the first replays it (no recompile), equal to the eager decode and to one forward on a left-padded
+    batch (fp32 precision: the graph sums in another order). Every kind at once in the full tier (36 s here)."""
+    eager = mixed_model(layer_types)
+    compiled = mixed_model(layer_types, compile_decode="reduce-overhead")
+    ids, mask = _inputs()
+    valid = mask.bool()
+    full, reference = _logits(eager, ids, mask), _decode(eager, ids, mask)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    stepped = _decode(compiled, ids, mask)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert [key[1] for key in blocks._compiled_steps if len(key[1]) == len(layer_types)], "the stack did not compile"
+    tolerance = dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(stepped[valid], reference[valid], **tolerance)
+    torch.testing.assert_close(stepped[valid], full[valid], **tolerance)
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_a_cuda_graph_mode_takes_the_stack(mode, compiled_functions):
+    eager = mixed_model(STATIC, dtype=torch.float32)
+    compiled = mixed_model(STATIC, dtype=torch.float32, compile_decode=mode)
+    ids, mask = _inputs()
+    torch.testing.assert_close(_decode(compiled, ids, mask), _decode(eager, ids, mask), rtol=1e-5, atol=1e-6)
+    assert compiled_functions == ["stack_step"]
+
+
+def test_the_default_mode_goes_block_by_block(compiled_functions):
+    """On CPU the default mode's C++ launcher would be one source file for the whole stack: a graph per block."""
+    compiled = mixed_model(STATIC, dtype=torch.float32, compile_decode=True)
+    _decode(compiled, *_inputs())
+    assert compiled_functions == ["block_step"] * len(STATIC)
+
+
+def test_a_growing_cache_in_the_stack_goes_block_by_block(compiled_functions):
+    """Sessa's step has symbolic shapes (its cache grows): never a CUDA graph, so neither is the stack around it."""
+    compiled = mixed_model(["rsa", "sessa"], dtype=torch.float32, compile_decode="reduce-overhead")
+    _decode(compiled, *_inputs())
+    assert compiled_functions == ["block_step", "block_step"]
+
+
+def test_a_layer_without_a_compiled_step_goes_block_by_block(compiled_functions):
+    compiled = mixed_model(["rsa", "full_attention"], dtype=torch.float32, compile_decode="reduce-overhead")
+    _decode(compiled, *_inputs())
+    assert compiled_functions == ["block_step"]
+
+
+def test_a_block_with_a_hook_is_called_at_every_step(compiled_functions):
+    compiled = mixed_model(["rsa", "vort"], dtype=torch.float32, compile_decode="reduce-overhead")
+    calls = []
+    compiled.model.layers[1].register_forward_hook(lambda module, args, output: calls.append(output.shape[1]))
+    ids, mask = _inputs()
+    _decode(compiled, ids, mask, prefill=5)
+    assert calls == [5] + [1] * (ids.shape[1] - 5)
+    assert compiled_functions == ["block_step", "block_step"]
+
+
+def test_hidden_states_asked_for_are_every_blocks(compiled_functions):
+    """output_hidden_states records each block's output: such a step goes block by block, and says the same as
+    eager; transformers' recording hook, installed then, does not keep later steps off the stack."""
+    from transformers import DynamicCache
+
+    eager = mixed_model(["rsa", "vort"], dtype=torch.float32)
+    compiled = mixed_model(["rsa", "vort"], dtype=torch.float32, compile_decode="reduce-overhead")
+    ids, mask = _inputs()
+    states = []
+    for model in (eager, compiled):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :5], attention_mask=mask[:, :5], past_key_values=cache, use_cache=True)
+            states.append(model(ids[:, 5:6], attention_mask=mask[:, :6], past_key_values=cache, use_cache=True,
+                                output_hidden_states=True).hidden_states)
+            assert len(states[-1]) == 3
+            model(ids[:, 6:7], attention_mask=mask[:, :7], past_key_values=cache, use_cache=True)
+    for expected, actual in zip(*states):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    assert compiled_functions == ["block_step", "block_step", "stack_step"]
+
+
+def test_a_stack_replayed_into_reused_buffers_is_copied_out(monkeypatch):
+    """A CUDA graph's replay writes the same output memory every time; stood in for on the CPU by the eager stack
+    step writing into fixed buffers. Without the copy, the next token's replay would overwrite the states the
+    cache holds; with it, decoding equals eager."""
+
+    def tensors(value) -> list:
+        found = []
+        map_tensors(value, lambda tensor: found.append(tensor) or tensor)
+        return found
+
+    def replayed(function):
+        buffers = {}
+
+        def replay(*args):
+            outputs = function(*args)
+            if "out" not in buffers:
+                buffers["out"] = map_tensors(outputs, torch.Tensor.clone)
+            for held, fresh in zip(tensors(buffers["out"]), tensors(outputs), strict=True):
+                held.copy_(fresh)
+            return buffers["out"]
+
+        return replay
+
+    monkeypatch.setattr(blocks, "_compiled_steps", {})
+    monkeypatch.setattr(blocks, "compile_step",
+                        lambda function, device, mode=None, dynamic=False: (replayed(function), True))
+    eager = mixed_model(STATIC, dtype=torch.float32)
+    stepped = mixed_model(STATIC, dtype=torch.float32, compile_decode="reduce-overhead")
+    ids, mask = _inputs()
+    torch.testing.assert_close(_decode(stepped, ids, mask), _decode(eager, ids, mask), rtol=1e-5, atol=1e-6)
+    assert [len(key[1]) for key in blocks._compiled_steps] == [len(STATIC)]
