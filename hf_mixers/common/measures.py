@@ -158,16 +158,19 @@ def generation_timing(model, context: int, decode_tokens: int, vocab: int, devic
 @torch.no_grad()
 def decode_step_seconds(model, cache, batch: int, steps: int, vocab: int, device, warmup: int = 1) -> float:
     """Median seconds of a single-token step of the ``batch`` rows of ``cache`` (random tokens), after ``warmup``
-    untimed steps (a compiled step compiles there)."""
+    untimed steps (a compiled step compiles there). Each step gets the all-ones attention mask ``generate`` passes:
+    the step timed is the one ``generate`` runs, and a compiled step's graph serves both."""
     device = torch.device(device)
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     generator = torch.Generator().manual_seed(1)
+    past = cache.get_seq_length()
+    mask = torch.ones(batch, past + warmup + steps, dtype=torch.long, device=device)
     times = []
     for step in range(warmup + steps):
         ids = torch.randint(0, vocab, (batch, 1), generator=generator).to(device)
         synchronize()
         start = time.perf_counter()
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, attention_mask=mask[:, :past + step + 1], past_key_values=cache, use_cache=True)
         synchronize()
         if step >= warmup:
             times.append(time.perf_counter() - start)

@@ -103,14 +103,17 @@ def compile_step(function, device: str, mode: str | None = None, dynamic: bool =
     CUDA graph). ``mode``: torch.compile's (None or "default": the default, with a C++ launcher on CPU;
     "reduce-overhead": replayed as a CUDA graph on CUDA). ``dynamic``: symbolic shapes (a mixer whose cache grows,
     ``decode_dynamic_shapes``), never replayed as a CUDA graph (it would record one per context length).
+    "reduce-overhead" off CUDA has no graph to replay: it is the default mode there (on CPU with the C++ launcher,
+    faster than the Python one that mode would bring).
 
     Each call compiles its own copy of the function's code: dynamo keeps its graphs, and its limit of 8 recompiles
     before it silently falls back to eager, per code object. decode_compiled keeps one per mixer classes and batch
     size, so a process serving several models and batch sizes never reaches that limit."""
-    mode = None if mode == "default" else mode
+    mode = None if mode == "default" or (mode == "reduce-overhead" and device != "cuda") else mode  # no CUDA graph
     if dynamic and mode in CUDA_GRAPH_MODES:  # a CUDA graph has fixed shapes: one per length
         mode = None if mode == "reduce-overhead" else "max-autotune-no-cudagraphs"
-    options = {"cpp_wrapper": True} if device == "cpu" and mode is None else None  # torch.compile takes one of two
+    # torch.compile takes a mode or options; a stack's C++ launcher would be one source file for every block
+    options = {"cpp_wrapper": True} if device == "cpu" and mode is None and function is block_step else None
     copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
     step = torch.compile(copy, dynamic=dynamic, fullgraph=True, options=options, mode=mode)
     return step, device == "cuda" and mode in CUDA_GRAPH_MODES
@@ -133,18 +136,22 @@ def _hooked(block) -> bool:
     return any(getattr(hook, "__name__", None) != "output_capturing_hook" for hook in hooks)
 
 
+STACK_DEVICES = ("cuda",)  # where a stack's step replays as a CUDA graph (the tests add "cpu")
+
+
 def stack_compiles_decode(blocks, hidden_states, past_key_values, output_hidden_states=False) -> bool:
     """Whether this token runs through the whole stack as one compiled graph (``decode_compiled(blocks, ...)``):
-    every block's mixer compiles this step with static shapes, in one mode that replays a CUDA graph, and no block
-    must run on its own (a hook, or hidden states asked for, sees each block's call).
+    on CUDA, every block's mixer compiles this step with static shapes, in one mode that replays a CUDA graph, and
+    no block must run on its own (a hook, or hidden states asked for, sees each block's call).
 
     Replayed block by block, a token costs the host one graph launch, dynamo's guards, cudagraph trees' input checks
     and the cache's glue per block: the first H100 timings (docs/benchmarks.md) measured 20-35 ms a token for
-    SmolLM2's 30 blocks at batch 1, the teacher's eager step's time. The whole stack replays once. Not in the
-    default mode: on CPU its C++ launcher would be one source file for every block (g++ ran over 10 minutes)."""
+    SmolLM2's 30 blocks at batch 1, the teacher's eager step's time. The whole stack replays once. Without a CUDA
+    graph it does not pay: on a CPU its kernels are launched from Python (a C++ launcher would be one source file
+    for every block: g++ ran for over 10 minutes), 0.70x the teacher against 0.84x block by block (bf16)."""
     mixers = [block.mixer for block in blocks]
     mode = mixers[0].decode_compile_mode()
-    return (mode in CUDA_GRAPH_MODES and not output_hidden_states
+    return (hidden_states.device.type in STACK_DEVICES and mode in CUDA_GRAPH_MODES and not output_hidden_states
             and all(mixer.compiles_decode(hidden_states, past_key_values) and not mixer.decode_dynamic_shapes
                     and mixer.decode_compile_mode() == mode for mixer in mixers)
             and not any(_hooked(block) for block in blocks))

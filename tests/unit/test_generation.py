@@ -238,7 +238,7 @@ def test_compiled_decode_serves_more_batch_sizes_than_dynamos_recompile_limit(mo
 
 def test_compile_decode_takes_a_torch_compile_mode():
     """compile_decode: true, false or one of torch.compile's modes ("reduce-overhead" is a CUDA graph on CUDA and
-    the plain compiled step on CPU, where torch.compile refuses a mode beside the C++-launcher option)."""
+    the default mode on CPU, with its C++ launcher: no graph to replay there)."""
     from hf_mixers.core.mixer import COMPILE_MODES
     from hf_mixers.testing import tiny_model
 

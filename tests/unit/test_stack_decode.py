@@ -1,7 +1,8 @@
-"""The whole stack's token step as one compiled graph (model/blocks.py ``stack_compiles_decode``): taken when every
-layer has a compiled step of fixed shapes and the mode replays CUDA graphs, equal to the eager decode and to one
-full forward, one graph for every step; every other model, and a call that must see each block, goes block by
-block."""
+"""The whole stack's token step as one compiled graph (model/blocks.py ``stack_compiles_decode``): taken on CUDA when
+every layer has a compiled step of fixed shapes and the mode replays CUDA graphs, equal to the eager decode and to
+one full forward, one graph for every step; every other model, and a call that must see each block, goes block by
+block. On the CPU, where the stack does not pay, these tests let it run (``STACK_DEVICES``): the same code but for
+the CUDA graph's replay, which a stand-in replays into fixed buffers."""
 
 import pytest
 import torch
@@ -12,6 +13,11 @@ from hf_mixers.model import blocks
 from hf_mixers.testing import HYBRID, _decode, _inputs, _logits, tiny_config
 
 STATIC = ["rsa", "vort", "selective_ssm", "gltm"]  # every mixer whose compiled step has fixed shapes
+
+
+@pytest.fixture(autouse=True)
+def stack_on_cpu(monkeypatch):
+    monkeypatch.setattr(blocks, "STACK_DEVICES", ("cuda", "cpu"))
 
 
 def mixed_model(layer_types, dtype=torch.float64, seed=0, **overrides):
@@ -43,7 +49,7 @@ def compiled_functions(monkeypatch):
 
 @pytest.mark.parametrize("layer_types", first_in_fast(["rsa", "vort"], STATIC))
 def test_the_stack_compiles_as_one_graph_equal_to_eager_and_one_forward(layer_types):
-    """Inductor, "reduce-overhead" (on CPU: compiled, without a CUDA graph): the kinds of mixer in one graph, every
+    """Inductor, "reduce-overhead" (on CPU: the default mode, no CUDA graph): the kinds of mixer in one graph, every
     step after the first replays it (no recompile), equal to the eager decode and to one forward on a left-padded
     batch (fp32 precision: the graph sums in another order). Every kind at once in the full tier (36 s here)."""
     eager = mixed_model(layer_types)
@@ -155,3 +161,13 @@ def test_a_stack_replayed_into_reused_buffers_is_copied_out(monkeypatch):
     ids, mask = _inputs()
     torch.testing.assert_close(_decode(stepped, ids, mask), _decode(eager, ids, mask), rtol=1e-5, atol=1e-6)
     assert [len(key[1]) for key in blocks._compiled_steps] == [len(STATIC)]
+
+
+def test_off_cuda_the_stack_is_not_taken(monkeypatch, compiled_functions):
+    """Without a CUDA graph to replay, the whole stack does not pay (its kernels launched from Python): a CPU model
+    compiles block by block, "reduce-overhead" there being the default mode (with the C++ launcher)."""
+    monkeypatch.setattr(blocks, "STACK_DEVICES", ("cuda",))
+    compiled = mixed_model(["rsa", "vort"], dtype=torch.float32, compile_decode="reduce-overhead")
+    _decode(compiled, *_inputs())
+    assert compiled_functions == ["block_step", "block_step"]
+    assert not blocks.compile_step(blocks.block_step, "cpu", "reduce-overhead")[1]
