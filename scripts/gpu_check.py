@@ -32,7 +32,8 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
                  each: run them with --only)
 Each step is timed, runs under its own time limit and a global budget, and the run goes on past a failure. Written
 to --out (default $OUT, else outputs/gpu-check), at most 8 files: gpu_check.json (every figure), gpu_check.log (every
-step's output), the benches' plots.
+step's output), the benches' plots, and on CUDA compile_cache.tar.gz: the Triton and Inductor caches of what it
+compiled, which the next run unpacks and reuses when carried as .gpu-cache/compile-cache.tar.gz.
 
 Without CUDA it is a dry run: the same steps on CPU at tiny sizes in the current environment (Triton interpreted),
 so that the script and the CUDA tier never rot between the rare sessions with a GPU (CI runs it:
@@ -60,6 +61,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / ".gpu-wheels"  # filled by `make gpu-wheels`: wheels, SmolLM2's tokenizer (see Makefile)
+# What a GPU run compiled (Triton's and Inductor's caches), brought back in $OUT as COMPILE_CACHE_NAME and carried
+# to the next run here (git-ignored; `make gpu-wheels` does not touch it): each run compiled its kernels afresh,
+# 100-200 s of a 15-minute lease (the fifth run, 2026-11-28). A cache entry's key holds its source, the compiler's
+# version and the GPU target, so a stale or foreign entry is only a miss.
+COMPILE_CACHE = ROOT / ".gpu-cache" / "compile-cache.tar.gz"
+COMPILE_CACHE_NAME = "compile_cache.tar.gz"
+COMPILE_CACHE_LIMIT = 15 * 2**20  # a file from $OUT comes back up to 16 MiB
 
 # SmolLM2-135M's architecture (config.json of HuggingFaceTB/SmolLM2-135M); the dry run's is a two-layer sliver
 TEACHER_SHAPES = {
@@ -311,6 +319,39 @@ def run_step(name, argv, limit, env, log) -> dict:
     return {"status": status, "seconds": round(seconds, 1)}
 
 
+def restore_compile_cache(archive: Path, folder: str) -> dict:
+    """The compile cache of the last GPU run (``archive``, if carried) unpacked into ``folder`` -> the environment
+    that points Triton and Inductor there (also where this run's compiles go)."""
+    import tarfile
+
+    os.makedirs(folder, exist_ok=True)
+    if archive.exists():
+        with tarfile.open(archive) as tar:
+            tar.extractall(folder, filter="data")
+    return {"TRITON_CACHE_DIR": os.path.join(folder, "triton"), "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder,
+                                                                                                      "inductor")}
+
+
+def save_compile_cache(folder: str, target: str, limit: int = COMPILE_CACHE_LIMIT) -> dict:
+    """``folder``'s caches as one gzipped tar at ``target``: Triton's and Inductor's, or Triton's alone when both
+    would be over ``limit`` bytes, else none. Returns what was kept (for the report)."""
+    import tarfile
+
+    for parts in (("triton", "inductor"), ("triton",)):
+        present = [part for part in parts if os.path.isdir(os.path.join(folder, part))]
+        if not present:
+            return {"saved": [], "why": "nothing compiled"}
+        with tarfile.open(target + ".partial", "w:gz") as tar:
+            for part in present:
+                tar.add(os.path.join(folder, part), arcname=part)
+        size = os.path.getsize(target + ".partial")
+        if size <= limit:
+            os.replace(target + ".partial", target)
+            return {"saved": present, "bytes": size}
+    os.remove(target + ".partial")
+    return {"saved": [], "why": f"over {limit} bytes even without Inductor's cache"}
+
+
 def environment(dry: bool) -> dict:
     import torch
 
@@ -433,6 +474,10 @@ def main(argv=None) -> int:
     report = {"environment": environment(dry), "steps": {}}
     print("gpu-check:", json.dumps(report["environment"]), flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cache = os.path.join(work, "compile-cache")
+    if not dry:  # the kernels the last run compiled, if carried (.gpu-cache/); this run's compiles land there too
+        env.update(restore_compile_cache(COMPILE_CACHE, cache))
+        report["compile_cache"] = {"restored_bytes": COMPILE_CACHE.stat().st_size if COMPILE_CACHE.exists() else 0}
     with open(os.path.join(args.out, "gpu_check.log"), "w", encoding="utf-8") as log:
         if not dry:  # the machine's own torch/triton/transformers stay; the tree and carried wheels go on top
             prefix = os.path.join(work, "site")
@@ -468,17 +513,20 @@ def main(argv=None) -> int:
     report["records_missing"] = [name for name in ("mixers", "kernels", "libraries")
                                  if f"pytest-{name}" in report["steps"] and f"pytest_{name}" not in report["figures"]]
     report["seconds"] = round(time.perf_counter() - began, 1)
-    with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=1)
-    # 8 files at most come back from $OUT: the log, the report, the two distillations' profile tables, 4 plots
+    # 8 files at most come back from $OUT: the log, the report, the compile cache, the two distillations' profile
+    # tables, 3 plots
+    if not dry:
+        report["compile_cache"].update(save_compile_cache(cache, os.path.join(args.out, COMPILE_CACHE_NAME)))
     for folder, _ in DISTILL_RUNS.values():
         profile = os.path.join(work, folder, "profile_stage2.txt")
         if os.path.exists(profile):
             shutil.copy(profile, os.path.join(args.out, f"profile_stage2_{folder}.txt"))
     plots = sorted(glob.glob(os.path.join(work, "compiled", "bench_*.png"))) + sorted(
         glob.glob(os.path.join(work, "bench_*.png")))  # the compiled-decode bench's first: what serving meets
-    for plot in plots[:4]:
+    for plot in plots[:3]:
         shutil.copy(plot, os.path.join(args.out, os.path.relpath(plot, work).replace(os.sep, "_")))
+    with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=1)
     failed = [name for name, step in report["steps"].items() if step["status"] != "passed"]
     print(f"\ngpu-check ({report['environment']['device']}): {len(report['steps']) - len(failed)} of "
           f"{len(report['steps'])} steps passed in {report['seconds']} s"
