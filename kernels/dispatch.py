@@ -52,17 +52,22 @@ def requested_backend(config_value: str = "auto") -> tuple[str, str]:
     return backend, source
 
 
-def use_triton(kernel: str, device: torch.device, config_value: str = "auto", check=None) -> bool:
+def use_triton(kernel: str, device: torch.device, config_value: str = "auto", check=None, slower=None) -> bool:
     """True when ``kernel`` should run its Triton implementation on ``device``.
 
     ``check()``: why the kernel cannot handle this call's options (None: it can), asked only once triton can run
     (it may import the kernel module); such calls take the PyTorch path under "auto" and fail under "triton".
+    ``slower()``: why the PyTorch path was measured faster for this call (None: it was not); "auto" then takes it,
+    "triton" runs the kernel anyway.
     """
     backend, source = requested_backend(config_value)
     if backend == "torch":
         _announce(kernel, f"PyTorch path (forced by {source})")
         return False
     reason = triton_unavailable(device) or (check() if check is not None else None)
+    if reason is None and backend == "auto" and slower is not None and (faster := slower()) is not None:
+        _announce(kernel, f"PyTorch path ({faster})")
+        return False
     if reason is None:
         _announce(kernel, "Triton kernel" + (f" (forced by {source})" if backend == "triton" else ""))
         return True

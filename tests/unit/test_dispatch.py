@@ -73,3 +73,25 @@ def test_a_sessa_model_on_cpu_runs_the_pytorch_path_by_default(caplog):
     with caplog.at_level(logging.WARNING, logger="hf_mixers.kernels"):
         tiny_sessa_model()(torch.randint(1, 101, (1, 8)))
     assert "Sessa feedback solve runs on the PyTorch path (tensors on cpu" in caplog.text
+
+
+def test_a_path_measured_faster_is_taken_under_auto_only(monkeypatch, caplog):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with caplog.at_level(logging.WARNING, logger="hf_mixers.kernels"):
+        assert dispatch.use_triton("k", CPU, slower=lambda: "faster at this size") is False
+        assert dispatch.use_triton("k", CPU, "triton", slower=lambda: "faster at this size") is True
+        assert dispatch.use_triton("k", CPU, slower=lambda: None) is True
+    assert "k runs on the PyTorch path (faster at this size)" in caplog.text
+
+
+def test_the_sessa_solve_takes_pytorch_for_long_inputs_on_few_programs():
+    """The H100 figures (kernels/feedback_solve.py): 32 rows of 128 at 8K on 132 multiprocessors -> PyTorch; at 2K,
+    with a GPU's worth of rows (a batch of 8), or off a GPU -> the kernel."""
+    from hf_mixers.kernels.feedback_solve import _pytorch_faster
+
+    assert "132 multiprocessors" in _pytorch_faster((32, 8192, 128), 132)
+    assert "T >= 4096" in _pytorch_faster((1, 4096, 576), 132)  # one row of 576 (SmolLM2's official layout)
+    assert _pytorch_faster((32, 4096, 576), 132) is None  # 32 rows of 5 column blocks: 160 programs
+    assert _pytorch_faster((32, 2048, 128), 132) is None
+    assert _pytorch_faster((256, 8192, 128), 132) is None
+    assert _pytorch_faster((32, 8192, 128), None) is None
