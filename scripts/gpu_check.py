@@ -8,6 +8,9 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
                  the local window: compiles what the later steps launch (a call's kernels side by side), and names a
                  kernel that compiles for minutes or does not launch
   teacher        a SmolLM2-135M-shaped teacher with random weights (bf16 safetensors; SmolLM2's tokenizer)
+  decode-graphs  batch-1 decode of the windowed RSA conversion of that teacher after 1K tokens, in one process:
+                 eager, its compiled step replayed as a CUDA graph a block, and the whole stack as one graph, the
+                 teacher beside
   bench-generate-compiled   the windowed RSA conversion of that teacher against it, bf16, the compiled token step
                  replayed as a CUDA graph (`--compile-decode reduce-overhead`): prefill / decode tokens/s at 1K and
                  16K, batch 1, and decode at the largest batch within 40 GiB
@@ -123,6 +126,51 @@ def make_teacher(folder: str, shape: str) -> None:
     tokenizer.save_pretrained(folder)
     print(f"teacher: {shape}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, random weights, "
           f"bf16, in {folder}")
+
+
+def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:
+    """Batch-1 decode after a 1K prompt (the dry run: 32), in one process and alternating, of the eager teacher and
+    its windowed RSA conversion (bf16; the dry run fp32) four ways: eager, its compiled step replayed as a CUDA graph
+    a block, and the whole stack as one graph (model/blocks.py ``stack_compiles_decode``). Writes the medians."""
+    import statistics
+
+    import torch
+    from transformers import DynamicCache
+
+    from hf_mixers.common.measures import decode_step_seconds
+    from hf_mixers.conversion import convert, load_teacher
+    from hf_mixers.model import blocks
+
+    device = torch.device("cpu" if dry else "cuda")
+    dtype, context, steps = (torch.float32, 32, 2) if dry else (torch.bfloat16, 1024, 8)
+    teacher = load_teacher(teacher_dir)
+    student, _ = convert(teacher, "rsa", mixer_options={"window": 64}, progress=False)
+    models = {"teacher": teacher.model.to(device, dtype).eval(), "rsa": student.to(device, dtype).eval()}
+    forms = {"teacher": ("teacher", False, ()), "rsa eager": ("rsa", False, ()),
+             "rsa, a CUDA graph a block": ("rsa", "reduce-overhead", ()),
+             "rsa, one CUDA graph for the stack": ("rsa", "reduce-overhead", ("cuda", "cpu"))}
+    ids = torch.randint(0, teacher.model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    seconds = {form: [] for form in forms}
+    with torch.no_grad():
+        for repeat in range(3):  # the first round compiles each form's graph
+            for form, (name, mode, stack_devices) in forms.items():
+                model = models[name]
+                if name == "rsa":
+                    model.config.compile_decode = mode
+                    blocks.STACK_DEVICES = stack_devices
+                cache = DynamicCache(config=model.config)
+                model(ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+                step = decode_step_seconds(model, cache, 1, steps, model.config.vocab_size, device, warmup=2)
+                if repeat:
+                    seconds[form].append(step)
+    report = {"device": torch.cuda.get_device_name() if not dry else "cpu", "dtype": str(dtype)[6:],
+              "context": context, "batch": 1,
+              "decode_ms": {form: 1e3 * statistics.median(times) for form, times in seconds.items()}}
+    report["x_teacher_tokens_per_s"] = {form: report["decode_ms"]["teacher"] / ms
+                                        for form, ms in report["decode_ms"].items()}
+    with open(out_json, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=1)
+    print("decode graphs:", json.dumps(report), flush=True)
 
 
 def scale_run(name: str, work: str, dry: bool) -> int:
@@ -257,6 +305,9 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     return warm + [
         ("teacher", [*python, str(Path(__file__).resolve()), "--make-teacher", teacher,
                      "--shape", "tiny" if dry else "smollm2-135m"], 60, {}),
+        # the batch-1 decode step eager, a CUDA graph a block and one for the whole stack, against the teacher
+        ("decode-graphs", [*python, str(Path(__file__).resolve()), "--decode-graphs", teacher,
+                           os.path.join(work, "decode_graphs.json")] + (["--dry-run"] if dry else []), 240, {}),
         # the whole stack compiles as one graph at batch 1 and at the budget's batch (2026-11-28: its four points
         # took 70 s with a graph a block, then `generate` recompiled for its mask, cut at 150 s)
         ("bench-generate-compiled", [*generate, "--compile-decode", "reduce-overhead", "--out",
@@ -450,6 +501,7 @@ def main(argv=None) -> int:
     parser.add_argument("--save-tokenizer", metavar="FOLDER", help=argparse.SUPPRESS)  # `make gpu-wheels`
     parser.add_argument("--warm", nargs=2, metavar=("KERNEL", "SHAPE"), help=argparse.SUPPRESS)
     parser.add_argument("--scale", nargs=2, metavar=("STEP", "WORK"), help=argparse.SUPPRESS)
+    parser.add_argument("--decode-graphs", nargs=2, metavar=("TEACHER", "JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.warm:
         import torch
@@ -458,6 +510,11 @@ def main(argv=None) -> int:
         return 0
     if args.scale:
         return scale_run(*args.scale, dry=args.dry_run)
+    if args.decode_graphs:
+        import torch
+
+        decode_graphs(*args.decode_graphs, dry=args.dry_run or not torch.cuda.is_available())
+        return 0
     if args.save_tokenizer:
         smollm2_tokenizer().save_pretrained(args.save_tokenizer)
         return 0
