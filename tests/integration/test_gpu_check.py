@@ -25,7 +25,8 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
     assert {"compile-sessa-smollm2-135m", "compile-rsa-smollm2-135m", "compile-rsa-window-smollm2-135m",
             "pytest-mixers", "pytest-kernels", "pytest-libraries", "bench-kernels", "teacher", "bench-distill",
             "bench-distill-compiled-write", "distill-30", "distill-30-compiled-write", "bench-rsa", "bench-sessa",
-            "bench-generate", "bench-generate-compiled", "decode-graphs", "scale-1b", "scale-8b"} <= set(report["steps"])
+            "bench-generate", "bench-generate-compiled", "decode-graphs", "scale-1b",
+            "scale-8b"} <= set(report["steps"])
     figures = report["figures"]
     tested = {row["test"].split("[")[0] for name in ("pytest_mixers", "pytest_kernels")
               for row in figures[name]["records"]}
