@@ -34,8 +34,10 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
             "test_model_on_device_equals_the_cpu_reference", "test_dispatch_picks_each_fast_path_with_one_log_line",
             "test_compiled_decode_equals_eager"} <= tested
     assert figures["bench_kernels"]["results"] and figures["bench_distill"]["tokens_per_s"]["distill"] > 0
-    assert set(figures["decode_graphs"]["decode_ms"]) == {"teacher", "rsa eager", "rsa, a CUDA graph a block",
+    assert set(figures["decode_graphs"]["decode_ms"]) == {"teacher", "teacher, static cache + CUDA graphs",
+                                                          "rsa eager", "rsa, a CUDA graph a block",
                                                           "rsa, one CUDA graph for the stack"}
+    assert figures["decode_graphs"]["failed"] == {}
     assert figures["compiled-write/bench_distill"]["mixer_options"] == {"rsa_window": 64, "rsa_compile_write": True}
     for run in ("distill_30", "distill_30_compiled_write"):  # eager, then each chunk's write as one compiled graph
         assert figures[run]["steps_logged"] == 3
