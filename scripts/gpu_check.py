@@ -9,8 +9,9 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
                  kernel that compiles for minutes or does not launch
   teacher        a SmolLM2-135M-shaped teacher with random weights (bf16 safetensors; SmolLM2's tokenizer)
   decode-graphs  batch-1 decode of the windowed RSA conversion of that teacher after 1K tokens, in one process:
-                 eager, its compiled step replayed as a CUDA graph a block, and the whole stack as one graph; the
-                 teacher beside, eager and through a static cache replayed as a CUDA graph (torch.compile)
+                 eager, its compiled step replayed as a CUDA graph a block, the whole stack as one graph (its states
+                 returned, or written in place); the teacher beside, eager and through a static cache replayed as a
+                 CUDA graph (torch.compile)
   bench-generate-compiled   the windowed RSA conversion of that teacher against it, bf16, the compiled token step
                  replayed as a CUDA graph (`--compile-decode reduce-overhead`): prefill / decode tokens/s at 1K and
                  16K, batch 1, and decode at the largest batch within 40 GiB
@@ -161,8 +162,9 @@ def static_teacher_step_seconds(model, ids, steps: int, warmup: int) -> float:
 def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:
     """Batch-1 decode after a 1K prompt (the dry run: 32), in one process and alternating, of the teacher (eager, and
     through a static cache replayed as a CUDA graph: ``static_teacher_step_seconds``) and its windowed RSA
-    conversion (bf16; the dry run fp32) three ways: eager, its compiled step replayed as a CUDA graph a block, and
-    the whole stack as one graph (model/blocks.py ``stack_compiles_decode``). Writes the medians."""
+    conversion (bf16; the dry run fp32) four ways: eager, its compiled step replayed as a CUDA graph a block, and
+    the whole stack as one graph (model/blocks.py ``stack_compiles_decode``), its states returned or written in
+    place (``IN_PLACE_DEVICES``). Writes the medians, and why a form failed."""
     import statistics
 
     import torch
@@ -177,32 +179,35 @@ def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:
     teacher = load_teacher(teacher_dir)
     student, _ = convert(teacher, "rsa", mixer_options={"window": 64}, progress=False)
     models = {"teacher": teacher.model.to(device, dtype).eval(), "rsa": student.to(device, dtype).eval()}
-    forms = {"teacher": ("teacher", False, ()), "teacher, static cache + CUDA graphs": ("teacher", True, ()),
-             "rsa eager": ("rsa", False, ()),
-             "rsa, a CUDA graph a block": ("rsa", "reduce-overhead", ()),
-             "rsa, one CUDA graph for the stack": ("rsa", "reduce-overhead", ("cuda", "cpu"))}
+    both = ("cuda", "cpu")  # the dry run's CPU takes the GPU's paths
+    forms = {"teacher": ("teacher", False, (), ()), "teacher, static cache + CUDA graphs": ("teacher", True, (), ()),
+             "rsa eager": ("rsa", False, (), ()),
+             "rsa, a CUDA graph a block": ("rsa", "reduce-overhead", (), ()),
+             "rsa, one CUDA graph for the stack": ("rsa", "reduce-overhead", both, ()),
+             "rsa, one CUDA graph for the stack, states in place": ("rsa", "reduce-overhead", both, both)}
     ids = torch.randint(0, teacher.model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     seconds = {form: [] for form in forms}
     failed = {}
     with torch.no_grad():
         for repeat in range(3):  # the first round compiles each form's graph
-            for form, (name, mode, stack_devices) in forms.items():
+            for form, (name, mode, stack_devices, in_place_devices) in forms.items():
+                if form in failed:
+                    continue
                 model = models[name]
-                if name == "teacher" and mode:
-                    if form in failed:
-                        continue
-                    try:  # transformers' compile path on that machine's versions: a failure must not cost the rest
+                try:  # a form that fails on that machine's versions is reported; the others are still measured
+                    if name == "teacher" and mode:
                         step = static_teacher_step_seconds(model, ids.to(device), steps, warmup=2)
-                    except Exception as error:  # noqa: BLE001 -- reported, and the other forms still measured
-                        failed[form] = f"{type(error).__name__}: {str(error)[:300]}"
-                        continue
-                else:
-                    if name == "rsa":
-                        model.config.compile_decode = mode
-                        blocks.STACK_DEVICES = stack_devices
-                    cache = DynamicCache(config=model.config)
-                    model(ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    step = decode_step_seconds(model, cache, 1, steps, model.config.vocab_size, device, warmup=2)
+                    else:
+                        if name == "rsa":
+                            model.config.compile_decode = mode
+                            blocks.STACK_DEVICES, blocks.IN_PLACE_DEVICES = stack_devices, in_place_devices
+                        cache = DynamicCache(config=model.config)
+                        model(ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        step = decode_step_seconds(model, cache, 1, steps, model.config.vocab_size, device,
+                                                   warmup=2)
+                except Exception as error:  # noqa: BLE001 -- reported in the JSON
+                    failed[form] = f"{type(error).__name__}: {str(error)[:300]}"
+                    continue
                 if repeat:
                     seconds[form].append(step)
     report = {"device": torch.cuda.get_device_name() if not dry else "cpu", "dtype": str(dtype)[6:],

@@ -103,6 +103,12 @@ class SequenceMixer(nn.Module):
         """Host-side work before each compiled token step, outside the graph (nothing by default; the teacher's
         attention stacks q/k/v_proj into one product: core/attention.py ``fuse_qkv``)."""
 
+    def decode_state_inputs(self, inputs) -> tuple | None:
+        """The part of ``decode_inputs``'s ``inputs`` that the new state of ``decode_step`` replaces, in the same
+        structure (the compiled step may then write the new state into these tensors in place, model/blocks.py), or
+        None (never in place)."""
+        return None
+
     @classmethod
     def teacher_state(cls, attention: nn.Module, config) -> dict:
         """The teacher tensors ``from_attention`` copies (default: all of them; a mixer without some of the teacher's
@@ -167,6 +173,9 @@ class RecurrentMixer(SequenceMixer):
     def decode_step(self, hidden_states, position_embeddings, token_mask, state, history):
         output, state, history = self.mix(hidden_states, position_embeddings, token_mask, state, history)
         return output, (state, history)
+
+    def decode_state_inputs(self, inputs) -> tuple:
+        return inputs[1], inputs[2]  # (state, history): what decode_step returns
 
     def store_decode_state(self, layer_cache, state) -> None:
         layer_cache.update_state(state[0], 1, state[1])

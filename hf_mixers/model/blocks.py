@@ -94,6 +94,23 @@ def stack_step(blocks, hidden_states, position_embeddings, inputs):
     return hidden_states, states
 
 
+def _leaves(value) -> list:
+    """The tensors of ``value`` (a state: tensors, tuples, dataclasses with ``map``) in a fixed order."""
+    found = []
+    map_tensors(value, lambda tensor: found.append(tensor) or tensor)
+    return found
+
+
+def stack_step_in_place(blocks, hidden_states, position_embeddings, inputs, targets):
+    """``stack_step``, each block's new state written into ``targets[i]`` (its mixer's ``decode_state_inputs``: the
+    tensors it replaces, of the same structure) in place -> the output alone. The writes come after every read."""
+    hidden_states, states = stack_step(blocks, hidden_states, position_embeddings, inputs)
+    for target, state in zip(targets, states):
+        for old, new in zip(_leaves(target), _leaves(state)):
+            old.copy_(new)
+    return hidden_states
+
+
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile's modes that replay a CUDA graph on CUDA
 _compiled_steps = {}  # (device type, mixer classes, batch, mode, dynamic) -> (compiled step, replays a CUDA graph)
 
@@ -137,6 +154,11 @@ def _hooked(block) -> bool:
 
 
 STACK_DEVICES = ("cuda",)  # where a stack's step replays as a CUDA graph (the tests add "cpu")
+# Where the stack's step writes the new states into the cache's tensors in place (at static addresses under a CUDA
+# graph) instead of returning them: a CUDA-graph replay then neither copies the states in nor out. Off until a GPU
+# has measured it (scripts/gpu_check.py decode-graphs; docs/benchmarks.md); the tests turn it on on CPU.
+IN_PLACE_DEVICES: tuple = ()
+_fixed_points: set = set()  # (step key, state signature): a state whose new state has its own shapes
 
 
 def stack_compiles_decode(blocks, hidden_states, past_key_values, output_hidden_states=False) -> bool:
@@ -192,13 +214,37 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
         layer_inputs = mixer.decode_inputs(layer_cache, token_mask)
         # a growing cache's views keep their strides: symbolic there, and a copy would cost a cache a step
         inputs.append(layer_inputs if dynamic else map_tensors(layer_inputs, _dense))
-    if len(blocks) == 1:
-        output, state = step(blocks[0], _dense(hidden_states), position_embeddings, inputs[0])
-        states = [state]
+    targets = None
+    if len(blocks) > 1 and device in IN_PLACE_DEVICES:
+        targets = [mixer.decode_state_inputs(layer_inputs) for mixer, layer_inputs in zip(mixers, inputs)]
+        signature = None if None in targets else tuple((tuple(t.shape), t.dtype) for t in _leaves(targets))
+    if targets is not None and (key, signature) in _fixed_points:
+        output, states = _decode_in_place(key, blocks, hidden_states, position_embeddings, inputs, targets), targets
     else:
-        output, states = step(list(blocks), _dense(hidden_states), position_embeddings, inputs)
-    if cuda_graph:
-        output, states = map_tensors((output, states), torch.Tensor.clone)
+        if len(blocks) == 1:
+            output, state = step(blocks[0], _dense(hidden_states), position_embeddings, inputs[0])
+            states = [state]
+        else:
+            output, states = step(list(blocks), _dense(hidden_states), position_embeddings, inputs)
+        if cuda_graph:
+            output, states = map_tensors((output, states), torch.Tensor.clone)
+        if targets is not None and signature == tuple((tuple(t.shape), t.dtype) for t in _leaves(states)):
+            _fixed_points.add((key, signature))  # from the next token on, this state is written in place
     for mixer, layer_cache, state in zip(mixers, caches, states):
         mixer.store_decode_state(layer_cache, state)
     return output
+
+
+def _decode_in_place(key, blocks, hidden_states, position_embeddings, inputs, targets):
+    """The stack's step through ``stack_step_in_place`` (compiled once per ``key``): ``targets``, the cache's own
+    dense tensors, take the new states. Under a CUDA graph they are marked static addresses (cudagraph trees record
+    a graph that writes its inputs only for those), so a replay copies no state in or out."""
+    device, mode, dynamic = key[0], key[3], key[4]
+    if key + ("in place",) not in _compiled_steps:
+        _compiled_steps[key + ("in place",)] = compile_step(stack_step_in_place, device, mode, dynamic)
+    step, cuda_graph = _compiled_steps[key + ("in place",)]
+    if cuda_graph:
+        for tensor in _leaves(targets):
+            torch._dynamo.mark_static_address(tensor, guard=False)
+    output = step(list(blocks), _dense(hidden_states), position_embeddings, inputs, targets)
+    return output.clone() if cuda_graph else output

@@ -36,7 +36,8 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
     assert figures["bench_kernels"]["results"] and figures["bench_distill"]["tokens_per_s"]["distill"] > 0
     assert set(figures["decode_graphs"]["decode_ms"]) == {"teacher", "teacher, static cache + CUDA graphs",
                                                           "rsa eager", "rsa, a CUDA graph a block",
-                                                          "rsa, one CUDA graph for the stack"}
+                                                          "rsa, one CUDA graph for the stack",
+                                                          "rsa, one CUDA graph for the stack, states in place"}
     assert figures["decode_graphs"]["failed"] == {}
     assert figures["compiled-write/bench_distill"]["mixer_options"] == {"rsa_window": 64, "rsa_compile_write": True}
     for run in ("distill_30", "distill_30_compiled_write"):  # eager, then each chunk's write as one compiled graph

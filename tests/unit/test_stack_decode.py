@@ -171,3 +171,55 @@ def test_off_cuda_the_stack_is_not_taken(monkeypatch, compiled_functions):
     _decode(compiled, *_inputs())
     assert compiled_functions == ["block_step", "block_step"]
     assert not blocks.compile_step(blocks.block_step, "cpu", "reduce-overhead")[1]
+
+
+@pytest.fixture
+def in_place(monkeypatch):
+    monkeypatch.setattr(blocks, "IN_PLACE_DEVICES", ("cpu",))
+    monkeypatch.setattr(blocks, "_fixed_points", set())
+
+
+def _state_pointers(cache, layer_types) -> list:
+    """Where each layer's state tensors are; not RSA's, which on a CPU refreshes its references on the host after
+    the graph (``RSAMixer.references_refreshed``: new tensors at each chunk boundary; in the graph on CUDA)."""
+    return [tensor.data_ptr() for layer, kind in zip(cache.layers, layer_types) if kind != "rsa"
+            for tensor in blocks._leaves((layer.state, layer.conv_history))]
+
+
+@pytest.mark.parametrize("layer_types", first_in_fast(["rsa", "vort"], STATIC[:3]))
+def test_in_place_states_equal_eager_and_keep_their_memory(layer_types, in_place):
+    """IN_PLACE_DEVICES (off by default, until a GPU measures it): once a step's new states have their inputs'
+    shapes, the next steps write them into the cache's own tensors (Inductor, one more graph, none after), equal to
+    the eager decode and to one forward; the cache's state tensors then stay where they are."""
+    from transformers import DynamicCache
+
+    eager = mixed_model(layer_types)
+    compiled = mixed_model(layer_types, compile_decode="reduce-overhead")
+    ids, mask = _inputs()
+    valid = mask.bool()
+    full, reference = _logits(eager, ids, mask), _decode(eager, ids, mask)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    cache = DynamicCache(config=compiled.config)
+    steps = [_logits(compiled, ids[:, :5], mask[:, :5], past_key_values=cache, use_cache=True)]
+    pointers = []
+    for t in range(5, ids.shape[1]):
+        steps.append(_logits(compiled, ids[:, t:t + 1], mask[:, :t + 1], past_key_values=cache, use_cache=True))
+        pointers.append(_state_pointers(cache, layer_types))
+    stepped = torch.cat(steps, 1)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # as returned, then in place
+    assert pointers[1] == pointers[-1], "the in-place steps moved the cache's states"
+    tolerance = dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(stepped[valid], reference[valid], **tolerance)
+    torch.testing.assert_close(stepped[valid], full[valid], **tolerance)
+
+
+def test_a_state_that_changes_shape_is_returned_until_it_settles(in_place, compiled_functions):
+    """With a window longer than the prompt, RSA's memory is empty (None) until the first token leaves the window:
+    those steps return their state; in place from the step whose new state has its inputs' structure on."""
+    eager = mixed_model(["rsa", "vort"], dtype=torch.float32, rsa_window=8)
+    compiled = mixed_model(["rsa", "vort"], dtype=torch.float32, rsa_window=8, compile_decode="reduce-overhead")
+    ids, mask = _inputs(length=16)
+    torch.testing.assert_close(_decode(compiled, ids, mask), _decode(eager, ids, mask), rtol=1e-5, atol=1e-6)
+    assert compiled_functions == ["stack_step", "stack_step_in_place"]
