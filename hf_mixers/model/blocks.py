@@ -101,6 +101,11 @@ def _leaves(value) -> list:
     return found
 
 
+def _signature(value) -> tuple:
+    """The shapes and dtypes of ``value``'s tensors: two states of one signature can take each other's place."""
+    return tuple((tuple(tensor.shape), tensor.dtype) for tensor in _leaves(value))
+
+
 def stack_step_in_place(blocks, hidden_states, position_embeddings, inputs, targets):
     """``stack_step``, each block's new state written into ``targets[i]`` (its mixer's ``decode_state_inputs``: the
     tensors it replaces, of the same structure) in place -> the output alone. The writes come after every read."""
@@ -112,11 +117,12 @@ def stack_step_in_place(blocks, hidden_states, position_embeddings, inputs, targ
 
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile's modes that replay a CUDA graph on CUDA
-_compiled_steps = {}  # (device type, mixer classes, batch, mode, dynamic) -> (compiled step, replays a CUDA graph)
+# (device type, mixer classes, batch, mode, dynamic[, "in place"]) -> (compiled step, replays a CUDA graph)
+_compiled_steps = {}
 
 
 def compile_step(function, device: str, mode: str | None = None, dynamic: bool = False):
-    """``function`` (``block_step`` or ``stack_step``) compiled for ``device`` -> (the step, whether it replays as a
+    """``function`` (``block_step``, ``stack_step`` or ``stack_step_in_place``) compiled for ``device`` -> (the step, whether it replays as a
     CUDA graph). ``mode``: torch.compile's (None or "default": the default, with a C++ launcher on CPU;
     "reduce-overhead": replayed as a CUDA graph on CUDA). ``dynamic``: symbolic shapes (a mixer whose cache grows,
     ``decode_dynamic_shapes``), never replayed as a CUDA graph (it would record one per context length).
@@ -192,7 +198,8 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
     cache read in place. On CPU the graph's launcher is C++ (``cpp_wrapper``): the default Python launcher of ~50
     kernels cost ~0.13 ms per block call, a tenth of an RSA step. The first call compiles for 10-60 s on a CPU (a
     block; minutes for a stack), hence opt-in (``config.compile_decode``). Replayed as a CUDA graph, each replay
-    writes its outputs into the same memory: they are copied out before the next replay would overwrite them.
+    writes its outputs into the same memory: they are copied out before the next replay would overwrite them (or,
+    on an ``IN_PLACE_DEVICES`` device, the stack writes its states into the cache's tensors: ``_decode_in_place``).
     """
     device = hidden_states.device.type
     mixers = [block.mixer for block in blocks]
@@ -217,7 +224,7 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
     targets = None
     if len(blocks) > 1 and device in IN_PLACE_DEVICES:
         targets = [mixer.decode_state_inputs(layer_inputs) for mixer, layer_inputs in zip(mixers, inputs)]
-        signature = None if None in targets else tuple((tuple(t.shape), t.dtype) for t in _leaves(targets))
+        signature = None if None in targets else _signature(targets)
     if targets is not None and (key, signature) in _fixed_points:
         output, states = _decode_in_place(key, blocks, hidden_states, position_embeddings, inputs, targets), targets
     else:
@@ -228,7 +235,7 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
             output, states = step(list(blocks), _dense(hidden_states), position_embeddings, inputs)
         if cuda_graph:
             output, states = map_tensors((output, states), torch.Tensor.clone)
-        if targets is not None and signature == tuple((tuple(t.shape), t.dtype) for t in _leaves(states)):
+        if targets is not None and signature == _signature(states):
             _fixed_points.add((key, signature))  # from the next token on, this state is written in place
     for mixer, layer_cache, state in zip(mixers, caches, states):
         mixer.store_decode_state(layer_cache, state)
