@@ -124,9 +124,8 @@ _compiled_steps = {}
 def compile_step(function, device: str, mode: str | None = None, dynamic: bool = False):
     """``function`` (``block_step``, ``stack_step`` or ``stack_step_in_place``) compiled for ``device`` -> (the
     step, whether it replays as a CUDA graph). ``mode``: torch.compile's (None or "default": the default, with a C++
-    launcher on CPU;
-    "reduce-overhead": replayed as a CUDA graph on CUDA). ``dynamic``: symbolic shapes (a mixer whose cache grows,
-    ``decode_dynamic_shapes``), never replayed as a CUDA graph (it would record one per context length).
+    launcher on CPU; "reduce-overhead": replayed as a CUDA graph on CUDA). ``dynamic``: symbolic shapes (a mixer
+    whose cache grows, ``decode_dynamic_shapes``), never replayed as a CUDA graph (it would record one per length).
     "reduce-overhead" off CUDA has no graph to replay: it is the default mode there (on CPU with the C++ launcher,
     faster than the Python one that mode would bring).
 
