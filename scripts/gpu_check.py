@@ -355,9 +355,10 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     return warm + [
         ("teacher", [*python, str(Path(__file__).resolve()), "--make-teacher", teacher,
                      "--shape", "tiny" if dry else "smollm2-135m"], 60, {}),
-        # the batch-1 decode step eager, a CUDA graph a block and one for the whole stack, against the teacher
+        # the batch-1 decode step eager, a CUDA graph a block and one for the whole stack (states returned or in
+        # place), against the teacher eager and CUDA-graphed: a conversion and up to five compiles, none measured yet
         ("decode-graphs", [*python, str(Path(__file__).resolve()), "--decode-graphs", teacher,
-                           os.path.join(work, "decode_graphs.json")] + (["--dry-run"] if dry else []), 240, {}),
+                           os.path.join(work, "decode_graphs.json")] + (["--dry-run"] if dry else []), 360, {}),
         # the whole stack compiles as one graph at batch 1 and at the budget's batch (2026-11-28: its four points
         # took 70 s with a graph a block, then `generate` recompiled for its mask, cut at 150 s)
         ("bench-generate-compiled", [*generate, "--compile-decode", "reduce-overhead", "--out",
