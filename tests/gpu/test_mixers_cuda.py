@@ -108,19 +108,24 @@ COMPILED_STEPS = {"rsa": dict(layer_types=["rsa", "rsa"], rsa_query_read=True, r
 
 
 @pytest.mark.parametrize("name", sorted(COMPILED_STEPS) if not DRY else ["rsa"])  # the dry run: that it runs
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "reduce-overhead, states in place"])
 def test_compiled_decode_equals_eager(mode, name, monkeypatch, record):
-    """compile_decode: the torch.compile'd block step equals the eager step on the device; "reduce-overhead"
-    replays it as a CUDA graph (RSA; Sessa's step, of growing shapes, runs compiled without one)."""
-    if mode == "reduce-overhead" and DEVICE.type != "cuda":
+    """compile_decode: the torch.compile'd step equals the eager step on the device; "reduce-overhead" replays it as
+    a CUDA graph (RSA's two layers as one graph for the stack; Sessa's step, of growing shapes, runs compiled without
+    one, block by block); "states in place": the stack writes its states into the cache's tensors at static
+    addresses (model/blocks.py ``IN_PLACE_DEVICES``, off by default)."""
+    if mode != "default" and DEVICE.type != "cuda":
         pytest.skip("CUDA graphs need CUDA")
     from hf_mixers.model import blocks
 
     torch._dynamo.reset()
     monkeypatch.setattr(blocks, "_compiled_steps", {})
+    if mode.endswith("in place"):
+        monkeypatch.setattr(blocks, "IN_PLACE_DEVICES", ("cuda",))
+        monkeypatch.setattr(blocks, "_fixed_points", set())
     options = COMPILED_STEPS[name]
     _, eager = _pair(name, **options)
-    compiled = tiny_model(name, dtype=torch.float32, compile_decode=mode, **options).to(DEVICE)
+    compiled = tiny_model(name, dtype=torch.float32, compile_decode=mode.split(",")[0], **options).to(DEVICE)
     compiled.load_state_dict(eager.state_dict())
     ids, mask = _inputs(length=14)
     expected = _step_through(eager, ids, mask, prefill=5)
