@@ -315,6 +315,18 @@ def test_bench_kernels_on_cpu_compares_the_pytorch_paths_only(tmp_path, monkeypa
         bench_kernels(str(tmp_path), shapes=["gpt5"])
 
 
+def test_bench_kernels_cuts_a_candidate_whose_next_length_would_pass_the_limit(tmp_path, monkeypatch):
+    """The next T costs at least proportionally more: 0.6 s at T = 32 is 1.2 s at 64, past a 1 s limit (not made),
+    within a 1.5 s one (made)."""
+    from hf_mixers.apps.bench import kernels
+
+    monkeypatch.setattr(kernels, "time_calls", lambda calls, repeats, device: [(0.6, 0.6)] * len(calls))
+    for limit, measured in ((1.0, {32}), (1.5, {32, 64})):
+        report = kernels.bench_kernels(str(tmp_path / str(limit)), lengths=[32, 64], shapes=["smollm2-135m"],
+                                       repeats=1, max_call_seconds=limit)
+        assert {r["T"] for r in report["results"] if r["candidate"] == "rsa_torch"} == measured, limit
+
+
 def test_bench_kernels_cuts_slow_candidates_and_keeps_the_points_of_a_stopped_run(tmp_path, monkeypatch):
     """A candidate past --max-call-seconds at one T is not run at the longer ones (and the report says so); each
     point is written as it ends, so a run stopped at a later point leaves the earlier ones (the GPU check's steps run
