@@ -377,6 +377,11 @@ class GLTMMixer(FullAttention):
         return (_entries(keys, 2, index), _entries(values, 2, index), _entries(feedback_keys, 1, index),
                 _entries(outputs, 1, index), torch.where(found, needed, 0))
 
+    def decode_state_inputs(self, inputs):
+        """The fixed slots the evicting patterns' step rewrites (K/V, feedback keys, outputs, positions); a growing
+        cache appends instead."""
+        return inputs[1:] if self.pattern in EVICTING else None
+
     def store_decode_state(self, layer_cache, state) -> None:
         if self.pattern in EVICTING:
             layer_cache.keys, layer_cache.values, layer_cache.feedback_keys, layer_cache.outputs, \
