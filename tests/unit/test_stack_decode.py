@@ -29,6 +29,25 @@ def mixed_model(layer_types, dtype=torch.float64, seed=0, **overrides):
     return MixerForCausalLM(config).to(dtype).eval()
 
 
+def eager_and_compiled(layer_types):
+    """(the model compiling its decode with "reduce-overhead", ids, mask, the eager model's full forward and its
+    decode) on a left-padded batch; dynamo's graphs and counters fresh."""
+    eager = mixed_model(layer_types)
+    compiled = mixed_model(layer_types, compile_decode="reduce-overhead")
+    ids, mask = _inputs()
+    full, reference = _logits(eager, ids, mask), _decode(eager, ids, mask)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return compiled, ids, mask, full, reference
+
+
+def assert_equal_to_eager(stepped, full, reference, mask):
+    """fp32 precision, not fp64's: the compiled graph sums in another order."""
+    valid = mask.bool()
+    torch.testing.assert_close(stepped[valid], reference[valid], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(stepped[valid], full[valid], rtol=1e-4, atol=1e-5)
+
+
 @pytest.fixture
 def compiled_functions(monkeypatch):
     """The names of the functions decode_compiled compiles, in order; dynamo's eager backend stands in for inductor
@@ -51,22 +70,14 @@ def compiled_functions(monkeypatch):
 def test_the_stack_compiles_as_one_graph_equal_to_eager_and_one_forward(layer_types):
     """Inductor, "reduce-overhead" (on CPU: the default mode, no CUDA graph): the kinds of mixer in one graph, every
     step after the first replays it (no recompile), equal to the eager decode and to one forward on a left-padded
-    batch (fp32 precision: the graph sums in another order). Every kind at once in the full tier (36 s here)."""
-    eager = mixed_model(layer_types)
-    compiled = mixed_model(layer_types, compile_decode="reduce-overhead")
-    ids, mask = _inputs()
-    valid = mask.bool()
-    full, reference = _logits(eager, ids, mask), _decode(eager, ids, mask)
-    torch._dynamo.reset()
+    batch. Every kind at once in the full tier (36 s here)."""
+    compiled, ids, mask, full, reference = eager_and_compiled(layer_types)
     counters = torch._dynamo.utils.counters
-    counters.clear()
     stepped = _decode(compiled, ids, mask)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert [key[1] for key in blocks._compiled_steps if len(key[1]) == len(layer_types)], "the stack did not compile"
-    tolerance = dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(stepped[valid], reference[valid], **tolerance)
-    torch.testing.assert_close(stepped[valid], full[valid], **tolerance)
+    assert_equal_to_eager(stepped, full, reference, mask)
 
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
@@ -195,26 +206,17 @@ def test_in_place_states_equal_eager_and_keep_their_memory(layer_types, in_place
     the eager decode and to one forward; the cache's state tensors then stay where they are."""
     from transformers import DynamicCache
 
-    eager = mixed_model(layer_types)
-    compiled = mixed_model(layer_types, compile_decode="reduce-overhead")
-    ids, mask = _inputs()
-    valid = mask.bool()
-    full, reference = _logits(eager, ids, mask), _decode(eager, ids, mask)
-    torch._dynamo.reset()
-    counters = torch._dynamo.utils.counters
-    counters.clear()
+    compiled, ids, mask, full, reference = eager_and_compiled(layer_types)
     cache = DynamicCache(config=compiled.config)
     steps = [_logits(compiled, ids[:, :5], mask[:, :5], past_key_values=cache, use_cache=True)]
     pointers = []
     for t in range(5, ids.shape[1]):
         steps.append(_logits(compiled, ids[:, t:t + 1], mask[:, :t + 1], past_key_values=cache, use_cache=True))
         pointers.append(_state_pointers(compiled, cache, layer_types))
-    stepped = torch.cat(steps, 1)
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # as returned, then in place
+    stats = torch._dynamo.utils.counters["stats"]
+    assert stats["unique_graphs"] == 2, dict(stats)  # as returned, then in place
     assert pointers[1] == pointers[-1], "the in-place steps moved the cache's states"
-    tolerance = dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(stepped[valid], reference[valid], **tolerance)
-    torch.testing.assert_close(stepped[valid], full[valid], **tolerance)
+    assert_equal_to_eager(torch.cat(steps, 1), full, reference, mask)
 
 
 def test_a_state_that_changes_shape_is_returned_until_it_settles(in_place, compiled_functions):
