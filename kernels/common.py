@@ -1,12 +1,19 @@
 """What the PyTorch references and their Triton kernels share: the dtype that recurrent states, solves and softmax
-normalisers accumulate in (and ``outside_autocast``, which keeps it so in a mixed-precision run), and the argument
-checks of the feedback solve."""
+normalisers accumulate in (and ``outside_autocast``, which keeps it so in a mixed-precision run), the argument
+checks of the feedback solve, and the Triton kernels' tile edges."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
+
+
+def tile_edge(n: int, cap: int | None = None) -> int:
+    """A Triton kernel's tile edge for ``n``: the power of two >= max(n, 16) (``tl.dot`` needs >= 16 on GPUs),
+    at most ``cap`` when given (a dimension then taken in blocks)."""
+    size = max(16, 1 << (max(n, 1) - 1).bit_length())
+    return size if cap is None else min(size, cap)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -64,7 +64,7 @@ try:
 finally:
     pass
 
-from .common import check_feedback_shapes, compute_dtype
+from .common import check_feedback_shapes, compute_dtype, tile_edge
 from .triton_compile import compile_side_by_side
 
 # fp32-accurate ``tl.dot``s: the solve feeds its own output back, and plain tf32 (10-bit mantissa) logits and values
@@ -429,12 +429,6 @@ def _bwd_dk_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_p
         tl.store(d_past_k_ptr + pos[:, None] * DK + cols_k[None, :], dk, mask=in_past & k_cols)
 
 
-def _block(n: int, cap: int | None = None) -> int:
-    """A power-of-two tile edge >= max(n, 16) (``tl.dot`` needs >= 16 on GPUs), optionally capped."""
-    size = max(16, triton.next_power_of_2(max(n, 1)))
-    return size if cap is None else min(size, cap)
-
-
 def _launch(launches) -> None:
     for kernel, grid, args, constexprs in launches:
         kernel[grid](*args, **constexprs)
@@ -442,9 +436,9 @@ def _launch(launches) -> None:
 
 def _meta(length, key_dim, width, chunk_size) -> dict:
     chunk = min(chunk_size, max(length, 1))
-    return dict(chunk=chunk, block_c=_block(chunk), log_c=(chunk - 1).bit_length(),
-                block_n=_block(chunk, MAX_KEY_BLOCK), block_dk=_block(key_dim, KEY_FEATURE_BLOCK),
-                block_dv=_block(width, VALUE_FEATURE_BLOCK))
+    return dict(chunk=chunk, block_c=tile_edge(chunk), log_c=(chunk - 1).bit_length(),
+                block_n=tile_edge(chunk, MAX_KEY_BLOCK), block_dk=tile_edge(key_dim, KEY_FEATURE_BLOCK),
+                block_dv=tile_edge(width, VALUE_FEATURE_BLOCK))
 
 
 def _forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, past, scale, meta, save):

@@ -96,7 +96,7 @@ try:
 finally:
     pass
 
-from .common import compute_dtype
+from .common import compute_dtype, tile_edge
 from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunks
 # the write side's kernel (inference), and the tiles and dot precision both sides use: MAX_TILE (chunk size and slot
 # count, held as one tile: C x C, C x m and m x m) and MAX_HEAD_DIM (the read's forward holds a (C, d) tile whole,
@@ -105,7 +105,7 @@ from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunk
 # backward 112-176 KiB; at Llama-3-8B's 128-wide heads the forward 128 KiB (224 KiB with the window's merge weight
 # and RSA-q), the backward 112-192 KiB; an H100 block can have 227 KiB. Calls over the limits run the PyTorch
 # path, said in the dispatch's log line.
-from .rsa_write_triton import (INPUT_PRECISION, NUM_WARPS, scope_reason, tile_edge, write_chunks_triton,
+from .rsa_write_triton import (INPUT_PRECISION, NUM_WARPS, scope_reason, write_chunks_triton,
                                write_triton_supports)
 from .triton_compile import compile_side_by_side
 

@@ -35,6 +35,7 @@ try:
 finally:
     pass
 
+from .common import tile_edge
 from .rsa_state import ChunkLayout, ChunkWrites, ResidualMLPWeights, RSAParams, RSAState
 from .triton_compile import compile_side_by_side
 
@@ -45,11 +46,6 @@ INPUT_PRECISION = "tf32x3"
 NUM_WARPS = 4  # untuned (needs a GPU)
 MAX_TILE = 64  # chunk size and slots: one tile (C x m, m x m)
 MAX_HEAD_DIM = 128  # key / value head dims and MLP widths (Llama-3-8B's heads): (C, d) and (h, d) tiles whole
-
-
-def tile_edge(n: int) -> int:
-    """A power-of-two tile edge >= max(n, 16) (``tl.dot`` needs >= 16 on GPUs)."""
-    return max(16, triton.next_power_of_2(max(n, 1)))
 
 
 def scope_reason(params: RSAParams, v=None, log_decay=None, widths=()) -> str | None:

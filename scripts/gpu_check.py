@@ -133,30 +133,24 @@ def static_teacher_step_seconds(model, ids, steps: int, warmup: int) -> float:
     """Median seconds of the teacher's one-token step the way transformers serves it fastest: a static cache and
     ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` (CUDA graphs), after ``ids`` prefilled
     eagerly. The honest baseline for a converted model's CUDA-graph step, beside the eager teacher."""
-    import statistics
-
     import torch
     from transformers import StaticCache
 
+    from hf_mixers.common.measures import timed_steps
+
     device, context = ids.device, ids.shape[1]
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if not hasattr(model, "_static_step"):
         model._static_step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     cache = StaticCache(config=model.config, max_cache_len=context + warmup + steps)
     model(ids, past_key_values=cache, cache_position=torch.arange(context, device=device), use_cache=True,
           logits_to_keep=1)
-    generator = torch.Generator().manual_seed(1)
-    times = []
-    for step in range(warmup + steps):
-        token = torch.randint(0, model.config.vocab_size, (1, 1), generator=generator).to(device)
-        position = torch.tensor([context + step], device=device)
-        torch.compiler.cudagraph_mark_step_begin()
-        synchronize()
-        began = time.perf_counter()
-        model._static_step(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
-        synchronize()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times[warmup:])
+
+    def step(token, index):
+        torch.compiler.cudagraph_mark_step_begin()  # the last replay's logits are not read again
+        model._static_step(input_ids=token, past_key_values=cache,
+                           cache_position=torch.tensor([context + index], device=device), use_cache=True)
+
+    return timed_steps(step, 1, steps, model.config.vocab_size, device, warmup)
 
 
 def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:

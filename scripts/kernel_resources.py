@@ -132,10 +132,10 @@ def main() -> int:
     for kernel in ("sessa", "rsa") if args.kernel == "all" else (args.kernel,):
         layout = feedback if kernel == "sessa" and args.feedback else shape
         _, run = _candidate(f"{kernel}_triton", layout, args.length, "cpu", dtype, generator, 64, rsa_options)
+        run().float().pow(2).mean().backward()  # the read's forward and backward kernels, side by side
         if kernel == "rsa":
             with torch.no_grad():  # inference: the write kernel (kernels/rsa_write_triton.py) as well
                 run()
-        run().float().pow(2).mean().backward()
     if pending:
         from concurrent.futures import ThreadPoolExecutor
 

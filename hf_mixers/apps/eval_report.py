@@ -25,7 +25,7 @@ from ..common.folder import check_model_weights
 from ..common.history import CONVERSION_REPORT, EVAL_REPORT, blank_or
 from ..common.measures import (compare_to_teacher, compiled_decode, decode_latency, generate_sample,
                                passkey_accuracy)
-from ..core.mixer import COMPILE_MODES
+from ..core.mixer import check_compile_decode
 
 DEFAULT_PROMPTS = ("Write one line of verse about the sea.", "What is the capital of France?",
                    "Explain in one sentence what a language model is.")
@@ -146,9 +146,7 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
     from ..conversion import load_teacher
     from ..recipes.dataset_sources import source_blocks
 
-    if compile_decode not in (False, True, *COMPILE_MODES):
-        raise ValueError(f"eval: --compile-decode takes a torch.compile mode {COMPILE_MODES} or nothing, got "
-                         f"{compile_decode!r}")
+    check_compile_decode(compile_decode, "eval")
     started = time.perf_counter()
     model_dir = os.path.abspath(model_dir)
     device = resolve_device(device)

@@ -155,26 +155,33 @@ def generation_timing(model, context: int, decode_tokens: int, vocab: int, devic
     return {**timing, "cache": cache} if keep_cache else timing
 
 
-@torch.no_grad()
-def decode_step_seconds(model, cache, batch: int, steps: int, vocab: int, device, warmup: int = 1) -> float:
-    """Median seconds of a single-token step of the ``batch`` rows of ``cache`` (random tokens), after ``warmup``
-    untimed steps (a compiled step compiles there). Each step gets the all-ones attention mask ``generate`` passes:
-    the step timed is the one ``generate`` runs, and a compiled step's graph serves both."""
+def timed_steps(step, batch: int, steps: int, vocab: int, device, warmup: int = 1) -> float:
+    """Median seconds of ``step(ids, index)`` on random (``batch``, 1) token ids, after ``warmup`` untimed calls (a
+    compiled step compiles there); the device synchronised around each timed call."""
     device = torch.device(device)
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     generator = torch.Generator().manual_seed(1)
-    past = cache.get_seq_length()
-    mask = torch.ones(batch, past + warmup + steps, dtype=torch.long, device=device)
     times = []
-    for step in range(warmup + steps):
+    for index in range(warmup + steps):
         ids = torch.randint(0, vocab, (batch, 1), generator=generator).to(device)
         synchronize()
         start = time.perf_counter()
-        model(ids, attention_mask=mask[:, :past + step + 1], past_key_values=cache, use_cache=True)
+        step(ids, index)
         synchronize()
-        if step >= warmup:
+        if index >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+@torch.no_grad()
+def decode_step_seconds(model, cache, batch: int, steps: int, vocab: int, device, warmup: int = 1) -> float:
+    """Median seconds of a single-token step of the ``batch`` rows of ``cache`` (``timed_steps``). Each step gets the
+    all-ones attention mask ``generate`` passes: the step timed is the one ``generate`` runs, and a compiled step's
+    graph serves both."""
+    past = cache.get_seq_length()
+    mask = torch.ones(batch, past + warmup + steps, dtype=torch.long, device=device)
+    return timed_steps(lambda ids, index: model(ids, attention_mask=mask[:, :past + index + 1], past_key_values=cache,
+                                                use_cache=True), batch, steps, vocab, device, warmup)
 
 
 def compiles_decode(model) -> bool:

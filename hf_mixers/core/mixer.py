@@ -17,6 +17,13 @@ from torch import nn
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 
 
+def check_compile_decode(value, command: str) -> None:
+    """A command's ``--compile-decode`` (False, True or a ``COMPILE_MODES`` name), or a ValueError naming it."""
+    if value not in (False, True, *COMPILE_MODES):
+        raise ValueError(f"{command}: --compile-decode takes a torch.compile mode {COMPILE_MODES} or nothing, got "
+                         f"{value!r}")
+
+
 class SequenceMixer(nn.Module):
     """Subclass this, implement ``forward``, and register a ``MixerSpec`` naming the class.
 

@@ -101,9 +101,10 @@ def _leaves(value) -> list:
     return found
 
 
-def _signature(value) -> tuple:
-    """The shapes and dtypes of ``value``'s tensors: two states of one signature can take each other's place."""
-    return tuple((tuple(tensor.shape), tensor.dtype) for tensor in _leaves(value))
+def _signature(leaves: list) -> tuple:
+    """The shapes and dtypes of a state's tensors (``_leaves``): two states of one signature can take each other's
+    place."""
+    return tuple((tuple(tensor.shape), tensor.dtype) for tensor in leaves)
 
 
 def stack_step_in_place(blocks, hidden_states, position_embeddings, inputs, targets):
@@ -224,9 +225,11 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
     targets = None
     if len(blocks) > 1 and device in IN_PLACE_DEVICES:
         targets = [mixer.decode_state_inputs(layer_inputs) for mixer, layer_inputs in zip(mixers, inputs)]
-        signature = None if None in targets else _signature(targets)
+        leaves = [] if None in targets else _leaves(targets)
+        signature = None if None in targets else _signature(leaves)
     if targets is not None and (key, signature) in _fixed_points:
-        output, states = _decode_in_place(key, blocks, hidden_states, position_embeddings, inputs, targets), targets
+        output = _decode_in_place(key, blocks, hidden_states, position_embeddings, inputs, targets, leaves)
+        states = targets
     else:
         if len(blocks) == 1:
             output, state = step(blocks[0], _dense(hidden_states), position_embeddings, inputs[0])
@@ -235,23 +238,24 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
             output, states = step(list(blocks), _dense(hidden_states), position_embeddings, inputs)
         if cuda_graph:
             output, states = map_tensors((output, states), torch.Tensor.clone)
-        if targets is not None and signature == _signature(states):
+        if targets is not None and signature == _signature(_leaves(states)):
             _fixed_points.add((key, signature))  # from the next token on, this state is written in place
     for mixer, layer_cache, state in zip(mixers, caches, states):
         mixer.store_decode_state(layer_cache, state)
     return output
 
 
-def _decode_in_place(key, blocks, hidden_states, position_embeddings, inputs, targets):
+def _decode_in_place(key, blocks, hidden_states, position_embeddings, inputs, targets, leaves):
     """The stack's step through ``stack_step_in_place`` (compiled once per ``key``): ``targets``, the cache's own
-    dense tensors, take the new states. Under a CUDA graph they are marked static addresses (cudagraph trees record
-    a graph that writes its inputs only for those), so a replay copies no state in or out."""
+    dense tensors (``leaves``: theirs, in order), take the new states. Under a CUDA graph they are marked static
+    addresses (cudagraph trees record a graph that writes its inputs only for those), so a replay copies no state in
+    or out."""
     device, mode, dynamic = key[0], key[3], key[4]
     if key + ("in place",) not in _compiled_steps:
         _compiled_steps[key + ("in place",)] = compile_step(stack_step_in_place, device, mode, dynamic)
     step, cuda_graph = _compiled_steps[key + ("in place",)]
     if cuda_graph:
-        for tensor in _leaves(targets):
+        for tensor in leaves:
             torch._dynamo.mark_static_address(tensor, guard=False)
     output = step(list(blocks), _dense(hidden_states), position_embeddings, inputs, targets)
     return output.clone() if cuda_graph else output

@@ -87,14 +87,12 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
     from ...common.files import write_atomically
     from ...common.measures import decode_step_seconds, generation_timing
 
-    from ...core.mixer import COMPILE_MODES
+    from ...core.mixer import check_compile_decode
 
     if not model_dirs and not mixers:
         raise ValueError("bench generate: name a model: MODEL_DIR arguments (saved converted models) and/or --mixer "
                          "(the teacher converted here)")
-    if compile_decode not in (False, True, *COMPILE_MODES):
-        raise ValueError(f"bench generate: --compile-decode takes a torch.compile mode {COMPILE_MODES} or nothing, "
-                         f"got {compile_decode!r}")
+    check_compile_decode(compile_decode, "bench generate")
     device = bench_device(device, "generate")
     models, tokenizer = _models(teacher, model_dirs, mixers, options or {}, getattr(torch, dtype), device,
                                 compile_decode)
