@@ -158,7 +158,11 @@ def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:
     through a static cache replayed as a CUDA graph: ``static_teacher_step_seconds``) and its windowed RSA
     conversion (bf16; the dry run fp32) four ways: eager, its compiled step replayed as a CUDA graph a block, and
     the whole stack as one graph (model/blocks.py ``stack_compiles_decode``), its states returned or written in
-    place (``IN_PLACE_DEVICES``). Writes the medians, and why a form failed."""
+    place (``IN_PLACE_DEVICES``). Writes the medians, and why a form failed.
+
+    Each form is measured as soon as it has compiled, and ``out_json`` is rewritten after every measurement: a stack
+    compiles for minutes, and a step cut at its time limit (Ctrl-C, then a kill) keeps what it measured, saying
+    where it was cut. A form measured in its first round only (its compile's) is listed in ``first_round_only``."""
     import statistics
 
     import torch
@@ -180,40 +184,55 @@ def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:
              "rsa, one CUDA graph for the stack": ("rsa", "reduce-overhead", both, ()),
              "rsa, one CUDA graph for the stack, states in place": ("rsa", "reduce-overhead", both, both)}
     ids = torch.randint(0, teacher.model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
-    seconds = {form: [] for form in forms}
-    failed = {}
-    with torch.no_grad():
-        for repeat in range(3):  # the first round compiles each form's graph
-            for form, (name, mode, stack_devices, in_place_devices) in forms.items():
-                if form in failed:
-                    continue
-                model = models[name]
-                try:  # a form that fails on that machine's versions is reported; the others are still measured
-                    if name == "teacher" and mode:
-                        step = static_teacher_step_seconds(model, ids.to(device), steps, warmup=2)
-                    else:
-                        if name == "rsa":
-                            model.config.compile_decode = mode
-                            blocks.STACK_DEVICES, blocks.IN_PLACE_DEVICES = stack_devices, in_place_devices
-                        cache = DynamicCache(config=model.config)
-                        model(ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-                        step = decode_step_seconds(model, cache, 1, steps, model.config.vocab_size, device,
-                                                   warmup=2)
-                except Exception as error:  # noqa: BLE001 -- reported in the JSON
-                    failed[form] = f"{type(error).__name__}: {str(error)[:300]}"
-                    continue
-                if repeat:
-                    seconds[form].append(step)
+    rounds = {form: [] for form in forms}  # seconds a token, one entry a round (the first includes the compile's)
     report = {"device": torch.cuda.get_device_name() if not dry else "cpu", "dtype": str(dtype)[6:],
-              "context": context, "batch": 1,
-              "decode_ms": {form: 1e3 * statistics.median(times) for form, times in seconds.items() if times},
-              "failed": failed}
-    for key, base in (("x_teacher_tokens_per_s", "teacher"),
-                      ("x_static_teacher_tokens_per_s", "teacher, static cache + CUDA graphs")):
-        if base in report["decode_ms"]:
-            report[key] = {form: report["decode_ms"][base] / ms for form, ms in report["decode_ms"].items()}
-    with open(out_json, "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=1)
+              "context": context, "batch": 1, "decode_ms": {}, "first_round_only": [], "failed": {}, "cut": None}
+
+    def write() -> None:  # the medians of the rounds after the first, or the first alone; atomically
+        timed = {form: times[1:] or times for form, times in rounds.items() if times}
+        report["decode_ms"] = {form: 1e3 * statistics.median(times) for form, times in timed.items()}
+        report["first_round_only"] = [form for form, times in rounds.items() if len(times) == 1]
+        for key, base in (("x_teacher_tokens_per_s", "teacher"),
+                          ("x_static_teacher_tokens_per_s", "teacher, static cache + CUDA graphs")):
+            if base in report["decode_ms"]:
+                report[key] = {form: report["decode_ms"][base] / ms for form, ms in report["decode_ms"].items()}
+        with open(out_json + ".partial", "w", encoding="utf-8") as handle:
+            json.dump(report, handle, indent=1)
+        os.replace(out_json + ".partial", out_json)
+
+    def measure(name, mode, stack_devices, in_place_devices) -> float:
+        model = models[name]
+        if name == "teacher" and mode:
+            return static_teacher_step_seconds(model, ids.to(device), steps, warmup=2)
+        if name == "rsa":
+            model.config.compile_decode = mode
+            blocks.STACK_DEVICES, blocks.IN_PLACE_DEVICES = stack_devices, in_place_devices
+        cache = DynamicCache(config=model.config)
+        model(ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return decode_step_seconds(model, cache, 1, steps, model.config.vocab_size, device, warmup=2)
+
+    write()
+    repeat, form = 0, None
+    try:
+        with torch.no_grad():
+            for repeat in range(3):  # the first round compiles each form's graph, then measures it at once
+                for form, how in forms.items():
+                    if form in report["failed"]:
+                        continue
+                    began = time.perf_counter()
+                    try:  # a form that fails on that machine's versions is reported; the others are still measured
+                        rounds[form].append(measure(*how))
+                    except Exception as error:  # noqa: BLE001 -- reported in the JSON
+                        report["failed"][form] = f"{type(error).__name__}: {str(error)[:300]}"
+                    write()
+                    print(f"decode graphs, round {repeat}: {form}: "
+                          + (f"{1e3 * rounds[form][-1]:.2f} ms a token" if form not in report["failed"]
+                             else report["failed"][form]) + f" ({time.perf_counter() - began:.1f} s)", flush=True)
+    except KeyboardInterrupt:  # the step's time limit: keep what was measured
+        report["cut"] = f"round {repeat}, at {form!r}"
+        write()
+        print(f"decode graphs: cut in {report['cut']}", flush=True)
+        raise SystemExit(130) from None
     print("decode graphs:", json.dumps(report), flush=True)
 
 
@@ -351,8 +370,9 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
                      "--shape", "tiny" if dry else "smollm2-135m"], 60, {}),
         # the batch-1 decode step eager, a CUDA graph a block and one for the whole stack (states returned or in
         # place), against the teacher eager and CUDA-graphed: a conversion and up to five compiles, none measured yet
+        # (each form is measured as it compiles, and a cut keeps what was measured)
         ("decode-graphs", [*python, str(Path(__file__).resolve()), "--decode-graphs", teacher,
-                           os.path.join(work, "decode_graphs.json")] + (["--dry-run"] if dry else []), 360, {}),
+                           os.path.join(work, "decode_graphs.json")] + (["--dry-run"] if dry else []), 420, {}),
         # the whole stack compiles as one graph at batch 1 and at the budget's batch (2026-11-28: its four points
         # took 70 s with a graph a block, then `generate` recompiled for its mask, cut at 150 s)
         ("bench-generate-compiled", [*generate, "--compile-decode", "reduce-overhead", "--out",

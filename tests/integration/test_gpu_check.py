@@ -38,7 +38,8 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
                                                           "rsa eager", "rsa, a CUDA graph a block",
                                                           "rsa, one CUDA graph for the stack",
                                                           "rsa, one CUDA graph for the stack, states in place"}
-    assert figures["decode_graphs"]["failed"] == {}
+    assert figures["decode_graphs"]["failed"] == {} and figures["decode_graphs"]["cut"] is None
+    assert figures["decode_graphs"]["first_round_only"] == []
     assert figures["compiled-write/bench_distill"]["mixer_options"] == {"rsa_window": 64, "rsa_compile_write": True}
     for run in ("distill_30", "distill_30_compiled_write"):  # eager, then each chunk's write as one compiled graph
         assert figures[run]["steps_logged"] == 3

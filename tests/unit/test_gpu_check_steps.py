@@ -1,5 +1,6 @@
-"""scripts/gpu_check.py's compile cache: what a GPU run compiled comes back as one archive under the size a file from
-the device may have, Triton's cache first, and the next run unpacks it where Triton and Inductor look."""
+"""scripts/gpu_check.py's own logic that a rare GPU lease depends on: what a run compiled comes back as one archive
+under the size a file from the device may have, Triton's cache first, and the next run unpacks it where Triton and
+Inductor look; the decode-graphs step keeps what it measured when its time limit cuts it."""
 
 import importlib.util
 import os
@@ -51,3 +52,33 @@ def test_no_archive_is_an_empty_cache(gpu_check, tmp_path):
     environment = gpu_check.restore_compile_cache(tmp_path / "absent.tar.gz", str(tmp_path / "cache"))
     assert os.path.isdir(tmp_path / "cache") and set(environment) == {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"}
     assert gpu_check.save_compile_cache(str(tmp_path / "cache"), str(tmp_path / "out.tar.gz"))["saved"] == []
+
+
+def test_decode_graphs_keeps_what_it_measured_when_its_time_limit_cuts_it(gpu_check, tmp_path, monkeypatch):
+    """The decode-graphs step writes its JSON after every measurement, each form measured as soon as it compiled: cut
+    by the step's time limit (Ctrl-C: KeyboardInterrupt) while a later form compiles, the forms measured so far are
+    there, first-round figures marked, and where it was cut."""
+    import json
+
+    from hf_mixers.common import measures
+
+    teacher = tmp_path / "teacher"
+    gpu_check.make_teacher(str(teacher), "tiny")
+    def step_seconds(model, *args, **kwargs):  # the teacher, RSA eager, then the first compiled form is interrupted
+        if getattr(model.config, "compile_decode", False):
+            raise KeyboardInterrupt
+        return 0.01 if type(model).__name__ == "LlamaForCausalLM" else 0.02
+
+    monkeypatch.setattr(measures, "decode_step_seconds", step_seconds)
+    monkeypatch.setattr(gpu_check, "static_teacher_step_seconds", lambda *args, **kwargs: 0.005)
+    out = tmp_path / "decode_graphs.json"
+    with pytest.raises(SystemExit) as stopped:
+        gpu_check.decode_graphs(str(teacher), str(out), dry=True)
+    assert stopped.value.code == 130
+    report = json.loads(out.read_text())
+    assert report["decode_ms"] == pytest.approx({"teacher": 10.0, "teacher, static cache + CUDA graphs": 5.0,
+                                                 "rsa eager": 20.0})
+    assert report["first_round_only"] == list(report["decode_ms"])
+    assert report["cut"] == "round 0, at 'rsa, a CUDA graph a block'" and report["failed"] == {}
+    assert report["x_teacher_tokens_per_s"]["rsa eager"] == pytest.approx(0.5)
+    assert not (tmp_path / "decode_graphs.json.partial").exists()
