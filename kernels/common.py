@@ -5,6 +5,7 @@ checks of the feedback solve, and the Triton kernels' tile edges."""
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
@@ -36,6 +37,14 @@ def outside_autocast(function):
         return function(*args, **kwargs)
 
     return run
+
+
+def own_code(function):
+    """``function`` with a code object of its own, to hand torch.compile: dynamo keeps its graphs, and its limit of 8
+    recompiles before it silently falls back to eager, per code object, so two compiles of one function (another
+    mode, another batch size) would otherwise evict each other's graphs and share that limit."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
 
 
 def check_feedback_shapes(f, q, k, gain, key_mask, past_k, past_s) -> int:

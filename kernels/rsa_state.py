@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .common import own_code
+
 
 @dataclass
 class ResidualMLPWeights:
@@ -52,7 +54,8 @@ class RSAParams:
     recompute: bool = False  # training: keep only chunk inputs, recompute each chunk in the backward pass
     log_weight: bool = False  # append each read's log weight as one more output channel (the local window's merge)
     refresh_in_step: bool = True  # the token step refreshes the references at a boundary (False: its caller does)
-    compile_write: bool = False  # the chunk forms write each chunk through one torch.compile graph (compiled_write)
+    compile_write: bool | str = False  # the chunk forms write each chunk through one torch.compile graph
+    # (compiled_write): True ("default") or a torch.compile mode ("reduce-overhead": replayed as a CUDA graph)
 
 
 @dataclass
@@ -157,8 +160,8 @@ def decay_masks(log_decay_c, write, size, device, dtype):
 
 
 def write_chunk(k_c, v_c, valid_c, state: RSAState, params: RSAParams, log_decay_c=None):
-    """Write side of one aligned chunk (steps 1-2 and 7 of a chunk): k_c (B, G, C, d), v_c (B, G, C, dv), valid_c (B, C),
-    log_decay_c (B, G, C) or None.
+    """Write side of one aligned chunk (steps 1-2 and 7 of a chunk): k_c (B, G, C, d), v_c (B, G, C, dv),
+    valid_c (B, C), log_decay_c (B, G, C) or None.
 
     Assignments run against the references of the last boundary, level by level (each level writes the MLP residual
     of the one above). Returns F, X, Y (B, G, L, C, m | d | dv): every row's assignment, key and value per level,
@@ -249,17 +252,28 @@ class ChunkWrites:
                            *(t[:, :, chunks] for t in (self.key_sum, self.value_sum, self.mass, self.relation_sum)))
 
 
+def write_and_refresh(k_c, v_c, valid_c, state: RSAState, params: RSAParams, log_decay_c, reached):
+    """``write_chunk``, then the references refreshed for the rows in ``reached`` (bool (B,): their tokens reach the
+    chunk's end): one chunk of ``write_chunks``, the unit ``compiled_write`` compiles (no host read: the refresh runs
+    for every row, a no-op where ``reached`` is False)."""
+    f, x, y, state = write_chunk(k_c, v_c, valid_c, state, params, log_decay_c)
+    return f, x, y, refresh_references(state, params, reached, skip_if_none=False)
+
+
 @functools.cache
-def compiled_write():
-    """``write_chunk`` as one torch.compile graph (``params.compile_write``, the mixer's ``rsa_compile_write``).
+def compiled_write(mode: str = "default"):
+    """``write_and_refresh`` as one torch.compile graph (``params.compile_write``, the mixer's ``rsa_compile_write``)
+    in torch.compile's ``mode``.
 
     Eager, a chunk's write side is ~300 small operator calls forward and backward at 4 levels (an assignment, two
-    residual projections and two MLPs per level, the state sums, and autograd's backward of each): on a GPU each is a
-    kernel launch, and the step is bound by them, not by arithmetic (docs/benchmarks.md, "The fourth GPU run").
-    Compiled, the elementwise work fuses into a few kernels and the matmuls stay. One graph per input shape and grad
-    mode, shared by every layer and chunk (the weights are its inputs, not constants); built at the first call
-    (tens of seconds), then looked up."""
-    return torch.compile(write_chunk, fullgraph=True)
+    residual projections and two MLPs per level, the state sums, the refresh, and autograd's backward of each): on a
+    GPU each is a kernel launch, and the step is bound by them, not by arithmetic (docs/benchmarks.md, "The fourth
+    GPU run"). Compiled, the elementwise work fuses into a few kernels and the matmuls stay; "reduce-overhead"
+    replays each chunk's forward and backward as CUDA graphs on CUDA (every chunk of a step a node of cudagraph
+    trees, recorded at the first steps), so what is left of the launches costs no host time (on a CPU it is the
+    default mode: no graph to replay). One graph per input shape and grad mode, shared by every layer and chunk (the
+    weights are its inputs, not constants); built at the first call (tens of seconds), then looked up."""
+    return torch.compile(own_code(write_and_refresh), fullgraph=True, mode=None if mode == "default" else mode)
 
 
 def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params: RSAParams, decay_b=None):
@@ -271,18 +285,18 @@ def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params
     at the previous boundary, which depend on every earlier write. Shared by the PyTorch and Triton chunk forms.
     """
     size = params.chunk_size
-    write = compiled_write() if params.compile_write else write_chunk
+    mode = params.compile_write
+    write = compiled_write("default" if mode is True else mode) if mode else write_and_refresh
     f, x, y, starts = [], [], [], []
     for start in range(0, layout.padded, size):
         stop = start + size
         starts.append(state)
+        reached = layout.phase + layout.real >= stop  # the rows whose tokens reach this boundary
         f_c, x_c, y_c, state = write(k_b[:, :, start:stop], v_b[:, :, start:stop], valid_b[:, start:stop], state,
-                                     params, None if decay_b is None else decay_b[:, :, start:stop])
+                                     params, None if decay_b is None else decay_b[:, :, start:stop], reached)
         f.append(f_c)
         x.append(x_c)
         y.append(y_c)
-        reached = layout.phase + layout.real >= stop  # the rows whose tokens reach this boundary
-        state = refresh_references(state, params, reached, skip_if_none=False)
     state = replace(state, count=state.count + layout.real)
     sums = (torch.stack([getattr(s, name) for s in starts], 2)
             for name in ("key_sum", "value_sum", "mass", "relation_sum"))

@@ -20,8 +20,8 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
   bench-kernels  `hf-mixers bench kernels --dtype bfloat16` at T = 1K..16K against SDPA (FlashAttention)
   distill-30     `hf-mixers distill`: 30 stage-2 steps of the demo's windowed RSA on that teacher, steps 3-5 profiled
   bench-generate bench-generate-compiled with the eager token step
-  bench-distill-compiled-write, distill-30-compiled-write   the same two with `rsa_compile_write` (each chunk's
-                 write side one torch.compile graph)
+  bench-distill-compiled-write, distill-30-compiled-write   the same two with `rsa_compile_write=reduce-overhead`
+                 (each chunk's write side one torch.compile graph, its forward and backward replayed as CUDA graphs)
   pytest-mixers  tests/gpu/test_mixers_cuda.py: every mixer on CUDA against the CPU reference (forward, backward,
                  decode, generate), the dispatch log, compiled decode (also as a CUDA graph), conversion on the device
   pytest-kernels tests/gpu/test_kernels_cuda.py: the Triton kernels against their fp64 references at realistic
@@ -306,7 +306,8 @@ def warm_kernel(kernel: str, shape: str, length: int) -> None:
 
 
 DISTILL_RUNS = {"distill-30": ("distill-run", {}),  # step name: (output folder, RSA options beyond the window)
-                "distill-30-compiled-write": ("distill-run-compiled-write", {"rsa_compile_write": True})}
+                "distill-30-compiled-write": ("distill-run-compiled-write",
+                                              {"rsa_compile_write": "reduce-overhead"})}
 
 
 def distill_recipe(path: str, teacher: str, out_dir: str, dry: bool, options: dict) -> None:
@@ -384,7 +385,7 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
                            "--shapes", ",".join(shapes), "--out", work, "--overwrite"], 150, {}),
         distill("distill-30"),
         ("bench-generate", [*generate, "--out", work, "--overwrite"], 150, {}),  # the eager token step
-        bench_distill("bench-distill-compiled-write", ["--option", "rsa_compile_write=true"],
+        bench_distill("bench-distill-compiled-write", ["--option", "rsa_compile_write=reduce-overhead"],
                       os.path.join(work, "compiled-write"), 180),  # + Inductor's compiles
         distill("distill-30-compiled-write"),
         ("pytest-mixers", [*pytest, "tests/gpu/test_mixers_cuda.py"], 180, records("mixers")),

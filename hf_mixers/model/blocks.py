@@ -12,7 +12,6 @@ recurrent mixers, GLTM, Sessa).
 from __future__ import annotations
 
 import logging
-import types
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from ..core.cache import map_tensors
+from ..kernels.common import own_code
 
 logger = logging.getLogger(__name__)
 
@@ -130,16 +130,15 @@ def compile_step(function, device: str, mode: str | None = None, dynamic: bool =
     "reduce-overhead" off CUDA has no graph to replay: it is the default mode there (on CPU with the C++ launcher,
     faster than the Python one that mode would bring).
 
-    Each call compiles its own copy of the function's code: dynamo keeps its graphs, and its limit of 8 recompiles
-    before it silently falls back to eager, per code object. decode_compiled keeps one per mixer classes and batch
-    size, so a process serving several models and batch sizes never reaches that limit."""
+    Each call compiles its own copy of the function's code (``own_code``: dynamo's graphs and its recompile limit are
+    per code object). decode_compiled keeps one per mixer classes and batch size, so a process serving several models
+    and batch sizes never reaches that limit."""
     mode = None if mode == "default" or (mode == "reduce-overhead" and device != "cuda") else mode  # no CUDA graph
     if dynamic and mode in CUDA_GRAPH_MODES:  # a CUDA graph has fixed shapes: one per length
         mode = None if mode == "reduce-overhead" else "max-autotune-no-cudagraphs"
     # torch.compile takes a mode or options; a stack's C++ launcher would be one source file for every block
     options = {"cpp_wrapper": True} if device == "cpu" and mode is None and function is block_step else None
-    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
-    step = torch.compile(copy, dynamic=dynamic, fullgraph=True, options=options, mode=mode)
+    step = torch.compile(own_code(function), dynamic=dynamic, fullgraph=True, options=options, mode=mode)
     return step, device == "cuda" and mode in CUDA_GRAPH_MODES
 
 

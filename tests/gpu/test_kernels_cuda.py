@@ -6,6 +6,7 @@ dots inside the kernels), bf16 below 2e-2.
 """
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -106,11 +107,11 @@ def _rsa_inputs(shape_name, length, dtype, compute):
     return q, k, v
 
 
-def _rsa(shape_name, length, dtype, backend, compute):
+def _rsa(shape_name, length, dtype, backend, compute, compile_write=False):
     module = _rsa_layer(shape_name)
     q, k, v = _rsa_inputs(shape_name, length, dtype, compute)
     weights = [p for p in module.parameters() if p.requires_grad]
-    params = module.memory_params(compute)
+    params = replace(module.memory_params(compute), compile_write=compile_write)
     out, _ = rsa_memory(q, k, v, None, initial_state(params, 1, v.shape[-1], compute), params, backend=backend)
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.device, torch.float64)
     grads = torch.autograd.grad((out.double() * probe).sum(), [q, k, v, *weights], allow_unused=True)
@@ -161,3 +162,17 @@ def test_rsa_memory_inference_write_kernel_matches_reference(shape_name, length,
     outputs = _rsa_inference(shape_name, length, dtype, "triton", torch.float32)
     reference = _rsa_inference(shape_name, length, dtype, "torch", torch.float64)
     _check(record, f"rsa memory inference {shape_name} T={length}", outputs, reference, dtype)
+
+
+@pytest.mark.parametrize("mode", [True, "reduce-overhead"])
+def test_rsa_compiled_write_matches_reference(mode, record):
+    """Training with ``rsa_compile_write``: each chunk's write side one torch.compile graph (with "reduce-overhead",
+    its forward and backward replayed as CUDA graphs, every chunk a node of cudagraph trees), the read the Triton
+    kernel. Two steps, the second replaying what the first recorded: the output and every gradient against the fp64
+    reference each time. SmolLM2's layout at the shorter length, fp32."""
+    shape_name, length = next(iter(SHAPES)), LENGTHS[0]
+    reference = _rsa_reference(shape_name, length, torch.float32)
+    for step in range(2):
+        outputs = _rsa(shape_name, length, torch.float32, "auto", torch.float32, compile_write=mode)
+        _check(record, f"rsa compiled write ({mode}) {shape_name} T={length}, step {step}", outputs, reference,
+               torch.float32)

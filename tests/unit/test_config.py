@@ -15,6 +15,8 @@ from hf_mixers import MixerConfig, SessaConfig
     (dict(sessa_gamma_max=0.0), "sessa_gamma_max must lie in \\(0, 1\\)"),
     (dict(block="mlp"), "block must be one of"),
     (dict(sessa_solver="fast"), "sessa_solver must be one of"),
+    (dict(layer_types=["rsa", "rsa"], rsa_compile_write="fast"),
+     "rsa_compile_write must be one of \\(False, True, 'default', 'reduce-overhead'"),
     (dict(sessa_chunk_size=0), "sessa_chunk_size must be a positive integer"),
     (dict(sessa_feedback_dim=0), "sessa_feedback_dim must be a positive integer"),
     (dict(sessa_feedback_heads=3), "sessa_feedback_heads \\(3\\) must divide sessa_feedback_dim \\(64\\)"),
