@@ -43,7 +43,10 @@ Without CUDA it is a dry run: the same steps on CPU at tiny sizes in the current
 so that the script and the CUDA tier never rot between the rare sessions with a GPU (CI runs it:
 tests/integration/test_gpu_check.py).
 
-  python3 scripts/gpu_check.py [--out DIR] [--budget SECONDS] [--dry-run] [--only STEP,...]
+  python3 scripts/gpu_check.py [--out DIR] [--budget SECONDS] [--dry-run] [--only STEP|GROUP,...]
+
+Groups (--only): serve (decode and generation against the teacher, every mixer on CUDA), train (a
+distillation step against a teacher-LoRA step, eager and with the write side as CUDA graphs).
 """
 
 from __future__ import annotations
@@ -405,6 +408,39 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     ]
 
 
+# `--only` takes these names for the steps of one question (a lease is 15 minutes: one question a call)
+STEP_GROUPS = {
+    # what serving costs against the teacher: the prefill's kernels, the batch-1 decode forms, the bench, and
+    # every mixer on CUDA (the whole stack as one CUDA graph included)
+    "serve": ["compile-rsa-window-smollm2-135m", "teacher", "decode-graphs", "bench-generate-compiled",
+              "pytest-mixers"],
+    # what a distillation step costs against a teacher-LoRA step: eager, then each chunk's write compiled and
+    # replayed as CUDA graphs, and the distillations profiled
+    "train": ["compile-rsa-window-smollm2-135m", "teacher", "bench-distill", "bench-distill-compiled-write",
+              "distill-30", "distill-30-compiled-write"],
+}
+
+
+def select_steps(all_steps: list, only: str | None) -> list:
+    """The steps ``--only`` names (step names and ``STEP_GROUPS``, comma-separated), in the order of ``all_steps``;
+    all of them without ``--only``. A name that is neither is a ValueError listing both (a typo ran nothing)."""
+    if not only:
+        return list(all_steps)
+    names = [step[0] for step in all_steps]
+    wanted, unknown = set(), []
+    for name in filter(None, (part.strip() for part in only.split(","))):
+        if name in STEP_GROUPS:
+            wanted.update(STEP_GROUPS[name])
+        elif name in names:
+            wanted.add(name)
+        else:
+            unknown.append(name)
+    if unknown:
+        raise ValueError(f"--only: no step or group {unknown}; steps: {', '.join(names)}; groups: "
+                         f"{', '.join(f'{group} ({len(members)} steps)' for group, members in STEP_GROUPS.items())}")
+    return [step for step in all_steps if step[0] in wanted]
+
+
 _OUTPUT_LOCK = threading.Lock()
 INTERRUPT_GRACE = 15  # seconds a step has after its Ctrl-C at the time limit, before it is killed
 
@@ -561,7 +597,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT") or "outputs/gpu-check")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for all steps (default 540)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (the default without CUDA)")
-    parser.add_argument("--only", default=None, help="comma-separated step names to run (default: all)")
+    parser.add_argument("--only", default=None, help="comma-separated step names or groups (serve, train) to run "
+                        "(default: all)")
     parser.add_argument("--make-teacher", metavar="FOLDER", help=argparse.SUPPRESS)
     parser.add_argument("--shape", default="smollm2-135m", help=argparse.SUPPRESS)
     parser.add_argument("--save-tokenizer", metavar="FOLDER", help=argparse.SUPPRESS)  # `make gpu-wheels`
@@ -591,6 +628,10 @@ def main(argv=None) -> int:
     import torch
 
     dry = args.dry_run or not torch.cuda.is_available()
+    try:  # a name that is no step, before anything is installed or run
+        select_steps(steps([sys.executable], "", dry), args.only)
+    except ValueError as error:
+        parser.error(str(error))
     began = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="gpu-check-")
@@ -614,8 +655,7 @@ def main(argv=None) -> int:
         for name, (folder, options) in DISTILL_RUNS.items():
             distill_recipe(os.path.join(work, f"{name}.yaml"), os.path.join(work, "teacher"),
                            os.path.join(work, folder), dry, options)
-        wanted = set(args.only.split(",")) if args.only else None
-        todo = [step for step in steps([sys.executable, "-P"], work, dry) if wanted is None or step[0] in wanted]
+        todo = select_steps(steps([sys.executable, "-P"], work, dry), args.only)
         # the compile steps side by side (one core each; Triton compiles a kernel on one), the others in turn
         batches = [[step for step in todo if step[0].startswith("compile-")]]
         batches += [[step] for step in todo if not step[0].startswith("compile-")]

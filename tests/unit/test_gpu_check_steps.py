@@ -82,3 +82,20 @@ def test_decode_graphs_keeps_what_it_measured_when_its_time_limit_cuts_it(gpu_ch
     assert report["cut"] == "round 0, at 'rsa, a CUDA graph a block'" and report["failed"] == {}
     assert report["x_teacher_tokens_per_s"]["rsa eager"] == pytest.approx(0.5)
     assert not (tmp_path / "decode_graphs.json.partial").exists()
+
+
+def test_only_takes_step_names_and_groups_and_refuses_a_name_that_is_neither(gpu_check, capsys):
+    """``--only``: step names and the groups (serve, train), in the steps' order; a typo is refused by name before
+    anything runs (it used to run nothing, silently)."""
+    every = gpu_check.steps(["python"], "/work", dry=True)
+    names = [step[0] for step in every]
+    for members in gpu_check.STEP_GROUPS.values():
+        assert set(members) <= set(names), set(members) - set(names)
+    chosen = [step[0] for step in gpu_check.select_steps(every, "train,pytest-kernels")]
+    assert chosen == [name for name in names if name in {*gpu_check.STEP_GROUPS["train"], "pytest-kernels"}]
+    assert gpu_check.select_steps(every, None) == every
+    with pytest.raises(SystemExit) as stopped:
+        gpu_check.main(["--dry-run", "--only", "serve,decode-graph"])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert "--only: no step or group ['decode-graph']" in error and "decode-graphs" in error and "serve (" in error
