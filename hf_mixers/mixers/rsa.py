@@ -359,7 +359,7 @@ RSA = register_mixer(MixerSpec(
                     "rotated; the memory's slot assignments then do not depend on absolute positions, which it "
                     "would otherwise meet untrained past its training length)", boolean),
         MixerOption("rsa_compile_decode", False, "run each one-token decode step of an RSA block as one "
-                    "torch.compile graph (about 2x faster per token on CPU; the first step compiles for 10-30 s); "
+                    "torch.compile graph (about 2x faster per token on CPU; the first step compiles for 5-20 s); "
                     "the model-wide compile_decode does this for every recurrent mixer", boolean),
     ),
     derived_defaults=_derived_defaults, validate=_validate, cache_layer=RSACacheLayer, constant_state=True,

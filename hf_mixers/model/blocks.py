@@ -101,6 +101,17 @@ def _leaves(value) -> list:
     return found
 
 
+def _copied_out(value):
+    """``value`` (a replay's output and states) with its tensors copied out of the CUDA graph's output memory, which
+    the next replay overwrites: one batched copy (``torch._foreach_copy_``, what cudagraph trees copy inputs with)
+    where a clone each was a launch each, ~360 a token for SmolLM2's stack."""
+    sources = _leaves(value)
+    copies = [torch.empty_like(tensor) for tensor in sources]
+    torch._foreach_copy_(copies, sources)
+    fresh = iter(copies)
+    return map_tensors(value, lambda tensor: next(fresh))
+
+
 def _signature(leaves: list) -> tuple:
     """The shapes and dtypes of a state's tensors (``_leaves``): two states of one signature can take each other's
     place."""
@@ -196,8 +207,9 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
     the context, and every input is given dense strides, so neither the context length nor a strided state recompiles
     it; a mixer whose cache grows (Sessa, ``decode_dynamic_shapes``) is compiled with symbolic shapes instead, its
     cache read in place. On CPU the graph's launcher is C++ (``cpp_wrapper``): the default Python launcher of ~50
-    kernels cost ~0.13 ms per block call, a tenth of an RSA step. The first call compiles for 10-60 s on a CPU (a
-    block; minutes for a stack), hence opt-in (``config.compile_decode``). Replayed as a CUDA graph, each replay
+    kernels cost ~0.13 ms per block call, a tenth of an RSA step. The first call compiles (on 2 CPU cores: 5-6 s a
+    mixer class, ~19 s for a process's first compile, 1-3 s once Inductor's on-disk cache holds it; minutes for a
+    stack), hence opt-in (``config.compile_decode``). Replayed as a CUDA graph, each replay
     writes its outputs into the same memory: they are copied out before the next replay would overwrite them (or,
     on an ``IN_PLACE_DEVICES`` device, the stack writes its states into the cache's tensors: ``_decode_in_place``).
     """
@@ -209,7 +221,7 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
     if key not in _compiled_steps:
         what = (f"{key[1][0].__name__} block's" if len(blocks) == 1 else f"{len(blocks)} blocks' (one graph)")
         logger.warning("compiling the %s token step at batch %d with torch.compile (compile_decode=%s); the first "
-                       "decode step takes %s", what, key[2], key[3], "10-60 s" if len(blocks) == 1 else "minutes")
+                       "decode step takes %s", what, key[2], key[3], "5-20 s" if len(blocks) == 1 else "minutes")
         _compiled_steps[key] = compile_step(block_step if len(blocks) == 1 else stack_step, device, key[3], dynamic)
     step, cuda_graph = _compiled_steps[key]
     if cuda_graph:
@@ -236,7 +248,7 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
         else:
             output, states = step(list(blocks), _dense(hidden_states), position_embeddings, inputs)
         if cuda_graph:
-            output, states = map_tensors((output, states), torch.Tensor.clone)
+            output, states = _copied_out((output, states))
         if targets is not None and signature == _signature(_leaves(states)):
             _fixed_points.add((key, signature))  # from the next token on, this state is written in place
     for mixer, layer_cache, state in zip(mixers, caches, states):

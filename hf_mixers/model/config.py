@@ -41,7 +41,7 @@ class MixerConfig(PreTrainedConfig):
         environment variable HF_MIXERS_BACKEND overrides it (kernels/dispatch.py).
     compile_decode: run each one-token decode step of a block around a mixer that has a compiled step (RSA, the
         selective SSMs, VORT: every ``RecurrentMixer``; GLTM's evicting patterns; Sessa, with symbolic shapes) as
-        one torch.compile graph, shared by every such block (model/blocks.py); the first step compiles for 10-60 s.
+        one torch.compile graph, shared by every such block (model/blocks.py); the first step compiles for 5-20 s.
         True (torch.compile's default mode) or a mode name from ``COMPILE_MODES``: "reduce-overhead" replays the step
         as a CUDA graph on CUDA, and where every layer's step has fixed shapes the whole stack of blocks is one graph
         (compiled for minutes, then one replay a token). A runtime switch: ``model.config.compile_decode = True`` on

@@ -142,23 +142,24 @@ def test_hidden_states_asked_for_are_every_blocks(compiled_functions):
 
 
 def test_a_stack_replayed_into_reused_buffers_is_copied_out(monkeypatch):
-    """A CUDA graph's replay writes the same output memory every time; stood in for on the CPU by the eager stack
-    step writing into fixed buffers. Without the copy, the next token's replay would overwrite the states the
-    cache holds; with it, decoding equals eager."""
+    """A CUDA graph's replay writes the same output memory every time (cudagraph trees reuse it, and invalidate what
+    a replay returned once the next step begins); stood in for on the CPU by the eager stack step writing into fixed
+    buffers. The cache holds copies: the states handed to the next replay never lie in the memory the last replay
+    wrote, and decoding equals eager."""
 
-    def tensors(value) -> list:
-        found = []
-        map_tensors(value, lambda tensor: found.append(tensor) or tensor)
-        return found
+    def addresses(value) -> set:
+        return {tensor.data_ptr() for tensor in blocks._leaves(value) if tensor.numel()}
 
     def replayed(function):
         buffers = {}
 
         def replay(*args):
+            if "out" in buffers:  # args[3]: every block's inputs, the states the cache holds among them
+                assert not addresses(buffers["out"]) & addresses(args[3]), "a state still in the replay's memory"
             outputs = function(*args)
             if "out" not in buffers:
                 buffers["out"] = map_tensors(outputs, torch.Tensor.clone)
-            for held, fresh in zip(tensors(buffers["out"]), tensors(outputs), strict=True):
+            for held, fresh in zip(blocks._leaves(buffers["out"]), blocks._leaves(outputs), strict=True):
                 held.copy_(fresh)
             return buffers["out"]
 
