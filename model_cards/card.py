@@ -26,6 +26,7 @@ from ..common.files import write_atomically
 from ..common.folder import FolderError, check_model_weights
 from ..common.history import (CONVERSION_REPORT, EVAL_REPORT, FINETUNE_SUMMARY, LOSS_CURVE, TRAINING_SUMMARY,
                                blank_or)
+from ..core.mixer import SequenceMixer
 from ..core.registry import TEACHER_ATTENTION, get_mixer, list_mixers
 from ..model.config import saved_layer_types
 
@@ -223,6 +224,9 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
     except KeyError:  # a hybrid of several mixers, or one not registered in this process
         title, summary = mixer, "a hf-mixers sequence mixer"
     name = repo_id.split("/")[-1] if repo_id else os.path.basename(folder)
+    registered = {spec.name: spec for spec in list_mixers()}
+    compiled = [registered[kind].title for kind in mixers if kind in registered
+                and registered[kind].mixer_class.can_compile_decode is not SequenceMixer.can_compile_decode]
     if conversion:
         parameters = (f"{conversion['student_parameters']:,} ({conversion['parameters_added']:+,} over the teacher's "
                       f"{conversion['teacher_parameters']:,})")
@@ -246,7 +250,8 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
         or os.path.isfile(os.path.join(folder, "chat_template.jinja")),
         version=__version__, reports=", ".join(reports) or "none",
         conversion_report=os.path.isfile(os.path.join(folder, f"{CONVERSION_REPORT}.md")),
-        remote_code=os.path.isfile(os.path.join(folder, "modeling_hf_mixers.py")))
+        remote_code=os.path.isfile(os.path.join(folder, "modeling_hf_mixers.py")),
+        compiled_decode=" or ".join(compiled))  # the mixers with a compiled token step (config.compile_decode)
     metadata = card_metadata(config, conversion, training, base_model, license)
     return ModelCard.from_template(metadata, template_path=TEMPLATE, **context)
 

@@ -53,6 +53,7 @@ def test_card_of_a_distilled_and_evaluated_model(distilled, capsys):
            f"{evaluation['quality']['teacher_perplexity']:.3f} |" in text
     assert "passkey retrieval" in text and "decode tokens/s after 64 tokens" in text
     assert 'repo = "someone/tiny-rsa"' in text and "trust_remote_code=True" in text
+    assert "With `model.config.compile_decode = True` each RSA\nblock's token step runs as one" in text
     assert "## Limitations" in text and "Layer 1 is still full attention, with its KV cache." in text
     assert "`conversion_report.md`, `training_summary.json`, `eval_report.md`" in text
     # the card is for someone/tiny-rsa: a push elsewhere is refused (a dry run too), the right one passes
