@@ -357,3 +357,31 @@ def test_bench_kernels_cuts_slow_candidates_and_keeps_the_points_of_a_stopped_ru
     assert partial["complete"] is False and {(r["T"], r["candidate"]) for r in partial["rows"]} == {
         (32, c) for c in ("sdpa", "sessa_torch", "rsa_torch")}
     assert not (tmp_path / "stopped" / "bench_kernels.json").exists()
+
+
+def test_bench_generate_reports_what_a_compiled_step_took_to_build(tmp_path, monkeypatch):
+    """--compile-decode: the warm-up that builds each converted model's compiled step is timed per batch size (what
+    a process's first `generate` waits), in the JSON and the table. dynamo's eager backend stands in for Inductor."""
+    import torch
+    from conftest import save_tiny_teacher
+
+    from hf_mixers.apps.bench.generate import bench_generate
+    from hf_mixers.model import blocks
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda function, mode=None, options=None, **kwargs:
+                        compile_(function, backend="eager", **kwargs))
+    monkeypatch.setattr(blocks, "_compiled_steps", {})
+    teacher = str(tmp_path / "teacher")
+    save_tiny_teacher(teacher)
+    report = bench_generate(str(tmp_path / "bench"), teacher=teacher, mixers=["selective_ssm"], batch_sizes=(1, 2),
+                            contexts=(16,), decode_tokens=2, prompt_tokens=8, generate_tokens=2, compile_decode=True)
+    label = "selective_ssm, compiled decode"
+    assert report["models"] == ["teacher", label]
+    assert set(report["compile_seconds"]) == {label} and set(report["compile_seconds"][label]) == {"1", "2"}
+    assert all(seconds > 0 for seconds in report["compile_seconds"][label].values())
+    table = (tmp_path / "bench" / "bench_generate.md").read_text()
+    assert "compiled token steps built (the first decode at each batch size" in table and \
+        f"{label} at batch 2 " in table
+    assert json.loads((tmp_path / "bench" / "bench_generate.json").read_text())["compile_seconds"] == \
+        report["compile_seconds"]

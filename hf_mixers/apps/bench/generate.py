@@ -101,9 +101,14 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
     rows = []
     # Each compiled step built before anything is timed: the steps right after a compile ran ~20-30% slower on this
     # CPU (measured), which the two warm-up steps of a point did not cover.
-    compiled = [model for label, model in models.items() if compile_decode and label != "teacher"]
-    for model, batch in itertools.product(compiled, batch_sizes):
+    # Timed, the warm-up is what a compiled step costs to build (its compile, a 16-token prompt and 4 steps): what
+    # a process's first `generate` at that batch size waits.
+    compiled = {label: model for label, model in models.items() if compile_decode and label != "teacher"}
+    compile_seconds = {}
+    for (label, model), batch in itertools.product(compiled.items(), batch_sizes):
+        began = time.perf_counter()
         generation_timing(model, 16, 4, model.config.vocab_size, device, warmup=2, batch=batch)
+        compile_seconds.setdefault(label, {})[str(batch)] = time.perf_counter() - began
     # At each (batch, context) the models one after another: a shared CPU's speed drifts by 10-40% within minutes,
     # and so the drift falls on the teacher and the converted models alike, not on one of them.
     points = [(label, batch, context) for batch in batch_sizes for context in contexts for label in models]
@@ -146,7 +151,7 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
               "torch": torch.__version__, "teacher": teacher, "models": list(models), "batch_sizes": list(batch_sizes),
               "contexts": list(contexts), "decode_tokens": decode_tokens, "memory_budget_gib": memory_budget_gib,
               "budget_decode_steps": budget_decode_steps, "budget_batch_cap": budget_batch_cap,
-              "rows": rows, "generate": {"prompt_tokens": prompt_tokens, "new_tokens": generate_tokens,
+              "compile_seconds": compile_seconds, "rows": rows, "generate": {"prompt_tokens": prompt_tokens, "new_tokens": generate_tokens,
                                          "seconds": generation,
                                          "speedup_vs_teacher": {label: generation["teacher"] / seconds
                                                                 for label, seconds in generation.items()}}}
@@ -177,6 +182,11 @@ def table(report: dict) -> str:
                   f"{row['budget_decode_tokens_per_s']:.1f} | "
                   + ("-" if "budget_decode_vs_teacher" not in row else f"{row['budget_decode_vs_teacher']:.2f}") + " |"
                   for row in budget_rows]
+    if report.get("compile_seconds"):
+        lines += ["", "compiled token steps built (the first decode at each batch size: the compile, a 16-token "
+                  "prompt and 4 steps): " + ", ".join(f"{label} at batch {batch} {seconds:.1f} s"
+                                                      for label, batches in report["compile_seconds"].items()
+                                                      for batch, seconds in batches.items())]
     generate = report["generate"]
     lines += ["", f"generate, {generate['new_tokens']} new tokens after a {generate['prompt_tokens']}-token prompt, "
               "batch 1: " + ", ".join(f"{label} {seconds:.2f} s (x{generate['speedup_vs_teacher'][label]:.2f})"
