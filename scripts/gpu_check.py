@@ -17,11 +17,12 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
                  16K, batch 1, and decode at the largest batch within 40 GiB
   bench-distill  `hf-mixers bench distill`: a stage-2 step (the demo's windowed RSA) against a teacher-LoRA step,
                  tokens/s
+  bench-distill-compiled-write   the same with `rsa_compile_write=reduce-overhead` (each chunk's write side one
+                 torch.compile graph, its forward and backward replayed as CUDA graphs)
   bench-kernels  `hf-mixers bench kernels --dtype bfloat16` at T = 1K..16K against SDPA (FlashAttention)
-  distill-30     `hf-mixers distill`: 30 stage-2 steps of the demo's windowed RSA on that teacher, steps 3-5 profiled
+  distill-30, distill-30-compiled-write   `hf-mixers distill`: 30 stage-2 steps of the demo's windowed RSA on that
+                 teacher, steps 3-5 profiled; eager, then with the compiled write of bench-distill-compiled-write
   bench-generate bench-generate-compiled with the eager token step
-  bench-distill-compiled-write, distill-30-compiled-write   the same two with `rsa_compile_write=reduce-overhead`
-                 (each chunk's write side one torch.compile graph, its forward and backward replayed as CUDA graphs)
   pytest-mixers  tests/gpu/test_mixers_cuda.py: every mixer on CUDA against the CPU reference (forward, backward,
                  decode, generate), the dispatch log, compiled decode (also as a CUDA graph), conversion on the device
   pytest-kernels tests/gpu/test_kernels_cuda.py: the Triton kernels against their fp64 references at realistic
@@ -382,15 +383,17 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
         ("bench-generate-compiled", [*generate, "--compile-decode", "reduce-overhead", "--out",
                                      os.path.join(work, "compiled"), "--overwrite"], 300, {}),
         bench_distill("bench-distill", [], work, 120),
+        # the same step with each chunk's write compiled and replayed as CUDA graphs: the 0.031x of 2026-11-28 was the
+        # eager write side's launches (+ Inductor's compiles)
+        bench_distill("bench-distill-compiled-write", ["--option", "rsa_compile_write=reduce-overhead"],
+                      os.path.join(work, "compiled-write"), 180),
         # --max-call-seconds: the PyTorch paths at 16K tokens and 8B heads would take the step's minutes
         ("bench-kernels", [*cli, "bench", "kernels", "--dtype", "bfloat16", "--lengths", lengths, *small,
                            "--max-call-seconds", "2",
                            "--shapes", ",".join(shapes), "--out", work, "--overwrite"], 150, {}),
         distill("distill-30"),
-        ("bench-generate", [*generate, "--out", work, "--overwrite"], 150, {}),  # the eager token step
-        bench_distill("bench-distill-compiled-write", ["--option", "rsa_compile_write=reduce-overhead"],
-                      os.path.join(work, "compiled-write"), 180),  # + Inductor's compiles
         distill("distill-30-compiled-write"),
+        ("bench-generate", [*generate, "--out", work, "--overwrite"], 150, {}),  # the eager token step
         ("pytest-mixers", [*pytest, "tests/gpu/test_mixers_cuda.py"], 180, records("mixers")),
         ("pytest-kernels", [*pytest, "tests/gpu/test_kernels_cuda.py"], 240, records("kernels")),  # 20 cases
         ("bench-rsa", [*cli, "bench", "rsa", "--lengths", lengths, *decode, *layer, *small, "--out", work,

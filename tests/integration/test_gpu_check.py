@@ -56,8 +56,9 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
     assert compiled["models"] == ["teacher", "rsa window=64, compiled decode (reduce-overhead)"]
     assert all(row["budget_decode_tokens_per_s"] > 0 for row in compiled["rows"])  # the largest batch in 40 GiB
     order = list(report["steps"])  # the timings first: no GPU run has brought one back yet
-    assert order.index("bench-generate-compiled") < order.index("bench-distill") < order.index("bench-kernels") \
-        < order.index("distill-30") < order.index("pytest-mixers")
+    assert order.index("bench-generate-compiled") < order.index("bench-distill") \
+        < order.index("bench-distill-compiled-write") < order.index("bench-kernels") < order.index("distill-30") \
+        < order.index("distill-30-compiled-write") < order.index("pytest-mixers")
     written = sorted(os.listdir(tmp_path))  # what comes back from a device machine: 8 files at most
     assert {"gpu_check.json", "gpu_check.log", "compiled_bench_generate.png"} <= set(written) and len(written) <= 8, \
         written
