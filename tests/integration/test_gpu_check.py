@@ -40,7 +40,8 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
                                                           "rsa, one CUDA graph for the stack, states in place"}
     assert figures["decode_graphs"]["failed"] == {} and figures["decode_graphs"]["cut"] is None
     assert figures["decode_graphs"]["first_round_only"] == []
-    assert figures["compiled-write/bench_distill"]["mixer_options"] == {"rsa_window": 64, "rsa_compile_write": "reduce-overhead"}
+    assert figures["compiled-write/bench_distill"]["mixer_options"] == {"rsa_window": 64,
+                                                                        "rsa_compile_write": "reduce-overhead"}
     for run in ("distill_30", "distill_30_compiled_write"):  # eager, then each chunk's write as one compiled graph
         assert figures[run]["steps_logged"] == 3
         assert figures[run]["profile"][0].startswith("stage2: torch.profiler over 1 step(s)")  # the third step

@@ -151,10 +151,10 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
               "torch": torch.__version__, "teacher": teacher, "models": list(models), "batch_sizes": list(batch_sizes),
               "contexts": list(contexts), "decode_tokens": decode_tokens, "memory_budget_gib": memory_budget_gib,
               "budget_decode_steps": budget_decode_steps, "budget_batch_cap": budget_batch_cap,
-              "compile_seconds": compile_seconds, "rows": rows, "generate": {"prompt_tokens": prompt_tokens, "new_tokens": generate_tokens,
-                                         "seconds": generation,
-                                         "speedup_vs_teacher": {label: generation["teacher"] / seconds
-                                                                for label, seconds in generation.items()}}}
+              "compile_seconds": compile_seconds, "rows": rows,
+              "generate": {"prompt_tokens": prompt_tokens, "new_tokens": generate_tokens, "seconds": generation,
+                           "speedup_vs_teacher": {label: generation["teacher"] / seconds
+                                                  for label, seconds in generation.items()}}}
     os.makedirs(out_dir, exist_ok=True)
     write_atomically(os.path.join(out_dir, "bench_generate.md"), table(report))
     return write_report(report, out_dir, "bench_generate", _plot, lambda r: print(table(r)))
