@@ -168,8 +168,8 @@ def test_rsa_memory_inference_write_kernel_matches_reference(shape_name, length,
 def test_rsa_compiled_write_matches_reference(mode, record):
     """Training with ``rsa_compile_write``: each chunk's write side one torch.compile graph (with "reduce-overhead",
     its forward and backward replayed as CUDA graphs, every chunk a node of cudagraph trees), the read the Triton
-    kernel. Two steps, the second replaying what the first recorded: the output and every gradient against the fp64
-    reference each time. SmolLM2's layout at the shorter length, fp32."""
+    kernel. Two steps, so that the second runs what the first compiled (and, with CUDA graphs, recorded): the output
+    and every gradient against the fp64 reference each time. SmolLM2's layout at the shorter length, fp32."""
     shape_name, length = next(iter(SHAPES)), LENGTHS[0]
     reference = _rsa_reference(shape_name, length, torch.float32)
     for step in range(2):
