@@ -172,6 +172,7 @@ def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:
     import torch
     from transformers import DynamicCache
 
+    from hf_mixers.common.files import write_atomically
     from hf_mixers.common.measures import decode_step_seconds
     from hf_mixers.conversion import convert, load_teacher
     from hf_mixers.model import blocks
@@ -192,7 +193,7 @@ def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:
     report = {"device": torch.cuda.get_device_name() if not dry else "cpu", "dtype": str(dtype)[6:],
               "context": context, "batch": 1, "decode_ms": {}, "first_round_only": [], "failed": {}, "cut": None}
 
-    def write() -> None:  # the medians of the rounds after the first, or the first alone; atomically
+    def write() -> None:  # the medians of the rounds after the first, or the first alone
         timed = {form: times[1:] or times for form, times in rounds.items() if times}
         report["decode_ms"] = {form: 1e3 * statistics.median(times) for form, times in timed.items()}
         report["first_round_only"] = [form for form, times in rounds.items() if len(times) == 1]
@@ -200,9 +201,7 @@ def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:
                           ("x_static_teacher_tokens_per_s", "teacher, static cache + CUDA graphs")):
             if base in report["decode_ms"]:
                 report[key] = {form: report["decode_ms"][base] / ms for form, ms in report["decode_ms"].items()}
-        with open(out_json + ".partial", "w", encoding="utf-8") as handle:
-            json.dump(report, handle, indent=1)
-        os.replace(out_json + ".partial", out_json)
+        write_atomically(out_json, json.dumps(report, indent=1))
 
     def measure(name, mode, stack_devices, in_place_devices) -> float:
         model = models[name]

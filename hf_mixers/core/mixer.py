@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+COMPILE_CHOICES = (False, True, *COMPILE_MODES)  # a compile switch: off, torch.compile's default mode, or a mode
 
 
 def check_compile_decode(value, command: str) -> None:
     """A command's ``--compile-decode`` (False, True or a ``COMPILE_MODES`` name), or a ValueError naming it."""
-    if value not in (False, True, *COMPILE_MODES):
+    if value not in COMPILE_CHOICES:
         raise ValueError(f"{command}: --compile-decode takes a torch.compile mode {COMPILE_MODES} or nothing, got "
                          f"{value!r}")
 

@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..core.attention import FullAttention
 from ..core.cache import RecurrentStateLayer
-from ..core.mixer import COMPILE_MODES, RecurrentMixer
+from ..core.mixer import COMPILE_CHOICES, RecurrentMixer
 from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
 from ..core.short_conv import causal_conv
 from ..core.window import WindowState, window_option, windowed
@@ -353,7 +353,7 @@ RSA = register_mixer(MixerSpec(
                     "a few kernels, for GPUs where the eager step is launch-bound; the first chunk compiles for "
                     "tens of seconds per batch shape. True (torch.compile's default mode) or a mode name: "
                     "'reduce-overhead' also replays each chunk as a CUDA graph on CUDA",
-                    one_of(False, True, *COMPILE_MODES)),
+                    one_of(*COMPILE_CHOICES)),
         window_option("rsa"),
         MixerOption("rsa_memory_rope", True, "RoPE on the memory's queries and keys (False: only the window's are "
                     "rotated; the memory's slot assignments then do not depend on absolute positions, which it "
