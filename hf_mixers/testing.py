@@ -156,13 +156,15 @@ def check_decode_equals_forward(name):
 
 def _decode(model, ids, mask, prefill=5, after_first_step=None):
     """Logits of a prefill of ``prefill`` tokens then one token at a time (``after_first_step()`` is called once
-    the first single-token step has run)."""
+    the first single-token step has run). ``mask`` None: no attention mask, as ``generate`` steps a batch without
+    padding (transformers drops a mask of all ones)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    steps = [_logits(model, ids[:, :prefill], mask[:, :prefill], past_key_values=cache, use_cache=True)]
+    upto = (lambda end: None) if mask is None else (lambda end: mask[:, :end])  # noqa: E731
+    steps = [_logits(model, ids[:, :prefill], upto(prefill), past_key_values=cache, use_cache=True)]
     for t in range(prefill, ids.shape[1]):
-        steps.append(_logits(model, ids[:, t:t + 1], mask[:, :t + 1], past_key_values=cache, use_cache=True))
+        steps.append(_logits(model, ids[:, t:t + 1], upto(t + 1), past_key_values=cache, use_cache=True))
         if t == prefill and after_first_step is not None:
             after_first_step()
     return torch.cat(steps, 1)
@@ -172,7 +174,7 @@ def check_compiled_decode(name):
     """``config.compile_decode``: each one-token step of a block around a mixer that has a compiled step (the
     recurrent mixers, GLTM, Sessa) runs as one torch.compile graph, equal to the eager step and to one
     full forward, on a left-padded batch; one graph per such mixer class, built at the first step and never rebuilt
-    for the later ones; the teacher's q/k/v_proj, where the mixer keeps them, as one product (``fuse_qkv``). Equal to fp32 precision, not fp64's: the Llama RMSNorm computes in fp32 whatever the
+    for the later ones, nor for steps without an attention mask (generate's, unpadded); the teacher's q/k/v_proj, where the mixer keeps them, as one product (``fuse_qkv``). Equal to fp32 precision, not fp64's: the Llama RMSNorm computes in fp32 whatever the
     model's dtype, and the compiled graph sums in another order."""
     eager = tiny_model(name)
     compiled = tiny_model(name, compile_decode=True)
@@ -190,11 +192,16 @@ def check_compiled_decode(name):
         f"compiled decode: {counters['stats']['unique_graphs']} graphs ({graphs['first']} after the first step) for "
         f"{len(stepping)} mixer class(es) with a compiled step: a later step recompiled, or a step did not compile")
     assert not counters["graph_break"], f"compiled decode: graph breaks {dict(counters['graph_break'])}"
+    unmasked = _decode(compiled, ids, None)  # generate's steps without padding: no mask, the same graph
+    assert counters["stats"]["unique_graphs"] == len(stepping), (
+        f"compiled decode: steps without an attention mask built a graph of their own "
+        f"({counters['stats']['unique_graphs']} graphs for {len(stepping)} mixer class(es))")
     unfused = [index for index, block in enumerate(compiled.model.layers) if block.mixer.can_compile_decode()
                and getattr(block.mixer, "fuses_qkv", lambda: False)() and not block.mixer.qkv_fused()]
     assert not unfused, f"compiled decode: layers {unfused} ran q/k/v_proj as three products, not one (fuse_qkv)"
     _close(stepped[valid], reference[valid], "compiled decode vs the eager decode", torch.float32)
     _close(stepped[valid], full[valid], "compiled decode vs one forward", torch.float32)
+    _close(unmasked, _logits(eager, ids, None), "compiled decode without a mask vs one forward", torch.float32)
 
 
 def check_chunked_prefill(name):

@@ -113,9 +113,14 @@ class MixerModel(MixerPreTrainedModel):
                     f"attention_mask has shape {tuple(attention_mask.shape)} but expected "
                     f"{(inputs_embeds.shape[0], past + length)}: {past} cached + {length} new tokens")
             token_mask = attention_mask.bool()
+        elif length == 1 and past and any(block.mixer.compiles_decode(inputs_embeds, past_key_values)
+                                          for block in self.layers):
+            # generate drops a mask of all ones (no padding): with one, and so positions per row, a compiled step
+            # runs the graph that a padded batch's steps build instead of compiling a second one
+            token_mask = torch.ones(inputs_embeds.shape[0], past + 1, dtype=torch.bool, device=inputs_embeds.device)
         if position_ids is None:
             if token_mask is not None:  # count real tokens only, so a left-padded row sees positions 0, 1, ...
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+                position_ids = (token_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
             else:
                 position_ids = (torch.arange(length, device=inputs_embeds.device) + past).unsqueeze(0)
 
