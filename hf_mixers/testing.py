@@ -161,7 +161,10 @@ def _decode(model, ids, mask, prefill=5, after_first_step=None):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    upto = (lambda end: None) if mask is None else (lambda end: mask[:, :end])  # noqa: E731
+
+    def upto(end):  # the mask of the first ``end`` tokens
+        return None if mask is None else mask[:, :end]
+
     steps = [_logits(model, ids[:, :prefill], upto(prefill), past_key_values=cache, use_cache=True)]
     for t in range(prefill, ids.shape[1]):
         steps.append(_logits(model, ids[:, t:t + 1], upto(t + 1), past_key_values=cache, use_cache=True))

@@ -236,6 +236,33 @@ def test_compiled_decode_serves_more_batch_sizes_than_dynamos_recompile_limit(mo
     assert counters["stats"]["unique_graphs"] == 10 and not counters["recompile_limit_hit"], dict(counters["stats"])
 
 
+
+def test_generate_without_padding_reuses_the_graph_of_masked_steps(monkeypatch):
+    """transformers' generate drops an attention mask of all ones, so its steps reach the compiled step without a
+    mask; given one of ones (and positions per row), they run the graph that steps with a mask built: a padded batch
+    and an unpadded generate share one graph, and generate equals the eager model's tokens."""
+    from hf_mixers.model import blocks
+    from hf_mixers.testing import tiny_model
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, options=None, **kwargs: compile_(fn, backend="eager",
+                                                                                                 **kwargs))
+    monkeypatch.setattr(blocks, "_compiled_steps", {})
+    eager = tiny_model("rsa", dtype=torch.float32)
+    compiled = tiny_model("rsa", dtype=torch.float32, compile_decode=True)
+    ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)  # masked steps
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    outputs = [model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                              pad_token_id=0) for model in (eager, compiled)]
+    assert torch.equal(*outputs), "compiled decode generated other tokens"
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
 def test_compile_decode_takes_a_torch_compile_mode():
     """compile_decode: true, false or one of torch.compile's modes ("reduce-overhead" is a CUDA graph on CUDA and
     the default mode on CPU, with its C++ launcher: no graph to replay there)."""
