@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, GPT2LMHeadModel
 
-from conftest import TEACHER_FAMILIES, tiny_teacher, tiny_tokenizer
+from conftest import TEACHER_FAMILIES, first_in_fast, tiny_teacher, tiny_tokenizer
 from hf_mixers.apps.cli import main as cli_main
 from hf_mixers.conversion import (ConversionReport, TeacherLoadError, UnsupportedArchitecture, convert,
                                   load_teacher)
@@ -79,7 +79,7 @@ def test_selective_ssm_conversion_runs_on_every_family_and_variant(family, varia
     assert config.qk_norm == (family == "qwen3") and config.selective_ssm_variant == variant
 
 
-@pytest.mark.parametrize("family", TEACHER_FAMILIES)
+@pytest.mark.parametrize("family", first_in_fast(*TEACHER_FAMILIES))  # ~6 s a family
 def test_gltm_dense_conversion_keeps_the_teacher_and_sparse_patterns_calibrate_their_gates(family, teachers):
     ids = torch.randint(1, 300, (2, 40))
     model, report = convert(teachers[family], "gltm", mixer_options={"gltm_pattern": "dense"}, **SMALL)
@@ -102,7 +102,7 @@ def test_gltm_dense_conversion_keeps_the_teacher_and_sparse_patterns_calibrate_t
             assert all("calibrated: error" in layer.note for layer in report.layers)  # the chosen gate, per layer
 
 
-@pytest.mark.parametrize("family", TEACHER_FAMILIES)
+@pytest.mark.parametrize("family", first_in_fast(*TEACHER_FAMILIES))
 def test_vort_conversion_keeps_the_teacher_inside_its_window_on_every_family(family, teachers):
     """The conversion defaults: window 64 (longer than these 40 tokens), one shared normaliser, so the converted
     model is its teacher; with a 16-token window the power-law memory takes part and stays finite."""

@@ -9,17 +9,16 @@ import torch
 from transformers.dynamic_module_utils import get_imports
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_sessa_model
+from conftest import first_in_fast, tiny_sessa_model
 from hf_mixers.common.files import save_atomically
 from hf_mixers.model.export import flatten_imports, import_closure
 from hf_mixers.common.remote_check import load_in_fresh_process
 
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(layer_types=["full_attention", "sessa"], qk_norm=True),
-                                       dict(block="sessa", attention_bias=True),
-                                       dict(layer_types=["rsa", "sessa"], rsa_num_levels=2, rsa_num_slots=8,
-                                            rsa_chunk_size=4, rsa_query_read=True)])
+@pytest.mark.parametrize("overrides", first_in_fast(  # ~7 s each (a fresh process); the widest first
+    dict(layer_types=["rsa", "sessa"], rsa_num_levels=2, rsa_num_slots=8, rsa_chunk_size=4, rsa_query_read=True),
+    dict(), dict(layer_types=["full_attention", "sessa"], qk_norm=True), dict(block="sessa", attention_bias=True)))
 def test_remote_code_load_with_hf_mixers_blocked(tmp_path, overrides):
     model = tiny_sessa_model(**overrides)
     model.save_pretrained(tmp_path / "model")

@@ -360,6 +360,7 @@ def test_rsa_model_on_the_triton_path_equals_the_pytorch_path(window):
 
 
 @needs_kernels
+@pytest.mark.variant  # 33 s under the interpreter: the full tier only
 def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_launch(tmp_path, monkeypatch):
     """`make gpu-check` compiles the RSA variants before its timed steps (scripts/gpu_check.py ``warm_kernel``, via
     bench kernels' ``_candidate``). Each readout is its own variant: warming the mixer's default (sigmoid) while the
