@@ -10,7 +10,6 @@ forward.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def causal_conv(hidden_states, weight, bias=None, token_mask=None, history=None):
@@ -24,6 +23,13 @@ def causal_conv(hidden_states, weight, bias=None, token_mask=None, history=None)
     if history is None:
         history = hidden_states.new_zeros(batch, width - 1, channels)
     padded = torch.cat([history.to(hidden_states.dtype), hidden_states], dim=1)  # (B, K - 1 + T, C)
-    bias = None if bias is None else bias.to(hidden_states.dtype)
-    out = F.conv1d(padded.transpose(1, 2), weight[:, None, :].to(hidden_states.dtype), bias, groups=channels)
-    return out.transpose(1, 2), padded[:, padded.shape[1] - (width - 1):].clone()  # a copy: a view keeps all T alive
+    # K shifted products in the (B, T, C) layout: F.conv1d wants (B, C, T), and its layout changes there and back
+    # made it slower on a CPU (1.5 ms a selective SSM layer at T = 512, 0.12 ms a token) and, compiled, an opaque
+    # call where these fuse into one kernel
+    weight = weight.to(hidden_states.dtype)
+    out = padded[:, width - 1:] * weight[:, -1]
+    for tap in range(width - 1):
+        out = out + padded[:, tap:tap + length] * weight[:, tap]
+    if bias is not None:
+        out = out + bias.to(hidden_states.dtype)
+    return out, padded[:, padded.shape[1] - (width - 1):].clone()  # a copy: a view keeps all T alive
