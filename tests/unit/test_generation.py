@@ -236,7 +236,6 @@ def test_compiled_decode_serves_more_batch_sizes_than_dynamos_recompile_limit(mo
     assert counters["stats"]["unique_graphs"] == 10 and not counters["recompile_limit_hit"], dict(counters["stats"])
 
 
-
 def test_generate_without_padding_reuses_the_graph_of_masked_steps(monkeypatch):
     """transformers' generate drops an attention mask of all ones, so its steps reach the compiled step without a
     mask; given one of ones (and positions per row), they run the graph that steps with a mask built: a padded batch
@@ -262,6 +261,7 @@ def test_generate_without_padding_reuses_the_graph_of_masked_steps(monkeypatch):
                               pad_token_id=0) for model in (eager, compiled)]
     assert torch.equal(*outputs), "compiled decode generated other tokens"
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
 
 def test_compile_decode_takes_a_torch_compile_mode():
     """compile_decode: true, false or one of torch.compile's modes ("reduce-overhead" is a CUDA graph on CUDA and
