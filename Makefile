@@ -22,6 +22,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt | $(VENV)/bin/python
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(INSTALL) -e ".[test]"
+	# DeepSpeed's CPU accelerator compiles its shared-memory collectives (a C++ extension, ~1 CPU-minute) into
+	# TORCH_EXTENSIONS_DIR the first time a process initialises it: built here, with the install, not inside a test.
+	DS_ACCELERATOR=cpu $(VENV)/bin/python -c "from deepspeed.accelerator import get_accelerator; \
+		get_accelerator().create_op_builder('ShareMemCommBuilder').load()" > /dev/null
 	touch $@
 
 demo: $(VENV)/.installed

@@ -42,7 +42,10 @@ compiled, which the next run unpacks and reuses when carried as .gpu-cache/compi
 
 Without CUDA it is a dry run: the same steps on CPU at tiny sizes in the current environment (Triton interpreted),
 so that the script and the CUDA tier never rot between the rare sessions with a GPU (CI runs it:
-tests/integration/test_gpu_check.py).
+tests/integration/test_gpu_check.py). It leaves out what the suite already runs on CPU or what would repeat a step
+at the same tiny size: bench-rsa and bench-sessa (tests/integration/test_cli.py), pytest-triton, the warm-ups but
+the window's (one function) and scale-1b (the tiny shape of scale-8b without its checkpointing); every step's
+command line, those included, is parsed by tests/unit/test_gpu_check_steps.py.
 
   python3 scripts/gpu_check.py [--out DIR] [--budget SECONDS] [--dry-run] [--only STEP|GROUP,...]
 
@@ -334,8 +337,6 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     lengths = "64" if dry else "1024,2048,4096,8192,16384"
     small = ["--device", "cpu", "--repeats", "1"] if dry else ["--repeats", "3"]
     tier = {"HF_MIXERS_GPU_CHECK": "dry", "TRITON_INTERPRET": "1"} if dry else {}
-    decode = ["--contexts", "64", "--decode-tokens", "2"] if dry else ["--contexts", "1024,4096,16384"]
-    layer = ["--hidden-size", "64", "--heads", "4", "--kv-heads", "2"] if dry else []  # default: SmolLM2's
     generate = [*cli, "bench", "generate", "--teacher", teacher, "--mixer", "rsa", "--option", "window=64",
                 "--dtype", "float32" if dry else "bfloat16", "--contexts", "32" if dry else "1024,16384",
                 "--batch-sizes", "1", "--decode-tokens", "2" if dry else "16",
@@ -351,7 +352,8 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
              90 if dry else {"sessa": 150, "rsa": 200, "rsa-window": 200}[kernel],
              {"TRITON_INTERPRET": "1"} if dry else {})
             for shape in shapes for kernel in ("sessa", "rsa", "rsa-window")
-            if not (kernel == "rsa-window" and shape != "smollm2-135m")]  # the demo's layout
+            if not (kernel == "rsa-window" and shape != "smollm2-135m")  # the demo's layout
+            and not (dry and kernel != "rsa-window")]  # on CPU one proves the step: the warm-ups are one function
     records = lambda name: {**tier, "HF_MIXERS_GPU_CHECK_RECORDS": os.path.join(work, f"pytest_{name}.json")}  # noqa
     # In order of what is least known. Correctness on CUDA is proven (every kernel against its fp64 reference, every
     # mixer against the CPU, compiled decode as a CUDA graph: the H100 runs of 2026-11-27), and the first timings
@@ -395,18 +397,20 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
         ("bench-generate", [*generate, "--out", work, "--overwrite"], 150, {}),  # the eager token step
         ("pytest-mixers", [*pytest, "tests/gpu/test_mixers_cuda.py"], 180, records("mixers")),
         ("pytest-kernels", [*pytest, "tests/gpu/test_kernels_cuda.py"], 240, records("kernels")),  # 20 cases
-        ("bench-rsa", [*cli, "bench", "rsa", "--lengths", lengths, *decode, *layer, *small, "--out", work,
-                       "--overwrite"],
-         90, {}),
-        ("bench-sessa", [*cli, "bench", "sessa", "--lengths", lengths, *layer, *small, "--out", work, "--overwrite"],
-         90, {}),
+    ] + ([] if dry else [  # on CPU tests/integration/test_cli.py runs both benches (and
+        # tests/unit/test_gpu_check_steps.py parses every step's command line, these included)
+        ("bench-rsa", [*cli, "bench", "rsa", "--lengths", lengths, "--contexts", "1024,4096,16384", *small, "--out",
+                       work, "--overwrite"], 90, {}),  # at SmolLM2's heads (the benches' default)
+        ("bench-sessa", [*cli, "bench", "sessa", "--lengths", lengths, *small, "--out", work, "--overwrite"], 90, {}),
+    ]) + [
         ("pytest-libraries", [*pytest, "tests/gpu/test_libraries_cuda.py"], 180, records("libraries")),
     ] + ([] if dry else [  # on CPU `make test` runs these under the interpreter already
         ("pytest-triton", [*python, "-m", "pytest", "tests/unit/test_feedback_solve_triton.py",
                            "tests/unit/test_rsa_chunk_triton.py", "-m", "", "-q", "-p", "no:cacheprovider"], 120, {}),
-    ]) + [  # issue 34's scale checks, last: minutes each (`--only scale-1b,scale-8b` runs them alone)
+    ]) + [  # issue 34's scale checks, last: minutes each (`--only scale-1b,scale-8b` runs them alone); on CPU both
+        # would run the same tiny shape, so the one with more settings (gradient checkpointing) proves the step
         (name, [*python, str(Path(__file__).resolve()), "--scale", name, work] + (["--dry-run"] if dry else []),
-         180 if dry else limit, {}) for name, (_, _, limit, _) in SCALE_RUNS.items()
+         180 if dry else limit, {}) for name, (_, _, limit, settings) in SCALE_RUNS.items() if not dry or settings
     ]
 
 

@@ -164,9 +164,9 @@ def test_rsa_memory_inference_write_kernel_matches_reference(shape_name, length,
     _check(record, f"rsa memory inference {shape_name} T={length}", outputs, reference, dtype)
 
 
-# the dry run: that it runs (on a CPU "reduce-overhead" is the default mode's graph, which tests/unit/test_rsa_memory.py
-# checks in both modes in fp64)
-@pytest.mark.parametrize("mode", [True, "reduce-overhead"] if not DRY else [True])
+# the dry run: that the named mode runs (on a CPU "reduce-overhead" compiles the default mode's graph, which
+# tests/unit/test_rsa_memory.py checks in fp64)
+@pytest.mark.parametrize("mode", [True, "reduce-overhead"] if not DRY else ["reduce-overhead"])
 def test_rsa_compiled_write_matches_reference(mode, record):
     """Training with ``rsa_compile_write``: each chunk's write side one torch.compile graph (with "reduce-overhead",
     its forward and backward replayed as CUDA graphs, every chunk a node of cudagraph trees), the read the Triton

@@ -22,11 +22,12 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
     assert report["environment"]["mode"] == "dry run (CPU)"
     assert {name: step["status"] for name, step in report["steps"].items()} == \
         {name: "passed" for name in report["steps"]}
-    assert {"compile-sessa-smollm2-135m", "compile-rsa-smollm2-135m", "compile-rsa-window-smollm2-135m",
-            "pytest-mixers", "pytest-kernels", "pytest-libraries", "bench-kernels", "teacher", "bench-distill",
-            "bench-distill-compiled-write", "distill-30", "distill-30-compiled-write", "bench-rsa", "bench-sessa",
-            "bench-generate", "bench-generate-compiled", "decode-graphs", "scale-1b",
-            "scale-8b"} <= set(report["steps"])
+    # what the suite runs elsewhere on CPU is left out (the script's docstring; every command line is parsed by
+    # tests/unit/test_gpu_check_steps.py)
+    assert set(report["steps"]) == {"compile-rsa-window-smollm2-135m", "pytest-mixers", "pytest-kernels",
+                                    "pytest-libraries", "bench-kernels", "teacher", "bench-distill",
+                                    "bench-distill-compiled-write", "distill-30", "distill-30-compiled-write",
+                                    "bench-generate", "bench-generate-compiled", "decode-graphs", "scale-8b"}
     figures = report["figures"]
     tested = {row["test"].split("[")[0] for name in ("pytest_mixers", "pytest_kernels")
               for row in figures[name]["records"]}
@@ -48,11 +49,10 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path):
         assert any(line.strip().startswith("kernel_launches_per_step") for line in figures[run]["profile"])
     assert {"profile_stage2_distill-run.txt", "profile_stage2_distill-run-compiled-write.txt"} <= set(
         os.listdir(tmp_path))  # the operator tables come back too
-    assert figures["bench_rsa"] and figures["bench_sessa"]
     assert figures["bench_generate"]["models"] == ["teacher", "rsa window=64"]
-    for run in ("scale_1b", "scale_8b"):  # the tiny shape here: the plan, and the steps it is checked against
-        assert figures[run]["steps_logged"] == 2 and figures[run]["plan_peak_gib"] > 0, figures[run]
-        assert figures[run]["median_tokens_per_s"] > 0 and figures[run]["peak_device_gib"] is None  # no CUDA here
+    scale = figures["scale_8b"]  # the tiny shape here: the plan, and the steps it is checked against
+    assert scale["steps_logged"] == 2 and scale["plan_peak_gib"] > 0, scale
+    assert scale["median_tokens_per_s"] > 0 and scale["peak_device_gib"] is None  # no CUDA here
     compiled = figures["compiled/bench_generate"]  # the same bench with the compiled step, as a CUDA graph on CUDA
     assert compiled["models"] == ["teacher", "rsa window=64, compiled decode (reduce-overhead)"]
     assert all(row["budget_decode_tokens_per_s"] > 0 for row in compiled["rows"])  # the largest batch in 40 GiB

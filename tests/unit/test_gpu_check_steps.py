@@ -99,3 +99,30 @@ def test_only_takes_step_names_and_groups_and_refuses_a_name_that_is_neither(gpu
     assert stopped.value.code == 2
     error = capsys.readouterr().err
     assert "--only: no step or group ['decode-graph']" in error and "decode-graphs" in error and "serve (" in error
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["cuda", "dry-run"])
+def test_every_steps_command_line_is_one_its_program_takes(gpu_check, dry):
+    """Each step's command, as a GPU run and as the dry run build it, parses: `hf-mixers` arguments with the CLI's
+    own parser, pytest's files exist, the script's own entries are its flags. The dry run leaves out steps the
+    suite runs elsewhere (bench-rsa, bench-sessa), so a GPU-only flag there would otherwise first fail on a lease."""
+    from hf_mixers.apps.bench import target_parser, targets
+    from hf_mixers.apps.cli import build_parser
+
+    parser = build_parser()
+    todo = gpu_check.steps(["python"], "/work", dry)
+    assert {"bench-rsa", "bench-sessa", "scale-1b", "compile-rsa-smollm2-135m"} <= {name for name, *_ in todo} \
+        or dry
+    for name, argv, limit, env in todo:
+        assert argv[0] == "python" and limit > 0, name
+        if argv[1:3] == ["-m", "hf_mixers"]:
+            arguments = parser.parse_args(argv[3:])  # argparse exits (SystemExit 2) on a flag it does not take
+            assert arguments.command == argv[3], name
+            if arguments.command == "bench":  # a bench target's flags: its own parser
+                target_parser(targets()[arguments.target]).parse_args(arguments.options)
+        elif argv[1:3] == ["-m", "pytest"]:
+            files = [part for part in argv if part.startswith("tests/")]
+            assert files and all((ROOT / part).is_file() for part in files), name
+        else:
+            assert argv[1] == str(ROOT / "scripts" / "gpu_check.py") and argv[2] in (
+                "--warm", "--make-teacher", "--decode-graphs", "--scale"), name

@@ -6,7 +6,7 @@ the CUDA graph's replay, which a stand-in replays into fixed buffers."""
 
 import pytest
 import torch
-from conftest import first_in_fast
+from conftest import fast_then_full
 
 from hf_mixers.core.cache import map_tensors
 from hf_mixers.model import blocks
@@ -66,7 +66,7 @@ def compiled_functions(monkeypatch):
     return names
 
 
-@pytest.mark.parametrize("layer_types", first_in_fast(["rsa", "vort"], STATIC))
+@pytest.mark.parametrize("layer_types", fast_then_full(["rsa", "vort"], STATIC))
 def test_the_stack_compiles_as_one_graph_equal_to_eager_and_one_forward(layer_types):
     """Inductor, "reduce-overhead" (on CPU: the default mode, no CUDA graph): the kinds of mixer in one graph, every
     step after the first replays it (no recompile), equal to the eager decode and to one forward on a left-padded
@@ -200,7 +200,7 @@ def _state_pointers(model, cache, layer_types) -> list:
             for tensor in blocks._leaves(block.mixer.decode_state_inputs(block.mixer.decode_inputs(layer, None)))]
 
 
-@pytest.mark.parametrize("layer_types", first_in_fast(["rsa", "vort"], STATIC))
+@pytest.mark.parametrize("layer_types", fast_then_full(["rsa", "vort"], STATIC))
 def test_in_place_states_equal_eager_and_keep_their_memory(layer_types, in_place):
     """IN_PLACE_DEVICES (off by default, until a GPU measures it): once a step's new states have their inputs'
     shapes, the next steps write them into the cache's own tensors (Inductor, one more graph, none after), equal to
