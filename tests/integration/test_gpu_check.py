@@ -1,6 +1,6 @@
-"""`make gpu-check` without CUDA is a dry run: every step of scripts/gpu_check.py on CPU at tiny sizes (the CUDA tier
-tests/gpu under the Triton interpreter, the benches, a three-step distillation), so that the script a GPU session runs
-at once cannot rot between the rare sessions that are lent one."""
+"""`make gpu-check` without CUDA is a dry run: the steps of scripts/gpu_check.py on CPU at tiny sizes (the CUDA tier
+tests/gpu under the Triton interpreter, the benches, a three-step distillation; the few the suite runs elsewhere left
+out), so that the script a GPU session runs at once cannot rot between the rare sessions that are lent one."""
 
 import json
 import os

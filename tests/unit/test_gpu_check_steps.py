@@ -114,7 +114,7 @@ def test_every_steps_command_line_is_one_its_program_takes(gpu_check, dry):
     names = {name for name, *_ in todo}
     elsewhere = {"bench-rsa", "bench-sessa", "pytest-triton", "scale-1b", "compile-rsa-smollm2-135m"}
     assert names.isdisjoint(elsewhere) if dry else elsewhere <= names
-    for name, argv, limit, env in todo:
+    for name, argv, limit, _ in todo:
         assert argv[0] == "python" and limit > 0, name
         if argv[1:3] == ["-m", "hf_mixers"]:
             arguments = parser.parse_args(argv[3:])  # argparse exits (SystemExit 2) on a flag it does not take

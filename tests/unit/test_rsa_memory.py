@@ -255,7 +255,7 @@ def test_the_chunk_form_reads_the_host_once_per_call_whatever_its_length():
         assert sorted(reads) == ["aten::_local_scalar_dense", "aten::nonzero"], (recompute, reads)
 
 
-def test_the_compiled_write_equals_the_eager_one_and_one_graph_serves_every_layer(mode=True):
+def test_the_compiled_write_equals_the_eager_one_and_one_graph_serves_every_layer():
     """``rsa_compile_write``: each chunk's write side and reference refresh through one torch.compile graph (fewer
     launches on a GPU). In fp64 on CPU: the output, the state and every gradient (inputs, prototypes, MLPs, beta)
     equal the eager write's; a second layer of the same shape (other weights) reuses the graph, it does not compile
@@ -279,7 +279,7 @@ def test_the_compiled_write_equals_the_eager_one_and_one_graph_serves_every_laye
     graphs = []
     for index, layer in enumerate(layers):
         results = []
-        for compile_write in (False, mode):
+        for compile_write in (False, True):
             params = replace(layer.memory_params(F64), compile_write=compile_write)
             layer.zero_grad()
             out, state = rsa_chunked(q, k, v, valid, initial_state(params, 3, 4, F64), params)
