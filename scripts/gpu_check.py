@@ -41,7 +41,7 @@ step's output), the benches' plots, and on CUDA compile_cache.tar.gz: the Triton
 compiled, which the next run unpacks and reuses when carried as .gpu-cache/compile-cache.tar.gz.
 
 Without CUDA it is a dry run: the same steps on CPU at tiny sizes in the current environment (Triton interpreted),
-so that the script and the CUDA tier never rot between the rare sessions with a GPU (CI runs it:
+so that the script and the CUDA tier never rot between the rare sessions with a GPU (CI runs its `ci` group:
 tests/integration/test_gpu_check.py). It leaves out what the suite already runs on CPU or what would repeat a step
 at the same tiny size: bench-rsa and bench-sessa (tests/integration/test_cli.py), pytest-triton, the warm-ups but
 the window's (one function) and scale-1b (the tiny shape of scale-8b without its checkpointing); every step's
@@ -50,7 +50,8 @@ command line, those included, is parsed by tests/unit/test_gpu_check_steps.py.
   python3 scripts/gpu_check.py [--out DIR] [--budget SECONDS] [--dry-run] [--only STEP|GROUP,...]
 
 Groups (--only): serve (decode and generation against the teacher, every mixer on CUDA), train (a
-distillation step against a teacher-LoRA step, eager and with the write side as CUDA graphs).
+distillation step against a teacher-LoRA step, eager and with the write side as CUDA graphs), ci (the dry run's
+steps that no other test of the suite runs: what CI runs of it).
 """
 
 from __future__ import annotations
@@ -424,6 +425,13 @@ STEP_GROUPS = {
     # replayed as CUDA graphs, and the distillations profiled
     "train": ["compile-rsa-window-smollm2-135m", "teacher", "bench-distill", "bench-distill-compiled-write",
               "distill-30", "distill-30-compiled-write"],
+    # the dry run in CI (tests/integration/test_gpu_check.py): the steps whose code no other test runs. The benches
+    # are the CLI's (tests/integration/test_cli.py runs each, --compile-decode and --memory-budget-gib included), the
+    # warm-up is checked under the interpreter (tests/unit/test_rsa_chunk_triton.py), the compiled write against the
+    # eager one with its gradients (tests/unit/test_rsa_memory.py); every command line is parsed by
+    # tests/unit/test_gpu_check_steps.py, and `pytest -m slow` runs the whole dry run
+    "ci": ["teacher", "decode-graphs", "distill-30", "pytest-mixers", "pytest-kernels", "pytest-libraries",
+           "scale-8b"],
 }
 
 
@@ -603,8 +611,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT") or "outputs/gpu-check")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for all steps (default 540)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (the default without CUDA)")
-    parser.add_argument("--only", default=None, help="comma-separated step names or groups (serve, train) to run "
-                        "(default: all)")
+    parser.add_argument("--only", default=None, help="comma-separated step names or groups (serve, train, ci) to "
+                        "run (default: all)")
     parser.add_argument("--make-teacher", metavar="FOLDER", help=argparse.SUPPRESS)
     parser.add_argument("--shape", default="smollm2-135m", help=argparse.SUPPRESS)
     parser.add_argument("--save-tokenizer", metavar="FOLDER", help=argparse.SUPPRESS)  # `make gpu-wheels`
@@ -634,6 +642,10 @@ def main(argv=None) -> int:
     import torch
 
     dry = args.dry_run or not torch.cuda.is_available()
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # started in the background of a shell, which ignores Ctrl-C for it: the steps would inherit that, and a step
+        # at its time limit would be killed without printing its summary (run_step's Ctrl-C comes first)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:  # a name that is no step, before anything is installed or run
         select_steps(steps([sys.executable], "", dry), args.only)
     except ValueError as error:
