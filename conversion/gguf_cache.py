@@ -70,7 +70,7 @@ def read_entry(folder: str | None) -> dict | None:
 def decode_lock(folder: str | None):
     """A lock held while ``folder`` is decoded and written (filelock, as huggingface_hub locks its downloads), so a
     second process waits for the first's entry instead of decoding the same file beside it; no lock without a
-    cache, or where the lock file cannot be made."""
+    cache, or where the lock file cannot be made (the load goes on without it)."""
     import contextlib
 
     from filelock import FileLock
@@ -79,14 +79,17 @@ def decode_lock(folder: str | None):
         return contextlib.nullcontext()
     try:
         os.makedirs(os.path.dirname(folder), exist_ok=True)
-    except OSError:
+        return FileLock(folder + ".lock").acquire()  # held now; released when the caller's `with` ends
+    except OSError:  # a read-only or missing cache: decode without it
         return contextlib.nullcontext()
-    return FileLock(folder + ".lock")
 
 
 def remove_lock(folder: str | None) -> None:
     if folder is not None and os.path.exists(folder + ".lock"):
-        os.remove(folder + ".lock")
+        try:
+            os.remove(folder + ".lock")
+        except OSError:  # never in place of the error that brought us here
+            pass
 
 
 def discard_entry(folder: str, reason: BaseException) -> None:

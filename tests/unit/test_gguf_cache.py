@@ -128,6 +128,19 @@ def test_a_cache_that_cannot_be_written_never_fails_a_load(fake_gguf, monkeypatc
     assert len(decodes) == 2
 
 
+def test_a_lock_that_cannot_be_taken_never_fails_a_load(fake_gguf, monkeypatch):
+    """A read-only cache folder (root ignores permissions, so the refusal is simulated): decoded without the lock."""
+    from filelock import FileLock
+
+    path, decodes = fake_gguf
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", self.lock_file)
+
+    monkeypatch.setattr(FileLock, "acquire", refuse)
+    assert load_teacher(path).family == "llama" and len(decodes) == 1
+
+
 def test_the_cache_sits_in_the_toolkits_cache_folder(monkeypatch, tmp_path):
     monkeypatch.delenv("HF_MIXERS_CACHE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
