@@ -9,9 +9,9 @@ GGUF file writes what it decoded into
         config.json, model.safetensors, tokenizer files, decoded.json (written last)
 
 and later loads read that folder; processes that miss it at once decode it one at a time (a lock file beside it),
-the later ones then read what the first wrote. The key covers the file (absolute path, size, modification time), the dtype it
-was decoded to and the transformers version that decoded it: a changed file or another transformers decodes again,
-and the entry it replaces is removed. An entry appears whole or not at all (written beside it, then renamed); a
+the later ones then read what the first wrote. The key covers the file (absolute path, size, modification time),
+the dtype it was decoded to and the transformers version that decoded it: a changed file or another transformers
+decodes again, and the entry it replaces is removed. An entry appears whole or not at all (written beside it, then renamed); a
 failed write or an unreadable entry never fails a load, it only costs the slow path. ``HF_MIXERS_GGUF_CACHE=off``
 turns the cache off.
 """
@@ -25,11 +25,10 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 
 import torch
 
-from ..common.files import cache_folder, remove_stale_partials
+from ..common.files import cache_folder, finish_modes, staging_folder
 
 logger = logging.getLogger("hf_mixers")
 RECORD = "decoded.json"  # written last: an entry without it is not used
@@ -105,14 +104,11 @@ def write_entry(folder: str | None, gguf_path: str, model, tokenizer, license: s
 
     if folder is None or os.path.isdir(folder):
         return
-    parent = os.path.dirname(folder)
     record = {"gguf_file": os.path.abspath(gguf_path), "dtype": str(model.dtype), "license": license,
               "has_tokenizer": tokenizer is not None}
     staging = None
     try:
-        os.makedirs(parent, exist_ok=True)
-        remove_stale_partials(folder)
-        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.partial-{os.getpid()}-", dir=parent)
+        staging = staging_folder(folder)
         config = copy.deepcopy(model.config)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
@@ -122,6 +118,7 @@ def write_entry(folder: str | None, gguf_path: str, model, tokenizer, license: s
             tokenizer.save_pretrained(staging)
         with open(os.path.join(staging, RECORD), "w", encoding="utf-8") as handle:
             json.dump(record, handle, indent=2)
+        finish_modes(staging)  # readable by whoever may read the cache folder (mkdtemp alone: 0700)
         os.rename(staging, folder)  # fails if another process finished first: its entry is as good as ours
         staging = None
     except Exception as error:  # a full disk, a read-only cache, a tokenizer that cannot save: the load goes on

