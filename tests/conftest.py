@@ -166,6 +166,16 @@ def torchrun_distill(settings, timeout=900, launcher="torchrun") -> str:
     return result.stdout
 
 
+def compile_decode_without_inductor(monkeypatch):
+    """From here on in this test, the compiled decode steps (model/blocks.py) are torch.compile'd with the "aot_eager"
+    backend: dynamo's capture (one graph, no graph break, no recompile: what the checks count) and AOTAutograd's
+    functionalisation of the steps' in-place writes, without Inductor's code generation, 10-25 s of C++ compilation
+    a graph on 2 cores. For the tiny variants: each mixer's base configuration compiles with Inductor."""
+    from hf_mixers.model import blocks
+
+    monkeypatch.setattr(blocks, "COMPILE_BACKEND", "aot_eager")
+
+
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
     """A tiny Llama teacher and its tokenizer saved in a folder, once per test module."""

@@ -129,7 +129,11 @@ def stack_step_in_place(blocks, hidden_states, position_embeddings, inputs, targ
 
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile's modes that replay a CUDA graph on CUDA
-# (device type, mixer classes, batch, mode, dynamic[, "in place"]) -> (compiled step, replays a CUDA graph)
+# torch.compile's backend for the steps: Inductor. "aot_eager" (dynamo's capture and AOTAutograd's functionalisation,
+# no code generation) where only the graph matters and Inductor's C++ compiles would cost 10-25 s a graph: the
+# CPU dry run of scripts/gpu_check.py and the tests' variants (tests/conftest.py compile_decode_without_inductor)
+COMPILE_BACKEND = "inductor"
+# (device type, mixer classes, batch, mode, dynamic, backend[, "in place"]) -> (compiled step, replays a CUDA graph)
 _compiled_steps = {}
 
 
@@ -144,6 +148,8 @@ def compile_step(function, device: str, mode: str | None = None, dynamic: bool =
     Each call compiles its own copy of the function's code (``own_code``: dynamo's graphs and its recompile limit are
     per code object). decode_compiled keeps one per mixer classes and batch size, so a process serving several models
     and batch sizes never reaches that limit."""
+    if COMPILE_BACKEND != "inductor":  # no modes nor options: those are Inductor's
+        return torch.compile(own_code(function), dynamic=dynamic, fullgraph=True, backend=COMPILE_BACKEND), False
     mode = None if mode == "default" or (mode == "reduce-overhead" and device != "cuda") else mode  # no CUDA graph
     if dynamic and mode in CUDA_GRAPH_MODES:  # a CUDA graph has fixed shapes: one per length
         mode = None if mode == "reduce-overhead" else "max-autotune-no-cudagraphs"
@@ -219,7 +225,7 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
     mixers = [block.mixer for block in blocks]
     dynamic = any(mixer.decode_dynamic_shapes for mixer in mixers)  # a class may have both kinds (GLTM: by pattern)
     key = (device, tuple(type(mixer) for mixer in mixers), hidden_states.shape[0], mixers[0].decode_compile_mode(),
-           dynamic)
+           dynamic, COMPILE_BACKEND)
     if key not in _compiled_steps:
         what = (f"{key[1][0].__name__} block's" if len(blocks) == 1 else f"{len(blocks)} blocks' (one graph)")
         logger.warning("compiling the %s token step at batch %d with torch.compile (compile_decode=%s); the first "

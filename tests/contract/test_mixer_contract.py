@@ -2,15 +2,19 @@
 
 Parametrised from the registry: a mixer registered tomorrow is checked here without editing this file. Each mixer's
 base configuration runs every check; its tiny variants (``"rsa[window]"``) run the math checks, marked ``variant``
-(the full tier only). Remote code is proven once per mixer, all of them loaded by one fresh process.
+(the full tier only). The variants' and the hybrid's compiled decode is traced by dynamo and AOTAutograd without
+Inductor's code generation (conftest.compile_decode_without_inductor): each base configuration compiles its step
+with Inductor. Remote code is proven once per mixer, all of them loaded by one fresh process.
 """
 
 import pytest
 
+from conftest import compile_decode_without_inductor
+
 from hf_mixers import get_mixer, list_mixers
 from hf_mixers.conversion.families import SUPPORTED_FAMILIES
-from hf_mixers.testing import CHECKS, HYBRID, check_from_attention, check_remote_code, contract_names, \
-    remote_code_failures
+from hf_mixers.testing import CHECKS, HYBRID, check_compiled_decode, check_from_attention, check_remote_code, \
+    contract_names, remote_code_failures
 
 MIXERS = contract_names()
 BASES = [name for name in MIXERS if "[" not in name]
@@ -21,7 +25,9 @@ CASES = [pytest.param(name, check, id=f"{name}-{check.__name__.removeprefix('che
 
 
 @pytest.mark.parametrize("name, check", CASES)
-def test_mixer_contract(name, check):
+def test_mixer_contract(name, check, monkeypatch):
+    if check is check_compiled_decode and ("[" in name or name == HYBRID):
+        compile_decode_without_inductor(monkeypatch)
     check(name)
 
 
