@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from conftest import TINY, tiny_config, tiny_sessa_model
+from conftest import TINY, compile_decode_without_inductor, tiny_config, tiny_sessa_model
 from hf_mixers import MixerForCausalLM, SessaForCausalLM
 from hf_mixers.core.attention import FullAttention
 from hf_mixers.kernels.feedback_solve import feedback_solve_dense
@@ -292,11 +292,14 @@ def test_lean_cache_keeps_outputs_in_the_activation_dtype():
 @pytest.mark.parametrize("options", [dict(sessa_feedback_heads=2), dict(block="sessa", sessa_forward_rope=False),
                                      dict(qk_norm=True, attention_bias=True, sessa_outputs_cache="activation")],
                          ids=["two-feedback-heads", "native-block-nope", "qk-norm-bias-lean-cache"])
-def test_the_compiled_token_step_equals_the_eager_step_for_every_layout(options):
+def test_the_compiled_token_step_equals_the_eager_step_for_every_layout(options, monkeypatch):
     """config.compile_decode on Sessa (one graph with symbolic shapes, the cache read where it lies): equal to the
-    eager decode and one forward on a left-padded batch, for the layouts the contract's tiny config does not take."""
+    eager decode and one forward on a left-padded batch, for the layouts the contract's tiny config does not take.
+    Traced without Inductor's code (as the contract's variants: its sessa case and the growing-cache test below
+    compile with Inductor)."""
     from hf_mixers.testing import _close, _decode, _inputs, _logits, tiny_model
 
+    compile_decode_without_inductor(monkeypatch)
     eager, compiled = tiny_model("sessa", **options), tiny_model("sessa", compile_decode=True, **options)
     ids, mask = _inputs()
     valid = mask.bool()
@@ -341,11 +344,12 @@ def test_a_step_of_growing_shapes_is_never_replayed_as_a_cuda_graph():
     assert compile_step(block_step, "cuda", "reduce-overhead")[1] is True
 
 
-def test_generate_through_the_compiled_step_equals_the_eager_one():
+def test_generate_through_the_compiled_step_equals_the_eager_one(monkeypatch):
     """generate() greedy and with beam search (whose cache reordering hands the step whole tensors instead of buffer
-    views) writes the same tokens with config.compile_decode as without."""
+    views) writes the same tokens with config.compile_decode as without (traced without Inductor's code)."""
     from hf_mixers.testing import _inputs, tiny_model
 
+    compile_decode_without_inductor(monkeypatch)
     eager = tiny_model("sessa", dtype=torch.float32)
     compiled = tiny_model("sessa", dtype=torch.float32, compile_decode=True)
     ids, mask = _inputs(length=6, pad=2)
