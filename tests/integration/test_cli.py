@@ -8,16 +8,19 @@ import sys
 
 import pytest
 import torch
+from conftest import compile_decode_without_inductor
 
 from hf_mixers.apps.bench import harness
 from hf_mixers.apps.cli import build_parser, main
 
 
-def test_demo_path_on_a_tiny_teacher(tmp_path, capsys):
-    """The demo's whole path (load, convert both mixers, stage 1 + 2, evaluate, sample, summary) in seconds."""
+def test_demo_path_on_a_tiny_teacher(tmp_path, capsys, monkeypatch):
+    """The demo's whole path (load, convert both mixers, stage 1 + 2, evaluate, sample, summary) in seconds; its
+    compiled decode traced without Inductor's code (~20 s here; the contract compiles RSA's step with it)."""
     from conftest import save_tiny_teacher
     from hf_mixers.apps.demo import run_demo
 
+    compile_decode_without_inductor(monkeypatch)
     teacher = str(tmp_path / "teacher")
     save_tiny_teacher(teacher)
     summary = run_demo(str(tmp_path / "demo"), max_steps=2, teacher_source=teacher)
@@ -156,7 +159,10 @@ def test_full_default_demo_learns(tmp_path):
     assert sessa["stage2"]["student_perplexity"] <= 1.01 * sessa["stage2"]["teacher_perplexity"]
 
 
-def test_bench_rsa_writes_training_and_decoding_results(tmp_path):
+def test_bench_rsa_writes_training_and_decoding_results(tmp_path, monkeypatch):
+    """Each point's peak memory in a fresh process (the harness's; the other benches' tests turn it off), the
+    compiled decode row traced without Inductor's code (~25 s here; the contract compiles RSA's step with it)."""
+    compile_decode_without_inductor(monkeypatch)
     main(["bench", "rsa", "--out", str(tmp_path), "--lengths", "64", "--contexts", "16,48", "--hidden-size", "32",
           "--heads", "2", "--kv-heads", "1", "--repeats", "1", "--decode-tokens", "2", "--decode-batch", "2"])
     report = json.loads((tmp_path / "bench_rsa.json").read_text())
