@@ -364,31 +364,6 @@ def test_killed_run_resumes_with_the_same_losses(teacher_dir, tmp_path):
         reference["evaluations"]["stage2"]["kl_teacher_student"], abs=1e-6)
 
 
-def test_two_processes_split_the_data_and_average_gradients(teacher_dir, tmp_path):
-    """torchrun, 2 CPU processes (gloo) under DistributedDataParallel: world size 2, each rank trains on different
-    blocks, one model written, and the losses of one process accumulating both ranks' micro-batches."""
-    out = tmp_path / "ddp"
-    said = torchrun_distill(small(teacher_dir, out, "stage1.steps=2", "stage2.steps=2", "train.batch_size=1"))
-    assert "stage2: ddp: DistributedDataParallel over 2 processes" in said
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 4 and all(row["world_size"] == 2 for row in rows)  # rank 0 alone writes
-    for row in rows:
-        first, second = row["first_tokens_per_rank"]
-        assert first != second  # each rank saw its own block
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["world_size"] == 2 and (out / "model" / "model.safetensors").exists()
-    # rank r takes micro-batch 2 * step + r: the same blocks as one process accumulating 2 micro-batches, so the
-    # averaged gradients must give the same losses
-    single = distill(load_recipe([], small(teacher_dir, tmp_path / "single", "stage1.steps=2", "stage2.steps=2",
-                                           "train.batch_size=1", "train.grad_accum=2")), progress=False)
-    expected = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
-    assert [row["first_tokens_per_rank"][0] for row in expected] == [row["first_tokens_per_rank"][0] for row in rows]
-    for got, want in zip(rows, expected):
-        assert abs(got["loss"] - want["loss"]) <= 1e-6 * max(1.0, abs(want["loss"])), (got, want)
-    assert summary["evaluations"]["stage2"]["kl_teacher_student"] == pytest.approx(
-        single["evaluations"]["stage2"]["kl_teacher_student"], rel=1e-4, abs=1e-7)
-
-
 def test_sft_encoding_trains_only_the_answer():
     from hf_mixers.recipes.sft import chat_examples, encode
 
@@ -513,7 +488,7 @@ def test_finetune_with_gradient_checkpointing_trains_to_the_same_losses(teacher_
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_deepspeed_zero2_under_torchrun_matches_data_parallel_and_resumes(teacher_dir, tmp_path):
     """DeepSpeed ZeRO-2, 2 CPU processes under torchrun (gloo): the same losses as plain gradient averaging (one
-    process accumulating both ranks' micro-batches, which equals ddp on 2 processes: the test above), also across a
+    process accumulating both ranks' micro-batches, which equals ddp on 2 processes: test_sharding.py), also across a
     relaunch (with the `deepspeed` launcher) that resumes from its step-2 checkpoint (parameters and the partitioned
     Adam states). The first launch reads a user's DeepSpeed JSON ("auto" values, keys of its own) merged into the
     recipe's settings; the relaunch without it resumes (like the strategy, how the run is distributed may change on

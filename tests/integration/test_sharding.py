@@ -43,10 +43,36 @@ def metrics(out) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def data_parallel(teacher_dir, tmp_path_factory):
-    """The reference: train.strategy=ddp, 2 stage-1 and 4 stage-2 steps, uninterrupted."""
+    """The reference: train.strategy=ddp, 2 stage-1 and 4 stage-2 steps, uninterrupted (rank 0's stdout beside)."""
     out = tmp_path_factory.mktemp("ddp") / "run"
-    distill_on_two_processes(teacher_dir, out, "stage2.steps=4")
+    said = distill_on_two_processes(teacher_dir, out, "stage2.steps=4")
+    (out.parent / "stdout.txt").write_text(said)
     return out
+
+
+def test_two_processes_split_the_data_and_average_gradients(teacher_dir, data_parallel, tmp_path):
+    """torchrun, 2 CPU processes (gloo) under DistributedDataParallel: world size 2, each rank trains on different
+    blocks, one model written, and the losses of one process accumulating both ranks' micro-batches (what the other
+    tests' one-process references rely on)."""
+    said = (data_parallel.parent / "stdout.txt").read_text()
+    assert "stage2: ddp: DistributedDataParallel over 2 processes" in said
+    rows = metrics(data_parallel)
+    assert len(rows) == 6 and all(row["world_size"] == 2 for row in rows)  # rank 0 alone writes
+    for row in rows:
+        first, second = row["first_tokens_per_rank"]
+        assert first != second  # each rank saw its own block
+    summary = json.loads((data_parallel / "summary.json").read_text())
+    assert summary["world_size"] == 2 and (data_parallel / "model" / "model.safetensors").exists()
+    # rank r takes micro-batch 2 * step + r: the same blocks as one process accumulating 2 micro-batches, so the
+    # averaged gradients must give the same losses
+    single = distill(load_recipe([], small(teacher_dir, tmp_path / "single", *STEPS, "stage2.steps=4",
+                                           "train.grad_accum=2")), progress=False)
+    expected = metrics(tmp_path / "single")
+    assert [row["first_tokens_per_rank"][0] for row in expected] == [row["first_tokens_per_rank"][0] for row in rows]
+    for got, want in zip(rows, expected):
+        assert abs(got["loss"] - want["loss"]) <= 1e-6 * max(1.0, abs(want["loss"])), (got, want)
+    assert summary["evaluations"]["stage2"]["kl_teacher_student"] == pytest.approx(
+        single["evaluations"]["stage2"]["kl_teacher_student"], rel=1e-4, abs=1e-7)
 
 
 def check_sharded_run(teacher_dir, reference, out, strategy: list[str], between=None, first_strategy=None):
@@ -113,19 +139,23 @@ def test_deepspeed_zero3_under_torchrun_matches_data_parallel_and_resumes(teache
 
 @needs_deepspeed
 def test_bf16_under_every_sharding_strategy_tracks_the_fp32_run(teacher_dir, tmp_path):
-    """train.precision=bf16 under DistributedDataParallel (autocast, fp32 masters), FSDP2 (MixedPrecisionPolicy: bf16
-    gathers, fp32 reduce-scatter and masters) and DeepSpeed ZeRO-2 and ZeRO-3 (its bf16 block: fp32 masters in the
-    partitions), 2 CPU processes: every loss within 1% of the fp32 data-parallel run (a selective-SSM conversion:
-    losses of order 1), and not equal to it. The fp32 run is one process accumulating both ranks' micro-batches
-    (test_recipes.py's ZeRO-2 test: the same losses as gradient averaging on 2 processes; a launch less, ~45 s)."""
+    """train.precision=bf16 under FSDP2 (MixedPrecisionPolicy: bf16 gathers, fp32 reduce-scatter and masters) and
+    DeepSpeed ZeRO-2 and ZeRO-3 (its bf16 block: fp32 masters in the partitions), 2 CPU processes, and as ddp runs it
+    (autocast, fp32 masters and gradients, which DistributedDataParallel averages as in fp32): every loss within 1%
+    of the fp32 run (a selective-SSM conversion: losses of order 1), and not equal to it. The fp32 and ddp runs are
+    one process accumulating both ranks' micro-batches (test_two_processes_split_the_data_and_average_gradients:
+    the same losses as gradient averaging on 2 processes; two launches less, ~25 s each)."""
     settings = [f"model.teacher={teacher_dir}", "model.mixer=selective_ssm", "data.sequence_length=32",
                 "data.max_train_sequences=8", "data.heldout_sequences=2", "data.wider_evaluations=false",
                 "stage1.steps=3", "stage2.steps=3", "train.lr=3e-3", "train.batch_size=1"]
-    fp32 = [*settings, "train.precision=fp32", "train.grad_accum=2", f"output.dir={tmp_path / 'fp32'}"]
-    distill(load_recipe([], fp32), progress=False)
-    runs = {"ddp": [], "fsdp": ["train.strategy=fsdp"], "zero2": ["train.strategy=deepspeed", "train.zero_stage=2"],
+    losses = {}
+    for name, precision in (("fp32", "fp32"), ("ddp", "bf16")):
+        out = tmp_path / name
+        distill(load_recipe([], [*settings, f"train.precision={precision}", "train.grad_accum=2",
+                                 f"output.dir={out}"]), progress=False)
+        losses[name] = [row["loss"] for row in metrics(out)]
+    runs = {"fsdp": ["train.strategy=fsdp"], "zero2": ["train.strategy=deepspeed", "train.zero_stage=2"],
             "zero3": ["train.strategy=deepspeed", "train.zero_stage=3"]}
-    losses = {"fp32": [row["loss"] for row in metrics(tmp_path / "fp32")]}
     for name, extra in runs.items():
         out = tmp_path / name
         torchrun_distill([*settings, "train.precision=bf16", *extra, f"output.dir={out}"], timeout=600)
