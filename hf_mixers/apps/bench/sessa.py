@@ -16,9 +16,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ...common.history import save_figure
-from .harness import (ATTENTION, bench_device, build_mixer, cpu_peak, cpu_peak_supported, cuda_peak, format_log_axes,
-                      rotary_embeddings, time_interleaved, write_report)
-from . import lengths_flag, register_bench, shape_flags
+from . import harness, lengths_flag, register_bench, shape_flags
+from .harness import (ATTENTION, bench_device, build_mixer, cpu_peak, cuda_peak, format_log_axes, rotary_embeddings,
+                      time_interleaved, write_report)
 from ..arguments import at_least
 
 MIXERS = {"sdpa_attention": ATTENTION,  # gain != 0 below: the real solve runs
@@ -46,7 +46,7 @@ def bench_sessa(out_dir, lengths=(512, 1024, 2048, 4096), hidden_size=576, num_h
                          f"--kv-heads ({num_kv_heads}) must divide --heads")
     device = bench_device(device, "sessa")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    measure_cpu_peak = device.type == "cpu" and cpu_peak_supported()
+    measure_cpu_peak = device.type == "cpu" and harness.cpu_peak_supported()  # one switch for every bench
     memory_method = ("torch.cuda.max_memory_allocated" if device.type == "cuda" else
                      "peak RSS growth over one step, in a fresh process with MALLOC_MMAP_THRESHOLD_=65536"
                      if measure_cpu_peak else
