@@ -12,6 +12,7 @@ folder loads with ``trust_remote_code=True`` where hf_mixers is not installed.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -25,11 +26,13 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from ..core.mixer import SequenceMixer
+from ..core.mixer import COMPILE_MODES, SequenceMixer
 from ..core.registry import get_mixer, on_register
 from .blocks import BLOCK_CLASSES, LlamaBlock, SessaBlock, decode_compiled, stack_compiles_decode
 from .config import MixerConfig, config_class
 from .export import remote_auto_map, write_remote_code
+
+logger = logging.getLogger(__name__)
 
 # the backend masks a mixer may ask for (MixerSpec.attention_mask)
 MASK_BUILDERS = {"causal": create_causal_mask, "sliding": create_sliding_window_causal_mask}
@@ -164,9 +167,46 @@ class MixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
                     f"generate(cache_implementation={generation_config.cache_implementation!r}): transformers' "
                     f"fixed-size caches hold attention K/V only, not this model's {error.args[0]!r} layers. Leave "
                     "cache_implementation unset (each layer keeps its own cache; a recurrent mixer's state is "
-                    "constant-size already) and set model.config.compile_decode = True for a compiled token step "
-                    "('reduce-overhead': replayed as a CUDA graph)") from None
+                    "constant-size already); for a compiled token step pass compile_config=CompileConfig(...) or set "
+                    "model.config.compile_decode = True ('reduce-overhead': replayed as a CUDA graph)") from None
             raise
+
+    # transformers' generation compile path: ``generate(..., compile_config=CompileConfig(...))`` (or the model's
+    # ``generation_config.compile_config``) compiles its decode steps. transformers compiles the whole forward, which
+    # needs fixed-size K/V caches; here what compiles is each block's token step (``config.compile_decode``), so the
+    # two hooks below route transformers' switch to it: the same lean step, in the CompileConfig's mode.
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """Whether this ``generate`` decodes through compiled steps: a ``compile_config`` was given (on any device:
+        the compiled step runs on CPU too), compiling is not disabled, and a layer has a compiled token step.
+        transformers' own criteria (a GPU and a fixed-size cache, or ``_compile_all_devices``) are for its
+        whole-forward compile, which never applies to this model's caches."""
+        return (generation_config.compile_config is not None and not generation_config.disable_compile
+                and any(block.mixer.can_compile_decode() for block in self.model.layers))
+
+    def get_compiled_call(self, compile_config):
+        """What ``generate`` calls for each decode step when ``_valid_auto_compile_criteria`` holds: the model with
+        ``config.compile_decode`` set to the CompileConfig's mode for the call (restored after it). Only the mode
+        applies: the step is always one graph (fullgraph), with the shapes each mixer needs, on Inductor."""
+        mode = "default" if compile_config is None or compile_config.mode is None else compile_config.mode
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"generate(compile_config=...): mode {mode!r} is not a torch.compile mode the compiled "
+                             f"token step takes {COMPILE_MODES}")
+        unused = {key: value for key, value in (("backend", getattr(compile_config, "backend", "inductor")),
+                                                ("options", getattr(compile_config, "options", None)))
+                  if value not in ("inductor", None)}
+        if unused:
+            logger.warning("generate(compile_config=...): %s not used; the compiled token step takes the mode only "
+                           "(Inductor, one graph per mixer class and batch size)", unused)
+
+        def decode_step(*args, **kwargs):
+            saved = self.config.compile_decode
+            self.config.compile_decode = mode
+            try:
+                return self(*args, **kwargs)
+            finally:
+                self.config.compile_decode = saved
+
+        return decode_step
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import cache_bytes_in_two_calls, step_through, tiny_sessa_model
+from conftest import cache_bytes_in_two_calls, compile_decode_without_inductor, step_through, tiny_sessa_model
 from hf_mixers.core.cache import cache_nbytes
 from hf_mixers.mixers.sessa import SessaCacheLayer
 
@@ -261,6 +261,40 @@ def test_generate_without_padding_reuses_the_graph_of_masked_steps(monkeypatch):
                               pad_token_id=0) for model in (eager, compiled)]
     assert torch.equal(*outputs), "compiled decode generated other tokens"
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_generate_compile_config_decodes_through_the_compiled_token_step(monkeypatch):
+    """transformers' generation compile switch, ``generate(compile_config=CompileConfig(...))``, runs the decode steps
+    through the blocks' compiled token step in the CompileConfig's mode, on CPU too: the eager model's tokens on a
+    left-padded batch, one graph, ``config.compile_decode`` unchanged after; ``disable_compile`` and no
+    compile_config stay eager, and a mode the step cannot take is refused in words."""
+    from transformers import CompileConfig
+
+    from hf_mixers.model import blocks
+    from hf_mixers.testing import tiny_model
+
+    compile_decode_without_inductor(monkeypatch)
+    monkeypatch.setattr(blocks, "_compiled_steps", {})
+    model = tiny_model("rsa", dtype=torch.float32)
+    ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    generate = lambda **kwargs: model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,  # noqa: E731
+                                               pad_token_id=0, **kwargs)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    expected = generate()
+    assert not counters["stats"]["unique_graphs"]
+    mode = "max-autotune-no-cudagraphs"
+    assert torch.equal(generate(compile_config=CompileConfig(mode=mode)), expected)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert [key[3] for key in blocks._compiled_steps] == [mode] and model.config.compile_decode is False
+    assert torch.equal(generate(compile_config=CompileConfig(mode=mode), disable_compile=True), expected)
+    assert torch.equal(generate(), expected) and counters["stats"]["unique_graphs"] == 1  # nothing compiled again
+    with pytest.raises(ValueError, match=r"compile_config=.*mode 'fast' is not a torch.compile mode"):
+        generate(compile_config=CompileConfig(mode="fast"))
+    assert model.config.compile_decode is False
 
 
 def test_compile_decode_takes_a_torch_compile_mode():
