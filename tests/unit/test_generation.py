@@ -279,8 +279,10 @@ def test_generate_compile_config_decodes_through_the_compiled_token_step(monkeyp
     ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
-    generate = lambda **kwargs: model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,  # noqa: E731
-                                               pad_token_id=0, **kwargs)
+
+    def generate(**kwargs):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, **kwargs)
+
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
