@@ -137,6 +137,30 @@ COMPILE_BACKEND = "inductor"
 _compiled_steps = {}
 
 
+# The CPU step's small matrix products (a memory's per-level assignments, reads and residual MLPs, the window's
+# scores: at most this many rows, or this many batched matrices, and inner sizes up to SMALL_PRODUCT_WIDTH) are
+# computed by Inductor as loops fused with the elementwise work around them instead of one BLAS call each
+# (Inductor's own decompose_mm_pass, whose CPU default takes a single row only). Each call cost ~4-5 us at batch 1,
+# ~30 of them a windowed RSA block: the converted SmolLM2 RSA w = 64 decodes 3-5% faster (docs/benchmarks.md).
+# The teacher's projections (wider) stay BLAS calls.
+SMALL_PRODUCT_ROWS = 16
+SMALL_PRODUCT_WIDTH = 256
+
+
+def small_products_fused() -> dict:
+    """Inductor's options for a CPU step whose small products are fused loops (``SMALL_PRODUCT_ROWS``); {} where
+    this torch's Inductor lacks the pass. Its size limits are module settings of the pass, read when it runs."""
+    try:
+        from torch._inductor.fx_passes import decompose_mem_bound_mm as small
+    except ImportError:
+        return {}
+    if not hasattr(small, "cpu_max_first_dimension_decomposition"):
+        return {}
+    small.cpu_max_first_dimension_decomposition = SMALL_PRODUCT_ROWS
+    small.cpu_max_other_dimension_decomposition = SMALL_PRODUCT_WIDTH
+    return {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
+
+
 def compile_step(function, device: str, mode: str | None = None, dynamic: bool = False):
     """``function`` (``block_step``, ``stack_step`` or ``stack_step_in_place``) compiled for ``device`` -> (the
     step, whether it replays as a CUDA graph). ``mode``: torch.compile's (None or "default": the default, with a C++
@@ -154,7 +178,9 @@ def compile_step(function, device: str, mode: str | None = None, dynamic: bool =
     if dynamic and mode in CUDA_GRAPH_MODES:  # a CUDA graph has fixed shapes: one per length
         mode = None if mode == "reduce-overhead" else "max-autotune-no-cudagraphs"
     # torch.compile takes a mode or options; a stack's C++ launcher would be one source file for every block
-    options = {"cpp_wrapper": True} if device == "cpu" and mode is None and function is block_step else None
+    options = None
+    if device == "cpu" and mode is None and function is block_step:
+        options = {"cpp_wrapper": True, **({} if dynamic else small_products_fused())}
     step = torch.compile(own_code(function), dynamic=dynamic, fullgraph=True, options=options, mode=mode)
     return step, device == "cuda" and mode in CUDA_GRAPH_MODES
 

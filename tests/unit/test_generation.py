@@ -299,6 +299,26 @@ def test_generate_compile_config_decodes_through_the_compiled_token_step(monkeyp
     assert model.config.compile_decode is False
 
 
+def test_the_cpu_step_computes_its_small_products_in_fused_loops(monkeypatch):
+    """A CPU step of fixed shapes asks Inductor for its decompose_mm_pass with the step's sizes (the memories' small
+    products as loops fused with their neighbours, not a BLAS call each) and for its C++ launcher; a step of growing
+    shapes, and a CUDA one, do not. That the compiled step equals the eager one with the pass on is the contract's
+    (each mixer's base case compiles with Inductor)."""
+    from torch._inductor.fx_passes import decompose_mem_bound_mm
+
+    from hf_mixers.model import blocks
+
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda function, **kwargs: asked.append(kwargs) or function)
+    for device, dynamic in (("cpu", False), ("cpu", True), ("cuda", False)):
+        blocks.compile_step(blocks.block_step, device, None, dynamic)
+    fixed, growing, cuda = (kwargs["options"] for kwargs in asked)
+    assert fixed == {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
+    assert growing == {"cpp_wrapper": True} and cuda is None
+    assert decompose_mem_bound_mm.cpu_max_first_dimension_decomposition == blocks.SMALL_PRODUCT_ROWS
+    assert decompose_mem_bound_mm.cpu_max_other_dimension_decomposition == blocks.SMALL_PRODUCT_WIDTH
+
+
 def test_compile_decode_takes_a_torch_compile_mode():
     """compile_decode: true, false or one of torch.compile's modes ("reduce-overhead" is a CUDA graph on CUDA and
     the default mode on CPU, with its C++ launcher: no graph to replay there)."""
