@@ -18,6 +18,8 @@ length, so ``get_seq_length`` and the causal-mask sizes stay valid in a stack wi
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -31,6 +33,20 @@ def map_tensors(value, fn):
     if isinstance(value, (tuple, list)):
         return type(value)(map_tensors(item, fn) for item in value)
     return value.map(fn) if hasattr(value, "map") else value  # e.g. RSAState
+
+
+def first_tensor(value) -> torch.Tensor | None:
+    """The first tensor ``map_tensors`` would meet in ``value``, found without rebuilding ``value`` (a decode step
+    asks once per layer and token)."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    items = value if isinstance(value, (tuple, list)) else (
+        [getattr(value, field.name) for field in dataclasses.fields(value)] if dataclasses.is_dataclass(value) else None)
+    if items is None:  # an object with ``map`` of another kind: let it walk its tensors
+        found = []
+        map_tensors(value, found.append)
+        return found[0] if found else None
+    return next((tensor for tensor in map(first_tensor, items) if tensor is not None), None)
 
 
 class KVPlusLayer(DynamicLayer):
@@ -150,9 +166,7 @@ class RecurrentStateLayer(DynamicLayer):
     def update_state(self, state, new_tokens: int, conv_history=None) -> None:
         self.state, self.conv_history = state, conv_history
         self.seen_tokens += new_tokens
-        first = []
-        map_tensors(state, lambda x: first.append(x))
-        self.device, self.is_initialized = first[0].device, True
+        self.device, self.is_initialized = first_tensor(state).device, True
 
     def get_seq_length(self) -> int:
         return self.seen_tokens

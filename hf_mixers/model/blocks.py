@@ -11,6 +11,7 @@ recurrent mixers, GLTM, Sessa).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -185,15 +186,22 @@ def compile_step(function, device: str, mode: str | None = None, dynamic: bool =
     return step, device == "cuda" and mode in CUDA_GRAPH_MODES
 
 
+@functools.lru_cache(maxsize=1024)
+def _contiguous_strides(shape: torch.Size) -> tuple:
+    """The strides of a new contiguous tensor of ``shape`` (asked per input and token: kept per shape)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` with the strides of a new contiguous one: dynamo guards on every stride, also of size-1 dimensions
     (a batch-1 slice that a prefill leaves is contiguous but strided otherwise), and would recompile the step."""
-    strides, step = [], 1
-    for size in reversed(tensor.shape):
-        strides.append(step)
-        step *= size
-    dense = tensor.stride() == tuple(reversed(strides))
-    return tensor if dense else tensor.clone(memory_format=torch.contiguous_format)
+    if tensor.stride() == _contiguous_strides(tensor.shape):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def _hooked(block) -> bool:
