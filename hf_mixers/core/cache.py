@@ -40,9 +40,13 @@ def first_tensor(value) -> torch.Tensor | None:
     asks once per layer and token)."""
     if value is None or isinstance(value, torch.Tensor):
         return value
-    items = value if isinstance(value, (tuple, list)) else (
-        [getattr(value, field.name) for field in dataclasses.fields(value)] if dataclasses.is_dataclass(value) else None)
-    if items is None:  # an object with ``map`` of another kind: let it walk its tensors
+    if isinstance(value, (tuple, list)):
+        items = value
+    elif not hasattr(value, "map"):
+        return None  # map_tensors leaves it as it is
+    elif dataclasses.is_dataclass(value):  # RSAState, WindowState, ...: their ``map`` goes through their fields
+        items = [getattr(value, field.name) for field in dataclasses.fields(value)]
+    else:  # an object with ``map`` of another kind: let it walk its tensors
         found = []
         map_tensors(value, found.append)
         return found[0] if found else None

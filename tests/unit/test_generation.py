@@ -336,3 +336,27 @@ def test_compile_decode_takes_a_torch_compile_mode():
         tiny_model("selective_ssm", compile_decode="fast")
     assert "default" in COMPILE_MODES and tiny_model("rsa", rsa_compile_decode=True).model.layers[0].mixer \
         .decode_compile_mode() == "default"
+
+
+def test_first_tensor_is_the_first_that_map_tensors_meets():
+    """RecurrentStateLayer takes its device from ``first_tensor``, which walks a state without rebuilding it: the
+    same tensor ``map_tensors`` visits first, in tuples, dataclass states (a window around an RSA memory) and
+    objects with a ``map`` of their own; None where map_tensors meets none."""
+    from hf_mixers.core.cache import first_tensor, map_tensors
+    from hf_mixers.core.window import WindowState
+    from hf_mixers.kernels.rsa_state import RSAState
+
+    class Mapped:  # not a dataclass: its own map
+        def __init__(self, *tensors):
+            self.tensors = tensors
+
+        def map(self, fn):
+            return Mapped(*map(fn, self.tensors))
+
+    memory = RSAState(*(torch.full((1,), float(index)) for index in range(7)))
+    window = WindowState(keys=None, values=None, valid=torch.ones(1, 2), extras=(), memory=memory, written=None)
+    for value in (None, (None, window), (None, (), memory), [Mapped(torch.ones(2)), memory], Mapped(), object(),
+                  (window, None)):
+        met = []
+        map_tensors(value, lambda tensor: met.append(tensor) or tensor)
+        assert first_tensor(value) is (met[0] if met else None), value
