@@ -15,6 +15,7 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
   bench-generate-compiled   the windowed RSA conversion of that teacher against it, bf16, the compiled token step
                  replayed as a CUDA graph (`--compile-decode reduce-overhead`): prefill / decode tokens/s at 1K and
                  16K, batch 1, and decode at the largest batch within 40 GiB
+  bench-generate-compiled-others   the same for the windowed VORT and selective SSM conversions
   bench-distill  `hf-mixers bench distill`: a stage-2 step (the demo's windowed RSA) against a teacher-LoRA step,
                  tokens/s
   bench-distill-compiled-write   the same with `rsa_compile_write=reduce-overhead` (each chunk's write side one
@@ -398,6 +399,12 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
         # eager write side's launches (+ Inductor's compiles)
         bench_distill("bench-distill-compiled-write", ["--option", "rsa_compile_write=reduce-overhead"],
                       os.path.join(work, "compiled-write"), 180),
+        # issue 36's serving figures for the other constant-state mixers (VORT, the selective SSM; same window), the
+        # same bench as bench-generate-compiled's RSA: batch 1 and the largest batch in 40 GiB at 16K
+        ("bench-generate-compiled-others", [*generate[:generate.index("--mixer")], "--mixer", "vort", "--mixer",
+                                            "selective_ssm", *generate[generate.index("--mixer") + 2:],
+                                            "--compile-decode", "reduce-overhead", "--out",
+                                            os.path.join(work, "compiled-others"), "--overwrite"], 300, {}),
         # --max-call-seconds: the PyTorch paths at 16K tokens and 8B heads would take the step's minutes
         ("bench-kernels", [*cli, "bench", "kernels", "--dtype", "bfloat16", "--lengths", lengths, *small,
                            "--max-call-seconds", "2",
@@ -429,7 +436,7 @@ STEP_GROUPS = {
     # what serving costs against the teacher: the prefill's kernels, the batch-1 decode forms, the bench, and
     # every mixer on CUDA (the whole stack as one CUDA graph included)
     "serve": ["compile-rsa-window-smollm2-135m", "teacher", "decode-graphs", "bench-generate-compiled",
-              "pytest-mixers"],
+              "bench-generate-compiled-others", "pytest-mixers"],
     # what a distillation step costs against a teacher-LoRA step: eager, then each chunk's write compiled and
     # replayed as CUDA graphs, and the distillations profiled
     "train": ["compile-rsa-window-smollm2-135m", "teacher", "bench-distill", "bench-distill-compiled-write",

@@ -25,8 +25,9 @@ def gpu_check_module():
 
 
 STEPS = ["compile-rsa-window-smollm2-135m", "teacher", "decode-graphs", "bench-generate-compiled", "bench-distill",
-         "bench-distill-compiled-write", "bench-kernels", "distill-30", "distill-30-compiled-write", "bench-generate",
-         "pytest-mixers", "pytest-kernels", "pytest-libraries", "scale-8b"]  # the dry run's, in order
+         "bench-distill-compiled-write", "bench-generate-compiled-others", "bench-kernels", "distill-30",
+         "distill-30-compiled-write", "bench-generate", "pytest-mixers", "pytest-kernels", "pytest-libraries",
+         "scale-8b"]  # the dry run's, in order
 
 
 @pytest.mark.parametrize("only", [pytest.param(None, marks=pytest.mark.slow), "ci"])
