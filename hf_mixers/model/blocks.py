@@ -152,13 +152,13 @@ def small_products_fused() -> dict:
     """Inductor's options for a CPU step whose small products are fused loops (``SMALL_PRODUCT_ROWS``); {} where
     this torch's Inductor lacks the pass. Its size limits are module settings of the pass, read when it runs."""
     try:
-        from torch._inductor.fx_passes import decompose_mem_bound_mm as small
+        from torch._inductor.fx_passes import decompose_mem_bound_mm as decompose
     except ImportError:
         return {}
-    if not hasattr(small, "cpu_max_first_dimension_decomposition"):
+    if not hasattr(decompose, "cpu_max_first_dimension_decomposition"):
         return {}
-    small.cpu_max_first_dimension_decomposition = SMALL_PRODUCT_ROWS
-    small.cpu_max_other_dimension_decomposition = SMALL_PRODUCT_WIDTH
+    decompose.cpu_max_first_dimension_decomposition = SMALL_PRODUCT_ROWS
+    decompose.cpu_max_other_dimension_decomposition = SMALL_PRODUCT_WIDTH
     return {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 

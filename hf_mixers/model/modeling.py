@@ -193,7 +193,7 @@ class MixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
                              f"token step takes {COMPILE_MODES}")
         unused = {key: value for key, value in (("backend", getattr(compile_config, "backend", "inductor")),
                                                 ("options", getattr(compile_config, "options", None)))
-                  if value not in ("inductor", None)}
+                  if value and value != "inductor"}
         if unused:
             logger.warning("generate(compile_config=...): %s not used; the compiled token step takes the mode only "
                            "(Inductor, one graph per mixer class and batch size)", unused)

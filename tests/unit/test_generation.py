@@ -270,7 +270,7 @@ def test_generate_compile_config_decodes_through_the_compiled_token_step(monkeyp
     compile_config stay eager, and a mode the step cannot take is refused in words."""
     from transformers import CompileConfig
 
-    from hf_mixers.model import blocks
+    from hf_mixers.model import blocks, modeling
     from hf_mixers.testing import tiny_model
 
     compile_decode_without_inductor(monkeypatch)
@@ -296,6 +296,12 @@ def test_generate_compile_config_decodes_through_the_compiled_token_step(monkeyp
     assert torch.equal(generate(), expected) and counters["stats"]["unique_graphs"] == 1  # nothing compiled again
     with pytest.raises(ValueError, match=r"compile_config=.*mode 'fast' is not a torch.compile mode"):
         generate(compile_config=CompileConfig(mode="fast"))
+    messages = []
+    monkeypatch.setattr(modeling.logger, "warning", lambda message, *args: messages.append(message % args))
+    assert torch.equal(generate(compile_config=CompileConfig(mode=mode, options={})), expected) and not messages
+    assert torch.equal(generate(compile_config=CompileConfig(mode=mode, backend="aot_eager")), expected)
+    assert messages == ["generate(compile_config=...): {'backend': 'aot_eager'} not used; the compiled token step "
+                        "takes the mode only (Inductor, one graph per mixer class and batch size)"]
     assert model.config.compile_decode is False
 
 
