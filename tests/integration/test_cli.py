@@ -275,6 +275,33 @@ def test_bench_generate_measures_models_against_their_teacher(tmp_path):
     assert exit_info.value.code == 2
 
 
+def test_bench_generate_starts_each_repeat_from_the_next_model_and_keeps_the_fastest(tmp_path, monkeypatch):
+    """--repeats: at each (batch, context) the models' repeats interleave, each repeat from the next model (the
+    model timed right after the teacher measured a few % ahead on a CPU), and a row keeps its fastest repeat."""
+    from conftest import save_tiny_teacher
+
+    from hf_mixers.apps.bench.generate import bench_generate
+    from hf_mixers.common import measures
+
+    calls = []
+
+    def timing(model, context, decode_tokens, vocab, device, warmup=3, batch=1, keep_cache=False):
+        label = "teacher" if model.config.model_type == "llama" else "student"
+        calls.append((batch, context, label))
+        seconds = 0.5 if sum(call == calls[-1] for call in calls) == 2 else 1.0  # each model's 2nd repeat faster
+        return {"prefill_s": seconds, "decode_s": seconds / 10, "cache_bytes": 64, "cache_used_bytes": 64}
+
+    monkeypatch.setattr(measures, "generation_timing", timing)
+    teacher = str(tmp_path / "teacher")
+    save_tiny_teacher(teacher)
+    report = bench_generate(str(tmp_path / "bench"), teacher=teacher, mixers=["gltm"], batch_sizes=(1,),
+                            contexts=(8, 16), decode_tokens=2, prompt_tokens=4, generate_tokens=1, repeats=3)
+    timed = [call for call in calls if call[1] in (8, 16)]  # not convert's cache probes (64, 128, 256 tokens)
+    assert [label for _, _, label in timed] == ["teacher", "student", "student", "teacher", "teacher", "student"] * 2
+    assert [call[1] for call in timed] == [8] * 6 + [16] * 6
+    assert all(row["prefill_s"] == 0.5 and row["decode_s_per_step"] == 0.05 for row in report["rows"])
+
+
 def test_bench_generate_keeps_two_model_folders_of_the_same_name_apart(tmp_path):
     """Distilled models all live in OUT/model: two such folders are both measured, the second under its path."""
     import torch

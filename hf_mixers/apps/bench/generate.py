@@ -76,6 +76,29 @@ def _generate_seconds(model, tokenizer, prompt_tokens: int, new_tokens: int, dev
     return time.perf_counter() - began
 
 
+def _point(label, model, batch: int, context: int, runs: list, weights: int, budget: float, budget_batch_cap: int,
+           budget_decode_steps: int, device) -> dict:
+    """One model's row at (batch, context) from its ``generation_timing`` runs (the fastest of them); where the first
+    run kept its cache (``--budget-decode-steps``), that cache copied to the largest batch that fits the budget
+    (capped) and decoded."""
+    from ...common.measures import decode_step_seconds
+
+    prefill, decode = min(r["prefill_s"] for r in runs), min(r["decode_s"] for r in runs)
+    per_row = runs[0]["cache_bytes"] / batch
+    fits = max(0, int((budget - weights) // per_row)) if per_row else None
+    row = {"model": label, "batch": batch, "context": context, "prefill_s": prefill,
+           "prefill_tokens_per_s": batch * context / prefill, "decode_s_per_step": decode,
+           "decode_tokens_per_s": batch / decode, "cache_bytes": runs[0]["cache_bytes"], "max_batch_in_budget": fits}
+    cache = runs[0].pop("cache", None)
+    if cache is not None and fits:
+        row["budget_batch"] = min(fits, budget_batch_cap)
+        cache.batch_repeat_interleave(row["budget_batch"])
+        seconds = decode_step_seconds(model, cache, row["budget_batch"], budget_decode_steps, model.config.vocab_size,
+                                      device)
+        row["budget_decode_tokens_per_s"] = row["budget_batch"] / seconds
+    return row
+
+
 def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), mixers=(), options=None,
                    batch_sizes=(1, 4), contexts=(512, 2048), decode_tokens: int = 8, prompt_tokens: int = 512,
                    generate_tokens: int = 32, memory_budget_gib: float = 8.0, dtype: str = "float32", device=None,
@@ -85,7 +108,7 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
 
     from .harness import bench_device, save_point, write_report
     from ...common.files import write_atomically
-    from ...common.measures import decode_step_seconds, generation_timing
+    from ...common.measures import generation_timing
 
     from ...core.mixer import check_compile_decode
 
@@ -110,29 +133,28 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
         generation_timing(model, 16, 4, model.config.vocab_size, device, warmup=2, batch=batch)
         compile_seconds.setdefault(label, {})[str(batch)] = time.perf_counter() - began
     # At each (batch, context) the models one after another: a shared CPU's speed drifts by 10-40% within minutes,
-    # and so the drift falls on the teacher and the converted models alike, not on one of them.
-    points = [(label, batch, context) for batch in batch_sizes for context in contexts for label in models]
-    for label, batch, context in tqdm(points, desc="bench generate", unit="point"):
-        model = models[label]
+    # and so the drift falls on the teacher and the converted models alike, not on one of them. Each repeat starts
+    # from the next model: in A/B runs on this CPU the model timed first after the teacher came out 2-4% ahead of
+    # the same model timed later in the round (docs/benchmarks.md), and the fastest repeat is what a row keeps.
+    labels = list(models)
+    progress = tqdm(total=len(batch_sizes) * len(contexts) * repeats * len(labels), desc="bench generate",
+                    unit="point")
+    for batch, context in itertools.product(batch_sizes, contexts):
         at_budget = budget_decode_steps and batch == 1
-        runs = [generation_timing(model, context, decode_tokens, model.config.vocab_size, device, warmup=2,
-                                  batch=batch, keep_cache=at_budget and not repeat) for repeat in range(repeats)]
-        prefill, decode = min(r["prefill_s"] for r in runs), min(r["decode_s"] for r in runs)
-        per_row = runs[0]["cache_bytes"] / batch
-        fits = max(0, int((budget - weights[label]) // per_row)) if per_row else None
-        rows.append({"model": label, "batch": batch, "context": context, "prefill_s": prefill,
-                     "prefill_tokens_per_s": batch * context / prefill, "decode_s_per_step": decode,
-                     "decode_tokens_per_s": batch / decode, "cache_bytes": runs[0]["cache_bytes"],
-                     "max_batch_in_budget": fits})
-        cache = runs[0].pop("cache", None)
-        if cache is not None and fits:  # the prompt's cache copied to the largest batch that fits (capped), decoded
-            rows[-1]["budget_batch"] = min(fits, budget_batch_cap)
-            cache.batch_repeat_interleave(rows[-1]["budget_batch"])
-            seconds = decode_step_seconds(model, cache, rows[-1]["budget_batch"], budget_decode_steps,
-                                          model.config.vocab_size, device)
-            rows[-1]["budget_decode_tokens_per_s"] = rows[-1]["budget_batch"] / seconds
-        del cache
-        save_point(out_dir, "bench_generate", rows[-1], rows)
+        timings = {label: [] for label in labels}
+        for repeat in range(repeats):
+            first = repeat % len(labels)
+            for label in labels[first:] + labels[:first]:
+                model = models[label]
+                timings[label].append(generation_timing(model, context, decode_tokens, model.config.vocab_size,
+                                                        device, warmup=2, batch=batch,
+                                                        keep_cache=at_budget and not timings[label]))
+                progress.update()
+        for label in labels:
+            rows.append(_point(label, models[label], batch, context, timings.pop(label), weights[label], budget,
+                               budget_batch_cap, budget_decode_steps, device))
+            save_point(out_dir, "bench_generate", rows[-1], rows)
+    progress.close()
     order = {label: index for index, label in enumerate(models)}
     rows.sort(key=lambda row: order[row["model"]])  # by model, then (stable) by batch and context
     teacher_rows = {(r["batch"], r["context"]): r for r in rows if r["model"] == "teacher"}
