@@ -348,12 +348,17 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     lengths = "64" if dry else "1024,2048,4096,8192,16384"
     small = ["--device", "cpu", "--repeats", "1"] if dry else ["--repeats", "3"]
     tier = {"HF_MIXERS_GPU_CHECK": "dry", "TRITON_INTERPRET": "1"} if dry else {}
-    generate = [*cli, "bench", "generate", "--teacher", teacher, "--mixer", "rsa", "--option", "window=64",
-                "--dtype", "float32" if dry else "bfloat16", "--contexts", "32" if dry else "1024,16384",
-                "--batch-sizes", "1", "--decode-tokens", "2" if dry else "16",
-                "--prompt-tokens", "16" if dry else "1024", "--generate-tokens", "4" if dry else "64",
-                # decode at the largest batch within 40 GiB (issue 36: batch and tokens/s at 16K, teacher beside)
-                "--memory-budget-gib", "40", "--budget-decode-steps", "1" if dry else "3", *small]
+    serving_flags = ["--option", "window=64", "--dtype", "float32" if dry else "bfloat16",
+                     "--contexts", "32" if dry else "1024,16384", "--batch-sizes", "1",
+                     "--decode-tokens", "2" if dry else "16", "--prompt-tokens", "16" if dry else "1024",
+                     "--generate-tokens", "4" if dry else "64",
+                     # decode at the largest batch within 40 GiB (issue 36: batch and tokens/s at 16K, teacher beside)
+                     "--memory-budget-gib", "40", "--budget-decode-steps", "1" if dry else "3", *small]
+
+    def generate(*mixers):  # `bench generate` of these windowed conversions against the teacher
+        return [*cli, "bench", "generate", "--teacher", teacher,
+                *(flag for mixer in mixers for flag in ("--mixer", mixer)), *serving_flags]
+
     # -v: each test's name and result as it ends, so a run cut off by its limit still says which ones failed;
     # --durations: where the time went (a first compile, a reference at 8K), for the next run's limits
     pytest = [*python, "-m", "pytest", "-m", "gpu", "-v", "--tb=short", "-rfEs", "-p", "no:cacheprovider",
@@ -392,7 +397,7 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
                            os.path.join(work, "decode_graphs.json")] + (["--dry-run"] if dry else []), 420, {}),
         # the whole stack compiles as one graph at batch 1 and at the budget's batch (2026-11-28: its four points
         # took 70 s with a graph a block, then `generate` recompiled for its mask, cut at 150 s)
-        ("bench-generate-compiled", [*generate, "--compile-decode", "reduce-overhead", "--out",
+        ("bench-generate-compiled", [*generate("rsa"), "--compile-decode", "reduce-overhead", "--out",
                                      os.path.join(work, "compiled"), "--overwrite"], 300, {}),
         bench_distill("bench-distill", [], work, 120),
         # the same step with each chunk's write compiled and replayed as CUDA graphs: the 0.031x of 2026-11-28 was the
@@ -401,17 +406,15 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
                       os.path.join(work, "compiled-write"), 180),
         # issue 36's serving figures for the other constant-state mixers (VORT, the selective SSM; same window), the
         # same bench as bench-generate-compiled's RSA: batch 1 and the largest batch in 40 GiB at 16K
-        ("bench-generate-compiled-others", [*generate[:generate.index("--mixer")], "--mixer", "vort", "--mixer",
-                                            "selective_ssm", *generate[generate.index("--mixer") + 2:],
-                                            "--compile-decode", "reduce-overhead", "--out",
-                                            os.path.join(work, "compiled-others"), "--overwrite"], 300, {}),
+        ("bench-generate-compiled-others", [*generate("vort", "selective_ssm"), "--compile-decode", "reduce-overhead",
+                                            "--out", os.path.join(work, "compiled-others"), "--overwrite"], 300, {}),
         # --max-call-seconds: the PyTorch paths at 16K tokens and 8B heads would take the step's minutes
         ("bench-kernels", [*cli, "bench", "kernels", "--dtype", "bfloat16", "--lengths", lengths, *small,
                            "--max-call-seconds", "2",
                            "--shapes", ",".join(shapes), "--out", work, "--overwrite"], 150, {}),
         distill("distill-30"),
         distill("distill-30-compiled-write"),
-        ("bench-generate", [*generate, "--out", work, "--overwrite"], 150, {}),  # the eager token step
+        ("bench-generate", [*generate("rsa"), "--out", work, "--overwrite"], 150, {}),  # the eager token step
         ("pytest-mixers", [*pytest, "tests/gpu/test_mixers_cuda.py"], 180, records("mixers")),
         ("pytest-kernels", [*pytest, "tests/gpu/test_kernels_cuda.py"], 240, records("kernels")),  # 20 cases
     ] + ([] if dry else [  # on CPU tests/integration/test_cli.py runs both benches (and
