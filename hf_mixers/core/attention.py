@@ -130,7 +130,9 @@ class FullAttention(SequenceMixer):
         identity = [torch.is_grad_enabled()]
         for name in ("q_proj", "k_proj", "v_proj"):
             layer = self._modules.get(name)
-            weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
+            # nn.Linear's own tensors straight from its dict: getattr goes through Module.__getattr__, in Python
+            tensors = getattr(layer, "_parameters", {})
+            weight, bias = tensors.get("weight"), tensors.get("bias")
             identity += (type(layer), weight is not None and weight.data_ptr(), bias is not None and bias.data_ptr())
         return tuple(identity)
 

@@ -19,6 +19,7 @@ length, so ``get_seq_length`` and the causal-mask sizes stay valid in a stack wi
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -35,22 +36,35 @@ def map_tensors(value, fn):
     return value.map(fn) if hasattr(value, "map") else value  # e.g. RSAState
 
 
-def first_tensor(value) -> torch.Tensor | None:
-    """The first tensor ``map_tensors`` would meet in ``value``, found without rebuilding ``value`` (a decode step
-    asks once per layer and token)."""
-    if value is None or isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        items = value
-    elif not hasattr(value, "map"):
-        return None  # map_tensors leaves it as it is
+@functools.lru_cache(maxsize=None)
+def _field_names(cls) -> tuple:
+    return tuple(field.name for field in dataclasses.fields(cls))
+
+
+def tensors_of(value, first: bool = False, found: list | None = None) -> list:
+    """The tensors of ``value``, in the order ``map_tensors`` meets them, found without rebuilding ``value`` (a decode
+    step walks its inputs once per layer and token); ``first``: stop at the first one."""
+    found = [] if found is None else found
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            if first and found:
+                break
+            tensors_of(item, first, found)
+    elif value is None or not hasattr(value, "map"):
+        pass  # map_tensors leaves it as it is
     elif dataclasses.is_dataclass(value):  # RSAState, WindowState, ...: their ``map`` goes through their fields
-        items = [getattr(value, field.name) for field in dataclasses.fields(value)]
+        tensors_of([getattr(value, name) for name in _field_names(type(value))], first, found)
     else:  # an object with ``map`` of another kind: let it walk its tensors
-        found = []
-        map_tensors(value, found.append)
-        return found[0] if found else None
-    return next((tensor for tensor in map(first_tensor, items) if tensor is not None), None)
+        map_tensors(value, lambda tensor: found.append(tensor) or tensor)
+    return found
+
+
+def first_tensor(value) -> torch.Tensor | None:
+    """The first tensor ``map_tensors`` would meet in ``value`` (a decode step asks once per layer and token)."""
+    found = tensors_of(value, first=True)
+    return found[0] if found else None
 
 
 class KVPlusLayer(DynamicLayer):

@@ -25,6 +25,25 @@ def check_compile_decode(value, command: str) -> None:
                          f"{value!r}")
 
 
+# (token mask, its version, its last column): the one a decode step's recurrent layers share (``last_token_mask``)
+_last_column: tuple = (None, -1, None)
+
+
+def last_token_mask(token_mask):
+    """``token_mask[:, -1:]`` (B, 1) with a new tensor's strides, or None: made once per token mask, since every
+    recurrent layer of a decode step asks for the same one (a slice of (B, P + 1) has other strides, which the
+    compiled step would copy, layer by layer). The mask must be the same object, unmodified since (its version)."""
+    global _last_column
+    if token_mask is None:
+        return None
+    mask, version, column = _last_column  # one tuple, read once: another thread may replace it meanwhile
+    if mask is token_mask and version == token_mask._version:
+        return column
+    column = token_mask[:, -1:].clone(memory_format=torch.contiguous_format)
+    _last_column = (token_mask, token_mask._version, column)
+    return column
+
+
 class SequenceMixer(nn.Module):
     """Subclass this, implement ``forward``, and register a ``MixerSpec`` naming the class.
 
@@ -176,7 +195,7 @@ class RecurrentMixer(SequenceMixer):
 
     def decode_inputs(self, layer_cache, token_mask) -> tuple:
         """This token's mask (B, 1) or None, the state and the short-conv history."""
-        return None if token_mask is None else token_mask[:, -1:], layer_cache.state, layer_cache.conv_history
+        return last_token_mask(token_mask), layer_cache.state, layer_cache.conv_history
 
     def decode_step(self, hidden_states, position_embeddings, token_mask, state, history):
         output, state, history = self.mix(hidden_states, position_embeddings, token_mask, state, history)

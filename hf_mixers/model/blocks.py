@@ -20,7 +20,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-from ..core.cache import map_tensors
+from ..core.cache import map_tensors, tensors_of
 from ..kernels.common import own_code
 
 logger = logging.getLogger(__name__)
@@ -204,6 +204,15 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
+def _dense_all(value):
+    """``value`` (a mixer's ``decode_inputs``) with every tensor ``_dense``: itself when they all are already (a state
+    the previous compiled step wrote), found by walking it without rebuilding it (``map_tensors`` rebuilds every
+    dataclass of a windowed state: half the glue of a block call at batch 1)."""
+    if all(tensor.stride() == _contiguous_strides(tensor.shape) for tensor in tensors_of(value)):
+        return value
+    return map_tensors(value, _dense)
+
+
 def _hooked(block) -> bool:
     """Whether ``block`` has a forward hook of its own (transformers' output capture, idle unless asked, aside)."""
     hooks = [*block._forward_pre_hooks.values(), *block._forward_hooks.values()]
@@ -274,7 +283,7 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
         mixer.prepare_compiled_decode()
         layer_inputs = mixer.decode_inputs(layer_cache, token_mask)
         # a growing cache's views keep their strides: symbolic there, and a copy would cost a cache a step
-        inputs.append(layer_inputs if dynamic else map_tensors(layer_inputs, _dense))
+        inputs.append(layer_inputs if dynamic else _dense_all(layer_inputs))
     targets = None
     if len(blocks) > 1 and device in IN_PLACE_DEVICES:
         targets = [mixer.decode_state_inputs(layer_inputs) for mixer, layer_inputs in zip(mixers, inputs)]

@@ -344,11 +344,12 @@ def test_compile_decode_takes_a_torch_compile_mode():
         .decode_compile_mode() == "default"
 
 
-def test_first_tensor_is_the_first_that_map_tensors_meets():
-    """RecurrentStateLayer takes its device from ``first_tensor``, which walks a state without rebuilding it: the
-    same tensor ``map_tensors`` visits first, in tuples, dataclass states (a window around an RSA memory) and
-    objects with a ``map`` of their own; None where map_tensors meets none."""
-    from hf_mixers.core.cache import first_tensor, map_tensors
+def test_tensors_of_walks_what_map_tensors_meets():
+    """``tensors_of`` (the compiled step's stride check, ``first_tensor``: RecurrentStateLayer's device) walks a state
+    without rebuilding it: the same tensors, in the same order, as ``map_tensors`` visits, in tuples, dataclass
+    states (a window around an RSA memory) and objects with a ``map`` of their own; none where map_tensors meets
+    none."""
+    from hf_mixers.core.cache import first_tensor, map_tensors, tensors_of
     from hf_mixers.core.window import WindowState
     from hf_mixers.kernels.rsa_state import RSAState
 
@@ -365,4 +366,23 @@ def test_first_tensor_is_the_first_that_map_tensors_meets():
                   (window, None)):
         met = []
         map_tensors(value, lambda tensor: met.append(tensor) or tensor)
+        walked = tensors_of(value)
+        assert len(walked) == len(met) and all(a is b for a, b in zip(walked, met)), value
         assert first_tensor(value) is (met[0] if met else None), value
+
+
+def test_last_token_mask_is_made_once_per_mask():
+    """Every recurrent layer of a decode step reads the token mask's last column: ``last_token_mask`` makes it once
+    per mask, with a new tensor's strides (a slice's would make the compiled step copy it, layer by layer), and again
+    for another mask or the same one modified in place."""
+    from hf_mixers.core.mixer import last_token_mask
+
+    assert last_token_mask(None) is None
+    mask = torch.tensor([[False, True, True], [True, True, False]])
+    column = last_token_mask(mask)
+    assert torch.equal(column, mask[:, -1:]) and column.stride() == (1, 1)
+    assert last_token_mask(mask) is column
+    mask[1, -1] = True  # in place: a new version
+    assert torch.equal(last_token_mask(mask), torch.tensor([[True], [True]]))
+    single = torch.ones(1, 5, dtype=torch.bool)
+    assert last_token_mask(single).stride() == (1, 1) and last_token_mask(single) is not column
