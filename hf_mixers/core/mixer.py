@@ -26,22 +26,30 @@ def check_compile_decode(value, command: str) -> None:
 
 
 # (token mask, its version, its last column): the one a decode step's recurrent layers share (``last_token_mask``)
-_last_column: tuple = (None, -1, None)
+_last_column: tuple = (None, None, None)
 
 
 def last_token_mask(token_mask):
     """``token_mask[:, -1:]`` (B, 1) with a new tensor's strides, or None: made once per token mask, since every
     recurrent layer of a decode step asks for the same one (a slice of (B, P + 1) has other strides, which the
-    compiled step would copy, layer by layer). The mask must be the same object, unmodified since (its version)."""
+    compiled step would copy, layer by layer). Kept for the same mask object, unmodified since: its version, or, for
+    an inference tensor (which has none), until the next model forward (``forget_token_mask``)."""
     global _last_column
     if token_mask is None:
         return None
-    mask, version, column = _last_column  # one tuple, read once: another thread may replace it meanwhile
-    if mask is token_mask and version == token_mask._version:
+    version = None if token_mask.is_inference() else token_mask._version
+    mask, seen_version, column = _last_column  # one tuple, read once: another thread may replace it meanwhile
+    if mask is token_mask and seen_version == version:
         return column
     column = token_mask[:, -1:].clone(memory_format=torch.contiguous_format)
-    _last_column = (token_mask, token_mask._version, column)
+    _last_column = (token_mask, version, column)
     return column
+
+
+def forget_token_mask() -> None:
+    """Drop ``last_token_mask``'s copy (each model forward starts so: a mask modified in place in between is seen)."""
+    global _last_column
+    _last_column = (None, None, None)
 
 
 class SequenceMixer(nn.Module):

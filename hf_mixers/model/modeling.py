@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from ..core.mixer import COMPILE_MODES, SequenceMixer
+from ..core.mixer import COMPILE_MODES, SequenceMixer, forget_token_mask
 from ..core.registry import get_mixer, on_register
 from .blocks import BLOCK_CLASSES, LlamaBlock, SessaBlock, decode_compiled, stack_compiles_decode
 from .config import MixerConfig, config_class
@@ -110,6 +110,7 @@ class MixerModel(MixerPreTrainedModel):
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
 
         token_mask = None  # (B, past + T) bool, True = real token; mixers keep padding out of their memories
+        forget_token_mask()  # the recurrent layers' shared copy of its last column is made anew for this forward
         if attention_mask is not None and attention_mask.ndim == 2:
             if attention_mask.shape != (inputs_embeds.shape[0], past + length):
                 raise ValueError(

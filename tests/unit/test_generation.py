@@ -374,8 +374,9 @@ def test_tensors_of_walks_what_map_tensors_meets():
 def test_last_token_mask_is_made_once_per_mask():
     """Every recurrent layer of a decode step reads the token mask's last column: ``last_token_mask`` makes it once
     per mask, with a new tensor's strides (a slice's would make the compiled step copy it, layer by layer), and again
-    for another mask or the same one modified in place."""
-    from hf_mixers.core.mixer import last_token_mask
+    for another mask or the same one modified in place (for an inference tensor, which has no version, after the
+    next model forward forgets it)."""
+    from hf_mixers.core.mixer import forget_token_mask, last_token_mask
 
     assert last_token_mask(None) is None
     mask = torch.tensor([[False, True, True], [True, True, False]])
@@ -386,3 +387,33 @@ def test_last_token_mask_is_made_once_per_mask():
     assert torch.equal(last_token_mask(mask), torch.tensor([[True], [True]]))
     single = torch.ones(1, 5, dtype=torch.bool)
     assert last_token_mask(single).stride() == (1, 1) and last_token_mask(single) is not column
+    with torch.inference_mode():  # no version counter: kept until the next model forward forgets it
+        frozen = torch.tensor([[True, False]])
+        column = last_token_mask(frozen)
+        assert torch.equal(column, frozen[:, -1:]) and last_token_mask(frozen) is column
+        frozen[0, -1] = True
+        forget_token_mask()
+        assert torch.equal(last_token_mask(frozen), torch.tensor([[True]]))
+
+
+def test_compiled_generate_under_inference_mode(monkeypatch):
+    """``generate`` inside ``torch.inference_mode()`` (inference tensors have no version counter, which the token
+    mask's shared last column is otherwise kept by) gives the eager tokens through the compiled step, a left-padded
+    batch included."""
+    from hf_mixers.model import blocks
+    from hf_mixers.testing import tiny_model
+
+    compile_decode_without_inductor(monkeypatch)
+    monkeypatch.setattr(blocks, "_compiled_steps", {})
+    model = tiny_model("rsa", dtype=torch.float32, rsa_window=3)
+    ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+
+    def generate():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+
+    expected = generate()
+    model.config.compile_decode = True
+    with torch.inference_mode():
+        assert torch.equal(generate(), expected)
