@@ -206,8 +206,8 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
 
 def _dense_all(value):
     """``value`` (a mixer's ``decode_inputs``) with every tensor ``_dense``: itself when they all are already (a state
-    the previous compiled step wrote), found by walking it without rebuilding it (``map_tensors`` rebuilds every
-    dataclass of a windowed state: half the glue of a block call at batch 1)."""
+    the previous compiled step wrote), found by walking it without rebuilding it (``map_tensors`` would rebuild every
+    dataclass of a windowed state to find its tensors dense)."""
     if all(tensor.stride() == _contiguous_strides(tensor.shape) for tensor in tensors_of(value)):
         return value
     return map_tensors(value, _dense)
