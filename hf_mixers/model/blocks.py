@@ -196,10 +196,15 @@ def _contiguous_strides(shape: torch.Size) -> tuple:
     return tuple(reversed(strides))
 
 
+def _is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has the strides of a new contiguous one: dynamo guards on every stride, also of size-1
+    dimensions (a batch-1 slice that a prefill leaves is contiguous but strided otherwise), and would recompile."""
+    return tensor.stride() == _contiguous_strides(tensor.shape)
+
+
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` with the strides of a new contiguous one: dynamo guards on every stride, also of size-1 dimensions
-    (a batch-1 slice that a prefill leaves is contiguous but strided otherwise), and would recompile the step."""
-    if tensor.stride() == _contiguous_strides(tensor.shape):
+    """``tensor`` with the strides of a new contiguous one (``_is_dense``), copied only where it has other ones."""
+    if _is_dense(tensor):
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)
 
@@ -208,7 +213,7 @@ def _dense_all(value):
     """``value`` (a mixer's ``decode_inputs``) with every tensor ``_dense``: itself when they all are already (a state
     the previous compiled step wrote), found by walking it without rebuilding it (``map_tensors`` would rebuild every
     dataclass of a windowed state to find its tensors dense)."""
-    if all(tensor.stride() == _contiguous_strides(tensor.shape) for tensor in tensors_of(value)):
+    if all(map(_is_dense, tensors_of(value))):
         return value
     return map_tensors(value, _dense)
 

@@ -417,3 +417,20 @@ def test_compiled_generate_under_inference_mode(monkeypatch):
     model.config.compile_decode = True
     with torch.inference_mode():
         assert torch.equal(generate(), expected)
+
+
+def test_dense_inputs_are_kept_and_strided_ones_copied():
+    """The compiled step's inputs: a state whose tensors all have a new tensor's strides is passed as it is (no
+    rebuild); one with a strided slice in it is rebuilt with that tensor copied dense, the others kept."""
+    from hf_mixers.core.window import WindowState
+    from hf_mixers.model.blocks import _dense_all
+
+    dense = torch.zeros(1, 2, 3)
+    window = WindowState(keys=dense, values=dense + 1, valid=torch.ones(1, 3, dtype=torch.bool), extras=(),
+                         memory=None, written=torch.zeros(1, dtype=torch.long))
+    inputs = (torch.ones(1, 1, dtype=torch.bool), window, None)
+    assert _dense_all(inputs) is inputs
+    strided = torch.ones(1, 4, dtype=torch.bool)[:, -1:]  # (1, 1) with strides (4, 1)
+    rebuilt = _dense_all((strided, window, None))
+    assert rebuilt[0].stride() == (1, 1) and torch.equal(rebuilt[0], strided)
+    assert rebuilt[1].keys is dense and rebuilt[2] is None
