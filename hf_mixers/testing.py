@@ -173,6 +173,24 @@ def _decode(model, ids, mask, prefill=5, after_first_step=None):
     return torch.cat(steps, 1)
 
 
+def reset_compiled_steps() -> None:
+    """Forget every compiled token step of this process: dynamo's graphs and counters, the exported steps' loaded
+    libraries and counts (model/exported_step.py; the libraries on disk stay)."""
+    from .model import exported_step
+
+    torch._dynamo.reset()
+    exported_step.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def graphs_built() -> int:
+    """Token-step graphs built since ``reset_compiled_steps``: torch.compile's and the exported steps' (each export
+    is one program, whether its library was compiled or found on disk)."""
+    from .model import exported_step
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"] + exported_step.counts["exported"]
+
+
 def check_compiled_decode(name):
     """``config.compile_decode``: each one-token step of a block around a mixer that has a compiled step (the
     recurrent mixers, GLTM, Sessa) runs as one torch.compile graph, equal to the eager step and to one full forward,
@@ -186,20 +204,19 @@ def check_compiled_decode(name):
     valid = mask.bool()
     full, reference = _logits(eager, ids, mask), _decode(eager, ids, mask)
     counters = torch._dynamo.utils.counters
-    torch._dynamo.reset()  # a fresh count (and the recompile limit not spent by earlier models in this process)
-    counters.clear()
+    reset_compiled_steps()  # a fresh count (and the recompile limit not spent by earlier models in this process)
     graphs = {}
-    stepped = _decode(compiled, ids, mask,
-                      after_first_step=lambda: graphs.setdefault("first", counters["stats"]["unique_graphs"]))
+    stepped = _decode(compiled, ids, mask, after_first_step=lambda: graphs.setdefault("first", graphs_built()))
     stepping = {type(block.mixer) for block in compiled.model.layers if block.mixer.can_compile_decode()}
-    assert counters["stats"]["unique_graphs"] == graphs["first"] == len(stepping), (
-        f"compiled decode: {counters['stats']['unique_graphs']} graphs ({graphs['first']} after the first step) for "
-        f"{len(stepping)} mixer class(es) with a compiled step: a later step recompiled, or a step did not compile")
+    assert graphs_built() == graphs["first"] == len(stepping), (
+        f"compiled decode: {graphs_built()} graphs ({graphs['first']} after the first step) for {len(stepping)} "
+        f"mixer class(es) with a compiled step: a later step recompiled, or a step did not compile (or an exported "
+        f"step fell back to torch.compile)")
     assert not counters["graph_break"], f"compiled decode: graph breaks {dict(counters['graph_break'])}"
     unmasked = _decode(compiled, ids, None)  # generate's steps without padding: no mask, the same graph
-    assert counters["stats"]["unique_graphs"] == len(stepping), (
+    assert graphs_built() == len(stepping), (
         f"compiled decode: steps without an attention mask built a graph of their own "
-        f"({counters['stats']['unique_graphs']} graphs for {len(stepping)} mixer class(es))")
+        f"({graphs_built()} graphs for {len(stepping)} mixer class(es))")
     unfused = [index for index, block in enumerate(compiled.model.layers) if block.mixer.can_compile_decode()
                and getattr(block.mixer, "fuses_qkv", lambda: False)() and not block.mixer.qkv_fused()]
     assert not unfused, f"compiled decode: layers {unfused} ran q/k/v_proj as three products, not one (fuse_qkv)"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from ..core.cache import map_tensors, tensors_of
 from ..kernels.common import own_code
+from .exported_step import run_exported_step
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +226,10 @@ def _hooked(block) -> bool:
     return any(getattr(hook, "__name__", None) != "output_capturing_hook" for hook in hooks)
 
 
+# Where a single block's static-shape step in torch.compile's default mode runs as an AOTInductor library instead
+# (model/exported_step.py: the same graph without dynamo's ~0.25-0.30 ms a call); HF_MIXERS_EXPORTED_STEP=0 turns it
+# off. Any call it cannot serve (autograd on, a hook, a failed export) runs through torch.compile.
+EXPORT_DEVICES = () if os.environ.get("HF_MIXERS_EXPORTED_STEP", "1") == "0" else ("cpu",)
 STACK_DEVICES = ("cuda",)  # where a stack's step replays as a CUDA graph (the tests add "cpu")
 # Where the stack's step writes the new states into the cache's tensors in place (at static addresses under a CUDA
 # graph) instead of returning them: a CUDA-graph replay then neither copies the states in nor out. Off until a GPU
@@ -263,7 +269,9 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
     the context, and every input is given dense strides, so neither the context length nor a strided state recompiles
     it; a mixer whose cache grows (Sessa, ``decode_dynamic_shapes``) is compiled with symbolic shapes instead, its
     cache read in place. On CPU the graph's launcher is C++ (``cpp_wrapper``): the default Python launcher of ~50
-    kernels cost ~0.13 ms per block call, a tenth of an RSA step. The first call compiles (on 2 CPU cores: 5-6 s a
+    kernels cost ~0.13 ms per block call, a tenth of an RSA step; on CPU a single block's step of fixed shapes in
+    the default mode runs as an AOTInductor library instead, without dynamo's call path (``_exports``,
+    model/exported_step.py). The first call compiles (on 2 CPU cores: 5-6 s a
     mixer class, ~19 s for a process's first compile, 1-3 s once Inductor's on-disk cache holds it; minutes for a
     stack), hence opt-in (``config.compile_decode``). Replayed as a CUDA graph, each replay
     writes its outputs into the same memory: they are copied out before the next replay would overwrite them (or,
@@ -274,6 +282,21 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
     dynamic = any(mixer.decode_dynamic_shapes for mixer in mixers)  # a class may have both kinds (GLTM: by pattern)
     key = (device, tuple(type(mixer) for mixer in mixers), hidden_states.shape[0], mixers[0].decode_compile_mode(),
            dynamic, COMPILE_BACKEND)
+    caches = [past_key_values.layers[mixer.layer_idx] for mixer in mixers]
+    inputs = []
+    for mixer, layer_cache in zip(mixers, caches):
+        mixer.prepare_compiled_decode()
+        layer_inputs = mixer.decode_inputs(layer_cache, token_mask)
+        # a growing cache's views keep their strides: symbolic there, and a copy would cost a cache a step
+        inputs.append(layer_inputs if dynamic else _dense_all(layer_inputs))
+    if len(blocks) == 1 and _exports(key):
+        label = f"{key[1][0].__name__} block's (batch {key[2]})"
+        result = run_exported_step(block_step, blocks[0], _dense(hidden_states), position_embeddings, inputs[0],
+                                   small_products_fused, label)
+        if result is not None:
+            output, state = result
+            mixers[0].store_decode_state(caches[0], state)
+            return output
     if key not in _compiled_steps:
         what = (f"{key[1][0].__name__} block's" if len(blocks) == 1 else f"{len(blocks)} blocks' (one graph)")
         logger.warning("compiling the %s token step at batch %d with torch.compile (compile_decode=%s); the first "
@@ -282,13 +305,6 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
     step, cuda_graph = _compiled_steps[key]
     if cuda_graph:
         torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs were copied out: reuse is fine
-    caches = [past_key_values.layers[mixer.layer_idx] for mixer in mixers]
-    inputs = []
-    for mixer, layer_cache in zip(mixers, caches):
-        mixer.prepare_compiled_decode()
-        layer_inputs = mixer.decode_inputs(layer_cache, token_mask)
-        # a growing cache's views keep their strides: symbolic there, and a copy would cost a cache a step
-        inputs.append(layer_inputs if dynamic else _dense_all(layer_inputs))
     targets = None
     if len(blocks) > 1 and device in IN_PLACE_DEVICES:
         targets = [mixer.decode_state_inputs(layer_inputs) for mixer, layer_inputs in zip(mixers, inputs)]
@@ -310,6 +326,14 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
     for mixer, layer_cache, state in zip(mixers, caches, states):
         mixer.store_decode_state(layer_cache, state)
     return output
+
+
+def _exports(key) -> bool:
+    """Whether a block's step of this ``decode_compiled`` key runs as an AOTInductor library (``EXPORT_DEVICES``):
+    static shapes, Inductor in its default mode (no CUDA graph, no autotuning asked for)."""
+    device, mode, dynamic, backend = key[0], key[3], key[4], key[5]
+    return (device in EXPORT_DEVICES and not dynamic and backend == "inductor"
+            and (mode in (None, "default") or (mode == "reduce-overhead" and device != "cuda")))
 
 
 def _decode_in_place(key, blocks, hidden_states, position_embeddings, inputs, targets, leaves):

@@ -223,6 +223,7 @@ def test_compiled_decode_serves_more_batch_sizes_than_dynamos_recompile_limit(mo
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None, options=None, **kwargs: compile_(fn, backend="eager",
                                                                                                  **kwargs))
     monkeypatch.setattr(blocks, "_compiled_steps", {})
+    monkeypatch.setattr(blocks, "EXPORT_DEVICES", ())  # dynamo's own limits and graphs: torch.compile's step
     eager = tiny_model("selective_ssm", dtype=torch.float32)
     compiled = tiny_model("selective_ssm", dtype=torch.float32, compile_decode=True)
     torch._dynamo.reset()
@@ -247,6 +248,7 @@ def test_generate_without_padding_reuses_the_graph_of_masked_steps(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None, options=None, **kwargs: compile_(fn, backend="eager",
                                                                                                  **kwargs))
     monkeypatch.setattr(blocks, "_compiled_steps", {})
+    monkeypatch.setattr(blocks, "EXPORT_DEVICES", ())  # dynamo's own limits and graphs: torch.compile's step
     eager = tiny_model("rsa", dtype=torch.float32)
     compiled = tiny_model("rsa", dtype=torch.float32, compile_decode=True)
     ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(0))

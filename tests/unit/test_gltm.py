@@ -9,7 +9,7 @@ import torch
 
 from hf_mixers.kernels.token_patterns import pattern_support
 from hf_mixers.mixers.gltm import GLTMMixer
-from hf_mixers.testing import tiny_model
+from hf_mixers.testing import graphs_built, reset_compiled_steps, tiny_model
 
 F64 = torch.float64
 EXACT = dict(rtol=1e-10, atol=1e-10)
@@ -157,9 +157,7 @@ def test_the_compiled_step_keeps_fixed_slots_and_grows_them_once_past_the_model_
     eager = gltm_model("pow2_ce", max_position_embeddings=8)
     compiled = gltm_model("pow2_ce", max_position_embeddings=8, compile_decode=True)
     ids = torch.randint(3, 60, (1, 15), generator=torch.Generator().manual_seed(0))
-    counters = torch._dynamo.utils.counters
-    torch._dynamo.reset()
-    counters.clear()
+    reset_compiled_steps()
     caches = [None, None]
     with torch.no_grad():
         for t in range(3, 16):
@@ -174,7 +172,7 @@ def test_the_compiled_step_keeps_fixed_slots_and_grows_them_once_past_the_model_
             if t > 3:  # after a compiled step: the slots of the run's length so far
                 assert layer.positions.shape[1] == (3 if t < 8 else 4), t
             assert set(layer.positions[0].tolist()) - {0} == set(pattern_support("pow2_ce", t + 1)[t]), t
-    assert counters["stats"]["unique_graphs"] == 2  # up to 8 and up to 16 positions
+    assert graphs_built() == 2  # up to 8 and up to 16 positions
 
 
 def test_dense_with_the_gate_off_is_the_teacher_attention_and_calibration_picks_the_closest_gate():

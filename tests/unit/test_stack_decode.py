@@ -61,6 +61,7 @@ def compiled_functions(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", compile_eagerly)
     monkeypatch.setattr(blocks, "_compiled_steps", {})
+    monkeypatch.setattr(blocks, "EXPORT_DEVICES", ())  # which function torch.compile gets: no exported step
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     return names

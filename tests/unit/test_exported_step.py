@@ -1,0 +1,150 @@
+"""model/exported_step.py: a block's token step as an AOTInductor library, on a toy block (each library is a real
+build, ~5-10 s here: a module-wide cache folder keeps them for the tests that follow)."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from hf_mixers.model import exported_step
+
+
+class ToyMixer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.proj = nn.Linear(8, 8)
+        self.scale = 2.0
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.mixer = ToyMixer(config)
+
+
+def toy_step(block, hidden_states, position_embeddings, inputs):
+    """A block step's shape: (B, 1, D), (cos, sin), (mask, state) -> output and a new state of the same structure."""
+    mask, (memory, count) = inputs
+    cos, sin = position_embeddings
+    mixed = block.mixer.proj(block.norm(hidden_states)) * block.mixer.scale + block.mixer.config.toy_bias
+    memory = memory * 0.5 + mixed[:, 0] * cos[:, 0] * mask - sin[:, 0]
+    return hidden_states + mixed, (memory, count + mask.long())
+
+
+def toy_inputs(seed=0, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 1, 8, generator=generator, dtype=dtype)
+    cos, sin = torch.randn(2, 1, 8, generator=generator, dtype=dtype), torch.randn(2, 1, 8, generator=generator,
+                                                                                   dtype=dtype)
+    mask = torch.tensor([[1.0], [0.0]], dtype=dtype)
+    return hidden, (cos, sin), (mask, (torch.randn(2, 8, generator=generator, dtype=dtype),
+                                       torch.tensor([3, 4])))
+
+
+def toy_block(seed=0):
+    torch.manual_seed(seed)
+    config = PretrainedConfig()
+    config.toy_bias = 0.25
+    return ToyBlock(config).eval()
+
+
+def run(block, inputs, function=toy_step):
+    return exported_step.run_exported_step(function, block, *inputs, dict, "toy")
+
+
+def assert_equals_eager(block, inputs, result):
+    assert result is not None, "the call fell back to torch.compile"
+    output, (memory, count) = result
+    want_output, (want_memory, want_count) = toy_step(block, *inputs)
+    torch.testing.assert_close(output, want_output)
+    torch.testing.assert_close(memory, want_memory)
+    assert torch.equal(count, want_count)
+
+
+@pytest.fixture(autouse=True)
+def fresh(tmp_path_factory, monkeypatch):
+    """One cache folder for the module (each test starts with nothing loaded, the libraries built before on disk),
+    autograd off as in generation."""
+    monkeypatch.setenv("HF_MIXERS_CACHE", str(tmp_path_factory.getbasetemp() / "exported-step-cache"))
+    exported_step.reset()
+    with torch.no_grad():
+        yield
+    exported_step.reset()
+
+
+def test_one_library_serves_every_block_and_every_token_and_equals_eager():
+    first, second = toy_block(0), toy_block(1)  # two layers: their own weights, one structure
+    for seed in range(3):  # tokens: new values, the same layouts
+        assert_equals_eager(first, toy_inputs(seed), run(first, toy_inputs(seed)))
+        assert_equals_eager(second, toy_inputs(seed), run(second, toy_inputs(seed)))
+    assert exported_step.counts["exported"] == 1 and exported_step.counts["loaded"] == 1
+    assert exported_step.counts["described"] == 2  # once a block: later tokens run on its memo
+
+
+def test_libraries_are_kept_on_disk():
+    block = toy_block()
+    run(block, toy_inputs())
+    exported_step.reset()  # a later process: nothing loaded
+    assert_equals_eager(block, toy_inputs(1), run(block, toy_inputs(1)))
+    assert exported_step.counts == {"exported": 1, "built": 0, "loaded": 1, "described": 1}
+
+
+def test_a_changed_attribute_config_or_weight_is_seen():
+    block = toy_block()
+    inputs = toy_inputs()
+    run(block, inputs)
+    block.mixer.scale = 3.0  # an attribute the trace read: another program
+    assert_equals_eager(block, inputs, run(block, inputs))
+    block.mixer.config.toy_bias = -1.0  # the config's contents
+    assert_equals_eager(block, inputs, run(block, inputs))
+    assert exported_step.counts["exported"] == 3
+    block.mixer.scale, block.mixer.config.toy_bias = 2.0, 0.25  # back: the first library again, not a new one
+    assert_equals_eager(block, inputs, run(block, inputs))
+    block.mixer.proj.weight = nn.Parameter(torch.randn(8, 8))  # a replaced parameter: its new values are read
+    assert_equals_eager(block, inputs, run(block, inputs))
+    with torch.no_grad():
+        block.mixer.proj.weight.mul_(2.0)  # changed in place: read as it is
+    assert_equals_eager(block, inputs, run(block, inputs))
+    assert exported_step.counts["exported"] == 3
+
+
+def test_a_new_dtype_is_caught_by_the_library_and_gets_its_own():
+    block = toy_block()
+    run(block, toy_inputs())
+    block.double()  # the parameters keep their identity, their data changes dtype: the library's input check sees it
+    inputs = toy_inputs(dtype=torch.float64)
+    assert_equals_eager(block, inputs, run(block, inputs))
+    assert exported_step.counts["exported"] == 2 and run(block, inputs)[0].dtype == torch.float64
+
+
+def test_calls_a_library_cannot_serve_fall_back():
+    block = toy_block()
+    inputs = toy_inputs()
+    with torch.enable_grad():
+        assert run(block, inputs) is None  # its outputs would carry no autograd graph
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert run(block, inputs) is None
+    handle = block.mixer.proj.register_forward_hook(lambda module, args, output: output * 0)
+    assert run(block, inputs) is None  # a library would skip the hook
+    handle.remove()
+    assert exported_step.counts["exported"] == 0
+    with torch.inference_mode():  # generation under inference mode: served
+        assert_equals_eager(block, inputs, run(block, inputs))
+
+
+def test_a_step_that_cannot_be_exported_falls_back_once(caplog):
+    def data_dependent(block, hidden_states, position_embeddings, inputs):
+        if hidden_states.sum() > 0:  # a branch on a value: no static program
+            return toy_step(block, hidden_states, position_embeddings, inputs)
+        return toy_step(block, -hidden_states, position_embeddings, inputs)
+
+    block = toy_block()
+    with caplog.at_level(logging.WARNING, logger="hf_mixers.model.exported_step"):
+        assert run(block, toy_inputs(), data_dependent) is None
+        assert run(block, toy_inputs(1), data_dependent) is None
+    warnings = [record for record in caplog.records if "could not be compiled ahead of time" in record.message]
+    assert len(warnings) == 1, "the failure is said once, and the key is not exported again"
