@@ -218,6 +218,9 @@ def _build(function, block, names, flat, step_inputs, options: dict, label: str)
         os.close(handle)
         try:
             torch._inductor.aoti_compile_and_package(program, package_path=staging, inductor_configs=options)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(staging, 0o666 & ~umask)  # a new file's usual mode (mkstemp's is 0600): a team's cache
             os.replace(staging, path)  # whole or absent: a concurrent process compiles its own copy
         finally:
             if os.path.exists(staging):

@@ -2,6 +2,8 @@
 build, ~5-10 s here: a module-wide cache folder keeps them for the tests that follow)."""
 
 import logging
+import os
+import stat
 
 import pytest
 import torch
@@ -91,6 +93,12 @@ def test_libraries_are_kept_on_disk():
     exported_step.reset()  # a later process: nothing loaded
     assert_equals_eager(block, toy_inputs(1), run(block, toy_inputs(1)))
     assert exported_step.counts == {"exported": 1, "built": 0, "loaded": 1, "described": 1}
+    folder = exported_step.cache_folder()
+    files = os.listdir(folder)
+    assert files and all(name.endswith(".pt2") and not name.startswith(".partial") for name in files)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode) for name in files} == {0o666 & ~umask}
 
 
 def test_a_changed_attribute_config_or_weight_is_seen():
