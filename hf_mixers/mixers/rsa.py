@@ -359,8 +359,9 @@ RSA = register_mixer(MixerSpec(
                     "rotated; the memory's slot assignments then do not depend on absolute positions, which it "
                     "would otherwise meet untrained past its training length)", boolean),
         MixerOption("rsa_compile_decode", False, "run each one-token decode step of an RSA block as one "
-                    "torch.compile graph (about 2x faster per token on CPU; the first step compiles for 5-20 s); "
-                    "the model-wide compile_decode does this for every recurrent mixer", boolean),
+                    "compiled graph (about 2x faster per token on CPU, where it is an AOTInductor library: 15-25 s "
+                    "to build once per machine; 5-20 s to compile elsewhere); the model-wide compile_decode does "
+                    "this for every recurrent mixer", boolean),
     ),
     derived_defaults=_derived_defaults, validate=_validate, cache_layer=RSACacheLayer, constant_state=True,
     conversion_options={"rsa_readout": "softmax_count"},  # count-aware softmax: the layer starts as cluster attention

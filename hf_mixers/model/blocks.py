@@ -230,6 +230,9 @@ def _hooked(block) -> bool:
 # (model/exported_step.py: the same graph without dynamo's ~0.25-0.30 ms a call); HF_MIXERS_EXPORTED_STEP=0 turns it
 # off. Any call it cannot serve (autograd on, a hook, a failed export) runs through torch.compile.
 EXPORT_DEVICES = () if os.environ.get("HF_MIXERS_EXPORTED_STEP", "1") == "0" else ("cpu",)
+# The dtypes it serves: in bf16 the library measured 3% slower than torch.compile's step on a CPU (RSA w = 64 on
+# SmolLM2, one process alternating them: 64.3 against 62.5 ms a token; docs/benchmarks.md), in fp32 6-8% faster.
+EXPORT_DTYPES = (torch.float32, torch.float64)
 STACK_DEVICES = ("cuda",)  # where a stack's step replays as a CUDA graph (the tests add "cpu")
 # Where the stack's step writes the new states into the cache's tensors in place (at static addresses under a CUDA
 # graph) instead of returning them: a CUDA-graph replay then neither copies the states in nor out. Off until a GPU
@@ -269,8 +272,8 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
     the context, and every input is given dense strides, so neither the context length nor a strided state recompiles
     it; a mixer whose cache grows (Sessa, ``decode_dynamic_shapes``) is compiled with symbolic shapes instead, its
     cache read in place. On CPU the graph's launcher is C++ (``cpp_wrapper``): the default Python launcher of ~50
-    kernels cost ~0.13 ms per block call, a tenth of an RSA step; on CPU a single block's step of fixed shapes in
-    the default mode runs as an AOTInductor library instead, without dynamo's call path (``_exports``,
+    kernels cost ~0.13 ms per block call, a tenth of an RSA step; on CPU a single block's fp32 step of fixed shapes
+    in the default mode runs as an AOTInductor library instead, without dynamo's call path (``_exports``,
     model/exported_step.py). The first call compiles (on 2 CPU cores: 5-6 s a
     mixer class, ~19 s for a process's first compile, 1-3 s once Inductor's on-disk cache holds it; minutes for a
     stack), hence opt-in (``config.compile_decode``). Replayed as a CUDA graph, each replay
@@ -289,7 +292,7 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
         layer_inputs = mixer.decode_inputs(layer_cache, token_mask)
         # a growing cache's views keep their strides: symbolic there, and a copy would cost a cache a step
         inputs.append(layer_inputs if dynamic else _dense_all(layer_inputs))
-    if len(blocks) == 1 and _exports(key):
+    if len(blocks) == 1 and _exports(key) and hidden_states.dtype in EXPORT_DTYPES:
         label = f"{key[1][0].__name__} block's (batch {key[2]})"
         result = run_exported_step(block_step, blocks[0], _dense(hidden_states), position_embeddings, inputs[0],
                                    small_products_fused, label)

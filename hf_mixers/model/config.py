@@ -42,7 +42,7 @@ class MixerConfig(PreTrainedConfig):
     compile_decode: run each one-token decode step of a block around a mixer that has a compiled step (RSA, the
         selective SSMs, VORT: every ``RecurrentMixer``; GLTM's evicting patterns; Sessa, with symbolic shapes) as
         one torch.compile graph, shared by every such block (model/blocks.py); the first step compiles for 5-20 s.
-        On CPU a step of fixed shapes runs as an AOTInductor library instead, called without dynamo's per-call
+        On CPU a step of fixed shapes in fp32 runs as an AOTInductor library instead, called without dynamo's per-call
         cost (model/exported_step.py; built once per machine in 15-25 s, kept in $HF_MIXERS_CACHE/compiled-steps;
         HF_MIXERS_EXPORTED_STEP=0 keeps torch.compile's).
         True (torch.compile's default mode) or a mode name from ``COMPILE_MODES``: "reduce-overhead" replays the step
