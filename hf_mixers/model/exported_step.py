@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 from transformers import PretrainedConfig
 
 from ..core.cache import map_tensors, tensors_of
@@ -139,10 +140,8 @@ def _flatten(value, found: list):
 
 def _switches() -> tuple:
     """The global state a trace reads: autograd, autocast, the default dtype, global module hooks."""
-    from torch.nn.modules import module
-
     return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_default_dtype(),
-            bool(module._global_forward_hooks or module._global_forward_pre_hooks))
+            bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks))
 
 
 SERVED_SWITCHES = (False, False)  # no library runs with autograd or autocast on (its outputs would carry neither)
@@ -217,7 +216,9 @@ def _build(function, block, names, flat, step_inputs, options: dict, label: str)
         handle, staging = tempfile.mkstemp(prefix=f".partial-{os.getpid()}-", suffix=".pt2", dir=cache_folder())
         os.close(handle)
         try:
-            torch._inductor.aoti_compile_and_package(program, package_path=staging, inductor_configs=options)
+            with warnings.catch_warnings():  # torch's own pytree deprecation notice again
+                warnings.simplefilter("ignore", FutureWarning)
+                torch._inductor.aoti_compile_and_package(program, package_path=staging, inductor_configs=options)
             umask = os.umask(0)
             os.umask(umask)
             os.chmod(staging, 0o666 & ~umask)  # a new file's usual mode (mkstemp's is 0600): a team's cache
@@ -331,11 +332,28 @@ def _remember(function, block, step_inputs, step_tensors, skeleton, switches, in
         if step is None:
             step = _new_step(function, block, names, [*tensors, *step_tensors], step_inputs, key, inductor_options,
                              label)
+        elif not _serves(step, function, block, step_inputs, [*tensors, *step_tensors], label):
+            step = None  # this block runs through torch.compile; the library still serves the blocks it matched
     snapshot = step.config_snapshot if step is not None else copy.deepcopy(config.__dict__)
     memo = _Memo(step, modules, [dict(part) for part in _live(modules)], tensors, skeleton, switches,
                  _layout([*tensors, *step_tensors]), snapshot)
     _memos[block] = memo
     return memo
+
+
+def _serves(step, function, block, step_inputs, flat, label) -> bool:
+    """Whether a library built on another block (or before a change the key does not see) equals this block's eager
+    step on this call's inputs: checked once per block and memo, so that what the key leaves out (``layer_idx``,
+    which no step should read, and what a trace reads beyond the modules' public attributes) cannot serve a block
+    another one's program."""
+    output, state = function(block, *step_inputs)
+    try:
+        _check(step.runner, flat, [output, *tensors_of(state)])
+    except RuntimeError as error:
+        logger.warning("the %s token step's library, built on another block, differs from this block's eager step "
+                       "(%s); this block runs through torch.compile", label, error)
+        return False
+    return True
 
 
 def _new_step(function, block, names, flat, step_inputs, key, inductor_options, label):

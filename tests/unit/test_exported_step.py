@@ -107,10 +107,12 @@ def test_a_changed_attribute_config_or_weight_is_seen():
     run(block, inputs)
     block.mixer.scale = 3.0  # an attribute the trace read: another program
     assert_equals_eager(block, inputs, run(block, inputs))
-    block.mixer.config.toy_bias = -1.0  # the config's contents
-    assert_equals_eager(block, inputs, run(block, inputs))
-    assert exported_step.counts["exported"] == 3
-    block.mixer.scale, block.mixer.config.toy_bias = 2.0, 0.25  # back: the first library again, not a new one
+    built = exported_step.counts["built"]
+    block.mixer.config.toy_note = "unread"  # the config's contents: exported again (a program the same as the last
+    assert_equals_eager(block, inputs, run(block, inputs))  # one, so its library comes from disk)
+    assert exported_step.counts["exported"] == 3 and exported_step.counts["built"] == built
+    block.mixer.scale = 2.0
+    del block.mixer.config.toy_note  # back: the first library again, not a new one
     assert_equals_eager(block, inputs, run(block, inputs))
     block.mixer.proj.weight = nn.Parameter(torch.randn(8, 8))  # a replaced parameter: its new values are read
     assert_equals_eager(block, inputs, run(block, inputs))
@@ -156,3 +158,22 @@ def test_a_step_that_cannot_be_exported_falls_back_once(caplog):
         assert run(block, toy_inputs(1), data_dependent) is None
     warnings = [record for record in caplog.records if "could not be compiled ahead of time" in record.message]
     assert len(warnings) == 1, "the failure is said once, and the key is not exported again"
+
+
+def test_a_library_is_checked_on_each_block_it_serves(caplog):
+    """The key leaves out ``layer_idx`` (no step should read it: one library serves every layer); a step that reads
+    it anyway gets its library checked on each block against that block's eager step, and the block whose program
+    differs runs through torch.compile."""
+    def reads_the_layer(block, hidden_states, position_embeddings, inputs):
+        output, state = toy_step(block, hidden_states, position_embeddings, inputs)
+        return output * (1 + block.mixer.layer_idx), state
+
+    first, second = toy_block(0), toy_block(0)
+    first.mixer.layer_idx, second.mixer.layer_idx = 0, 1
+    inputs = toy_inputs()
+    assert run(first, inputs, reads_the_layer) is not None
+    with caplog.at_level(logging.WARNING, logger="hf_mixers.model.exported_step"):
+        assert run(second, inputs, reads_the_layer) is None
+        assert run(second, toy_inputs(1), reads_the_layer) is None  # its memo says so: no second check
+    assert sum("differs from this block's eager step" in record.message for record in caplog.records) == 1
+    assert run(first, toy_inputs(1), reads_the_layer) is not None  # the block it was built on keeps it
