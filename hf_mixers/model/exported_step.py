@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import operator
 import os
 import tempfile
 import time
@@ -78,12 +79,15 @@ def _hooks_of(module) -> list:
     return [hook for hook in hooks if getattr(hook, "__name__", None) != "output_capturing_hook"]
 
 
+# each module's attributes, parameters, buffers, children and hooks: one C call a module (operator.attrgetter)
+_MODULE_PARTS = operator.attrgetter("__dict__", "_parameters", "_buffers", "_modules", "_forward_hooks",
+                                    "_forward_pre_hooks")
+
+
 def _live(modules) -> list:
-    """What a call compares with a block's memo (``_Memo.witness``): each module's attributes, parameters,
-    buffers, children and hooks (dict comparison: the same objects compare equal without looking inside them)."""
-    return [part for module in modules for part in (module.__dict__, module._parameters, module._buffers,
-                                                     module._modules, module._forward_hooks,
-                                                     module._forward_pre_hooks)]
+    """What a call compares with a block's memo (``_Memo.witness``, copies of the same dicts): each module's
+    ``_MODULE_PARTS`` (dict comparison: the same objects compare equal without looking inside them)."""
+    return list(map(_MODULE_PARTS, modules))
 
 
 def _hashable(value):
@@ -335,7 +339,7 @@ def _remember(function, block, step_inputs, step_tensors, skeleton, switches, in
         elif not _serves(step, function, block, step_inputs, [*tensors, *step_tensors], label):
             step = None  # this block runs through torch.compile; the library still serves the blocks it matched
     snapshot = step.config_snapshot if step is not None else copy.deepcopy(config.__dict__)
-    memo = _Memo(step, modules, [dict(part) for part in _live(modules)], tensors, skeleton, switches,
+    memo = _Memo(step, modules, [tuple(map(dict, parts)) for parts in _live(modules)], tensors, skeleton, switches,
                  _layout([*tensors, *step_tensors]), snapshot)
     _memos[block] = memo
     return memo
