@@ -253,6 +253,7 @@ def test_bench_generate_measures_models_against_their_teacher(tmp_path):
     for row in report["rows"]:
         assert row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0 and row["cache_bytes"] > 0
         assert row["max_batch_in_budget"] >= 0
+        assert row["decode_s_per_step_repeats"] == [row["decode_s_per_step"]]  # one repeat: the row's own figure
         if row["model"] == "teacher":
             assert row["decode_speedup_vs_teacher"] == 1.0
     teacher_cache = {r["context"]: r["cache_bytes"] for r in report["rows"] if r["model"] == "teacher" and

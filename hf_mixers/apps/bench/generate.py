@@ -78,7 +78,8 @@ def _generate_seconds(model, tokenizer, prompt_tokens: int, new_tokens: int, dev
 
 def _point(label, model, batch: int, context: int, runs: list, weights: int, budget: float, budget_batch_cap: int,
            budget_decode_steps: int, device) -> dict:
-    """One model's row at (batch, context) from its ``generation_timing`` runs (the fastest of them); where the first
+    """One model's row at (batch, context) from its ``generation_timing`` runs (the fastest of them, every repeat's
+    decode step kept beside it); where the first
     run kept its cache (``--budget-decode-steps``), that cache copied to the largest batch that fits the budget
     (capped) and decoded."""
     from ...common.measures import decode_step_seconds
@@ -88,7 +89,9 @@ def _point(label, model, batch: int, context: int, runs: list, weights: int, bud
     fits = max(0, int((budget - weights) // per_row)) if per_row else None
     row = {"model": label, "batch": batch, "context": context, "prefill_s": prefill,
            "prefill_tokens_per_s": batch * context / prefill, "decode_s_per_step": decode,
-           "decode_tokens_per_s": batch / decode, "cache_bytes": runs[0]["cache_bytes"], "max_batch_in_budget": fits}
+           "decode_tokens_per_s": batch / decode, "cache_bytes": runs[0]["cache_bytes"], "max_batch_in_budget": fits,
+           # every repeat's median step, in the order run: the row keeps the fastest, these show the spread
+           "decode_s_per_step_repeats": [r["decode_s"] for r in runs]}
     cache = runs[0].pop("cache", None)
     if cache is not None and fits:
         row["budget_batch"] = min(fits, budget_batch_cap)
