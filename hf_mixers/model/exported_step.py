@@ -75,13 +75,6 @@ def cache_folder() -> str:
     return os.path.join(os.path.expanduser(root), CACHE_NAME)
 
 
-def _hooks_of(module) -> list:
-    """The forward hooks of ``module`` that the library would skip: all, but transformers' output capture on the
-    block (idle unless hidden states are asked for, and then the block does not run its compiled step)."""
-    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
-    return [hook for hook in hooks if getattr(hook, "__name__", None) != "output_capturing_hook"]
-
-
 # each module's attributes, parameters, buffers, children and hooks: one C call a module (operator.attrgetter)
 _MODULE_PARTS = operator.attrgetter("__dict__", "_parameters", "_buffers", "_modules", "_forward_hooks",
                                     "_forward_pre_hooks")
@@ -107,10 +100,11 @@ def _hashable(value):
 
 def _describe(block: nn.Module):
     """(every module of ``block``, each with its class and public attributes, the names and tensors of the
-    parameters and buffers in one fixed order, whether a module has a hook the library would skip)."""
+    parameters and buffers in one fixed order, whether a module inside the block has a forward hook: the library
+    would skip it. The block's own hooks run around its forward, whatever serves the step.)"""
     modules, described, names, tensors, hooked = [], [], [], [], False
     for prefix, module in block.named_modules():
-        hooked = hooked or bool(_hooks_of(module))
+        hooked = hooked or (module is not block and bool(module._forward_hooks or module._forward_pre_hooks))
         modules.append(module)
         attributes = tuple((name, _hashable(value)) for name, value in module.__dict__.items()
                            if name[0] != "_" and name not in UNREAD_ATTRIBUTES)

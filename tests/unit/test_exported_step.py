@@ -142,8 +142,11 @@ def test_calls_a_library_cannot_serve_fall_back():
     assert run(block, inputs) is None  # a library would skip the hook
     handle.remove()
     assert exported_step.counts["exported"] == 0
+    handle = block.register_forward_hook(lambda module, args, output: output)
+    assert_equals_eager(block, inputs, run(block, inputs))  # the block's own hooks run around its forward: served
+    handle.remove()
     with torch.inference_mode():  # generation under inference mode: served
-        assert_equals_eager(block, inputs, run(block, inputs))
+        assert_equals_eager(block, toy_inputs(1), run(block, toy_inputs(1)))
 
 
 def test_a_step_that_cannot_be_exported_falls_back_once(caplog):
