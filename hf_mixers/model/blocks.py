@@ -230,8 +230,9 @@ def _hooked(block) -> bool:
 # (model/exported_step.py: the same graph without dynamo's ~0.25-0.30 ms a call); HF_MIXERS_EXPORTED_STEP=0 turns it
 # off. Any call it cannot serve (autograd on, a hook, a failed export) runs through torch.compile.
 EXPORT_DEVICES = () if os.environ.get("HF_MIXERS_EXPORTED_STEP", "1") == "0" else ("cpu",)
-# The dtypes it serves: in bf16 the library measured 3% slower than torch.compile's step on a CPU (RSA w = 64 on
-# SmolLM2, one process alternating them: 64.3 against 62.5 ms a token; docs/benchmarks.md), in fp32 6-8% faster.
+# The dtypes it serves: in bf16 the library measured 3-6% slower than torch.compile's step on a CPU (RSA w = 64 on
+# SmolLM2, one process alternating them: 64.3 against 62.5 ms a token, 93.8 against 88.7 in a second run;
+# docs/benchmarks.md), in fp32 6-9% faster.
 EXPORT_DTYPES = (torch.float32, torch.float64)
 STACK_DEVICES = ("cuda",)  # where a stack's step replays as a CUDA graph (the tests add "cpu")
 # Where the stack's step writes the new states into the cache's tensors in place (at static addresses under a CUDA
