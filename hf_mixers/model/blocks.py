@@ -232,7 +232,7 @@ def _hooked(block) -> bool:
 EXPORT_DEVICES = () if os.environ.get("HF_MIXERS_EXPORTED_STEP", "1") == "0" else ("cpu",)
 # The dtypes it serves: in bf16 the library measured 3-6% slower than torch.compile's step on a CPU (RSA w = 64 on
 # SmolLM2, one process alternating them: 64.3 against 62.5 ms a token, 93.8 against 88.7 in a second run;
-# docs/benchmarks.md), in fp32 6-9% faster.
+# docs/benchmarks.md), in fp32 5-9% faster.
 EXPORT_DTYPES = (torch.float32, torch.float64)
 STACK_DEVICES = ("cuda",)  # where a stack's step replays as a CUDA graph (the tests add "cpu")
 # Where the stack's step writes the new states into the cache's tensors in place (at static addresses under a CUDA
@@ -294,9 +294,8 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
         # a growing cache's views keep their strides: symbolic there, and a copy would cost a cache a step
         inputs.append(layer_inputs if dynamic else _dense_all(layer_inputs))
     if len(blocks) == 1 and _exports(key) and hidden_states.dtype in EXPORT_DTYPES:
-        label = f"{key[1][0].__name__} block's (batch {key[2]})"
         result = run_exported_step(block_step, blocks[0], _dense(hidden_states), position_embeddings, inputs[0],
-                                   small_products_fused, label)
+                                   small_products_fused)
         if result is not None:
             output, state = result
             mixers[0].store_decode_state(caches[0], state)

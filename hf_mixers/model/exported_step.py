@@ -145,11 +145,13 @@ def _switches() -> tuple:
             bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks))
 
 
-SERVED_SWITCHES = (False, False)  # no library runs with autograd or autocast on (its outputs would carry neither)
-
-
 def _config_of(block):
     return getattr(block.mixer, "config", None)
+
+
+def _label(block, step_inputs) -> str:
+    """How logs name a step (made only when one is written, off the hot path)."""
+    return f"{type(block.mixer).__name__} block's (batch {step_inputs[0].shape[0]})"
 
 
 def _config_matches(snapshot: dict, config) -> bool:
@@ -202,9 +204,11 @@ def _package_key(program, flat, options: dict) -> str:
     return digest.hexdigest()[:32]
 
 
-def _build(function, block, names, flat, step_inputs, options: dict, label: str):
-    """Export ``function`` on these inputs, then load its library from the disk cache or compile and keep it."""
-    started = time.perf_counter()
+def _build(function, block, names, flat, step_inputs, options: dict):
+    """Export ``function`` on these inputs, then load its library from the disk cache or compile and keep it (written
+    whole or not at all, with the umask's mode, as common/files.py writes: this package ships as remote code without
+    common/)."""
+    started, label = time.perf_counter(), _label(block, step_inputs)
     with warnings.catch_warnings():  # torch.export's own pytree deprecation notice, nothing of the user's
         warnings.simplefilter("ignore", FutureWarning)
         program = torch.export.export(_FlatStep(function, block, names, step_inputs), tuple(flat), strict=False)
@@ -286,31 +290,28 @@ def _memo_holds(memo: _Memo, skeleton, switches, config, step_tensors) -> bool:
         return False
 
 
-def run_exported_step(function, block, hidden_states, position_embeddings, inputs, inductor_options,
-                      label: str):
+def run_exported_step(function, block, hidden_states, position_embeddings, inputs, inductor_options):
     """``function(block, hidden_states, position_embeddings, inputs)`` (-> output, new state) through its compiled
     library, built on first use; None where no library can serve this call (the caller runs torch.compile's).
     ``inductor_options()``: AOTInductor's options, asked for only when a library is built."""
     config = _config_of(block)
     switches = _switches()
-    if config is None or switches[:2] != SERVED_SWITCHES or switches[3]:
-        return None
-    step_tensors = []
+    if config is None or switches[0] or switches[1] or switches[3]:  # autograd, autocast, global hooks: the
+        return None  # library's outputs would carry no autograd graph, its products no autocast, no hook would run
+    step_inputs, step_tensors = (hidden_states, position_embeddings, inputs), []
     # the skeleton, and the batch and dtype, which change between generations (a library would reject them, and
     # say so on stderr, at the cost of a failed call)
-    skeleton = (_flatten((hidden_states, position_embeddings, inputs), step_tensors), hidden_states.shape,
-                hidden_states.dtype)
+    skeleton = (_flatten(step_inputs, step_tensors), hidden_states.shape, hidden_states.dtype)
     memo = _memos.get(block)
     if memo is None or not _memo_holds(memo, skeleton, switches, config, step_tensors):
-        memo = _remember(function, block, (hidden_states, position_embeddings, inputs), step_tensors, skeleton,
-                         switches, inductor_options, label)
+        memo = _remember(function, block, step_inputs, step_tensors, skeleton, switches, inductor_options)
     if memo.step is None:
         return None
     try:
         outputs = memo.step.runner.boxed_run([*memo.tensors, *step_tensors])
     except RuntimeError:  # the library's own input check (a tensor's dtype, shape or strides changed): describe
-        memo = _remember(function, block, (hidden_states, position_embeddings, inputs), step_tensors, skeleton,
-                         switches, inductor_options, label)  # the block again: a library for the new layout
+        memo = _remember(function, block, step_inputs, step_tensors, skeleton, switches,
+                         inductor_options)  # the block again: a library for the new layout
         if memo.step is None:
             return None
         outputs = memo.step.runner.boxed_run([*memo.tensors, *step_tensors])
@@ -319,7 +320,7 @@ def run_exported_step(function, block, hidden_states, position_embeddings, input
     return output, map_tensors(memo.step.state_template, lambda tensor: next(outputs))
 
 
-def _remember(function, block, step_inputs, step_tensors, skeleton, switches, inductor_options, label):
+def _remember(function, block, step_inputs, step_tensors, skeleton, switches, inductor_options):
     """The slow path of ``run_exported_step``: describe the block, find or build the library for what this call sees
     (none for a hooked block or a key that fell back), and keep the answer as the block's memo."""
     counts["described"] += 1
@@ -331,9 +332,8 @@ def _remember(function, block, step_inputs, step_tensors, skeleton, switches, in
         entries = _steps.setdefault(key, [])
         step = next((entry for entry in entries if _config_matches(entry.config_snapshot, config)), None)
         if step is None:
-            step = _new_step(function, block, names, [*tensors, *step_tensors], step_inputs, key, inductor_options,
-                             label)
-        elif not _serves(step, function, block, step_inputs, [*tensors, *step_tensors], label):
+            step = _new_step(function, block, names, [*tensors, *step_tensors], step_inputs, key, inductor_options)
+        elif not _serves(step, function, block, step_inputs, [*tensors, *step_tensors]):
             step = None  # this block runs through torch.compile; the library still serves the blocks it matched
     snapshot = step.config_snapshot if step is not None else copy.deepcopy(config.__dict__)
     memo = _Memo(step, modules, [tuple(map(dict, parts)) for parts in _live(modules)], tensors, skeleton, switches,
@@ -342,33 +342,39 @@ def _remember(function, block, step_inputs, step_tensors, skeleton, switches, in
     return memo
 
 
-def _serves(step, function, block, step_inputs, flat, label) -> bool:
+def _matches_eager(runner, function, block, step_inputs, flat):
+    """Run the eager step on these inputs and ``_check`` the library against it -> the eager new state (its
+    structure is what the library's outputs are rebuilt into); RuntimeError where they differ."""
+    output, state = function(block, *step_inputs)
+    _check(runner, flat, [output, *tensors_of(state)])
+    return state
+
+
+def _serves(step, function, block, step_inputs, flat) -> bool:
     """Whether a library built on another block (or before a change the key does not see) equals this block's eager
     step on this call's inputs: checked once per block and memo, so that what the key leaves out (``layer_idx``,
     which no step should read, and what a trace reads beyond the modules' public attributes) cannot serve a block
     another one's program."""
-    output, state = function(block, *step_inputs)
     try:
-        _check(step.runner, flat, [output, *tensors_of(state)])
+        _matches_eager(step.runner, function, block, step_inputs, flat)
     except RuntimeError as error:
         logger.warning("the %s token step's library, built on another block, differs from this block's eager step "
-                       "(%s); this block runs through torch.compile", label, error)
+                       "(%s); this block runs through torch.compile", _label(block, step_inputs), error)
         return False
     return True
 
 
-def _new_step(function, block, names, flat, step_inputs, key, inductor_options, label):
-    entries = _steps[key]
+def _new_step(function, block, names, flat, step_inputs, key, inductor_options):
+    entries, label = _steps[key], _label(block, step_inputs)
     snapshot = copy.deepcopy(_config_of(block).__dict__)
     if len(entries) >= MAX_CONFIGS or not _config_matches(snapshot, _config_of(block)):
         logger.warning("the %s token step's config changes from call to call (or cannot be compared): it runs "
                        "through torch.compile from here on", label)
         _fallbacks.add(key)
         return None
-    output, state = function(block, *step_inputs)  # eager: the reference and the state's structure
     try:
-        runner = _build(function, block, names, flat, step_inputs, inductor_options(), label)
-        _check(runner, flat, [output, *tensors_of(state)])
+        runner = _build(function, block, names, flat, step_inputs, inductor_options())
+        state = _matches_eager(runner, function, block, step_inputs, flat)
     except Exception as error:  # noqa: BLE001 - any failure to export or build falls back, said once
         logger.warning("the %s token step could not be compiled ahead of time (%s: %s); it runs through "
                        "torch.compile", label, type(error).__name__, error)

@@ -55,7 +55,7 @@ def toy_block(seed=0):
 
 
 def run(block, inputs, function=toy_step):
-    return exported_step.run_exported_step(function, block, *inputs, dict, "toy")
+    return exported_step.run_exported_step(function, block, *inputs, dict)
 
 
 def assert_equals_eager(block, inputs, result):
