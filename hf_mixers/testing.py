@@ -14,6 +14,7 @@ import tempfile
 import torch
 
 from .core.registry import get_mixer, list_mixers
+from .core.window import WindowState
 from .model.config import config_class
 
 TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -154,9 +155,9 @@ def check_decode_equals_forward(name):
     _close(_decode(model, ids, mask)[valid], _logits(model, ids, mask)[valid], "prefill + decode vs one forward")
 
 
-def _decode(model, ids, mask, prefill=5, after_first_step=None):
-    """Logits of a prefill of ``prefill`` tokens then one token at a time (``after_first_step()`` is called once
-    the first single-token step has run). ``mask`` None: no attention mask, as ``generate`` steps a batch without
+def _decode(model, ids, mask, prefill=5, after_step=None):
+    """Logits of a prefill of ``prefill`` tokens then one token at a time (``after_step(index, cache)`` is called
+    after each single-token step, from 0). ``mask`` None: no attention mask, as ``generate`` steps a batch without
     padding (transformers drops a mask of all ones)."""
     from transformers import DynamicCache
 
@@ -168,8 +169,8 @@ def _decode(model, ids, mask, prefill=5, after_first_step=None):
     steps = [_logits(model, ids[:, :prefill], upto(prefill), past_key_values=cache, use_cache=True)]
     for t in range(prefill, ids.shape[1]):
         steps.append(_logits(model, ids[:, t:t + 1], upto(t + 1), past_key_values=cache, use_cache=True))
-        if t == prefill and after_first_step is not None:
-            after_first_step()
+        if after_step is not None:
+            after_step(t - prefill, cache)
     return torch.cat(steps, 1)
 
 
@@ -206,9 +207,22 @@ def check_compiled_decode(name):
     full, reference = _logits(eager, ids, mask), _decode(eager, ids, mask)
     counters = torch._dynamo.utils.counters
     reset_compiled_steps()  # a fresh count (and the recompile limit not spent by earlier models in this process)
-    graphs = {}
-    stepped = _decode(compiled, ids, mask, after_first_step=lambda: graphs.setdefault("first", graphs_built()))
+    graphs, rings = {}, {}
+
+    def after_step(index, cache):
+        if index == 0:
+            graphs["first"] = graphs_built()
+        for layer, layer_cache in enumerate(cache.layers):  # where each window's ring buffers lie
+            state = getattr(layer_cache, "state", None)
+            if isinstance(state, WindowState):
+                rings.setdefault(layer, set()).add(tuple(t.data_ptr() for t in (state.keys, state.values,
+                                                                                 state.valid, *state.extras)))
+
+    stepped = _decode(compiled, ids, mask, after_step=after_step)
     stepping = {type(block.mixer) for block in compiled.model.layers if block.mixer.can_compile_decode()}
+    moved = [layer for layer, places in rings.items() if len(places) > 1]
+    assert not moved, f"compiled decode: layers {moved} wrote their window's ring buffers into new memory (a copy " \
+        f"of the window a token, where the step writes the new token into its slot in place)"
     assert graphs_built() == graphs["first"] == len(stepping), (
         f"compiled decode: {graphs_built()} graphs ({graphs['first']} after the first step) for {len(stepping)} "
         f"mixer class(es) with a compiled step: a later step recompiled, or a step did not compile (or an exported "

@@ -14,7 +14,10 @@ attention exactly.
 
 The decode state stays constant in the context length: the last w keys, values and validity flags (plus whatever
 per-token inputs the memory's write needs, e.g. RSA's decay), the memory's own state and the count of written
-tokens (``WindowState``).
+tokens (``WindowState``). The window's tensors are ring buffers: a token step reads the slot of the token leaving
+the window (what the memory writes) and writes the new token into it in place, one row a step where a shifted copy
+would move all w (attention over the window does not depend on the slots' order). A call of several tokens (a
+prefill) reads the ring in order, runs the block form below and leaves a new ring.
 
 Shapes: queries (B, G, g, T, d) (G KV heads of g query heads each), keys (B, G, T, d), values (B, G, T, dv),
 valid (B, T) bool. The window is by position, as sliding-window attention is: with left padding (what
@@ -23,7 +26,7 @@ valid (B, T) bool. The window is by position, as sliding-window attention is: wi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
@@ -43,13 +46,14 @@ def window_option(mixer: str) -> MixerOption:
 class WindowState:
     """The decode state of a windowed mixer: the last w tokens and the memory of the ones before them."""
 
-    keys: torch.Tensor  # (B, G, w, d) rotated keys of the last w positions (zeros where invalid)
+    keys: torch.Tensor  # (B, G, w, d) rotated keys of the last w positions (zeros where invalid), a ring
     values: torch.Tensor  # (B, G, w, dv)
     valid: torch.Tensor  # (B, w) bool: a real token sits there
     extras: tuple | None  # per-token write inputs of the memory, each (B, G, w, ...) (RSA: log decay; SSMs: u, B,
     # decay; VORT: key features, order); None before the first call
     memory: object  # the mixer's own state (anything ``map_tensors`` handles), None before the first write
     written: torch.Tensor  # (B,) tokens written into the memory so far
+    oldest: torch.Tensor  # (B,) long: the slot of the oldest of the w positions (the next to leave the window)
 
     def map(self, fn) -> "WindowState":
         return WindowState(**{f.name: map_tensors(getattr(self, f.name), fn) for f in fields(self)})
@@ -62,7 +66,32 @@ def empty_window(keys: torch.Tensor, values: torch.Tensor, window: int) -> Windo
     return WindowState(keys=keys.new_zeros(batch, groups, window, keys.shape[-1]),
                        values=values.new_zeros(batch, groups, window, values.shape[-1]),
                        valid=torch.zeros(batch, window, dtype=torch.bool, device=keys.device), extras=None,
-                       memory=None, written=torch.zeros(batch, dtype=torch.long, device=keys.device))
+                       memory=None, written=torch.zeros(batch, dtype=torch.long, device=keys.device),
+                       oldest=torch.zeros(batch, dtype=torch.long, device=keys.device))
+
+
+def in_order(ring: torch.Tensor, oldest: torch.Tensor, dim: int) -> torch.Tensor:
+    """A ring's w slots along ``dim`` (after the batch dimension 0) oldest first: row b from slot ``oldest[b]``."""
+    window = ring.shape[dim]
+    slots = (oldest[:, None] + torch.arange(window, device=ring.device)) % window  # (B, w)
+    index = slots.view(slots.shape[0], *([1] * (dim - 1)), window, *([1] * (ring.dim() - dim - 1)))
+    return ring.gather(dim, index.expand_as(ring))
+
+
+def _writes_in_place(state: WindowState, keys, values, extras) -> bool:
+    """Whether a token step may write into the state's ring buffers: not under autograd (the previous step's read
+    of them may be saved for the backward pass), nor into inference tensors outside inference mode, nor in a
+    compiled CUDA step (cudagraph trees replay no graph that mutates its inputs: the step would run without one), and
+    the new token in the ring's dtypes."""
+    if torch.is_grad_enabled():
+        return False
+    if torch.compiler.is_compiling():  # (dynamo cannot trace the inference-tensor test below)
+        if keys.device.type == "cuda":
+            return False
+    elif state.keys.is_inference() and not torch.is_inference_mode_enabled():
+        return False
+    return (state.keys.dtype == keys.dtype and state.values.dtype == values.dtype
+            and (callable(extras) or all(old.dtype == new.dtype for old, new in zip(state.extras, extras))))
 
 
 # Scores one call of ``window_attention`` holds at most, (B, G, g, block, 2w) per block of w queries: longer inputs go
@@ -110,7 +139,21 @@ def window_attention(query, keys, values, valid, window: int, scale: float, with
     # key at span index c is position (first query's position - w + c); query r reads it when 0 <= r - (c - w) < w
     gap = rows - offsets  # (block, span)
     allowed = (gap >= 0) & (gap < window) & spans_valid[:, None, :, None, :]
-    allowed = allowed[:, :, :, None]  # (B, 1, N, 1, block, span)
+    return _attend(query_b, spans_k, spans_v, allowed[:, :, :, None], scale, length, with_entropy)
+
+
+def ring_attention(query, keys, values, valid, scale: float, with_entropy: bool = False):
+    """One query a row (B, G, g, 1, d) against every valid slot of the window's ring (its own token written in):
+    what ``window_attention`` gives the last of w + 1 positions, without ordering the ring."""
+    allowed = valid[:, None, None, None, None, :]  # (B, 1, 1, 1, 1, w)
+    return _attend(query[:, :, None], keys[:, :, None].transpose(-1, -2), values[:, :, None], allowed, scale, 1,
+                   with_entropy)
+
+
+def _attend(query_b, spans_k, spans_v, allowed, scale: float, length: int, with_entropy: bool):
+    """Masked softmax attention of query blocks (B, G, N, g, block, d) over their spans of keys (B, G, N, d, span)
+    and values (B, G, N, span, dv), ``allowed`` (B, 1, N, 1, block, span) -> the first ``length`` queries' outputs,
+    log normalisers [and normalised entropies] in order (B, G, g, T, ...)."""
     # the g query heads of a KV head as the rows of one product per block: no copy of the scores to reorder them
     shape = query_b.shape
     scores = ((query_b * scale).flatten(3, 4) @ spans_k).view(*shape[:5], -1)  # (B, G, N, g, block, span)
@@ -121,17 +164,17 @@ def window_attention(query, keys, values, valid, window: int, scale: float, with
     log_z = scores.amax(-1) - torch.log(weights.amax(-1))  # (B, G, N, g, block)
     out = (weights.flatten(3, 4) @ spans_v).view(*shape[:5], -1)  # (B, G, N, g, block, dv)
 
-    def in_order(t):  # (B, G, N, g, block, ...) -> (B, G, g, T, ...)
+    def queries_in_order(t):  # (B, G, N, g, block, ...) -> (B, G, g, T, ...)
         return t.transpose(2, 3).flatten(3, 4)[:, :, :, :length]
 
-    out, log_normaliser = in_order(out), in_order(log_z)
+    out, log_normaliser = queries_in_order(out), queries_in_order(log_z)
     if not with_entropy:
         return out, log_normaliser
     # H = log Z - sum_c p_c s_c over the allowed keys, over its maximum log(count)
     seen = allowed.sum(-1).to(scores.dtype)  # (B, 1, N, 1, block)
     entropy = log_z - (weights * scores.masked_fill(~allowed, 0)).sum(-1)
     entropy = torch.where(seen > 1, entropy / torch.log(seen.clamp(min=2)), 0.0)
-    return out, log_normaliser, in_order(entropy)
+    return out, log_normaliser, queries_in_order(entropy)
 
 
 # memory(query, keys, values, valid, extras, memory_state) -> (output (B, G, g, T, dv), log weight (B, G, g, T) or
@@ -159,24 +202,15 @@ def windowed(query, keys, values, valid, extras, state: WindowState | None, wind
         valid = torch.ones(query.shape[0], length, dtype=torch.bool, device=query.device)
     if state is None:
         state = empty_window(keys, values, window)
-    keys = torch.cat([state.keys.to(keys.dtype), keys], dim=2)  # (B, G, w + T, d): position w + i is new token i
-    values = torch.cat([state.values.to(values.dtype), values], dim=2)
-    valid = torch.cat([state.valid, valid], dim=1)
-    local, local_log, *entropy = window_attention(query, keys, values, valid, window, scale,
-                                                  with_entropy=callable(extras))
-    new_extras = extras(entropy[0]) if callable(extras) else extras
-    old_extras = state.extras if state.extras is not None else \
-        tuple(e.new_zeros(e.shape[0], e.shape[1], window, *e.shape[3:]) for e in new_extras)
-    extras = tuple(torch.cat([old.to(new.dtype), new], dim=2) for old, new in zip(old_extras, new_extras,
-                                                                                     strict=True))
     delayed = combine != "sum"
-    if delayed:  # query i sees the memory after the write of position i: the token that has just left its window
-        span = slice(0, length)
-    else:  # the memory reads every token, the window on top
-        span = slice(window, window + length)
-    writing = valid[:, span]
-    remote, remote_log, memory_state = memory(query, keys[:, :, span], values[:, :, span], writing,
-                                              tuple(e[:, :, span] for e in extras), state.memory)
+    if length == 1 and state.extras is not None:  # a token step: the ring's slots in place of a shifted window
+        local, local_log, entering, ring = _token_step(query, keys, values, valid, extras, state, scale, delayed)
+    else:
+        local, local_log, entering, ring = _block_step(query, keys, values, valid, extras, state, window, scale,
+                                                       delayed)
+    # what the memory writes this call: the tokens leaving the window (delayed), or the new ones
+    writing = entering[2]
+    remote, remote_log, memory_state = memory(query, entering[0], entering[1], writing, entering[3], state.memory)
     if combine == "sum":
         out = local + remote.to(local.dtype)
     else:
@@ -196,10 +230,67 @@ def windowed(query, keys, values, valid, extras, state: WindowState | None, wind
         share = torch.where(seen, share.to(local.dtype), torch.zeros((), dtype=local.dtype, device=local.device))
         remote = remote.to(local.dtype)
         out = local + share[..., None] * (remote if combine == "gated_sum" else remote - local)
+    return out, replace(ring, memory=memory_state, written=state.written + writing.long().sum(1))
+
+
+def _token_step(query, keys, values, valid, extras, state: WindowState, scale: float, delayed: bool):
+    """One token (T = 1) through the ring: the leaving token's slot read, the new token written into it (in place
+    where ``_writes_in_place``, else into a copy), attention over the ring -> the window's output and log
+    normaliser, what the memory writes (keys, values, valid, extras), the new ring (memory and count left to the
+    caller)."""
+    rows = torch.arange(query.shape[0], device=query.device)
+    slot = state.oldest  # (B,): the oldest token's, which leaves the window now
+    in_place = _writes_in_place(state, keys, values, extras)
+
+    def leaving(ring, dim):  # the slot's row, (B, G, 1, ...) or (B, 1): a copy, read before the slot is written
+        return ring[rows, slot][:, None] if dim == 1 else ring[rows, :, slot][:, :, None]
+
+    def written(ring, new, dim):  # the ring with the new token in the slot
+        ring = ring if in_place else ring.to(new.dtype, copy=True)
+        if dim == 1:
+            ring[rows, slot] = new[:, 0]
+        else:
+            ring[rows, :, slot] = new[:, :, 0].to(ring.dtype)
+        return ring
+
+    left = (leaving(state.keys, 2), leaving(state.values, 2), leaving(state.valid, 1),
+            tuple(leaving(e, 2) for e in state.extras))
+    ring_keys, ring_values = written(state.keys, keys, 2), written(state.values, values, 2)
+    ring_valid = written(state.valid, valid, 1)
+    local, local_log, *entropy = ring_attention(query, ring_keys, ring_values, ring_valid, scale,
+                                                with_entropy=callable(extras))
+    new_extras = extras(entropy[0]) if callable(extras) else extras
+    ring_extras = tuple(written(old, new, 2) for old, new in zip(state.extras, new_extras, strict=True))
+    entering = left if delayed else (keys, values, valid, new_extras)
+    ring = WindowState(keys=ring_keys, values=ring_values, valid=ring_valid, extras=ring_extras, memory=None,
+                       written=None, oldest=(slot + 1) % state.valid.shape[1])
+    return local, local_log, entering, ring
+
+
+def _block_step(query, keys, values, valid, extras, state: WindowState, window: int, scale: float, delayed: bool):
+    """T tokens through the block form (``window_attention`` over the ring in order, then the T new positions) ->
+    what ``_token_step`` returns; the new ring holds the last w positions in order (its oldest in slot 0)."""
+    length = query.shape[3]
+    ordered = (lambda t, dim: t) if state.extras is None else \
+        (lambda t, dim: in_order(t, state.oldest, dim))  # a new window's slots are in order (and all empty)
+    keys = torch.cat([ordered(state.keys, 2).to(keys.dtype), keys], dim=2)  # (B, G, w + T, d): w + i is new token i
+    values = torch.cat([ordered(state.values, 2).to(values.dtype), values], dim=2)
+    valid = torch.cat([ordered(state.valid, 1), valid], dim=1)
+    local, local_log, *entropy = window_attention(query, keys, values, valid, window, scale,
+                                                  with_entropy=callable(extras))
+    new_extras = extras(entropy[0]) if callable(extras) else extras
+    old_extras = tuple(ordered(e, 2) for e in state.extras) if state.extras is not None else \
+        tuple(e.new_zeros(e.shape[0], e.shape[1], window, *e.shape[3:]) for e in new_extras)
+    extras = tuple(torch.cat([old.to(new.dtype), new], dim=2) for old, new in zip(old_extras, new_extras,
+                                                                                     strict=True))
+    # query i sees the memory after the write of position i: the token that has just left its window (delayed);
+    # else the memory reads every token, the window on top
+    span = slice(0, length) if delayed else slice(window, window + length)
+    entering = (keys[:, :, span], values[:, :, span], valid[:, span], tuple(e[:, :, span] for e in extras))
     # the last w positions as dense tensors (w rows, not views into w + T): a compiled decode step writes them so
     # and its next call sees the strides it was compiled for, with no copy in between
     last = lambda t, dim: t.narrow(dim, length, window).clone(memory_format=torch.contiguous_format)  # noqa: E731
-    state = WindowState(keys=last(keys, 2), values=last(values, 2), valid=last(valid, 1),
-                        extras=tuple(last(e, 2) for e in extras), memory=memory_state,
-                        written=state.written + writing.long().sum(1))
-    return out, state
+    ring = WindowState(keys=last(keys, 2), values=last(values, 2), valid=last(valid, 1),
+                       extras=tuple(last(e, 2) for e in extras), memory=None, written=None,
+                       oldest=torch.zeros_like(state.oldest))
+    return local, local_log, entering, ring

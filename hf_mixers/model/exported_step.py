@@ -344,9 +344,13 @@ def _remember(function, block, step_inputs, step_tensors, skeleton, switches, in
 
 def _matches_eager(runner, function, block, step_inputs, flat):
     """Run the eager step on these inputs and ``_check`` the library against it -> the eager new state (its
-    structure is what the library's outputs are rebuilt into); RuntimeError where they differ."""
-    output, state = function(block, *step_inputs)
-    _check(runner, flat, [output, *tensors_of(state)])
+    structure is what the library's outputs are rebuilt into); RuntimeError where they differ. Both run on copies
+    of the step's inputs (``flat``: the block's tensors, then the step's): a step may write its state in place (the
+    window's ring), and the call itself runs the library on the originals afterwards."""
+    output, state = function(block, *map_tensors(step_inputs, torch.clone))
+    step_count = len(tensors_of(step_inputs))
+    _check(runner, [*flat[:len(flat) - step_count], *(t.clone() for t in flat[len(flat) - step_count:])],
+           [output, *tensors_of(state)])
     return state
 
 

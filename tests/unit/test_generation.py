@@ -363,7 +363,8 @@ def test_tensors_of_walks_what_map_tensors_meets():
             return Mapped(*map(fn, self.tensors))
 
     memory = RSAState(*(torch.full((1,), float(index)) for index in range(7)))
-    window = WindowState(keys=None, values=None, valid=torch.ones(1, 2), extras=(), memory=memory, written=None)
+    window = WindowState(keys=None, values=None, valid=torch.ones(1, 2), extras=(), memory=memory, written=None,
+                         oldest=None)
     for value in (None, (None, window), (None, (), memory), [Mapped(torch.ones(2)), memory], Mapped(), object(),
                   (window, None)):
         met = []
@@ -429,7 +430,8 @@ def test_dense_inputs_are_kept_and_strided_ones_copied():
 
     dense = torch.zeros(1, 2, 3)
     window = WindowState(keys=dense, values=dense + 1, valid=torch.ones(1, 3, dtype=torch.bool), extras=(),
-                         memory=None, written=torch.zeros(1, dtype=torch.long))
+                         memory=None, written=torch.zeros(1, dtype=torch.long),
+                         oldest=torch.zeros(1, dtype=torch.long))
     inputs = (torch.ones(1, 1, dtype=torch.bool), window, None)
     assert _dense_all(inputs) is inputs
     strided = torch.ones(1, 4, dtype=torch.bool)[:, -1:]  # (1, 1) with strides (4, 1)

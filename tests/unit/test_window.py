@@ -107,20 +107,70 @@ def test_window_plus_an_exact_memory_is_full_attention(window):
     torch.testing.assert_close(out.movedim(3, 1)[valid], want.movedim(3, 1)[valid], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("split", [1, 2, 5])
-def test_the_window_state_carries_across_calls(split):
-    """Prefill of ``split`` tokens then one token at a time (the decode path) equals one call, left padding too."""
+def test_the_window_state_carries_across_calls(split, grad):
+    """Prefill of ``split`` tokens then one token at a time (the decode path) equals one call, left padding too;
+    without autograd the token steps write the ring buffers in place (the same tensors from step to step)."""
     query, keys, values, valid = qkv(length=11)
     whole, _ = windowed(query, keys, values, valid, (), None, 3, SCALE, exact_memory)
     parts, state = [], None
-    for start, stop in [(0, split), *((t, t + 1) for t in range(split, 11))]:
-        out, state = windowed(query[:, :, :, start:stop], keys[:, :, start:stop], values[:, :, start:stop],
-                              valid[:, start:stop], (), state, 3, SCALE, exact_memory)
-        parts.append(out)
-        assert state.keys.shape[2] == 3  # the window part of the state stays w tokens long
+    with torch.set_grad_enabled(grad):
+        for start, stop in [(0, split), *((t, t + 1) for t in range(split, 11))]:
+            before = state
+            out, state = windowed(query[:, :, :, start:stop], keys[:, :, start:stop], values[:, :, start:stop],
+                                  valid[:, start:stop], (), state, 3, SCALE, exact_memory)
+            parts.append(out)
+            assert state.keys.shape[2] == 3  # the window part of the state stays w tokens long
+            if before is not None and stop - start == 1:
+                assert (state.keys is before.keys and state.valid is before.valid) == (not grad)
     got = torch.cat(parts, 3)
     torch.testing.assert_close(got.movedim(3, 1)[valid], whole.movedim(3, 1)[valid], rtol=0, atol=1e-12)
     assert state.written.tolist() == [8, 5, 8]  # tokens that have left the window, padding never written
+    assert state.oldest.tolist() == [(11 - split) % 3] * 3  # the ring's oldest slot, past the block call's 0
+
+
+def recorded_memory(query, keys, values, valid, extras, state):
+    """A memory that keeps every token and extra it is given (to compare what two call patterns wrote) and reads
+    a constant: combined by the gate or added."""
+    old = state or (keys[:, :, :0], valid[:, :0], tuple(e[:, :, :0] for e in extras))
+    state = (torch.cat([old[0], keys], 2), torch.cat([old[1], valid], 1),
+             tuple(torch.cat(pair, 2) for pair in zip(old[2], extras, strict=True)))
+    return torch.ones_like(query[..., :1]).expand(*query.shape[:-1], values.shape[-1]), None, state
+
+
+@pytest.mark.parametrize("combine", ["convex", "sum"])
+def test_token_steps_and_blocks_in_any_order_equal_one_call(combine):
+    """Calls of 4, 1, 1, 3, 1, 1, 1 tokens (a block after token steps reads the ring from its oldest slot, which
+    has moved), with per-token extras made from the window's entropy (VORT's order): the same outputs, the same
+    tokens and extras written into the memory as one call, under no_grad (the ring written in place)."""
+    query, keys, values, valid = qkv(length=12)
+    gate = torch.tensor([[-1.0, 0.5], [2.0, 0.0]], dtype=F64)
+    features = torch.randn(3, 2, 12, 2, generator=torch.Generator().manual_seed(3), dtype=F64)
+
+    def run(pieces):
+        outputs, state, start = [], None, 0
+        for size in pieces:
+            rows = slice(start, start + size)
+
+            def extras(entropy, rows=rows):  # a feature of the token and a function of its window's entropy
+                return features[:, :, rows], entropy.sum(2)
+
+            out, state = windowed(query[:, :, :, rows], keys[:, :, rows], values[:, :, rows], valid[:, rows],
+                                  extras, state, 3, SCALE, recorded_memory, gate=gate, combine=combine)
+            outputs.append(out)
+            start += size
+        return torch.cat(outputs, 3), state
+
+    with torch.no_grad():
+        whole, whole_state = run([12])
+        parts, state = run([4, 1, 1, 3, 1, 1, 1])
+    torch.testing.assert_close(parts.movedim(3, 1)[valid], whole.movedim(3, 1)[valid], rtol=0, atol=1e-12)
+    written, want = state.memory, whole_state.memory
+    assert torch.equal(written[1], want[1])
+    torch.testing.assert_close(written[0], want[0], rtol=0, atol=0)
+    for got, expected in zip(written[2], want[2], strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
 def test_a_memory_without_a_normaliser_is_gated_per_head():
