@@ -6,6 +6,8 @@ A test's tier is the folder it lives in, added as a marker:
     tests/contract/     contract     every registered mixer through the one     make test-fast (base configs);
                                      contract suite (hf_mixers/testing.py)      tiny variants carry `variant`
     tests/integration/  integration  whole commands and recipes end to end      make test
+    any folder          variant      a further case of a fast test (a slower    make test only
+                                     Triton-interpreter case, a mixer variant)
     any folder          slow         over a minute with real weights            pytest -m slow (never in CI)
 
 A test marked with another tier explicitly keeps that marker (e.g. an end-to-end test in a contract file).

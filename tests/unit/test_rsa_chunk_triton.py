@@ -124,6 +124,7 @@ def test_kernels_are_interpreted():
 
 
 @needs_kernels
+@pytest.mark.variant  # 12 s under the interpreter: the full tier only
 def test_converted_default_matches_reference():
     """convert()'s options (softmax assign, softmax_count readout, relation routing, no RSA-q, no decay): output,
     state and every gradient equal rsa_chunked; the output also equals the token recurrence; without autograd (the
@@ -168,6 +169,7 @@ def test_write_kernel_equals_write_chunks(assign_fn, levels):
 
 
 @needs_kernels
+@pytest.mark.variant  # 11 s under the interpreter: the full tier only
 def test_the_write_kernel_runs_without_autograd_only(monkeypatch):
     """Inference (no autograd) writes every chunk in one launch; a training call keeps the PyTorch write side, which
     autograd differentiates."""
@@ -238,6 +240,7 @@ def test_backward_over_feature_blocks_matches_reference(readout, routing, query_
 
 
 @needs_kernels
+@pytest.mark.variant  # 9 s under the interpreter: the full tier only
 def test_conversion_init_and_single_level():
     """The converted layer at init: W_r = 0 below level 0 (a_i = 0 exactly: |a| has a zero subgradient) and
     theta = 0, 4 levels; and a single level (no routing, no relation sums)."""
@@ -252,6 +255,7 @@ def test_conversion_init_and_single_level():
 
 
 @needs_kernels
+@pytest.mark.variant  # 10 s under the interpreter: the full tier only
 def test_continues_from_a_non_initial_state():
     """Two calls: a first one that stops mid-chunk, then a second from its state, with gradients into the incoming
     state (sums, references) as well."""
