@@ -303,6 +303,36 @@ def test_bench_generate_starts_each_repeat_from_the_next_model_and_keeps_the_fas
     assert all(row["prefill_s"] == 0.5 and row["decode_s_per_step"] == 0.05 for row in report["rows"])
 
 
+def test_bench_generate_pairs_each_repeat_with_the_teachers_round(tmp_path, monkeypatch):
+    """With --repeats the decode ratio is also paired: the median of each round's teacher step over the model's, what a
+    machine whose speed drifts between rounds leaves intact (the fastest repeats may come from different phases); the
+    table shows it beside the fastest repeats' ratio."""
+    from conftest import save_tiny_teacher
+
+    from hf_mixers.apps.bench.generate import bench_generate
+    from hf_mixers.common import measures
+
+    steps = {"teacher": iter([1.0, 2.0, 2.0]), "student": iter([2.2, 2.2, 2.2])}  # the teacher's first round fast
+
+    def timing(model, context, decode_tokens, vocab, device, warmup=3, batch=1, keep_cache=False):
+        if context != 8:  # convert's cache probes
+            return {"prefill_s": 1.0, "decode_s": 1.0, "cache_bytes": 64, "cache_used_bytes": 64}
+        seconds = next(steps["teacher" if model.config.model_type == "llama" else "student"])
+        return {"prefill_s": 1.0, "decode_s": seconds, "cache_bytes": 64, "cache_used_bytes": 64}
+
+    monkeypatch.setattr(measures, "generation_timing", timing)
+    teacher = str(tmp_path / "teacher")
+    save_tiny_teacher(teacher)
+    report = bench_generate(str(tmp_path / "bench"), teacher=teacher, mixers=["gltm"], batch_sizes=(1,),
+                            contexts=(8,), decode_tokens=2, prompt_tokens=4, generate_tokens=1, repeats=3)
+    student = next(row for row in report["rows"] if row["model"] != "teacher")
+    assert student["decode_s_per_step_repeats"] == [2.2, 2.2, 2.2]
+    assert student["decode_speedup_vs_teacher"] == pytest.approx(1.0 / 2.2)  # the fastest repeats: 1.0 against 2.2
+    assert student["decode_speedup_vs_teacher_paired"] == pytest.approx(2.0 / 2.2)  # the median of 1/2.2, 2/2.2, 2/2.2
+    table = (tmp_path / "bench" / "bench_generate.md").read_text()
+    assert "| x teacher, paired |" in table and "| 0.45 | 0.91 |" in table
+
+
 def test_bench_generate_keeps_two_model_folders_of_the_same_name_apart(tmp_path):
     """Distilled models all live in OUT/model: two such folders are both measured, the second under its path."""
     import torch
