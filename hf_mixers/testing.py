@@ -198,7 +198,8 @@ def check_compiled_decode(name):
     in fp32 / fp64 an exported AOTInductor library: model/exported_step.py), equal to the eager step and to one full
     forward, on a left-padded batch; one graph per such mixer class, built at the first step and never rebuilt for
     the later ones, nor for steps without an attention mask (``generate``'s on a batch without padding); the teacher's
-    q/k/v_proj, where the mixer keeps them, as one product (``fuse_qkv``). Equal to fp32 precision, not fp64's: the
+    q/k/v_proj, where the mixer keeps them, as one product (``fuse_qkv``); a local window's ring buffers written in
+    place (the same memory from step to step, core/window.py). Equal to fp32 precision, not fp64's: the
     Llama RMSNorm computes in fp32 whatever the model's dtype, and the compiled graph sums in another order."""
     eager = tiny_model(name)
     compiled = tiny_model(name, compile_decode=True)

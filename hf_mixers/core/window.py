@@ -245,7 +245,7 @@ def _token_step(query, keys, values, valid, extras, state: WindowState, scale: f
     def leaving(ring, dim):  # the slot's row, (B, G, 1, ...) or (B, 1): a copy, read before the slot is written
         return ring[rows, slot][:, None] if dim == 1 else ring[rows, :, slot][:, :, None]
 
-    def written(ring, new, dim):  # the ring with the new token in the slot
+    def with_new(ring, new, dim):  # the ring with the new token in the slot
         ring = ring if in_place else ring.to(new.dtype, copy=True)
         if dim == 1:
             ring[rows, slot] = new[:, 0]
@@ -255,12 +255,12 @@ def _token_step(query, keys, values, valid, extras, state: WindowState, scale: f
 
     left = (leaving(state.keys, 2), leaving(state.values, 2), leaving(state.valid, 1),
             tuple(leaving(e, 2) for e in state.extras))
-    ring_keys, ring_values = written(state.keys, keys, 2), written(state.values, values, 2)
-    ring_valid = written(state.valid, valid, 1)
+    ring_keys, ring_values = with_new(state.keys, keys, 2), with_new(state.values, values, 2)
+    ring_valid = with_new(state.valid, valid, 1)
     local, local_log, *entropy = ring_attention(query, ring_keys, ring_values, ring_valid, scale,
                                                 with_entropy=callable(extras))
     new_extras = extras(entropy[0]) if callable(extras) else extras
-    ring_extras = tuple(written(old, new, 2) for old, new in zip(state.extras, new_extras, strict=True))
+    ring_extras = tuple(with_new(old, new, 2) for old, new in zip(state.extras, new_extras, strict=True))
     entering = left if delayed else (keys, values, valid, new_extras)
     ring = WindowState(keys=ring_keys, values=ring_values, valid=ring_valid, extras=ring_extras, memory=None,
                        written=None, oldest=(slot + 1) % state.valid.shape[1])
