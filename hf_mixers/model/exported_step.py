@@ -332,8 +332,8 @@ def _remember(function, block, step_inputs, step_tensors, skeleton, switches, in
         entries = _steps.setdefault(key, [])
         step = next((entry for entry in entries if _config_matches(entry.config_snapshot, config)), None)
         if step is None:
-            step = _new_step(function, block, names, [*tensors, *step_tensors], step_inputs, key, inductor_options)
-        elif not _serves(step, function, block, step_inputs, [*tensors, *step_tensors]):
+            step = _new_step(function, block, names, tensors, step_tensors, step_inputs, key, inductor_options)
+        elif not _serves(step, function, block, step_inputs, tensors, step_tensors):
             step = None  # this block runs through torch.compile; the library still serves the blocks it matched
     snapshot = step.config_snapshot if step is not None else copy.deepcopy(config.__dict__)
     memo = _Memo(step, modules, [tuple(map(dict, parts)) for parts in _live(modules)], tensors, skeleton, switches,
@@ -342,25 +342,23 @@ def _remember(function, block, step_inputs, step_tensors, skeleton, switches, in
     return memo
 
 
-def _matches_eager(runner, function, block, step_inputs, flat):
+def _matches_eager(runner, function, block, step_inputs, tensors, step_tensors):
     """Run the eager step on these inputs and ``_check`` the library against it -> the eager new state (its
     structure is what the library's outputs are rebuilt into); RuntimeError where they differ. Both run on copies
-    of the step's inputs (``flat``: the block's tensors, then the step's): a step may write its state in place (the
-    window's ring), and the call itself runs the library on the originals afterwards."""
+    of the step's inputs (the block's ``tensors`` are only read): a step may write its state in place (the window's
+    ring), and the call itself runs the library on the originals afterwards."""
     output, state = function(block, *map_tensors(step_inputs, torch.clone))
-    step_count = len(tensors_of(step_inputs))
-    _check(runner, [*flat[:len(flat) - step_count], *(t.clone() for t in flat[len(flat) - step_count:])],
-           [output, *tensors_of(state)])
+    _check(runner, [*tensors, *(tensor.clone() for tensor in step_tensors)], [output, *tensors_of(state)])
     return state
 
 
-def _serves(step, function, block, step_inputs, flat) -> bool:
+def _serves(step, function, block, step_inputs, tensors, step_tensors) -> bool:
     """Whether a library built on another block (or before a change the key does not see) equals this block's eager
     step on this call's inputs: checked once per block and memo, so that what the key leaves out (``layer_idx``,
     which no step should read, and what a trace reads beyond the modules' public attributes) cannot serve a block
     another one's program."""
     try:
-        _matches_eager(step.runner, function, block, step_inputs, flat)
+        _matches_eager(step.runner, function, block, step_inputs, tensors, step_tensors)
     except RuntimeError as error:
         logger.warning("the %s token step's library, built on another block, differs from this block's eager step "
                        "(%s); this block runs through torch.compile", _label(block, step_inputs), error)
@@ -368,7 +366,7 @@ def _serves(step, function, block, step_inputs, flat) -> bool:
     return True
 
 
-def _new_step(function, block, names, flat, step_inputs, key, inductor_options):
+def _new_step(function, block, names, tensors, step_tensors, step_inputs, key, inductor_options):
     entries, label = _steps[key], _label(block, step_inputs)
     snapshot = copy.deepcopy(_config_of(block).__dict__)
     if len(entries) >= MAX_CONFIGS or not _config_matches(snapshot, _config_of(block)):
@@ -377,8 +375,8 @@ def _new_step(function, block, names, flat, step_inputs, key, inductor_options):
         _fallbacks.add(key)
         return None
     try:
-        runner = _build(function, block, names, flat, step_inputs, inductor_options())
-        state = _matches_eager(runner, function, block, step_inputs, flat)
+        runner = _build(function, block, names, [*tensors, *step_tensors], step_inputs, inductor_options())
+        state = _matches_eager(runner, function, block, step_inputs, tensors, step_tensors)
     except Exception as error:  # noqa: BLE001 - any failure to export or build falls back, said once
         logger.warning("the %s token step could not be compiled ahead of time (%s: %s); it runs through "
                        "torch.compile", label, type(error).__name__, error)

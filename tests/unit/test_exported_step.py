@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from hf_mixers.core.cache import map_tensors
 from hf_mixers.model import exported_step
 
 
@@ -180,3 +181,26 @@ def test_a_library_is_checked_on_each_block_it_serves(caplog):
         assert run(second, toy_inputs(1), reads_the_layer) is None  # its memo says so: no second check
     assert sum("differs from this block's eager step" in record.message for record in caplog.records) == 1
     assert run(first, toy_inputs(1), reads_the_layer) is not None  # the block it was built on keeps it
+
+
+def test_a_step_that_writes_its_state_in_place_is_checked_on_copies():
+    """A step may write its state into its input in place (the local window's ring buffer): the library's first-use
+    check runs the eager step and the library on copies, so the call itself reads the state as it was, and the
+    library writes into the caller's tensor."""
+    def in_place_step(block, hidden_states, position_embeddings, inputs):
+        mask, (memory, count) = inputs
+        mixed = block.mixer.proj(block.norm(hidden_states))
+        output = hidden_states + mixed + memory[:, None]  # reads the state before it is written
+        memory.mul_(0.5).add_(mixed[:, 0] * mask)
+        return output, (memory, count + mask.long())
+
+    block = toy_block()
+    for seed in (0, 1):  # the first call builds and checks the library, the second is served by it
+        inputs = toy_inputs(seed)
+        expected_output, (expected_memory, _) = in_place_step(block, *map_tensors(inputs, torch.clone))
+        result = run(block, inputs, in_place_step)
+        assert result is not None, "the library failed its check: it was checked on inputs the eager step had written"
+        output, (memory, _) = result
+        torch.testing.assert_close(output, expected_output)
+        torch.testing.assert_close(memory, expected_memory)
+        assert memory.data_ptr() == inputs[2][1][0].data_ptr()  # written into the caller's tensor
