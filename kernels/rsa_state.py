@@ -276,13 +276,13 @@ def compiled_write(mode: str = "default"):
     return torch.compile(own_code(write_and_refresh), fullgraph=True, mode=None if mode == "default" else mode)
 
 
-def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params: RSAParams, decay_b=None):
-    """The write side of every chunk of the aligned buffer, in order: k_b (B, G, Tp, d), v_b (B, G, Tp, dv),
-    valid_b (B, Tp), decay_b (B, G, Tp) or None -> (ChunkWrites, the state after the last chunk, count advanced).
-    The buffer holds at least one chunk.
+def write_chunks_in_order(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params: RSAParams, decay_b=None):
+    """The write side of every chunk of the aligned buffer, one chunk after the other: k_b (B, G, Tp, d),
+    v_b (B, G, Tp, dv), valid_b (B, Tp), decay_b (B, G, Tp) or None -> (ChunkWrites, the state after the last chunk,
+    count advanced). The buffer holds at least one chunk.
 
-    Sequential, and the only sequential part of the chunk form: a chunk assigns against the references refreshed
-    at the previous boundary, which depend on every earlier write. Shared by the PyTorch and Triton chunk forms.
+    The reference of ``write_chunks`` (the literal order of the math: a chunk assigns against the references
+    refreshed at the previous boundary, then writes), and its path with decay or ``params.compile_write``.
     """
     size = params.chunk_size
     mode = params.compile_write
@@ -301,3 +301,112 @@ def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params
     sums = (torch.stack([getattr(s, name) for s in starts], 2)
             for name in ("key_sum", "value_sum", "mass", "relation_sum"))
     return ChunkWrites(torch.cat(f, 3), torch.cat(x, 3), torch.cat(y, 3), *sums), state
+
+
+def boundary_index(layout: ChunkLayout, size: int) -> torch.Tensor:
+    """(B, N + 1): which boundary's slots each row's references hold at each chunk start c = 0..N (N: after the last
+    chunk): min(c, boundaries the row reaches), 0 the state's own references. A row refreshes them at every boundary
+    its tokens reach; past its last one it writes nothing, and they stay."""
+    reached = (layout.phase + layout.real) // size
+    return torch.minimum(torch.arange(layout.padded // size + 1, device=reached.device), reached[:, None])
+
+
+def assign_chain(x, valid, key_sum, mass, key_ref, prior, kappa, beta, boundary, params: RSAParams):
+    """One level's key-assignment chain over every chunk, in order: the write side's only nonlinear recurrence.
+
+    x (B, G, Tp, d) the level's keys, valid (B, Tp), the level's state at the buffer's start key_sum (B, G, m, d),
+    mass (B, G, m), key_ref (B, G, m, d); prior = kappa P (G, m, d), kappa (G,), beta (G,); boundary (B, N + 1)
+    from ``boundary_index``. Chunk c assigns its rows against ref_c, the slots (kappa P + S_j) / (kappa + n_j) of
+    boundary j = boundary[:, c] (j = 0: key_ref), and writes S_{c+1} = S_c + F_c^T X_c, n_{c+1} = n_c + sum_t F_c.
+    Returns f (B, G, Tp, m) every row's assignment (F = f * valid is what it writes), p (B, G, Tp, m) the residual
+    weights (f itself for softmax assignment), and the sums at every boundary S (B, G, N + 1, m, d),
+    n (B, G, N + 1, m).
+
+    The PyTorch twin of kernels/rsa_chain_triton.py's kernel (the CPU path and its oracle): one loop over chunks.
+    """
+    size, tau, eps = params.chunk_size, x.shape[-1] ** -0.5, params.eps
+    write = valid.to(x.dtype)[:, None, :, None]
+    prior, kappa, beta = prior[None], kappa[None, :, None], beta[None, :, None, None]
+    sums, masses, fs, ps = [key_sum], [mass], [], []
+    ref = key_ref
+    for index, start in enumerate(range(0, x.shape[2], size)):
+        if index:  # refreshed at this boundary for the rows that reach it
+            now = (prior + key_sum) / (kappa + mass).clamp_min(eps)[..., None]
+            ref = torch.where((boundary[:, index] == index)[:, None, None, None], now, ref)
+        x_c = x[:, :, start:start + size]
+        f, p = assign(x_c, ref, beta, params, tau)
+        written = f * write[:, :, start:start + size]
+        key_sum, mass = key_sum + written.transpose(-1, -2) @ x_c, mass + written.sum(-2)
+        sums.append(key_sum)
+        masses.append(mass)
+        fs.append(f)
+        ps.append(p)
+    f = torch.cat(fs, 2)
+    return f, (f if params.assign_fn == "softmax" else torch.cat(ps, 2)), torch.stack(sums, 2), torch.stack(masses, 2)
+
+
+def exclusive_sums(start, increments):
+    """start (B, G, ...) and per-chunk increments (B, G, N, ...) -> the running sum at every boundary
+    (B, G, N + 1, ...): start, start + inc_0, ..., start + inc_0 + ... + inc_{N-1}."""
+    return torch.cat([start[:, :, None], start[:, :, None] + increments.cumsum(2)], 2)
+
+
+def references(start, sums, divisor, boundary, eps):
+    """The references at every chunk start and after the last chunk (B, G, N + 1, m, d): the state's own ``start``
+    (B, G, m, d) at boundary 0, else sums_j / max(divisor_j, eps) (sums (B, G, N + 1, m, d), divisor
+    (B, G, N + 1, m)) of the row's boundary j (``boundary_index``)."""
+    slots = torch.cat([start[:, :, None], sums[:, :, 1:] / divisor[:, :, 1:, :, None].clamp_min(eps)], 2)
+    index = boundary[:, None, :, None, None].expand(-1, slots.shape[1], -1, *slots.shape[-2:])
+    return slots.gather(2, index)
+
+
+def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params: RSAParams, decay_b=None,
+                 chain=assign_chain):
+    """The write side of every chunk of the aligned buffer: k_b (B, G, Tp, d), v_b (B, G, Tp, dv), valid_b (B, Tp),
+    decay_b (B, G, Tp) or None -> (ChunkWrites, the state after the last chunk, count advanced). The buffer holds at
+    least one chunk. Equal to ``write_chunks_in_order``.
+
+    Split along the one recurrence: a level's assignments (``chain``: ``assign_chain`` or its Triton kernel) depend
+    on its chunk-start key sums and mass, and once they are known everything else is a product over all chunks at
+    once: the value sums and relation sums (exclusive cumulative sums of per-chunk products), the references of
+    every chunk start, and the next level's keys and values (the residual MLPs, one call for all chunks). So the op
+    count does not grow with T beyond the chain. With decay or ``params.compile_write``: ``write_chunks_in_order``.
+    """
+    if decay_b is not None or params.compile_write:
+        return write_chunks_in_order(k_b, v_b, valid_b, layout, state, params, decay_b)
+    size, eps, levels = params.chunk_size, params.eps, params.prototypes.shape[1]
+    count = k_b.shape[2] // size
+    chunked = lambda t: t.unflatten(2, (count, size))  # noqa: E731  (B, G, Tp, ...) -> (B, G, N, C, ...)
+    prior, kappa = slot_prior(params, k_b.dtype)  # (1, G, L, m, d), (1, G, L, 1)
+    boundary = boundary_index(layout, size)
+    write = valid_b.to(k_b.dtype)[:, None, :, None]
+    x_k, x_v = k_b, v_b
+    fs, xs, ys, key_sums, value_sums, masses, relations, key_refs, value_refs = ([] for _ in range(9))
+    for i in range(levels):
+        f, p, key_sum, mass = chain(x_k, valid_b, state.key_sum[:, :, i], state.mass[:, :, i], state.key_ref[:, :, i],
+                                    prior[0, :, i], kappa[0, :, i, 0], params.beta[:, i].to(k_b.dtype), boundary,
+                                    params)
+        f = f * write  # what the level writes: nothing on padding
+        value_sum = exclusive_sums(state.value_sum[:, :, i], chunked(f).transpose(-1, -2) @ chunked(x_v))
+        if i:
+            relations.append(exclusive_sums(state.relation_sum[:, :, i - 1], chunked(fs[-1]).transpose(-1, -2)
+                                            @ chunked(f)))
+        key_ref = references(state.key_ref[:, :, i], prior[:, :, i, None] + key_sum, kappa[:, :, i, None] + mass,
+                             boundary, eps)  # (B, G, N + 1, m, d)
+        value_ref = references(state.value_ref[:, :, i], value_sum, mass, boundary, eps)
+        for parts, part in zip((fs, xs, ys, key_sums, value_sums, masses, key_refs, value_refs),
+                               (f, x_k, x_v, key_sum, value_sum, mass, key_ref, value_ref)):
+            parts.append(part)
+        if i < levels - 1:  # the next level writes the residuals' MLPs, every chunk at once
+            p_c = chunked(p)
+            x_k = params.key_mlps[i](x_k - (p_c @ key_ref[:, :, :count]).flatten(2, 3))
+            x_v = params.value_mlps[i](x_v - (p_c @ value_ref[:, :, :count]).flatten(2, 3))
+    key_sum, value_sum, mass = (torch.stack(t, 3) for t in (key_sums, value_sums, masses))  # (B, G, N + 1, L, ...)
+    relation_sum = torch.stack(relations, 3) if relations else state.relation_sum[:, :, None].expand(
+        -1, -1, count + 1, -1, -1, -1)
+    final = RSAState(key_sum=key_sum[:, :, -1], value_sum=value_sum[:, :, -1], mass=mass[:, :, -1],
+                     relation_sum=relation_sum[:, :, -1], key_ref=torch.stack([r[:, :, -1] for r in key_refs], 2),
+                     value_ref=torch.stack([r[:, :, -1] for r in value_refs], 2), count=state.count + layout.real)
+    writes = ChunkWrites(torch.stack(fs, 2), torch.stack(xs, 2), torch.stack(ys, 2), key_sum[:, :, :-1],
+                         value_sum[:, :, :-1], mass[:, :, :-1], relation_sum[:, :, :-1])
+    return writes, final

@@ -1,0 +1,113 @@
+"""How many operator calls a step issues, and how many of them read a value back to the host.
+
+On a GPU each eager aten call is a kernel launch (and ~40 us of host time on the lent H100), and each host read
+(``.item()``, ``bool(tensor)``, ``nonzero``) waits for the queue to drain: a step's op count predicts its eager speed
+when the work per op is small. The count is taken on CPU, where it is the same dispatch the GPU path would issue:
+
+    counted = aten calls under a TorchDispatchMode, forward and backward, views and metadata excluded
+              + one per Triton kernel launch (under TRITON_INTERPRET=1 the interpreter's own tensor copies inside a
+              launch are not counted: on a GPU the launch is one)
+    host reads = _local_scalar_dense (item, bool, int of a tensor), is_nonzero, nonzero / argwhere (a shape that
+              depends on the data)
+
+Used by the launch-budget test (tests/unit/test_launch_budget.py) and by ``make gpu-check`` (ops per step beside the
+step's time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HOST_READS = frozenset({"_local_scalar_dense", "is_nonzero", "nonzero", "argwhere", "equal"})
+# Aliasing, allocation and metadata: no kernel on a GPU (views are caught by ``is_view`` too).
+_NO_KERNEL = frozenset({"detach", "alias", "lift_fresh", "_unsafe_view", "view", "expand", "as_strided",
+                        "t", "transpose", "permute", "squeeze", "unsqueeze", "select", "slice", "unbind", "split",
+                        "split_with_sizes", "chunk", "unflatten", "reshape_alias", "_reshape_alias", "sym_size",
+                        "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "empty_like",
+                        "empty", "empty_strided", "new_empty", "new_empty_strided", "set_", "resize_", "size",
+                        "stride", "dim", "numel", "is_contiguous", "_has_compatible_shallow_copy_type",
+                        "_to_copy_if_needed", "record_stream"})
+
+
+def _is_free(func) -> bool:
+    return func.is_view or func.overloadpacket.__name__ in _NO_KERNEL
+
+
+@dataclass
+class OpCount:
+    """What one counted call issued: ``ops`` launches in all, of which ``host_reads`` read back to the host."""
+
+    ops: int = 0
+    host_reads: int = 0
+    triton_launches: int = 0
+    by_name: Counter = field(default_factory=Counter)
+
+    def top(self, n: int = 12) -> list[tuple[str, int]]:
+        return self.by_name.most_common(n)
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, count: OpCount):
+        super().__init__()
+        self.count = count
+        self.inside_launch = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside_launch and not _is_free(func):
+            name = func.overloadpacket.__name__
+            self.count.ops += 1
+            self.count.by_name[name] += 1
+            if name in HOST_READS:
+                self.count.host_reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _triton_launches_as_one(mode: _Counter):
+    """Count each interpreted Triton launch once and none of the interpreter's own tensor traffic inside it."""
+    try:
+        from triton.runtime.interpreter import GridExecutor
+    except ImportError:  # no triton: no launches to count
+        yield
+        return
+    launch = GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        mode.count.ops += 1
+        mode.count.triton_launches += 1
+        mode.count.by_name[f"triton:{self.fn.__name__}"] += 1
+        mode.inside_launch += 1
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            mode.inside_launch -= 1
+
+    GridExecutor.__call__ = counted
+    try:
+        yield
+    finally:
+        GridExecutor.__call__ = launch
+
+
+def count_ops(fn, *args, **kwargs) -> tuple[OpCount, object]:
+    """Run ``fn(*args, **kwargs)`` once and count what it dispatched: (OpCount, fn's result)."""
+    count = OpCount()
+    mode = _Counter(count)
+    with _triton_launches_as_one(mode), mode:
+        result = fn(*args, **kwargs)
+    return count, result
+
+
+def training_step_ops(module, hidden_states, position_embeddings) -> OpCount:
+    """One forward + backward of a standalone layer (``apps/bench/harness.build_mixer``) on ``hidden_states``: the
+    count of the benchmarks' training step, the loss a sum of squares."""
+
+    def step():
+        module(hidden_states, position_embeddings).float().pow(2).mean().backward()
+
+    return count_ops(step)[0]
