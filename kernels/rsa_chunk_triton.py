@@ -24,13 +24,11 @@ formed: every "state at row t" product is factorised into the chunk-start term p
 linear attention.
 
 Split of the work:
-  * Write side: PyTorch (``rsa_state.write_chunks``, shared with the PyTorch chunk form), a sequential loop over
-    chunks (without autograd, inference, one Triton launch walks them all: kernels/rsa_write_triton.py). Its
-    assignments depend on the state at the chunk start (the refs), so chunks cannot run in parallel; a residual
-    MLP (d -> h -> d, shared across heads, any callable in ``RSAParams``) sits between every two levels; it runs
-    once per KV head (not per query head) and costs O(C m d + C d h) per level, no C x C terms. Autograd
-    differentiates it as usual (refs, MLPs, beta, prototypes, the incoming state), so no hand-written backward is
-    needed for any of that.
+  * Write side: ``rsa_state.write_chunks`` (shared with the PyTorch chunk form), split along its one recurrence:
+    each level's key-assignment chain over the chunks (its assignments depend on the chunk-start state) is one
+    launch of kernels/rsa_chain_triton.py, forward and backward; everything else (value and relation sums, every
+    chunk's references, the residual MLPs between levels, shared across heads) is PyTorch over all chunks at once,
+    which autograd differentiates. The same path with and without autograd.
   * Read side: ``_fwd_kernel``, one launch for *all* chunks of the call (given the write side, the chunks' reads
     are independent): grid (n_chunks, B * H), one program = one query head x one chunk, all L levels in order
     inside the program (the chain and the global normaliser couple them). ``_bwd_kernel`` is launched once per
@@ -98,15 +96,11 @@ finally:
 
 from .common import compute_dtype, tile_edge
 from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunks
-# the write side's kernel (inference), and the tiles and dot precision both sides use: MAX_TILE (chunk size and slot
-# count, held as one tile: C x C, C x m and m x m) and MAX_HEAD_DIM (the read's forward holds a (C, d) tile whole,
-# its backward takes FEATURE_BLOCK features at a time). Shared memory of the read for sm_90 with Triton 3.6
-# (`triton.compile` on a CPU, docs/benchmarks.md "Kernels"): at SmolLM2's 64-wide heads the forward 96 KiB, the
-# backward 112-176 KiB; at Llama-3-8B's 128-wide heads the forward 128 KiB (224 KiB with the window's merge weight
-# and RSA-q), the backward 112-192 KiB; an H100 block can have 227 KiB. Calls over the limits run the PyTorch
+# the write side's kernel (the assignment chain), and the tiles and dot precision both sides use: MAX_TILE (chunk
+# size and slot count, held as one tile: C x C, C x m and m x m) and MAX_HEAD_DIM (the read's forward holds a
+# (C, d) tile whole, its backward takes FEATURE_BLOCK features at a time); calls over the limits run the PyTorch
 # path, said in the dispatch's log line.
-from .rsa_write_triton import (INPUT_PRECISION, NUM_WARPS, scope_reason, write_chunks_triton,
-                               write_triton_supports)
+from .rsa_chain_triton import INPUT_PRECISION, NUM_WARPS, assign_chain_triton, scope_reason
 from .triton_compile import compile_side_by_side
 
 FEATURE_BLOCK = 64
@@ -125,7 +119,7 @@ def _interpreted() -> bool:
 
 def rsa_chunk_triton_supports(params: RSAParams, q=None, v=None, log_decay=None) -> str | None:
     """None when ``rsa_chunked_triton`` can run this call, else the reason (for a fallback with a log line)."""
-    reason = scope_reason(params, v, log_decay)  # decay, assign_fn, tile sizes: shared with the write kernel
+    reason = scope_reason(params, v, log_decay)  # decay, assign_fn, tile sizes: shared with the chain kernel
     if reason is not None:
         return reason
     if params.readout not in READOUTS:
@@ -657,10 +651,8 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
         return q.new_zeros(batch, groups, group_size, length, v.shape[-1] + params.log_weight, dtype=cd), state
     q_b, k_b, v_b = layout.pack(q, 3), layout.pack(k, 2), layout.pack(v, 2)
     valid_b = layout.valid(batch, q.device)
-    if torch.is_grad_enabled() or write_triton_supports(params, v) is not None:  # in order, differentiable
-        writes, state = write_chunks(k_b, v_b, valid_b, layout, state, params)
-    else:  # inference: every chunk's write in one launch (a GPU runs the PyTorch loop's calls one launch each)
-        writes, state = write_chunks_triton(k_b, v_b, valid_b, layout, state, params)
+    # Write side: each level's assignment chain in one launch (kernels/rsa_chain_triton.py), the rest over all chunks
+    writes, state = write_chunks(k_b, v_b, valid_b, layout, state, params, chain=assign_chain_triton)
 
     # Read side: all chunks in one launch, from the chunk-start sums.
     levels = params.prototypes.shape[1]

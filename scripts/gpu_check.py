@@ -312,8 +312,7 @@ def warm_kernel(kernel: str, shape: str, length: int) -> None:
         began = time.perf_counter()
         run().float().pow(2).mean().backward()  # the read's forward and backward kernels, side by side
         if kernel.startswith("rsa"):
-            # then inference (a conversion's evaluation, a prefill): the write kernel. First, it compiled the read's
-            # forward alone before the backward's (48.5 + 39.1 s at SmolLM2's heads on the H100, 2026-11-28)
+            # then inference (a conversion's evaluation, a prefill): the no-grad launches too
             with torch.no_grad():
                 run()
         if device.type == "cuda":

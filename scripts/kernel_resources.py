@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What each Triton kernel asks of a GPU, read without one: its shared memory and compile time.
+"""What each Triton kernel asks of a GPU, read without one: its shared memory, registers, spills and compile time.
 
 `triton.compile` for a `GPUTarget` runs on a CPU (Triton ships `ptxas`); a kernel whose shared memory exceeds the
 block limit (227 KiB on an H100 / H200, sm_90) compiles but raises OutOfResources at its first launch, after
@@ -15,7 +15,8 @@ this machine's venv 3.9, and they allocate shared memory differently), e.g.
         > /tmp/t36/lib/python3.11/site-packages/hf_mixers_venv.pth   # torch and this tree, after Triton 3.6
     /tmp/t36/bin/python scripts/kernel_resources.py --kernel rsa --shape smollm2-135m
 
-Prints one line per compiled kernel and writes them as JSON with --out.
+Registers and spill bytes (stack + local memory per thread) come from the cubin (``cuobjdump --dump-resource-usage``,
+shipped with Triton). Prints one line per compiled kernel and writes them as JSON with --out.
 """
 
 from __future__ import annotations
@@ -44,6 +45,26 @@ def _type_of(value) -> str:
     if isinstance(value, float):
         return "fp32"
     raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def cubin_usage(cubin: bytes) -> dict:
+    """Registers per thread and spill bytes (the stack frame and local memory per thread) of a compiled kernel, read
+    from its cubin by the ``cuobjdump`` that Triton ships (``--dump-resource-usage``): what Triton's
+    ``n_regs`` / ``n_spills`` say only once a kernel is loaded on a GPU."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nvidia
+
+    tool = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", file.name], capture_output=True, text=True,
+                              check=True).stdout
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    return {"registers": int(fields["REG"]), "spill_bytes": int(fields.get("STACK", 0)) + int(fields.get("LOCAL", 0))}
 
 
 def compiling_run(arch: int, records: list, seen: set, pending: list | None = None):
@@ -76,8 +97,9 @@ def compiling_run(arch: int, records: list, seen: set, pending: list | None = No
         try:
             compiled = triton.compile(ASTSource(self, signature, constexprs), target=GPUTarget("cuda", arch, 32),
                                       options=options)
-            shared = compiled.metadata.shared  # registers and spills are known only once loaded on a GPU
-            record = {"kernel": self.__name__, "shared_bytes": shared,
+            shared = compiled.metadata.shared
+            usage = cubin_usage(compiled.asm["cubin"])
+            record = {"kernel": self.__name__, "shared_bytes": shared, **usage,
                       "fits": shared <= SHARED_LIMIT.get(arch, SHARED_LIMIT[90])}
         except Exception as error:  # noqa: BLE001 - report and go on: the point is a list
             record = {"kernel": self.__name__, "error": f"{type(error).__name__}: {str(error)[:300]}"}
@@ -134,7 +156,7 @@ def main() -> int:
         _, run = _candidate(f"{kernel}_triton", layout, args.length, "cpu", dtype, generator, 64, rsa_options)
         run().float().pow(2).mean().backward()  # the read's forward and backward kernels, side by side
         if kernel == "rsa":
-            with torch.no_grad():  # inference: the write kernel (kernels/rsa_write_triton.py) as well
+            with torch.no_grad():  # inference (a prefill): the no-grad launches as well
                 run()
     if pending:
         from concurrent.futures import ThreadPoolExecutor

@@ -152,8 +152,8 @@ def _rsa_inference(shape_name, length, dtype, backend, compute):
 
 @pytest.mark.parametrize("shape_name,length,dtype_name", CASES)
 def test_rsa_memory_inference_write_kernel_matches_reference(shape_name, length, dtype_name, record):
-    """Without autograd (a prefill) the write side is a kernel too, every chunk in one launch
-    (kernels/rsa_write_triton.py): the output and the state it leaves against the fp64 reference."""
+    """Without autograd (a prefill): the chain kernel (kernels/rsa_chain_triton.py) and the read's forward, the
+    output and the state it leaves against the fp64 reference."""
     dtype = DTYPES[dtype_name]
     reason = _unsupported(SHAPES[shape_name]).get("rsa_triton")
     if reason:

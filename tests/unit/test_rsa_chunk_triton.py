@@ -16,7 +16,7 @@ from triton_interpreter import (DEVICE, compile_key, interpreter_only, needs_ker
                                 run_under_interpreter)
 
 from hf_mixers.kernels import rsa_chunk_triton as rct
-from hf_mixers.kernels import rsa_write_triton as rwt
+from hf_mixers.kernels import rsa_chain_triton as rch
 from hf_mixers.kernels.rsa_memory import RSAParams, ResidualMLPWeights, initial_state, rsa_chunked, rsa_recurrent
 from hf_mixers.kernels.rsa_state import ChunkLayout, write_chunks
 
@@ -127,8 +127,8 @@ def test_kernels_are_interpreted():
 @pytest.mark.variant  # 12 s under the interpreter: the full tier only
 def test_converted_default_matches_reference():
     """convert()'s options (softmax assign, softmax_count readout, relation routing, no RSA-q, no decay): output,
-    state and every gradient equal rsa_chunked; the output also equals the token recurrence; without autograd (the
-    write side then one launch, kernels/rsa_write_triton.py) the same values. Chunks of 16 (the other tests' are
+    state and every gradient equal rsa_chunked; the output also equals the token recurrence; without autograd (a
+    prefill) the same values. Chunks of 16 (the other tests' are
     8: those options at 8 cost 33 s interpreted)."""
     params = make_params(chunk=16, readout="softmax_count")
     inputs = make_inputs(params)
@@ -143,45 +143,69 @@ def test_converted_default_matches_reference():
 
 
 @needs_kernels
-@pytest.mark.parametrize("assign_fn, levels", first_in_fast(("softmax", 3), ("sigmoid", 3), ("softmax", 1)))
-def test_write_kernel_equals_write_chunks(assign_fn, levels):
-    """The inference write side (kernels/rsa_write_triton.py: one launch walks every chunk) equals write_chunks:
-    each row's assignments, keys and values per level, the chunk-start sums and the state after the call (the
-    references refreshed at each boundary a row reaches), with rows at three phases (counts 0, 5, 13), left padding
-    and a hole, ragged sizes (d 12, dv 10, m 6, chunks of 8, MLPs as wide as their level); the caller's state is
-    left as it was."""
-    params = make_params(chunk=8, levels=levels, assign_fn=assign_fn)
-    _, k, v, valid = make_inputs(params)
-    with torch.no_grad():
-        state = replace(initial_state(params, 3, VALUE_DIM, torch.float32), count=torch.tensor([0, 5, 13]).to(DEV))
-        layout = ChunkLayout.of(valid, state.count, params.chunk_size)
-        k_b, v_b, valid_b = layout.pack(k, 2), layout.pack(v, 2), layout.valid(3, DEV)
-        before = {name: getattr(state, name).clone() for name in STATE_FIELDS}
-        writes, new_state = rwt.write_chunks_triton(k_b, v_b, valid_b, layout, state, params)
-        expected, expected_state = write_chunks(k_b, v_b, valid_b, layout, state, params)
-    for field in fields(expected):
-        assert_close(getattr(writes, field.name), getattr(expected, field.name), field.name)
-    for name in STATE_FIELDS:
-        assert_close(getattr(new_state, name), getattr(expected_state, name), f"state.{name}")
-        assert torch.equal(getattr(state, name), before[name]), name
-    assert torch.equal(new_state.count, expected_state.count)
-    assert not torch.equal(new_state.key_ref, state.key_ref)  # a boundary was reached and refreshed
+@pytest.mark.parametrize("assign_fn", ["softmax", "sigmoid"])
+def test_chain_kernel_equals_assign_chain(assign_fn):
+    """One level's assignment chain (kernels/rsa_chain_triton.py) against its PyTorch twin (rsa_state.assign_chain,
+    fp64): the assignments, the residual weights, the sums at every boundary, and the gradients of all of them
+    through the chain (the keys, the starting sums, mass and references, kappa P, kappa, beta), with rows at three
+    phases (counts 0, 5, 13), left padding, a hole, a starting state away from zero, ragged sizes."""
+    from hf_mixers.kernels.rsa_chain_triton import assign_chain_triton
+    from hf_mixers.kernels.rsa_state import assign_chain, boundary_index
+
+    params = make_params(chunk=8, levels=1, assign_fn=assign_fn)
+    _, k, _, valid = make_inputs(params)
+    g = torch.Generator().manual_seed(5)
+    count = torch.tensor([0, 5, 13])
+    layout = ChunkLayout.of(valid, count.to(DEV), params.chunk_size)
+    k_b, valid_b = layout.pack(k.detach(), 2), layout.valid(3, DEV)
+    boundary = boundary_index(layout, params.chunk_size)
+    batch, groups, padded, _ = k_b.shape
+    chunks = padded // params.chunk_size
+    leaves = [k_b, torch.rand(batch, groups, SLOTS, KEY_DIM, generator=g), 2 * torch.rand(batch, groups, SLOTS,
+                                                                                           generator=g),
+              torch.randn(batch, groups, SLOTS, KEY_DIM, generator=g), torch.randn(groups, SLOTS, KEY_DIM, generator=g),
+              torch.rand(groups, generator=g) + 0.5, torch.rand(groups, generator=g) + 0.5]
+    leaves = [t.detach().to(DEV, torch.float64) for t in leaves]
+    # rows past a row's last boundary hold only padding, whose assignments nothing downstream differentiates
+    live = (torch.arange(padded, device=DEV) < (boundary[:, -1:] + 1) * params.chunk_size)[:, None, :, None]
+    weights = [torch.randn(batch, groups, padded, SLOTS, generator=g).to(DEV) * live for _ in range(2)] + [
+        torch.randn(batch, groups, chunks + 1, SLOTS, KEY_DIM, generator=g).to(DEV),
+        torch.randn(batch, groups, chunks + 1, SLOTS, generator=g).to(DEV)]
+
+    def outputs_and_grads(chain, dtype):
+        inputs = [t.to(dtype).requires_grad_() for t in leaves]
+        outputs = chain(inputs[0], valid_b.to(dtype), *inputs[1:], boundary, params)
+        loss = sum((out * w.to(dtype)).sum() for out, w in zip(outputs, weights))
+        return outputs, torch.autograd.grad(loss, inputs)
+
+    expected, expected_grads = outputs_and_grads(assign_chain, torch.float64)
+    actual, actual_grads = outputs_and_grads(assign_chain_triton, torch.float32)
+    for name, out, ref in zip(("f", "p", "key sums", "masses"), actual, expected):
+        mask = live if name in ("f", "p") else True
+        assert_close((out.double() * mask).float(), (ref * mask).float(), name)
+    for name, grad, ref in zip(("x", "key_sum", "mass", "key_ref", "prior", "kappa", "beta"), actual_grads,
+                               expected_grads):
+        assert_close(grad.float(), ref.float(), f"d {name}")
 
 
 @needs_kernels
-@pytest.mark.variant  # 11 s under the interpreter: the full tier only
-def test_the_write_kernel_runs_without_autograd_only(monkeypatch):
-    """Inference (no autograd) writes every chunk in one launch; a training call keeps the PyTorch write side, which
-    autograd differentiates."""
-    launched = record_launches(monkeypatch, (rwt._write_kernel,))
-    params = make_params(chunk=8)
+def test_the_chain_kernel_writes_every_level_with_and_without_autograd(monkeypatch):
+    """Each level's assignment chain is one launch of kernels/rsa_chain_triton.py, in training (forward, then one
+    backward launch a level) and in a no-grad prefill alike: no loop over chunks on the host."""
+    calls = []
+    for kernel in (rch._chain_fwd, rch._chain_bwd):
+        real = kernel.run
+        monkeypatch.setattr(kernel, "run", lambda *a, _real=real, _name=kernel.fn.__name__, **k: (
+            calls.append(_name), _real(*a, **k))[1])
+    params = make_params(chunk=8, levels=2)
     inputs = make_inputs(params, batch=2)
     state = initial_state(params, 2, VALUE_DIM, torch.float32)
     run(rct.rsa_chunked_triton, params, *inputs, state)
-    assert not launched
+    assert calls == ["_chain_fwd"] * 2 + ["_chain_bwd"] * 2, calls
+    calls.clear()
     with torch.no_grad():
         rct.rsa_chunked_triton(*inputs, state, params)
-    assert len(launched) == 1
+    assert calls == ["_chain_fwd"] * 2
 
 
 @needs_kernels
@@ -325,12 +349,9 @@ def test_supports_names_what_is_not_implemented():
     wide = torch.zeros(1, 2, 3, 200, device=DEV)
     assert "value head dim 200 > 128" in rct.rsa_chunk_triton_supports(params, v=wide)
     assert rct.rsa_chunk_triton_supports(params, v=wide[..., :128]) is None  # Llama-3-8B's heads
-    # the inference write kernel's scope (outside it, the PyTorch write side runs)
-    assert rwt.write_triton_supports(params, v=wide[..., :128]) is None
-    assert "decay" in rwt.write_triton_supports(params, log_decay=decay)
-    assert "ResidualMLPWeights" in rwt.write_triton_supports(replace(params, key_mlps=[lambda x: x] * 2))
-    assert "chunk_size 256 > 64" in rwt.write_triton_supports(replace(params, chunk_size=256))
-    assert "value head dim 200 > 128" in rwt.write_triton_supports(params, v=wide)
+    # the chain kernel's scope is the read's (one reason for both)
+    assert "decay" in rch.scope_reason(params, log_decay=decay)
+    assert "key head dim 200 > 128" in rch.scope_reason(replace(params, prototypes=torch.zeros(2, 3, SLOTS, 200)))
 
 
 @needs_kernels
@@ -370,8 +391,8 @@ def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_
     bench kernels' ``_candidate``). Each readout is its own variant: warming the mixer's default (sigmoid) while the
     conversion sets the count-aware softmax left the demo's forward and backward to compile inside the distillation
     on the fourth H100 run (38 s each). Here the launches of a converted teacher's calibration and training step
-    (the demo's window) are exactly those of the warm-up at the same head layout, the inference write kernel (the
-    conversion's no-grad forwards) included. The report's cache measurement is left out: its prefills (64-256
+    (the demo's window) are exactly those of the warm-up at the same head layout, the no-grad launches (the
+    conversion's forwards) included. The report's cache measurement is left out: its prefills (64-256
     tokens, 40 s interpreted) launch the no-grad variant of the held-out evaluation's."""
     from conftest import save_tiny_teacher
     from hf_mixers.apps.bench.kernels import _candidate
@@ -379,7 +400,7 @@ def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_
 
     monkeypatch.setattr(converter, "cache_bytes_at", lambda model, contexts, *args: dict.fromkeys(contexts, 0))
     save_tiny_teacher(tmp_path / "teacher")
-    launched = record_launches(monkeypatch, (rct._fwd_kernel, rct._bwd_kernel, rwt._write_kernel))
+    launched = record_launches(monkeypatch, (rct._fwd_kernel, rct._bwd_kernel, rch._chain_fwd, rch._chain_bwd))
     student, _ = convert(str(tmp_path / "teacher"), "rsa", mixer_options={"rsa_window": 8}, sequence_length=48,
                          calibration_sequences=2, heldout_sequences=1, progress=False)
     student.to(DEV).train()
@@ -392,4 +413,4 @@ def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_
     with torch.no_grad():
         run_warm()
     run_warm().pow(2).mean().backward()
-    assert len(demo) == 4 and launched == demo  # the write, the read forward and its two backward variants
+    assert len(demo) == 5 and launched == demo  # the chain forward and backward, the read forward, its 2 backwards

@@ -295,3 +295,32 @@ def test_the_compiled_write_equals_the_eager_one_and_one_graph_serves_every_laye
         assert any(g is not None and g.abs().sum() > 0 for g in results[1][1 + len(STATE_FIELDS) + 3:])
     # layer 1 compiled its graphs (the first chunk's state needs no gradient, the later ones' do); layer 2 none
     assert graphs[1] > graphs[0] and graphs[3] == graphs[1], graphs
+
+
+@pytest.mark.parametrize("assign_fn, levels", [("softmax", 3), ("sigmoid", 3), ("softmax", 1), ("sigmoid", 1)])
+def test_split_write_equals_the_chunk_by_chunk_write(assign_fn, levels):
+    """The write side split along its one recurrence (``write_chunks``: each level's assignment chain, then the rest
+    over all chunks at once) against the literal chunk-by-chunk order (``write_chunks_in_order``), in fp64: every
+    field of the writes (padding rows included), the state after the call, and the gradients through both, with rows
+    at three phases (counts 0, 5, 3), left padding and a hole; a row ends on a boundary mid-buffer."""
+    from dataclasses import fields, replace
+
+    from hf_mixers.kernels.rsa_state import ChunkLayout, write_chunks, write_chunks_in_order
+
+    params = make_params(levels=levels, assign_fn=assign_fn)
+    for tensor in (params.prototypes, params.kappa, params.beta):
+        tensor.requires_grad_()
+    _, k, v, valid = make_inputs(params)
+    k, v = k.requires_grad_(), v.requires_grad_()
+    state = replace(initial_state(params, 3, v.shape[-1], F64), count=torch.tensor([0, 5, 3]))
+    layout = ChunkLayout.of(valid, state.count, params.chunk_size)
+    results = []
+    for write in (write_chunks, write_chunks_in_order):
+        writes, new_state = write(layout.pack(k, 2), layout.pack(v, 2), layout.valid(3, "cpu"), layout, state, params)
+        tensors = [getattr(writes, f.name) for f in fields(writes)] + [getattr(new_state, n) for n in STATE_FIELDS]
+        g = torch.Generator().manual_seed(4)
+        loss = sum((t * torch.randn(t.shape, generator=g, dtype=F64)).sum() for t in tensors if t.is_floating_point())
+        results.append((tensors, torch.autograd.grad(loss, [k, v, params.prototypes, params.kappa, params.beta])))
+    (split, split_grads), (in_order, in_order_grads) = results
+    for a, b in zip(split + list(split_grads), in_order + list(in_order_grads)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

@@ -17,8 +17,11 @@ step's time).
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -46,15 +49,34 @@ class OpCount:
     host_reads: int = 0
     triton_launches: int = 0
     by_name: Counter = field(default_factory=Counter)
+    by_site: Counter = field(default_factory=Counter)  # with ``sites``: "file:function:line" of the issuing code
 
     def top(self, n: int = 12) -> list[tuple[str, int]]:
         return self.by_name.most_common(n)
 
 
+def _package_folders() -> tuple[str, ...]:
+    """Where the project's code lives: hf_mixers and the folders installed under its namespace (kernels, ...)."""
+    import hf_mixers
+    from hf_mixers import kernels
+
+    return tuple(str(Path(module.__file__).parent) + os.sep for module in (hf_mixers, kernels))
+
+
+def _site(folders) -> str:
+    """The innermost frame of the project's own code, or "autograd" for the backward pass, which autograd's engine
+    runs without a Python frame of ours."""
+    for frame in reversed(traceback.extract_stack()):
+        if frame.filename.startswith(folders) and not frame.filename.endswith("op_count.py"):
+            return f"{Path(frame.filename).name}:{frame.name}:{frame.lineno}"
+    return "autograd"
+
+
 class _Counter(TorchDispatchMode):
-    def __init__(self, count: OpCount):
+    def __init__(self, count: OpCount, sites: bool):
         super().__init__()
         self.count = count
+        self.sites = _package_folders() if sites else None
         self.inside_launch = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -62,6 +84,8 @@ class _Counter(TorchDispatchMode):
             name = func.overloadpacket.__name__
             self.count.ops += 1
             self.count.by_name[name] += 1
+            if self.sites:
+                self.count.by_site[_site(self.sites)] += 1
             if name in HOST_READS:
                 self.count.host_reads += 1
         return func(*args, **(kwargs or {}))
@@ -81,6 +105,8 @@ def _triton_launches_as_one(mode: _Counter):
         mode.count.ops += 1
         mode.count.triton_launches += 1
         mode.count.by_name[f"triton:{self.fn.__name__}"] += 1
+        if mode.sites:
+            mode.count.by_site[_site(mode.sites)] += 1
         mode.inside_launch += 1
         try:
             return launch(self, *args, **kwargs)
@@ -94,20 +120,21 @@ def _triton_launches_as_one(mode: _Counter):
         GridExecutor.__call__ = launch
 
 
-def count_ops(fn, *args, **kwargs) -> tuple[OpCount, object]:
-    """Run ``fn(*args, **kwargs)`` once and count what it dispatched: (OpCount, fn's result)."""
+def count_ops(fn, *args, sites: bool = False, **kwargs) -> tuple[OpCount, object]:
+    """Run ``fn(*args, **kwargs)`` once and count what it dispatched: (OpCount, fn's result). ``sites``: also count
+    by the line of our code that issued each op (``OpCount.by_site``; slower: a stack walk an op)."""
     count = OpCount()
-    mode = _Counter(count)
+    mode = _Counter(count, sites)
     with _triton_launches_as_one(mode), mode:
         result = fn(*args, **kwargs)
     return count, result
 
 
-def training_step_ops(module, hidden_states, position_embeddings) -> OpCount:
+def training_step_ops(module, hidden_states, position_embeddings, sites: bool = False) -> OpCount:
     """One forward + backward of a standalone layer (``apps/bench/harness.build_mixer``) on ``hidden_states``: the
     count of the benchmarks' training step, the loss a sum of squares."""
 
     def step():
         module(hidden_states, position_embeddings).float().pow(2).mean().backward()
 
-    return count_ops(step)[0]
+    return count_ops(step, sites=sites)[0]

@@ -1,0 +1,263 @@
+"""The RSA write side's one recurrence as a Triton kernel, forward and backward: one level's key-assignment chain.
+
+Same function as ``rsa_state.assign_chain`` (which holds the math and is the CPU path). For one level, per (batch
+row, KV head), the chunks in order: chunk c assigns its rows against the references of its start,
+
+    ref_c = key_ref (c = 0, or c past the row's last boundary: kept)  |  (kappa P + S_c) / max(kappa + n_c, eps)
+    s     = tau X_c ref_c^T (C, m);   f = softmax(beta s) | sigmoid(beta s),   p = f | softmax(s)   (assign_fn)
+    S_{c+1} = S_c + (f . valid)^T X_c,   n_{c+1} = n_c + sum_t f . valid
+
+and everything else of the write (values, relations, residual MLPs: ``rsa_state.write_chunks``) is products over
+all chunks at once. One program walks every chunk of one (row, head); the sums stay in registers.
+
+Backward (reverse over chunks, the same grid): the adjoints of S and n carried from chunk to chunk; per chunk the
+assignment recomputed from the saved sums, the softmax / sigmoid backward, and the reference's gradient handed to
+S_c, n_c, kappa P and kappa (or to key_ref at c = 0). Chunks past a row's last boundary hold only padding, which
+nothing downstream differentiates (the writes mask it out, the read multiplies it by F = 0): the backward skips
+them, their x gradient 0. Each program writes its own partial gradients of the shared parameters (kappa P, kappa,
+beta: summed over rows afterwards), so nothing is accumulated with atomics and the sums are deterministic.
+
+Scope: ``scope_reason``, shared with the read (no decay; chunk size and slots up to MAX_TILE, head dims up to
+MAX_HEAD_DIM); fp32 (the memory's compute dtype). Used with and without autograd: training, prefill, evaluation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# A try block on purpose (see rsa_chunk_triton.py): imported only once a Triton path was chosen.
+try:
+    import triton
+    import triton.language as tl
+finally:
+    pass
+
+from .common import tile_edge
+from .rsa_state import RSAParams
+
+# fp32-accurate dots on tensor cores: plain tf32 would put the read ~1e-3 off the reference (it divides sums by
+# masses and chains levels); "ieee" (FMA dots) is exact too, but at the default sizes the read's backward did not
+# finish compiling in 25 CPU-minutes, and tf32's needs more shared memory than an H100 has (rsa_chunk_triton.py).
+INPUT_PRECISION = "tf32x3"
+NUM_WARPS = 4  # the read's (untuned: needs a GPU)
+FORWARD_WARPS = 4
+BACKWARD_WARPS = 8  # the backward holds twice the forward's (m, d) tiles: the sums' adjoint beside the sums
+MAX_TILE = 64  # chunk size and slots: one tile (C x m, m x m)
+MAX_HEAD_DIM = 128  # key / value head dims (Llama-3-8B's heads): (C, d) tiles whole
+
+
+def scope_reason(params: RSAParams, v=None, log_decay=None) -> str | None:
+    """Why the RSA Triton kernels (this chain, the chunk read) cannot take this call as far as their shared scope
+    goes -- decay, the assignment function, tile sizes -- or None."""
+    if log_decay is not None:
+        return "GLA-style decay (log_decay / rsa_decay=True) is not implemented in the Triton RSA kernels"
+    if params.assign_fn not in ("softmax", "sigmoid"):
+        return f"unknown assign_fn {params.assign_fn!r}"
+    _, _, slots, key_dim = params.prototypes.shape
+    sizes = [("chunk_size", params.chunk_size, MAX_TILE), ("slots", slots, MAX_TILE),
+             ("key head dim", key_dim, MAX_HEAD_DIM)]
+    sizes += [("value head dim", v.shape[-1], MAX_HEAD_DIM)] if v is not None else []
+    for name, size, limit in sizes:
+        if size > limit:
+            return (f"{name} {size} > {limit}: one program holds whole tiles of it, and wider ones need more shared "
+                    f"memory than a GPU block has")
+    return None
+
+
+@triton.jit
+def _softmax_rows(x, ok):
+    x = tl.where(ok, x, float("-inf"))
+    e = tl.exp(x - tl.max(x, 1)[:, None])
+    return e / tl.sum(e, 1)[:, None]
+
+
+@triton.jit
+def _assign(x, ref, beta, tau, slot_ok, SIGMOID: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores s = tau x ref^T (C, M) and the assignment f, residual weights p of one chunk."""
+    s = tl.dot(x, tl.trans(ref), input_precision=PRECISION) * tau
+    if SIGMOID:
+        f = tl.where(slot_ok[None, :], tl.sigmoid(beta * s), 0.0)
+        p = _softmax_rows(s, slot_ok[None, :])
+    else:
+        f = _softmax_rows(beta * s, slot_ok[None, :])
+        p = f
+    return s, f, p
+
+
+@triton.jit(do_not_specialize=["Tp", "NC"])
+def _chain_fwd(x_ptr, valid_ptr, reached_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr,
+               f_ptr, p_ptr, s_ptr, n_ptr, Tp, NC, G, C, M, D, tau, eps,
+               SIGMOID: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """One program = one (batch row, KV head). x (B, G, Tp, D); f, p (B, G, Tp, M); S (B, G, NC + 1, M, D),
+    n (B, G, NC + 1, M) written at every boundary."""
+    pid = tl.program_id(0)  # b * G + g
+    b, g = pid // G, pid % G
+    head = pid.to(tl.int64)
+    rows, slots, cols = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+    row_ok, slot_ok, col_ok = rows < C, slots < M, cols < D
+    ok_md, ok_cd, ok_cm = slot_ok[:, None] & col_ok[None, :], row_ok[:, None] & col_ok[None, :], \
+        row_ok[:, None] & slot_ok[None, :]
+    off_md = slots[:, None] * D + cols[None, :]
+    key_sum = tl.load(ks0_ptr + head * M * D + off_md, mask=ok_md, other=0.0)
+    mass = tl.load(m0_ptr + head * M + slots, mask=slot_ok, other=0.0)
+    ref = tl.load(ref0_ptr + head * M * D + off_md, mask=ok_md, other=0.0)
+    prior = tl.load(prior_ptr + g * M * D + off_md, mask=ok_md, other=0.0)
+    kappa, beta = tl.load(kappa_ptr + g), tl.load(beta_ptr + g)
+    reached = tl.load(reached_ptr + b)
+    boundary = head * (NC + 1)
+    tl.store(s_ptr + boundary * M * D + off_md, key_sum, mask=ok_md)
+    tl.store(n_ptr + boundary * M + slots, mass, mask=slot_ok)
+    for c in range(NC):
+        if (c > 0) & (c <= reached):  # the references refreshed at this boundary
+            ref = (prior + key_sum) / tl.maximum(kappa + mass, eps)[:, None]
+        token = head * Tp + c * C + rows
+        x = tl.load(x_ptr + token[:, None] * D + cols[None, :], mask=ok_cd, other=0.0)
+        write = tl.load(valid_ptr + b.to(tl.int64) * Tp + c * C + rows, mask=row_ok, other=0.0)
+        _, f, p = _assign(x, ref, beta, tau, slot_ok, SIGMOID, PRECISION)
+        tl.store(f_ptr + token[:, None] * M + slots[None, :], f, mask=ok_cm)
+        if SIGMOID:
+            tl.store(p_ptr + token[:, None] * M + slots[None, :], p, mask=ok_cm)
+        written = f * write[:, None]
+        key_sum += tl.dot(tl.trans(written), x, input_precision=PRECISION)
+        mass += tl.sum(written, 0)
+        tl.store(s_ptr + (boundary + c + 1) * M * D + off_md, key_sum, mask=ok_md)
+        tl.store(n_ptr + (boundary + c + 1) * M + slots, mass, mask=slot_ok)
+
+
+@triton.jit(do_not_specialize=["Tp", "NC"])
+def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr, s_ptr, n_ptr,
+               df_ptr, dp_ptr, ds_ptr, dn_ptr,
+               dx_ptr, dks0_ptr, dm0_ptr, dref0_ptr, dprior_ptr, dkappa_ptr, dbeta_ptr,
+               Tp, NC, G, C, M, D, tau, eps,
+               SIGMOID: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """One program = one (batch row, KV head), chunks in reverse. d* are the gradients of the forward's outputs
+    (dp only with SIGMOID); writes dx (B, G, Tp, D) for chunks up to the row's last boundary (the rest stays 0), the
+    gradients of the starting state, and this program's partials of kappa P (B, G, M, D), kappa and beta (B, G)."""
+    pid = tl.program_id(0)
+    b, g = pid // G, pid % G
+    head = pid.to(tl.int64)
+    rows, slots, cols = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+    row_ok, slot_ok, col_ok = rows < C, slots < M, cols < D
+    ok_md, ok_cd, ok_cm = slot_ok[:, None] & col_ok[None, :], row_ok[:, None] & col_ok[None, :], \
+        row_ok[:, None] & slot_ok[None, :]
+    off_md = slots[:, None] * D + cols[None, :]
+    prior = tl.load(prior_ptr + g * M * D + off_md, mask=ok_md, other=0.0)
+    kappa, beta = tl.load(kappa_ptr + g), tl.load(beta_ptr + g)
+    reached = tl.load(reached_ptr + b)
+    boundary = head * (NC + 1)
+    g_sum = tl.load(ds_ptr + (boundary + NC) * M * D + off_md, mask=ok_md, other=0.0)  # adjoint of S_{c+1}
+    g_mass = tl.load(dn_ptr + (boundary + NC) * M + slots, mask=slot_ok, other=0.0)
+    d_prior = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    d_kappa = 0.0
+    d_beta = 0.0
+    for step in range(NC):
+        c = NC - 1 - step
+        if c <= reached:  # a chunk with real rows (past the last boundary: padding only, nothing to differentiate)
+            token = head * Tp + c * C + rows
+            x = tl.load(x_ptr + token[:, None] * D + cols[None, :], mask=ok_cd, other=0.0)
+            write = tl.load(valid_ptr + b.to(tl.int64) * Tp + c * C + rows, mask=row_ok, other=0.0)
+            if c == 0:
+                ref = tl.load(ref0_ptr + head * M * D + off_md, mask=ok_md, other=0.0)
+                inverse = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                live = inverse > 0.0
+            else:
+                key_sum = tl.load(s_ptr + (boundary + c) * M * D + off_md, mask=ok_md, other=0.0)
+                mass = tl.load(n_ptr + (boundary + c) * M + slots, mask=slot_ok, other=0.0)
+                total = kappa + mass
+                inverse = 1.0 / tl.maximum(total, eps)
+                live = total > eps  # where the clamp holds, the total gets no gradient
+                ref = (prior + key_sum) * inverse[:, None]
+            s, f, p = _assign(x, ref, beta, tau, slot_ok, SIGMOID, PRECISION)
+            # dL/df: its own gradient, plus what the sums it wrote carry back (written = f . valid)
+            d_f = tl.load(df_ptr + token[:, None] * M + slots[None, :], mask=ok_cm, other=0.0)
+            d_f += write[:, None] * (tl.dot(x, tl.trans(g_sum), input_precision=PRECISION) + g_mass[None, :])
+            d_x = tl.dot(f * write[:, None], g_sum, input_precision=PRECISION)
+            if SIGMOID:
+                d_z = d_f * f * (1.0 - f)
+                d_p = tl.load(dp_ptr + token[:, None] * M + slots[None, :], mask=ok_cm, other=0.0)
+                d_s = beta * d_z + p * (d_p - tl.sum(d_p * p, 1)[:, None])
+            else:
+                d_z = f * (d_f - tl.sum(d_f * f, 1)[:, None])
+                d_s = beta * d_z
+            d_z = tl.where(ok_cm, d_z, 0.0)
+            d_s = tl.where(ok_cm, d_s, 0.0) * tau
+            d_beta += tl.sum(tl.sum(d_z * s, 1), 0)
+            d_x += tl.dot(d_s, ref, input_precision=PRECISION)
+            tl.store(dx_ptr + token[:, None] * D + cols[None, :], d_x, mask=ok_cd)
+            d_ref = tl.dot(tl.trans(d_s), x, input_precision=PRECISION)  # (M, D)
+            if c == 0:
+                tl.store(dref0_ptr + head * M * D + off_md, d_ref, mask=ok_md)
+            else:  # ref = (kappa P + S_c) / (kappa + n_c)
+                scaled = d_ref * inverse[:, None]
+                g_sum += scaled
+                d_prior += scaled
+                d_total = tl.where(live, -tl.sum(d_ref * ref, 1) * inverse, 0.0)
+                g_mass += d_total
+                d_kappa += tl.sum(d_total, 0)
+        g_sum += tl.load(ds_ptr + (boundary + c) * M * D + off_md, mask=ok_md, other=0.0)  # now the adjoint of S_c
+        g_mass += tl.load(dn_ptr + (boundary + c) * M + slots, mask=slot_ok, other=0.0)
+    tl.store(dks0_ptr + head * M * D + off_md, g_sum, mask=ok_md)
+    tl.store(dm0_ptr + head * M + slots, g_mass, mask=slot_ok)
+    tl.store(dprior_ptr + head * M * D + off_md, d_prior, mask=ok_md)
+    tl.store(dkappa_ptr + head, d_kappa)
+    tl.store(dbeta_ptr + head, d_beta)
+
+
+def _launch_options(params: RSAParams, slots: int, key_dim: int) -> dict:
+    return dict(SIGMOID=params.assign_fn == "sigmoid", BLOCK_C=tile_edge(params.chunk_size),
+                BLOCK_M=tile_edge(slots), BLOCK_D=tile_edge(key_dim), PRECISION=INPUT_PRECISION)
+
+
+class _Chain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, valid, key_sum, mass, key_ref, prior, kappa, beta, reached, params: RSAParams):
+        batch, groups, padded, key_dim = x.shape
+        slots, size = prior.shape[1], params.chunk_size
+        chunks = padded // size
+        options = _launch_options(params, slots, key_dim)
+        f = x.new_empty(batch, groups, padded, slots)
+        p = torch.empty_like(f) if options["SIGMOID"] else f  # softmax assignment: p is f
+        sums, masses = x.new_empty(batch, groups, chunks + 1, slots, key_dim), x.new_empty(batch, groups, chunks + 1,
+                                                                                             slots)
+        sizes = (padded, chunks, groups, size, slots, key_dim, key_dim**-0.5, params.eps)
+        _chain_fwd[(batch * groups,)](x, valid, reached, key_sum, mass, key_ref, prior, kappa, beta, f, p, sums,
+                                      masses, *sizes, **options, num_warps=FORWARD_WARPS)
+        ctx.save_for_backward(x, valid, reached, key_ref, prior, kappa, beta, sums, masses)
+        ctx.sizes, ctx.options = sizes, options
+        return (f, p, sums, masses) if options["SIGMOID"] else (f, sums, masses)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, valid, reached, key_ref, prior, kappa, beta, sums, masses = ctx.saved_tensors
+        if ctx.options["SIGMOID"]:
+            d_f, d_p, d_sums, d_masses = grads
+        else:
+            (d_f, d_sums, d_masses), d_p = grads, None
+        batch, groups, padded = x.shape[:3]
+        given = lambda grad, shape: x.new_zeros(shape) if grad is None else grad.contiguous()  # noqa: E731
+        d_f = given(d_f, (batch, groups, padded, prior.shape[1]))
+        d_sums, d_masses = given(d_sums, sums.shape), given(d_masses, masses.shape)
+        d_p = given(d_p, d_f.shape) if ctx.options["SIGMOID"] else d_f  # softmax: a dummy pointer
+        d_x = torch.zeros_like(x)
+        d_key_sum, d_key_ref, d_prior = (x.new_zeros(batch, groups, *prior.shape[1:]) for _ in range(3))
+        d_mass = x.new_zeros(batch, groups, prior.shape[1])
+        d_kappa, d_beta = x.new_zeros(batch, groups), x.new_zeros(batch, groups)
+        _chain_bwd[(batch * groups,)](x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, d_sums,
+                                      d_masses, d_x, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa, d_beta,
+                                      *ctx.sizes, **ctx.options, num_warps=BACKWARD_WARPS)
+        return (d_x, None, d_key_sum, d_mass, d_key_ref, d_prior.sum(0), d_kappa.sum(0), d_beta.sum(0), None, None)
+
+
+def assign_chain_triton(x, valid, key_sum, mass, key_ref, prior, kappa, beta, boundary, params: RSAParams):
+    """``rsa_state.assign_chain`` on the kernels: same arguments and results (fp32; gradients reach x, the
+    starting sums and references, kappa P, kappa and beta)."""
+    fp32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
+    reached = boundary[:, -1].to(torch.int32).contiguous()  # the row's last boundary, at most N
+    outputs = _Chain.apply(fp32(x), fp32(valid), fp32(key_sum), fp32(mass), fp32(key_ref), fp32(prior),
+                           fp32(kappa), fp32(beta), reached, params)
+    if params.assign_fn == "sigmoid":
+        return outputs
+    f, sums, masses = outputs
+    return f, f, sums, masses
