@@ -1,0 +1,52 @@
+"""Launch budget: how many operator calls one layer's training step issues on the GPU path.
+
+On a GPU an eager step is bound by its launches when the work per op is small (~40 us of host time an op on the lent
+H100), so the count is the CPU proxy of the step's speed (hf_mixers/apps/bench/op_count.py: aten calls forward and
+backward, views excluded, one per Triton launch). Counted here as ``TRITON_INTERPRET=1`` runs the GPU path, at a
+small layout whose op structure is the converted model's (4 levels; chunks of 16 in place of 64).
+
+The ceilings are today's counts, so that a change which adds launches fails here; they are not the targets (RSA:
+at most 300 a layer-step, goal 100; zero host reads), which still need the write side's batched parts fused.
+"""
+
+import pytest
+import torch
+
+from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
+
+from hf_mixers.apps.bench.harness import build_mixer, rotary_embeddings
+from hf_mixers.apps.bench.op_count import count_ops, training_step_ops
+
+HIDDEN, HEADS, KV_HEADS = 64, 4, 2
+RSA = {"rsa_readout": "softmax_count", "rsa_chunk_size": 16, "rsa_num_slots": 16, "kernel_backend": "triton"}
+
+
+@pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
+def test_under_interpreter_in_subprocess():
+    run_under_interpreter(__file__)
+
+
+def step_ops(mixer, options, length):
+    torch.manual_seed(0)
+    module, config = build_mixer(mixer, options, HIDDEN, HEADS, KV_HEADS, DEVICE, torch.float32)
+    x = torch.randn(1, length, HIDDEN, device=DEVICE, requires_grad=True)
+    return training_step_ops(module, x, rotary_embeddings(config, x, length))
+
+
+def test_the_counter_counts_launches_not_views():
+    """A view is free, a kernel is one, a host read is counted as one and as a host read."""
+    x = torch.randn(4, 4)
+    count, _ = count_ops(lambda: (x.t().unsqueeze(0)[:, 1:] + 1).sum().item())  # add, sum, item
+    assert (count.ops, count.host_reads) == (3, 1), count.by_name
+
+
+@needs_kernels
+def test_rsa_step_launches_do_not_grow_with_the_sequence():
+    """The RSA memory's training step (chain kernel per level, the rest over all chunks, the Triton read) issues the
+    same ops at 4 and 16 chunks: no loop over chunks on the host (the chunk-by-chunk write grew by ~324 an extra
+    chunk at SmolLM2's layout)."""
+    short, long = step_ops("rsa", RSA, 64), step_ops("rsa", RSA, 256)
+    assert short.ops == long.ops, (short.top(), long.top())
+    assert short.triton_launches == 4 + 1 + 4 + 5  # chain fwd x 4 levels, read fwd, chain bwd x 4, read fwd + bwd x 4
+    assert short.ops <= 700, short.top()
+    assert short.host_reads <= 2, short.top()  # ChunkLayout.of: the buffer's length, where each real token goes
