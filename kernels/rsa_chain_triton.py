@@ -8,10 +8,13 @@ row, KV head), the chunks in order: chunk c assigns its rows against the referen
     S_{c+1} = S_c + (f . valid)^T X_c,   n_{c+1} = n_c + sum_t f . valid
 
 and everything else of the write (values, relations, residual MLPs: ``rsa_state.write_chunks``) is products over
-all chunks at once. One program walks every chunk of one (row, head); the sums stay in registers.
+all chunks at once. One program walks every chunk of one (row, head). The sums S_c it writes at every boundary are
+its working memory: a chunk reads S_c (and the references' boundary) and writes S_{c+1}, FEATURE_BLOCK key features
+at a time, so no (m, d) tile is carried in registers from chunk to chunk (carried, the sums, references and
+prototypes spilled at SmolLM2's heads on sm_90).
 
-Backward (reverse over chunks, the same grid): the adjoints of S and n carried from chunk to chunk; per chunk the
-assignment recomputed from the saved sums, the softmax / sigmoid backward, and the reference's gradient handed to
+Backward (reverse over chunks, the same grid): the adjoints of S (in the gradient buffer of the starting sums,
+feature block by block) and n carried from chunk to chunk; per chunk the assignment recomputed from the saved sums, the softmax / sigmoid backward, and the reference's gradient handed to
 S_c, n_c, kappa P and kappa (or to key_ref at c = 0). Chunks past a row's last boundary hold only padding, which
 nothing downstream differentiates (the writes mask it out, the read multiplies it by F = 0): the backward skips
 them, their x gradient 0. Each program writes its own partial gradients of the shared parameters (kappa P, kappa,
@@ -41,7 +44,10 @@ from .rsa_state import RSAParams
 INPUT_PRECISION = "tf32x3"
 NUM_WARPS = 4  # the read's (untuned: needs a GPU)
 FORWARD_WARPS = 4
-BACKWARD_WARPS = 8  # the backward holds twice the forward's (m, d) tiles: the sums' adjoint beside the sums
+BACKWARD_WARPS = 8  # fewer spills than at 4 on sm_90 (docs/benchmarks.md, "Launch budget and kernel resources")
+CHAIN_STAGES = 1  # no software pipelining of the feature loops: its buffers took registers
+ROW_BLOCK = 32  # a chunk's rows an iteration takes: (32, m) tiles of scores and assignments in registers
+FEATURE_BLOCK = 32  # key features an iteration takes: (32, 32) and (m, 32) tiles
 MAX_TILE = 64  # chunk size and slots: one tile (C x m, m x m)
 MAX_HEAD_DIM = 128  # key / value head dims (Llama-3-8B's heads): (C, d) tiles whole
 
@@ -72,142 +78,227 @@ def _softmax_rows(x, ok):
 
 
 @triton.jit
-def _assign(x, ref, beta, tau, slot_ok, SIGMOID: tl.constexpr, PRECISION: tl.constexpr):
-    """Scores s = tau x ref^T (C, M) and the assignment f, residual weights p of one chunk."""
-    s = tl.dot(x, tl.trans(ref), input_precision=PRECISION) * tau
+def _assign(s, beta, slot_ok, SIGMOID: tl.constexpr):
+    """The assignment f and residual weights p of one chunk from its scores s = tau x ref^T (C, M)."""
     if SIGMOID:
         f = tl.where(slot_ok[None, :], tl.sigmoid(beta * s), 0.0)
         p = _softmax_rows(s, slot_ok[None, :])
     else:
         f = _softmax_rows(beta * s, slot_ok[None, :])
         p = f
-    return s, f, p
+    return f, p
+
+
+@triton.jit
+def _reference(ref0_ptr, prior_ptr, s_ptr, state, g, at, inverse, off, ok, MD):
+    """One feature block (M, BLOCK_D) of the references a chunk assigns against: the state's own at boundary 0,
+    else the slots (kappa P + S_at) * inverse of boundary ``at`` (``inverse`` = 1 / max(kappa + n_at, eps))."""
+    if at == 0:
+        ref = tl.load(ref0_ptr + state * MD + off, mask=ok, other=0.0)
+    else:
+        ref = (tl.load(prior_ptr + g * MD + off, mask=ok, other=0.0)
+               + tl.load(s_ptr + at * MD + off, mask=ok, other=0.0)) * inverse[:, None]
+    return ref
+
+
+@triton.jit
+def _scores(x_ptr, ref0_ptr, prior_ptr, sums, g_sum, token, row_ok, slots, slot_ok, state, g, at, inverse, D, MD,
+            BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WITH_ADJOINT: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """x ref_at^T of one row block (BLOCK_R, M), summed over feature blocks, and with WITH_ADJOINT also
+    x g^T for the adjoint g of the sums (the backward)."""
+    s = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+    x_g = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        ok_md, ok_rd = slot_ok[:, None] & (cols < D)[None, :], row_ok[:, None] & (cols < D)[None, :]
+        off_md = slots[:, None] * D + cols[None, :]
+        x = tl.load(x_ptr + token[:, None] * D + cols[None, :], mask=ok_rd, other=0.0)
+        ref = _reference(ref0_ptr, prior_ptr, sums, state, g, at, inverse, off_md, ok_md, MD)
+        s += tl.dot(x, tl.trans(ref), input_precision=PRECISION)
+        if WITH_ADJOINT:
+            x_g += tl.dot(x, tl.trans(tl.load(g_sum + off_md, mask=ok_md, other=0.0)), input_precision=PRECISION)
+    return s, x_g
 
 
 @triton.jit(do_not_specialize=["Tp", "NC"])
 def _chain_fwd(x_ptr, valid_ptr, reached_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr,
                f_ptr, p_ptr, s_ptr, n_ptr, Tp, NC, G, C, M, D, tau, eps,
-               SIGMOID: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               SIGMOID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                PRECISION: tl.constexpr):
     """One program = one (batch row, KV head). x (B, G, Tp, D); f, p (B, G, Tp, M); S (B, G, NC + 1, M, D),
-    n (B, G, NC + 1, M) written at every boundary."""
+    n (B, G, NC + 1, M) written at every boundary. A chunk's rows go BLOCK_R at a time (the assignments), then its
+    writes S_{c+1} = S_c + sum over row blocks of F^T X, BLOCK_D features at a time."""
     pid = tl.program_id(0)  # b * G + g
     b, g = pid // G, pid % G
     head = pid.to(tl.int64)
-    rows, slots, cols = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
-    row_ok, slot_ok, col_ok = rows < C, slots < M, cols < D
-    ok_md, ok_cd, ok_cm = slot_ok[:, None] & col_ok[None, :], row_ok[:, None] & col_ok[None, :], \
-        row_ok[:, None] & slot_ok[None, :]
-    off_md = slots[:, None] * D + cols[None, :]
-    key_sum = tl.load(ks0_ptr + head * M * D + off_md, mask=ok_md, other=0.0)
-    mass = tl.load(m0_ptr + head * M + slots, mask=slot_ok, other=0.0)
-    ref = tl.load(ref0_ptr + head * M * D + off_md, mask=ok_md, other=0.0)
-    prior = tl.load(prior_ptr + g * M * D + off_md, mask=ok_md, other=0.0)
+    slots = tl.arange(0, BLOCK_M)
+    slot_ok = slots < M
+    MD = M * D
     kappa, beta = tl.load(kappa_ptr + g), tl.load(beta_ptr + g)
     reached = tl.load(reached_ptr + b)
-    boundary = head * (NC + 1)
-    tl.store(s_ptr + boundary * M * D + off_md, key_sum, mask=ok_md)
-    tl.store(n_ptr + boundary * M + slots, mass, mask=slot_ok)
+    sums = s_ptr + head * (NC + 1) * MD  # this program's S_0 ... S_NC
+    masses = n_ptr + head * (NC + 1) * M
+    mass = tl.load(m0_ptr + head * M + slots, mask=slot_ok, other=0.0)
+    tl.store(masses + slots, mass, mask=slot_ok)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        ok_md = slot_ok[:, None] & (cols < D)[None, :]
+        off_md = slots[:, None] * D + cols[None, :]
+        tl.store(sums + off_md, tl.load(ks0_ptr + head * MD + off_md, mask=ok_md, other=0.0), mask=ok_md)
+    tl.debug_barrier()
     for c in range(NC):
-        if (c > 0) & (c <= reached):  # the references refreshed at this boundary
-            ref = (prior + key_sum) / tl.maximum(kappa + mass, eps)[:, None]
-        token = head * Tp + c * C + rows
-        x = tl.load(x_ptr + token[:, None] * D + cols[None, :], mask=ok_cd, other=0.0)
-        write = tl.load(valid_ptr + b.to(tl.int64) * Tp + c * C + rows, mask=row_ok, other=0.0)
-        _, f, p = _assign(x, ref, beta, tau, slot_ok, SIGMOID, PRECISION)
-        tl.store(f_ptr + token[:, None] * M + slots[None, :], f, mask=ok_cm)
-        if SIGMOID:
-            tl.store(p_ptr + token[:, None] * M + slots[None, :], p, mask=ok_cm)
-        written = f * write[:, None]
-        key_sum += tl.dot(tl.trans(written), x, input_precision=PRECISION)
-        mass += tl.sum(written, 0)
-        tl.store(s_ptr + (boundary + c + 1) * M * D + off_md, key_sum, mask=ok_md)
-        tl.store(n_ptr + (boundary + c + 1) * M + slots, mass, mask=slot_ok)
+        at = tl.minimum(c, reached)  # the boundary whose slots this chunk assigns against
+        inverse = 1.0 / tl.maximum(kappa + tl.load(masses + at * M + slots, mask=slot_ok, other=0.0), eps)
+        for r0 in range(0, C, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            row_ok = rows < C
+            ok_rm = row_ok[:, None] & slot_ok[None, :]
+            token = head * Tp + c * C + rows
+            s, _ = _scores(x_ptr, ref0_ptr, prior_ptr, sums, sums, token, row_ok, slots, slot_ok, head, g, at, inverse,
+                           D, MD, BLOCK_R, BLOCK_M, BLOCK_D, False, PRECISION)
+            f, p = _assign(s * tau, beta, slot_ok, SIGMOID)
+            tl.store(f_ptr + token[:, None] * M + slots[None, :], f, mask=ok_rm)
+            if SIGMOID:
+                tl.store(p_ptr + token[:, None] * M + slots[None, :], p, mask=ok_rm)
+            write = tl.load(valid_ptr + b.to(tl.int64) * Tp + c * C + rows, mask=row_ok, other=0.0)
+            mass += tl.sum(f * write[:, None], 0)
+        tl.store(masses + (c + 1) * M + slots, mass, mask=slot_ok)
+        tl.debug_barrier()  # the chunk's f written before its rows are read back for the sums
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            ok_md = slot_ok[:, None] & (cols < D)[None, :]
+            off_md = slots[:, None] * D + cols[None, :]
+            key_sum = tl.load(sums + c * MD + off_md, mask=ok_md, other=0.0)
+            for r0 in range(0, C, BLOCK_R):
+                rows = r0 + tl.arange(0, BLOCK_R)
+                row_ok = rows < C
+                token = head * Tp + c * C + rows
+                write = tl.load(valid_ptr + b.to(tl.int64) * Tp + c * C + rows, mask=row_ok, other=0.0)
+                written = tl.load(f_ptr + token[:, None] * M + slots[None, :],
+                                  mask=row_ok[:, None] & slot_ok[None, :], other=0.0) * write[:, None]
+                x = tl.load(x_ptr + token[:, None] * D + cols[None, :], mask=row_ok[:, None] & (cols < D)[None, :],
+                            other=0.0)
+                key_sum += tl.dot(tl.trans(written), x, input_precision=PRECISION)
+            tl.store(sums + (c + 1) * MD + off_md, key_sum, mask=ok_md)
+        tl.debug_barrier()  # S_{c+1}, n_{c+1} written before the next chunk reads them
 
 
 @triton.jit(do_not_specialize=["Tp", "NC"])
 def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr, s_ptr, n_ptr,
-               df_ptr, dp_ptr, ds_ptr, dn_ptr,
+               df_ptr, dp_ptr, ds_ptr, dn_ptr, w_ptr, dz_ptr,
                dx_ptr, dks0_ptr, dm0_ptr, dref0_ptr, dprior_ptr, dkappa_ptr, dbeta_ptr,
                Tp, NC, G, C, M, D, tau, eps,
-               SIGMOID: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               SIGMOID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                PRECISION: tl.constexpr):
     """One program = one (batch row, KV head), chunks in reverse. d* are the gradients of the forward's outputs
     (dp only with SIGMOID); writes dx (B, G, Tp, D) for chunks up to the row's last boundary (the rest stays 0), the
-    gradients of the starting state, and this program's partials of kappa P (B, G, M, D), kappa and beta (B, G)."""
+    gradients of the starting state, and this program's partials of kappa P (B, G, M, D), kappa and beta (B, G).
+    The adjoint of the key sums lives in dks0 (its final value), BLOCK_D features at a time, as the forward's S;
+    the partial of kappa P accumulates in dprior (zeros on entry). w, dz (B, G, C, M): a chunk's written
+    assignments and score gradients, between its row pass and its feature pass."""
     pid = tl.program_id(0)
     b, g = pid // G, pid % G
     head = pid.to(tl.int64)
-    rows, slots, cols = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
-    row_ok, slot_ok, col_ok = rows < C, slots < M, cols < D
-    ok_md, ok_cd, ok_cm = slot_ok[:, None] & col_ok[None, :], row_ok[:, None] & col_ok[None, :], \
-        row_ok[:, None] & slot_ok[None, :]
-    off_md = slots[:, None] * D + cols[None, :]
-    prior = tl.load(prior_ptr + g * M * D + off_md, mask=ok_md, other=0.0)
+    slots = tl.arange(0, BLOCK_M)
+    slot_ok = slots < M
+    MD = M * D
     kappa, beta = tl.load(kappa_ptr + g), tl.load(beta_ptr + g)
     reached = tl.load(reached_ptr + b)
-    boundary = head * (NC + 1)
-    g_sum = tl.load(ds_ptr + (boundary + NC) * M * D + off_md, mask=ok_md, other=0.0)  # adjoint of S_{c+1}
-    g_mass = tl.load(dn_ptr + (boundary + NC) * M + slots, mask=slot_ok, other=0.0)
-    d_prior = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    sums, masses = s_ptr + head * (NC + 1) * MD, n_ptr + head * (NC + 1) * M
+    d_sums, d_masses = ds_ptr + head * (NC + 1) * MD, dn_ptr + head * (NC + 1) * M
+    g_sum = dks0_ptr + head * MD  # the adjoint of S_{c+1}, then of S_c
+    scratch_w, scratch_dz = w_ptr + head * C * M, dz_ptr + head * C * M
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        ok_md = slot_ok[:, None] & (cols < D)[None, :]
+        off_md = slots[:, None] * D + cols[None, :]
+        tl.store(g_sum + off_md, tl.load(d_sums + NC * MD + off_md, mask=ok_md, other=0.0), mask=ok_md)
+    g_mass = tl.load(d_masses + NC * M + slots, mask=slot_ok, other=0.0)
     d_kappa = 0.0
     d_beta = 0.0
+    tl.debug_barrier()
     for step in range(NC):
         c = NC - 1 - step
         if c <= reached:  # a chunk with real rows (past the last boundary: padding only, nothing to differentiate)
-            token = head * Tp + c * C + rows
-            x = tl.load(x_ptr + token[:, None] * D + cols[None, :], mask=ok_cd, other=0.0)
-            write = tl.load(valid_ptr + b.to(tl.int64) * Tp + c * C + rows, mask=row_ok, other=0.0)
-            if c == 0:
-                ref = tl.load(ref0_ptr + head * M * D + off_md, mask=ok_md, other=0.0)
-                inverse = tl.zeros((BLOCK_M,), dtype=tl.float32)
-                live = inverse > 0.0
-            else:
-                key_sum = tl.load(s_ptr + (boundary + c) * M * D + off_md, mask=ok_md, other=0.0)
-                mass = tl.load(n_ptr + (boundary + c) * M + slots, mask=slot_ok, other=0.0)
-                total = kappa + mass
-                inverse = 1.0 / tl.maximum(total, eps)
-                live = total > eps  # where the clamp holds, the total gets no gradient
-                ref = (prior + key_sum) * inverse[:, None]
-            s, f, p = _assign(x, ref, beta, tau, slot_ok, SIGMOID, PRECISION)
-            # dL/df: its own gradient, plus what the sums it wrote carry back (written = f . valid)
-            d_f = tl.load(df_ptr + token[:, None] * M + slots[None, :], mask=ok_cm, other=0.0)
-            d_f += write[:, None] * (tl.dot(x, tl.trans(g_sum), input_precision=PRECISION) + g_mass[None, :])
-            d_x = tl.dot(f * write[:, None], g_sum, input_precision=PRECISION)
-            if SIGMOID:
-                d_z = d_f * f * (1.0 - f)
-                d_p = tl.load(dp_ptr + token[:, None] * M + slots[None, :], mask=ok_cm, other=0.0)
-                d_s = beta * d_z + p * (d_p - tl.sum(d_p * p, 1)[:, None])
-            else:
-                d_z = f * (d_f - tl.sum(d_f * f, 1)[:, None])
-                d_s = beta * d_z
-            d_z = tl.where(ok_cm, d_z, 0.0)
-            d_s = tl.where(ok_cm, d_s, 0.0) * tau
-            d_beta += tl.sum(tl.sum(d_z * s, 1), 0)
-            d_x += tl.dot(d_s, ref, input_precision=PRECISION)
-            tl.store(dx_ptr + token[:, None] * D + cols[None, :], d_x, mask=ok_cd)
-            d_ref = tl.dot(tl.trans(d_s), x, input_precision=PRECISION)  # (M, D)
-            if c == 0:
-                tl.store(dref0_ptr + head * M * D + off_md, d_ref, mask=ok_md)
-            else:  # ref = (kappa P + S_c) / (kappa + n_c)
-                scaled = d_ref * inverse[:, None]
-                g_sum += scaled
-                d_prior += scaled
-                d_total = tl.where(live, -tl.sum(d_ref * ref, 1) * inverse, 0.0)
+            total = kappa + tl.load(masses + c * M + slots, mask=slot_ok, other=0.0)
+            inverse = 1.0 / tl.maximum(total, eps)
+            for r0 in range(0, C, BLOCK_R):  # the rows: dL/ds, tau included
+                rows = r0 + tl.arange(0, BLOCK_R)
+                row_ok = rows < C
+                ok_rm = row_ok[:, None] & slot_ok[None, :]
+                token = head * Tp + c * C + rows
+                write = tl.load(valid_ptr + b.to(tl.int64) * Tp + c * C + rows, mask=row_ok, other=0.0)
+                s, x_g = _scores(x_ptr, ref0_ptr, prior_ptr, sums, g_sum, token, row_ok, slots, slot_ok, head, g, c,
+                                 inverse, D, MD, BLOCK_R, BLOCK_M, BLOCK_D, True, PRECISION)
+                s = s * tau
+                f, p = _assign(s, beta, slot_ok, SIGMOID)
+                # dL/df: its own gradient, plus what the sums it wrote carry back (written = f . valid)
+                d_f = tl.load(df_ptr + token[:, None] * M + slots[None, :], mask=ok_rm, other=0.0)
+                d_f += write[:, None] * (x_g + g_mass[None, :])
+                if SIGMOID:
+                    d_z = d_f * f * (1.0 - f)
+                    d_p = tl.load(dp_ptr + token[:, None] * M + slots[None, :], mask=ok_rm, other=0.0)
+                    d_s = beta * d_z + p * (d_p - tl.sum(d_p * p, 1)[:, None])
+                else:
+                    d_z = f * (d_f - tl.sum(d_f * f, 1)[:, None])
+                    d_s = beta * d_z
+                d_z = tl.where(ok_rm, d_z, 0.0)
+                d_beta += tl.sum(tl.sum(d_z * s, 1), 0)
+                off_rm = rows[:, None] * M + slots[None, :]
+                tl.store(scratch_w + off_rm, f * write[:, None], mask=ok_rm)
+                tl.store(scratch_dz + off_rm, tl.where(ok_rm, d_s, 0.0) * tau, mask=ok_rm)
+            tl.debug_barrier()
+            d_ref_ref = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum over features of d ref . ref
+            for d0 in range(0, D, BLOCK_D):  # the features: dx, and the references' gradient
+                cols = d0 + tl.arange(0, BLOCK_D)
+                ok_md = slot_ok[:, None] & (cols < D)[None, :]
+                off_md = slots[:, None] * D + cols[None, :]
+                ref = _reference(ref0_ptr, prior_ptr, sums, head, g, c, inverse, off_md, ok_md, MD)
+                adjoint = tl.load(g_sum + off_md, mask=ok_md, other=0.0)
+                d_ref = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+                for r0 in range(0, C, BLOCK_R):
+                    rows = r0 + tl.arange(0, BLOCK_R)
+                    row_ok = rows < C
+                    ok_rm, ok_rd = row_ok[:, None] & slot_ok[None, :], row_ok[:, None] & (cols < D)[None, :]
+                    token = head * Tp + c * C + rows
+                    off_rm = rows[:, None] * M + slots[None, :]
+                    written = tl.load(scratch_w + off_rm, mask=ok_rm, other=0.0)
+                    d_s = tl.load(scratch_dz + off_rm, mask=ok_rm, other=0.0)
+                    x = tl.load(x_ptr + token[:, None] * D + cols[None, :], mask=ok_rd, other=0.0)
+                    d_x = tl.dot(written, adjoint, input_precision=PRECISION) + tl.dot(d_s, ref,
+                                                                                        input_precision=PRECISION)
+                    tl.store(dx_ptr + token[:, None] * D + cols[None, :], d_x, mask=ok_rd)
+                    d_ref += tl.dot(tl.trans(d_s), x, input_precision=PRECISION)  # (M, BLOCK_D)
+                if c == 0:
+                    tl.store(dref0_ptr + head * MD + off_md, d_ref, mask=ok_md)
+                else:  # ref = (kappa P + S_c) / (kappa + n_c)
+                    scaled = d_ref * inverse[:, None]
+                    tl.store(g_sum + off_md, adjoint + scaled, mask=ok_md)
+                    d_prior = tl.load(dprior_ptr + head * MD + off_md, mask=ok_md, other=0.0)
+                    tl.store(dprior_ptr + head * MD + off_md, d_prior + scaled, mask=ok_md)
+                    d_ref_ref += tl.sum(d_ref * ref, 1)
+            if c > 0:
+                d_total = tl.where(total > eps, -d_ref_ref * inverse, 0.0)  # the clamp holds: no gradient
                 g_mass += d_total
                 d_kappa += tl.sum(d_total, 0)
-        g_sum += tl.load(ds_ptr + (boundary + c) * M * D + off_md, mask=ok_md, other=0.0)  # now the adjoint of S_c
-        g_mass += tl.load(dn_ptr + (boundary + c) * M + slots, mask=slot_ok, other=0.0)
-    tl.store(dks0_ptr + head * M * D + off_md, g_sum, mask=ok_md)
+        tl.debug_barrier()
+        for d0 in range(0, D, BLOCK_D):  # now the adjoint of S_c
+            cols = d0 + tl.arange(0, BLOCK_D)
+            ok_md = slot_ok[:, None] & (cols < D)[None, :]
+            off_md = slots[:, None] * D + cols[None, :]
+            tl.store(g_sum + off_md, tl.load(g_sum + off_md, mask=ok_md, other=0.0)
+                     + tl.load(d_sums + c * MD + off_md, mask=ok_md, other=0.0), mask=ok_md)
+        g_mass += tl.load(d_masses + c * M + slots, mask=slot_ok, other=0.0)
+        tl.debug_barrier()
     tl.store(dm0_ptr + head * M + slots, g_mass, mask=slot_ok)
-    tl.store(dprior_ptr + head * M * D + off_md, d_prior, mask=ok_md)
     tl.store(dkappa_ptr + head, d_kappa)
     tl.store(dbeta_ptr + head, d_beta)
 
 
 def _launch_options(params: RSAParams, slots: int, key_dim: int) -> dict:
-    return dict(SIGMOID=params.assign_fn == "sigmoid", BLOCK_C=tile_edge(params.chunk_size),
-                BLOCK_M=tile_edge(slots), BLOCK_D=tile_edge(key_dim), PRECISION=INPUT_PRECISION)
+    return dict(SIGMOID=params.assign_fn == "sigmoid", BLOCK_R=tile_edge(params.chunk_size, ROW_BLOCK),
+                BLOCK_M=tile_edge(slots), BLOCK_D=tile_edge(key_dim, FEATURE_BLOCK), PRECISION=INPUT_PRECISION)
 
 
 class _Chain(torch.autograd.Function):
@@ -223,7 +314,7 @@ class _Chain(torch.autograd.Function):
                                                                                              slots)
         sizes = (padded, chunks, groups, size, slots, key_dim, key_dim**-0.5, params.eps)
         _chain_fwd[(batch * groups,)](x, valid, reached, key_sum, mass, key_ref, prior, kappa, beta, f, p, sums,
-                                      masses, *sizes, **options, num_warps=FORWARD_WARPS)
+                                      masses, *sizes, **options, num_warps=FORWARD_WARPS, num_stages=CHAIN_STAGES)
         ctx.save_for_backward(x, valid, reached, key_ref, prior, kappa, beta, sums, masses)
         ctx.sizes, ctx.options = sizes, options
         return (f, p, sums, masses) if options["SIGMOID"] else (f, sums, masses)
@@ -240,20 +331,23 @@ class _Chain(torch.autograd.Function):
         d_f = given(d_f, (batch, groups, padded, prior.shape[1]))
         d_sums, d_masses = given(d_sums, sums.shape), given(d_masses, masses.shape)
         d_p = given(d_p, d_f.shape) if ctx.options["SIGMOID"] else d_f  # softmax: a dummy pointer
-        d_x = torch.zeros_like(x)
-        d_key_sum, d_key_ref, d_prior = (x.new_zeros(batch, groups, *prior.shape[1:]) for _ in range(3))
-        d_mass = x.new_zeros(batch, groups, prior.shape[1])
-        d_kappa, d_beta = x.new_zeros(batch, groups), x.new_zeros(batch, groups)
+        d_x = torch.zeros_like(x)  # rows past a row's last boundary: 0
+        d_key_sum, d_key_ref = (x.new_empty(batch, groups, *prior.shape[1:]) for _ in range(2))  # written whole
+        d_prior = x.new_zeros(batch, groups, *prior.shape[1:])  # accumulated
+        d_mass, d_kappa, d_beta = x.new_empty(batch, groups, prior.shape[1]), x.new_empty(batch, groups), \
+            x.new_empty(batch, groups)
+        scratch = x.new_empty(batch, groups, ctx.sizes[3], prior.shape[1])  # (B, G, C, M)
         _chain_bwd[(batch * groups,)](x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, d_sums,
-                                      d_masses, d_x, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa, d_beta,
-                                      *ctx.sizes, **ctx.options, num_warps=BACKWARD_WARPS)
+                                      d_masses, scratch, torch.empty_like(scratch), d_x, d_key_sum, d_mass,
+                                      d_key_ref, d_prior, d_kappa, d_beta,
+                                      *ctx.sizes, **ctx.options, num_warps=BACKWARD_WARPS, num_stages=CHAIN_STAGES)
         return (d_x, None, d_key_sum, d_mass, d_key_ref, d_prior.sum(0), d_kappa.sum(0), d_beta.sum(0), None, None)
 
 
 def assign_chain_triton(x, valid, key_sum, mass, key_ref, prior, kappa, beta, boundary, params: RSAParams):
     """``rsa_state.assign_chain`` on the kernels: same arguments and results (fp32; gradients reach x, the
     starting sums and references, kappa P, kappa and beta)."""
-    fp32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
+    fp32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731  (no copy where it already is)
     reached = boundary[:, -1].to(torch.int32).contiguous()  # the row's last boundary, at most N
     outputs = _Chain.apply(fp32(x), fp32(valid), fp32(key_sum), fp32(mass), fp32(key_ref), fp32(prior),
                            fp32(kappa), fp32(beta), reached, params)

@@ -314,7 +314,7 @@ def boundary_index(layout: ChunkLayout, size: int) -> torch.Tensor:
 def assign_chain(x, valid, key_sum, mass, key_ref, prior, kappa, beta, boundary, params: RSAParams):
     """One level's key-assignment chain over every chunk, in order: the write side's only nonlinear recurrence.
 
-    x (B, G, Tp, d) the level's keys, valid (B, Tp), the level's state at the buffer's start key_sum (B, G, m, d),
+    x (B, G, Tp, d) the level's keys, valid (B, Tp) 1 / 0 (or bool), the level's state at the buffer's start key_sum (B, G, m, d),
     mass (B, G, m), key_ref (B, G, m, d); prior = kappa P (G, m, d), kappa (G,), beta (G,); boundary (B, N + 1)
     from ``boundary_index``. Chunk c assigns its rows against ref_c, the slots (kappa P + S_j) / (kappa + n_j) of
     boundary j = boundary[:, c] (j = 0: key_ref), and writes S_{c+1} = S_c + F_c^T X_c, n_{c+1} = n_c + sum_t F_c.
@@ -379,11 +379,12 @@ def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params
     chunked = lambda t: t.unflatten(2, (count, size))  # noqa: E731  (B, G, Tp, ...) -> (B, G, N, C, ...)
     prior, kappa = slot_prior(params, k_b.dtype)  # (1, G, L, m, d), (1, G, L, 1)
     boundary = boundary_index(layout, size)
-    write = valid_b.to(k_b.dtype)[:, None, :, None]
+    written_rows = valid_b.to(k_b.dtype)  # (B, Tp) 1 where a real token sits: what the chains are given
+    write = written_rows[:, None, :, None]
     x_k, x_v = k_b, v_b
     fs, xs, ys, key_sums, value_sums, masses, relations, key_refs, value_refs = ([] for _ in range(9))
     for i in range(levels):
-        f, p, key_sum, mass = chain(x_k, valid_b, state.key_sum[:, :, i], state.mass[:, :, i], state.key_ref[:, :, i],
+        f, p, key_sum, mass = chain(x_k, written_rows, state.key_sum[:, :, i], state.mass[:, :, i], state.key_ref[:, :, i],
                                     prior[0, :, i], kappa[0, :, i, 0], params.beta[:, i].to(k_b.dtype), boundary,
                                     params)
         f = f * write  # what the level writes: nothing on padding

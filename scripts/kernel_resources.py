@@ -76,7 +76,7 @@ def compiling_run(arch: int, records: list, seen: set, pending: list | None = No
     from triton.compiler import ASTSource
 
     def run(self, *args, grid, warmup=False, **kwargs):
-        options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+        options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
         names = self.arg_names
         bound = dict(zip(names, args), **kwargs)
         signature = {name: ("constexpr" if name in kwargs else _type_of(bound[name])) for name in names}
