@@ -90,19 +90,19 @@ def _assign(s, beta, slot_ok, SIGMOID: tl.constexpr):
 
 
 @triton.jit
-def _reference(ref0_ptr, prior_ptr, s_ptr, state, g, at, inverse, off, ok, MD):
+def _reference(ref0, prior, s_ptr, at, inverse, off, ok, MD):
     """One feature block (M, BLOCK_D) of the references a chunk assigns against: the state's own at boundary 0,
     else the slots (kappa P + S_at) * inverse of boundary ``at`` (``inverse`` = 1 / max(kappa + n_at, eps))."""
     if at == 0:
-        ref = tl.load(ref0_ptr + state * MD + off, mask=ok, other=0.0)
+        ref = tl.load(ref0 + off, mask=ok, other=0.0)
     else:
-        ref = (tl.load(prior_ptr + g * MD + off, mask=ok, other=0.0)
+        ref = (tl.load(prior + off, mask=ok, other=0.0)
                + tl.load(s_ptr + at * MD + off, mask=ok, other=0.0)) * inverse[:, None]
     return ref
 
 
 @triton.jit
-def _scores(x_ptr, ref0_ptr, prior_ptr, sums, g_sum, token, row_ok, slots, slot_ok, state, g, at, inverse, D, MD,
+def _scores(x_ptr, ref0, prior, sums, g_sum, token, row_ok, slots, slot_ok, at, inverse, D, MD,
             BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WITH_ADJOINT: tl.constexpr,
             PRECISION: tl.constexpr):
     """x ref_at^T of one row block (BLOCK_R, M), summed over feature blocks, and with WITH_ADJOINT also
@@ -114,7 +114,7 @@ def _scores(x_ptr, ref0_ptr, prior_ptr, sums, g_sum, token, row_ok, slots, slot_
         ok_md, ok_rd = slot_ok[:, None] & (cols < D)[None, :], row_ok[:, None] & (cols < D)[None, :]
         off_md = slots[:, None] * D + cols[None, :]
         x = tl.load(x_ptr + token[:, None] * D + cols[None, :], mask=ok_rd, other=0.0)
-        ref = _reference(ref0_ptr, prior_ptr, sums, state, g, at, inverse, off_md, ok_md, MD)
+        ref = _reference(ref0, prior, sums, at, inverse, off_md, ok_md, MD)
         s += tl.dot(x, tl.trans(ref), input_precision=PRECISION)
         if WITH_ADJOINT:
             x_g += tl.dot(x, tl.trans(tl.load(g_sum + off_md, mask=ok_md, other=0.0)), input_precision=PRECISION)
@@ -123,7 +123,8 @@ def _scores(x_ptr, ref0_ptr, prior_ptr, sums, g_sum, token, row_ok, slots, slot_
 
 @triton.jit(do_not_specialize=["Tp", "NC"])
 def _chain_fwd(x_ptr, valid_ptr, reached_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr,
-               f_ptr, p_ptr, s_ptr, n_ptr, Tp, NC, G, C, M, D, tau, eps,
+               f_ptr, p_ptr, s_ptr, n_ptr, ks_b, ks_g, m_b, m_g, ref_b, ref_g, prior_g, kappa_g, beta_g,
+               Tp, NC, G, C, M, D, tau, eps,
                SIGMOID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                PRECISION: tl.constexpr):
     """One program = one (batch row, KV head). x (B, G, Tp, D); f, p (B, G, Tp, M); S (B, G, NC + 1, M, D),
@@ -135,17 +136,20 @@ def _chain_fwd(x_ptr, valid_ptr, reached_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_p
     slots = tl.arange(0, BLOCK_M)
     slot_ok = slots < M
     MD = M * D
-    kappa, beta = tl.load(kappa_ptr + g), tl.load(beta_ptr + g)
+    kappa, beta = tl.load(kappa_ptr + g * kappa_g), tl.load(beta_ptr + g * beta_g)
     reached = tl.load(reached_ptr + b)
+    row, g64 = b.to(tl.int64), g.to(tl.int64)  # the starting state and parameters by their strides (views)
+    ref0, prior = ref0_ptr + row * ref_b + g64 * ref_g, prior_ptr + g64 * prior_g
     sums = s_ptr + head * (NC + 1) * MD  # this program's S_0 ... S_NC
     masses = n_ptr + head * (NC + 1) * M
-    mass = tl.load(m0_ptr + head * M + slots, mask=slot_ok, other=0.0)
+    mass = tl.load(m0_ptr + row * m_b + g64 * m_g + slots, mask=slot_ok, other=0.0)
     tl.store(masses + slots, mass, mask=slot_ok)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         ok_md = slot_ok[:, None] & (cols < D)[None, :]
         off_md = slots[:, None] * D + cols[None, :]
-        tl.store(sums + off_md, tl.load(ks0_ptr + head * MD + off_md, mask=ok_md, other=0.0), mask=ok_md)
+        tl.store(sums + off_md, tl.load(ks0_ptr + row * ks_b + g64 * ks_g + off_md, mask=ok_md, other=0.0),
+                 mask=ok_md)
     tl.debug_barrier()
     for c in range(NC):
         at = tl.minimum(c, reached)  # the boundary whose slots this chunk assigns against
@@ -155,8 +159,8 @@ def _chain_fwd(x_ptr, valid_ptr, reached_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_p
             row_ok = rows < C
             ok_rm = row_ok[:, None] & slot_ok[None, :]
             token = head * Tp + c * C + rows
-            s, _ = _scores(x_ptr, ref0_ptr, prior_ptr, sums, sums, token, row_ok, slots, slot_ok, head, g, at, inverse,
-                           D, MD, BLOCK_R, BLOCK_M, BLOCK_D, False, PRECISION)
+            s, _ = _scores(x_ptr, ref0, prior, sums, sums, token, row_ok, slots, slot_ok, at, inverse, D, MD, BLOCK_R,
+                           BLOCK_M, BLOCK_D, False, PRECISION)
             f, p = _assign(s * tau, beta, slot_ok, SIGMOID)
             tl.store(f_ptr + token[:, None] * M + slots[None, :], f, mask=ok_rm)
             if SIGMOID:
@@ -188,7 +192,7 @@ def _chain_fwd(x_ptr, valid_ptr, reached_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_p
 def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr, s_ptr, n_ptr,
                df_ptr, dp_ptr, ds_ptr, dn_ptr, w_ptr, dz_ptr,
                dx_ptr, dks0_ptr, dm0_ptr, dref0_ptr, dprior_ptr, dkappa_ptr, dbeta_ptr,
-               Tp, NC, G, C, M, D, tau, eps,
+               ref_b, ref_g, prior_g, kappa_g, beta_g, Tp, NC, G, C, M, D, tau, eps,
                SIGMOID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                PRECISION: tl.constexpr):
     """One program = one (batch row, KV head), chunks in reverse. d* are the gradients of the forward's outputs
@@ -203,8 +207,10 @@ def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, be
     slots = tl.arange(0, BLOCK_M)
     slot_ok = slots < M
     MD = M * D
-    kappa, beta = tl.load(kappa_ptr + g), tl.load(beta_ptr + g)
+    kappa, beta = tl.load(kappa_ptr + g * kappa_g), tl.load(beta_ptr + g * beta_g)
     reached = tl.load(reached_ptr + b)
+    row, g64 = b.to(tl.int64), g.to(tl.int64)
+    ref0, prior = ref0_ptr + row * ref_b + g64 * ref_g, prior_ptr + g64 * prior_g
     sums, masses = s_ptr + head * (NC + 1) * MD, n_ptr + head * (NC + 1) * M
     d_sums, d_masses = ds_ptr + head * (NC + 1) * MD, dn_ptr + head * (NC + 1) * M
     g_sum = dks0_ptr + head * MD  # the adjoint of S_{c+1}, then of S_c
@@ -229,8 +235,8 @@ def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, be
                 ok_rm = row_ok[:, None] & slot_ok[None, :]
                 token = head * Tp + c * C + rows
                 write = tl.load(valid_ptr + b.to(tl.int64) * Tp + c * C + rows, mask=row_ok, other=0.0)
-                s, x_g = _scores(x_ptr, ref0_ptr, prior_ptr, sums, g_sum, token, row_ok, slots, slot_ok, head, g, c,
-                                 inverse, D, MD, BLOCK_R, BLOCK_M, BLOCK_D, True, PRECISION)
+                s, x_g = _scores(x_ptr, ref0, prior, sums, g_sum, token, row_ok, slots, slot_ok, c, inverse, D, MD,
+                                 BLOCK_R, BLOCK_M, BLOCK_D, True, PRECISION)
                 s = s * tau
                 f, p = _assign(s, beta, slot_ok, SIGMOID)
                 # dL/df: its own gradient, plus what the sums it wrote carry back (written = f . valid)
@@ -254,7 +260,7 @@ def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, be
                 cols = d0 + tl.arange(0, BLOCK_D)
                 ok_md = slot_ok[:, None] & (cols < D)[None, :]
                 off_md = slots[:, None] * D + cols[None, :]
-                ref = _reference(ref0_ptr, prior_ptr, sums, head, g, c, inverse, off_md, ok_md, MD)
+                ref = _reference(ref0, prior, sums, c, inverse, off_md, ok_md, MD)
                 adjoint = tl.load(g_sum + off_md, mask=ok_md, other=0.0)
                 d_ref = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
                 for r0 in range(0, C, BLOCK_R):
@@ -313,10 +319,12 @@ class _Chain(torch.autograd.Function):
         sums, masses = x.new_empty(batch, groups, chunks + 1, slots, key_dim), x.new_empty(batch, groups, chunks + 1,
                                                                                              slots)
         sizes = (padded, chunks, groups, size, slots, key_dim, key_dim**-0.5, params.eps)
+        read_strides = (*key_ref.stride()[:2], prior.stride(0), kappa.stride(0), beta.stride(0))
         _chain_fwd[(batch * groups,)](x, valid, reached, key_sum, mass, key_ref, prior, kappa, beta, f, p, sums,
-                                      masses, *sizes, **options, num_warps=FORWARD_WARPS, num_stages=CHAIN_STAGES)
+                                      masses, *key_sum.stride()[:2], *mass.stride()[:2], *read_strides, *sizes,
+                                      **options, num_warps=FORWARD_WARPS, num_stages=CHAIN_STAGES)
         ctx.save_for_backward(x, valid, reached, key_ref, prior, kappa, beta, sums, masses)
-        ctx.sizes, ctx.options = sizes, options
+        ctx.sizes, ctx.options, ctx.read_strides = sizes, options, read_strides
         return (f, p, sums, masses) if options["SIGMOID"] else (f, sums, masses)
 
     @staticmethod
@@ -339,18 +347,28 @@ class _Chain(torch.autograd.Function):
         scratch = x.new_empty(batch, groups, ctx.sizes[3], prior.shape[1])  # (B, G, C, M)
         _chain_bwd[(batch * groups,)](x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, d_sums,
                                       d_masses, scratch, torch.empty_like(scratch), d_x, d_key_sum, d_mass,
-                                      d_key_ref, d_prior, d_kappa, d_beta,
-                                      *ctx.sizes, **ctx.options, num_warps=BACKWARD_WARPS, num_stages=CHAIN_STAGES)
+                                      d_key_ref, d_prior, d_kappa, d_beta, *ctx.read_strides, *ctx.sizes, **ctx.options, num_warps=BACKWARD_WARPS, num_stages=CHAIN_STAGES)
         return (d_x, None, d_key_sum, d_mass, d_key_ref, d_prior.sum(0), d_kappa.sum(0), d_beta.sum(0), None, None)
+
+
+def _dense(t, inner: int):
+    """``t`` in fp32 with its last ``inner`` dimensions contiguous, the kernels' layout; the dimensions before them
+    go by their strides (the state's per-level slices and the expanded prototypes are taken as views, uncopied)."""
+    t = t.to(torch.float32)
+    expected = 1
+    for size, stride in reversed(list(zip(t.shape[t.dim() - inner:], t.stride()[t.dim() - inner:]))):
+        if size > 1 and stride != expected:
+            return t.contiguous()
+        expected *= size
+    return t
 
 
 def assign_chain_triton(x, valid, key_sum, mass, key_ref, prior, kappa, beta, boundary, params: RSAParams):
     """``rsa_state.assign_chain`` on the kernels: same arguments and results (fp32; gradients reach x, the
     starting sums and references, kappa P, kappa and beta)."""
-    fp32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731  (no copy where it already is)
     reached = boundary[:, -1].to(torch.int32).contiguous()  # the row's last boundary, at most N
-    outputs = _Chain.apply(fp32(x), fp32(valid), fp32(key_sum), fp32(mass), fp32(key_ref), fp32(prior),
-                           fp32(kappa), fp32(beta), reached, params)
+    outputs = _Chain.apply(_dense(x, 4), _dense(valid, 2), _dense(key_sum, 2), _dense(mass, 1), _dense(key_ref, 2),
+                           _dense(prior, 2), _dense(kappa, 0), _dense(beta, 0), reached, params)
     if params.assign_fn == "sigmoid":
         return outputs
     f, sums, masses = outputs

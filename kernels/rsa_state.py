@@ -351,13 +351,14 @@ def exclusive_sums(start, increments):
     return torch.cat([start[:, :, None], start[:, :, None] + increments.cumsum(2)], 2)
 
 
-def references(start, sums, divisor, boundary, eps):
+def references(start, sums, divisor, source, eps):
     """The references at every chunk start and after the last chunk (B, G, N + 1, m, d): the state's own ``start``
     (B, G, m, d) at boundary 0, else sums_j / max(divisor_j, eps) (sums (B, G, N + 1, m, d), divisor
-    (B, G, N + 1, m)) of the row's boundary j (``boundary_index``)."""
-    slots = torch.cat([start[:, :, None], sums[:, :, 1:] / divisor[:, :, 1:, :, None].clamp_min(eps)], 2)
-    index = boundary[:, None, :, None, None].expand(-1, slots.shape[1], -1, *slots.shape[-2:])
-    return slots.gather(2, index)
+    (B, G, N + 1, m)) of the row's boundary j (``boundary_index``), gathered from [start, slots_0 .. slots_N] at
+    ``source`` (B, N + 1) = 0 where j = 0, else j + 1: nothing is sliced (a slice costs autograd a kernel of its own
+    in the backward pass)."""
+    slots = torch.cat([start[:, :, None], sums / divisor[..., None].clamp_min(eps)], 2)
+    return slots.gather(2, source[:, None, :, None, None].expand(-1, slots.shape[1], -1, *slots.shape[-2:]))
 
 
 def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params: RSAParams, decay_b=None,
@@ -379,22 +380,26 @@ def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params
     chunked = lambda t: t.unflatten(2, (count, size))  # noqa: E731  (B, G, Tp, ...) -> (B, G, N, C, ...)
     prior, kappa = slot_prior(params, k_b.dtype)  # (1, G, L, m, d), (1, G, L, 1)
     boundary = boundary_index(layout, size)
+    source = torch.where(boundary > 0, boundary + 1, 0)  # where ``references`` finds each chunk start's slots
     written_rows = valid_b.to(k_b.dtype)  # (B, Tp) 1 where a real token sits: what the chains are given
     write = written_rows[:, None, :, None]
     x_k, x_v = k_b, v_b
+    # each level's share of the state and parameters, unbound once (one stack in the backward, not a select a level)
+    start = {name: getattr(state, name).unbind(2) for name in ("key_sum", "value_sum", "mass", "relation_sum",
+                                                                "key_ref", "value_ref")}
+    priors, kappas, betas = prior[0].unbind(1), kappa[0, :, :, 0].unbind(1), params.beta.to(k_b.dtype).unbind(1)
     fs, xs, ys, key_sums, value_sums, masses, relations, key_refs, value_refs = ([] for _ in range(9))
     for i in range(levels):
-        f, p, key_sum, mass = chain(x_k, written_rows, state.key_sum[:, :, i], state.mass[:, :, i], state.key_ref[:, :, i],
-                                    prior[0, :, i], kappa[0, :, i, 0], params.beta[:, i].to(k_b.dtype), boundary,
-                                    params)
+        f, p, key_sum, mass = chain(x_k, written_rows, start["key_sum"][i], start["mass"][i], start["key_ref"][i],
+                                    priors[i], kappas[i], betas[i], boundary, params)
         f = f * write  # what the level writes: nothing on padding
-        value_sum = exclusive_sums(state.value_sum[:, :, i], chunked(f).transpose(-1, -2) @ chunked(x_v))
+        value_sum = exclusive_sums(start["value_sum"][i], chunked(f).transpose(-1, -2) @ chunked(x_v))
         if i:
-            relations.append(exclusive_sums(state.relation_sum[:, :, i - 1], chunked(fs[-1]).transpose(-1, -2)
+            relations.append(exclusive_sums(start["relation_sum"][i - 1], chunked(fs[-1]).transpose(-1, -2)
                                             @ chunked(f)))
-        key_ref = references(state.key_ref[:, :, i], prior[:, :, i, None] + key_sum, kappa[:, :, i, None] + mass,
-                             boundary, eps)  # (B, G, N + 1, m, d)
-        value_ref = references(state.value_ref[:, :, i], value_sum, mass, boundary, eps)
+        key_ref = references(start["key_ref"][i], priors[i][None, :, None] + key_sum,
+                             kappas[i][None, :, None, None] + mass, source, eps)  # (B, G, N + 1, m, d)
+        value_ref = references(start["value_ref"][i], value_sum, mass, source, eps)
         for parts, part in zip((fs, xs, ys, key_sums, value_sums, masses, key_refs, value_refs),
                                (f, x_k, x_v, key_sum, value_sum, mass, key_ref, value_ref)):
             parts.append(part)
