@@ -102,6 +102,19 @@ def _reference(ref0, prior, s_ptr, at, inverse, off, ok, MD):
 
 
 @triton.jit
+def _program(reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr, ref_b, ref_g, prior_g, kappa_g, beta_g, G):
+    """This program's (batch row b, KV head g), its flat index, the row's last boundary, and its parameters and
+    starting references, read by their strides (views of the state and prototypes)."""
+    pid = tl.program_id(0)  # b * G + g
+    b, g = pid // G, pid % G
+    row, g64 = b.to(tl.int64), g.to(tl.int64)
+    kappa, beta = tl.load(kappa_ptr + g * kappa_g), tl.load(beta_ptr + g * beta_g)
+    reached = tl.load(reached_ptr + b)
+    return (b, g, pid.to(tl.int64), row, g64, kappa, beta, reached, ref0_ptr + row * ref_b + g64 * ref_g,
+            prior_ptr + g64 * prior_g)
+
+
+@triton.jit
 def _scores(x_ptr, ref0, prior, sums, g_sum, token, row_ok, slots, slot_ok, at, inverse, D, MD,
             BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WITH_ADJOINT: tl.constexpr,
             PRECISION: tl.constexpr):
@@ -121,7 +134,10 @@ def _scores(x_ptr, ref0, prior, sums, g_sum, token, row_ok, slots, slot_ok, at, 
     return s, x_g
 
 
-@triton.jit(do_not_specialize=["Tp", "NC"])
+# The strides vary with where a state comes from (a fresh state's expanded prototypes, a cache's slices): not
+# specialised on, so that one compiled kernel serves every such layout.
+@triton.jit(do_not_specialize=["Tp", "NC", "ks_b", "ks_g", "m_b", "m_g", "ref_b", "ref_g", "prior_g", "kappa_g",
+                               "beta_g"])
 def _chain_fwd(x_ptr, valid_ptr, reached_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr,
                f_ptr, p_ptr, s_ptr, n_ptr, ks_b, ks_g, m_b, m_g, ref_b, ref_g, prior_g, kappa_g, beta_g,
                Tp, NC, G, C, M, D, tau, eps,
@@ -130,16 +146,11 @@ def _chain_fwd(x_ptr, valid_ptr, reached_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_p
     """One program = one (batch row, KV head). x (B, G, Tp, D); f, p (B, G, Tp, M); S (B, G, NC + 1, M, D),
     n (B, G, NC + 1, M) written at every boundary. A chunk's rows go BLOCK_R at a time (the assignments), then its
     writes S_{c+1} = S_c + sum over row blocks of F^T X, BLOCK_D features at a time."""
-    pid = tl.program_id(0)  # b * G + g
-    b, g = pid // G, pid % G
-    head = pid.to(tl.int64)
+    b, g, head, row, g64, kappa, beta, reached, ref0, prior = _program(
+        reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr, ref_b, ref_g, prior_g, kappa_g, beta_g, G)
     slots = tl.arange(0, BLOCK_M)
     slot_ok = slots < M
     MD = M * D
-    kappa, beta = tl.load(kappa_ptr + g * kappa_g), tl.load(beta_ptr + g * beta_g)
-    reached = tl.load(reached_ptr + b)
-    row, g64 = b.to(tl.int64), g.to(tl.int64)  # the starting state and parameters by their strides (views)
-    ref0, prior = ref0_ptr + row * ref_b + g64 * ref_g, prior_ptr + g64 * prior_g
     sums = s_ptr + head * (NC + 1) * MD  # this program's S_0 ... S_NC
     masses = n_ptr + head * (NC + 1) * M
     mass = tl.load(m0_ptr + row * m_b + g64 * m_g + slots, mask=slot_ok, other=0.0)
@@ -188,7 +199,7 @@ def _chain_fwd(x_ptr, valid_ptr, reached_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_p
         tl.debug_barrier()  # S_{c+1}, n_{c+1} written before the next chunk reads them
 
 
-@triton.jit(do_not_specialize=["Tp", "NC"])
+@triton.jit(do_not_specialize=["Tp", "NC", "ref_b", "ref_g", "prior_g", "kappa_g", "beta_g"])
 def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr, s_ptr, n_ptr,
                df_ptr, dp_ptr, ds_ptr, dn_ptr, w_ptr, dz_ptr,
                dx_ptr, dks0_ptr, dm0_ptr, dref0_ptr, dprior_ptr, dkappa_ptr, dbeta_ptr,
@@ -201,16 +212,11 @@ def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, be
     The adjoint of the key sums lives in dks0 (its final value), BLOCK_D features at a time, as the forward's S;
     the partial of kappa P accumulates in dprior (zeros on entry). w, dz (B, G, C, M): a chunk's written
     assignments and score gradients, between its row pass and its feature pass."""
-    pid = tl.program_id(0)
-    b, g = pid // G, pid % G
-    head = pid.to(tl.int64)
+    b, g, head, row, g64, kappa, beta, reached, ref0, prior = _program(
+        reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr, ref_b, ref_g, prior_g, kappa_g, beta_g, G)
     slots = tl.arange(0, BLOCK_M)
     slot_ok = slots < M
     MD = M * D
-    kappa, beta = tl.load(kappa_ptr + g * kappa_g), tl.load(beta_ptr + g * beta_g)
-    reached = tl.load(reached_ptr + b)
-    row, g64 = b.to(tl.int64), g.to(tl.int64)
-    ref0, prior = ref0_ptr + row * ref_b + g64 * ref_g, prior_ptr + g64 * prior_g
     sums, masses = s_ptr + head * (NC + 1) * MD, n_ptr + head * (NC + 1) * M
     d_sums, d_masses = ds_ptr + head * (NC + 1) * MD, dn_ptr + head * (NC + 1) * M
     g_sum = dks0_ptr + head * MD  # the adjoint of S_{c+1}, then of S_c
