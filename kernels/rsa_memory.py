@@ -32,9 +32,10 @@ mass, relations) are multiplied by exp(log_decay_t); the prototype prior never d
 Because the state is sums, the token recurrence (``rsa_recurrent``, also the decode step) and the chunk form
 (``rsa_chunked``) compute the same function: assignments inside a chunk use the references, everything else is a
 causal cumulative sum. Chunk boundaries count each row's real tokens, so a padded row equals the sequence alone.
-The chunk form writes chunk by chunk (``write_chunks``, the only sequential part: assignments need the references
-of the previous boundary) and then reads the chunks a group at a time (``read_chunks``, chunks as a batch dimension),
-so its op count grows with T only by the groups. Everything runs in fp32 (fp64 stays fp64).
+The chunk form writes (``write_chunks``: each level's assignment chain is the only sequential part, since
+assignments need the references of the previous boundary; the rest runs over all chunks at once) and then reads the
+chunks a group at a time (``read_chunks``, chunks as a batch dimension), so its op count grows with T only by the
+chains' loops and the groups. Everything runs in fp32 (fp64 stays fp64).
 """
 
 from __future__ import annotations
