@@ -627,7 +627,7 @@ class _TritonRSARead(torch.autograd.Function):
 # The chunked memory on top of the kernels.
 
 
-def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None):
+def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None, fresh: bool = False):
     """Triton version of ``rsa_chunked``: same arguments, semantics and return values.
 
     q (B, G, g, T, d), k (B, G, T, d), v (B, G, T, dv), valid (B, T) bool or None -> o (B, G, g, T, dv) fp32 (zero
@@ -643,10 +643,8 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
     size = params.chunk_size
     cd = compute_dtype(q.dtype)  # fp32 here
     k, v = k.to(cd), v.to(cd)
-    if valid is None:
-        valid = torch.ones(batch, length, dtype=torch.bool, device=q.device)
-
-    layout = ChunkLayout.of(valid, state.count, size)  # the buffer of rsa_chunked: chunk boundaries at multiples of C
+    # the buffer of rsa_chunked: chunk boundaries at multiples of C
+    layout = ChunkLayout.of(valid, state.count, size, length, fresh)
     if not layout.padded:
         return q.new_zeros(batch, groups, group_size, length, v.shape[-1] + params.log_weight, dtype=cd), state
     q_b, k_b, v_b = layout.pack(q, 3), layout.pack(k, 2), layout.pack(v, 2)

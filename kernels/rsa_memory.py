@@ -238,8 +238,9 @@ def _chunk_step(q_c, k_c, v_c, valid_c, state: RSAState, params: RSAParams, deca
     return read_chunks(q_c, ChunkWrites(f, x, y, *at_start), params, valid_c, decay_c), written
 
 
-def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None):
-    """Chunk form, equal to ``rsa_recurrent``. Shapes as there; valid (B, T) bool or None.
+def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None, fresh: bool = False):
+    """Chunk form, equal to ``rsa_recurrent``. Shapes as there; valid (B, T) bool or None. ``fresh``: ``state`` is
+    ``initial_state``'s (every count 0), so the buffer is laid out without reading the device (``ChunkLayout``).
 
     Each row's real tokens are packed into an aligned buffer at offset ``count % C`` (its phase), so every row's
     chunk boundaries fall on multiples of C in the buffer whatever its padding or cached length; outputs are
@@ -249,9 +250,7 @@ def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=No
     """
     batch, groups, group_size, length, key_dim = q.shape
     size = params.chunk_size
-    if valid is None:
-        valid = torch.ones(batch, length, dtype=torch.bool, device=q.device)
-    layout = ChunkLayout.of(valid, state.count, size)
+    layout = ChunkLayout.of(valid, state.count, size, length, fresh)
     if not layout.padded:
         return q.new_zeros(batch, groups, group_size, length, v.shape[-1] + params.log_weight), state  # no real token
     q_b, k_b, v_b = layout.pack(q, 3), layout.pack(k, 2), layout.pack(v, 2)
@@ -275,7 +274,7 @@ def rsa_chunked(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=No
 
 @outside_autocast
 def rsa_memory(q, k, v, valid, state: RSAState, params: RSAParams, method: str = "chunked", log_decay=None,
-               backend: str = "auto"):
+               backend: str = "auto", fresh: bool = False):
     """The op's entry point: every choice of path is made here. q (B, G, g, T, d), k (B, G, T, d), v (B, G, T, dv),
     valid (B, T) bool or None, log_decay (B, G, T) or None -> o (B, G, g, T, dv [+ 1 with params.log_weight]) in
     fp32 (fp64 stays fp64) and the new state.
@@ -284,6 +283,7 @@ def rsa_memory(q, k, v, valid, state: RSAState, params: RSAParams, method: str =
     always takes the token step. "chunked" runs its read side in Triton kernels (kernels/rsa_chunk_triton.py)
     where kernels/dispatch.py allows it for ``backend`` ("auto" | "triton" | "torch", e.g. ``config.kernel_backend``)
     and the kernel covers the call (``rsa_chunk_triton_supports``: no decay, fp32 / fp16 / bf16, tiles up to 64, ...).
+    ``fresh``: ``state`` is ``initial_state``'s (the chunk forms then read nothing back from the device).
     """
     if method not in ("chunked", "recurrent"):
         raise ValueError(f"rsa_memory: unknown method {method!r}; choose 'chunked' or 'recurrent'")
@@ -294,8 +294,8 @@ def rsa_memory(q, k, v, valid, state: RSAState, params: RSAParams, method: str =
     if use_triton("RSA chunk step", q.device, backend, check=lambda: _triton_unsupported(params, q, v, log_decay)):
         from .rsa_chunk_triton import rsa_chunked_triton  # needs triton: imported only when chosen
 
-        return rsa_chunked_triton(q, k, v, valid, state, params, log_decay)
-    return rsa_chunked(q, k, v, valid, state, params, log_decay)
+        return rsa_chunked_triton(q, k, v, valid, state, params, log_decay, fresh)
+    return rsa_chunked(q, k, v, valid, state, params, log_decay, fresh)
 
 
 def _triton_unsupported(params: RSAParams, q, v, log_decay) -> str | None:

@@ -198,39 +198,63 @@ def write_chunk(k_c, v_c, valid_c, state: RSAState, params: RSAParams, log_decay
 class ChunkLayout:
     """Each row's real tokens packed into an aligned buffer at offset ``count % C`` (the row's phase), so every
     row's chunk boundaries fall on multiples of C in the buffer whatever its padding or cached length. Shared by the
-    PyTorch chunk form and the Triton one (kernels/rsa_chunk_triton.py)."""
+    PyTorch chunk form and the Triton one (kernels/rsa_chunk_triton.py).
+
+    Built without reading the device where the buffer's length is known from the shapes: a fresh state (every count
+    0, ``fresh``) puts every row's tokens from offset 0, so ceil(T / C) chunks hold them; the training step and a
+    first prefill. A state with history needs its phases' largest span: one host read."""
 
     phase: torch.Tensor  # (B,) buffer offset of each row's first new token
     real: torch.Tensor  # (B,) real tokens of each row in this call
     padded: int  # buffer length, a multiple of C
-    rows: torch.Tensor  # (N,) row and time of every real token ...
-    times: torch.Tensor
-    slots: torch.Tensor  # (N,) ... and its buffer position
+    slot: torch.Tensor | None  # (B, T) each token's buffer position (padding: ``padded``); None: its own position
+    source: torch.Tensor | None  # (B, padded) the token each buffer position holds (empty ones: T, none)
 
     @classmethod
-    def of(cls, valid: torch.Tensor, count: torch.Tensor, size: int) -> "ChunkLayout":
-        phase, real = count % size, valid.sum(1)
-        span = int((phase + real).max().item()) if valid.shape[1] else 0
-        rows, times = valid.nonzero(as_tuple=True)
-        slots = phase[rows] + valid.long().cumsum(1)[rows, times] - 1
-        return cls(phase, real, math.ceil(span / size) * size, rows, times, slots)
+    def of(cls, valid: torch.Tensor | None, count: torch.Tensor, size: int, length: int,
+           fresh: bool = False) -> "ChunkLayout":
+        """valid (B, T) bool or None (every token real), count (B,) tokens before this call, T = ``length``."""
+        if fresh and valid is None:  # the buffer is the sequence itself, filled up to a whole chunk
+            real = torch.full_like(count, length)
+            return cls(count, real, -(-length // size) * size, None, None)
+        if valid is None:
+            valid = torch.ones(count.shape[0], length, dtype=torch.bool, device=count.device)
+        phase, written = count % size, valid.long().cumsum(1)
+        real = written[:, -1] if length else torch.zeros_like(count)
+        span = length if fresh else (int((phase + real).max().item()) if length else 0)
+        padded = -(-span // size) * size
+        slot = torch.where(valid, phase[:, None] + written - 1, padded)
+        source = torch.full((count.shape[0], padded + 1), length, dtype=torch.long, device=count.device)
+        times = torch.arange(length, device=count.device).expand_as(slot)
+        source = source.scatter(1, slot, times)[:, :padded]  # padding lands in the dropped column
+        return cls(phase, real, padded, slot, source)
 
     def pack(self, x: torch.Tensor, time_dim: int) -> torch.Tensor:
-        """Scatter the real tokens of ``x`` (time on ``time_dim``) into the buffer; filler is 0."""
+        """The real tokens of ``x`` (time on ``time_dim``) in the buffer; filler is 0."""
+        length = x.shape[time_dim]
+        if self.slot is None:
+            return x if self.padded == length else F.pad(x, (0, 0) * (x.dim() - 1 - time_dim) + (0, self.padded - length))
         moved = x.movedim(time_dim, 1)  # time next to batch
-        buffer = moved.new_zeros(moved.shape[0], self.padded, *moved.shape[2:])
-        return buffer.index_put((self.rows, self.slots), moved[self.rows, self.times]).movedim(1, time_dim)
+        rows = torch.arange(moved.shape[0], device=x.device)[:, None]
+        taken = moved[rows, self.source.clamp_max(max(length - 1, 0))]
+        empty = (self.source == length).view(*self.source.shape, *(1,) * (moved.dim() - 2))
+        return taken.masked_fill(empty, 0).movedim(1, time_dim)
 
     def valid(self, batch: int, device) -> torch.Tensor:
         """(B, buffer) True where a real token sits."""
-        return torch.zeros(batch, self.padded, dtype=torch.bool, device=device).index_put(
-            (self.rows, self.slots), torch.ones_like(self.rows, dtype=torch.bool))
+        if self.slot is None:
+            return (torch.arange(self.padded, device=device) < self.real[:, None])
+        return self.source < self.slot.shape[1]
 
     def unpack(self, out_b: torch.Tensor, length: int) -> torch.Tensor:
         """Buffer outputs (B, G, g, buffer, dv) back to (B, G, g, T, dv); padded positions get 0."""
+        if self.slot is None:
+            return out_b[:, :, :, :length]
         moved = out_b.movedim(3, 1)
-        out = moved.new_zeros(moved.shape[0], length, *moved.shape[2:])
-        return out.index_put((self.rows, self.times), moved[self.rows, self.slots]).movedim(1, 3)
+        rows = torch.arange(moved.shape[0], device=out_b.device)[:, None]
+        taken = moved[rows, self.slot.clamp_max(self.padded - 1)]
+        padding = (self.slot == self.padded).view(*self.slot.shape, *(1,) * (moved.dim() - 2))
+        return taken.masked_fill(padding, 0).movedim(1, 3)
 
 
 @dataclass

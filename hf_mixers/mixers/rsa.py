@@ -163,10 +163,11 @@ class RSAMixer(RecurrentMixer, FullAttention):
             if separate_keys:  # the memory reads with its own queries (this call's) and writes its own keys
                 q, k, extras = memory_query.to(q.dtype), extras[-1], extras[:-1]
             log_decay = extras[0] if extras else None
-            if memory_state is None:
+            fresh = memory_state is None
+            if fresh:
                 memory_state = initial_state(params, batch, self.head_dim, cd)
             out, memory_state = rsa_memory(q, k, v, written, memory_state, params, method=method, log_decay=log_decay,
-                                           backend=self.config.kernel_backend)
+                                           backend=self.config.kernel_backend, fresh=fresh)
             if params.log_weight:
                 return out[..., :-1], out[..., -1], memory_state
             return out, None, memory_state

@@ -156,7 +156,7 @@ def test_chain_kernel_equals_assign_chain(assign_fn):
     _, k, _, valid = make_inputs(params)
     g = torch.Generator().manual_seed(5)
     count = torch.tensor([0, 5, 13])
-    layout = ChunkLayout.of(valid, count.to(DEV), params.chunk_size)
+    layout = ChunkLayout.of(valid, count.to(DEV), params.chunk_size, valid.shape[1])
     k_b, valid_b = layout.pack(k.detach(), 2), layout.valid(3, DEV)
     boundary = boundary_index(layout, params.chunk_size)
     batch, groups, padded, _ = k_b.shape

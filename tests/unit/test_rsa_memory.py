@@ -234,25 +234,63 @@ def test_output_stays_bounded_when_signed_read_weights_cancel(method):
     assert out.abs().max() <= v.abs().max() * (1 + 1e-9)
 
 
-def test_the_chunk_form_reads_the_host_once_per_call_whatever_its_length():
-    """A host read (``.item()``, ``bool(tensor)``, ``nonzero``) stalls a GPU's queue of launches until the device
-    catches up. The chunk form reads twice per call (``ChunkLayout.of``: the buffer's length, where each real token
-    goes), not once more per chunk boundary: the token step's shortcut
-    (skip the references' refresh when no row is at a boundary) is not taken in a chunk loop, where nearly every
-    chunk ends at one. Counted with torch.profiler on CPU: the same calls run on CUDA."""
+def host_reads(fn):
+    """The names of the host reads (``.item()``, ``bool(tensor)``, ``nonzero``) ``fn`` makes, counted with
+    torch.profiler on CPU: the same calls run on CUDA."""
     from torch.profiler import ProfilerActivity, profile
 
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        fn()
+    return sorted(event.name for event in trace.events()
+                  if event.name in ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero"))
+
+
+def test_the_chunk_form_reads_the_host_once_per_call_whatever_its_length():
+    """A host read stalls a GPU's queue of launches until the device catches up. The chunk form reads nothing from
+    a fresh state (the training step, a first prefill: the buffer's length follows from the shapes) and once from a
+    state with history (the rows' largest span), not once more per chunk boundary: the token step's shortcut (skip
+    the references' refresh when no row is at a boundary) is not taken in a chunk loop, where nearly every chunk
+    ends at one."""
     params = make_params(levels=2)
     q, k, v, valid = make_inputs(params, batch=2, length=6 * params.chunk_size)
     q.requires_grad_()
-    for recompute in (False, True):
+
+    def step():
+        out, _ = rsa_chunked(q, k, v, valid, initial_state(params, 2, v.shape[-1], F64), params, fresh=fresh)
+        out.pow(2).sum().backward()
+
+    for recompute, fresh in itertools.product((False, True), (False, True)):
         params.recompute = recompute
-        with profile(activities=[ProfilerActivity.CPU]) as trace:
-            out, _ = rsa_chunked(q, k, v, valid, initial_state(params, 2, v.shape[-1], F64), params)
-            out.pow(2).sum().backward()
-        reads = [event.name for event in trace.events()
-                 if event.name in ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero")]
-        assert sorted(reads) == ["aten::_local_scalar_dense", "aten::nonzero"], (recompute, reads)
+        assert host_reads(step) == ([] if fresh else ["aten::_local_scalar_dense"]), (recompute, fresh)
+
+
+@pytest.mark.parametrize("length", [23, 24])
+@pytest.mark.parametrize("padded", [True, False])
+def test_a_fresh_state_is_laid_out_from_the_shapes_alone(length, padded):
+    """``fresh`` (every count 0): the buffer is ceil(T / C) chunks, each row's tokens from offset 0 (without padding
+    the sequence itself, filled up to a whole chunk). Outputs, state and gradients equal the token recurrence's
+    and the layout read from the device, with left padding and a hole or none, a length that ends mid-chunk or on a
+    boundary, and a state with history after it (the next call's phases follow the fresh call's counts)."""
+    from hf_mixers.kernels.rsa_state import ChunkLayout
+
+    params = make_params(levels=2)
+    q, k, v, valid = make_inputs(params, length=length)
+    valid = valid if padded else None
+    for x in (q, k, v):
+        x.requires_grad_()
+    start = initial_state(params, q.shape[0], v.shape[-1], F64)
+    fresh_layout = ChunkLayout.of(valid, start.count, params.chunk_size, length, fresh=True)
+    assert fresh_layout.padded == -(-length // params.chunk_size) * params.chunk_size
+    assert (fresh_layout.slot is None) == (valid is None)
+    results = []
+    for fn in (rsa_recurrent, lambda *a: rsa_chunked(*a, fresh=False), lambda *a: rsa_chunked(*a, fresh=True)):
+        out, state = fn(q, k, v, valid, start, params)
+        later, _ = rsa_chunked(q[..., :5, :], k[:, :, :5], v[:, :, :5], None, state, params)  # phases != 0
+        grads = torch.autograd.grad(out.pow(2).sum() + later.pow(2).sum(), [q, k, v])
+        results.append([out, later, *grads, *(getattr(state, name) for name in STATE_FIELDS)])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
 def test_the_compiled_write_equals_the_eager_one_and_one_graph_serves_every_layer():
@@ -313,7 +351,7 @@ def test_split_write_equals_the_chunk_by_chunk_write(assign_fn, levels):
     _, k, v, valid = make_inputs(params)
     k, v = k.requires_grad_(), v.requires_grad_()
     state = replace(initial_state(params, 3, v.shape[-1], F64), count=torch.tensor([0, 5, 3]))
-    layout = ChunkLayout.of(valid, state.count, params.chunk_size)
+    layout = ChunkLayout.of(valid, state.count, params.chunk_size, valid.shape[1])
     results = []
     for write in (write_chunks, write_chunks_in_order):
         writes, new_state = write(layout.pack(k, 2), layout.pack(v, 2), layout.valid(3, "cpu"), layout, state, params)

@@ -69,7 +69,7 @@ def _candidate(candidate: str, shape: dict, length: int, device, dtype, generato
         def run():
             params = module.memory_params(torch.float32)  # rebuilt per call: a fresh autograd graph
             state = initial_state(params, 1, head_dim, torch.float32)
-            return rsa_memory(**tensors, valid=None, state=state, params=params, backend=backend)[0]
+            return rsa_memory(**tensors, valid=None, state=state, params=params, backend=backend, fresh=True)[0]
         return tensors, run
     rows = shape["feedback_heads"]
     width = heads * head_dim // rows  # f: the attention output, split by feedback head
