@@ -158,6 +158,9 @@ class RSAMixer(RecurrentMixer, FullAttention):
         separate_keys = memory_key is not key
         if separate_keys:
             extras = extras + (memory_key.to(cd),)
+        # a first call no longer than the window: no token leaves it, so the memory stays empty and is not run (known
+        # from the shapes; its parameters then take no part in the loss, which the trainer reports)
+        nothing_leaves = state is None and 0 < length <= self.config.rsa_window
 
         def memory(q, k, v, written, extras, memory_state):
             if separate_keys:  # the memory reads with its own queries (this call's) and writes its own keys
@@ -166,6 +169,9 @@ class RSAMixer(RecurrentMixer, FullAttention):
             fresh = memory_state is None
             if fresh:
                 memory_state = initial_state(params, batch, self.head_dim, cd)
+            if nothing_leaves:  # what the window's combine reads for a query that saw no memory: its share is 0
+                empty = q.new_zeros(*q.shape[:-1], v.shape[-1])
+                return empty, empty[..., 0], memory_state
             out, memory_state = rsa_memory(q, k, v, written, memory_state, params, method=method, log_decay=log_decay,
                                            backend=self.config.kernel_backend, fresh=fresh)
             if params.log_weight:
