@@ -90,15 +90,40 @@ def _assign(s, beta, slot_ok, SIGMOID: tl.constexpr):
 
 
 @triton.jit
-def _reference(ref0, prior, s_ptr, at, inverse, off, ok, MD):
+def _reference(ref0, prior, s_ptr, at, inverse, off, ok, MD, WITH_PRIOR: tl.constexpr = True):
     """One feature block (M, BLOCK_D) of the references a chunk assigns against: the state's own at boundary 0,
-    else the slots (kappa P + S_at) * inverse of boundary ``at`` (``inverse`` = 1 / max(kappa + n_at, eps))."""
+    else the slots (kappa P + S_at) * inverse of boundary ``at`` (``inverse`` = 1 / max(kappa + n_at, eps));
+    without WITH_PRIOR the value slots V_at * inverse (``inverse`` = 1 / max(n_at, eps))."""
     if at == 0:
         ref = tl.load(ref0 + off, mask=ok, other=0.0)
     else:
-        ref = (tl.load(prior + off, mask=ok, other=0.0)
-               + tl.load(s_ptr + at * MD + off, mask=ok, other=0.0)) * inverse[:, None]
+        ref = tl.load(s_ptr + at * MD + off, mask=ok, other=0.0)
+        if WITH_PRIOR:
+            ref += tl.load(prior + off, mask=ok, other=0.0)
+        ref = ref * inverse[:, None]
     return ref
+
+
+@triton.jit
+def _add_into(ptr, value, ok):
+    tl.store(ptr, tl.load(ptr, mask=ok, other=0.0) + value, mask=ok)
+
+
+@triton.jit
+def _route(d_ref, ref, at, inverse, d_ref0, d_sums, d_prior, off, ok, MD, WITH_PRIOR: tl.constexpr):
+    """Hand one feature block of a reference's gradient to what the reference is made of: the state's own at
+    boundary 0, else the sums of boundary ``at`` (and kappa P, WITH_PRIOR). Returns sum over the block of
+    d_ref . ref (M,), the divisor's share: d inverse-divisor = -that * inverse."""
+    if at == 0:
+        _add_into(d_ref0 + off, d_ref, ok)
+        part = tl.zeros_like(inverse)
+    else:
+        scaled = d_ref * inverse[:, None]
+        _add_into(d_sums + at * MD + off, scaled, ok)
+        if WITH_PRIOR:
+            _add_into(d_prior + off, scaled, ok)
+        part = tl.sum(d_ref * ref, 1)
+    return part
 
 
 @triton.jit
@@ -308,6 +333,285 @@ def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, be
     tl.store(dbeta_ptr + head, d_beta)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The rest of a level's write (rsa_state.level_writes), once its chain is known: linear in the assignments.
+
+
+@triton.jit(do_not_specialize=["Tp", "NC", "v0_b", "v0_g", "kref_b", "kref_g", "vref_b", "vref_g", "r0_b", "r0_g",
+                               "prior_g", "kappa_g"])
+def _level_fwd(f_ptr, p_ptr, x_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v0_ptr, kref0_ptr, vref0_ptr,
+               prior_ptr, kappa_ptr, above_ptr, r0_ptr, w_ptr, v_ptr, r_ptr, xn_ptr, yn_ptr, kout_ptr, vout_ptr,
+               v0_b, v0_g, kref_b, kref_g, vref_b, vref_g, r0_b, r0_g, prior_g, kappa_g, Tp, NC, G, C, M, D, DV, eps,
+               RESIDUAL: tl.constexpr, RELATION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    """One program = one (batch row, KV head), chunks in order. Per chunk c against boundary at = min(c, reached):
+    W = f . valid; R_{c+1} = R_c + F_above^T W (RELATION); with RESIDUAL x - p ref_k, y - p ref_v; V_{c+1} = V_c +
+    W^T y. Then the references of boundary min(NC, reached), the state's after the call. p_ptr is f_ptr for
+    softmax assignment."""
+    pid = tl.program_id(0)
+    b, g = pid // G, pid % G
+    head, row, g64 = pid.to(tl.int64), b.to(tl.int64), g.to(tl.int64)
+    kappa, reached = tl.load(kappa_ptr + g * kappa_g), tl.load(reached_ptr + b)
+    kref0, vref0 = kref0_ptr + row * kref_b + g64 * kref_g, vref0_ptr + row * vref_b + g64 * vref_g
+    prior = prior_ptr + g64 * prior_g
+    slots = tl.arange(0, BLOCK_M)
+    slot_ok = slots < M
+    MD, MDV, MM = M * D, M * DV, M * M
+    sums, masses = s_ptr + head * (NC + 1) * MD, n_ptr + head * (NC + 1) * M
+    values, relations = v_ptr + head * (NC + 1) * MDV, r_ptr + head * (NC + 1) * MM
+    off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
+    for e0 in range(0, DV, BLOCK_DV):
+        cols = e0 + tl.arange(0, BLOCK_DV)
+        ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
+        tl.store(values + off_mv, tl.load(v0_ptr + row * v0_b + g64 * v0_g + off_mv, mask=ok_mv, other=0.0),
+                 mask=ok_mv)
+    relation = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+    if RELATION:
+        relation = tl.load(r0_ptr + row * r0_b + g64 * r0_g + off_mm, mask=ok_mm, other=0.0)
+        tl.store(relations + off_mm, relation, mask=ok_mm)
+    tl.debug_barrier()
+    for c in range(NC):
+        at = tl.minimum(c, reached)
+        n_at = tl.load(masses + at * M + slots, mask=slot_ok, other=0.0)
+        k_inverse, v_inverse = 1.0 / tl.maximum(kappa + n_at, eps), 1.0 / tl.maximum(n_at, eps)
+        for r0 in range(0, C, BLOCK_R):  # the rows: what the level writes, and the relation sums
+            rows = r0 + tl.arange(0, BLOCK_R)
+            row_ok = rows < C
+            ok_rm, token = row_ok[:, None] & slot_ok[None, :], head * Tp + c * C + rows
+            write = tl.load(valid_ptr + row * Tp + c * C + rows, mask=row_ok, other=0.0)
+            w = tl.load(f_ptr + token[:, None] * M + slots[None, :], mask=ok_rm, other=0.0) * write[:, None]
+            tl.store(w_ptr + token[:, None] * M + slots[None, :], w, mask=ok_rm)
+            if RELATION:
+                above = tl.load(above_ptr + token[:, None] * M + slots[None, :], mask=ok_rm, other=0.0)
+                relation += tl.dot(tl.trans(above), w, input_precision=PRECISION)
+        if RELATION:
+            tl.store(relations + (c + 1) * MM + off_mm, relation, mask=ok_mm)
+        tl.debug_barrier()  # the chunk's W written before its rows are read back
+        if RESIDUAL:  # the next level's keys: x - p ref_k
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                ok_md, off_md = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
+                ref = _reference(kref0, prior, sums, at, k_inverse, off_md, ok_md, MD, True)
+                for r0 in range(0, C, BLOCK_R):
+                    rows = r0 + tl.arange(0, BLOCK_R)
+                    row_ok = rows < C
+                    token = head * Tp + c * C + rows
+                    ok_rd = row_ok[:, None] & (cols < D)[None, :]
+                    p = tl.load(p_ptr + token[:, None] * M + slots[None, :], mask=row_ok[:, None] & slot_ok[None, :],
+                                other=0.0)
+                    x = tl.load(x_ptr + token[:, None] * D + cols[None, :], mask=ok_rd, other=0.0)
+                    tl.store(xn_ptr + token[:, None] * D + cols[None, :],
+                             x - tl.dot(p, ref, input_precision=PRECISION), mask=ok_rd)
+        for e0 in range(0, DV, BLOCK_DV):  # the value sums, and the next level's values y - p ref_v
+            cols = e0 + tl.arange(0, BLOCK_DV)
+            ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
+            value_sum = tl.load(values + c * MDV + off_mv, mask=ok_mv, other=0.0)
+            ref = _reference(vref0, prior, values, at, v_inverse, off_mv, ok_mv, MDV, False)
+            for r0 in range(0, C, BLOCK_R):
+                rows = r0 + tl.arange(0, BLOCK_R)
+                row_ok = rows < C
+                token = head * Tp + c * C + rows
+                ok_rm, ok_rv = row_ok[:, None] & slot_ok[None, :], row_ok[:, None] & (cols < DV)[None, :]
+                w = tl.load(w_ptr + token[:, None] * M + slots[None, :], mask=ok_rm, other=0.0)
+                y = tl.load(y_ptr + token[:, None] * DV + cols[None, :], mask=ok_rv, other=0.0)
+                value_sum += tl.dot(tl.trans(w), y, input_precision=PRECISION)
+                if RESIDUAL:
+                    p = tl.load(p_ptr + token[:, None] * M + slots[None, :], mask=ok_rm, other=0.0)
+                    tl.store(yn_ptr + token[:, None] * DV + cols[None, :],
+                             y - tl.dot(p, ref, input_precision=PRECISION), mask=ok_rv)
+            tl.store(values + (c + 1) * MDV + off_mv, value_sum, mask=ok_mv)
+        tl.debug_barrier()  # V_{c+1} written before the next chunk reads it
+    at = tl.minimum(NC, reached)  # the references the state keeps
+    n_at = tl.load(masses + at * M + slots, mask=slot_ok, other=0.0)
+    k_inverse, v_inverse = 1.0 / tl.maximum(kappa + n_at, eps), 1.0 / tl.maximum(n_at, eps)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        ok_md, off_md = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
+        tl.store(kout_ptr + head * MD + off_md, _reference(kref0, prior, sums, at, k_inverse, off_md, ok_md, MD, True),
+                 mask=ok_md)
+    for e0 in range(0, DV, BLOCK_DV):
+        cols = e0 + tl.arange(0, BLOCK_DV)
+        ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
+        tl.store(vout_ptr + head * MDV + off_mv,
+                 _reference(vref0, prior, values, at, v_inverse, off_mv, ok_mv, MDV, False), mask=ok_mv)
+
+
+@triton.jit
+def _divisor_gradient(kappa, n_at, eps, d_key, d_value):
+    """The gradients of n_at (and its kappa share) from sum d_ref . ref of the key and value references."""
+    k_inverse, v_inverse = 1.0 / tl.maximum(kappa + n_at, eps), 1.0 / tl.maximum(n_at, eps)
+    d_total = tl.where(kappa + n_at > eps, -d_key * k_inverse, 0.0)
+    return d_total + tl.where(n_at > eps, -d_value * v_inverse, 0.0), tl.sum(d_total, 0)
+
+
+@triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g"])
+def _level_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr,
+               kappa_ptr, above_ptr, dw_ptr, gv_ptr, dr_ptr, dxn_ptr, dyn_ptr, dkout_ptr, dvout_ptr,
+               df_ptr, dp_ptr, dy_ptr, ds_ptr, dn_ptr, dv0_ptr, dkref0_ptr, dvref0_ptr, dprior_ptr, dkappa_ptr,
+               dabove_ptr, dr0_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, Tp, NC, G, C, M, D, DV, eps,
+               SIGMOID: tl.constexpr, RESIDUAL: tl.constexpr, RELATION: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    """One program = one (batch row, KV head), chunks in reverse. In: the forward's inputs and V; the gradients
+    of its outputs (gv: of V, a copy the references' shares are added into at their boundary; dr: of R).
+    Out: df (and dp with SIGMOID; softmax adds it into df), dy, the gradients of S and n (zeros on entry, added at
+    each boundary a reference reads), of the starting value sum (dv0: the adjoint of V_c as the sweep goes),
+    references and relation sum, this program's partials of kappa P and kappa, and dabove = W dR^T. The keys'
+    gradient is dxn itself (x enters only x - p ref_k)."""
+    pid = tl.program_id(0)
+    b, g = pid // G, pid % G
+    head, row, g64 = pid.to(tl.int64), b.to(tl.int64), g.to(tl.int64)
+    kappa, reached = tl.load(kappa_ptr + g * kappa_g), tl.load(reached_ptr + b)
+    kref0, vref0 = kref0_ptr + row * kref_b + g64 * kref_g, vref0_ptr + row * vref_b + g64 * vref_g
+    prior = prior_ptr + g64 * prior_g
+    slots = tl.arange(0, BLOCK_M)
+    slot_ok = slots < M
+    MD, MDV, MM = M * D, M * DV, M * M
+    sums, masses, values = s_ptr + head * (NC + 1) * MD, n_ptr + head * (NC + 1) * M, v_ptr + head * (NC + 1) * MDV
+    d_sums, d_masses = ds_ptr + head * (NC + 1) * MD, dn_ptr + head * (NC + 1) * M
+    g_values, g_value = gv_ptr + head * (NC + 1) * MDV, dv0_ptr + head * MDV  # g_value: the adjoint of V_{c+1}
+    d_prior, d_kref0, d_vref0 = dprior_ptr + head * MD, dkref0_ptr + head * MD, dvref0_ptr + head * MDV
+    off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
+    # the references after the last chunk, boundary min(NC, reached)
+    at = tl.minimum(NC, reached)
+    n_at = tl.load(masses + at * M + slots, mask=slot_ok, other=0.0)
+    k_inverse, v_inverse = 1.0 / tl.maximum(kappa + n_at, eps), 1.0 / tl.maximum(n_at, eps)
+    d_key = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        ok_md, off_md = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
+        ref = _reference(kref0, prior, sums, at, k_inverse, off_md, ok_md, MD, True)
+        d_key += _route(tl.load(dkout_ptr + head * MD + off_md, mask=ok_md, other=0.0), ref, at, k_inverse, d_kref0,
+                        d_sums, d_prior, off_md, ok_md, MD, True)
+    d_value = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for e0 in range(0, DV, BLOCK_DV):
+        cols = e0 + tl.arange(0, BLOCK_DV)
+        ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
+        ref = _reference(vref0, prior, values, at, v_inverse, off_mv, ok_mv, MDV, False)
+        d_value += _route(tl.load(dvout_ptr + head * MDV + off_mv, mask=ok_mv, other=0.0), ref, at, v_inverse,
+                          d_vref0, g_values, d_prior, off_mv, ok_mv, MDV, False)
+    # n's gradient at boundary ``reached`` (from the final references and the chunks past it) is held here and
+    # written at that boundary; every other boundary is written once, by its own chunk
+    d_pending, d_kappa = _divisor_gradient(kappa, n_at, eps, d_key, d_value)  # 0 at boundary 0 (nothing routed)
+    if at == NC:
+        tl.store(d_masses + NC * M + slots, d_pending, mask=slot_ok)
+    tl.debug_barrier()
+    for e0 in range(0, DV, BLOCK_DV):
+        cols = e0 + tl.arange(0, BLOCK_DV)
+        ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
+        tl.store(g_value + off_mv, tl.load(g_values + NC * MDV + off_mv, mask=ok_mv, other=0.0), mask=ok_mv)
+    g_relation = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+    if RELATION:
+        g_relation = tl.load(dr_ptr + head * (NC + 1) * MM + NC * MM + off_mm, mask=ok_mm, other=0.0)
+    tl.debug_barrier()
+    for step in range(NC):
+        c = NC - 1 - step
+        at = tl.minimum(c, reached)
+        n_at = tl.load(masses + at * M + slots, mask=slot_ok, other=0.0)
+        k_inverse, v_inverse = 1.0 / tl.maximum(kappa + n_at, eps), 1.0 / tl.maximum(n_at, eps)
+        for r0 in range(0, C, BLOCK_R):  # the rows: the gradients of f and p
+            rows = r0 + tl.arange(0, BLOCK_R)
+            row_ok = rows < C
+            ok_rm, token = row_ok[:, None] & slot_ok[None, :], head * Tp + c * C + rows
+            off_rm = token[:, None] * M + slots[None, :]
+            write = tl.load(valid_ptr + row * Tp + c * C + rows, mask=row_ok, other=0.0)
+            w = tl.load(f_ptr + off_rm, mask=ok_rm, other=0.0) * write[:, None]
+            d_w = tl.load(dw_ptr + off_rm, mask=ok_rm, other=0.0)
+            d_p = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+            if RESIDUAL:
+                for d0 in range(0, D, BLOCK_D):
+                    cols = d0 + tl.arange(0, BLOCK_D)
+                    ok_md, off_md = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
+                    ref = _reference(kref0, prior, sums, at, k_inverse, off_md, ok_md, MD, True)
+                    d_next = tl.load(dxn_ptr + token[:, None] * D + cols[None, :],
+                                     mask=row_ok[:, None] & (cols < D)[None, :], other=0.0)
+                    d_p -= tl.dot(d_next, tl.trans(ref), input_precision=PRECISION)
+            for e0 in range(0, DV, BLOCK_DV):
+                cols = e0 + tl.arange(0, BLOCK_DV)
+                ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
+                ok_rv = row_ok[:, None] & (cols < DV)[None, :]
+                y = tl.load(y_ptr + token[:, None] * DV + cols[None, :], mask=ok_rv, other=0.0)
+                d_w += tl.dot(y, tl.trans(tl.load(g_value + off_mv, mask=ok_mv, other=0.0)),
+                              input_precision=PRECISION)
+                if RESIDUAL:
+                    ref = _reference(vref0, prior, values, at, v_inverse, off_mv, ok_mv, MDV, False)
+                    d_next = tl.load(dyn_ptr + token[:, None] * DV + cols[None, :], mask=ok_rv, other=0.0)
+                    d_p -= tl.dot(d_next, tl.trans(ref), input_precision=PRECISION)
+            if RELATION:
+                above = tl.load(above_ptr + off_rm, mask=ok_rm, other=0.0)
+                d_w += tl.dot(above, g_relation, input_precision=PRECISION)
+                tl.store(dabove_ptr + off_rm, tl.dot(w, tl.trans(g_relation), input_precision=PRECISION),
+                         mask=ok_rm)
+            d_f = d_w * write[:, None]
+            if SIGMOID:
+                tl.store(df_ptr + off_rm, d_f, mask=ok_rm)
+                if RESIDUAL:
+                    tl.store(dp_ptr + off_rm, d_p, mask=ok_rm)
+            else:
+                tl.store(df_ptr + off_rm, d_f + d_p, mask=ok_rm)
+        tl.debug_barrier()  # every row read the adjoint of V_{c+1} before the features pass moves it on
+        d_key = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if RESIDUAL:  # the key references' gradient -p^T dxn
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                ok_md, off_md = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
+                ref = _reference(kref0, prior, sums, at, k_inverse, off_md, ok_md, MD, True)
+                d_ref = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+                for r0 in range(0, C, BLOCK_R):
+                    rows = r0 + tl.arange(0, BLOCK_R)
+                    row_ok = rows < C
+                    token = head * Tp + c * C + rows
+                    p = tl.load(p_ptr + token[:, None] * M + slots[None, :], mask=row_ok[:, None] & slot_ok[None, :],
+                                other=0.0)
+                    d_next = tl.load(dxn_ptr + token[:, None] * D + cols[None, :],
+                                     mask=row_ok[:, None] & (cols < D)[None, :], other=0.0)
+                    d_ref -= tl.dot(tl.trans(p), d_next, input_precision=PRECISION)
+                d_key += _route(d_ref, ref, at, k_inverse, d_kref0, d_sums, d_prior, off_md, ok_md, MD, True)
+        d_value = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for e0 in range(0, DV, BLOCK_DV):  # dy = dyn + W g_V, and the value references' gradient -p^T dyn
+            cols = e0 + tl.arange(0, BLOCK_DV)
+            ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
+            adjoint = tl.load(g_value + off_mv, mask=ok_mv, other=0.0)
+            ref = _reference(vref0, prior, values, at, v_inverse, off_mv, ok_mv, MDV, False)
+            d_ref = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+            for r0 in range(0, C, BLOCK_R):
+                rows = r0 + tl.arange(0, BLOCK_R)
+                row_ok = rows < C
+                token = head * Tp + c * C + rows
+                ok_rm, ok_rv = row_ok[:, None] & slot_ok[None, :], row_ok[:, None] & (cols < DV)[None, :]
+                write = tl.load(valid_ptr + row * Tp + c * C + rows, mask=row_ok, other=0.0)
+                w = tl.load(f_ptr + token[:, None] * M + slots[None, :], mask=ok_rm, other=0.0) * write[:, None]
+                d_y = tl.dot(w, adjoint, input_precision=PRECISION)
+                if RESIDUAL:
+                    d_next = tl.load(dyn_ptr + token[:, None] * DV + cols[None, :], mask=ok_rv, other=0.0)
+                    d_y += d_next
+                    p = tl.load(p_ptr + token[:, None] * M + slots[None, :], mask=ok_rm, other=0.0)
+                    d_ref -= tl.dot(tl.trans(p), d_next, input_precision=PRECISION)
+                tl.store(dy_ptr + token[:, None] * DV + cols[None, :], d_y, mask=ok_rv)
+            if RESIDUAL:
+                d_value += _route(d_ref, ref, at, v_inverse, d_vref0, g_values, d_prior, off_mv, ok_mv, MDV, False)
+        if RESIDUAL and at > 0:
+            d_n, d_k = _divisor_gradient(kappa, n_at, eps, d_key, d_value)
+            d_kappa += d_k
+            if c > reached:
+                d_pending += d_n
+            else:  # boundary c, read by chunk c alone (and, at c = reached, by the later ones)
+                d_n += tl.where(c == reached, d_pending, 0.0)
+                tl.store(d_masses + c * M + slots, d_n, mask=slot_ok)
+        elif at > 0 and c == reached:
+            tl.store(d_masses + c * M + slots, d_pending, mask=slot_ok)
+        tl.debug_barrier()  # the value references' shares added at their boundary before it is passed
+        for e0 in range(0, DV, BLOCK_DV):  # the adjoint of V_c
+            cols = e0 + tl.arange(0, BLOCK_DV)
+            ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
+            _add_into(g_value + off_mv, tl.load(g_values + c * MDV + off_mv, mask=ok_mv, other=0.0), ok_mv)
+        if RELATION:
+            g_relation += tl.load(dr_ptr + head * (NC + 1) * MM + c * MM + off_mm, mask=ok_mm, other=0.0)
+        tl.debug_barrier()
+    if RELATION:
+        tl.store(dr0_ptr + head * MM + off_mm, g_relation, mask=ok_mm)
+    tl.store(dkappa_ptr + head, d_kappa)
+
+
 def _launch_options(params: RSAParams, slots: int, key_dim: int) -> dict:
     return dict(SIGMOID=params.assign_fn == "sigmoid", BLOCK_R=tile_edge(params.chunk_size, ROW_BLOCK),
                 BLOCK_M=tile_edge(slots), BLOCK_D=tile_edge(key_dim, FEATURE_BLOCK), PRECISION=INPUT_PRECISION)
@@ -379,3 +683,101 @@ def assign_chain_triton(x, valid, key_sum, mass, key_ref, prior, kappa, beta, bo
         return outputs
     f, sums, masses = outputs
     return f, f, sums, masses
+
+
+class _Level(torch.autograd.Function):
+    """``rsa_state.level_writes`` on the level kernels. Inputs in the kernels' layout (``_dense``); p is None for
+    softmax assignment (it is f), x and p None without a residual, above and the starting relation sum None at
+    level 0. Returns W, V, [R], [x_next, y_next], key_ref, value_ref."""
+
+    @staticmethod
+    def forward(ctx, f, p, x, y, valid, key_sum, mass, value_sum0, key_ref0, value_ref0, prior, kappa, above,
+                relation_sum0, reached, params: RSAParams):
+        batch, groups, padded, slots = f.shape
+        key_dim, value_dim, size = key_sum.shape[-1], y.shape[-1], params.chunk_size
+        chunks = padded // size
+        residual, relation = x is not None, above is not None
+        options = dict(RESIDUAL=residual, RELATION=relation, BLOCK_R=tile_edge(size, ROW_BLOCK),
+                       BLOCK_M=tile_edge(slots), BLOCK_D=tile_edge(key_dim, FEATURE_BLOCK),
+                       BLOCK_DV=tile_edge(value_dim, FEATURE_BLOCK), PRECISION=INPUT_PRECISION)
+        dummy = f
+        written = torch.empty_like(f)
+        value_sums = y.new_empty(batch, groups, chunks + 1, slots, value_dim)
+        relations = f.new_empty(batch, groups, chunks + 1, slots, slots) if relation else dummy
+        x_next, y_next = (torch.empty_like(x), torch.empty_like(y)) if residual else (dummy, dummy)
+        key_ref, value_ref = key_sum.new_empty(batch, groups, slots, key_dim), y.new_empty(batch, groups, slots,
+                                                                                        value_dim)
+        strides = (*value_sum0.stride()[:2], *key_ref0.stride()[:2], *value_ref0.stride()[:2],
+                   *(relation_sum0.stride()[:2] if relation else (0, 0)), prior.stride(0), kappa.stride(0))
+        sizes = (padded, chunks, groups, size, slots, key_dim, value_dim, params.eps)
+        _level_fwd[(batch * groups,)](f, f if p is None else p, dummy if x is None else x, y, valid, reached, key_sum,
+                                      mass, value_sum0, key_ref0, value_ref0, prior, kappa,
+                                      dummy if above is None else above,
+                                      dummy if relation_sum0 is None else relation_sum0, written, value_sums,
+                                      relations, x_next, y_next, key_ref, value_ref, *strides, *sizes, **options,
+                                      num_warps=FORWARD_WARPS, num_stages=CHAIN_STAGES)
+        ctx.save_for_backward(f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa,
+                              above)
+        ctx.options, ctx.sizes = options, sizes
+        ctx.read_strides = (*key_ref0.stride()[:2], *value_ref0.stride()[:2], prior.stride(0), kappa.stride(0))
+        ctx.sigmoid = p is not None
+        outputs = [written, value_sums] + ([relations] if relation else []) + ([x_next, y_next] if residual else [])
+        return (*outputs, key_ref, value_ref)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above = \
+            ctx.saved_tensors
+        residual, relation = ctx.options["RESIDUAL"], ctx.options["RELATION"]
+        grads = list(grads)
+        d_written, d_values = grads.pop(0), grads.pop(0)
+        d_relations = grads.pop(0) if relation else None
+        d_x_next, d_y_next = (grads.pop(0), grads.pop(0)) if residual else (None, None)
+        d_key_ref, d_value_ref = grads
+        given = lambda grad, like: torch.zeros_like(like) if grad is None else grad.contiguous()  # noqa: E731
+        batch, groups, boundaries = key_sum.shape[:3]
+        slots, key_dim, value_dim = f.shape[-1], key_sum.shape[-1], y.shape[-1]
+        d_written = given(d_written, f)
+        g_values = d_values.clone(memory_format=torch.contiguous_format) if d_values is not None else \
+            torch.zeros_like(value_sums)  # the references' shares are added into it
+        d_relations = given(d_relations, f.new_empty(batch, groups, boundaries, slots, slots)) if relation else f
+        d_x_next = given(d_x_next, f.new_empty(*f.shape[:3], key_dim)) if residual else f
+        d_y_next = given(d_y_next, y) if residual else f
+        d_key_ref = given(d_key_ref, f.new_empty(batch, groups, slots, key_dim))
+        d_value_ref = given(d_value_ref, f.new_empty(batch, groups, slots, value_dim))
+        d_f = torch.empty_like(f)
+        d_p = torch.empty_like(f) if ctx.sigmoid and residual else f
+        d_y = torch.empty_like(y)
+        d_key_sum, d_mass = torch.zeros_like(key_sum), torch.zeros_like(mass)
+        d_value_sum0 = y.new_empty(batch, groups, slots, value_dim)  # written whole
+        d_key_ref0, d_value_ref0 = key_sum.new_zeros(batch, groups, slots, key_dim), torch.zeros_like(d_value_sum0)
+        d_prior, d_kappa = key_sum.new_zeros(batch, groups, slots, key_dim), f.new_empty(batch, groups)
+        d_above = torch.empty_like(f) if relation else f
+        d_relation0 = f.new_empty(batch, groups, slots, slots) if relation else f
+        _level_bwd[(batch * groups,)](f, f if p is None else p, y, valid, reached, key_sum, mass, value_sums, key_ref0,
+                                      value_ref0, prior, kappa, f if above is None else above, d_written, g_values,
+                                      d_relations, d_x_next, d_y_next, d_key_ref, d_value_ref, d_f, d_p, d_y,
+                                      d_key_sum, d_mass, d_value_sum0, d_key_ref0, d_value_ref0, d_prior, d_kappa,
+                                      d_above, d_relation0, *ctx.read_strides, *ctx.sizes, SIGMOID=ctx.sigmoid,
+                                      **ctx.options, num_warps=BACKWARD_WARPS, num_stages=CHAIN_STAGES)
+        return (d_f, d_p if ctx.sigmoid and residual else None, d_x_next if residual else None, d_y, None, d_key_sum,
+                d_mass, d_value_sum0, d_key_ref0, d_value_ref0, d_prior.sum(0), d_kappa.sum(0),
+                d_above if relation else None, d_relation0 if relation else None, None, None)
+
+
+def level_writes_triton(f, p, x, y, valid, key_sum, mass, start_value_sum, start_key_ref, start_value_ref, prior,
+                        kappa, boundary, params: RSAParams, f_above=None, start_relation_sum=None, residual=True):
+    """``rsa_state.level_writes`` on the kernels: same arguments and results (fp32)."""
+    reached = boundary[:, -1].to(torch.int32).contiguous()
+    sigmoid = params.assign_fn == "sigmoid"
+    relation = f_above is not None
+    outputs = list(_Level.apply(
+        _dense(f, 4), _dense(p, 4) if sigmoid and residual else None, _dense(x, 4) if residual else None,
+        _dense(y, 4), _dense(valid, 2), _dense(key_sum, 5), _dense(mass, 4), _dense(start_value_sum, 2),
+        _dense(start_key_ref, 2), _dense(start_value_ref, 2), _dense(prior, 2), _dense(kappa, 0),
+        _dense(f_above, 4) if relation else None, _dense(start_relation_sum, 2) if relation else None, reached,
+        params))
+    written, value_sums = outputs.pop(0), outputs.pop(0)
+    relations = outputs.pop(0) if relation else None
+    x_next, y_next = (outputs.pop(0), outputs.pop(0)) if residual else (None, None)
+    return (written, value_sums, relations, x_next, y_next, *outputs)

@@ -100,7 +100,7 @@ from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunk
 # size and slot count, held as one tile: C x C, C x m and m x m) and MAX_HEAD_DIM (the read's forward holds a
 # (C, d) tile whole, its backward takes FEATURE_BLOCK features at a time); calls over the limits run the PyTorch
 # path, said in the dispatch's log line.
-from .rsa_chain_triton import INPUT_PRECISION, NUM_WARPS, assign_chain_triton, scope_reason
+from .rsa_chain_triton import INPUT_PRECISION, NUM_WARPS, assign_chain_triton, level_writes_triton, scope_reason
 from .triton_compile import compile_side_by_side
 
 FEATURE_BLOCK = 64
@@ -650,7 +650,8 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
     q_b, k_b, v_b = layout.pack(q, 3), layout.pack(k, 2), layout.pack(v, 2)
     valid_b = layout.valid(batch, q.device)
     # Write side: each level's assignment chain in one launch (kernels/rsa_chain_triton.py), the rest over all chunks
-    writes, state = write_chunks(k_b, v_b, valid_b, layout, state, params, chain=assign_chain_triton)
+    writes, state = write_chunks(k_b, v_b, valid_b, layout, state, params, chain=assign_chain_triton,
+                                 level=level_writes_triton)
 
     # Read side: all chunks in one launch, from the chunk-start sums.
     levels = params.prototypes.shape[1]

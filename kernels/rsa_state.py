@@ -385,28 +385,63 @@ def references(start, sums, divisor, source, eps):
     return slots.gather(2, source[:, None, :, None, None].expand(-1, slots.shape[1], -1, *slots.shape[-2:]))
 
 
+def level_writes(f, p, x, y, valid, key_sum, mass, start_value_sum, start_key_ref, start_value_ref, prior, kappa,
+                 boundary, params: RSAParams, f_above=None, start_relation_sum=None, residual=True):
+    """Everything of one level's write but its chain, over all chunks at once (``assign_chain``'s results given).
+
+    f, p (B, G, Tp, m) the chain's assignments and residual weights, x (B, G, Tp, d) and y (B, G, Tp, dv) the keys
+    and values the level writes, valid (B, Tp) 1 / 0, key_sum (B, G, N + 1, m, d) and mass (B, G, N + 1, m) the
+    chain's sums at every boundary; the level's state at the buffer's start (value sum (B, G, m, dv), references
+    (B, G, m, d | dv)); prior = kappa P (G, m, d), kappa (G,); boundary from ``boundary_index``; f_above
+    (B, G, Tp, m) the written assignments of the level above and its relation sum at the start (B, G, m, m), or
+    None at level 0. Returns
+
+        F = f . valid (what the level writes), V (B, G, N + 1, m, dv) the value sums at every boundary,
+        R (B, G, N + 1, m, m) the relation sums F_above^T F (None at level 0),
+        the next level's inputs x - p @ ref_k, y - p @ ref_v (chunk c against the references of its start;
+        None unless ``residual``), and the references after the last chunk (B, G, m, d | dv).
+
+    The references of chunk start c are ref_k = (kappa P + S_j) / max(kappa + n_j, eps), ref_v = V_j / max(n_j, eps)
+    of the row's boundary j = boundary[:, c] (j = 0: the state's own). The PyTorch twin of
+    kernels/rsa_chain_triton.py's level kernel.
+    """
+    size, eps = params.chunk_size, params.eps
+    count = x.shape[2] // size
+    chunked = lambda t: t.unflatten(2, (count, size))  # noqa: E731  (B, G, Tp, ...) -> (B, G, N, C, ...)
+    source = torch.where(boundary > 0, boundary + 1, 0)  # where ``references`` finds each chunk start's slots
+    written = f * valid[:, None, :, None]
+    value_sum = exclusive_sums(start_value_sum, chunked(written).transpose(-1, -2) @ chunked(y))
+    relation_sum = None if f_above is None else exclusive_sums(
+        start_relation_sum, chunked(f_above).transpose(-1, -2) @ chunked(written))
+    key_ref = references(start_key_ref, prior[None, :, None] + key_sum, kappa[None, :, None, None] + mass, source,
+                         eps)  # (B, G, N + 1, m, d)
+    value_ref = references(start_value_ref, value_sum, mass, source, eps)
+    x_next = y_next = None
+    if residual:
+        p_c = chunked(p)
+        x_next = x - (p_c @ key_ref[:, :, :count]).flatten(2, 3)
+        y_next = y - (p_c @ value_ref[:, :, :count]).flatten(2, 3)
+    return written, value_sum, relation_sum, x_next, y_next, key_ref[:, :, -1], value_ref[:, :, -1]
+
+
 def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params: RSAParams, decay_b=None,
-                 chain=assign_chain):
+                 chain=assign_chain, level=level_writes):
     """The write side of every chunk of the aligned buffer: k_b (B, G, Tp, d), v_b (B, G, Tp, dv), valid_b (B, Tp),
     decay_b (B, G, Tp) or None -> (ChunkWrites, the state after the last chunk, count advanced). The buffer holds at
     least one chunk. Equal to ``write_chunks_in_order``.
 
     Split along the one recurrence: a level's assignments (``chain``: ``assign_chain`` or its Triton kernel) depend
     on its chunk-start key sums and mass, and once they are known everything else is a product over all chunks at
-    once: the value sums and relation sums (exclusive cumulative sums of per-chunk products), the references of
-    every chunk start, and the next level's keys and values (the residual MLPs, one call for all chunks). So the op
-    count does not grow with T beyond the chain. With decay or ``params.compile_write``: ``write_chunks_in_order``.
+    once (``level``: ``level_writes`` or its kernel): the value sums and relation sums, the references of every
+    chunk start, and the next level's keys and values (the residual MLPs, one call for all chunks). So the op count
+    does not grow with T. With decay or ``params.compile_write``: ``write_chunks_in_order``.
     """
     if decay_b is not None or params.compile_write:
         return write_chunks_in_order(k_b, v_b, valid_b, layout, state, params, decay_b)
-    size, eps, levels = params.chunk_size, params.eps, params.prototypes.shape[1]
-    count = k_b.shape[2] // size
-    chunked = lambda t: t.unflatten(2, (count, size))  # noqa: E731  (B, G, Tp, ...) -> (B, G, N, C, ...)
+    levels = params.prototypes.shape[1]
     prior, kappa = slot_prior(params, k_b.dtype)  # (1, G, L, m, d), (1, G, L, 1)
-    boundary = boundary_index(layout, size)
-    source = torch.where(boundary > 0, boundary + 1, 0)  # where ``references`` finds each chunk start's slots
-    written_rows = valid_b.to(k_b.dtype)  # (B, Tp) 1 where a real token sits: what the chains are given
-    write = written_rows[:, None, :, None]
+    boundary = boundary_index(layout, params.chunk_size)
+    written_rows = valid_b.to(k_b.dtype)  # (B, Tp) 1 where a real token sits
     x_k, x_v = k_b, v_b
     # each level's share of the state and parameters, unbound once (one stack in the backward, not a select a level)
     start = {name: getattr(state, name).unbind(2) for name in ("key_sum", "value_sum", "mass", "relation_sum",
@@ -416,27 +451,24 @@ def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params
     for i in range(levels):
         f, p, key_sum, mass = chain(x_k, written_rows, start["key_sum"][i], start["mass"][i], start["key_ref"][i],
                                     priors[i], kappas[i], betas[i], boundary, params)
-        f = f * write  # what the level writes: nothing on padding
-        value_sum = exclusive_sums(start["value_sum"][i], chunked(f).transpose(-1, -2) @ chunked(x_v))
-        if i:
-            relations.append(exclusive_sums(start["relation_sum"][i - 1], chunked(fs[-1]).transpose(-1, -2)
-                                            @ chunked(f)))
-        key_ref = references(start["key_ref"][i], priors[i][None, :, None] + key_sum,
-                             kappas[i][None, :, None, None] + mass, source, eps)  # (B, G, N + 1, m, d)
-        value_ref = references(start["value_ref"][i], value_sum, mass, source, eps)
+        above = (fs[-1], start["relation_sum"][i - 1]) if i else (None, None)
+        f, value_sum, relation, x_next, y_next, key_ref, value_ref = level(
+            f, p, x_k, x_v, written_rows, key_sum, mass, start["value_sum"][i], start["key_ref"][i],
+            start["value_ref"][i], priors[i], kappas[i], boundary, params, *above, residual=i < levels - 1)
         for parts, part in zip((fs, xs, ys, key_sums, value_sums, masses, key_refs, value_refs),
                                (f, x_k, x_v, key_sum, value_sum, mass, key_ref, value_ref)):
             parts.append(part)
+        if i:
+            relations.append(relation)
         if i < levels - 1:  # the next level writes the residuals' MLPs, every chunk at once
-            p_c = chunked(p)
-            x_k = params.key_mlps[i](x_k - (p_c @ key_ref[:, :, :count]).flatten(2, 3))
-            x_v = params.value_mlps[i](x_v - (p_c @ value_ref[:, :, :count]).flatten(2, 3))
+            x_k, x_v = params.key_mlps[i](x_next), params.value_mlps[i](y_next)
+    count = k_b.shape[2] // params.chunk_size
     key_sum, value_sum, mass = (torch.stack(t, 3) for t in (key_sums, value_sums, masses))  # (B, G, N + 1, L, ...)
     relation_sum = torch.stack(relations, 3) if relations else state.relation_sum[:, :, None].expand(
         -1, -1, count + 1, -1, -1, -1)
     final = RSAState(key_sum=key_sum[:, :, -1], value_sum=value_sum[:, :, -1], mass=mass[:, :, -1],
-                     relation_sum=relation_sum[:, :, -1], key_ref=torch.stack([r[:, :, -1] for r in key_refs], 2),
-                     value_ref=torch.stack([r[:, :, -1] for r in value_refs], 2), count=state.count + layout.real)
+                     relation_sum=relation_sum[:, :, -1], key_ref=torch.stack(key_refs, 2),
+                     value_ref=torch.stack(value_refs, 2), count=state.count + layout.real)
     writes = ChunkWrites(torch.stack(fs, 2), torch.stack(xs, 2), torch.stack(ys, 2), key_sum[:, :, :-1],
                          value_sum[:, :, :-1], mass[:, :, :-1], relation_sum[:, :, :-1])
     return writes, final

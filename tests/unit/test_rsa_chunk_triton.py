@@ -189,6 +189,65 @@ def test_chain_kernel_equals_assign_chain(assign_fn):
 
 
 @needs_kernels
+@pytest.mark.parametrize("assign_fn, level, residual", [("softmax", 0, True), ("sigmoid", 1, True),
+                                                        ("softmax", 2, False), ("sigmoid", 0, False)])
+def test_level_kernel_equals_level_writes(assign_fn, level, residual):
+    """The rest of one level's write (kernels/rsa_chain_triton.py's level kernel) against its PyTorch twin
+    (rsa_state.level_writes, fp64): what it writes, the value and relation sums at every boundary, the next level's
+    residual inputs, the references the state keeps, and every gradient (f, p, x, y, the chain's sums and masses,
+    the starting state, kappa P, kappa, the level above's assignments), over every row (padding and chunks past a
+    row's last boundary included), with rows at three phases (counts 0, 5, 13), left padding, a hole, a slot of zero
+    mass, ragged sizes; level 0 (no relation) and deeper, with and without the residual (the last level)."""
+    from hf_mixers.kernels.rsa_chain_triton import level_writes_triton
+    from hf_mixers.kernels.rsa_state import boundary_index, level_writes
+
+    params = make_params(chunk=8, levels=1, assign_fn=assign_fn)
+    _, k, v, valid = make_inputs(params)
+    g = torch.Generator().manual_seed(6)
+    layout = ChunkLayout.of(valid, torch.tensor([0, 5, 13]).to(DEV), params.chunk_size, valid.shape[1])
+    valid_b, boundary = layout.valid(3, DEV), boundary_index(layout, params.chunk_size)
+    batch, groups, padded = 3, 2, layout.padded
+    chunks = padded // params.chunk_size
+    rand = lambda *shape: torch.rand(*shape, generator=g)  # noqa: E731
+    randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    mass = 2 * rand(batch, groups, chunks + 1, SLOTS)
+    mass[:, :, 0, 0] = 0.0  # an empty slot: its value reference is clamped
+    leaves = {"f": torch.softmax(randn(batch, groups, padded, SLOTS), -1), "p": rand(batch, groups, padded, SLOTS),
+              "x": randn(batch, groups, padded, KEY_DIM), "y": randn(batch, groups, padded, VALUE_DIM),
+              "key_sum": randn(batch, groups, chunks + 1, SLOTS, KEY_DIM), "mass": mass,
+              "value_sum": randn(batch, groups, SLOTS, VALUE_DIM), "key_ref": randn(batch, groups, SLOTS, KEY_DIM),
+              "value_ref": randn(batch, groups, SLOTS, VALUE_DIM), "prior": randn(groups, SLOTS, KEY_DIM),
+              "kappa": rand(groups) + 0.5, "f_above": rand(batch, groups, padded, SLOTS) * valid_b[:, None, :, None],
+              "relation_sum": rand(batch, groups, SLOTS, SLOTS)}
+    if level == 0:
+        leaves.pop("f_above"), leaves.pop("relation_sum")
+    if assign_fn == "softmax":
+        leaves.pop("p")
+    leaves = {name: t.to(DEV, torch.float64) for name, t in leaves.items()}
+
+    def outputs_and_grads(level_fn, dtype):
+        inputs = {name: t.to(dtype).requires_grad_() for name, t in leaves.items()}
+        above = (inputs["f_above"], inputs["relation_sum"]) if level else (None, None)
+        outputs = level_fn(inputs["f"], inputs.get("p", inputs["f"]), inputs["x"], inputs["y"], valid_b.to(dtype),
+                           inputs["key_sum"], inputs["mass"], inputs["value_sum"], inputs["key_ref"],
+                           inputs["value_ref"], inputs["prior"], inputs["kappa"], boundary, params, *above,
+                           residual=residual)
+        outputs = [out for out in outputs if out is not None]
+        weights = torch.Generator().manual_seed(8)
+        loss = sum((out * torch.randn(out.shape, generator=weights).to(DEV, dtype)).sum() for out in outputs)
+        used = [name for name in inputs if residual or name not in ("x", "p")]
+        return outputs, dict(zip(used, torch.autograd.grad(loss, [inputs[name] for name in used])))
+
+    expected, expected_grads = outputs_and_grads(level_writes, torch.float64)
+    actual, actual_grads = outputs_and_grads(level_writes_triton, torch.float32)
+    assert len(actual) == len(expected) == 4 + (level > 0) + 2 * residual
+    for index, (out, ref) in enumerate(zip(actual, expected)):
+        assert_close(out.float(), ref.float(), f"output {index}")
+    for name, ref in expected_grads.items():
+        assert_close(actual_grads[name].float(), ref.float(), f"d {name}")
+
+
+@needs_kernels
 def test_the_chain_kernel_writes_every_level_with_and_without_autograd(monkeypatch):
     """Each level's assignment chain is one launch of kernels/rsa_chain_triton.py, in training (forward, then one
     backward launch a level) and in a no-grad prefill alike: no loop over chunks on the host."""
