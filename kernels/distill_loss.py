@@ -41,15 +41,15 @@ def distillation_loss_dense(h_s, w_s, h_t, w_t, targets, temperature: float = 1.
 
 class _ChunkedDistillationLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_s, w_s, h_t, w_t, targets, temperature, ce_weight, chunk_rows):
+    def forward(ctx, h_s, w_s, h_t, w_t, targets, temperature, ce_weight, chunk_rows, with_ce):
         rows = h_s.shape[0]
         dtype = compute_dtype(h_s.dtype)
-        n_ce = int((targets != IGNORE).sum())
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(h_s) if want_h else None
         grad_w = torch.zeros(w_s.shape, dtype=dtype, device=w_s.device) if want_w else None
         kl = torch.zeros((), dtype=dtype, device=h_s.device)
         ce = torch.zeros((), dtype=dtype, device=h_s.device)
+        n_ce = (targets != IGNORE).sum().clamp_min(1).to(dtype)  # a tensor: no host read
         for start in range(0, rows, chunk_rows):
             h = h_s[start:start + chunk_rows]
             z_s = (h @ w_s.T).to(dtype)  # (c, V): the matmul in the weights' dtype, the rest in fp32
@@ -63,16 +63,15 @@ class _ChunkedDistillationLoss(torch.autograd.Function):
             del log_p_t
             grad_z = log_p_s.exp_().sub_(p_t).mul_(temperature / rows)  # d(T^2 KL / N) / dz_s = T (p_s - p_t) / N
             del p_t, log_p_s
-            target = targets[start:start + chunk_rows]
-            real = target != IGNORE
-            if real.any():  # the CE is reported even when it does not train (ce_weight 0)
-                log_q = torch.log_softmax(z_s[real], -1)  # (r, V)
-                picked = target[real]
-                ce -= log_q.gather(1, picked[:, None]).sum()
+            if with_ce or ce_weight:  # every row of the chunk, the ones without a target masked (no host read)
+                target = targets[start:start + chunk_rows]
+                real = (target != IGNORE).to(dtype)
+                picked = target.clamp_min(0)[:, None]
+                log_q = torch.log_softmax(z_s, -1)  # (c, V)
+                ce -= (log_q.gather(1, picked)[:, 0] * real).sum()
                 if ce_weight:  # d(ce_weight CE) / dz_s = ce_weight (softmax(z_s) - onehot) / n_ce
-                    d_ce = log_q.exp()
-                    d_ce[torch.arange(len(picked), device=d_ce.device), picked] -= 1.0
-                    grad_z[real] += d_ce * (ce_weight / n_ce)
+                    d_ce = log_q.exp_().scatter_add_(1, picked, -real[:, None]).mul_(real[:, None])
+                    grad_z.add_(d_ce.mul_(ce_weight / n_ce))
                     del d_ce
                 del log_q
             del z_s
@@ -81,7 +80,7 @@ class _ChunkedDistillationLoss(torch.autograd.Function):
             if want_w:
                 grad_w += grad_z.T @ h.to(dtype)
         kl = kl * temperature**2 / rows
-        ce = ce / max(n_ce, 1)
+        ce = ce / n_ce
         ctx.save_for_backward(grad_h, grad_w)
         ctx.w_dtype = w_s.dtype
         ctx.mark_non_differentiable(kl, ce)
@@ -92,35 +91,38 @@ class _ChunkedDistillationLoss(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         scale = lambda grad: None if grad is None else grad * grad_loss.to(grad.dtype)  # noqa: E731
         grad_w = None if grad_w is None else scale(grad_w).to(ctx.w_dtype)
-        return scale(grad_h), grad_w, None, None, None, None, None, None
+        return scale(grad_h), grad_w, None, None, None, None, None, None, None
 
 
 def distillation_loss(h_s, w_s, h_t, w_t, targets, temperature: float = 1.0, ce_weight: float = 0.0,
-                      chunk_rows: int = 512, backend: str = "auto"):
+                      chunk_rows: int = 512, backend: str = "auto", with_ce: bool = True):
     """The loss from final hidden states (the arguments of ``chunked_distillation_loss``): Liger-Kernel's fused linear
-    kernels on CUDA where installed, else the chunked PyTorch path. ``backend`` as in kernels/dispatch.py."""
+    kernels on CUDA where installed, else the chunked PyTorch path. ``backend`` as in kernels/dispatch.py. No path
+    reads the device (a step's losses stay tensors)."""
     _check_shapes(h_s, w_s, h_t, w_t, targets)
     if library_kernel("distillation_loss", "liger_kernel.ops.fused_linear_jsd", "LigerFusedLinearJSDFunction",
                       h_s.device, backend) is not None:  # the choice and its log line; the call imports both ops
-        return liger_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature, ce_weight)
-    return chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature, ce_weight, chunk_rows)
+        return liger_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature, ce_weight, with_ce)
+    return chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature, ce_weight, chunk_rows, with_ce)
 
 
-def liger_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature: float = 1.0, ce_weight: float = 0.0):
+def liger_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature: float = 1.0, ce_weight: float = 0.0,
+                            with_ce: bool = True):
     """The same loss through Liger-Kernel: its fused linear JSD at beta 0 is KL(teacher || student) per row, averaged
     over the rows (no labels given: every row counts), times T^2; its fused linear cross-entropy averages over the
-    rows with a target. Both compute their gradients in the forward, a chunk of rows at a time. The CE is computed
-    for the logs when ce_weight is 0 (on detached inputs: no gradient work)."""
+    rows with a target. Both compute their gradients in the forward, a chunk of rows at a time. At ce_weight 0 the
+    CE only reports: computed on detached inputs (no gradient work) where ``with_ce``, else not at all (None)."""
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
     from liger_kernel.ops.fused_linear_jsd import LigerFusedLinearJSDFunction
 
     kl = LigerFusedLinearJSDFunction.apply(h_s, w_s, h_t.detach(), w_t.detach(), None, 0.0, IGNORE,
                                            float(temperature)) * temperature**2
     trained = ce_weight != 0
+    if not (trained or with_ce):
+        return kl, kl.detach().float(), None
     ce = LigerFusedLinearCrossEntropyFunction.apply(h_s if trained else h_s.detach(), w_s if trained else w_s.detach(),
                                                     targets, None, None, IGNORE)[0]
-    if not (targets != IGNORE).any():
-        ce = ce * 0  # no row has a target: the CE counts for nothing (as the chunked path's)
+    ce = ce * (targets != IGNORE).any()  # no row has a target: the CE counts for nothing (as the chunked path's)
     loss = kl + ce_weight * ce if trained else kl
     return loss, kl.detach().float(), ce.detach().float()
 
@@ -136,11 +138,13 @@ def _check_shapes(h_s, w_s, h_t, w_t, targets) -> None:
 
 
 def chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature: float = 1.0, ce_weight: float = 0.0,
-                              chunk_rows: int = 512):
+                              chunk_rows: int = 512, with_ce: bool = True):
     """``distillation_loss_dense`` in chunks of ``chunk_rows`` rows (same arguments; the same values and gradients
-    to float tolerance). Returns (loss, kl, ce): the loss takes gradients to h_s and w_s, kl and ce are for logs."""
+    to float tolerance). Returns (loss, kl, ce): the loss takes gradients to h_s and w_s, kl and ce are for logs;
+    at ce_weight 0 without ``with_ce`` the CE is not computed (None)."""
     _check_shapes(h_s, w_s, h_t, w_t, targets)
     if chunk_rows < 1:
         raise ValueError(f"distillation loss: chunk_rows must be >= 1, got {chunk_rows}")
-    return _ChunkedDistillationLoss.apply(h_s, w_s, h_t.detach(), w_t.detach(), targets, float(temperature),
-                                          float(ce_weight), int(chunk_rows))
+    loss, kl, ce = _ChunkedDistillationLoss.apply(h_s, w_s, h_t.detach(), w_t.detach(), targets, float(temperature),
+                                                  float(ce_weight), int(chunk_rows), bool(with_ce))
+    return loss, kl, ce if with_ce or ce_weight else None

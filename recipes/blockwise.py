@@ -79,7 +79,7 @@ def layer_loss(mixer, arrays, rope, device, scale: float = 1.0):
     """
     inputs, outputs = arrays
 
-    def loss_fn(batch):
+    def loss_fn(batch, metrics: bool = True):
         rows = batch[:, 0].cpu().numpy()
         hidden = torch.from_numpy(inputs[rows]).to(device)
         target = torch.from_numpy(outputs[rows]).to(device)

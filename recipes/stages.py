@@ -105,7 +105,7 @@ def attention_transfer_loss(student, teacher_model, layers, checkpointing: bool 
     each layer's term keeps only its inputs, the teacher's captured tensors, and is recomputed in the backward pass:
     one mixer's activations at a time instead of every converted layer's (an RSA mixer at 2,048 tokens keeps about
     2.3 GiB; a Llama-3-8B-shaped stage 1 would hold 74 GiB of them)."""
-    def loss_fn(batch):
+    def loss_fn(batch, metrics: bool = True):
         captured = {}
 
         def hook(index):
@@ -146,7 +146,10 @@ def distillation_loss(student, teacher_model, temperature: float, ce_weight: flo
     form (full logits) runs with ``chunk_rows=0``, or when a head's weight is not a whole local tensor (sharded by
     FSDP or ZeRO-3: read only inside its module's forward). A frozen student head that is the teacher's tensor (one
     copy of the frozen weights) is read as the teacher's, which is never sharded: the chunked form then runs under
-    FSDP and ZeRO-3 too (``sharding_for`` makes FSDP's root the decoder, whose forward the loss calls)."""
+    FSDP and ZeRO-3 too (``sharding_for`` makes FSDP's root the decoder, whose forward the loss calls).
+
+    ``loss_fn(batch, metrics) -> (loss, {"kl", "ce"})``, the metrics detached device scalars; at ce_weight 0 the CE
+    only reports, so it is computed where ``metrics`` (the trainer reads that step's values) and left out elsewhere."""
     teacher_head = teacher_model.get_output_embeddings().weight
     student_head = student.get_output_embeddings().weight
     shared_head = _shares_frozen(student_head, teacher_head)  # decided now, before a strategy shards the student
@@ -155,10 +158,10 @@ def distillation_loss(student, teacher_model, temperature: float, ce_weight: flo
         weights = (teacher_head if shared_head else student.get_output_embeddings().weight, teacher_head)
         return None if not chunk_rows or any(_sharded(w) for w in weights) else weights
 
-    def loss_fn(batch):
+    def loss_fn(batch, metrics: bool = True):
         weights = heads()
         if weights is None:
-            return _dense_distillation_loss(student, teacher_model, batch, temperature, ce_weight)
+            return _dense_distillation_loss(student, teacher_model, batch, temperature, ce_weight, metrics)
         with torch.no_grad():  # the teacher may sit on another device (model.teacher_device)
             h_t = teacher_model.get_decoder()(batch.to(teacher_model.device), use_cache=False).last_hidden_state
         on_host = batch.device.type == "cpu"
@@ -170,8 +173,8 @@ def distillation_loss(student, teacher_model, temperature: float, ce_weight: flo
         targets = torch.cat([batch[:, 1:], torch.full_like(batch[:, :1], IGNORE)], 1)  # the last has no next token
         loss, kl, ce = loss_from_hidden.distillation_loss(  # Liger's fused kernels on CUDA where installed
             h_s.reshape(-1, h_s.shape[-1]), weights[0], h_t.to(h_s.device).reshape(-1, h_t.shape[-1]),
-            weights[1].to(h_s.device), targets.reshape(-1), temperature, ce_weight, chunk_rows)
-        return loss, {"kl": kl.item(), "ce": ce.item()}
+            weights[1].to(h_s.device), targets.reshape(-1), temperature, ce_weight, chunk_rows, with_ce=metrics)
+        return loss, {"kl": kl} if ce is None else {"kl": kl, "ce": ce}
     return loss_fn
 
 
@@ -186,7 +189,7 @@ def _sharded(weight) -> bool:
     return isinstance(weight, DTensor) or hasattr(weight, "ds_id")
 
 
-def _dense_distillation_loss(student, teacher_model, batch, temperature, ce_weight):
+def _dense_distillation_loss(student, teacher_model, batch, temperature, ce_weight, metrics: bool = True):
     """The distillation loss over the whole (B, T, V) logits, through the models' own forwards."""
     with torch.no_grad():
         teacher_logits = teacher_model(batch.to(teacher_model.device), use_cache=False).logits.float()
@@ -196,8 +199,10 @@ def _dense_distillation_loss(student, teacher_model, batch, temperature, ce_weig
     kl = F.kl_div(F.log_softmax(student_logits.view(-1, vocab) / temperature, -1),
                   F.log_softmax(teacher_logits.view(-1, vocab) / temperature, -1),
                   log_target=True, reduction="batchmean") * temperature**2
+    if not (ce_weight or metrics):  # the CE is for the logs only, and this step's are not read
+        return kl, {"kl": kl.detach()}
     ce = F.cross_entropy(student_logits[:, :-1].reshape(-1, vocab), batch[:, 1:].reshape(-1))
-    return kl + ce_weight * ce, {"kl": kl.item(), "ce": ce.item()}
+    return kl + ce_weight * ce, {"kl": kl.detach(), "ce": ce.detach()}
 
 
 def add_lora(student, stage2, seed: int):

@@ -293,7 +293,7 @@ class LocalOptimizer:
     Under ``train.precision: fp16`` torch's GradScaler scales the loss, unscales the gradients before clipping and
     skips a step whose gradients overflowed (recipes/precision.py ``loss_scaler``); its state is checkpointed.
 
-    The interface every strategy has: ``loss(batch)`` (the stage's loss, through whatever wraps the model),
+    The interface every strategy has: ``loss(batch, metrics)`` (the stage's loss, through whatever wraps the model),
     ``set_lr``, ``zero_grad``, ``backward``, ``step``, ``save``, ``load``, ``finish`` (after the last step: the
     model whole again) and ``path`` (where the checkpoint lives)."""
 
@@ -319,12 +319,12 @@ class LocalOptimizer:
                 tqdm.write(f"{stage}: ddp: DistributedDataParallel over {processes.world} processes, "
                            f"{sum(p.numel() for p in parameters.values()) / 1e6:.2f}M trained parameters")
 
-    def loss(self, batch):
+    def loss(self, batch, metrics: bool = True):
         if self.ddp is None:
-            return self.loss_fn(batch)
+            return self.loss_fn(batch, metrics)
         self._micro += 1  # gradients are all-reduced in the backward of the accumulation's last micro-batch only
         self.ddp.require_backward_grad_sync = self._micro % self.train.grad_accum == 0
-        return self.ddp(batch)
+        return self.ddp(batch, metrics)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -491,8 +491,8 @@ class _LossModule(nn.Module):
         super().__init__()
         self.loss_fn = loss_fn
 
-    def forward(self, batch):
-        return self.loss_fn(batch)
+    def forward(self, batch, metrics: bool = True):
+        return self.loss_fn(batch, metrics)
 
 
 class DeepSpeedOptimizer:
@@ -543,8 +543,8 @@ class DeepSpeedOptimizer:
             total = sum(p.ds_numel for p in self.model.parameters())
             _report_sharding(path, processes, "deepspeed ZeRO-3", stored, total)
 
-    def loss(self, batch):
-        return self.engine(batch)
+    def loss(self, batch, metrics: bool = True):
+        return self.engine(batch, metrics)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -9,8 +9,11 @@
   temporary file and renamed, the one before kept as ``.previous``): the trained parameters, the optimizer
   state, the step and the loss history. Launching the same run again continues after the last checkpoint with the
   same losses.
-- A NaN or inf loss stops the run with the step and the last good checkpoint named. Under fp16 an overflowing
-  gradient is not an error: the loss scaler skips that step and halves its scale (``loss_scale`` in the metrics).
+- A step's loss and metrics stay on the device until a step whose values are needed (logged, checkpointed,
+  evaluated, the last): then every step since the last read is read at once (``PendingSteps``), so the other steps
+  queue their work without waiting for it. A NaN or inf loss stops the run there, with its step and the last good
+  checkpoint named (checkpoints are written after the read). Under fp16 an overflowing gradient is not an error:
+  the loss scaler skips that step and halves its scale (``loss_scale`` in the metrics).
 - The rate of each step follows ``train.lr_scheduler`` after ``train.warmup_steps`` (recipes/schedule.py), a
   function of the step: a resumed stage continues it exactly. The optimizer is ``train.optimizer``
   (recipes/optimizers.py).
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import time
@@ -86,15 +90,55 @@ def check_checkpoint_space(path: str, parameters: dict) -> None:
                                     f"{free / 2**30:.2f} GiB are free")
 
 
+class PendingSteps:
+    """The steps trained since the device was last read: each one's loss and metrics stay device tensors (a step
+    issues no host read) until a step must be read: a logged step, a checkpoint, an evaluation, the last step. Then
+    every pending step is read at once, in one transfer (with several processes: one all-reduce of their means and
+    one gather of which data each rank trained on), and a non-finite loss among them stops the run."""
+
+    def __init__(self, stage: str, processes: Processes, tokens_per_step: int):
+        self.stage, self.processes, self.tokens_per_step = stage, processes, tokens_per_step
+        self.steps, self.since = [], time.perf_counter()
+
+    def add(self, row: dict, values: dict, first_rows: list, logged: bool) -> None:
+        """One step's row (host values), its device scalars (loss and metrics) and first tokens per row."""
+        self.steps.append((row, values, first_rows, logged))
+
+    def read(self, last_good: str | None) -> list[tuple[dict, list, bool]]:
+        """Every pending step as (row, first tokens per rank, logged), its values read in; tokens_per_s is the
+        rate over the steps read together (a step's own time is not known without reading the device each step)."""
+        names = [list(values) for _, values, _, _ in self.steps]
+        on = self.processes.device
+        flat = torch.stack([torch.as_tensor(value).detach().to(on, torch.float32).reshape(())
+                            for _, values, _, _ in self.steps for value in values.values()])
+        if self.processes.world > 1:
+            torch.distributed.all_reduce(flat)
+            flat = flat / self.processes.world
+        numbers = iter(flat.tolist())
+        first_tokens = self.processes.gather([first for _, _, first, _ in self.steps])  # [rank][step]
+        rate = self.tokens_per_step * len(self.steps) / (time.perf_counter() - self.since)
+        read = []
+        for index, ((row, _, _, logged), keys) in enumerate(zip(self.steps, names)):
+            row.update({key: next(numbers) for key in keys}, tokens_per_s=rate)
+            if not math.isfinite(row["loss"]):
+                raise NonFiniteLoss(f"{self.stage}: the loss is {row['loss']} at step {row['step']}; last good "
+                                    f"checkpoint: {last_good or 'none (no checkpoint written yet)'}")
+            read.append((row, [ranks[index] for ranks in first_tokens], logged))
+        self.steps, self.since = [], time.perf_counter()
+        return read
+
+
 def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps: int, train, lr: float,
               out_dir: str, checkpoint_every: int, log_every: int = 1, progress: bool = True,
               processes: Processes | None = None, tokens_per_row: int | None = None,
               sharding: Sharding | None = None, evaluate=None, log_offset: int = 0) -> list[dict]:
     """Train ``parameters`` (name -> tensor with requires_grad) for ``steps`` optimiser steps on ``blocks``.
 
-    ``loss_fn(batch) -> (loss, metrics)``. Returns the history: one dict per step (step, loss, metrics). With
-    several processes each rank takes its own micro-batches, gradients are averaged (``train.strategy: ddp``),
-    reduce-scattered by DeepSpeed ZeRO (``deepspeed``) or by FSDP2 (``fsdp``); rank 0 writes metrics.
+    ``loss_fn(batch, metrics) -> (loss, {name: scalar})``, the scalars device tensors, read only on the steps
+    ``PendingSteps`` reads (``metrics`` is True on those: a metric that costs work may be left out elsewhere).
+    Returns the history: one dict per step (step, loss, metrics). With several processes each rank takes its own
+    micro-batches, gradients are averaged (``train.strategy: ddp``), reduce-scattered by DeepSpeed ZeRO
+    (``deepspeed``) or by FSDP2 (``fsdp``); rank 0 writes metrics.
     ``tokens_per_row`` (default: the blocks' last dimension) is what one row stands for in the tokens/s figure.
     ``sharding`` says what ``fsdp`` / ZeRO-3 shard (the model, sharded for the stage, is whole again on return).
     ``evaluate() -> {name: value}``: held-out measures of the model as trained so far, taken every
@@ -131,54 +175,60 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
     bar = tqdm(total=steps, initial=start, desc=stage, disable=not (progress and processes.is_main), unit="step")
     metrics_file = open(metrics_path, "a", encoding="utf-8") if processes.is_main else None
     profiler = StepProfiler(train.profile_steps, stage, out_dir, device, enabled=processes.is_main)
+    pending = PendingSteps(stage, processes, tokens_per_step)
     try:
         profiler.start()
         for step in range(start + 1, steps + 1):
             began = time.perf_counter()
+            evaluates = evaluate is not None and train.eval_every and step % train.eval_every == 0
+            checkpoints = step % checkpoint_every == 0 or step == steps
+            logged = step % log_every == 0 or step == steps
+            reads = logged or checkpoints or evaluates  # this step's end reads every pending step's values
             step_lr = learning_rate(train, lr, step, steps)
             optimizer.set_lr(step_lr)
             optimizer.zero_grad()
-            total, extra, first_rows = 0.0, {}, None
+            total, extra, first_rows = None, {}, None
             for micro in range(train.grad_accum):
                 index = ((step - 1) * train.grad_accum + micro) * processes.world + processes.rank
-                batch = batch_at(blocks, index, train.batch_size, train.seed).to(device, torch.long)
-                first_rows = batch.flatten(1)[:, 0].tolist() if first_rows is None else first_rows
+                rows = batch_at(blocks, index, train.batch_size, train.seed)
+                first_rows = rows.flatten(1)[:, 0].tolist() if first_rows is None else first_rows  # still on the host
+                batch = rows.to(device, torch.long)
                 with autocast(dtype, device):
-                    loss, extra = optimizer.loss(batch)
-                if not torch.isfinite(loss):
-                    raise NonFiniteLoss(f"{stage}: the loss is {loss.item()} at step {step}; last good checkpoint: "
-                                        f"{last_good or 'none (no checkpoint written yet)'}")
+                    loss, extra = optimizer.loss(batch, metrics=reads)
                 if not loss.requires_grad:
                     raise ValueError(f"{stage}: the loss does not depend on any parameter the stage trains, so it "
                                      "has nothing to learn; a local window as long as the sequences "
                                      "(data.sequence_length <= the mixer's window) never lets a token reach the "
                                      "memory: use longer sequences, a shorter window, or disable the stage")
                 optimizer.backward(loss)
-                total += loss.item() / train.grad_accum
+                share = loss.detach() / train.grad_accum
+                total = share if total is None else total + share
             optimizer.step()
-            seconds = time.perf_counter() - began
-            profiler.step(seconds)
-            row = {"stage": stage, "step": step, "loss": processes.mean(total), "lr": step_lr,
-                   "tokens_per_s": tokens_per_step / seconds,
-                   "world_size": processes.world, **{k: processes.mean(float(v)) for k, v in extra.items()}}
+            row = {"stage": stage, "step": step, "lr": step_lr, "world_size": processes.world}
             if device.type == "cuda":  # what the memory plan (distill --plan) is checked against, as the run goes
                 row["peak_device_gib"] = peak_memory(device)["device"]
+            pending.add(row, {"loss": total, **extra}, first_rows, logged)
+            profiler.step(time.perf_counter() - began)
+            if not reads:
+                bar.update()
+                continue
+            read = pending.read(last_good)  # NonFiniteLoss if a pending step's loss was not finite
+            current = read[-1][0]
             scale = optimizer.loss_scale()
             if scale is not None:  # fp16: the scale after this step (it halves when one overflows)
-                row["loss_scale"] = scale
-            if evaluate is not None and train.eval_every and step % train.eval_every == 0:
-                row.update({f"heldout_{key}": value for key, value in evaluate().items()})
-            first_tokens = processes.gather(first_rows)  # which data each rank trained on (first token per row)
-            history.append(row)
-            if metrics_file and (step % log_every == 0 or step == steps):
-                metrics_file.write(json.dumps({**row, "first_tokens_per_rank": first_tokens}) + "\n")
-                metrics_file.flush()
-                scalars = ("loss", "lr", "tokens_per_s", *extra, *(key for key in row if key.startswith("heldout_")),
-                           *(("loss_scale",) if "loss_scale" in row else ()))
-                processes.log({f"{stage}/{key}": row[key] for key in scalars}, step=log_offset + step)
-            bar.set_postfix(loss=f"{row['loss']:.4g}", tok_s=f"{row['tokens_per_s']:.0f}")
+                current["loss_scale"] = scale
+            if evaluates:
+                current.update({f"heldout_{key}": value for key, value in evaluate().items()})
+            for done, first_tokens, written in read:
+                history.append(done)
+                if metrics_file and written:
+                    metrics_file.write(json.dumps({**done, "first_tokens_per_rank": first_tokens}) + "\n")
+                    metrics_file.flush()
+                    scalars = [key for key in done if key not in ("stage", "step", "world_size", "peak_device_gib")]
+                    processes.log({f"{stage}/{key}": done[key] for key in scalars}, step=log_offset + done["step"])
+            bar.set_postfix(loss=f"{history[-1]['loss']:.4g}", tok_s=f"{history[-1]['tokens_per_s']:.0f}")
             bar.update()
-            if step % checkpoint_every == 0 or step == steps:
+            if checkpoints:
                 optimizer.save(step, history)
                 last_good = optimizer.path
     finally:

@@ -310,9 +310,9 @@ def test_nan_loss_stops_with_the_step_and_checkpoint(teacher_dir, tmp_path, monk
     def poisoned(*args):
         loss_fn, calls = original(*args), []
 
-        def wrapped(batch):
+        def wrapped(batch, metrics):
             calls.append(1)
-            loss, extra = loss_fn(batch)
+            loss, extra = loss_fn(batch, metrics)
             return (loss * float("nan") if len(calls) == 3 else loss), extra
         return wrapped
 
@@ -714,7 +714,7 @@ def test_an_fp16_run_skips_overflowing_steps_and_resumes_its_loss_scale(tmp_path
         weight = torch.nn.Parameter(torch.ones(1, 4))
         weights = []
 
-        def loss_fn(batch):
+        def loss_fn(batch, metrics):
             weights.append(weight.detach().clone())
             # under autocast the linear runs in fp16: its weight gradient is 4 x the scale, which overflows fp16
             # (max 65504) at 2^16, 2^15 and 2^14, and not at 2^13

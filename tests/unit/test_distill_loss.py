@@ -33,6 +33,20 @@ def test_chunked_loss_equals_the_dense_reference(chunk_rows, temperature, ce_wei
         torch.testing.assert_close(a, 3.0 * b, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
 
 
+def test_the_ce_metric_is_left_out_on_request_at_ce_weight_zero_only():
+    """``with_ce=False`` (a step whose metrics are not read): at ce_weight 0 the CE is not computed, and the loss and
+    its gradients are unchanged; with a CE weight it is part of the loss and always computed."""
+    h_s, w_s, h_t, w_t, targets = _inputs()
+    full = chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, 2.0, 0.0, 4)
+    bare = chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, 2.0, 0.0, 4, with_ce=False)
+    assert bare[2] is None and full[2] > 0
+    torch.testing.assert_close(bare[0], full[0], rtol=0, atol=0)
+    for a, b in zip(torch.autograd.grad(bare[0], [h_s, w_s]), torch.autograd.grad(full[0], [h_s, w_s])):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    weighted = chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, 2.0, 0.5, 4, with_ce=False)
+    torch.testing.assert_close(weighted[2], full[2], rtol=1e-12, atol=1e-12)
+
+
 def test_a_frozen_head_gets_no_gradient_and_fp32_inputs_stay_close():
     h_s, w_s, h_t, w_t, targets = _inputs(dtype=torch.float32)
     w_s = w_s.detach()  # the lm_head is frozen under LoRA: no (V, H) gradient is accumulated
@@ -74,7 +88,7 @@ def test_stage2_loss_chunked_equals_dense_through_lora(tmp_path):
         loss, metrics = distillation_loss(student, teacher.model, 2.0, 0.5, chunk_rows)(batch)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
-        results.append((loss.detach(), metrics, grads))
+        results.append((loss.detach(), {name: float(value) for name, value in metrics.items()}, grads))
     (dense, dense_metrics, dense_grads), (chunked, chunked_metrics, chunked_grads) = results
     torch.testing.assert_close(chunked, dense, rtol=1e-5, atol=1e-6)
     assert chunked_metrics == pytest.approx(dense_metrics, rel=1e-5, abs=1e-6)  # the KL at init is ~2e-6

@@ -15,7 +15,7 @@ def _train(tmp_path, steps, profile_steps):
     weight = torch.nn.Parameter(torch.ones(4, 4))
     reads = []
 
-    def loss_fn(batch):
+    def loss_fn(batch, metrics):
         loss = (batch.float() @ weight).pow(2).mean()
         reads.append(float(loss.detach()))  # one host read per step: what the summary counts
         return loss, {}

@@ -55,7 +55,7 @@ def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa"
         logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
-    steps = {"distill": (lambda: kd(batch)[0], distilled), "baseline_lora": (lambda: ce(baseline), baseline)}
+    steps = {"distill": (lambda: kd(batch, False)[0], distilled), "baseline_lora": (lambda: ce(baseline), baseline)}
     optimizers = {name: torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
                   for name, (_, model) in steps.items()}
     times = {name: [] for name in steps}

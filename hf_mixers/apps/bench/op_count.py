@@ -8,7 +8,8 @@ when the work per op is small. The count is taken on CPU, where it is the same d
               + one per Triton kernel launch (under TRITON_INTERPRET=1 the interpreter's own tensor copies inside a
               launch are not counted: on a GPU the launch is one)
     host reads = _local_scalar_dense (item, bool, int of a tensor), is_nonzero, nonzero / argwhere (a shape that
-              depends on the data)
+              depends on the data), each with the line that issued it (``read_sites``); ``tolist`` is not dispatched
+              and not seen
 
 Used by the launch-budget test (tests/unit/test_launch_budget.py) and by ``make gpu-check`` (ops per step beside the
 step's time).
@@ -50,6 +51,7 @@ class OpCount:
     triton_launches: int = 0
     by_name: Counter = field(default_factory=Counter)
     by_site: Counter = field(default_factory=Counter)  # with ``sites``: "file:function:line" of the issuing code
+    read_sites: Counter = field(default_factory=Counter)  # each host read's caller, "path:function:line" (always)
 
     def top(self, n: int = 12) -> list[tuple[str, int]]:
         return self.by_name.most_common(n)
@@ -58,9 +60,21 @@ class OpCount:
 def _package_folders() -> tuple[str, ...]:
     """Where the project's code lives: hf_mixers and the folders installed under its namespace (kernels, ...)."""
     import hf_mixers
-    from hf_mixers import kernels
+    from hf_mixers import conversion, kernels, recipes
 
-    return tuple(str(Path(module.__file__).parent) + os.sep for module in (hf_mixers, kernels))
+    return tuple(str(Path(module.__file__).parent) + os.sep for module in (hf_mixers, kernels, recipes, conversion))
+
+
+_DISPATCH_FRAMES = (os.sep + "op_count.py", os.sep + "_python_dispatch.py", os.sep + "_ops.py")
+
+
+def _reader() -> str:
+    """The innermost Python frame outside the dispatch machinery: the line that read the value back (an
+    ``.item()`` in torch's own optimizer is sited there, not in the code that called the optimizer)."""
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.endswith(_DISPATCH_FRAMES):
+            return f"{frame.filename}:{frame.name}:{frame.lineno}"
+    return "unknown"
 
 
 def _site(folders) -> str:
@@ -88,6 +102,7 @@ class _Counter(TorchDispatchMode):
                 self.count.by_site[_site(self.sites)] += 1
             if name in HOST_READS:
                 self.count.host_reads += 1
+                self.count.read_sites[_reader()] += 1
         return func(*args, **(kwargs or {}))
 
 
