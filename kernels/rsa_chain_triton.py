@@ -1,21 +1,27 @@
-"""The RSA write side's one recurrence as a Triton kernel, forward and backward: one level's key-assignment chain.
+"""The RSA write side as two Triton kernels a level, forward and backward: its one recurrence (the key-assignment
+chain), then the rest of its write.
 
-Same function as ``rsa_state.assign_chain`` (which holds the math and is the CPU path). For one level, per (batch
-row, KV head), the chunks in order: chunk c assigns its rows against the references of its start,
+The chain: the same function as ``rsa_state.assign_chain`` (which holds the math and is the CPU path). For one
+level, per (batch row, KV head), the chunks in order: chunk c assigns its rows against the references of its start,
 
     ref_c = key_ref (c = 0, or c past the row's last boundary: kept)  |  (kappa P + S_c) / max(kappa + n_c, eps)
     s     = tau X_c ref_c^T (C, m);   f = softmax(beta s) | sigmoid(beta s),   p = f | softmax(s)   (assign_fn)
     S_{c+1} = S_c + (f . valid)^T X_c,   n_{c+1} = n_c + sum_t f . valid
 
-and everything else of the write (values, relations, residual MLPs: ``rsa_state.write_chunks``) is products over
-all chunks at once. One program walks every chunk of one (row, head). The sums S_c it writes at every boundary are
-its working memory: a chunk reads S_c (and the references' boundary) and writes S_{c+1}, FEATURE_BLOCK key features
-at a time, so no (m, d) tile is carried in registers from chunk to chunk (carried, the sums, references and
-prototypes spilled at SmolLM2's heads on sm_90).
+One program walks every chunk of one (row, head). The sums S_c it writes at every boundary are its working memory:
+a chunk reads S_c (and the references' boundary) and writes S_{c+1}, FEATURE_BLOCK key features at a time, so no
+(m, d) tile is carried in registers from chunk to chunk (carried, the sums, references and prototypes spilled at
+SmolLM2's heads on sm_90).
 
-Backward (reverse over chunks, the same grid): the adjoints of S (in the gradient buffer of the starting sums,
-feature block by block) and n carried from chunk to chunk; per chunk the assignment recomputed from the saved sums, the softmax / sigmoid backward, and the reference's gradient handed to
-S_c, n_c, kappa P and kappa (or to key_ref at c = 0). Chunks past a row's last boundary hold only padding, which
+The level kernel (``level_writes_triton``, the twin of ``rsa_state.level_writes``): once the chain's assignments
+are known the rest is linear in them: what the level writes W = f . valid, the value sums V_{c+1} = V_c + W^T Y_c
+and relation sums R_{c+1} = R_c + F_above^T W at every boundary, the next level's residual inputs X_c - p ref_k and
+Y_c - p ref_v against the references of each chunk's start, and the references the state keeps. One program per
+(row, head) again, chunks in order forward and in reverse backward; only the residual MLPs stay in PyTorch.
+
+The chain's backward (reverse over chunks, the same grid): the adjoints of S (in the gradient buffer of the starting
+sums, feature block by block) and n carried from chunk to chunk; per chunk the assignment recomputed from the saved
+sums, the softmax / sigmoid backward, and the reference's gradient handed to S_c, n_c, kappa P and kappa (or to key_ref at c = 0). Chunks past a row's last boundary hold only padding, which
 nothing downstream differentiates (the writes mask it out, the read multiplies it by F = 0): the backward skips
 them, their x gradient 0. Each program writes its own partial gradients of the shared parameters (kappa P, kappa,
 beta: summed over rows afterwards), so nothing is accumulated with atomics and the sums are deterministic.
@@ -657,7 +663,8 @@ class _Chain(torch.autograd.Function):
         scratch = x.new_empty(batch, groups, ctx.sizes[3], prior.shape[1])  # (B, G, C, M)
         _chain_bwd[(batch * groups,)](x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, d_sums,
                                       d_masses, scratch, torch.empty_like(scratch), d_x, d_key_sum, d_mass,
-                                      d_key_ref, d_prior, d_kappa, d_beta, *ctx.read_strides, *ctx.sizes, **ctx.options, num_warps=BACKWARD_WARPS, num_stages=CHAIN_STAGES)
+                                      d_key_ref, d_prior, d_kappa, d_beta, *ctx.read_strides, *ctx.sizes, **ctx.options,
+                                      num_warps=BACKWARD_WARPS, num_stages=CHAIN_STAGES)
         return (d_x, None, d_key_sum, d_mass, d_key_ref, d_prior.sum(0), d_kappa.sum(0), d_beta.sum(0), None, None)
 
 

@@ -256,7 +256,8 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     with released_per_block(model, recipe.train, device):
         history = run_stage("finetune", lambda batch, metrics: (assistant_loss(model, batch), {}), parameters,
                             train_rows, steps=section.steps, train=recipe.train, lr=section.lr or recipe.train.lr,
-                            out_dir=out, checkpoint_every=recipe.output.checkpoint_every, log_every=recipe.output.log_every,
+                            out_dir=out, checkpoint_every=recipe.output.checkpoint_every,
+                            log_every=recipe.output.log_every,
                             progress=progress and processes.is_main, processes=processes,
                             sharding=sharding_for(model), evaluate=measured_so_far)
     final = model.merge_and_unload() if section.lora and recipe.output.merge_lora else model
