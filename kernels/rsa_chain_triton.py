@@ -133,15 +133,15 @@ def _route(d_ref, ref, at, inverse, d_ref0, d_sums, d_prior, off, ok, MD, WITH_P
 
 
 @triton.jit
-def _program(reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr, ref_b, ref_g, prior_g, kappa_g, beta_g, G):
-    """This program's (batch row b, KV head g), its flat index, the row's last boundary, and its parameters and
-    starting references, read by their strides (views of the state and prototypes)."""
+def _program(reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, ref_b, ref_g, prior_g, kappa_g, G):
+    """This program's (batch row b, KV head g), its flat index, the row's last boundary, kappa, and where its
+    starting key references and kappa P are, read by their strides (views of the state and prototypes). Shared by
+    the chain and the level kernels."""
     pid = tl.program_id(0)  # b * G + g
     b, g = pid // G, pid % G
     row, g64 = b.to(tl.int64), g.to(tl.int64)
-    kappa, beta = tl.load(kappa_ptr + g * kappa_g), tl.load(beta_ptr + g * beta_g)
-    reached = tl.load(reached_ptr + b)
-    return (b, g, pid.to(tl.int64), row, g64, kappa, beta, reached, ref0_ptr + row * ref_b + g64 * ref_g,
+    kappa, reached = tl.load(kappa_ptr + g * kappa_g), tl.load(reached_ptr + b)
+    return (b, g, pid.to(tl.int64), row, g64, kappa, reached, ref0_ptr + row * ref_b + g64 * ref_g,
             prior_ptr + g64 * prior_g)
 
 
@@ -177,8 +177,9 @@ def _chain_fwd(x_ptr, valid_ptr, reached_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_p
     """One program = one (batch row, KV head). x (B, G, Tp, D); f, p (B, G, Tp, M); S (B, G, NC + 1, M, D),
     n (B, G, NC + 1, M) written at every boundary. A chunk's rows go BLOCK_R at a time (the assignments), then its
     writes S_{c+1} = S_c + sum over row blocks of F^T X, BLOCK_D features at a time."""
-    b, g, head, row, g64, kappa, beta, reached, ref0, prior = _program(
-        reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr, ref_b, ref_g, prior_g, kappa_g, beta_g, G)
+    b, g, head, row, g64, kappa, reached, ref0, prior = _program(reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, ref_b,
+                                                                 ref_g, prior_g, kappa_g, G)
+    beta = tl.load(beta_ptr + g * beta_g)
     slots = tl.arange(0, BLOCK_M)
     slot_ok = slots < M
     MD = M * D
@@ -243,8 +244,9 @@ def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, be
     The adjoint of the key sums lives in dks0 (its final value), BLOCK_D features at a time, as the forward's S;
     the partial of kappa P accumulates in dprior (zeros on entry). w, dz (B, G, C, M): a chunk's written
     assignments and score gradients, between its row pass and its feature pass."""
-    b, g, head, row, g64, kappa, beta, reached, ref0, prior = _program(
-        reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr, ref_b, ref_g, prior_g, kappa_g, beta_g, G)
+    b, g, head, row, g64, kappa, reached, ref0, prior = _program(reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, ref_b,
+                                                                 ref_g, prior_g, kappa_g, G)
+    beta = tl.load(beta_ptr + g * beta_g)
     slots = tl.arange(0, BLOCK_M)
     slot_ok = slots < M
     MD = M * D
@@ -354,12 +356,9 @@ def _level_fwd(f_ptr, p_ptr, x_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr,
     W = f . valid; R_{c+1} = R_c + F_above^T W (RELATION); with RESIDUAL x - p ref_k, y - p ref_v; V_{c+1} = V_c +
     W^T y. Then the references of boundary min(NC, reached), the state's after the call. p_ptr is f_ptr for
     softmax assignment."""
-    pid = tl.program_id(0)
-    b, g = pid // G, pid % G
-    head, row, g64 = pid.to(tl.int64), b.to(tl.int64), g.to(tl.int64)
-    kappa, reached = tl.load(kappa_ptr + g * kappa_g), tl.load(reached_ptr + b)
-    kref0, vref0 = kref0_ptr + row * kref_b + g64 * kref_g, vref0_ptr + row * vref_b + g64 * vref_g
-    prior = prior_ptr + g64 * prior_g
+    b, g, head, row, g64, kappa, reached, kref0, prior = _program(reached_ptr, kref0_ptr, prior_ptr, kappa_ptr, kref_b,
+                                                                  kref_g, prior_g, kappa_g, G)
+    vref0 = vref0_ptr + row * vref_b + g64 * vref_g
     slots = tl.arange(0, BLOCK_M)
     slot_ok = slots < M
     MD, MDV, MM = M * D, M * DV, M * M
@@ -463,12 +462,9 @@ def _level_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v_ptr,
     each boundary a reference reads), of the starting value sum (dv0: the adjoint of V_c as the sweep goes),
     references and relation sum, this program's partials of kappa P and kappa, and dabove = W dR^T. The keys'
     gradient is dxn itself (x enters only x - p ref_k)."""
-    pid = tl.program_id(0)
-    b, g = pid // G, pid % G
-    head, row, g64 = pid.to(tl.int64), b.to(tl.int64), g.to(tl.int64)
-    kappa, reached = tl.load(kappa_ptr + g * kappa_g), tl.load(reached_ptr + b)
-    kref0, vref0 = kref0_ptr + row * kref_b + g64 * kref_g, vref0_ptr + row * vref_b + g64 * vref_g
-    prior = prior_ptr + g64 * prior_g
+    b, g, head, row, g64, kappa, reached, kref0, prior = _program(reached_ptr, kref0_ptr, prior_ptr, kappa_ptr, kref_b,
+                                                                  kref_g, prior_g, kappa_g, G)
+    vref0 = vref0_ptr + row * vref_b + g64 * vref_g
     slots = tl.arange(0, BLOCK_M)
     slot_ok = slots < M
     MD, MDV, MM = M * D, M * DV, M * M
