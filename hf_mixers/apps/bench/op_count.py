@@ -60,9 +60,9 @@ class OpCount:
 def _package_folders() -> tuple[str, ...]:
     """Where the project's code lives: hf_mixers and the folders installed under its namespace (kernels, ...)."""
     import hf_mixers
-    from hf_mixers import conversion, kernels, recipes
+    from hf_mixers import kernels
 
-    return tuple(str(Path(module.__file__).parent) + os.sep for module in (hf_mixers, kernels, recipes, conversion))
+    return tuple(str(Path(module.__file__).parent) + os.sep for module in (hf_mixers, kernels))
 
 
 _DISPATCH_FRAMES = (os.sep + "op_count.py", os.sep + "_python_dispatch.py", os.sep + "_ops.py")
