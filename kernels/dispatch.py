@@ -2,7 +2,8 @@
 
 Each op has one entry function that holds every choice of its own (kernels/feedback_solve.py ``feedback_solve``,
 kernels/rsa_memory.py ``rsa_memory``, kernels/mamba_ops.py's scans): the single-token case, fp64, options a kernel
-does not cover. It asks this module whether a fast kernel may run; mixers never choose a path themselves.
+does not cover. It asks this module whether a fast kernel may run. (VORT's retention and the selective SSM's
+``ssm_scan`` still pick their PyTorch form themselves, by length and shape: docs/architecture.md.)
 
     backend = HF_MIXERS_BACKEND (environment) or config.kernel_backend:  "auto" | "triton" | "torch"
       auto    Triton when it can run on the tensors' device (CUDA + triton; or TRITON_INTERPRET=1, the CPU
