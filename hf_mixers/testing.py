@@ -136,6 +136,46 @@ def check_forward_backward(name):
     assert not silent, f"backward: no gradient reaches {silent}"
 
 
+def check_block_compiles_whole(name):
+    """A block's training step (forward + backward, padded batch) is one graph for torch.compile: it compiles with
+    ``fullgraph=True`` (a graph break is an error naming it, as ``torch._dynamo.explain`` would list it), and the
+    graph, traced by AOTAutograd with Inductor's decompositions, gives the eager output and input gradient. On a GPU
+    the step can then be captured (CUDA graphs) instead of launched op by op. One block per layer type."""
+    model = tiny_model(name, dtype=torch.float32).train()
+    ids, mask = _inputs()
+    first = {kind: index for index, kind in reversed(list(enumerate(model.config.layer_types)))}
+    calls = {}
+
+    def keep_call(block, args, kwargs):
+        calls[block] = (args, kwargs)
+
+    blocks = [model.model.layers[index] for index in sorted(first.values())]
+    handles = [block.register_forward_pre_hook(keep_call, with_kwargs=True) for block in blocks]
+    model(ids, attention_mask=mask, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    for block in blocks:
+        args, kwargs = calls[block]
+        hidden = args[0].detach().requires_grad_()
+        where = f"block {block.mixer.layer_idx} ({model.config.layer_types[block.mixer.layer_idx]})"
+
+        def step(x, block=block, rest=args[1:], kwargs=kwargs):
+            return block(x, *rest, **kwargs)
+
+        expected = step(hidden)
+        weights = torch.randn_like(expected)
+        expected_grad, = torch.autograd.grad((expected * weights).sum(), hidden)
+        torch._dynamo.reset()
+        try:
+            actual = torch.compile(step, fullgraph=True, backend="aot_eager_decomp_partition")(hidden)
+        except Exception as error:  # dynamo's message names the break and the line
+            raise AssertionError(f"compile: {where} is not one graph: {str(error).splitlines()[0]}") from error
+        actual_grad, = torch.autograd.grad((actual * weights).sum(), hidden)
+        _close(actual, expected, f"compile: {where}'s compiled forward", torch.float32)
+        _close(actual_grad, expected_grad, f"compile: {where}'s compiled backward", torch.float32)
+    torch._dynamo.reset()
+
+
 def check_gradcheck(name):
     """fp64 gradcheck of one mixer layer with respect to its input."""
     from .model.modeling import MixerModel
@@ -444,7 +484,7 @@ def check_window_exact_at_init(name):
                 assert beyond[key] > 1e-6, f"{kind}_window=4 on 10 tokens: the memory never took part"
 
 
-CHECKS = (check_config, check_forward_backward, check_gradcheck, check_decode_equals_forward, check_compiled_decode,
+CHECKS = (check_config, check_forward_backward, check_block_compiles_whole, check_gradcheck, check_decode_equals_forward, check_compiled_decode,
           check_chunked_prefill, check_padding, check_generate, check_remote_code, check_bf16, check_mixed_precision,
           check_gradient_checkpointing, check_from_attention, check_window_exact_at_init)
 

@@ -5,6 +5,7 @@ checks of the feedback solve, and the Triton kernels' tile edges."""
 from __future__ import annotations
 
 import functools
+import os
 import types
 
 import torch
@@ -15,6 +16,13 @@ def tile_edge(n: int, cap: int | None = None) -> int:
     at most ``cap`` when given (a dimension then taken in blocks)."""
     size = max(16, 1 << (max(n, 1) - 1).bit_length())
     return size if cap is None else min(size, cap)
+
+
+def data_checks() -> bool:
+    """Whether kernels check what only the data can show (e.g. a support entry in its row's future): each such check
+    reads a value back to the host, which stalls a GPU's queue of launches, so they run only when
+    ``HF_MIXERS_DEBUG=1`` (the tests that prove the messages set it). Shape checks always run: they read nothing."""
+    return os.environ.get("HF_MIXERS_DEBUG") == "1" and not torch.compiler.is_compiling()
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -109,6 +109,8 @@ def library_kernel(kernel: str, module: str, attribute: str, device: torch.devic
 
 
 def _announce(kernel: str, decision: str) -> None:
-    if (kernel, decision) not in _announced:
+    """Log each decision once, from an eager call: not while dynamo traces, where a log call would break the graph
+    (a path taken only inside torch.compile is not announced)."""
+    if not torch.compiler.is_compiling() and (kernel, decision) not in _announced:
         _announced.add((kernel, decision))
         logger.warning("hf_mixers: %s runs on the %s", kernel, decision)

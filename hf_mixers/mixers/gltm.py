@@ -212,9 +212,11 @@ class GLTMMixer(FullAttention):
             positions = (token_mask.long().cumsum(-1) * token_mask)[:, -length:]
         else:
             positions = (torch.arange(length, device=hidden_states.device) + seen + 1).expand(batch, length)
+        # no position exceeds this: the supports and the lookup are sized from the shapes, with no host read
+        longest = seen + length if token_mask is None else token_mask.shape[1]
         query, key, value = self.project(hidden_states, position_embeddings)  # (B, H, T, d), (B, Hkv, T, d) x 2
         if self.pattern not in FULL_A:  # 1-based positions -> rows of [kept positions, new tokens]
-            index = _Lookup(positions if old is None else torch.cat([old.positions, positions], dim=1))
+            index = _Lookup(positions if old is None else torch.cat([old.positions, positions], dim=1), longest)
         if self.diagonal_a:  # A reads x_i itself
             direct = value.repeat_interleave(groups, dim=1)  # (B, H, T, d)
         elif self.pattern in FULL_A:
@@ -229,7 +231,7 @@ class GLTMMixer(FullAttention):
             direct = direct.transpose(1, 2).to(cd)
         else:  # the A-support gathered from [kept positions, new tokens], appended to the cache (in place) first
             key_all, value_all = (key, value) if layer is None else layer.update(key, value)
-            a_rows = index(self.a_support(positions))  # (B, T, Ka) into the M + T rows
+            a_rows = index(self.a_support(positions, longest))  # (B, T, Ka) into the M + T rows
             direct = sparse_attention(_by_kv_head(query, groups), key_all.flatten(0, 1), value_all.flatten(0, 1),
                                       a_rows.repeat_interleave(self.num_key_value_heads, 0), self.scaling)
             direct = _from_kv_head(direct, batch)  # (B, H, T, d)
@@ -252,13 +254,13 @@ class GLTMMixer(FullAttention):
                                    past_s=fold_past(past_outputs, 1), scale=self.scaling,
                                    method=self.config.gltm_solver, chunk_size=self.config.gltm_chunk_size)
             elif self.config.gltm_solver == "dense":  # the reference: masked T x T matrices, one solve
-                b_rows = index(support_rows(self.pattern, positions, self.window, self.offsets))  # (B, T, K)
+                b_rows = index(support_rows(self.pattern, positions, self.window, self.offsets, longest))  # (B, T, K)
                 y = feedback_solve_sparse(_fold(f, 1), _fold(q_b, 1).to(cd), _fold(feedback_keys, groups).to(cd),
                                           gate.flatten(0, 1), b_rows.repeat_interleave(heads, 0),
                                           past_k=fold_past(past_keys, groups), past_s=fold_past(past_outputs, 1),
                                           scale=self.scaling, method="dense")
             else:  # B's entries from keys gathered once per KV head, then the block substitution
-                b_rows = index(support_rows(self.pattern, positions, self.window, self.offsets))  # (B, T, K)
+                b_rows = index(support_rows(self.pattern, positions, self.window, self.offsets, longest))  # (B, T, K)
                 keys_all = feedback_keys if past_keys is None else torch.cat([past_keys, feedback_keys], dim=2)
                 weights = gathered_softmax(_by_kv_head(q_b, groups).to(cd), keys_all.flatten(0, 1).to(cd),
                                            b_rows.repeat_interleave(self.num_key_value_heads, 0), self.scaling)
@@ -404,15 +406,16 @@ class GLTMMixer(FullAttention):
             return d + d_prime, d
         return 1.0 - gate, None
 
-    def a_support(self, positions):
+    def a_support(self, positions, longest=None):
         """1-based positions of each token's A-support (B, T, Ka), 0 for none: {i} ∪ P(i), the window for local, {i}
-        for ssm (spec X1, X9, X10)."""
+        for ssm (spec X1, X9, X10); ``longest`` bounds the positions (``support_rows``)."""
         if self.pattern == "local":
             rows = positions[..., None] - torch.arange(self.window, device=positions.device)
             return rows.where((rows > 0) & (positions[..., None] > 0), 0)
         if self.pattern == "ssm":
             return positions[..., None]
-        return torch.cat([positions[..., None], support_rows(self.pattern, positions, self.window, self.offsets)], -1)
+        return torch.cat([positions[..., None], support_rows(self.pattern, positions, self.window, self.offsets,
+                                                             longest)], -1)
 
     def update_cache(self, layer, key, value, feedback_keys, outputs, positions):
         """Append the new tokens' entries (their K/V only with a diagonal A: the attention paths appended theirs
@@ -439,7 +442,7 @@ class GLTMMixer(FullAttention):
         """The cached 1-based positions (B, K; 0: none) that the token at ``following`` (B, 1) reads: its A-support
         but itself for ``local``, its B-support for the recurrent patterns."""
         if not self.recurrent:
-            return self.a_support(following)[:, 0]
+            return self.a_support(following, longest)[:, 0]
         return support_rows(self.pattern, following, self.window, self.offsets, longest)[:, 0]
 
 
@@ -465,9 +468,10 @@ def _fold(x, groups):
 class _Lookup:
     """1-based positions -> row indices into the [kept, new] rows of each batch row (-1 for none)."""
 
-    def __init__(self, all_positions):
+    def __init__(self, all_positions, longest):
+        """``longest`` >= every position: the table's size comes from the shapes, not from a host read."""
         batch = all_positions.shape[0]
-        self.table = all_positions.new_full((batch, int(all_positions.max()) + 2), -1)
+        self.table = all_positions.new_full((batch, longest + 2), -1)
         rows = torch.arange(all_positions.shape[1], device=all_positions.device).expand(batch, -1)
         real = all_positions > 0
         self.table.scatter_(1, all_positions.where(real, self.table.shape[1] - 1), rows.where(real, -1))

@@ -2,9 +2,9 @@
 
 Parametrised from the registry: a mixer registered tomorrow is checked here without editing this file. Each mixer's
 base configuration runs every check; its tiny variants (``"rsa[window]"``) run the math checks, marked ``variant``
-(the full tier only). The variants' and the hybrid's compiled decode is traced by dynamo and AOTAutograd without
-Inductor's code generation (conftest.compile_decode_without_inductor): each base configuration compiles its step
-with Inductor. Remote code is proven once per mixer, all of them loaded by one fresh process.
+(the full tier only), as is every mixer's whole-graph compile of a block. The variants' and the hybrid's compiled
+decode is traced by dynamo and AOTAutograd without Inductor's code generation
+(conftest.compile_decode_without_inductor): each base configuration compiles its step with Inductor. Remote code is proven once per mixer, all of them loaded by one fresh process.
 """
 
 import pytest
@@ -13,14 +13,15 @@ from conftest import compile_decode_without_inductor
 
 from hf_mixers import get_mixer, list_mixers
 from hf_mixers.conversion.families import SUPPORTED_FAMILIES
-from hf_mixers.testing import CHECKS, HYBRID, check_compiled_decode, check_from_attention, check_remote_code, \
-    contract_names, remote_code_failures
+from hf_mixers.testing import CHECKS, HYBRID, check_block_compiles_whole, check_compiled_decode, \
+    check_from_attention, check_remote_code, contract_names, remote_code_failures
 
 MIXERS = contract_names()
 BASES = [name for name in MIXERS if "[" not in name]
 MATH_CHECKS = [check for check in CHECKS if check is not check_remote_code]
+FULL_TIER_CHECKS = (check_block_compiles_whole,)  # seconds of tracing each: the full tier only
 CASES = [pytest.param(name, check, id=f"{name}-{check.__name__.removeprefix('check_')}",
-                      marks=[pytest.mark.variant] if "[" in name else [])
+                      marks=[pytest.mark.variant] if "[" in name or check in FULL_TIER_CHECKS else [])
          for name in MIXERS for check in MATH_CHECKS]
 
 

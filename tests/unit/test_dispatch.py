@@ -95,3 +95,18 @@ def test_the_sessa_solve_takes_pytorch_for_long_inputs_on_few_programs():
     assert _pytorch_faster((32, 2048, 128), 132) is None
     assert _pytorch_faster((256, 8192, 128), 132) is None
     assert _pytorch_faster((32, 8192, 128), None) is None
+
+
+def test_a_decision_inside_torch_compile_does_not_break_the_graph(caplog):
+    """A compiled step's first call may be the first to ask: the log line is left out there (a logging call would
+    end dynamo's graph), and said by the next eager call."""
+
+    def step(x):
+        return x * 2 if dispatch.use_triton("Sessa feedback solve", x.device) else x + 1
+
+    with caplog.at_level(logging.WARNING, logger="hf_mixers.kernels"):
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2)), torch.full((2,), 2.0))
+        assert not caplog.records
+        step(torch.ones(2))
+    assert "Sessa feedback solve runs on the PyTorch path" in caplog.text

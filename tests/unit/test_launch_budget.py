@@ -5,6 +5,8 @@ H100), so the count is the CPU proxy of the step's speed (hf_mixers/apps/bench/o
 backward, views excluded, one per Triton launch). Counted here as ``TRITON_INTERPRET=1`` runs the GPU path, at a
 small layout whose op structure is the converted model's (4 levels; chunks of 16 in place of 64).
 
+No mixer's step reads a value back to the host (each a stall of the GPU's queue), packed or padded.
+
 The ceilings are today's counts, so that a change which adds launches fails here; they are not the targets (RSA:
 at most 300 a layer-step, goal 100), which still need the write side's batched parts fused.
 """
@@ -16,6 +18,7 @@ from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
 
 from hf_mixers.apps.bench.harness import build_mixer, rotary_embeddings
 from hf_mixers.apps.bench.op_count import count_ops, training_step_ops
+from hf_mixers.core.registry import list_mixers
 
 HIDDEN, HEADS, KV_HEADS = 64, 4, 2
 RSA = {"rsa_readout": "softmax_count", "rsa_chunk_size": 16, "rsa_num_slots": 16, "kernel_backend": "triton"}
@@ -51,3 +54,28 @@ def test_rsa_step_launches_do_not_grow_with_the_sequence():
     assert short.triton_launches == 4 * 2 + 1 + 4 * 2 + 5
     assert short.ops <= 330, short.top()
     assert short.host_reads == 0, short.top()  # a fresh state's buffer is laid out from the shapes (ChunkLayout.of)
+
+
+# every converted-to mixer with each of its optional branches (the contract suite's variants)
+VARIANTS = [(spec.name, variant, {**spec.conversion_options, **spec.tiny_options, **options})
+            for spec in list_mixers(convertible=True) if not spec.is_teacher_attention
+            for variant, options in {"": {}, **spec.tiny_variants}.items()]
+
+
+@needs_kernels
+@pytest.mark.parametrize("padded", [False, True], ids=["packed", "left_padded"])
+@pytest.mark.parametrize("mixer,variant,options", VARIANTS, ids=[f"{m}[{v}]" if v else m for m, v, _ in VARIANTS])
+def test_a_training_step_reads_nothing_back_to_the_host(mixer, variant, options, padded):
+    """A host read (``.item()``, ``bool(tensor)``, a data-dependent shape) waits for the GPU's queue to drain, so a
+    training step has none: sizes come from the shapes, and checks that need the data run only in the debug mode
+    (``HF_MIXERS_DEBUG=1``)."""
+    torch.manual_seed(0)
+    module, config = build_mixer(mixer, options, 32, 4, 2, DEVICE, torch.float32)
+    x = torch.randn(2, 24, 32, device=DEVICE, requires_grad=True)
+    token_mask = None
+    if padded:
+        token_mask = torch.ones(2, 24, dtype=torch.bool, device=DEVICE)
+        token_mask[0, :5] = False
+    embeddings = rotary_embeddings(config, x, 24)
+    count, _ = count_ops(lambda: module(x, embeddings, None, token_mask).float().pow(2).mean().backward())
+    assert count.host_reads == 0, dict(count.read_sites)

@@ -65,7 +65,9 @@ def _package_folders() -> tuple[str, ...]:
     return tuple(str(Path(module.__file__).parent) + os.sep for module in (hf_mixers, kernels))
 
 
-_DISPATCH_FRAMES = (os.sep + "op_count.py", os.sep + "_python_dispatch.py", os.sep + "_ops.py")
+# ``int(tensor)`` and ``bool(tensor)`` pass through torch's dynamo-disabling wrapper (torch/_compile.py) on the way
+_DISPATCH_FRAMES = (os.sep + "op_count.py", os.sep + "_python_dispatch.py", os.sep + "_ops.py",
+                    os.path.join("torch", "_compile.py"), os.path.join("torch", "_dynamo", "eval_frame.py"))
 
 
 def _reader() -> str:
