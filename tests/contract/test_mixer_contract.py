@@ -4,7 +4,8 @@ Parametrised from the registry: a mixer registered tomorrow is checked here with
 base configuration runs every check; its tiny variants (``"rsa[window]"``) run the math checks, marked ``variant``
 (the full tier only), as is every mixer's whole-graph compile of a block. The variants' and the hybrid's compiled
 decode is traced by dynamo and AOTAutograd without Inductor's code generation
-(conftest.compile_decode_without_inductor): each base configuration compiles its step with Inductor. Remote code is proven once per mixer, all of them loaded by one fresh process.
+(conftest.compile_decode_without_inductor): each base configuration compiles its step with Inductor. Remote code
+is proven once per mixer, all of them loaded by one fresh process.
 """
 
 import pytest
