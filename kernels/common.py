@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import types
 
 import torch
@@ -45,6 +46,13 @@ def outside_autocast(function):
         return function(*args, **kwargs)
 
     return run
+
+
+def op_namespace(module_name: str) -> str:
+    """The torch.library namespace of a kernel module's custom ops, from the module's import name: a Hub folder's
+    copy of the module (imported under transformers_modules...) registers its own ops beside the installed
+    package's, where one shared name would be registered twice."""
+    return re.sub(r"\W", "_", module_name)
 
 
 def own_code(function):

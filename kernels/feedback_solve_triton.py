@@ -64,7 +64,7 @@ try:
 finally:
     pass
 
-from .common import check_feedback_shapes, compute_dtype, tile_edge
+from .common import check_feedback_shapes, compute_dtype, op_namespace, tile_edge
 from .triton_compile import compile_side_by_side
 
 # fp32-accurate ``tl.dot``s: the solve feeds its own output back, and plain tf32 (10-bit mantissa) logits and values
@@ -518,8 +518,8 @@ def _prepared(f, q, k, gain, key_mask, past_k, past_s):
 
 
 def _forward(f, q, k, gain, mask, past_k, past_s, scale, meta, save):
-    """Launch ``_fwd_kernel`` on prepared operands. Returns s (B, T, D) fp32 and, when ``save``, what the backward
-    needs."""
+    """Launch ``_fwd_kernel`` on prepared operands. Returns s (B, T, D) fp32 and, when ``save``, h (B, T, D) and
+    lse (B, T) for the backward (else empty tensors: an op's outputs may not alias each other)."""
     batch, length, width = f.shape
     past = 0 if past_k is None else past_k.shape[1]
     s = torch.empty(batch, length, width, dtype=torch.float32, device=f.device)  # (B, T, D)
@@ -527,41 +527,93 @@ def _forward(f, q, k, gain, mask, past_k, past_s, scale, meta, save):
     lse = torch.empty(batch, length, dtype=torch.float32, device=f.device) if save else s  # (B, T)
     if batch and length:
         _launch([_forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, past, scale, meta, save)])
-    return s, (q, k, gain, mask, past_k, past_s, s, h, lse)
+    return (s, h, lse) if save else (s, s.new_empty(0), s.new_empty(0))
 
 
-class _TritonFeedbackSolve(torch.autograd.Function):
-    """Forward: ``_fwd_kernel``; backward: ``_bwd_lam_kernel`` then ``_bwd_dq_kernel`` and ``_bwd_dk_kernel``."""
+# The kernels as torch.library ops, forward and backward: torch.compile keeps each as one opaque call in its graph
+# (it never traces a launch), so a block's training step stays one graph and can be captured as a CUDA graph.
+_OPS = op_namespace(__name__)
 
-    @staticmethod
-    def forward(ctx, f, q, k, gain, mask, past_k, past_s, scale, meta):
-        s, saved = _forward(f, q, k, gain, mask, past_k, past_s, scale, meta, save=True)
-        ctx.save_for_backward(*saved)
-        ctx.meta = (meta, 0 if past_k is None else past_k.shape[1], float(scale), f.dtype, gain.dtype)
-        return s
 
-    @staticmethod
-    def backward(ctx, grad_s):
-        q, k, gain, mask, past_k, past_s, s, h, lse = ctx.saved_tensors
-        meta, past, scale, f_dtype, gain_dtype = ctx.meta
-        batch, length, width = s.shape
-        key_dim = q.shape[-1]
-        grad_s = grad_s.contiguous().float()
-        lam = torch.empty_like(s)  # (B, T, D): df in fp32 (it is read back by the sweep)
-        d_gain = torch.zeros_like(lse)  # (B, T): summed over the value blocks
-        need_q, need_k = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        need_past = past > 0 and (ctx.needs_input_grad[5] or ctx.needs_input_grad[6])
-        new_zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=s.device)  # noqa: E731
-        dq = new_zeros(batch, length, key_dim) if need_q else None
-        dk = new_zeros(batch, length, key_dim) if need_k or need_past else None  # the dk kernel writes both
-        d_past_k = new_zeros(batch, past, key_dim) if need_past else None
-        d_past_s = new_zeros(batch, past, width) if need_past else None
-        if batch and length:
-            _launch(_backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam, d_gain, dq, dk,
-                                       d_past_k, d_past_s, batch, length, width, past, scale, meta))
-        cast = lambda grad, like: None if grad is None else grad.to(like.dtype)  # noqa: E731
-        return (lam.to(f_dtype), cast(dq, q), cast(dk, k), d_gain.to(gain_dtype), None,
-                cast(d_past_k, past_k), cast(d_past_s, past_s), None, None)
+@torch.library.custom_op(f"{_OPS}::solve_forward", mutates_args=())
+def _solve_forward(f: torch.Tensor, q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, mask: torch.Tensor | None,
+                   past_k: torch.Tensor | None, past_s: torch.Tensor | None, scale: float, chunk_size: int,
+                   save: bool, need_q: bool, need_k: bool, need_past: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """s (B, T, D) fp32, and h, lse when ``save``; ``need_*``: the gradients a backward will ask for (the
+    kernels it compiles side by side with the forward's)."""
+    meta = _meta(f.shape[1], q.shape[-1], f.shape[-1], chunk_size)
+    if save and f.shape[0] and f.shape[1]:
+        _compile_kernels(f, q, k, gain, mask, past_k, past_s, scale, meta, (need_q, need_k, need_past))
+    return _forward(f, q, k, gain, mask, past_k, past_s, scale, meta, save)
+
+
+@_solve_forward.register_fake
+def _(f, q, k, gain, mask, past_k, past_s, scale, chunk_size, save, need_q, need_k, need_past):
+    s = f.new_empty(f.shape, dtype=torch.float32)
+    return (s, torch.empty_like(s), s.new_empty(f.shape[:2])) if save else (s, s.new_empty(0), s.new_empty(0))
+
+
+def _gradient_shapes(q, s, past_k, need_q, need_k, need_past) -> list[tuple]:
+    """The shapes of ``_solve_backward``'s results, (0,) for a gradient not asked for."""
+    batch, length, width = s.shape
+    key_dim, past = q.shape[-1], 0 if past_k is None else past_k.shape[1]
+    return [(batch, length, width), (batch, length, key_dim) if need_q else (0,),
+            (batch, length, key_dim) if need_k or need_past else (0,), (batch, length),
+            (batch, past, key_dim) if need_past else (0,), (batch, past, width) if need_past else (0,)]
+
+
+@torch.library.custom_op(f"{_OPS}::solve_backward", mutates_args=())
+def _solve_backward(q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, mask: torch.Tensor | None,
+                    past_k: torch.Tensor | None, past_s: torch.Tensor | None, s: torch.Tensor, h: torch.Tensor,
+                    lse: torch.Tensor, grad_s: torch.Tensor, scale: float, chunk_size: int, need_q: bool,
+                    need_k: bool, need_past: bool) -> list[torch.Tensor]:
+    """df, dq, dk, d_gain, d_past_k, d_past_s in fp32 (the dk kernel writes the cached keys' too); (0,) for a
+    gradient not asked for."""
+    batch, length, width = s.shape
+    past = 0 if past_k is None else past_k.shape[1]
+    meta = _meta(length, q.shape[-1], width, chunk_size)
+    shapes = _gradient_shapes(q, s, past_k, need_q, need_k, need_past)
+    lam = torch.empty(shapes[0], dtype=torch.float32, device=s.device)  # df (it is read back by the sweep)
+    d_gain = torch.zeros(shapes[3], dtype=torch.float32, device=s.device)  # summed over the value blocks
+    dq, dk, d_past_k, d_past_s = ((torch.zeros if len(shape) > 1 else torch.empty)(shape, dtype=torch.float32,
+                                                                                  device=s.device)
+                                  for shape in (shapes[1], shapes[2], shapes[4], shapes[5]))
+    if batch and length:
+        wanted = lambda grad: grad if grad.dim() > 1 else None  # noqa: E731
+        _launch(_backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s.contiguous().float(), lam,
+                                   d_gain, wanted(dq), wanted(dk), wanted(d_past_k), wanted(d_past_s), batch,
+                                   length, width, past, scale, meta))
+    return [lam, dq, dk, d_gain, d_past_k, d_past_s]
+
+
+@_solve_backward.register_fake
+def _(q, k, gain, mask, past_k, past_s, s, h, lse, grad_s, scale, chunk_size, need_q, need_k, need_past):
+    return [s.new_empty(shape) for shape in _gradient_shapes(q, s, past_k, need_q, need_k, need_past)]
+
+
+def _save_for_backward(ctx, inputs, output):
+    f, q, k, gain, mask, past_k, past_s, scale, chunk_size, *_ = inputs
+    s, h, lse = output
+    ctx.save_for_backward(q, k, gain, mask, past_k, past_s, s, h, lse)
+    ctx.options = (scale, chunk_size, f.dtype)
+    ctx.set_materialize_grads(False)  # h and lse get no gradient: no zero tensors made for them
+
+
+def _solve_gradients(ctx, grad_s, _grad_h, _grad_lse):
+    q, k, gain, mask, past_k, past_s, s, h, lse = ctx.saved_tensors
+    scale, chunk_size, f_dtype = ctx.options
+    grad_s = torch.zeros_like(s) if grad_s is None else grad_s
+    needs = ctx.needs_input_grad
+    need_past = past_k is not None and past_k.shape[1] > 0 and (needs[5] or needs[6])
+    lam, dq, dk, d_gain, d_past_k, d_past_s = _solve_backward(q, k, gain, mask, past_k, past_s, s, h, lse, grad_s,
+                                                              scale, chunk_size, needs[1], needs[2], need_past)
+    cast = lambda grad, like, wanted: grad.to(like.dtype) if wanted else None  # noqa: E731
+    return (lam.to(f_dtype), cast(dq, q, needs[1]), cast(dk, k, needs[2]), d_gain.to(gain.dtype), None,
+            cast(d_past_k, past_k, need_past), cast(d_past_s, past_s, need_past), None, None, None, None, None, None)
+
+
+_solve_forward.register_autograd(_solve_gradients, setup_context=_save_for_backward)
 
 
 def feedback_solve_triton(f, q, k, gain, key_mask=None, past_k=None, past_s=None, scale=None, chunk_size=64):
@@ -578,14 +630,11 @@ def feedback_solve_triton(f, q, k, gain, key_mask=None, past_k=None, past_s=None
     if compute_dtype(f.dtype) != torch.float32:
         raise ValueError(f"feedback_solve_triton: {f.dtype} inputs; the kernels compute in fp32 (feedback_solve "
                          "sends fp64 to the PyTorch path)")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     tensors = (f, q, k, gain) + (() if past_k is None else (past_k, past_s))
-    meta = _meta(f.shape[1], q.shape[-1], f.shape[-1], chunk_size)
     operands = _prepared(f, q, k, gain, key_mask, past_k, past_s)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):  # inference: skip h and lse
-        return _forward(*operands, scale, meta, save=False)[0]
+        return _solve_forward(*operands, scale, chunk_size, False, False, False, False)[0]
     past = 0 if past_k is None else past_k.shape[1]
     needs = (q.requires_grad, k.requires_grad, past > 0 and (past_k.requires_grad or past_s.requires_grad))
-    if f.shape[0] and f.shape[1]:
-        _compile_kernels(*operands, scale, meta, needs)
-    return _TritonFeedbackSolve.apply(*operands, scale, meta)
+    return _solve_forward(*operands, scale, chunk_size, True, *needs)[0]

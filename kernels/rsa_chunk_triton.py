@@ -94,7 +94,7 @@ try:
 finally:
     pass
 
-from .common import compute_dtype, tile_edge
+from .common import compute_dtype, op_namespace, tile_edge
 from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunks
 # the write side's kernel (the assignment chain), and the tiles and dot precision both sides use: MAX_TILE (chunk
 # size and slot count, held as one tile: C x C, C x m and m x m) and MAX_HEAD_DIM (the read's forward holds a
@@ -521,19 +521,28 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
 # Launchers and the autograd wrapper.
 
 
-class _Read:
-    """Static launch arguments of one call: sizes, options and block sizes."""
+def _read_options(params: RSAParams) -> tuple:
+    """What the read kernels take from ``params`` besides tensors, as plain values (the ops' arguments): chunk
+    size, eps, readout, routing, whether the RSA-q branch is on, whether the log weight is appended."""
+    return (params.chunk_size, float(params.eps), params.readout, params.routing, params.query_read is not None,
+            bool(params.log_weight))
 
-    def __init__(self, params: RSAParams, q, f, y, n_chunks):
+
+class _Read:
+    """Static launch arguments of one call: sizes, options and block sizes (``options``: ``_read_options``)."""
+
+    def __init__(self, options: tuple, q, f, y):
+        chunk_size, eps, readout, routing, query_read, log_weight = options
         batch, heads, self.padded, key_dim = q.shape
         _, groups, levels, _, slots = f.shape
+        n_chunks = self.padded // chunk_size
         self.grid = (n_chunks, batch * heads)
-        self.sizes = (self.padded, n_chunks, heads, groups, heads // groups, params.chunk_size, slots, key_dim,
-                      y.shape[-1], key_dim**-0.5, params.eps)
+        self.sizes = (self.padded, n_chunks, heads, groups, heads // groups, chunk_size, slots, key_dim,
+                      y.shape[-1], key_dim**-0.5, eps)
         self.batch, self.heads, self.levels, self.slots, self.value_dim = batch, heads, levels, slots, y.shape[-1]
-        self.options = dict(L=levels, READOUT=READOUTS[params.readout], ROUTING=ROUTINGS[params.routing],
-                            QUERY_READ=params.query_read is not None, LOG_WEIGHT=params.log_weight,
-                            BLOCK_C=tile_edge(params.chunk_size), BLOCK_M=tile_edge(slots),
+        self.options = dict(L=levels, READOUT=READOUTS[readout], ROUTING=ROUTINGS[routing],
+                            QUERY_READ=query_read, LOG_WEIGHT=log_weight,
+                            BLOCK_C=tile_edge(chunk_size), BLOCK_M=tile_edge(slots),
                             BLOCK_D=tile_edge(key_dim), BLOCK_DV=tile_edge(y.shape[-1]),
                             PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS)
         self.backward_options = dict(self.options, BLOCK_D=min(self.options["BLOCK_D"], FEATURE_BLOCK),
@@ -604,23 +613,56 @@ def _kernel_inputs(q_b, f, x, y, ks0, vs0, n0, r0, params: RSAParams, groups):
             fp32(params.mix_proj), fp32(params.threshold), fp32(params.read_scale), fp32(query_read))
 
 
-class _TritonRSARead(torch.autograd.Function):
-    """Read side of every chunk: ``_fwd_kernel``; backward: ``_fwd_kernel(save)`` then ``_bwd_kernel`` per level."""
+# The read as torch.library ops, forward and backward: torch.compile keeps each as one opaque call in its graph (it
+# never traces a launch), so a block's training step stays one graph and can be captured as a CUDA graph.
+_OPS = op_namespace(__name__)
 
-    @staticmethod
-    def forward(ctx, read: _Read, *inputs):
-        ctx.read = read
-        ctx.save_for_backward(*inputs)
-        return read.forward(inputs, save=False)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        read: _Read = ctx.read
-        inputs = ctx.saved_tensors
-        grads = read.backward(inputs, grad_out)
-        if not read.options["QUERY_READ"]:
-            grads[-1] = None  # the dummy pointer
-        return (None, *(None if grad is None else grad.to(t.dtype) for grad, t in zip(grads, inputs)))
+@torch.library.custom_op(f"{_OPS}::read_forward", mutates_args=())
+def _read_forward(inputs: list[torch.Tensor], chunk_size: int, eps: float, readout: str, routing: str,
+                  query_read: bool, log_weight: bool, backward: bool) -> torch.Tensor:
+    """out (B, H, Tp, dv [+ 1]) fp32 from the 14 kernel inputs; ``backward``: a backward follows (its kernels are
+    compiled side by side with the forward's)."""
+    read = _Read((chunk_size, eps, readout, routing, query_read, log_weight), inputs[0], inputs[1], inputs[3])
+    read.compile_kernels(inputs, backward)
+    return read.forward(inputs, save=False)
+
+
+@_read_forward.register_fake
+def _(inputs, chunk_size, eps, readout, routing, query_read, log_weight, backward):
+    q, y = inputs[0], inputs[3]
+    return q.new_empty(*q.shape[:3], y.shape[-1] + log_weight, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_OPS}::read_backward", mutates_args=())
+def _read_backward(inputs: list[torch.Tensor], grad_out: torch.Tensor, chunk_size: int, eps: float, readout: str,
+                   routing: str, query_read: bool, log_weight: bool) -> list[torch.Tensor]:
+    """The 14 inputs' gradients (fp32): ``_fwd_kernel(save)`` again, then ``_bwd_kernel`` per level."""
+    read = _Read((chunk_size, eps, readout, routing, query_read, log_weight), inputs[0], inputs[1], inputs[3])
+    return read.backward(inputs, grad_out)
+
+
+@_read_backward.register_fake
+def _(inputs, grad_out, chunk_size, eps, readout, routing, query_read, log_weight):
+    return [t.new_empty(t.shape, dtype=torch.float32) for t in inputs]
+
+
+def _save_read_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[0])
+    ctx.options = inputs[1:7]
+
+
+def _read_gradients(ctx, grad_out):
+    inputs = ctx.saved_tensors
+    grads = _read_backward(list(inputs), grad_out, *ctx.options)
+    query_read = ctx.options[4]
+    grads = [grad.to(t.dtype) for grad, t in zip(grads, inputs)]
+    if not query_read:
+        grads[-1] = None  # the dummy pointer
+    return grads, None, None, None, None, None, None, None
+
+
+_read_forward.register_autograd(_read_gradients, setup_context=_save_read_inputs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -659,13 +701,8 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
     r0 = writes.relation_sum if levels > 1 else writes.mass.new_zeros(1)  # (B, G, NC, L-1, m, m)
     f, x, y = writes.f, writes.x, writes.y  # (B, G, L, Tp, m | d | dv)
     inputs = _kernel_inputs(q_b, f, x, y, ks0, writes.value_sum, writes.mass, r0, params, groups)
-    read = _Read(params, inputs[0], f, y, layout.padded // size)
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    read.compile_kernels(inputs, backward)
-    if backward:
-        out_b = _TritonRSARead.apply(read, *inputs)
-    else:  # inference: no autograd bookkeeping, nothing saved
-        out_b = read.forward(inputs, save=False)
+    out_b = _read_forward(list(inputs), *_read_options(params), backward)
     out_b = out_b.unflatten(1, (groups, group_size))  # (B, G, g, Tp, dv)
 
     return layout.unpack(out_b, length), state

@@ -279,3 +279,21 @@ def test_sessa_model_on_the_triton_path_equals_the_pytorch_path():
         _assert_close(results["triton"][1][name], grad, msg=name)
     decoded, _ = step_through(models["triton"], ids, mask, prefill=20)  # prefill + 9 single-token steps
     _assert_close(decoded[mask.bool()], results["triton"][0][mask.bool()])
+
+
+@needs_kernels
+@pytest.mark.parametrize("past", first_in_fast(6, 0))
+def test_the_solve_is_one_opaque_op_for_torch_compile(past):
+    """The kernels are torch.library ops (forward and backward): torch.compile keeps each as one call in a single
+    graph and never traces a launch; the compiled solve, its gradients and its inference call equal the eager ones."""
+    inputs = make_inputs(past=past)
+    expected, expected_grads = _values_and_grads(solve, inputs, chunk_size=5)
+    torch._dynamo.reset()
+    compiled = torch.compile(solve, fullgraph=True, backend="aot_eager_decomp_partition")
+    actual, grads = _values_and_grads(compiled, inputs, chunk_size=5)
+    assert torch.equal(actual, expected)
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert torch.equal(grad, expected_grad)
+    with torch.no_grad():
+        assert torch.equal(compiled(**inputs, chunk_size=5), expected)
+    torch._dynamo.reset()

@@ -315,8 +315,8 @@ def test_backward_over_feature_blocks_matches_reference(readout, routing, query_
     state and every gradient still equal rsa_chunked, the window's merge weight included."""
     monkeypatch.setattr(rct, "FEATURE_BLOCK", 8)
     params = make_params(chunk=16, readout=readout, routing=routing, query_read=query_read, log_weight=True)
-    read = rct._Read(params, torch.zeros(1, 4, 16, KEY_DIM), torch.zeros(1, 2, 3, 16, SLOTS),
-                     torch.zeros(1, 2, 3, 16, VALUE_DIM), 1)
+    read = rct._Read(rct._read_options(params), torch.zeros(1, 4, 16, KEY_DIM), torch.zeros(1, 2, 3, 16, SLOTS),
+                     torch.zeros(1, 2, 3, 16, VALUE_DIM))
     assert read.backward_options["BLOCK_D"] == read.backward_options["BLOCK_DV"] == 8 < KEY_DIM
     inputs = make_inputs(params, batch=2)
     assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))

@@ -88,6 +88,15 @@ def _site(folders) -> str:
     return "autograd"
 
 
+def _custom_op_function(func):
+    """The Python function behind a ``torch.library.custom_op`` (the kernels' ops), else None: the counter runs it
+    under itself, so the op's allocations and launches count, not the op as one call."""
+    from torch._library.custom_ops import _maybe_get_opdef
+
+    definition = None if func.namespace in ("aten", "prim", "prims") else _maybe_get_opdef(func._name)
+    return None if definition is None else definition._init_fn
+
+
 class _Counter(TorchDispatchMode):
     def __init__(self, count: OpCount, sites: bool):
         super().__init__()
@@ -96,6 +105,10 @@ class _Counter(TorchDispatchMode):
         self.inside_launch = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kernels_op = _custom_op_function(func)
+        if kernels_op is not None:  # our kernels' torch.library ops: count what they run, as on a GPU
+            with self:
+                return kernels_op(*args, **(kwargs or {}))
         if not self.inside_launch and not _is_free(func):
             name = func.overloadpacket.__name__
             self.count.ops += 1
