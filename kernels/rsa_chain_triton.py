@@ -41,7 +41,7 @@ try:
 finally:
     pass
 
-from .common import tile_edge
+from .common import op_namespace, tile_edge
 from .rsa_state import RSAParams
 
 # fp32-accurate dots on tensor cores: plain tf32 would put the read ~1e-3 off the reference (it divides sums by
@@ -614,54 +614,118 @@ def _level_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v_ptr,
     tl.store(dkappa_ptr + head, d_kappa)
 
 
-def _launch_options(params: RSAParams, slots: int, key_dim: int) -> dict:
-    return dict(SIGMOID=params.assign_fn == "sigmoid", BLOCK_R=tile_edge(params.chunk_size, ROW_BLOCK),
-                BLOCK_M=tile_edge(slots), BLOCK_D=tile_edge(key_dim, FEATURE_BLOCK), PRECISION=INPUT_PRECISION)
+def _launch_options(sigmoid: bool, chunk_size: int, slots: int, key_dim: int) -> dict:
+    return dict(SIGMOID=sigmoid, BLOCK_R=tile_edge(chunk_size, ROW_BLOCK), BLOCK_M=tile_edge(slots),
+                BLOCK_D=tile_edge(key_dim, FEATURE_BLOCK), PRECISION=INPUT_PRECISION)
 
 
-class _Chain(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, valid, key_sum, mass, key_ref, prior, kappa, beta, reached, params: RSAParams):
-        batch, groups, padded, key_dim = x.shape
-        slots, size = prior.shape[1], params.chunk_size
-        chunks = padded // size
-        options = _launch_options(params, slots, key_dim)
-        f = x.new_empty(batch, groups, padded, slots)
-        p = torch.empty_like(f) if options["SIGMOID"] else f  # softmax assignment: p is f
-        sums, masses = x.new_empty(batch, groups, chunks + 1, slots, key_dim), x.new_empty(batch, groups, chunks + 1,
-                                                                                             slots)
-        sizes = (padded, chunks, groups, size, slots, key_dim, key_dim**-0.5, params.eps)
-        read_strides = (*key_ref.stride()[:2], prior.stride(0), kappa.stride(0), beta.stride(0))
-        _chain_fwd[(batch * groups,)](x, valid, reached, key_sum, mass, key_ref, prior, kappa, beta, f, p, sums,
-                                      masses, *key_sum.stride()[:2], *mass.stride()[:2], *read_strides, *sizes,
-                                      **options, num_warps=FORWARD_WARPS, num_stages=CHAIN_STAGES)
-        ctx.save_for_backward(x, valid, reached, key_ref, prior, kappa, beta, sums, masses)
-        ctx.sizes, ctx.options, ctx.read_strides = sizes, options, read_strides
-        return (f, p, sums, masses) if options["SIGMOID"] else (f, sums, masses)
+# The chain and level kernels as torch.library ops, forward and backward: torch.compile keeps each as one opaque call
+# in its graph (it never traces a launch), so a block's training step stays one graph and can be captured as a CUDA
+# graph. Optional results are left out of an op's list (ops may not return None, nor one tensor twice).
+_OPS = op_namespace(__name__)
+Tensor = torch.Tensor
 
-    @staticmethod
-    def backward(ctx, *grads):
-        x, valid, reached, key_ref, prior, kappa, beta, sums, masses = ctx.saved_tensors
-        if ctx.options["SIGMOID"]:
-            d_f, d_p, d_sums, d_masses = grads
-        else:
-            (d_f, d_sums, d_masses), d_p = grads, None
-        batch, groups, padded = x.shape[:3]
-        given = lambda grad, shape: x.new_zeros(shape) if grad is None else grad.contiguous()  # noqa: E731
-        d_f = given(d_f, (batch, groups, padded, prior.shape[1]))
-        d_sums, d_masses = given(d_sums, sums.shape), given(d_masses, masses.shape)
-        d_p = given(d_p, d_f.shape) if ctx.options["SIGMOID"] else d_f  # softmax: a dummy pointer
-        d_x = torch.zeros_like(x)  # rows past a row's last boundary: 0
-        d_key_sum, d_key_ref = (x.new_empty(batch, groups, *prior.shape[1:]) for _ in range(2))  # written whole
-        d_prior = x.new_zeros(batch, groups, *prior.shape[1:])  # accumulated
-        d_mass, d_kappa, d_beta = x.new_empty(batch, groups, prior.shape[1]), x.new_empty(batch, groups), \
-            x.new_empty(batch, groups)
-        scratch = x.new_empty(batch, groups, ctx.sizes[3], prior.shape[1])  # (B, G, C, M)
-        _chain_bwd[(batch * groups,)](x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, d_sums,
-                                      d_masses, scratch, torch.empty_like(scratch), d_x, d_key_sum, d_mass,
-                                      d_key_ref, d_prior, d_kappa, d_beta, *ctx.read_strides, *ctx.sizes, **ctx.options,
-                                      num_warps=BACKWARD_WARPS, num_stages=CHAIN_STAGES)
-        return (d_x, None, d_key_sum, d_mass, d_key_ref, d_prior.sum(0), d_kappa.sum(0), d_beta.sum(0), None, None)
+
+def _chain_sizes(x, prior, chunk_size, eps):
+    batch, groups, padded, key_dim = x.shape
+    return (padded, padded // chunk_size, groups, chunk_size, prior.shape[1], key_dim, key_dim**-0.5, eps)
+
+
+def _chain_read_strides(key_ref, prior, kappa, beta):
+    return (*key_ref.stride()[:2], prior.stride(0), kappa.stride(0), beta.stride(0))
+
+
+@torch.library.custom_op(f"{_OPS}::chain_forward", mutates_args=())
+def _chain_forward(x: Tensor, valid: Tensor, key_sum: Tensor, mass: Tensor, key_ref: Tensor, prior: Tensor,
+                   kappa: Tensor, beta: Tensor, reached: Tensor, sigmoid: bool, chunk_size: int, eps: float
+                   ) -> list[Tensor]:
+    """[f, p (sigmoid only: softmax's p is f), the chunk-start key sums, masses]."""
+    x, valid, key_sum, mass, key_ref, prior, kappa, beta = _dense_chain_inputs(x, valid, key_sum, mass, key_ref,
+                                                                              prior, kappa, beta)
+    batch, groups, padded, key_dim = x.shape
+    slots = prior.shape[1]
+    sizes = _chain_sizes(x, prior, chunk_size, eps)
+    options = _launch_options(sigmoid, chunk_size, slots, key_dim)
+    f = x.new_empty(batch, groups, padded, slots)
+    p = torch.empty_like(f) if sigmoid else f
+    sums = x.new_empty(batch, groups, sizes[1] + 1, slots, key_dim)
+    masses = x.new_empty(batch, groups, sizes[1] + 1, slots)
+    _chain_fwd[(batch * groups,)](x, valid, reached, key_sum, mass, key_ref, prior, kappa, beta, f, p, sums,
+                                  masses, *key_sum.stride()[:2], *mass.stride()[:2],
+                                  *_chain_read_strides(key_ref, prior, kappa, beta), *sizes, **options,
+                                  num_warps=FORWARD_WARPS, num_stages=CHAIN_STAGES)
+    return [f, p, sums, masses] if sigmoid else [f, sums, masses]
+
+
+@_chain_forward.register_fake
+def _(x, valid, key_sum, mass, key_ref, prior, kappa, beta, reached, sigmoid, chunk_size, eps):
+    batch, groups, padded, key_dim = x.shape
+    f = x.new_empty(batch, groups, padded, prior.shape[1], dtype=torch.float32)
+    sums = f.new_empty(batch, groups, padded // chunk_size + 1, prior.shape[1], key_dim)
+    masses = f.new_empty(sums.shape[:-1])
+    return [f, torch.empty_like(f), sums, masses] if sigmoid else [f, sums, masses]
+
+
+def _dense_chain_inputs(x, valid, key_sum, mass, key_ref, prior, kappa, beta):
+    """The chain's tensor inputs in the kernels' layout (``_dense``; already so: no copy)."""
+    return [_dense(t, inner) for t, inner in zip((x, valid, key_sum, mass, key_ref, prior, kappa, beta),
+                                                 (4, 2, 2, 1, 2, 2, 0, 0))]
+
+
+@torch.library.custom_op(f"{_OPS}::chain_backward", mutates_args=())
+def _chain_backward(x: Tensor, valid: Tensor, reached: Tensor, key_ref: Tensor, prior: Tensor, kappa: Tensor,
+                    beta: Tensor, sums: Tensor, masses: Tensor, d_f: Tensor, d_p: Tensor, d_sums: Tensor,
+                    d_masses: Tensor, sigmoid: bool, chunk_size: int, eps: float) -> list[Tensor]:
+    """[dx, d key_sum, d mass, d key_ref, d prior, d kappa, d beta] (the last three summed over the batch)."""
+    x, valid, key_ref, prior = _dense(x, 4), _dense(valid, 2), _dense(key_ref, 2), _dense(prior, 2)
+    kappa, beta = _dense(kappa, 0), _dense(beta, 0)
+    batch, groups, padded = x.shape[:3]
+    sizes = _chain_sizes(x, prior, chunk_size, eps)
+    d_x = torch.zeros_like(x)  # rows past a row's last boundary: 0
+    d_key_sum, d_key_ref = (x.new_empty(batch, groups, *prior.shape[1:]) for _ in range(2))  # written whole
+    d_prior = x.new_zeros(batch, groups, *prior.shape[1:])  # accumulated
+    d_mass, d_kappa, d_beta = x.new_empty(batch, groups, prior.shape[1]), x.new_empty(batch, groups), \
+        x.new_empty(batch, groups)
+    scratch = x.new_empty(batch, groups, chunk_size, prior.shape[1])  # (B, G, C, M)
+    _chain_bwd[(batch * groups,)](x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f.contiguous(),
+                                  d_p.contiguous(), d_sums.contiguous(), d_masses.contiguous(), scratch,
+                                  torch.empty_like(scratch), d_x, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa,
+                                  d_beta, *_chain_read_strides(key_ref, prior, kappa, beta), *sizes,
+                                  **_launch_options(sigmoid, chunk_size, prior.shape[1], x.shape[-1]),
+                                  num_warps=BACKWARD_WARPS, num_stages=CHAIN_STAGES)
+    return [d_x, d_key_sum, d_mass, d_key_ref, d_prior.sum(0), d_kappa.sum(0), d_beta.sum(0)]
+
+
+@_chain_backward.register_fake
+def _(x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, d_sums, d_masses, sigmoid,
+      chunk_size, eps):
+    batch, groups = x.shape[:2]
+    new = lambda *shape: x.new_empty(shape, dtype=torch.float32)  # noqa: E731
+    return [new(*x.shape), new(batch, groups, *prior.shape[1:]), new(batch, groups, prior.shape[1]),
+            new(batch, groups, *prior.shape[1:]), new(*prior.shape), new(*kappa.shape), new(*beta.shape)]
+
+
+def _save_chain(ctx, inputs, output):
+    x, valid, key_sum, mass, key_ref, prior, kappa, beta, reached, sigmoid, chunk_size, eps = inputs
+    ctx.save_for_backward(x, valid, reached, key_ref, prior, kappa, beta, output[-2], output[-1])
+    ctx.options = (sigmoid, chunk_size, eps)
+    ctx.set_materialize_grads(False)  # a result without a gradient costs no zero tensor unless the kernel needs one
+
+
+def _chain_gradients(ctx, grads):
+    x, valid, reached, key_ref, prior, kappa, beta, sums, masses = ctx.saved_tensors
+    sigmoid = ctx.options[0]
+    d_f, d_p, d_sums, d_masses = grads if sigmoid else (grads[0], None, grads[1], grads[2])
+    given = lambda grad, shape: x.new_zeros(shape, dtype=torch.float32) if grad is None else grad  # noqa: E731
+    d_f = given(d_f, (*x.shape[:3], prior.shape[1]))
+    d_p = given(d_p, d_f.shape) if sigmoid else d_f  # softmax: a dummy pointer
+    d_x, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa, d_beta = _chain_backward(
+        x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, given(d_sums, sums.shape),
+        given(d_masses, masses.shape), *ctx.options)
+    return d_x, None, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa, d_beta, None, None, None, None
+
+
+_chain_forward.register_autograd(_chain_gradients, setup_context=_save_chain)
 
 
 def _dense(t, inner: int):
@@ -680,92 +744,163 @@ def assign_chain_triton(x, valid, key_sum, mass, key_ref, prior, kappa, beta, bo
     """``rsa_state.assign_chain`` on the kernels: same arguments and results (fp32; gradients reach x, the
     starting sums and references, kappa P, kappa and beta)."""
     reached = boundary[:, -1].to(torch.int32).contiguous()  # the row's last boundary, at most N
-    outputs = _Chain.apply(_dense(x, 4), _dense(valid, 2), _dense(key_sum, 2), _dense(mass, 1), _dense(key_ref, 2),
-                           _dense(prior, 2), _dense(kappa, 0), _dense(beta, 0), reached, params)
+    outputs = _chain_forward(*_dense_chain_inputs(x, valid, key_sum, mass, key_ref, prior, kappa, beta), reached,
+                             params.assign_fn == "sigmoid", params.chunk_size, float(params.eps))
     if params.assign_fn == "sigmoid":
-        return outputs
+        return tuple(outputs)
     f, sums, masses = outputs
     return f, f, sums, masses
 
 
-class _Level(torch.autograd.Function):
-    """``rsa_state.level_writes`` on the level kernels. Inputs in the kernels' layout (``_dense``); p is None for
-    softmax assignment (it is f), x and p None without a residual, above and the starting relation sum None at
-    level 0. Returns W, V, [R], [x_next, y_next], key_ref, value_ref."""
+def _level_options(residual, relation, chunk_size, slots, key_dim, value_dim) -> dict:
+    return dict(RESIDUAL=residual, RELATION=relation, BLOCK_R=tile_edge(chunk_size, ROW_BLOCK),
+                BLOCK_M=tile_edge(slots), BLOCK_D=tile_edge(key_dim, FEATURE_BLOCK),
+                BLOCK_DV=tile_edge(value_dim, FEATURE_BLOCK), PRECISION=INPUT_PRECISION)
 
-    @staticmethod
-    def forward(ctx, f, p, x, y, valid, key_sum, mass, value_sum0, key_ref0, value_ref0, prior, kappa, above,
-                relation_sum0, reached, params: RSAParams):
-        batch, groups, padded, slots = f.shape
-        key_dim, value_dim, size = key_sum.shape[-1], y.shape[-1], params.chunk_size
-        chunks = padded // size
-        residual, relation = x is not None, above is not None
-        options = dict(RESIDUAL=residual, RELATION=relation, BLOCK_R=tile_edge(size, ROW_BLOCK),
-                       BLOCK_M=tile_edge(slots), BLOCK_D=tile_edge(key_dim, FEATURE_BLOCK),
-                       BLOCK_DV=tile_edge(value_dim, FEATURE_BLOCK), PRECISION=INPUT_PRECISION)
-        dummy = f
-        written = torch.empty_like(f)
-        value_sums = y.new_empty(batch, groups, chunks + 1, slots, value_dim)
-        relations = f.new_empty(batch, groups, chunks + 1, slots, slots) if relation else dummy
-        x_next, y_next = (torch.empty_like(x), torch.empty_like(y)) if residual else (dummy, dummy)
-        key_ref, value_ref = key_sum.new_empty(batch, groups, slots, key_dim), y.new_empty(batch, groups, slots,
-                                                                                        value_dim)
-        strides = (*value_sum0.stride()[:2], *key_ref0.stride()[:2], *value_ref0.stride()[:2],
-                   *(relation_sum0.stride()[:2] if relation else (0, 0)), prior.stride(0), kappa.stride(0))
-        sizes = (padded, chunks, groups, size, slots, key_dim, value_dim, params.eps)
-        _level_fwd[(batch * groups,)](f, f if p is None else p, dummy if x is None else x, y, valid, reached, key_sum,
-                                      mass, value_sum0, key_ref0, value_ref0, prior, kappa,
-                                      dummy if above is None else above,
-                                      dummy if relation_sum0 is None else relation_sum0, written, value_sums,
-                                      relations, x_next, y_next, key_ref, value_ref, *strides, *sizes, **options,
-                                      num_warps=FORWARD_WARPS, num_stages=CHAIN_STAGES)
-        ctx.save_for_backward(f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa,
-                              above)
-        ctx.options, ctx.sizes = options, sizes
-        ctx.read_strides = (*key_ref0.stride()[:2], *value_ref0.stride()[:2], prior.stride(0), kappa.stride(0))
-        ctx.sigmoid = p is not None
-        outputs = [written, value_sums] + ([relations] if relation else []) + ([x_next, y_next] if residual else [])
-        return (*outputs, key_ref, value_ref)
 
-    @staticmethod
-    def backward(ctx, *grads):
-        f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above = \
-            ctx.saved_tensors
-        residual, relation = ctx.options["RESIDUAL"], ctx.options["RELATION"]
-        grads = list(grads)
-        d_written, d_values = grads.pop(0), grads.pop(0)
-        d_relations = grads.pop(0) if relation else None
-        d_x_next, d_y_next = (grads.pop(0), grads.pop(0)) if residual else (None, None)
-        d_key_ref, d_value_ref = grads
-        given = lambda grad, like: torch.zeros_like(like) if grad is None else grad.contiguous()  # noqa: E731
-        batch, groups, boundaries = key_sum.shape[:3]
-        slots, key_dim, value_dim = f.shape[-1], key_sum.shape[-1], y.shape[-1]
-        d_written = given(d_written, f)
-        g_values = d_values.clone(memory_format=torch.contiguous_format) if d_values is not None else \
-            torch.zeros_like(value_sums)  # the references' shares are added into it
-        d_relations = given(d_relations, f.new_empty(batch, groups, boundaries, slots, slots)) if relation else f
-        d_x_next = given(d_x_next, f.new_empty(*f.shape[:3], key_dim)) if residual else f
-        d_y_next = given(d_y_next, y) if residual else f
-        d_key_ref = given(d_key_ref, f.new_empty(batch, groups, slots, key_dim))
-        d_value_ref = given(d_value_ref, f.new_empty(batch, groups, slots, value_dim))
-        d_f = torch.empty_like(f)
-        d_p = torch.empty_like(f) if ctx.sigmoid and residual else f
-        d_y = torch.empty_like(y)
-        d_key_sum, d_mass = torch.zeros_like(key_sum), torch.zeros_like(mass)
-        d_value_sum0 = y.new_empty(batch, groups, slots, value_dim)  # written whole
-        d_key_ref0, d_value_ref0 = key_sum.new_zeros(batch, groups, slots, key_dim), torch.zeros_like(d_value_sum0)
-        d_prior, d_kappa = key_sum.new_zeros(batch, groups, slots, key_dim), f.new_empty(batch, groups)
-        d_above = torch.empty_like(f) if relation else f
-        d_relation0 = f.new_empty(batch, groups, slots, slots) if relation else f
-        _level_bwd[(batch * groups,)](f, f if p is None else p, y, valid, reached, key_sum, mass, value_sums, key_ref0,
-                                      value_ref0, prior, kappa, f if above is None else above, d_written, g_values,
-                                      d_relations, d_x_next, d_y_next, d_key_ref, d_value_ref, d_f, d_p, d_y,
-                                      d_key_sum, d_mass, d_value_sum0, d_key_ref0, d_value_ref0, d_prior, d_kappa,
-                                      d_above, d_relation0, *ctx.read_strides, *ctx.sizes, SIGMOID=ctx.sigmoid,
-                                      **ctx.options, num_warps=BACKWARD_WARPS, num_stages=CHAIN_STAGES)
-        return (d_f, d_p if ctx.sigmoid and residual else None, d_x_next if residual else None, d_y, None, d_key_sum,
-                d_mass, d_value_sum0, d_key_ref0, d_value_ref0, d_prior.sum(0), d_kappa.sum(0),
-                d_above if relation else None, d_relation0 if relation else None, None, None)
+def _level_read_strides(key_ref0, value_ref0, prior, kappa):
+    return (*key_ref0.stride()[:2], *value_ref0.stride()[:2], prior.stride(0), kappa.stride(0))
+
+
+def _level_shapes(f, key_sum, y, residual, relation) -> list[tuple]:
+    """The shapes of ``_level_forward``'s results: W, V, [R], [x_next, y_next], key_ref, value_ref."""
+    batch, groups, padded, slots = f.shape
+    key_dim, value_dim, boundaries = key_sum.shape[-1], y.shape[-1], key_sum.shape[2]
+    return ([tuple(f.shape), (batch, groups, boundaries, slots, value_dim)]
+            + ([(batch, groups, boundaries, slots, slots)] if relation else [])
+            + ([(batch, groups, padded, key_dim), tuple(y.shape)] if residual else [])
+            + [(batch, groups, slots, key_dim), (batch, groups, slots, value_dim)])
+
+
+@torch.library.custom_op(f"{_OPS}::level_forward", mutates_args=())
+def _level_forward(f: Tensor, p: Tensor | None, x: Tensor | None, y: Tensor, valid: Tensor, key_sum: Tensor,
+                   mass: Tensor, value_sum0: Tensor, key_ref0: Tensor, value_ref0: Tensor, prior: Tensor,
+                   kappa: Tensor, above: Tensor | None, relation_sum0: Tensor | None, reached: Tensor,
+                   chunk_size: int, eps: float) -> list[Tensor]:
+    """``rsa_state.level_writes`` on the level kernel, inputs in the kernels' layout (``_dense``): p None for softmax
+    assignment (it is f), x and p None without a residual, above and the starting relation sum None at level 0.
+    Returns W, V, [R], [x_next, y_next], key_ref, value_ref."""
+    batch, groups, padded, slots = f.shape
+    key_dim, value_dim = key_sum.shape[-1], y.shape[-1]
+    residual, relation = x is not None, above is not None
+    options = _level_options(residual, relation, chunk_size, slots, key_dim, value_dim)
+    outputs = [f.new_empty(shape) for shape in _level_shapes(f, key_sum, y, residual, relation)]
+    written, value_sums, key_ref, value_ref = outputs[0], outputs[1], outputs[-2], outputs[-1]
+    dummy = f
+    relations = outputs[2] if relation else dummy
+    x_next, y_next = outputs[2 + relation:4 + relation] if residual else (dummy, dummy)
+    strides = (*value_sum0.stride()[:2], *key_ref0.stride()[:2], *value_ref0.stride()[:2],
+               *(relation_sum0.stride()[:2] if relation else (0, 0)), prior.stride(0), kappa.stride(0))
+    sizes = (padded, padded // chunk_size, groups, chunk_size, slots, key_dim, value_dim, eps)
+    _level_fwd[(batch * groups,)](f, f if p is None else p, dummy if x is None else x, y, valid, reached, key_sum,
+                                  mass, value_sum0, key_ref0, value_ref0, prior, kappa,
+                                  dummy if above is None else above,
+                                  dummy if relation_sum0 is None else relation_sum0, written, value_sums,
+                                  relations, x_next, y_next, key_ref, value_ref, *strides, *sizes, **options,
+                                  num_warps=FORWARD_WARPS, num_stages=CHAIN_STAGES)
+    return outputs
+
+
+@_level_forward.register_fake
+def _(f, p, x, y, valid, key_sum, mass, value_sum0, key_ref0, value_ref0, prior, kappa, above, relation_sum0, reached,
+      chunk_size, eps):
+    return [f.new_empty(shape) for shape in _level_shapes(f, key_sum, y, x is not None, above is not None)]
+
+
+def _level_gradient_shapes(f, p, y, key_sum, mass, prior, kappa, residual, relation) -> list[tuple]:
+    """The shapes of ``_level_backward``'s results: df, [dp], dy, d key_sum, d mass, d value_sum0, d key_ref0,
+    d value_ref0, d prior, d kappa, [d above, d relation_sum0]."""
+    batch, groups, _, slots = f.shape
+    key_dim, value_dim = key_sum.shape[-1], y.shape[-1]
+    return ([tuple(f.shape)] + ([tuple(f.shape)] if p is not None and residual else [])
+            + [tuple(y.shape), tuple(key_sum.shape), tuple(mass.shape), (batch, groups, slots, value_dim),
+               (batch, groups, slots, key_dim), (batch, groups, slots, value_dim), tuple(prior.shape),
+               tuple(kappa.shape)]
+            + ([tuple(f.shape), (batch, groups, slots, slots)] if relation else []))
+
+
+@torch.library.custom_op(f"{_OPS}::level_backward", mutates_args=())
+def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reached: Tensor, key_sum: Tensor,
+                    mass: Tensor, value_sums: Tensor, key_ref0: Tensor, value_ref0: Tensor, prior: Tensor,
+                    kappa: Tensor, above: Tensor | None, d_written: Tensor, d_values: Tensor,
+                    d_relations: Tensor | None, d_x_next: Tensor | None, d_y_next: Tensor | None,
+                    d_key_ref: Tensor, d_value_ref: Tensor, residual: bool, chunk_size: int, eps: float
+                    ) -> list[Tensor]:
+    """The level kernel's backward (``_level_gradient_shapes``); prior's and kappa's summed over the batch."""
+    batch, groups, padded, slots = f.shape
+    key_dim, value_dim = key_sum.shape[-1], y.shape[-1]
+    relation = above is not None
+    options = _level_options(residual, relation, chunk_size, slots, key_dim, value_dim)
+    sizes = (padded, padded // chunk_size, groups, chunk_size, slots, key_dim, value_dim, eps)
+    g_values = d_values.clone(memory_format=torch.contiguous_format)  # the references' shares are added into it
+    d_relations = d_relations.contiguous() if relation else f
+    d_x_next, d_y_next = (d_x_next.contiguous(), d_y_next.contiguous()) if residual else (f, f)
+    d_f = torch.empty_like(f)
+    d_p = torch.empty_like(f) if p is not None and residual else f
+    d_y = torch.empty_like(y)
+    d_key_sum, d_mass = torch.zeros_like(key_sum), torch.zeros_like(mass)
+    d_value_sum0 = y.new_empty(batch, groups, slots, value_dim)  # written whole
+    d_key_ref0, d_value_ref0 = key_sum.new_zeros(batch, groups, slots, key_dim), torch.zeros_like(d_value_sum0)
+    d_prior, d_kappa = key_sum.new_zeros(batch, groups, slots, key_dim), f.new_empty(batch, groups)
+    d_above = torch.empty_like(f) if relation else f
+    d_relation0 = f.new_empty(batch, groups, slots, slots) if relation else f
+    _level_bwd[(batch * groups,)](f, f if p is None else p, y, valid, reached, key_sum, mass, value_sums, key_ref0,
+                                  value_ref0, prior, kappa, f if above is None else above, d_written.contiguous(),
+                                  g_values, d_relations, d_x_next, d_y_next, d_key_ref.contiguous(),
+                                  d_value_ref.contiguous(), d_f, d_p, d_y, d_key_sum, d_mass, d_value_sum0,
+                                  d_key_ref0, d_value_ref0, d_prior, d_kappa, d_above, d_relation0,
+                                  *_level_read_strides(key_ref0, value_ref0, prior, kappa), *sizes,
+                                  SIGMOID=p is not None, **options, num_warps=BACKWARD_WARPS,
+                                  num_stages=CHAIN_STAGES)
+    return ([d_f] + ([d_p] if p is not None and residual else [])
+            + [d_y, d_key_sum, d_mass, d_value_sum0, d_key_ref0, d_value_ref0, d_prior.sum(0), d_kappa.sum(0)]
+            + ([d_above, d_relation0] if relation else []))
+
+
+@_level_backward.register_fake
+def _(f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above, d_written,
+      d_values, d_relations, d_x_next, d_y_next, d_key_ref, d_value_ref, residual, chunk_size, eps):
+    return [f.new_empty(shape) for shape in _level_gradient_shapes(f, p, y, key_sum, mass, prior, kappa, residual,
+                                                                   above is not None)]
+
+
+def _save_level(ctx, inputs, output):
+    (f, p, x, y, valid, key_sum, mass, value_sum0, key_ref0, value_ref0, prior, kappa, above, relation_sum0, reached,
+     chunk_size, eps) = inputs
+    ctx.save_for_backward(f, p, y, valid, reached, key_sum, mass, output[1], key_ref0, value_ref0, prior, kappa,
+                          above)
+    ctx.options = (x is not None, above is not None, chunk_size, eps)
+    ctx.set_materialize_grads(False)  # a result without a gradient costs no zero tensor unless the kernel needs one
+
+
+def _level_gradients(ctx, grads):
+    f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above = ctx.saved_tensors
+    residual, relation, chunk_size, eps = ctx.options
+    grads = list(grads)
+    d_written, d_values = grads.pop(0), grads.pop(0)
+    d_relations = grads.pop(0) if relation else None
+    d_x_next, d_y_next = (grads.pop(0), grads.pop(0)) if residual else (None, None)
+    d_key_ref, d_value_ref = grads
+    batch, groups, boundaries = key_sum.shape[:3]
+    slots, key_dim, value_dim = f.shape[-1], key_sum.shape[-1], y.shape[-1]
+    given = lambda grad, *shape: f.new_zeros(shape) if grad is None else grad  # noqa: E731
+    d_x = d_x_next  # x_next = x - p ref_k: x's gradient passes through
+    results = list(_level_backward(
+        f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above,
+        given(d_written, *f.shape), given(d_values, *value_sums.shape),
+        given(d_relations, batch, groups, boundaries, slots, slots) if relation else None,
+        given(d_x_next, *f.shape[:3], key_dim) if residual else None, given(d_y_next, *y.shape) if residual else None,
+        given(d_key_ref, batch, groups, slots, key_dim), given(d_value_ref, batch, groups, slots, value_dim),
+        residual, chunk_size, eps))
+    d_f = results.pop(0)
+    d_p = results.pop(0) if p is not None and residual else None
+    d_y, d_key_sum, d_mass, d_value_sum0, d_key_ref0, d_value_ref0, d_prior, d_kappa = results[:8]
+    d_above, d_relation0 = results[8:] if relation else (None, None)
+    return (d_f, d_p, d_x, d_y, None, d_key_sum, d_mass, d_value_sum0, d_key_ref0, d_value_ref0, d_prior, d_kappa,
+            d_above, d_relation0, None, None, None)
+
+
+_level_forward.register_autograd(_level_gradients, setup_context=_save_level)
 
 
 def level_writes_triton(f, p, x, y, valid, key_sum, mass, start_value_sum, start_key_ref, start_value_ref, prior,
@@ -774,12 +909,12 @@ def level_writes_triton(f, p, x, y, valid, key_sum, mass, start_value_sum, start
     reached = boundary[:, -1].to(torch.int32).contiguous()
     sigmoid = params.assign_fn == "sigmoid"
     relation = f_above is not None
-    outputs = list(_Level.apply(
+    outputs = list(_level_forward(
         _dense(f, 4), _dense(p, 4) if sigmoid and residual else None, _dense(x, 4) if residual else None,
         _dense(y, 4), _dense(valid, 2), _dense(key_sum, 5), _dense(mass, 4), _dense(start_value_sum, 2),
         _dense(start_key_ref, 2), _dense(start_value_ref, 2), _dense(prior, 2), _dense(kappa, 0),
         _dense(f_above, 4) if relation else None, _dense(start_relation_sum, 2) if relation else None, reached,
-        params))
+        params.chunk_size, float(params.eps)))
     written, value_sums = outputs.pop(0), outputs.pop(0)
     relations = outputs.pop(0) if relation else None
     x_next, y_next = (outputs.pop(0), outputs.pop(0)) if residual else (None, None)

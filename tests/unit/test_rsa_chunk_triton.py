@@ -473,3 +473,34 @@ def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_
         run_warm()
     run_warm().pow(2).mean().backward()
     assert len(demo) == 5 and launched == demo  # the chain forward and backward, the read forward, its 2 backwards
+
+
+@needs_kernels
+@pytest.mark.parametrize("options", first_in_fast({}, {"rsa_assign_fn": "sigmoid", "rsa_window": 8}))
+def test_the_layers_kernel_step_is_one_graph_for_torch_compile(options):
+    """The chain, level and read kernels are torch.library ops (forward and backward), so an RSA layer's training
+    step on the kernels compiles with ``fullgraph=True`` (a left-padded batch; the sigmoid assignment and the local
+    window too) and gives the eager output and input gradient: on a GPU it can be captured whole."""
+    from hf_mixers.apps.bench.harness import build_mixer, rotary_embeddings
+
+    torch.manual_seed(0)
+    options = {"rsa_readout": "softmax_count", "rsa_chunk_size": 16, "rsa_num_slots": 16, "kernel_backend": "triton",
+               **options}
+    module, config = build_mixer("rsa", options, 64, 4, 2, DEVICE, torch.float32)
+    x = torch.randn(2, 40, 64, device=DEVICE, requires_grad=True)
+    embeddings = rotary_embeddings(config, x, 40)
+    token_mask = torch.ones(2, 40, dtype=torch.bool, device=DEVICE)
+    token_mask[0, :7] = False
+
+    def step(x):
+        return module(x, embeddings, None, token_mask)
+
+    expected = step(x)
+    weights = torch.randn_like(expected)
+    expected_grad, = torch.autograd.grad((expected * weights).sum(), x)
+    torch._dynamo.reset()
+    actual = torch.compile(step, fullgraph=True, backend="aot_eager_decomp_partition")(x)
+    actual_grad, = torch.autograd.grad((actual * weights).sum(), x)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
