@@ -102,6 +102,10 @@ class TrainSection:
     # with "deepspeed": a DeepSpeed JSON merged with the recipe's settings ("auto" takes the recipe's; its own keys,
     # e.g. offload_optimizer, are kept; one that contradicts the recipe is refused: recipes/deepspeed_config.py)
     deepspeed_config: str | None = None
+    # torch.compile each decoder block's training step (student and teacher), one graph a block: "auto" on a GPU
+    # under ddp or fsdp (not on a CPU, where Inductor's C++ build takes minutes, nor under deepspeed); true / false;
+    # or a torch.compile mode, e.g. "reduce-overhead" (each block's step replayed as a CUDA graph)
+    compile: bool | str = "auto"
     # record this many steps of each stage with torch.profiler (after the first two): OUT/profile_<stage>.txt (kernel
     # launches, synchronisations, operators by time) and .json (a Chrome / Perfetto trace); 0: off
     profile_steps: int = bounded(0, 0)
@@ -219,7 +223,7 @@ RESUMABLE_CHANGES = ("output.dir", "output.checkpoint_every", "output.log_every"
                      "output.merge_lora", "output.allow_recipe_change", "stage1.steps", "stage2.steps",
                      "finetune.steps", "model.teacher_device", "train.strategy", "train.zero_stage", "train.report_to",
                      "train.eval_every", "train.deepspeed_config", "train.release_host_memory",
-                     "train.gradient_checkpointing")
+                     "train.gradient_checkpointing", "train.compile")
 
 
 def recipe_text(recipe: Recipe, sources=()) -> str:
@@ -284,6 +288,19 @@ def releases_host_memory(train: TrainSection) -> bool:
     return bool(train.release_host_memory)
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_mode(train: TrainSection, device: torch.device) -> str | None:
+    """``train.compile`` decided for a run on ``device``: the torch.compile mode its decoder blocks train under, or
+    None (eager). "auto" compiles on a GPU under ddp and fsdp, where an eager step is bound by its launches."""
+    if train.compile == "auto":
+        return "default" if device.type == "cuda" and train.strategy in ("ddp", "fsdp") else None
+    if train.compile is False:
+        return None
+    return "default" if train.compile is True else train.compile
+
+
 def selects_after_stage1(recipe: Recipe) -> bool:
     """kl:K ranked after the first stage1.selection_steps (a student converted here, stage 1 on), not at conversion."""
     keep = recipe.model.keep_attention
@@ -305,6 +322,12 @@ def _validate(recipe: Recipe, origin: str, origins: dict | None = None) -> None:
         (recipe.output.dtype in OUTPUT_DTYPES, f"output.dtype must be one of {', '.join(OUTPUT_DTYPES)}, got "
          f"{recipe.output.dtype!r}"),
         (train.zero_stage in (1, 2, 3), "train.zero_stage must be 1, 2 or 3"),
+        (isinstance(train.compile, bool) or train.compile in ("auto", *COMPILE_MODES),
+         f"train.compile must be true, false, 'auto' or a torch.compile mode ({', '.join(COMPILE_MODES)}), got "
+         f"{train.compile!r}"),
+        (train.compile in (False, "auto") or train.strategy != "deepspeed",
+         "train.compile compiles the blocks under ddp and fsdp; DeepSpeed's engine runs its own hooks around them: "
+         "set train.compile=false, or train.strategy=ddp / fsdp"),
         (isinstance(train.release_host_memory, bool) or train.release_host_memory == "auto",
          f"train.release_host_memory must be true, false or 'auto', got {train.release_host_memory!r}"),
         (recipe.finetune.assistant_turns in ("all", "last"), "finetune.assistant_turns must be 'all' or 'last', got "

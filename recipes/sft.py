@@ -247,7 +247,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
         for parameter in model.parameters():
             parameter.requires_grad_(True)
     parameters = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    train_mode(model, recipe.train)
+    train_mode(model, recipe.train, device)
 
     def measured_so_far() -> dict:  # train.eval_every
         with autocast(dtype, device):

@@ -42,7 +42,7 @@ from ..common.measures import compare_to_teacher
 from ..common.files import cache_folder, save_atomically, write_atomically
 from ..kernels import distill_loss as loss_from_hidden
 from ..kernels.distill_loss import IGNORE
-from .config import (Recipe, RecipeError, check_mixer_options, recipe_changes, releases_host_memory,
+from .config import (Recipe, RecipeError, check_mixer_options, compile_mode, recipe_changes, releases_host_memory,
                      selects_after_stage1)
 from .blockwise import transfer_loss
 from .data import materialise_sources, pack
@@ -220,12 +220,29 @@ def add_lora(student, stage2, seed: int):
     return peft_model
 
 
-def train_mode(model, train) -> None:
+def train_mode(model, train, device: torch.device) -> None:
     """``model.train()``, recomputing each block in the backward pass when ``train.gradient_checkpointing``
-    (non-reentrant: frozen embeddings under LoRA need no gradient on the inputs)."""
+    (non-reentrant: frozen embeddings under LoRA need no gradient on the inputs), each block compiled when
+    ``train.compile`` says so on ``device``."""
     model.train()
     if train.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    compile_blocks(model, compile_mode(train, device))
+
+
+COMPILE_BACKEND = "inductor"  # the tests trace with "aot_eager": no C++ build on CI's two cores
+
+
+def compile_blocks(model, mode: str | None) -> None:
+    """torch.compile each decoder block of ``model`` (a student, the teacher, a LoRA-wrapped one) in ``mode``; None:
+    leave them eager. Fixed shapes (a run's batches have one shape): an evaluation's other shapes compile their own
+    graphs. Every mixer's block is one graph (the mixer contract's ``check_block_compiles_whole``), LoRA's and
+    checkpointing's wrappers included."""
+    if mode is None:
+        return
+    options = dict(mode=mode) if COMPILE_BACKEND == "inductor" else {}
+    for block in model.get_decoder().layers:
+        block.compile(backend=COMPILE_BACKEND, dynamic=False, **options)
 
 
 def released_per_block(model, train, device: torch.device):
@@ -378,7 +395,8 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     histories = {}
     common = dict(blocks=train_ids, train=recipe.train, out_dir=out, checkpoint_every=recipe.output.checkpoint_every,
                   log_every=recipe.output.log_every, progress=progress, processes=processes)
-    train_mode(student, recipe.train)
+    train_mode(student, recipe.train, device)
+    compile_blocks(teacher.model, compile_mode(recipe.train, device))  # its forward in each stage-2 step
 
     selection_steps = recipe.stage1.selection_steps if selects_after_stage1(recipe) else 0
     # the run-wide step of each stage's first step, less one: the trackers see one increasing step

@@ -219,17 +219,23 @@ def test_bench_vort_writes_training_decoding_and_its_targets(tmp_path, monkeypat
     assert main(["bench", "vort", "--out", str(tmp_path / "bad"), "--variants", "power"]) == 2
 
 
-def test_bench_distill_writes_the_ratio(tmp_path):
+def test_bench_distill_writes_the_ratio(tmp_path, monkeypatch):
+    """Both steps eager, then with every block compiled (traced here without Inductor's C++ build): both ratios."""
     from conftest import save_tiny_teacher
+    from hf_mixers.recipes import stages
 
+    monkeypatch.setattr(stages, "COMPILE_BACKEND", "aot_eager_decomp_partition")
     teacher = str(tmp_path / "teacher")
     save_tiny_teacher(teacher)
     assert main(["bench", "distill", "--out", str(tmp_path / "bench"), "--source", teacher, "--mixer", "sessa",
-                 "--sequence-length", "32", "--repeats", "1", "--option", "sessa_feedback_dim=16"]) == 0
+                 "--sequence-length", "32", "--repeats", "1", "--option", "sessa_feedback_dim=16",
+                 "--compile", "true"]) == 0
     report = json.loads((tmp_path / "bench" / "bench_distill.json").read_text())
     assert report["mixer_options"] == {"sessa_feedback_dim": 16}  # --option: the student's mixer options
-    assert set(report["tokens_per_s"]) == {"distill", "baseline_lora"} and report["ratio"] > 0
+    assert set(report["tokens_per_s"]) == {"distill", "baseline_lora", "distill_compiled", "baseline_lora_compiled"}
+    assert report["ratio"] > 0 and report["ratio_compiled"] > 0 and report["compile"] == "default"
     assert report["target"] == 0.6 and isinstance(report["target_met"], bool)
+    assert main(["bench", "distill", "--out", str(tmp_path / "bad"), "--compile", "fast"]) == 2
     assert report["dtype"] == "float32" and report["device"]  # the GPU when there is one, else "cpu"
 
 

@@ -62,6 +62,10 @@ def test_recipe_errors_name_the_file_and_key(tmp_path):
     with pytest.raises(RecipeError, match="train.release_host_memory must be true, false or 'auto', got 'sometimes'"):
         load_recipe([], ["train.release_host_memory=sometimes"])
     assert load_recipe([], ["train.release_host_memory=false"]).train.release_host_memory is False
+    with pytest.raises(RecipeError, match="train.compile must be true, false, 'auto' or a torch.compile mode .*'fast'"):
+        load_recipe([], ["train.compile=fast"])
+    with pytest.raises(RecipeError, match="train.compile compiles the blocks under ddp and fsdp"):
+        load_recipe([], ["train.compile=true", "train.strategy=deepspeed"])
     with pytest.raises(RecipeError, match="model.teacher_device: .*gpu7"):
         load_recipe([], ["model.teacher_device=gpu7"])
     with pytest.raises(RecipeError, match="unknown key 'stage9'"):
@@ -71,6 +75,19 @@ def test_recipe_errors_name_the_file_and_key(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(RecipeError, match="a recipe is a mapping"):
         load_recipe([tmp_path / "list.yaml"])
+
+
+def test_train_compile_is_decided_once_per_device_and_strategy():
+    """"auto" compiles the blocks on a GPU under ddp and fsdp only; true is Inductor's default mode; a mode is kept."""
+    from hf_mixers.recipes.config import compile_mode
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    train = lambda *sets: load_recipe([], list(sets)).train  # noqa: E731
+    assert compile_mode(train(), cuda) == compile_mode(train("train.strategy=fsdp"), cuda) == "default"
+    assert compile_mode(train(), cpu) is None and compile_mode(train("train.strategy=deepspeed"), cuda) is None
+    assert compile_mode(train("train.compile=false"), cuda) is None
+    assert compile_mode(train("train.compile=true"), cpu) == "default"
+    assert compile_mode(train("train.compile=reduce-overhead"), cuda) == "reduce-overhead"
 
 
 def test_shipped_recipes_load():
@@ -203,6 +220,55 @@ def test_blockwise_stage1_equals_joint_stage1(teacher_dir, tmp_path):
     saved = sorted(os.listdir(tmp_path / "true" / "checkpoints"))
     assert [name for name in saved if ".previous." not in name] == [f"stage1-layer{i}.safetensors" for i in range(3)]
     assert (tmp_path / "true" / "stage1-cache" / "complete").exists()
+
+
+def test_compiled_blocks_train_as_the_eager_blocks_do(teacher_dir, tmp_path, monkeypatch):
+    """train.compile=true: every decoder block of the student and of the teacher is torch.compile'd (traced here by
+    dynamo and AOTAutograd with Inductor's decompositions, without its C++ build), each without a graph break, and
+    stage 1 and stage 2 (LoRA added to compiled blocks) log the eager run's losses, to fp32 rounding."""
+    from torch._dynamo.utils import counters
+
+    from hf_mixers.recipes import stages
+
+    monkeypatch.setattr(stages, "COMPILE_BACKEND", "aot_eager_decomp_partition")
+    losses = {}
+    for value in ("false", "true"):
+        torch._dynamo.reset()
+        counters.clear()
+        out = tmp_path / value
+        summary = distill(load_recipe([], small(teacher_dir, out, "stage1.steps=2", "stage2.steps=2",
+                                               "data.wider_evaluations=false", f"train.compile={value}")),
+                          progress=False)
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[value] = [(row["stage"], row["step"], row["loss"]) for row in rows if "loss" in row]
+        blocks = summary["model"].get_decoder().layers
+        assert all((block._compiled_call_impl is not None) == (value == "true") for block in blocks)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert [key[:2] for key in losses["true"]] == [key[:2] for key in losses["false"]] and len(losses["true"]) == 4
+    for (_, _, compiled), (_, _, eager) in zip(losses["true"], losses["false"]):  # fp32 rounding of reordered ops
+        assert compiled == pytest.approx(eager, rel=1e-3, abs=1e-7)  # (a KL of 1.6e-6 at stage 2's first step)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mixer", ["rsa", "sessa", "selective_ssm", "vort", "gltm"])
+def test_every_block_of_a_mixer_shares_one_compiled_graph(mixer, monkeypatch):
+    """compile_blocks compiles block by block, yet the 12 blocks of a mixer share one graph (their weights are the
+    graph's inputs, and nothing per layer is guarded on), so a deep model never meets dynamo's recompile limit."""
+    from torch._dynamo.utils import counters
+
+    from hf_mixers.recipes import stages
+    from hf_mixers.testing import tiny_model
+
+    monkeypatch.setattr(stages, "COMPILE_BACKEND", "aot_eager_decomp_partition")
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model(mixer, dtype=torch.float32, num_hidden_layers=12, layer_types=[mixer] * 12).train()
+    stages.compile_blocks(model, "default")
+    ids = torch.randint(3, 61, (2, 12))
+    for _ in range(2):
+        model(ids, use_cache=False).logits.sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
+    torch._dynamo.reset()
 
 
 def test_attention_transfer_uses_teacher_inputs(teacher_dir):
