@@ -5,6 +5,7 @@ checks of the feedback solve, and the Triton kernels' tile edges."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import types
@@ -46,6 +47,31 @@ def outside_autocast(function):
         return function(*args, **kwargs)
 
     return run
+
+
+def _packed_starts(shapes) -> tuple[list[int], int]:
+    """Where each of ``shapes`` starts in one packed fp32 buffer (each start a multiple of 4 elements: 16-byte aligned,
+    as Triton's pointer specialisation expects), and the buffer's length."""
+    starts, end = [], 0
+    for shape in shapes:
+        starts.append(end)
+        end += -(-math.prod(shape) // 4) * 4
+    return starts, end
+
+
+def packed_zeros(shapes, device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Zero-filled fp32 tensors of ``shapes`` as views of one buffer, for kernels that accumulate into them: one fill
+    launch instead of one a tensor. Returns (the buffer, the views). A torch.library op returns the buffer (an op's
+    results may not alias each other) and its caller takes the views again with ``unpacked``."""
+    starts, length = _packed_starts(shapes)
+    buffer = torch.zeros(length, dtype=torch.float32, device=device)
+    return buffer, unpacked(buffer, shapes)
+
+
+def unpacked(buffer: torch.Tensor, shapes) -> list[torch.Tensor]:
+    """The views of ``packed_zeros``' buffer, by shape (no copy)."""
+    starts, _ = _packed_starts(shapes)
+    return [buffer[start:start + math.prod(shape)].view(shape) for start, shape in zip(starts, shapes)]
 
 
 def op_namespace(module_name: str) -> str:

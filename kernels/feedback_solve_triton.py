@@ -47,7 +47,9 @@ Both parallel kernels recompute alpha from q, k and lse (like flash attention's 
 A training call's four kernels compile side by side before its first launch (``_warmups``, the launches' own
 argument lists; kernels/triton_compile.py), not one after another at each first launch.
 
-All kernels assume contiguous (B, rows, features) tensors (the wrapper makes them so). Block sizes are powers
+The forward launch and the backward's three are two torch.library ops (``_solve_forward``, ``_solve_backward``):
+torch.compile keeps each as one call in its graph. All kernels assume contiguous (B, rows, features) tensors (the
+wrapper makes them so). Block sizes are powers
 of two >= 16 (a ``tl.dot`` requirement on GPUs); ragged T, d, D and chunk sizes are handled with masks.
 """
 

@@ -21,13 +21,16 @@ Y_c - p ref_v against the references of each chunk's start, and the references t
 
 The chain's backward (reverse over chunks, the same grid): the adjoints of S (in the gradient buffer of the starting
 sums, feature block by block) and n carried from chunk to chunk; per chunk the assignment recomputed from the saved
-sums, the softmax / sigmoid backward, and the reference's gradient handed to S_c, n_c, kappa P and kappa (or to key_ref at c = 0). Chunks past a row's last boundary hold only padding, which
-nothing downstream differentiates (the writes mask it out, the read multiplies it by F = 0): the backward skips
-them, their x gradient 0. Each program writes its own partial gradients of the shared parameters (kappa P, kappa,
-beta: summed over rows afterwards), so nothing is accumulated with atomics and the sums are deterministic.
+sums, the softmax / sigmoid backward, and the reference's gradient handed to S_c, n_c, kappa P and kappa (or to
+key_ref at c = 0). Chunks past a row's last boundary hold only padding, which nothing downstream differentiates (the
+writes mask it out, the read multiplies it by F = 0): the backward skips them, their x gradient 0. Each program
+writes its own partial gradients of the shared parameters (kappa P, kappa, beta: summed over rows afterwards), so
+nothing is accumulated with atomics and the sums are deterministic.
 
 Scope: ``scope_reason``, shared with the read (no decay; chunk size and slots up to MAX_TILE, head dims up to
 MAX_HEAD_DIM); fp32 (the memory's compute dtype). Used with and without autograd: training, prefill, evaluation.
+Both kernels run inside torch.library ops, forward and backward (torch.compile keeps each as one call); the
+buffers a backward accumulates into are zero-filled as one (``common.packed_zeros``).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ try:
 finally:
     pass
 
-from .common import op_namespace, tile_edge
+from .common import op_namespace, packed_zeros, tile_edge, unpacked
 from .rsa_state import RSAParams
 
 # fp32-accurate dots on tensor cores: plain tf32 would put the read ~1e-3 off the reference (it divides sums by
@@ -676,14 +679,15 @@ def _dense_chain_inputs(x, valid, key_sum, mass, key_ref, prior, kappa, beta):
 def _chain_backward(x: Tensor, valid: Tensor, reached: Tensor, key_ref: Tensor, prior: Tensor, kappa: Tensor,
                     beta: Tensor, sums: Tensor, masses: Tensor, d_f: Tensor, d_p: Tensor, d_sums: Tensor,
                     d_masses: Tensor, sigmoid: bool, chunk_size: int, eps: float) -> list[Tensor]:
-    """[dx, d key_sum, d mass, d key_ref, d prior, d kappa, d beta] (the last three summed over the batch)."""
+    """[dx and the batch's d prior packed (``_chain_zeroed``), d key_sum, d mass, d key_ref, d prior, d kappa,
+    d beta] (the last three summed over the batch)."""
     x, valid, key_ref, prior = _dense(x, 4), _dense(valid, 2), _dense(key_ref, 2), _dense(prior, 2)
     kappa, beta = _dense(kappa, 0), _dense(beta, 0)
     batch, groups, padded = x.shape[:3]
     sizes = _chain_sizes(x, prior, chunk_size, eps)
-    d_x = torch.zeros_like(x)  # rows past a row's last boundary: 0
+    # dx (rows past a row's last boundary stay 0) and the accumulated d prior: one zero fill
+    zeroed, (d_x, d_prior) = packed_zeros(_chain_zeroed(x, prior), x.device)
     d_key_sum, d_key_ref = (x.new_empty(batch, groups, *prior.shape[1:]) for _ in range(2))  # written whole
-    d_prior = x.new_zeros(batch, groups, *prior.shape[1:])  # accumulated
     d_mass, d_kappa, d_beta = x.new_empty(batch, groups, prior.shape[1]), x.new_empty(batch, groups), \
         x.new_empty(batch, groups)
     scratch = x.new_empty(batch, groups, chunk_size, prior.shape[1])  # (B, G, C, M)
@@ -693,7 +697,12 @@ def _chain_backward(x: Tensor, valid: Tensor, reached: Tensor, key_ref: Tensor, 
                                   d_beta, *_chain_read_strides(key_ref, prior, kappa, beta), *sizes,
                                   **_launch_options(sigmoid, chunk_size, prior.shape[1], x.shape[-1]),
                                   num_warps=BACKWARD_WARPS, num_stages=CHAIN_STAGES)
-    return [d_x, d_key_sum, d_mass, d_key_ref, d_prior.sum(0), d_kappa.sum(0), d_beta.sum(0)]
+    return [zeroed, d_key_sum, d_mass, d_key_ref, d_prior.sum(0), d_kappa.sum(0), d_beta.sum(0)]
+
+
+def _chain_zeroed(x, prior) -> list[tuple]:
+    """The shapes of the chain backward's zero-filled buffers: dx, the batch's d prior."""
+    return [tuple(x.shape), (*x.shape[:2], *prior.shape[1:])]
 
 
 @_chain_backward.register_fake
@@ -701,7 +710,8 @@ def _(x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, d_
       chunk_size, eps):
     batch, groups = x.shape[:2]
     new = lambda *shape: x.new_empty(shape, dtype=torch.float32)  # noqa: E731
-    return [new(*x.shape), new(batch, groups, *prior.shape[1:]), new(batch, groups, prior.shape[1]),
+    return [packed_zeros(_chain_zeroed(x, prior), x.device)[0], new(batch, groups, *prior.shape[1:]),
+            new(batch, groups, prior.shape[1]),
             new(batch, groups, *prior.shape[1:]), new(*prior.shape), new(*kappa.shape), new(*beta.shape)]
 
 
@@ -719,9 +729,10 @@ def _chain_gradients(ctx, grads):
     given = lambda grad, shape: x.new_zeros(shape, dtype=torch.float32) if grad is None else grad  # noqa: E731
     d_f = given(d_f, (*x.shape[:3], prior.shape[1]))
     d_p = given(d_p, d_f.shape) if sigmoid else d_f  # softmax: a dummy pointer
-    d_x, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa, d_beta = _chain_backward(
+    zeroed, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa, d_beta = _chain_backward(
         x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, given(d_sums, sums.shape),
         given(d_masses, masses.shape), *ctx.options)
+    d_x = unpacked(zeroed, _chain_zeroed(x, prior))[0]
     return d_x, None, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa, d_beta, None, None, None, None
 
 
@@ -807,16 +818,22 @@ def _(f, p, x, y, valid, key_sum, mass, value_sum0, key_ref0, value_ref0, prior,
     return [f.new_empty(shape) for shape in _level_shapes(f, key_sum, y, x is not None, above is not None)]
 
 
-def _level_gradient_shapes(f, p, y, key_sum, mass, prior, kappa, residual, relation) -> list[tuple]:
-    """The shapes of ``_level_backward``'s results: df, [dp], dy, d key_sum, d mass, d value_sum0, d key_ref0,
-    d value_ref0, d prior, d kappa, [d above, d relation_sum0]."""
+def _level_gradient_shapes(f, p, y, prior, kappa, residual, relation) -> list[tuple]:
+    """The shapes of ``_level_backward``'s results after the packed zero-filled ones (``_level_zeroed``): df, [dp],
+    dy, d value_sum0, d prior, d kappa, [d above, d relation_sum0]."""
+    batch, groups, _, slots = f.shape
+    return ([tuple(f.shape)] + ([tuple(f.shape)] if p is not None and residual else [])
+            + [tuple(y.shape), (batch, groups, slots, y.shape[-1]), tuple(prior.shape), tuple(kappa.shape)]
+            + ([tuple(f.shape), (batch, groups, slots, slots)] if relation else []))
+
+
+def _level_zeroed(f, y, key_sum, mass) -> list[tuple]:
+    """The shapes of the level backward's zero-filled buffers, packed in its first result: d key_sum, d mass,
+    d key_ref0, d value_ref0, the batch's d prior."""
     batch, groups, _, slots = f.shape
     key_dim, value_dim = key_sum.shape[-1], y.shape[-1]
-    return ([tuple(f.shape)] + ([tuple(f.shape)] if p is not None and residual else [])
-            + [tuple(y.shape), tuple(key_sum.shape), tuple(mass.shape), (batch, groups, slots, value_dim),
-               (batch, groups, slots, key_dim), (batch, groups, slots, value_dim), tuple(prior.shape),
-               tuple(kappa.shape)]
-            + ([tuple(f.shape), (batch, groups, slots, slots)] if relation else []))
+    return [tuple(key_sum.shape), tuple(mass.shape), (batch, groups, slots, key_dim), (batch, groups, slots, value_dim),
+            (batch, groups, slots, key_dim)]
 
 
 @torch.library.custom_op(f"{_OPS}::level_backward", mutates_args=())
@@ -826,7 +843,8 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
                     d_relations: Tensor | None, d_x_next: Tensor | None, d_y_next: Tensor | None,
                     d_key_ref: Tensor, d_value_ref: Tensor, residual: bool, chunk_size: int, eps: float
                     ) -> list[Tensor]:
-    """The level kernel's backward (``_level_gradient_shapes``); prior's and kappa's summed over the batch."""
+    """The level kernel's backward: the zero-filled gradients packed (``_level_zeroed``), then the others
+    (``_level_gradient_shapes``); prior's and kappa's summed over the batch."""
     batch, groups, padded, slots = f.shape
     key_dim, value_dim = key_sum.shape[-1], y.shape[-1]
     relation = above is not None
@@ -838,10 +856,11 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
     d_f = torch.empty_like(f)
     d_p = torch.empty_like(f) if p is not None and residual else f
     d_y = torch.empty_like(y)
-    d_key_sum, d_mass = torch.zeros_like(key_sum), torch.zeros_like(mass)
+    # what the kernel accumulates into: one zero fill
+    zeroed, (d_key_sum, d_mass, d_key_ref0, d_value_ref0, d_prior) = packed_zeros(_level_zeroed(f, y, key_sum, mass),
+                                                                                 f.device)
     d_value_sum0 = y.new_empty(batch, groups, slots, value_dim)  # written whole
-    d_key_ref0, d_value_ref0 = key_sum.new_zeros(batch, groups, slots, key_dim), torch.zeros_like(d_value_sum0)
-    d_prior, d_kappa = key_sum.new_zeros(batch, groups, slots, key_dim), f.new_empty(batch, groups)
+    d_kappa = f.new_empty(batch, groups)
     d_above = torch.empty_like(f) if relation else f
     d_relation0 = f.new_empty(batch, groups, slots, slots) if relation else f
     _level_bwd[(batch * groups,)](f, f if p is None else p, y, valid, reached, key_sum, mass, value_sums, key_ref0,
@@ -852,16 +871,15 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
                                   *_level_read_strides(key_ref0, value_ref0, prior, kappa), *sizes,
                                   SIGMOID=p is not None, **options, num_warps=BACKWARD_WARPS,
                                   num_stages=CHAIN_STAGES)
-    return ([d_f] + ([d_p] if p is not None and residual else [])
-            + [d_y, d_key_sum, d_mass, d_value_sum0, d_key_ref0, d_value_ref0, d_prior.sum(0), d_kappa.sum(0)]
-            + ([d_above, d_relation0] if relation else []))
+    return ([zeroed, d_f] + ([d_p] if p is not None and residual else [])
+            + [d_y, d_value_sum0, d_prior.sum(0), d_kappa.sum(0)] + ([d_above, d_relation0] if relation else []))
 
 
 @_level_backward.register_fake
 def _(f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above, d_written,
       d_values, d_relations, d_x_next, d_y_next, d_key_ref, d_value_ref, residual, chunk_size, eps):
-    return [f.new_empty(shape) for shape in _level_gradient_shapes(f, p, y, key_sum, mass, prior, kappa, residual,
-                                                                   above is not None)]
+    return [packed_zeros(_level_zeroed(f, y, key_sum, mass), f.device)[0]] + [
+        f.new_empty(shape) for shape in _level_gradient_shapes(f, p, y, prior, kappa, residual, above is not None)]
 
 
 def _save_level(ctx, inputs, output):
@@ -892,10 +910,11 @@ def _level_gradients(ctx, grads):
         given(d_x_next, *f.shape[:3], key_dim) if residual else None, given(d_y_next, *y.shape) if residual else None,
         given(d_key_ref, batch, groups, slots, key_dim), given(d_value_ref, batch, groups, slots, value_dim),
         residual, chunk_size, eps))
+    d_key_sum, d_mass, d_key_ref0, d_value_ref0, _ = unpacked(results.pop(0), _level_zeroed(f, y, key_sum, mass))
     d_f = results.pop(0)
     d_p = results.pop(0) if p is not None and residual else None
-    d_y, d_key_sum, d_mass, d_value_sum0, d_key_ref0, d_value_ref0, d_prior, d_kappa = results[:8]
-    d_above, d_relation0 = results[8:] if relation else (None, None)
+    d_y, d_value_sum0, d_prior, d_kappa = results[:4]
+    d_above, d_relation0 = results[4:] if relation else (None, None)
     return (d_f, d_p, d_x, d_y, None, d_key_sum, d_mass, d_value_sum0, d_key_ref0, d_value_ref0, d_prior, d_kappa,
             d_above, d_relation0, None, None, None)
 

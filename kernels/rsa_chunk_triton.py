@@ -77,6 +77,9 @@ the window's merge weight and RSA-q), backward 176-192 KiB. A call's three kerne
 first launch (``_Read.compile_kernels``: 98.8 s one after another on the H100's host; 55 -> 31 s on two CPU cores).
 "tf32" dots needed more shared memory, "ieee" did not finish compiling. Speed on a GPU is unmeasured; block sizes
 and warps are untuned.
+
+The read's forward and backward are torch.library ops (``_read_forward``, ``_read_backward``: torch.compile keeps
+each as one call); the backward's 14 gradients, which its kernel accumulates into, are zero-filled as one buffer.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ try:
 finally:
     pass
 
-from .common import compute_dtype, op_namespace, tile_edge
+from .common import compute_dtype, op_namespace, packed_zeros, tile_edge, unpacked
 from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunks
 # the write side's kernel (the assignment chain), and the tiles and dot precision both sides use: MAX_TILE (chunk
 # size and slot count, held as one tile: C x C, C x m and m x m) and MAX_HEAD_DIM (the read's forward holds a
@@ -585,10 +588,11 @@ class _Read:
         return (out, chain, num, den) if save else out
 
     def backward(self, inputs, grad_out):
-        """The gradients (fp32) of the 14 kernel inputs for dL/d(forward's output)."""
-        grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in inputs]
+        """The gradients (fp32) of the 14 kernel inputs for dL/d(forward's output), packed in one buffer
+        (``unpacked(buffer, [t.shape for t in inputs])``): the kernels accumulate into them, so one zero fill."""
+        packed, grads = packed_zeros([t.shape for t in inputs], inputs[0].device)
         if not grad_out.numel():
-            return grads
+            return packed
         _, chain, num, den = self.forward(inputs, save=True)
         grad_out = grad_out.float()
         g = grad_out[..., :self.value_dim].contiguous()
@@ -599,7 +603,7 @@ class _Read:
         for level in reversed(range(self.levels)):  # one launch per level, the top one first
             _bwd_kernel[self.grid](*inputs, g, g_log_weight, chain, num, den, *carries, *grads, *self.sizes, level,
                                    LEVEL0=level == 0, **self.backward_options)
-        return grads
+        return packed
 
 
 def _kernel_inputs(q_b, f, x, y, ks0, vs0, n0, r0, params: RSAParams, groups):
@@ -636,15 +640,16 @@ def _(inputs, chunk_size, eps, readout, routing, query_read, log_weight, backwar
 
 @torch.library.custom_op(f"{_OPS}::read_backward", mutates_args=())
 def _read_backward(inputs: list[torch.Tensor], grad_out: torch.Tensor, chunk_size: int, eps: float, readout: str,
-                   routing: str, query_read: bool, log_weight: bool) -> list[torch.Tensor]:
-    """The 14 inputs' gradients (fp32): ``_fwd_kernel(save)`` again, then ``_bwd_kernel`` per level."""
+                   routing: str, query_read: bool, log_weight: bool) -> torch.Tensor:
+    """The 14 inputs' gradients (fp32), packed (``_Read.backward``): ``_fwd_kernel(save)`` again, then
+    ``_bwd_kernel`` per level."""
     read = _Read((chunk_size, eps, readout, routing, query_read, log_weight), inputs[0], inputs[1], inputs[3])
     return read.backward(inputs, grad_out)
 
 
 @_read_backward.register_fake
 def _(inputs, grad_out, chunk_size, eps, readout, routing, query_read, log_weight):
-    return [t.new_empty(t.shape, dtype=torch.float32) for t in inputs]
+    return packed_zeros([t.shape for t in inputs], grad_out.device)[0]
 
 
 def _save_read_inputs(ctx, inputs, output):
@@ -654,7 +659,7 @@ def _save_read_inputs(ctx, inputs, output):
 
 def _read_gradients(ctx, grad_out):
     inputs = ctx.saved_tensors
-    grads = _read_backward(list(inputs), grad_out, *ctx.options)
+    grads = unpacked(_read_backward(list(inputs), grad_out, *ctx.options), [t.shape for t in inputs])
     query_read = ctx.options[4]
     grads = [grad.to(t.dtype) for grad, t in zip(grads, inputs)]
     if not query_read:

@@ -7,8 +7,9 @@ small layout whose op structure is the converted model's (4 levels; chunks of 16
 
 No mixer's step reads a value back to the host (each a stall of the GPU's queue), packed or padded.
 
-The ceilings are today's counts, so that a change which adds launches fails here; they are not the targets (RSA:
-at most 300 a layer-step, goal 100), which still need the write side's batched parts fused.
+The ceilings are today's counts, so that a change which adds launches fails here. RSA's memory meets the target of
+at most 300 a layer-step (the local window's PyTorch blocks come on top); the goal, 100, needs the residual MLPs
+fused.
 """
 
 import pytest
@@ -52,7 +53,7 @@ def test_rsa_step_launches_do_not_grow_with_the_sequence():
     assert short.ops == long.ops, (short.top(), long.top())
     # per level (4) the chain and the rest of its write, forward and backward; the read forward, its backward (5)
     assert short.triton_launches == 4 * 2 + 1 + 4 * 2 + 5
-    assert short.ops <= 325, short.top()
+    assert short.ops <= 292, short.top()  # issue 67's target, at most 300, met by the memory; goal 100
     assert short.host_reads == 0, short.top()  # a fresh state's buffer is laid out from the shapes (ChunkLayout.of)
 
 
