@@ -22,7 +22,8 @@ EXIT_USAGE, EXIT_FAULT, EXIT_DIVERGED = 2, 3, 4
 EXPECTED_ERRORS = (ValueError, OSError, ConnectionError, ImportError)
 DIAGNOSE_CHARACTERS_PER_TOKEN = 64  # diagnose --text reads at most this many characters a token (plus 64 KiB)
 # an OSError that says the machine cannot do what was asked (not that the user named a wrong thing)
-_FAULT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.ENOMEM}
+_FAULT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO,
+                 errno.ENOMEM}
 
 
 def exit_code(error: BaseException) -> int:

@@ -92,14 +92,23 @@ def write_atomically(path: str, write) -> str:
     return path
 
 
+# the OS error inside a SafetensorError's text, in the forms safetensors has printed: Rust's Display
+# ("I/O error: File too large (os error 27)", the pinned version) and its Debug ("Os { code: 28, ... message: "...")
+_SAFETENSORS_OS_ERROR = (re.compile(r'(?:I/O error: )?(?P<message>[^:]+?) \(os error (?P<code>\d+)\)'),
+                         re.compile(r'code: (?P<code>\d+),.*?message: "(?P<message>[^"]+)"'))
+
+
 def as_os_error(error: BaseException, path: str) -> BaseException:
-    """safetensors reports a failed write (a full disk) as a SafetensorError whose text holds the OS error
-    (``Os { code: 28, ... message: "No space left on device" }``): the OSError it stands for, naming ``path``, so
-    the command reports it as the fault it is. Any other error comes back unchanged."""
-    found = re.search(r'code: (\d+),.*?message: "([^"]+)"', str(error))
-    if type(error).__name__ != "SafetensorError" or found is None:
+    """safetensors reports a failed write (a full disk, a file-size limit) as a SafetensorError whose text holds the
+    OS error: the OSError it stands for, naming ``path``, so the command reports it as the fault it is. Any other
+    error comes back unchanged."""
+    if type(error).__name__ != "SafetensorError":
         return error
-    return OSError(int(found.group(1)), f"{found.group(2)} (writing {path})")
+    for form in _SAFETENSORS_OS_ERROR:
+        found = form.search(str(error))
+        if found is not None:
+            return OSError(int(found.group("code")), f"{found.group('message').strip()} (writing {path})")
+    return error
 
 
 def check_output_folder(out_dir: str, overwrite: bool) -> str:
