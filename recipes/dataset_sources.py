@@ -127,9 +127,17 @@ def _short_form(item, where: str):
         return TextFiles(item, tuple(path for path in files if path.endswith(TEXT_FILES)))
     if os.path.isfile(item):
         raise ValueError(f"{where}: {item}: unsupported text file; use one of {(*TEXT_FILES, *DOCUMENT_FILES)}")
-    if HUB_ID.fullmatch(item):
+    if HUB_ID.fullmatch(item) and not _path_like(item):
         return {"path": item}
     raise FileNotFoundError(f"{where}: {item}: no such file or folder")
+
+
+def _path_like(item: str) -> bool:
+    """A string that names a file, not a Hub dataset: relative or absolute by its start, or ending in a data-file
+    suffix ("data/train.jsonl" has the owner/name shape of a Hub id; a typo in it must say "no such file", not send
+    the name to the Hub)."""
+    return item.startswith((".", "/", "~")) or os.path.splitext(item)[1].lower() in (
+        *DOCUMENT_FILES, *TEXT_FILES, ".json", ".csv", ".tsv", ".arrow", ".gz", ".zst")
 
 
 def embedded_only(source) -> bool:

@@ -123,3 +123,12 @@ def test_unreadable_files_are_one_line_naming_the_file(tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"bad.jsonl, split 'train': An error occurred while generating the dataset "
                                          r"\(ValueError: "):
         source_blocks(str(tmp_path / "bad.jsonl"), tokenizer, length=16)
+
+
+@pytest.mark.parametrize("item", ["data/goood.jsonl", "corpora/notes.txt", "./data/goood", "~/data/train.parquet"])
+def test_a_missing_path_is_never_sent_to_the_hub(item):
+    """A path-like string (relative or absolute by its start, or with a data-file suffix) that is not there is "no
+    such file", even in the owner/name shape of a Hub id; a plain owner/name stays a Hub dataset."""
+    with pytest.raises(FileNotFoundError, match=rf"data.source: {item}: no such file or folder"):
+        parse_sources(item)
+    assert parse_sources("HuggingFaceFW/fineweb-edu")[0].path == "HuggingFaceFW/fineweb-edu"
