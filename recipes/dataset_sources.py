@@ -30,6 +30,7 @@ the level of token blocks (short forms weigh 1).
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 from dataclasses import dataclass, fields
@@ -168,9 +169,36 @@ def _unreadable(source: DatasetSource, split: str | None, error: Exception) -> V
     while cause.__cause__ is not None or cause.__context__ is not None:
         cause = cause.__cause__ or cause.__context__
     where = source.label + (f", split {split!r}" if split else "")
+    bad_line = _first_bad_json_line(source) if source.path == "json" else None
+    if bad_line is not None:  # pandas' "Trailing data at position 305" names no row: find the line itself
+        return ValueError(f"{where}: {bad_line}")
     detail = str(error) if cause is error else f"{error} ({type(cause).__name__}: {cause})" if str(cause) else \
         f"{error} (no row could be read: an empty file?)"
     return ValueError(f"{where}: {detail}")
+
+
+def _first_bad_json_line(source: DatasetSource) -> str | None:
+    """"FILE line N is not one JSON object (its error): TEXT" for the first line of the source's local JSONL files that
+    does not parse, read only once ``datasets`` has failed on them; None when every line parses (another cause)."""
+    files = source.data_files
+    files = [files] if isinstance(files, str) else list(files.values()) if isinstance(files, dict) else \
+        list(files or [])
+    for path in (path for entry in files for path in ([entry] if isinstance(entry, str) else entry)):
+        if not os.path.isfile(path) or not path.endswith(".jsonl"):  # a .json file may be one array over many lines
+            continue
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as problem:
+                    text = line.strip()
+                    return (f"{path} line {number} is not one JSON object ({problem.msg} at column {problem.colno}): "
+                            f"{text[:80]}{'...' if len(text) > 80 else ''}")
+                if not isinstance(row, dict):
+                    return f"{path} line {number} is a JSON {type(row).__name__}, not an object with the text field"
+    return None
 
 
 def split_names(source: DatasetSource) -> list[str]:

@@ -120,9 +120,18 @@ def test_unreadable_files_are_one_line_naming_the_file(tokenizer, tmp_path):
     (tmp_path / "bad.jsonl").write_text("not json\n")
     with pytest.raises(ValueError, match=r"empty.jsonl: .*no row could be read: an empty file\?"):
         source_blocks(str(tmp_path / "empty.jsonl"), tokenizer, length=16)
-    with pytest.raises(ValueError, match=r"bad.jsonl, split 'train': An error occurred while generating the dataset "
-                                         r"\(ValueError: "):
+    with pytest.raises(ValueError, match=r"bad.jsonl, split 'train': .*bad.jsonl line 1 is not one JSON object "
+                                         r"\(Expecting value at column 1\): not json$"):
         source_blocks(str(tmp_path / "bad.jsonl"), tokenizer, length=16)
+    rows = [json.dumps({"text": f"document {i} " * 8}) for i in range(6)]
+    rows[3] += " x"  # trailing data: pandas' error names only a byte position
+    (tmp_path / "glued.jsonl").write_text("\n".join(rows) + "\n")
+    with pytest.raises(ValueError, match=r"glued.jsonl line 4 is not one JSON object \(Extra data at column \d+\): "
+                                         r'\{"text": "document 3'):
+        source_blocks(str(tmp_path / "glued.jsonl"), tokenizer, length=16)
+    (tmp_path / "list.jsonl").write_text('{"text": "a b c"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"list.jsonl line 2 is a JSON list, not an object"):
+        source_blocks(str(tmp_path / "list.jsonl"), tokenizer, length=16)
 
 
 @pytest.mark.parametrize("item", ["data/goood.jsonl", "corpora/notes.txt", "./data/goood", "~/data/train.parquet"])
