@@ -214,7 +214,8 @@ def _build(function, block, names, flat, step_inputs, options: dict):
         program = torch.export.export(_FlatStep(function, block, names, step_inputs), tuple(flat), strict=False)
     counts["exported"] += 1
     path = os.path.join(cache_folder(), f"{_package_key(program, flat, options)}.pt2")
-    if not os.path.exists(path):
+    runner = _load_kept(path) if os.path.exists(path) else None
+    if runner is None:
         logger.warning("compiling the %s token step with AOTInductor (15-25 s on 2 cores; kept in %s for later "
                        "processes)", label, cache_folder())
         os.makedirs(cache_folder(), exist_ok=True)
@@ -232,10 +233,25 @@ def _build(function, block, names, flat, step_inputs, options: dict):
             if os.path.exists(staging):
                 os.remove(staging)
         counts["built"] += 1
-    runner = torch._inductor.aoti_load_package(path).loader
+        runner = torch._inductor.aoti_load_package(path).loader
     counts["loaded"] += 1
     logger.info("%s token step ready in %.1f s (%s)", label, time.perf_counter() - started, path)
     return runner
+
+
+def _load_kept(path: str):
+    """The library kept at ``path``, or None once a broken entry (truncated, overwritten) is named and removed, so
+    that it is built again instead of failing every later process."""
+    try:
+        return torch._inductor.aoti_load_package(path).loader
+    except Exception as error:  # noqa: BLE001 - whatever a damaged archive raises, the entry is rebuilt
+        logger.warning("the compiled-steps cache entry %s cannot be loaded (%s: %s): removed, building it again",
+                       path, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        try:
+            os.remove(path)
+        except FileNotFoundError:  # another process removed it first
+            pass
+        return None
 
 
 # fp64 at fp32's: the Llama RMSNorm around a mixer computes in fp32 whatever the model's dtype

@@ -102,6 +102,27 @@ def test_libraries_are_kept_on_disk():
     assert {stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode) for name in files} == {0o666 & ~umask}
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_broken_cache_entry_is_named_removed_and_built_again(damage, caplog):
+    """A real library on disk, then damaged as a full disk or a stray write would leave it: the next process names
+    the file, removes it and builds it again, instead of falling back to torch.compile in every later process."""
+    block = toy_block()
+    run(block, toy_inputs())
+    folder = exported_step.cache_folder()
+    path = os.path.join(folder, next(name for name in os.listdir(folder) if name.endswith(".pt2")))
+    data = open(path, "rb").read()
+    with open(path, "wb") as handle:
+        handle.write(data[:len(data) // 3] if damage == "truncated" else os.urandom(4096))
+    exported_step.reset()  # a later process
+    with caplog.at_level(logging.WARNING, logger=exported_step.logger.name):
+        assert_equals_eager(block, toy_inputs(1), run(block, toy_inputs(1)))
+    assert exported_step.counts["built"] == 1 and exported_step.counts["loaded"] == 1
+    assert f"the compiled-steps cache entry {path} cannot be loaded" in caplog.text
+    exported_step.reset()
+    run(block, toy_inputs(2))
+    assert exported_step.counts["built"] == 0  # the rebuilt entry serves the next process
+
+
 def test_a_changed_attribute_config_or_weight_is_seen():
     block = toy_block()
     inputs = toy_inputs()
