@@ -217,15 +217,21 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     recipe, processes = launched(recipe)
     device = processes.device
     dtype = training_dtype(recipe.train.precision, device)
-    if student is None:  # read straight in the training dtype
+    if student is None:  # a folder: its tokenizer first, checked before the weights are read
         folder = local_student(recipe.model.student)
-        stored = stored_dtype(AutoConfig.from_pretrained(folder))
-        student = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(recipe.model.student)
-    else:
-        stored = next(student.parameters()).dtype
     if tokenizer is None:
         raise ValueError("finetune: a model passed in needs its tokenizer (tokenizer=...)")
+    if getattr(tokenizer, "chat_template", None) is None:  # before any work: every example goes through it
+        raise ValueError(f"finetune: the tokenizer of {recipe.model.student or 'the model passed in'} has no chat "
+                         "template, which finetune encodes its conversations with; fine-tune a model converted from "
+                         "a chat (instruct) teacher, or give the folder a template (tokenizer.chat_template = ..., "
+                         "then tokenizer.save_pretrained(folder))")
+    if student is None:  # read straight in the training dtype
+        stored = stored_dtype(AutoConfig.from_pretrained(folder))
+        student = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    else:
+        stored = next(student.parameters()).dtype
     saved_dtype = output_dtype(recipe.output.dtype, stored)
     write_recipe(recipe, checked_recipe(recipe), processes)
     start_tracking(processes, recipe)

@@ -494,6 +494,27 @@ def test_finetune_lowers_the_heldout_answer_loss(teacher_dir, tmp_path):
         finetune(load_recipe([], [f"output.dir={tmp_path / 'x'}"]), progress=False)
 
 
+def test_finetune_without_a_chat_template_is_one_line_before_any_work(teacher_dir, tmp_path, capsys):
+    """A student whose tokenizer has no chat template (a base model's): refused naming the folder and the fix,
+    before the recipe, the trackers or any data are written."""
+    from hf_mixers.conversion import convert
+
+    student = tmp_path / "student"
+    convert(teacher_dir, "rsa", mixer_options={"rsa_num_slots": 8, "rsa_num_levels": 2}, out=str(student),
+            progress=False)
+    for name in os.listdir(student):
+        if name == "chat_template.jinja":
+            os.remove(student / name)
+    config = json.loads((student / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (student / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path / "sft"
+    assert cli_main(["finetune", "--set", f"model.student={student}", "--set", f"output.dir={out}"]) == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if "hf-mixers finetune" in line]
+    assert len(error) == 1 and f"the tokenizer of {student} has no chat template" in error[0], error
+    assert not out.exists() or not os.listdir(out)
+
+
 def test_finetune_on_a_chat_dataset_with_packing(teacher_dir, tmp_path):
     """finetune.source as a dataset mapping (TRL's prompt/completion layout, json files with a validation split),
     packed rows, the last assistant turn only: it trains, holds out the validation split and says so. The same
