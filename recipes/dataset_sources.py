@@ -99,7 +99,8 @@ class DatasetSource:
 
 def _short_form(item, where: str):
     """A short-form string as what reads it: a JSONL / parquet file (or a folder of them) as the mapping that reads
-    its rows as documents, a .txt / .md file or folder as ``TextFiles``, a hub id as ``{path: id}``; the embedded
+    its rows as documents, a .txt / .md file or folder as ``TextFiles``, a ``save_to_disk`` folder or a hub id as
+    ``{path: ...}``; the embedded
     corpora, ``teacher:N`` (written later) and anything that is not a string as they are. A path that is none of
     these is a FileNotFoundError naming ``where``."""
     from ..common.corpus import EMBEDDED, HUB_ID
@@ -112,6 +113,8 @@ def _short_form(item, where: str):
         return {"path": DOCUMENT_FILES[suffix], "data_files": item}
     if os.path.isfile(item) and suffix in TEXT_FILES:
         return TextFiles(item, (item,))
+    if DatasetSource(path=item).saved:  # a save_to_disk folder: its "text" field, as {path: FOLDER} reads it
+        return {"path": item}
     if os.path.isdir(item):  # one walk of the folder, its files by kind
         files = sorted(path for path in glob.glob(os.path.join(item, "**", "*"), recursive=True)
                        if os.path.isfile(path))

@@ -65,6 +65,9 @@ def test_parquet_a_saved_dataset_dict_and_a_stream(tokenizer, tmp_path):
                           heldout_count=1)
     assert torch.equal(saved.train[: len(parquet.train)], parquet.train[: len(saved.train)])
     assert "its validation split" in saved.name
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "saved-text"))  # the short form: a string
+    short = source_blocks(str(tmp_path / "saved-text"), tokenizer, length=16, heldout_count=1)
+    assert torch.equal(short.train[: len(parquet.train)], parquet.train[: len(short.train)])
     stream = source_blocks({"path": "json", "data_files": write_jsonl(tmp_path / "s.jsonl", DOCS),
                             "streaming": True}, tokenizer, length=16, max_train=4, heldout_count=2)
     # a stream without a validation split: its first documents are held out and training starts after them
