@@ -233,8 +233,8 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     else:
         stored = next(student.parameters()).dtype
     saved_dtype = output_dtype(recipe.output.dtype, stored)
+    start_tracking(processes, recipe)  # a tracker that cannot start fails before recipe.json is written
     write_recipe(recipe, checked_recipe(recipe), processes)
-    start_tracking(processes, recipe)
     started = time.perf_counter()
     # a streamed source is read for one example per training row the steps take (with packing they fill fewer rows,
     # which the steps then go over again)

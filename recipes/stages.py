@@ -364,8 +364,8 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     if shared and progress:
         tqdm.write(f"student and teacher hold their {shared / 2**20:.0f} MiB of common frozen weights once")
     heldout_ids = heldout_ids.to(device, torch.long)  # the training blocks stay mapped: batches move one by one
+    start_tracking(processes, recipe)  # a tracker that cannot start fails before recipe.json is written
     write_recipe(recipe, record, processes)
-    start_tracking(processes, recipe)
 
     wider_ids = {name: ids.to(device, torch.long) for name, ids in
                  wider_evaluation_sets(recipe, teacher.tokenizer, data).items()}

@@ -42,16 +42,28 @@ def trackers(train) -> list[str]:
     return names
 
 
+class TrackerError(ConnectionError):
+    """A tracker of ``train.report_to`` that cannot start (no credentials, no server): a fault outside the command,
+    reported in one line (exit 3)."""
+
+
 def start_tracking(processes, recipe) -> None:
     """The run's trackers, named after its output folder, with the recipe (dotted keys; lists and mappings as JSON
-    text) as their configuration."""
+    text) as their configuration. One that cannot start is a ``TrackerError`` naming it and what it needs."""
     accelerator = processes.accelerator
     if accelerator is None or not accelerator.log_with:
         return
     config = {key: value if isinstance(value, (int, float, str, bool)) else json.dumps(value)
               for key, value in flatten(recipe.to_dict()).items()}
     run_name = os.path.basename(os.path.normpath(recipe.output.dir))
-    accelerator.init_trackers(PROJECT, config=config, init_kwargs={"wandb": {"name": run_name}})
+    try:
+        accelerator.init_trackers(PROJECT, config=config, init_kwargs={"wandb": {"name": run_name}})
+    except Exception as error:  # noqa: BLE001 - each tracker raises its own kinds; all are the same fault here
+        names = ", ".join(str(getattr(kind, "value", kind)) for kind in accelerator.log_with)
+        cause = (str(error).strip().splitlines() or [""])[0]
+        raise TrackerError(f"train.report_to: {names} could not start ({type(error).__name__}: {cause}); give the "
+                           "tracker what it needs (e.g. WANDB_API_KEY, or WANDB_MODE=offline; "
+                           "MLFLOW_TRACKING_URI), or leave it out of train.report_to") from error
 
 
 def finish_tracking(processes) -> None:

@@ -38,7 +38,8 @@ def exit_code(error: BaseException) -> int:
 
 def _fail(command: str, error: BaseException, message: str | None = None) -> int:
     message = str(error) if message is None else message
-    if isinstance(error, OSError) and not isinstance(error, (FileNotFoundError, FileExistsError)):
+    if isinstance(error, OSError) and error.errno is not None and not isinstance(error, (FileNotFoundError,
+                                                                                         FileExistsError)):
         # a read-only location, a full disk: outputs are renamed into place only when complete, so nothing is lost
         message += " (nothing was half-written: outputs are renamed into place only when complete)"
     print(f"hf-mixers {command}: error: {message}", file=sys.stderr)

@@ -45,8 +45,10 @@ def test_a_wandb_run_in_offline_mode_gets_every_stage_metric_and_the_recipe(teac
     """train.report_to: [wandb] with WANDB_MODE=offline (what a user without network sets): no login, the run
     written under WANDB_DIR for a later `wandb sync`; its history gets the stages' metrics at one increasing step
     and its config the recipe. (The run file is wandb's binary log: the calls into it are what is checked.)"""
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     from wandb.sdk.wandb_run import Run
+
+    wandb.teardown()  # settings an earlier wandb call in this process left behind
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
@@ -67,6 +69,29 @@ def test_a_wandb_run_in_offline_mode_gets_every_stage_metric_and_the_recipe(teac
     assert config["stage2.steps"] == 3 and config["model.mixer"] == "gltm" and config["train.report_to"] == '["wandb"]'
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+def test_a_tracker_that_cannot_start_is_one_line_exit_3_and_no_recipe_is_written(teacher_dir, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """wandb without an API key (and not offline): wandb's own UsageError, a real one, becomes one line naming the
+    tracker and what it needs; exit 3 (a fault outside the command, like a missing Hub token); recipe.json is not
+    written, since the run never started."""
+    wandb = pytest.importorskip("wandb")
+    wandb.teardown()  # wandb keeps its settings process-wide: an earlier test's offline mode would carry over
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login either
+    out = tmp_path / "run"
+    code = cli_main(["distill", "--set", f"model.teacher={teacher_dir}", "--set", "model.mixer=gltm",
+                     "--set", "data.sequence_length=32", "--set", "data.max_train_sequences=4",
+                     "--set", "stage1.enabled=false", "--set", "stage2.steps=1", "--set", "train.report_to=[wandb]",
+                     "--out", str(out)])
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hf-mixers distill: error:")]
+    assert code == 3 and len(error) == 1, error
+    assert "train.report_to: wandb could not start (" in error[0] and "WANDB_MODE=offline" in error[0], error
+    assert "half-written" not in error[0] and not (out / "recipe.json").exists()
 
 
 def test_no_tracker_writes_no_events(teacher_dir, tmp_path):
