@@ -3,7 +3,8 @@
 
 Exit codes: 0 done; 2 a usage or input error (a bad flag, file, recipe field or option: fix the command); 3 a fault
 outside the command (a full disk, no permission, no network, a missing optional package: fix the machine); 4 a
-training run that diverged (a non-finite loss). Every error is one line on stderr, ``hf-mixers CMD: error: ...``.
+training run that diverged (a non-finite loss); 130 interrupted (Ctrl-C: one line, ``hf-mixers CMD: interrupted``).
+Every error is one line on stderr, ``hf-mixers CMD: error: ...``.
 This module imports nothing heavy at the top: ``--help`` and ``--version`` answer without loading torch.
 """
 
@@ -17,7 +18,7 @@ import sys
 
 from .arguments import at_least, int_list, keep_attention, key_value, non_negative_list, option_dict, positive_list
 
-EXIT_USAGE, EXIT_FAULT, EXIT_DIVERGED = 2, 3, 4
+EXIT_USAGE, EXIT_FAULT, EXIT_DIVERGED, EXIT_INTERRUPTED = 2, 3, 4, 130
 # what a command reports as one line (anything else is a bug in hf-mixers: a traceback and exit 1)
 EXPECTED_ERRORS = (ValueError, OSError, ConnectionError, ImportError)
 DIAGNOSE_CHARACTERS_PER_TOKEN = 64  # diagnose --text reads at most this many characters a token (plus 64 KiB)
@@ -320,6 +321,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-mixers: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(getattr(args, "verbose", False))
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT; atomic writers removed their staging
+        resumes = " (the same command resumes from the last checkpoint)" if args.command in ("distill", "finetune") \
+            else ""
+        print(f"\nhf-mixers {args.command}: interrupted{resumes}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(args) -> int:
+    """The parsed command, run."""
     if args.command == "convert":
         return _convert(args)
     if args.command in ("distill", "finetune"):

@@ -316,6 +316,34 @@ def test_a_real_file_size_limit_is_one_line_exit_3_and_nothing_half_written(teac
     assert not [path for path in tmp_path.rglob("*") if ".partial" in path.name]
 
 
+@pytest.mark.parametrize("command", ["convert", "distill"])
+def test_ctrl_c_is_one_line_exit_130_and_nothing_half_written(teacher_dir, tmp_path, command):
+    """A real SIGINT to a child process once it is converting: one line, exit 130 (the shell's code for it), no
+    traceback, no partial file or folder; distill says the same command resumes."""
+    import signal
+    import subprocess
+    import sys
+
+    from test_recipes import small
+
+    out = tmp_path / "out"
+    words = {"convert": ["convert", teacher_dir, "--mixer", "rsa", "--out", str(out)],
+             "distill": ["distill", *[part for item in small(teacher_dir, out) for part in ("--set", item)]]}[command]
+    child = subprocess.Popen([sys.executable, "-m", "hf_mixers", *words], stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    for line in child.stderr:
+        if line.startswith("converting"):
+            child.send_signal(signal.SIGINT)
+            break
+    stderr = child.stderr.read()
+    assert child.wait(timeout=120) == 130, stderr[-2000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("hf-mixers")]
+    resumes = " (the same command resumes from the last checkpoint)" if command == "distill" else ""
+    assert lines == [f"hf-mixers {command}: interrupted{resumes}"] and "Traceback" not in stderr, stderr[-2000:]
+    assert not [path for path in tmp_path.rglob("*") if ".partial" in path.name]
+    assert not (out / "model").exists() and not (out / "config.json").exists()
+
+
 def test_a_value_out_of_range_is_blamed_on_where_it_was_set(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("stage2: {steps: 4}\ntrain: {lr: 0.01}\n")
