@@ -74,11 +74,21 @@ def unpacked(buffer: torch.Tensor, shapes) -> list[torch.Tensor]:
     return [buffer[start:start + math.prod(shape)].view(shape) for start, shape in zip(starts, shapes)]
 
 
-def op_namespace(module_name: str) -> str:
-    """The torch.library namespace of a kernel module's custom ops, from the module's import name: a Hub folder's
-    copy of the module (imported under transformers_modules...) registers its own ops beside the installed
-    package's, where one shared name would be registered twice."""
-    return re.sub(r"\W", "_", module_name)
+KERNEL_OPS: dict = {}  # "namespace::name" -> each kernel op's Python function (op_count runs it, counted)
+
+
+def kernel_op(module_name: str, name: str):
+    """``torch.library.custom_op`` for a kernel module's launches (no argument mutated): torch.compile keeps the op
+    as one call and never traces a launch. The namespace comes from the module's import name, so a Hub folder's copy
+    of the module (imported under transformers_modules...) registers its own ops beside the installed package's,
+    where one shared name would be registered twice; the function is kept in ``KERNEL_OPS``."""
+    qualified = re.sub(r"\W", "_", module_name) + "::" + name
+
+    def register(function):
+        KERNEL_OPS[qualified] = function
+        return torch.library.custom_op(qualified, mutates_args=())(function)
+
+    return register
 
 
 def own_code(function):

@@ -66,7 +66,7 @@ try:
 finally:
     pass
 
-from .common import check_feedback_shapes, compute_dtype, op_namespace, tile_edge
+from .common import check_feedback_shapes, compute_dtype, kernel_op, tile_edge
 from .triton_compile import compile_side_by_side
 
 # fp32-accurate ``tl.dot``s: the solve feeds its own output back, and plain tf32 (10-bit mantissa) logits and values
@@ -534,10 +534,9 @@ def _forward(f, q, k, gain, mask, past_k, past_s, scale, meta, save):
 
 # The kernels as torch.library ops, forward and backward: torch.compile keeps each as one opaque call in its graph
 # (it never traces a launch), so a block's training step stays one graph and can be captured as a CUDA graph.
-_OPS = op_namespace(__name__)
 
 
-@torch.library.custom_op(f"{_OPS}::solve_forward", mutates_args=())
+@kernel_op(__name__, "solve_forward")
 def _solve_forward(f: torch.Tensor, q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, mask: torch.Tensor | None,
                    past_k: torch.Tensor | None, past_s: torch.Tensor | None, scale: float, chunk_size: int,
                    save: bool, need_q: bool, need_k: bool, need_past: bool
@@ -565,7 +564,7 @@ def _gradient_shapes(q, s, past_k, need_q, need_k, need_past) -> list[tuple]:
             (batch, past, key_dim) if need_past else (0,), (batch, past, width) if need_past else (0,)]
 
 
-@torch.library.custom_op(f"{_OPS}::solve_backward", mutates_args=())
+@kernel_op(__name__, "solve_backward")
 def _solve_backward(q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, mask: torch.Tensor | None,
                     past_k: torch.Tensor | None, past_s: torch.Tensor | None, s: torch.Tensor, h: torch.Tensor,
                     lse: torch.Tensor, grad_s: torch.Tensor, scale: float, chunk_size: int, need_q: bool,

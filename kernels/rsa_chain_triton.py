@@ -44,7 +44,7 @@ try:
 finally:
     pass
 
-from .common import op_namespace, packed_zeros, tile_edge, unpacked
+from .common import kernel_op, packed_zeros, tile_edge, unpacked
 from .rsa_state import RSAParams
 
 # fp32-accurate dots on tensor cores: plain tf32 would put the read ~1e-3 off the reference (it divides sums by
@@ -625,7 +625,6 @@ def _launch_options(sigmoid: bool, chunk_size: int, slots: int, key_dim: int) ->
 # The chain and level kernels as torch.library ops, forward and backward: torch.compile keeps each as one opaque call
 # in its graph (it never traces a launch), so a block's training step stays one graph and can be captured as a CUDA
 # graph. Optional results are left out of an op's list (ops may not return None, nor one tensor twice).
-_OPS = op_namespace(__name__)
 Tensor = torch.Tensor
 
 
@@ -638,13 +637,12 @@ def _chain_read_strides(key_ref, prior, kappa, beta):
     return (*key_ref.stride()[:2], prior.stride(0), kappa.stride(0), beta.stride(0))
 
 
-@torch.library.custom_op(f"{_OPS}::chain_forward", mutates_args=())
+@kernel_op(__name__, "chain_forward")
 def _chain_forward(x: Tensor, valid: Tensor, key_sum: Tensor, mass: Tensor, key_ref: Tensor, prior: Tensor,
                    kappa: Tensor, beta: Tensor, reached: Tensor, sigmoid: bool, chunk_size: int, eps: float
                    ) -> list[Tensor]:
-    """[f, p (sigmoid only: softmax's p is f), the chunk-start key sums, masses]."""
-    x, valid, key_sum, mass, key_ref, prior, kappa, beta = _dense_chain_inputs(x, valid, key_sum, mass, key_ref,
-                                                                              prior, kappa, beta)
+    """[f, p (sigmoid only: softmax's p is f), the chunk-start key sums, masses]. Inputs in the kernels' layout
+    (``_dense``), which torch.compile keeps: a custom op gets its inputs with their eager strides."""
     batch, groups, padded, key_dim = x.shape
     slots = prior.shape[1]
     sizes = _chain_sizes(x, prior, chunk_size, eps)
@@ -669,20 +667,12 @@ def _(x, valid, key_sum, mass, key_ref, prior, kappa, beta, reached, sigmoid, ch
     return [f, torch.empty_like(f), sums, masses] if sigmoid else [f, sums, masses]
 
 
-def _dense_chain_inputs(x, valid, key_sum, mass, key_ref, prior, kappa, beta):
-    """The chain's tensor inputs in the kernels' layout (``_dense``; already so: no copy)."""
-    return [_dense(t, inner) for t, inner in zip((x, valid, key_sum, mass, key_ref, prior, kappa, beta),
-                                                 (4, 2, 2, 1, 2, 2, 0, 0))]
-
-
-@torch.library.custom_op(f"{_OPS}::chain_backward", mutates_args=())
+@kernel_op(__name__, "chain_backward")
 def _chain_backward(x: Tensor, valid: Tensor, reached: Tensor, key_ref: Tensor, prior: Tensor, kappa: Tensor,
                     beta: Tensor, sums: Tensor, masses: Tensor, d_f: Tensor, d_p: Tensor, d_sums: Tensor,
                     d_masses: Tensor, sigmoid: bool, chunk_size: int, eps: float) -> list[Tensor]:
     """[dx and the batch's d prior packed (``_chain_zeroed``), d key_sum, d mass, d key_ref, d prior, d kappa,
     d beta] (the last three summed over the batch)."""
-    x, valid, key_ref, prior = _dense(x, 4), _dense(valid, 2), _dense(key_ref, 2), _dense(prior, 2)
-    kappa, beta = _dense(kappa, 0), _dense(beta, 0)
     batch, groups, padded = x.shape[:3]
     sizes = _chain_sizes(x, prior, chunk_size, eps)
     # dx (rows past a row's last boundary stay 0) and the accumulated d prior: one zero fill
@@ -755,7 +745,8 @@ def assign_chain_triton(x, valid, key_sum, mass, key_ref, prior, kappa, beta, bo
     """``rsa_state.assign_chain`` on the kernels: same arguments and results (fp32; gradients reach x, the
     starting sums and references, kappa P, kappa and beta)."""
     reached = boundary[:, -1].to(torch.int32).contiguous()  # the row's last boundary, at most N
-    outputs = _chain_forward(*_dense_chain_inputs(x, valid, key_sum, mass, key_ref, prior, kappa, beta), reached,
+    outputs = _chain_forward(_dense(x, 4), _dense(valid, 2), _dense(key_sum, 2), _dense(mass, 1), _dense(key_ref, 2),
+                             _dense(prior, 2), _dense(kappa, 0), _dense(beta, 0), reached,
                              params.assign_fn == "sigmoid", params.chunk_size, float(params.eps))
     if params.assign_fn == "sigmoid":
         return tuple(outputs)
@@ -783,7 +774,7 @@ def _level_shapes(f, key_sum, y, residual, relation) -> list[tuple]:
             + [(batch, groups, slots, key_dim), (batch, groups, slots, value_dim)])
 
 
-@torch.library.custom_op(f"{_OPS}::level_forward", mutates_args=())
+@kernel_op(__name__, "level_forward")
 def _level_forward(f: Tensor, p: Tensor | None, x: Tensor | None, y: Tensor, valid: Tensor, key_sum: Tensor,
                    mass: Tensor, value_sum0: Tensor, key_ref0: Tensor, value_ref0: Tensor, prior: Tensor,
                    kappa: Tensor, above: Tensor | None, relation_sum0: Tensor | None, reached: Tensor,
@@ -836,7 +827,7 @@ def _level_zeroed(f, y, key_sum, mass) -> list[tuple]:
             (batch, groups, slots, key_dim)]
 
 
-@torch.library.custom_op(f"{_OPS}::level_backward", mutates_args=())
+@kernel_op(__name__, "level_backward")
 def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reached: Tensor, key_sum: Tensor,
                     mass: Tensor, value_sums: Tensor, key_ref0: Tensor, value_ref0: Tensor, prior: Tensor,
                     kappa: Tensor, above: Tensor | None, d_written: Tensor, d_values: Tensor,

@@ -97,7 +97,7 @@ try:
 finally:
     pass
 
-from .common import compute_dtype, op_namespace, packed_zeros, tile_edge, unpacked
+from .common import compute_dtype, kernel_op, packed_zeros, tile_edge, unpacked
 from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunks
 # the write side's kernel (the assignment chain), and the tiles and dot precision both sides use: MAX_TILE (chunk
 # size and slot count, held as one tile: C x C, C x m and m x m) and MAX_HEAD_DIM (the read's forward holds a
@@ -619,10 +619,9 @@ def _kernel_inputs(q_b, f, x, y, ks0, vs0, n0, r0, params: RSAParams, groups):
 
 # The read as torch.library ops, forward and backward: torch.compile keeps each as one opaque call in its graph (it
 # never traces a launch), so a block's training step stays one graph and can be captured as a CUDA graph.
-_OPS = op_namespace(__name__)
 
 
-@torch.library.custom_op(f"{_OPS}::read_forward", mutates_args=())
+@kernel_op(__name__, "read_forward")
 def _read_forward(inputs: list[torch.Tensor], chunk_size: int, eps: float, readout: str, routing: str,
                   query_read: bool, log_weight: bool, backward: bool) -> torch.Tensor:
     """out (B, H, Tp, dv [+ 1]) fp32 from the 14 kernel inputs; ``backward``: a backward follows (its kernels are
@@ -638,7 +637,7 @@ def _(inputs, chunk_size, eps, readout, routing, query_read, log_weight, backwar
     return q.new_empty(*q.shape[:3], y.shape[-1] + log_weight, dtype=torch.float32)
 
 
-@torch.library.custom_op(f"{_OPS}::read_backward", mutates_args=())
+@kernel_op(__name__, "read_backward")
 def _read_backward(inputs: list[torch.Tensor], grad_out: torch.Tensor, chunk_size: int, eps: float, readout: str,
                    routing: str, query_read: bool, log_weight: bool) -> torch.Tensor:
     """The 14 inputs' gradients (fp32), packed (``_Read.backward``): ``_fwd_kernel(save)`` again, then

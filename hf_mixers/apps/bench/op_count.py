@@ -89,12 +89,11 @@ def _site(folders) -> str:
 
 
 def _custom_op_function(func):
-    """The Python function behind a ``torch.library.custom_op`` (the kernels' ops), else None: the counter runs it
-    under itself, so the op's allocations and launches count, not the op as one call."""
-    from torch._library.custom_ops import _maybe_get_opdef
+    """The Python function behind one of the kernels' torch.library ops (kernels/common.py ``kernel_op``), else
+    None: the counter runs it under itself, so the op's allocations and launches count, not the op as one call."""
+    from ...kernels.common import KERNEL_OPS
 
-    definition = None if func.namespace in ("aten", "prim", "prims") else _maybe_get_opdef(func._name)
-    return None if definition is None else definition._init_fn
+    return KERNEL_OPS.get(func.name())
 
 
 class _Counter(TorchDispatchMode):
