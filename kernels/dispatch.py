@@ -20,9 +20,11 @@ installed", "forced by HF_MIXERS_BACKEND=torch", ...): a missing fast path is sa
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
+import sys
 
 import torch
 
@@ -31,6 +33,7 @@ logger = logging.getLogger("hf_mixers.kernels")
 BACKEND_ENV = "HF_MIXERS_BACKEND"
 BACKENDS = ("auto", "triton", "torch")
 _announced: set = set()
+_stand_ins: dict = {}  # "module.attribute" -> a CPU stand-in for a CUDA library kernel (``library_stand_ins``)
 
 
 def triton_unavailable(device: torch.device) -> str | None:
@@ -82,30 +85,53 @@ def library_kernel(kernel: str, module: str, attribute: str, device: torch.devic
                    check=None):
     """The maintained library's ``module.attribute`` when it should run ``kernel`` on ``device`` (CUDA tensors and the
     library importable), else None: the caller's PyTorch path. Logged once per kernel and decision. ``check()``: why
-    the library cannot take this call's options (None: it can), as for ``use_triton``."""
+    the library cannot take this call's options (None: it can), as for ``use_triton``. A forced "triton" fails where
+    the library cannot run, except on CPU under TRITON_INTERPRET=1 (which interprets Triton kernels, not a
+    library's CUDA ones)."""
     backend, source = requested_backend(config_value)
     if backend == "torch":
         _announce(kernel, f"PyTorch path (forced by {source})")
         return None
     package = module.split(".")[0]
-    if device.type != "cuda":
+    stand_in = _stand_ins.get(f"{module}.{attribute}") if device.type == "cpu" else None
+    if device.type != "cuda" and stand_in is None:
         reason = f"tensors on {device.type} (the {package} kernel needs CUDA)"
-    elif importlib.util.find_spec(package) is None:
+    elif stand_in is None and importlib.util.find_spec(package) is None:
         reason = f"{package} is not installed"
     elif check is not None and (problem := check()) is not None:
         reason = problem
+    elif stand_in is not None:
+        return stand_in
     else:
         try:
-            function = getattr(importlib.import_module(module), attribute)
+            # a loaded module from sys.modules: dynamo traces that, not an import (a graph break in a compiled block)
+            function = getattr(sys.modules.get(module) or importlib.import_module(module), attribute)
         except (ImportError, AttributeError) as error:
             reason = f"{module}.{attribute} cannot be imported ({error})"
         else:
             _announce(kernel, f"{package} kernel {module}.{attribute}")
             return function
-    if backend == "triton":
+    # under TRITON_INTERPRET=1 a forced backend runs our Triton kernels on CPU; a library's CUDA kernel has no
+    # interpreted form, so there it stays on the PyTorch path
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu"
+    if backend == "triton" and not interpreted:
         raise RuntimeError(f"{kernel}: the fast kernel was requested ({source}) but cannot run: {reason}")
     _announce(kernel, f"PyTorch path ({reason})")
     return None
+
+
+@contextlib.contextmanager
+def library_stand_ins(functions: dict):
+    """Inside, a library kernel named in ``functions`` ("module.attribute" -> function) is taken on CPU tensors
+    wherever its CUDA call would be, as that function: how apps/bench/op_count.py counts a CUDA-only kernel as the
+    launches it makes on a GPU."""
+    saved = dict(_stand_ins)
+    _stand_ins.update(functions)
+    try:
+        yield
+    finally:
+        _stand_ins.clear()
+        _stand_ins.update(saved)
 
 
 def _announce(kernel: str, decision: str) -> None:

@@ -180,7 +180,7 @@ class RSAMixer(RecurrentMixer, FullAttention):
 
         if self.config.rsa_window:
             out, state = windowed(query.to(cd), key.to(cd), value.to(cd), valid, extras, state,
-                                  self.config.rsa_window, self.scaling, memory)
+                                  self.config.rsa_window, self.scaling, memory, backend=self.config.kernel_backend)
         else:
             out, _, state = memory(query, key, value, valid, extras, state)
         out = out.flatten(1, 2).transpose(1, 2).reshape(batch, length, -1)  # (B, T, H * hd)

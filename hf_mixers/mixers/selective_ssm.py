@@ -307,7 +307,7 @@ class SelectiveSSMMixer(RecurrentMixer):
         valid = None if token_mask is None else token_mask[:, -length:]
         out, state = windowed(queries.unflatten(1, (groups, per_group)).to(cd), keys.to(cd), values.to(cd), valid,
                               extras, state, self.config.selective_ssm_window, self.head_dim ** -0.5, memory,
-                              gate=self.window_gate.view(groups, per_group))
+                              gate=self.window_gate.view(groups, per_group), backend=self.config.kernel_backend)
         return out.flatten(1, 2).transpose(1, 2), state  # (B, T, H, P)
 
     def _project_bc(self, source):

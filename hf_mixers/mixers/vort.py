@@ -243,7 +243,7 @@ class VORTMixer(RecurrentMixer, FullAttention):
 
             gate = None if self.window_gate is None else self.window_gate.view(self.num_key_value_heads, -1)
             out, state = windowed(q_win, k_win, value, valid, write_inputs, state, self.window, self.scaling, memory,
-                                  gate=gate, combine=combine)
+                                  gate=gate, combine=combine, backend=self.config.kernel_backend)
         out = out.flatten(1, 2).transpose(1, 2).reshape(batch, length, -1)  # (B, T, H * d)
         return self.o_proj(out.to(hidden_states.dtype)), state, history
 

@@ -1,12 +1,12 @@
 """The maintained libraries' CUDA kernels that kernels/dispatch.py hands work to, where carried, against ours:
 flash-linear-attention's chunk_gla under the selective SSMs' delta-t scan, Liger-Kernel's fused linear JSD +
-cross-entropy under the distillation loss. Their first calls autotune and compile for minutes (the H100 run of
+cross-entropy under the distillation loss, torch's flex_attention under the local windows. Their first calls autotune and compile for minutes (the H100 run of
 2026-11-27 spent its mixer tests' whole limit in fla's), so `make gpu-check` runs this file last, in its own step.
 """
 
 import pytest
 import torch
-from gpu_setup import DEVICE, ON_DEVICE, record, relative_error  # noqa: F401 (record: a fixture)
+from gpu_setup import DEVICE, ON_DEVICE, SHAPES, record, relative_error  # noqa: F401 (record: a fixture)
 
 pytestmark = ON_DEVICE
 
@@ -66,3 +66,41 @@ def test_liger_distillation_loss_equals_the_chunked_loss(dtype, record):
     errors = {k: relative_error(results["triton"][k], results["torch"][k]) for k in results["torch"]}
     record(errors=errors, peak_mib_liger=round(peaks["triton"], 1), peak_mib_chunked=round(peaks["torch"], 1))
     assert max(errors.values()) < (1e-4 if dtype == torch.float32 else 2e-2), errors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+def test_flex_attention_window_equals_the_block_form(shape_name, dtype, record):
+    """kernels/local_attention.local_attention on CUDA takes flex_attention (compiled once; the band as a block mask,
+    padding as a score_mod, the entropy from the keys appended to the values): at the model's heads, w = 64, 2,048
+    tokens, a left-padded row, it equals the PyTorch block form in fp64 on the same rounded inputs, values and
+    gradients."""
+    if DEVICE.type != "cuda":
+        pytest.skip("flex_attention's fused kernel needs CUDA (its CPU form: tests/unit/test_local_attention.py)")
+    from hf_mixers.kernels.local_attention import local_attention
+
+    shape, window, length = SHAPES[shape_name], 64, 2048
+    groups, per_group, dim = shape["kv_heads"], shape["heads"] // shape["kv_heads"], shape["head_dim"]
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(2, groups, per_group, length, dim, generator=g),
+              *(torch.randn(2, groups, window + length, dim, generator=g) for _ in "kv")]
+    valid = torch.ones(2, window + length, dtype=torch.bool)
+    valid[:, :window] = False
+    valid[0, :window + 300] = False
+    probes = [torch.randn(2, groups, per_group, length, *rest, generator=g) for rest in ((dim,), (), ())]
+    results = {}
+    for backend, run_dtype in (("auto", dtype), ("torch", torch.float64)):
+        tensors = [t.to(dtype).to(DEVICE, run_dtype).requires_grad_() for t in leaves]
+        outputs = local_attention(*tensors, valid.to(DEVICE), window, dim ** -0.5, with_entropy=True, backend=backend)
+        real = valid[:, window:].to(DEVICE)[:, None, None]
+        loss = sum((out.double() * probe.to(DEVICE, torch.float64) * (real[..., None] if out.dim() == 5 else real)
+                    ).sum() for out, probe in zip(outputs, probes))
+        grads = torch.autograd.grad(loss, tensors)
+        keep = valid[:, window:].to(DEVICE)
+        results[backend] = {**{name: out.movedim(3, 1)[keep] for name, out in zip(("out", "log_z", "entropy"),
+                                                                                   outputs)},
+                            **{f"d{name}": grad for name, grad in zip("qkv", grads)}}
+    errors = {name: relative_error(results["auto"][name], results["torch"][name]) for name in results["torch"]}
+    bound = 2e-3 if dtype == torch.float32 else 2e-2
+    record(shape=shape_name, dtype=str(dtype), errors=errors, bound=bound)
+    assert max(errors.values()) < bound, f"flex_attention window vs the block form: {errors}"

@@ -30,11 +30,11 @@ def test_under_interpreter_in_subprocess():
     run_under_interpreter(__file__)
 
 
-def step_ops(mixer, options, length):
+def step_ops(mixer, options, length, library_kernels=False):
     torch.manual_seed(0)
     module, config = build_mixer(mixer, options, HIDDEN, HEADS, KV_HEADS, DEVICE, torch.float32)
     x = torch.randn(1, length, HIDDEN, device=DEVICE, requires_grad=True)
-    return training_step_ops(module, x, rotary_embeddings(config, x, length))
+    return training_step_ops(module, x, rotary_embeddings(config, x, length), library_kernels=library_kernels)
 
 
 def test_the_counter_counts_launches_not_views():
@@ -55,6 +55,19 @@ def test_rsa_step_launches_do_not_grow_with_the_sequence():
     assert short.triton_launches == 4 * 2 + 1 + 4 * 2 + 5
     assert short.ops <= 292, short.top()  # issue 67's target, at most 300, met by the memory; goal 100
     assert short.host_reads == 0, short.top()  # a fresh state's buffer is laid out from the shapes (ChunkLayout.of)
+
+
+@needs_kernels
+def test_rsa_window_step_takes_flex_attention_as_one_launch_each_way():
+    """RSA with its local window, as converted (w = 64 at SmolLM2's layout; 16 here): the window's attention is one
+    flex_attention launch forward and one backward (counted through its CPU stand-in, as on a GPU), and the count
+    does not grow with T."""
+    options = {**RSA, "rsa_window": 16}
+    short = step_ops("rsa", options, 64, library_kernels=True)
+    long = step_ops("rsa", options, 256, library_kernels=True)
+    assert short.ops == long.ops, (short.top(), long.top())
+    assert short.by_name["library:flex_attention"] == 2
+    assert short.ops <= 375, short.top()  # the memory's 292 and the window's 83: the target (300) is not met yet
 
 
 # every converted-to mixer with each of its optional branches (the contract suite's variants)

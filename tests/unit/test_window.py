@@ -9,7 +9,8 @@ token, with left padding.
 import pytest
 import torch
 
-from hf_mixers.core.window import window_attention, windowed
+from hf_mixers.core.window import windowed
+from hf_mixers.kernels.local_attention import window_attention
 from hf_mixers.kernels.rsa_memory import initial_state, rsa_chunked, rsa_recurrent
 from test_rsa_memory import make_inputs, make_params
 
@@ -61,7 +62,7 @@ def test_window_attention_equals_a_banded_mask(window, length, past):
 def test_long_inputs_go_a_segment_at_a_time_with_the_same_values(window, length, segment, monkeypatch):
     """SEGMENT_SCORES cut to ``segment`` blocks of w queries a call: output, log normaliser and entropy are those of
     one call over every query (and the banded mask's)."""
-    import hf_mixers.core.window as module
+    import hf_mixers.kernels.local_attention as module
 
     query, keys, values, valid = qkv(length=length)
     _, earlier_k, earlier_v, _ = qkv(length=window, seed=1)

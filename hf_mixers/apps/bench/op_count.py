@@ -149,21 +149,106 @@ def _triton_launches_as_one(mode: _Counter):
         GridExecutor.__call__ = launch
 
 
-def count_ops(fn, *args, sites: bool = False, **kwargs) -> tuple[OpCount, object]:
+def _one_launch(mode: _Counter, name: str, function):
+    """``function`` as one counted launch forward and one backward, what it runs inside uncounted (the counter is
+    off inside; it is also the only way to run a higher-order op such as flex_attention under it): a CUDA library
+    kernel (a fused forward and a fused backward) stood in for on CPU. Arguments and results may be any pytree; the
+    backward recomputes the function and differentiates it."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    def launched():
+        mode.count.ops += 1
+        mode.count.by_name[f"library:{name}"] += 1
+        if mode.sites:
+            mode.count.by_site[_site(mode.sites)] += 1
+
+    def call(*args, **kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        at = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
+        results = []
+
+        def run(*tensors):
+            leaves = list(flat)
+            for i, tensor in zip(at, tensors):
+                leaves[i] = tensor
+            positional, named = tree_unflatten(leaves, spec)
+            out, out_spec = tree_flatten(function(*positional, **named))
+            results.append(out_spec)
+            return out
+
+        class Launch(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *tensors):
+                launched()
+                with _disable_current_modes():
+                    out = run(*tensors)
+                ctx.save_for_backward(*tensors)
+                return tuple(out)
+
+            @staticmethod
+            def backward(ctx, *grads):
+                launched()
+                with _disable_current_modes(), torch.enable_grad():
+                    inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+                    pairs = [(out, grad) for out, grad in zip(run(*inputs), grads)
+                             if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad]
+                    wanted = [t for t in inputs if t.requires_grad]
+                    found = iter(torch.autograd.grad([p[0] for p in pairs], wanted, [p[1] for p in pairs],
+                                                     allow_unused=True) if pairs and wanted else ())
+                return tuple(next(found, None) if t.requires_grad else None for t in inputs)
+
+        out = Launch.apply(*(flat[i] for i in at))
+        return tree_unflatten(list(out), results[0])
+
+    return call
+
+
+def _flex_attention_with_cpu_backward(*args, **kwargs):
+    """flex_attention on CPU with its backward: torch refuses one there (its CPU compile has none), and the eager
+    dense backward that check guards is what a stand-in's recompute needs."""
+    import torch.nn.attention.flex_attention as flex
+
+    check = flex._validate_device
+    flex._validate_device = lambda *_: None
+    try:
+        return flex.flex_attention(*args, **kwargs)
+    finally:
+        flex._validate_device = check
+
+
+# The CUDA-only library kernels ``library_kernels`` stands in for on CPU: "module.attribute" -> (name, CPU function)
+LIBRARY_KERNELS = {"torch.nn.attention.flex_attention.flex_attention": ("flex_attention",
+                                                                        _flex_attention_with_cpu_backward)}
+
+
+def count_ops(fn, *args, sites: bool = False, library_kernels: bool = False, **kwargs) -> tuple[OpCount, object]:
     """Run ``fn(*args, **kwargs)`` once and count what it dispatched: (OpCount, fn's result). ``sites``: also count
-    by the line of our code that issued each op (``OpCount.by_site``; slower: a stack walk an op)."""
+    by the line of our code that issued each op (``OpCount.by_site``; slower: a stack walk an op).
+    ``library_kernels``: the CUDA-only library kernels of ``LIBRARY_KERNELS`` run where a GPU would run them, each
+    counted as one launch forward and one backward (kernels/dispatch.py ``library_stand_ins``)."""
+    from ...kernels.dispatch import library_stand_ins
+
     count = OpCount()
     mode = _Counter(count, sites)
-    with _triton_launches_as_one(mode), mode:
+    stand_ins = {path: _one_launch(mode, name, function) for path, (name, function) in LIBRARY_KERNELS.items()}
+    with library_stand_ins(stand_ins if library_kernels else {}), _triton_launches_as_one(mode), mode:
         result = fn(*args, **kwargs)
     return count, result
 
 
-def training_step_ops(module, hidden_states, position_embeddings, sites: bool = False) -> OpCount:
+def training_step_ops(module, hidden_states, position_embeddings, sites: bool = False,
+                      library_kernels: bool = False) -> OpCount:
     """One forward + backward of a standalone layer (``apps/bench/harness.build_mixer``) on ``hidden_states``: the
-    count of the benchmarks' training step, the loss a sum of squares."""
+    count of the benchmarks' training step, the loss a sum of squares (``library_kernels``: as ``count_ops``; then
+    a first step, not counted, builds what a library kernel builds once a shape, as a run's first step does: flex's
+    block mask)."""
 
     def step():
         module(hidden_states, position_embeddings).float().pow(2).mean().backward()
 
-    return count_ops(step, sites=sites)[0]
+    if library_kernels:
+        count_ops(step, library_kernels=True)
+        module.zero_grad(set_to_none=True)  # or the counted step would accumulate into the gradients
+        hidden_states.grad = None
+    return count_ops(step, sites=sites, library_kernels=library_kernels)[0]
