@@ -11,8 +11,8 @@ does not cover. It asks this module whether a fast kernel may run. (VORT's reten
       triton  the kernel, or an error saying why it cannot run
       torch   the PyTorch path (chunked forms; the reference math itself)
 
-Maintained libraries' CUDA kernels (mamba_ssm's selective scan and SSD, flash-linear-attention's GLA) are picked
-here too, by ``library_kernel``: the same backends ("triton" forces the fast kernel), the same one log line.
+Maintained libraries' CUDA kernels (mamba_ssm's scans; flash-linear-attention's chunk_simple_gla and chunk_gla;
+torch's flex_attention; Liger-Kernel's fused losses) are picked here too, by ``library_kernel``: the same backends ("triton" forces the fast kernel), the same one log line.
 
 Each decision is logged once per process and kernel, with the reason ("tensors on cpu", "triton is not
 installed", "forced by HF_MIXERS_BACKEND=torch", ...): a missing fast path is said loudly, never silently.
@@ -79,6 +79,11 @@ def use_triton(kernel: str, device: torch.device, config_value: str = "auto", ch
         raise RuntimeError(f"{kernel}: the Triton kernel was requested ({source}) but cannot run: {reason}")
     _announce(kernel, f"PyTorch path ({reason})")
     return False
+
+
+def installed(package: str) -> bool:
+    """Whether ``package`` can be imported (for an entry function choosing between two libraries' kernels)."""
+    return importlib.util.find_spec(package) is not None
 
 
 def library_kernel(kernel: str, module: str, attribute: str, device: torch.device, config_value: str = "auto",

@@ -5,9 +5,10 @@
     delta_t_scan     Mamba-Δᵀ (Huang et al. 2025, eq. 15): a step size per state slot, no Δ in the write
 
 Code written for mamba_ssm runs with ``from hf_mixers.ops import selective_scan, ssd_scan``. On CUDA, where the
-maintained kernel is installed (mamba_ssm; flash-linear-attention's ``chunk_gla`` for Mamba-Δᵀ with A per state
-slot), the call goes to it (kernels/dispatch.py, logged once); otherwise to the PyTorch chunked scan of
-kernels/selective_scan.py, which is also the reference the tests compare every path with. Mamba-Δᵀ with a full A
+maintained kernel is installed (mamba_ssm; else for SSD flash-linear-attention's ``chunk_simple_gla``; its
+``chunk_gla`` for Mamba-Δᵀ with A per state slot), the call goes to it (kernels/dispatch.py, logged once);
+otherwise to the PyTorch chunked scan of kernels/selective_scan.py, which is also the reference the tests compare
+every path with. Mamba-Δᵀ with a full A
 (one rate per channel and slot) has no maintained kernel: it always runs on the PyTorch path.
 """
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import compute_dtype, outside_autocast
-from .dispatch import library_kernel
+from .dispatch import installed, library_kernel
 from .selective_scan import ssm_chunked
 
 
@@ -86,18 +87,31 @@ def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softpl
     Δ = clamp(softplus(dt + dt_bias)) per head; y = scan + D x, times silu(z); with ``return_final_states`` also the
     state (batch, heads, P, N) after the last token. ``backend``: as ``config.kernel_backend`` (kernels/dispatch.py).
     """
-    fast = library_kernel("ssd_scan", "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", x.device,
-                          backend, check=lambda: _library_dtype(x))
-    if fast is not None:
-        return fast(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
-                    dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=return_final_states)
+    if installed("mamba_ssm"):  # mamba_ssm's own kernel, where it is installed (it has no wheels)
+        fast = library_kernel("ssd_scan", "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined",
+                              x.device, backend, check=lambda: _library_dtype(x))
+        if fast is not None:
+            return fast(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
+                        dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=return_final_states)
     cd = compute_dtype(x.dtype)
     dt = _step_size(dt, dt_bias, dt_softplus, cd)
     if tuple(dt_limit) != (0.0, float("inf")):
         dt = dt.clamp(*dt_limit)
     write = x.to(cd) * dt[..., None]
-    log_decay = (dt * A.to(cd))[..., None, None]  # (batch, L, heads, 1, 1)
-    y, state = ssm_chunked(write, log_decay, B, C, initial_states, chunk_size)
+    log_decay = dt * A.to(cd)  # (batch, L, heads)
+    # else SSD is gated linear attention with one scalar forget gate a head (q = C, k = B, v = Δ x, g = Δ A):
+    # flash-linear-attention's chunk_simple_gla on CUDA
+    fast = None if installed("mamba_ssm") else library_kernel("ssd_scan", "fla.ops.simple_gla", "chunk_simple_gla",
+                                                               x.device, backend, check=lambda: _library_dtype(x))
+    if fast is not None:
+        heads = x.shape[2]
+        state = None if initial_states is None else initial_states.transpose(-1, -2).to(cd)  # fla: (B, H, N, P)
+        y, state = fast(q=C.to(cd).repeat_interleave(heads // C.shape[2], dim=2),
+                        k=B.to(cd).repeat_interleave(heads // B.shape[2], dim=2), v=write, g=log_decay, scale=1.0,
+                        initial_state=state, output_final_state=return_final_states)
+        state = None if state is None else state.transpose(-1, -2)
+    else:
+        y, state = ssm_chunked(write, log_decay[..., None, None], B, C, initial_states, chunk_size)
     out = _finish(y, x, None if D is None else (D[:, None] if D.dim() == 1 else D), z, x.dtype)
     return (out, state) if return_final_states else out
 

@@ -29,7 +29,7 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
   pytest-kernels tests/gpu/test_kernels_cuda.py: the Triton kernels against their fp64 references at realistic
                  shapes (fp32, bf16; values and gradients)
   bench-rsa, bench-sessa   the mixers' benches at T = 1K..16K against SDPA, and their decoding
-  pytest-libraries   tests/gpu/test_libraries_cuda.py: fla's GLA kernel and Liger's distillation loss against ours
+  pytest-libraries   tests/gpu/test_libraries_cuda.py: fla's GLA kernels, flex_attention, Liger's loss against ours
                  (where carried; their first calls autotune and compile for minutes, so they come last)
   pytest-triton  the Triton unit tests (tests/unit/test_*_triton.py) in-process on CUDA
   scale-1b, scale-8b   TinyLlama-1.1B- and Llama-3-8B-shaped random teachers made on the GPU, their memory plan

@@ -1,7 +1,8 @@
 """The maintained libraries' CUDA kernels that kernels/dispatch.py hands work to, where carried, against ours:
-flash-linear-attention's chunk_gla under the selective SSMs' delta-t scan, Liger-Kernel's fused linear JSD +
-cross-entropy under the distillation loss, torch's flex_attention under the local windows. Their first calls autotune and compile for minutes (the H100 run of
-2026-11-27 spent its mixer tests' whole limit in fla's), so `make gpu-check` runs this file last, in its own step.
+flash-linear-attention's chunk_simple_gla and chunk_gla under the selective SSMs' scans, Liger-Kernel's fused
+linear JSD + cross-entropy under the distillation loss, torch's flex_attention under the local windows. Their first
+calls autotune and compile for minutes (the H100 run of 2026-11-27 spent its mixer tests' whole limit in fla's), so
+`make gpu-check` runs this file last, in its own step.
 """
 
 import pytest
@@ -35,6 +36,34 @@ def test_flash_linear_attention_gla_equals_our_scan(record):
     errors = {k: relative_error(results["triton"][k], results["torch"][k]) for k in results["torch"]}
     record(errors=errors)
     assert max(errors.values()) < 1e-2, f"fla chunk_gla vs our scan: {errors}"
+
+
+def test_flash_linear_attention_simple_gla_under_ssd_equals_our_scan(record):
+    """mamba_ops.ssd_scan (Mamba-2, as the selective SSM converts) on fla's chunk_simple_gla (CUDA, without
+    mamba_ssm) against our chunked scan, values, final state and gradients, B and C shared by a group of heads."""
+    pytest.importorskip("fla")
+    if DEVICE.type != "cuda":
+        pytest.skip("fla's kernels need CUDA (against its naive reference: tests/unit/test_selective_scan.py)")
+    from hf_mixers.kernels.mamba_ops import ssd_scan
+
+    g = torch.Generator().manual_seed(0)
+    batch, length, heads, p, n = 2, 1024, 8, 64, 64
+
+    def leaf(*size, scale=1.0, shift=0.0):
+        return (torch.randn(*size, generator=g) * scale + shift).to(DEVICE).requires_grad_()
+
+    x, dt, b, c = leaf(batch, length, heads, p), leaf(batch, length, heads, shift=-2.0), \
+        leaf(batch, length, 2, n, scale=0.1), leaf(batch, length, 2, n, scale=0.1)
+    a, h0 = leaf(heads, scale=0.1, shift=-1.0), leaf(batch, heads, p, n, scale=0.1)
+    results = {}
+    for backend in ("triton", "torch"):
+        y, state = ssd_scan(x, dt, a, b, c, 64, dt_softplus=True, initial_states=h0, return_final_states=True,
+                            backend=backend)
+        grads = torch.autograd.grad(y.pow(2).sum() + state.pow(2).sum(), [x, dt, a, b, c, h0])
+        results[backend] = {"y": y, "state": state, **{f"d{k}": v for k, v in zip("x dt A B C h0".split(), grads)}}
+    errors = {k: relative_error(results["triton"][k], results["torch"][k]) for k in results["torch"]}
+    record(errors=errors)
+    assert max(errors.values()) < 1e-2, f"fla chunk_simple_gla vs our scan: {errors}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

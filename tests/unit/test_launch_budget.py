@@ -70,6 +70,17 @@ def test_rsa_window_step_takes_flex_attention_as_one_launch_each_way():
     assert short.ops <= 375, short.top()  # the memory's 292 and the window's 83: the target (300) is not met yet
 
 
+@needs_kernels
+def test_selective_ssm_step_on_flash_linear_attention_meets_the_budget():
+    """The selective SSM as converted (Mamba-2's SSD): with fla's chunk_simple_gla as the scan (one launch each way,
+    counted through its CPU stand-in) the step is within issue 67's budget of 150 a layer and flat in T; on the
+    PyTorch path the chunked scan grows with the chunks."""
+    short = step_ops("selective_ssm", {}, 64, library_kernels=True)
+    long = step_ops("selective_ssm", {}, 256, library_kernels=True)
+    assert short.by_name["library:chunk_simple_gla"] == 2
+    assert short.ops == long.ops and short.ops <= 150, (short.ops, long.ops, short.top())
+
+
 # every converted-to mixer with each of its optional branches (the contract suite's variants)
 VARIANTS = [(spec.name, variant, {**spec.conversion_options, **spec.tiny_options, **options})
             for spec in list_mixers(convertible=True) if not spec.is_teacher_attention

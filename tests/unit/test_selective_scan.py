@@ -216,6 +216,7 @@ def test_library_kernels_run_only_on_cuda_and_are_named_once(fresh_dispatch, mon
 
 def test_the_ops_hand_the_library_mamba_ssm_arguments(fresh_dispatch, monkeypatch):
     calls = []
+    monkeypatch.setattr("hf_mixers.kernels.mamba_ops.installed", lambda package: True)  # mamba_ssm, before fla
     monkeypatch.setattr("hf_mixers.kernels.mamba_ops.library_kernel",
                         lambda kernel, module, attribute, device, backend, check: (
                             lambda *a, **k: calls.append((attribute, a, k))))
@@ -226,6 +227,35 @@ def test_the_ops_hand_the_library_mamba_ssm_arguments(fresh_dispatch, monkeypatc
     ssd_scan(x, torch.randn(1, 4, 2), -torch.ones(2), torch.randn(1, 4, 1, 5), torch.randn(1, 4, 1, 5), 8,
              dt_softplus=True)
     assert calls[-1][0] == "mamba_chunk_scan_combined" and calls[-1][2]["dt_softplus"] is True
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_ssd_scan_through_flash_linear_attention_equals_our_scan(groups, fresh_dispatch):
+    """Without mamba_ssm, SSD on CUDA is fla's chunk_simple_gla (q = C, k = B, v = Δ x, g = Δ A, its state (N, P)):
+    with fla's own naive recurrence in the kernel's place (its kernels need CUDA), the output, the final state and
+    every gradient are our chunked scan's (B and C shared by 1 or 2 groups of 4 heads, a starting state, D and z)."""
+    from hf_mixers.apps.bench.op_count import _simple_gla_reference
+
+    g = torch.Generator().manual_seed(0)
+    batch, length, heads, width, size = 2, 50, 4, 8, 16
+    leaves = {"x": torch.randn(batch, length, heads, width, generator=g),
+              "dt": torch.randn(batch, length, heads, generator=g),
+              "A": -torch.rand(heads, generator=g) - 0.5,
+              "B": 0.3 * torch.randn(batch, length, groups, size, generator=g),
+              "C": 0.3 * torch.randn(batch, length, groups, size, generator=g),
+              "initial_states": torch.randn(batch, heads, width, size, generator=g),
+              "D": torch.randn(heads, generator=g), "z": torch.randn(batch, length, heads, width, generator=g)}
+    calls, results = [], {}
+    for path, stand_ins in (("ours", {}), ("fla", {"fla.ops.simple_gla.chunk_simple_gla": lambda *a, **k: (
+            calls.append(k["scale"]) or _simple_gla_reference(*a, **k))})):
+        tensors = {name: t.clone().requires_grad_() for name, t in leaves.items()}
+        with dispatch.library_stand_ins(stand_ins):
+            out, state = ssd_scan(chunk_size=16, dt_softplus=True, return_final_states=True, **tensors)
+        grads = torch.autograd.grad(out.pow(2).sum() + state.pow(2).sum(), list(tensors.values()))
+        results[path] = [out, state, *grads]
+    assert calls == [1.0]
+    for name, got, want in zip(["out", "state", *leaves], results["fla"], results["ours"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_auto_picks_the_factored_recurrence_only_for_large_per_channel_states(monkeypatch):

@@ -217,9 +217,21 @@ def _flex_attention_with_cpu_backward(*args, **kwargs):
         flex._validate_device = check
 
 
+def _simple_gla_reference(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
+                          **_):
+    """flash-linear-attention's ``chunk_simple_gla`` on CPU: its own naive recurrence (fla-core is pure Python; its
+    kernels need CUDA). ``g_gamma`` (a constant log decay a head) becomes the per-token gate it stands for."""
+    from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+
+    if g is None:
+        g = g_gamma.to(q.dtype).expand(*q.shape[:3])
+    return naive_recurrent_simple_gla(q, k, v, g, scale, initial_state, output_final_state)
+
+
 # The CUDA-only library kernels ``library_kernels`` stands in for on CPU: "module.attribute" -> (name, CPU function)
 LIBRARY_KERNELS = {"torch.nn.attention.flex_attention.flex_attention": ("flex_attention",
-                                                                        _flex_attention_with_cpu_backward)}
+                                                                        _flex_attention_with_cpu_backward),
+                   "fla.ops.simple_gla.chunk_simple_gla": ("chunk_simple_gla", _simple_gla_reference)}
 
 
 def count_ops(fn, *args, sites: bool = False, library_kernels: bool = False, **kwargs) -> tuple[OpCount, object]:
