@@ -13,13 +13,16 @@ Shapes: q (B, G, g, T, F) (G KV heads of g query heads), k (B, G, T, F), v (B, G
 weights (B, G, T, S) (zero for padding: such a token writes nothing), skip (B, G, T) or None, state (B, G, S, F, V)
 before token 0 (None: zeros).
 
-Forms, equal in fp64 (tests/unit/test_retention.py):
+Forms, equal in fp64 (tests/unit/test_retention.py; ``retention`` is the entry that picks one):
     retention_quadratic   the (T, T) matrix a_{t,i}: the definition (the paper's parallel form); ``scores`` may
                           replace q . k (e.g. the exact exp(q . k / sqrt(d)) of the identity checks)
     retention_recurrent   token by token: decay, (strict: read), write, (read): the decode path
     retention_chunked     chunks of C tokens: intra-chunk a masked matmul with the (C, C) kernel summed over the
                           slots, inter-chunk the state read through exp(l_s (r + 1)); memory linear in T, and a
                           long input a segment of chunks at a time (the state carried)
+    retention_simple_gla  through flash-linear-attention's chunk_simple_gla (CUDA): each (KV head, slot) pair is a
+                          linear attention of constant decay l_s (its ``g_gamma``) over the keys c_s(i) k_i; fla's
+                          heads carry one query each, so the pair runs once per query head of its KV head
 States are fp32 (fp64 stays fp64): 1 - e^{l_s} can be 5.6e-7, below bf16's resolution.
 """
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .common import compute_dtype, outside_autocast
+from .dispatch import library_kernel
 
 
 def _check(q, k, v, log_rates, weights, skip, state):
@@ -199,3 +203,45 @@ def retention_chunked(q, k, v, log_rates, weights, skip=None, state=None, includ
         current = torch.exp(log_rates * real)[None, :, :, None, None] * before[:, :, -1] + torch.einsum(
             "gsc,bgcs,bgcf,bgcv->bgsfv", to_last, wc[:, :, -1], kc[:, :, -1], vc[:, :, -1])
     return out.flatten(3, 4)[:, :, :, :length], current
+
+
+@outside_autocast
+def retention_simple_gla(q, k, v, log_rates, weights, skip=None, state=None, include_current: bool = True, *,
+                         kernel):
+    """The chunked form's result through ``kernel``, flash-linear-attention's ``chunk_simple_gla`` (or a stand-in
+    with its signature). Its heads are the (KV head, slot, query head) triples; the slots' outputs are summed. fla
+    reads the current token too, so the current token's own term is corrected outside: + skip_t (q_t . k_t) v_t,
+    or, for a strict read, - sum_s c_s(t) (q_t . k_t) v_t."""
+    _check(q, k, v, log_rates, weights, skip, state)
+    q, k, v, log_rates, weights, skip, state = _cast(q, k, v, log_rates, weights, skip, state)
+    batch, groups, per_group, length, features = q.shape
+    slots, width = log_rates.shape[-1], v.shape[-1]
+    heads = (batch, length, groups, slots, per_group)  # fla's (B, T, H) with H = G S g
+    queries = q.permute(0, 3, 1, 2, 4)[:, :, :, None].expand(*heads, features)
+    keys = (weights.transpose(1, 2)[..., None] * k.transpose(1, 2)[:, :, :, None])[:, :, :, :, None]
+    values = v.transpose(1, 2)[:, :, :, None, None].expand(*heads, width)
+    gamma = log_rates.expand(groups, slots)[:, :, None].expand(groups, slots, per_group)
+    initial = None if state is None else state[:, :, :, None].expand(batch, groups, slots, per_group, features, width)
+    out, final = kernel(q=queries.flatten(2, 4), k=keys.expand(*heads, features).flatten(2, 4),
+                        v=values.flatten(2, 4), g_gamma=gamma.flatten(), scale=1.0,
+                        initial_state=None if initial is None else initial.flatten(1, 3), output_final_state=True)
+    out = out.unflatten(2, (groups, slots, per_group)).sum(3).permute(0, 2, 3, 1, 4)  # (B, G, g, T, V)
+    final = final.unflatten(1, (groups, slots, per_group))[:, :, :, 0]  # every query head's copy is the same
+    current = skip if include_current else -weights.sum(-1)  # (B, G, T) or None
+    if current is not None:
+        out = out + (current[:, :, None] * (q * k[:, :, None]).sum(-1))[..., None] * v[:, :, None]
+    return out.to(q.dtype), final.to(q.dtype)
+
+
+def retention(q, k, v, log_rates, weights, skip=None, state=None, include_current: bool = True, chunk_size: int = 64,
+              backend: str = "auto"):
+    """The entry (same signature and result as the forms): one token -> ``retention_recurrent``; on CUDA where
+    kernels/dispatch.py takes flash-linear-attention -> ``retention_simple_gla``; else ``retention_chunked``.
+    ``backend``: as ``config.kernel_backend``."""
+    if q.shape[3] == 1:
+        return retention_recurrent(q, k, v, log_rates, weights, skip, state, include_current)
+    kernel = library_kernel("VORT retention", "fla.ops.simple_gla", "chunk_simple_gla", q.device, backend,
+                            check=lambda: None if q.dtype != torch.float64 else "fp64 inputs (fla computes in fp32)")
+    if kernel is not None:
+        return retention_simple_gla(q, k, v, log_rates, weights, skip, state, include_current, kernel=kernel)
+    return retention_chunked(q, k, v, log_rates, weights, skip, state, include_current, chunk_size)

@@ -34,7 +34,8 @@ is loaded, and whether it fits.
 
 The counts come from the teacher's config.json and the student built on the meta device: no weight is read. What is
 not counted: the CUDA allocator's fragmentation and caching (hence a 10% margin in "fits"), evaluation passes (no
-grad, smaller than a training step), and conversion's calibration forward.
+grad, smaller than a training step), and conversion's calibration forward. For a plan that does not fit, ``advise``
+re-plans the recipe with each switch that lowers the peak and names those that make it fit.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class MemoryPlan:
     host_at_load: int = 0
     notes: list = field(default_factory=list)
     apart: dict = field(default_factory=dict)
+    # for a plan that does not fit (``advise``): (overrides, peak bytes, alone: one switch, else all together)
+    advice: list = field(default_factory=list)
 
     def bytes_of(self, stage: str, parts) -> int:
         return sum(self.stages[stage][part] for part in parts)
@@ -104,7 +107,8 @@ class MemoryPlan:
                 "device_memory": self.device_memory, "dtype": self.dtype, "stages": self.stages,
                 "totals": {name: self.total(name) for name in self.stages}, "apart": self.apart,
                 "peak_stage": stage, "peak_bytes": peak, "host_at_load": self.host_at_load, "fits": self.fits(),
-                "notes": self.notes}
+                "notes": self.notes, "advice": [{"set": list(overrides), "peak_bytes": bytes_, "alone": alone}
+                                                for overrides, bytes_, alone in self.advice]}
 
     def to_text(self) -> str:
         parts = list(dict.fromkeys(part for values in self.stages.values() for part in values))
@@ -126,6 +130,14 @@ class MemoryPlan:
             lines.append(f"{verdict} in {_gib(self.device_memory)} {where}: the peak ({stage}) "
                          f"is {_gib(peak)}, {peak / self.device_memory:.0%} of it (with a {MARGIN:.0%} margin "
                          f"for the allocator)")
+        if self.advice:
+            lines.append("to fit, any one of (cheapest to the run first):" if self.advice[0][2] else
+                         "no single switch makes it fit; these together do:")
+            for overrides, peak_bytes, _ in self.advice:
+                flags = " ".join(f"--set {item}" for item in overrides)
+                lines.append(f"  {flags}: peak {_gib(peak_bytes)}, {peak_bytes / self.device_memory:.0%}")
+        elif self.fits() is False:
+            lines.append("nothing the plan can switch makes it fit: more processes or a larger device")
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -300,6 +312,64 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
     return plan
 
 
+def _with(recipe: Recipe, overrides: tuple) -> Recipe:
+    """``recipe`` with ``overrides`` ("section.field=value", values already typed) applied: a copy."""
+    recipe = copy.deepcopy(recipe)
+    for item in overrides:
+        path, value = item.split("=", 1)
+        section, name = path.split(".")
+        current = getattr(getattr(recipe, section), name)
+        setattr(getattr(recipe, section), name, type(current)(value) if not isinstance(current, bool)
+                else value == "true")
+    return recipe
+
+
+def _switches(recipe: Recipe, processes: int):
+    """The switches that lower the peak, cheapest to the run first, each a list of candidate override tuples (the
+    first that fits is named): what costs compute before what changes the training."""
+    train, data = recipe.train, recipe.data
+    if not train.gradient_checkpointing:  # about a third more compute; the same training
+        yield [("train.gradient_checkpointing=true",)]
+    if recipe.stage2.loss_chunk_rows == 0:  # the loss's logits a chunk of rows at a time
+        yield [("stage2.loss_chunk_rows=512",)]
+    if train.batch_size > 1:  # the same tokens per optimizer step, in more micro-batches
+        yield [(f"train.batch_size={train.batch_size // factor}", f"train.grad_accum={train.grad_accum * factor}")
+               for factor in (2, 4, 8, 16, 32, 64) if train.batch_size % factor == 0]
+    if processes > 1 and train.strategy == "ddp":  # the weights, gradients and states shared over the processes
+        yield [("train.strategy=fsdp",)]
+    if train.strategy == "deepspeed" and train.zero_stage < 3:
+        yield [(f"train.zero_stage={stage}",) for stage in range(train.zero_stage + 1, 4)]
+    if data.sequence_length > 256:  # shorter sequences: this changes what the run learns, so it comes last
+        yield [(f"data.sequence_length={data.sequence_length // factor}",) for factor in (2, 4, 8)
+               if data.sequence_length // factor >= 128]
+
+
+def advise(plan: MemoryPlan, recipe: Recipe, processes: int = 1) -> MemoryPlan:
+    """For a plan that does not fit: each switch of ``_switches`` that makes it fit on its own, with the peak it
+    gives (re-planned; the block measurements are reused), into ``plan.advice``; when none does, all of the switches
+    that keep the training the same (everything but the sequence length) at once, if that fits."""
+    if plan.fits() is not False:
+        return plan
+
+    def peak(overrides):
+        return plan_memory(_with(recipe, overrides), processes, plan.device_memory, plan.device).peak()[1]
+
+    def fits(bytes_):
+        return bytes_ * (1 + MARGIN) <= plan.device_memory
+
+    together = ()
+    for candidates in _switches(recipe, processes):
+        if not candidates[0][0].startswith("data."):
+            together += candidates[-1]
+        for overrides in candidates:
+            if fits(bytes_ := peak(overrides)):
+                plan.advice.append((overrides, bytes_, True))
+                break
+    if not plan.advice and together and fits(bytes_ := peak(together)):
+        plan.advice.append((together, bytes_, False))
+    return plan
+
+
 def _folder_tokenizer(source: str):
     """The tokenizer of a teacher folder that has one, loaded as a run loads it (None otherwise: a hub id or GGUF
     is not read for a plan)."""
@@ -421,11 +491,24 @@ def _extrapolated(measure, length: int, width: float) -> int:
     return int(round(low + (high - low) / (MLP_WIDTHS[1] - MLP_WIDTHS[0]) * (width - MLP_WIDTHS[0])))
 
 
+_measured: dict = {}  # one process's block measurements, by everything they read: the advice re-plans reuse them
+
+
 def _block_memory(config, kind: str, recipe: Recipe, dtype: torch.dtype, stage: str, length: int, width: int,
                   resident: bool) -> tuple[int, int, int]:
     """(bytes of the distinct storages autograd saves in one forward of one block of ``kind`` (its MLP ``width``
     wide) over one sequence of ``length``, parameters excluded; the rise of resident memory over the first block and
     over a second: 0 unless ``resident``, when two blocks run)."""
+    key = (config.to_json_string(), kind, str(dtype), stage, length, width, resident, recipe.stage1.train_qkv,
+           tuple(recipe.stage2.lora_targets), recipe.stage2.lora_r, releases_host_memory(recipe.train))
+    if key not in _measured:
+        _measured[key] = _measure_block(config, kind, recipe, dtype, stage, length, width, resident)
+    return _measured[key]
+
+
+def _measure_block(config, kind: str, recipe: Recipe, dtype: torch.dtype, stage: str, length: int, width: int,
+                   resident: bool) -> tuple[int, int, int]:
+    """``_block_memory``, measured."""
     from ..model.modeling import model_classes
     from .precision import autocast, fp32_masters
 

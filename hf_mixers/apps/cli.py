@@ -413,11 +413,12 @@ def _train(args) -> int:
         print(recipe_text(recipe, [*args.recipes, *(f"--set {item}" for item in [*flags, *args.overrides])]))
         return 0
     if getattr(args, "plan", False):
-        from ..recipes.memory_plan import parse_size, plan_memory
+        from ..recipes.memory_plan import advise, parse_size, plan_memory
 
         try:
             memory = None if args.device_memory is None else parse_size(args.device_memory)
-            plan = plan_memory(load_recipe(args.recipes, [*flags, *args.overrides]), args.processes, memory)
+            recipe = load_recipe(args.recipes, [*flags, *args.overrides])
+            plan = advise(plan_memory(recipe, args.processes, memory), recipe, args.processes)
         except EXPECTED_ERRORS as error:
             return _fail("distill --plan", error)
         print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.to_text())

@@ -38,7 +38,7 @@ from ..core.registry import (MixerOption, MixerSpec, boolean, non_negative_int, 
                              one_of, open_unit_interval, positive_int, positive_number, register_mixer)
 from ..core.window import windowed
 from ..kernels.common import compute_dtype, outside_autocast
-from ..kernels.retention import lag_kernel, retention_chunked, retention_quadratic, retention_recurrent
+from ..kernels.retention import lag_kernel, retention, retention_chunked, retention_quadratic, retention_recurrent
 from ..kernels.soe import KERNELS, gl_weights, power_weights, soe_log_rates, soe_weights
 
 FEATURE_MAPS = ("favor_pos", "hedgehog", "elu1", "identity")
@@ -182,10 +182,8 @@ class VORTMixer(RecurrentMixer, FullAttention):
         decayed = c.vort_normalizer == "decayed"
         main, plain = state if state is not None else (None, None)
         v = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1) if decayed else values
-        length = q_feat.shape[3]
-        if method == "auto":
-            method = "recurrent" if length == 1 else "chunked"
-        run = {"recurrent": retention_recurrent, "quadratic": retention_quadratic,
+        run = {"auto": lambda *a, **k: retention(*a, **k, chunk_size=c.vort_chunk_size, backend=c.kernel_backend),
+               "recurrent": retention_recurrent, "quadratic": retention_quadratic,
                "chunked": lambda *a, **k: retention_chunked(*a, **k, chunk_size=c.vort_chunk_size)}[method]
         out, main = run(q_feat, k_feat, v, log_rates, weights, skip, main, include_current=include)
         if decayed:

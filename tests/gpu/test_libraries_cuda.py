@@ -66,6 +66,35 @@ def test_flash_linear_attention_simple_gla_under_ssd_equals_our_scan(record):
     assert max(errors.values()) < 1e-2, f"fla chunk_simple_gla vs our scan: {errors}"
 
 
+def test_flash_linear_attention_simple_gla_under_vort_retention_equals_the_chunked_form(record):
+    """kernels/retention.retention (VORT's global branch) on fla's chunk_simple_gla with a constant decay a head
+    (g_gamma), one head a (KV head, slot, query head), against the chunked form: SmolLM2's heads, 16 slots of the
+    SOE rates, 64 features, the normaliser's column of ones, a starting state; values, state and gradients."""
+    pytest.importorskip("fla")
+    if DEVICE.type != "cuda":
+        pytest.skip("fla's kernels need CUDA (against its naive reference: tests/unit/test_retention.py)")
+    from hf_mixers.kernels.retention import retention, retention_chunked
+    from hf_mixers.kernels.soe import soe_log_rates, soe_weights
+
+    g = torch.Generator().manual_seed(0)
+    batch, groups, per_group, length, features, width, terms = 2, 3, 3, 1024, 64, 65, 15
+    weights, skip = soe_weights(0.1 + 0.9 * torch.rand(batch, groups, length, generator=g), terms, 2048)
+    inputs = {"q": torch.rand(batch, groups, per_group, length, features, generator=g) / features,
+              "k": torch.rand(batch, groups, length, features, generator=g),
+              "v": torch.randn(batch, groups, length, width, generator=g), "weights": weights, "skip": skip,
+              "state": torch.randn(batch, groups, terms + 1, features, width, generator=g) * 0.01}
+    log_rates = soe_log_rates(terms, 2048)[None].to(DEVICE)
+    results = {}
+    for name, run in (("fla", lambda **a: retention(**a, backend="triton")), ("chunked", retention_chunked)):
+        leaves = {key: t.to(DEVICE).requires_grad_() for key, t in inputs.items()}
+        out, state = run(**leaves, log_rates=log_rates)
+        grads = torch.autograd.grad(out.pow(2).sum() + state.pow(2).sum(), list(leaves.values()))
+        results[name] = {"out": out, "state": state, **{f"d{key}": grad for key, grad in zip(leaves, grads)}}
+    errors = {k: relative_error(results["fla"][k], results["chunked"][k]) for k in results["chunked"]}
+    record(errors=errors)
+    assert max(errors.values()) < 1e-2, f"fla chunk_simple_gla vs the chunked retention: {errors}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_liger_distillation_loss_equals_the_chunked_loss(dtype, record):
     """kernels/distill_loss.distillation_loss on CUDA dispatches to Liger-Kernel's fused linear JSD + cross-entropy

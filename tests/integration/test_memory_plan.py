@@ -191,3 +191,37 @@ def test_the_command_prints_the_plan_and_says_whether_it_fits(teacher_dir, capsy
     plan = plan_memory(recipe(teacher_dir, "model.mixer=gltm"), processes=2, device="cpu")
     assert 0 < plan.device_memory * 2 <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert "per cpu process (this machine's RAM over the processes)" in plan.to_text() and plan.fits()
+
+
+def test_a_plan_that_does_not_fit_names_the_switches_that_make_it_fit(teacher_dir, capsys):
+    """``--plan`` advises: each switch that makes the run fit on its own, cheapest to the run first, with the peak it
+    gives (each a re-plan that fits); when none does alone, the cheap ones together; when nothing can, it says so."""
+    from hf_mixers.recipes.memory_plan import advise
+
+    settings = ["model.mixer=gltm", "data.sequence_length=1024", "train.batch_size=32", "stage2.loss_chunk_rows=0"]
+    base = recipe(teacher_dir, *settings)
+    peak = plan_memory(base, 1, 80 * GIB, "cuda").peak()[1]
+    plan = advise(plan_memory(base, 1, int(peak * 0.8), "cuda"), base, 1)
+    assert plan.fits() is False
+    switches = [overrides for overrides, _, alone in plan.advice if alone]
+    assert switches[0] == ("train.gradient_checkpointing=true",) and switches[-1][0].startswith("data.sequence_length")
+    assert ("train.batch_size=8", "train.grad_accum=4") in switches  # the same tokens an optimizer step
+    for overrides, planned_peak, _ in plan.advice:  # each figure is the re-planned run's, and it fits
+        again = plan_memory(recipe(teacher_dir, *settings, *overrides), 1, int(peak * 0.8), "cuda")
+        assert again.peak()[1] == planned_peak and again.fits()
+    cheap = ("train.gradient_checkpointing=true", "stage2.loss_chunk_rows=512", "train.batch_size=1",
+             "train.grad_accum=32")  # every switch that keeps the training the same, at its furthest
+    least = plan_memory(recipe(teacher_dir, *settings, *cheap), 1, 80 * GIB, "cuda").peak()[1]
+    together = advise(plan_memory(base, 1, int(least * 1.1) + 1, "cuda"), base, 1)
+    assert together.advice == [(cheap, least, False)]
+    assert "no single switch makes it fit; these together do:" in together.to_text()
+    hopeless = advise(plan_memory(base, 1, GIB // 2, "cuda"), base, 1)  # below the CUDA context alone
+    assert not hopeless.advice and "nothing the plan can switch makes it fit" in hopeless.to_text()
+    args = ["distill", *(f"--set={item}" for item in [f"model.teacher={teacher_dir}", *settings]), "--plan",
+            "--device-memory", f"{peak * 0.8 / GIB:.3f}GiB"]
+    assert cli_main(args) == 1
+    out = capsys.readouterr().out
+    assert "to fit, any one of (cheapest to the run first):" in out
+    assert "  --set train.gradient_checkpointing=true: peak" in out
+    assert cli_main([*args, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["advice"][0]["set"] == ["train.gradient_checkpointing=true"]

@@ -158,3 +158,62 @@ def test_autocast_leaves_the_fp32_math_alone(low):
         assert out.dtype == state.dtype == torch.float32, form.__name__
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6, msg=form.__name__)
         torch.testing.assert_close(state, expected_state, rtol=1e-6, atol=1e-6, msg=form.__name__)
+
+
+@pytest.mark.parametrize("include_current", [True, False])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("per_group_rates", [False, True])
+def test_the_simple_gla_form_equals_the_definition(include_current, with_state, per_group_rates):
+    """On CUDA the chunked form's work goes to flash-linear-attention's chunk_simple_gla, one head a (KV head, slot,
+    query head), the decay a constant per head (``g_gamma``). With fla's own naive recurrence in the kernel's place
+    (it computes in fp32; its kernels need CUDA) it gives the definition's output, final state and gradients."""
+    from hf_mixers.apps.bench.op_count import _simple_gla_reference
+    from hf_mixers.kernels.retention import retention_simple_gla
+
+    x = inputs(per_group_rates=per_group_rates)
+    if not with_state:
+        x["state"] = None
+    names = [name for name in ("q", "k", "v", "weights", "skip", "state")
+             if x[name] is not None and (include_current or name != "skip")]  # a strict read has no skip term
+    results = {}
+    for form in ("quadratic", "simple_gla"):
+        leaves = {name: x[name].clone().requires_grad_(True) for name in names}
+        run = retention_quadratic if form == "quadratic" else \
+            (lambda **a: retention_simple_gla(**a, kernel=_simple_gla_reference))
+        out, state = run(**{**x, **leaves}, include_current=include_current)
+        grads = torch.autograd.grad(out.sin().sum() + state.cos().sum(), list(leaves.values()))
+        results[form] = [out, state, *grads]
+    for name, got, want in zip(["out", "state", *names], results["simple_gla"], results["quadratic"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5, msg=name)  # fp32 sums of terms up to ~40
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_a_vort_layer_on_its_library_kernels_equals_its_pytorch_path(window):
+    """VORT's layer as converted (routed orders, the decayed normaliser, the local window or none), packed and left
+    padded, with its CUDA library kernels in place (fla's chunk_simple_gla for the retention, flex_attention for the
+    window: their CPU stand-ins) against the PyTorch path, output and gradients."""
+    from hf_mixers.apps.bench.harness import build_mixer, rotary_embeddings
+    from hf_mixers.apps.bench.op_count import LIBRARY_KERNELS
+    from hf_mixers.kernels.dispatch import library_stand_ins
+
+    torch.manual_seed(0)
+    layer, config = build_mixer("vort", {"vort_window": window}, 32, 4, 2, "cpu", torch.float32)
+    x = torch.randn(2, 30, 32)
+    token_mask = torch.ones(2, 30, dtype=torch.bool)
+    token_mask[1, :6] = False
+    embeddings = rotary_embeddings(config, x, 30)
+    calls = []
+
+    def counted(name, function):
+        return lambda *a, **k: calls.append(name) or function(*a, **k)
+
+    results = {}
+    for path, stand_ins in (("torch", {}), ("library", {key: counted(name, function) for key, (name, function)
+                                                        in LIBRARY_KERNELS.items()})):
+        leaf = x.clone().requires_grad_()
+        with library_stand_ins(stand_ins):
+            out = layer(leaf, embeddings, token_mask=token_mask)[token_mask]
+        results[path] = [out, *torch.autograd.grad(out.pow(2).sum(), [leaf, *layer.parameters()])]
+    assert sorted(calls) == ["chunk_simple_gla"] + ["flex_attention"] * bool(window)
+    for got, want in zip(results["library"], results["torch"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -258,6 +258,34 @@ def test_ssd_scan_through_flash_linear_attention_equals_our_scan(groups, fresh_d
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("input_scaling", ["none", "state"])
+def test_delta_t_scan_through_flash_linear_attention_equals_our_scan(input_scaling, fresh_dispatch):
+    """Mamba-Δᵀ with A per slot on CUDA is fla's chunk_gla (q = C, k = B, v = x, g = Δ A per key slot, scale 1):
+    with fla's own naive recurrence in the kernel's place, output, final state and gradients are our scan's."""
+    from hf_mixers.apps.bench.op_count import _gla_reference
+
+    g = torch.Generator().manual_seed(0)
+    batch, length, heads, width, size = 2, 40, 4, 8, 16
+    leaves = {"x": torch.randn(batch, length, heads, width, generator=g),
+              "dt": torch.randn(batch, length, heads, size, generator=g),
+              "A": -torch.rand(heads, size, generator=g) - 0.5,
+              "B": 0.3 * torch.randn(batch, length, 2, size, generator=g),
+              "C": 0.3 * torch.randn(batch, length, 2, size, generator=g),
+              "initial_states": torch.randn(batch, heads, width, size, generator=g)}
+    calls, results = [], {}
+    for path, stand_ins in (("ours", {}), ("fla", {"fla.ops.gla.chunk_gla": lambda *a, **k: (
+            calls.append(k["scale"]) or _gla_reference(*a, **k))})):
+        tensors = {name: t.clone().requires_grad_() for name, t in leaves.items()}
+        with dispatch.library_stand_ins(stand_ins):
+            out, state = delta_t_scan(chunk_size=16, dt_softplus=True, return_final_states=True,
+                                      input_scaling=input_scaling, **tensors)
+        grads = torch.autograd.grad(out.pow(2).sum() + state.pow(2).sum(), list(tensors.values()))
+        results[path] = [out, state, *grads]
+    assert calls == [1.0]
+    for name, got, want in zip(["out", "state", *leaves], results["fla"], results["ours"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_auto_picks_the_factored_recurrence_only_for_large_per_channel_states(monkeypatch):
     from hf_mixers.kernels import selective_scan as scan
 

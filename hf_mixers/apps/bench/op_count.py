@@ -228,10 +228,22 @@ def _simple_gla_reference(q, k, v, g=None, g_gamma=None, scale=None, initial_sta
     return naive_recurrent_simple_gla(q, k, v, g, scale, initial_state, output_final_state)
 
 
+def _gla_reference(q, k, v, g, scale=None, initial_state=None, output_final_state=False, **_):
+    """flash-linear-attention's ``chunk_gla`` on CPU: its naive recurrence, which always scales the queries by
+    K^-1/2 (rescaled here to ``scale``)."""
+    from fla.ops.gla.naive import naive_recurrent_gla
+
+    features = q.shape[-1]
+    if scale is not None:
+        q = q * (scale * features ** 0.5)
+    return naive_recurrent_gla(q, k, v, g, initial_state, output_final_state)
+
+
 # The CUDA-only library kernels ``library_kernels`` stands in for on CPU: "module.attribute" -> (name, CPU function)
 LIBRARY_KERNELS = {"torch.nn.attention.flex_attention.flex_attention": ("flex_attention",
                                                                         _flex_attention_with_cpu_backward),
-                   "fla.ops.simple_gla.chunk_simple_gla": ("chunk_simple_gla", _simple_gla_reference)}
+                   "fla.ops.simple_gla.chunk_simple_gla": ("chunk_simple_gla", _simple_gla_reference),
+                   "fla.ops.gla.chunk_gla": ("chunk_gla", _gla_reference)}
 
 
 def count_ops(fn, *args, sites: bool = False, library_kernels: bool = False, **kwargs) -> tuple[OpCount, object]:
