@@ -6,7 +6,8 @@
 recipe's, keys the recipe does not set (offload, bucket sizes, overlap_comm, ...) are kept as written, and a key the
 recipe sets (batch size, accumulation, ZeRO stage, optimizer, rate, weight decay, clipping, precision) written with
 another value is refused, naming the file, the key and the recipe field, as is a ``scheduler``: the recipe's
-``train.lr_scheduler`` sets every step's rate.
+``train.lr_scheduler`` sets every step's rate. A key DeepSpeed would not read (a misspelt one, which it ignores at the
+top level) is refused too, checked by DeepSpeed's own parser (``unknown_keys``).
 """
 
 from __future__ import annotations
@@ -87,7 +88,72 @@ def merged(user: dict, ours: dict, path: str) -> dict:
     config = _merge(user, ours, "", conflicts)
     if conflicts:
         raise ValueError(f"train.deepspeed_config: {path} disagrees with the recipe: " + "; ".join(conflicts))
+    unknown = unknown_keys(config)
+    if unknown:
+        raise ValueError(f"train.deepspeed_config: {path}: DeepSpeed does not know " + "; ".join(unknown))
     return config
+
+
+def unknown_keys(config: dict) -> list[str]:
+    """The keys of ``config`` that DeepSpeed would not read, each with a close known name where there is one. The
+    top level: the keys its ``DeepSpeedConfig`` asks for while it parses ``config`` (recorded as it reads them; an
+    unknown one it would silently ignore); a section (zero_optimization, ...): what its pydantic model refuses."""
+    import difflib
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    asked = set()
+
+    class Recorded(dict):  # a dict that notes every key looked up in it, however it is asked
+        def get(self, key, default=None):
+            asked.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):
+            asked.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            asked.add(key)
+            return super().__contains__(key)
+
+        def keys(self):
+            return _RecordedKeys(self, asked)
+
+    # train_batch_size must equal micro-batch x accumulation x processes, which only the launched run knows
+    checked = {key: value for key, value in config.items() if key != "train_batch_size"}
+    try:
+        DeepSpeedConfig(Recorded(checked))
+    except ValidationError as error:
+        found = []
+        for problem in error.errors():
+            key = ".".join(str(part) for part in problem["loc"])
+            sections = [name for name, value in config.items() if isinstance(value, dict) and problem["loc"]
+                        and problem["loc"][0] in value]
+            found.append(f"{sections[0] + '.' if sections else ''}{key} ({problem['msg'].lower()})")
+        return found
+    except (AssertionError, ValueError, TypeError):  # a value it refuses: DeepSpeed says which when the run starts
+        return []
+    return [name + (f" (did you mean {close[0]}?)" if (close := difflib.get_close_matches(name, asked, 1)) else "")
+            for name in checked if name not in asked]
+
+
+class _RecordedKeys:
+    """``dict.keys()`` of ``unknown_keys``' recording dict: a membership test is a lookup of that key."""
+
+    def __init__(self, mapping: dict, asked: set):
+        self.mapping, self.asked = mapping, asked
+
+    def __contains__(self, key):
+        self.asked.add(key)
+        return dict.__contains__(self.mapping, key)
+
+    def __iter__(self):
+        return iter(dict.keys(self.mapping))
+
+    def __len__(self):
+        return len(self.mapping)
 
 
 def _merge(user: dict, ours: dict, prefix: str, conflicts: list) -> dict:

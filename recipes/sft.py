@@ -27,7 +27,7 @@ from ..conversion.teacher import stored_dtype
 from .config import Recipe
 from .precision import autocast, dtype_name, output_dtype, training_dtype
 from .tracking import finish_tracking, start_tracking
-from .trainer import run_stage
+from .trainer import leaves_nothing_unless_started, run_stage
 
 
 def conversation(row: dict, where: str, messages_field: str | None = None) -> list[dict]:
@@ -201,6 +201,7 @@ def heldout_loss(model, encoded, batch_size: int = 4) -> float:
     return sum(losses) / len(losses)
 
 
+@leaves_nothing_unless_started
 def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None) -> dict:
     """Stage 3 on ``recipe.model.student`` (or the given model); returns the summary (OUT/summary.json)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -215,6 +216,8 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     if student is None and not recipe.model.student:
         raise ValueError("finetune needs model.student: the folder of a converted or distilled model")
     recipe, processes = launched(recipe)
+    record = checked_recipe(recipe)
+    start_tracking(processes, recipe)  # a tracker that cannot start fails here, before the weights are read
     device = processes.device
     dtype = training_dtype(recipe.train.precision, device)
     if student is None:  # a folder: its tokenizer first, checked before the weights are read
@@ -233,8 +236,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     else:
         stored = next(student.parameters()).dtype
     saved_dtype = output_dtype(recipe.output.dtype, stored)
-    start_tracking(processes, recipe)  # a tracker that cannot start fails before recipe.json is written
-    write_recipe(recipe, checked_recipe(recipe), processes)
+    write_recipe(recipe, record, processes)
     started = time.perf_counter()
     # a streamed source is read for one example per training row the steps take (with packing they fill fewer rows,
     # which the steps then go over again)

@@ -49,7 +49,7 @@ from .data import materialise_sources, pack
 from .dataset_sources import DataBlocks, parse_sources, source_blocks
 from .strategies import Sharding, check_launch, from_accelerate_config
 from .tracking import finish_tracking, start_tracking, trackers
-from .trainer import Processes, peak_memory, run_stage
+from .trainer import Processes, leaves_nothing_unless_started, peak_memory, run_stage
 
 logger = logging.getLogger(__name__)
 HELD_OUT_CURVE = "heldout_kl_teacher_student"  # what loss_curve.png draws beside a stage's loss (train.eval_every)
@@ -291,6 +291,7 @@ def wider_evaluation_sets(recipe: Recipe, tokenizer, data: DataBlocks) -> dict:
     return sets
 
 
+@leaves_nothing_unless_started
 def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, conversion_report=None) -> dict:
     """Run the recipe's enabled stages; returns the summary (also written to OUT/summary.json).
 
@@ -310,6 +311,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     recipe, processes = launched(recipe)
     progress = progress and processes.is_main
     record = checked_recipe(recipe)
+    start_tracking(processes, recipe)  # a tracker that cannot start fails here, before the teacher, data, conversion
     started = time.perf_counter()
     device = processes.device
     dtype = training_dtype(recipe.train.precision, device)
@@ -364,7 +366,6 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     if shared and progress:
         tqdm.write(f"student and teacher hold their {shared / 2**20:.0f} MiB of common frozen weights once")
     heldout_ids = heldout_ids.to(device, torch.long)  # the training blocks stay mapped: batches move one by one
-    start_tracking(processes, recipe)  # a tracker that cannot start fails before recipe.json is written
     write_recipe(recipe, record, processes)
 
     wider_ids = {name: ids.to(device, torch.long) for name, ids in

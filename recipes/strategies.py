@@ -495,6 +495,18 @@ class _LossModule(nn.Module):
         return self.loss_fn(batch, metrics)
 
 
+def _one_process_group(device: torch.device) -> None:
+    """A process group of this one process, where no launcher made one (plain ``python``/``hf-mixers``): DeepSpeed
+    would otherwise look for an MPI launcher to learn its rank and fail without mpi4py. An in-process store, so no
+    port or file is taken; the variables a launcher sets (DeepSpeed's engine reads LOCAL_RANK) say rank 0 of 1."""
+    if torch.distributed.is_initialized():
+        return
+    for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(name, value)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                         store=torch.distributed.HashStore(), rank=0, world_size=1)
+
+
 class DeepSpeedOptimizer:
     """DeepSpeed ZeRO (``train.strategy: deepspeed``): optimizer states (stage 1) and gradients (stage 2) of the
     trainable parameters partitioned over the processes; with stage 3 the whole student too (frozen weights
@@ -536,6 +548,7 @@ class DeepSpeedOptimizer:
             if processes.is_main:
                 stage = os.path.basename(path).removesuffix(".safetensors")
                 tqdm.write(f"{stage}: deepspeed: {train.deepspeed_config} merged into the recipe's settings")
+        _one_process_group(processes.device)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=holder, model_parameters=list(parameters.values()), config=config)
         if self.zero3:  # at rest a partitioned tensor's data is empty; a persistent one keeps it whole as well

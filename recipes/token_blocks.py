@@ -30,7 +30,7 @@ class BlockWriter:
         self.handle = None
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.handle = open(path + ".partial", "wb")
+            self.handle = open(path + ".partial", "wb", buffering=0)  # rows are buffered here, FLUSH_ROWS at a time
 
     def add(self, ids) -> None:
         """One block: ``length`` token ids."""
@@ -48,8 +48,13 @@ class BlockWriter:
             self._flush()
 
     def _flush(self) -> None:
-        if self.rows:
-            np.concatenate(self.rows).tofile(self.handle)
+        if self.rows:  # os writes, not ndarray.tofile: a full disk raises with its errno, naming the file
+            data = memoryview(np.concatenate(self.rows)).cast("B")
+            try:
+                while data:
+                    data = data[self.handle.write(data):]
+            except OSError as error:
+                raise OSError(error.errno, error.strerror, self.path) from None
             self.rows, self.buffered = [], 0
 
     def finish(self) -> torch.Tensor:

@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import math
 import os
@@ -37,6 +38,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from ..common.files import removed_unless_started
 from .precision import autocast, fp32_masters, training_dtype
 from .processes import Processes
 from .profiling import StepProfiler
@@ -126,6 +128,19 @@ class PendingSteps:
             read.append((row, [ranks[index] for ranks in first_tokens], logged))
         self.steps, self.since = [], time.perf_counter()
         return read
+
+
+def leaves_nothing_unless_started(run):
+    """``run(recipe, ...)``, a training run (distill, finetune), with ``removed_unless_started`` around it
+    (common/files.py): a run that fails before it logs a step or saves a checkpoint leaves no recipe.json, packed
+    data or tracker folder behind, so a relaunch starts clean."""
+
+    @functools.wraps(run)
+    def wrapped(recipe, *args, **kwargs):
+        with removed_unless_started(recipe.output.dir):
+            return run(recipe, *args, **kwargs)
+
+    return wrapped
 
 
 def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps: int, train, lr: float,

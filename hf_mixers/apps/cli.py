@@ -43,8 +43,16 @@ def _fail(command: str, error: BaseException, message: str | None = None) -> int
                                                                                          FileExistsError)):
         # a read-only location, a full disk: outputs are renamed into place only when complete, so nothing is lost
         message += " (nothing was half-written: outputs are renamed into place only when complete)"
-    print(f"hf-mixers {command}: error: {message}", file=sys.stderr)
+    _say(f"hf-mixers {command}: error: {message}")
     return exit_code(error)
+
+
+def _say(line: str) -> None:
+    """One line on stderr, on a line of its own: a progress bar still drawn there (its line not ended) is cleared
+    first, as tqdm.write does."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
 
 
 class LazyChoices:
@@ -326,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT; atomic writers removed their staging
         resumes = " (the same command resumes from the last checkpoint)" if args.command in ("distill", "finetune") \
             else ""
-        print(f"\nhf-mixers {args.command}: interrupted{resumes}", file=sys.stderr)
+        _say(f"hf-mixers {args.command}: interrupted{resumes}")
         return EXIT_INTERRUPTED
 
 

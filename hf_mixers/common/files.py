@@ -5,6 +5,7 @@
     check_output_folder(out_dir)        refuse a non-empty folder unless overwrite, before any work starts
     staging_folder(out_dir)             the sibling folder a writer fills before renaming it onto out_dir
     cache_folder(name)                  $HF_MIXERS_CACHE/name (default ~/.cache/hf-mixers/name): what can be rebuilt
+    removed_unless_started(out_dir)     a training run's folder: what a run that fails before it starts made is removed
 
 Staging names carry the writer's process id (``.NAME.partial-<pid>-...``), so a later run removes the leftovers of a
 writer that was killed (its pid is gone) and leaves a live writer's alone. Finished outputs get the usual mode for
@@ -13,6 +14,7 @@ new files under the process's umask (``mkdtemp`` alone would leave the folder 07
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -136,6 +138,32 @@ def check_report_files(out_dir: str, names, overwrite: bool) -> str:
         raise FileExistsError(f"{os.path.join(out_dir, earlier[0])} exists (an earlier run's); pass --overwrite to "
                               f"replace it, or choose another --out")
     return out_dir
+
+
+def _started(out_dir: str) -> bool:
+    """Whether a training run in ``out_dir`` has got anywhere: a checkpoint saved, or a step logged."""
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    return bool(glob.glob(os.path.join(out_dir, "checkpoints", "*.safetensors"))) or (
+        os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
+
+
+@contextlib.contextmanager
+def removed_unless_started(out_dir: str):
+    """Around a training run: if it fails (or is interrupted) before its first logged step or checkpoint, what it
+    created in ``out_dir`` (recipe.json, the packed data, the trackers' folders, an empty checkpoints folder) is
+    removed, and ``out_dir`` itself if the run made it; what was there before stays. Rank 0 of a launch cleans up."""
+    existed = os.path.isdir(out_dir)
+    before = set(os.listdir(out_dir)) if existed else set()
+    try:
+        yield
+    except BaseException:
+        if int(os.environ.get("RANK", "0")) == 0 and os.path.isdir(out_dir) and not _started(out_dir):
+            for name in set(os.listdir(out_dir)) - before:
+                path = os.path.join(out_dir, name)
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+            if not existed and not os.listdir(out_dir):
+                os.rmdir(out_dir)
+        raise
 
 
 def staging_folder(out_dir: str) -> str:

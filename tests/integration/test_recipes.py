@@ -608,6 +608,27 @@ def test_deepspeed_zero2_under_torchrun_matches_data_parallel_and_resumes(teache
                                                                           "stage2.safetensors"]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_deepspeed_in_one_plain_process_runs_like_data_parallel(teacher_dir, tmp_path):
+    """``train.strategy=deepspeed`` from a plain ``hf-mixers distill`` (no launcher, so no process group and no
+    LOCAL_RANK): the run makes a one-process group of its own instead of looking for an MPI launcher (mpi4py), and
+    its ZeRO-2 steps log the losses of the same run under ddp."""
+    import sys
+
+    settings = ["stage1.enabled=false", "stage2.steps=2", "train.batch_size=1"]
+    distill(load_recipe([], small(teacher_dir, tmp_path / "ddp", *settings)), progress=False)
+    want = [json.loads(line)["loss"] for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    command = [sys.executable, "-m", "hf_mixers", "distill"]
+    for item in small(teacher_dir, tmp_path / "deepspeed", *settings, "train.strategy=deepspeed"):
+        command += ["--set", item]
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    result = subprocess.run(command, env={**env, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = [json.loads(line)["loss"] for line in (tmp_path / "deepspeed" / "metrics.jsonl").read_text().splitlines()]
+    assert got == pytest.approx(want, rel=1e-5)
+
+
 def test_cli_distill_reports_recipe_errors(capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("stage2: {lora_rank: 4}\n")

@@ -74,8 +74,8 @@ def test_a_wandb_run_in_offline_mode_gets_every_stage_metric_and_the_recipe(teac
 def test_a_tracker_that_cannot_start_is_one_line_exit_3_and_no_recipe_is_written(teacher_dir, tmp_path, monkeypatch,
                                                                                   capsys):
     """wandb without an API key (and not offline): wandb's own UsageError, a real one, becomes one line naming the
-    tracker and what it needs; exit 3 (a fault outside the command, like a missing Hub token); recipe.json is not
-    written, since the run never started."""
+    tracker and what it needs; exit 3 (a fault outside the command, like a missing Hub token), before the teacher is
+    loaded; recipe.json is not written, since the run never started."""
     wandb = pytest.importorskip("wandb")
     wandb.teardown()  # wandb keeps its settings process-wide: an earlier test's offline mode would carry over
     for name in ("WANDB_API_KEY", "WANDB_MODE"):
@@ -92,6 +92,7 @@ def test_a_tracker_that_cannot_start_is_one_line_exit_3_and_no_recipe_is_written
     assert code == 3 and len(error) == 1, error
     assert "train.report_to: wandb could not start (" in error[0] and "WANDB_MODE=offline" in error[0], error
     assert "half-written" not in error[0] and not (out / "recipe.json").exists()
+    assert not out.exists()  # it fails before the data is packed or the student converted: nothing was made
 
 
 def test_no_tracker_writes_no_events(teacher_dir, tmp_path):

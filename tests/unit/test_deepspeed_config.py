@@ -48,6 +48,26 @@ def test_contradictions_and_a_scheduler_are_refused_when_the_recipe_loads(tmp_pa
         assert part in message
 
 
+def test_keys_deepspeed_would_not_read_are_refused_when_the_recipe_loads(tmp_path):
+    """A misspelt top-level key, which DeepSpeed itself would silently ignore, and a misspelt key in a section, which
+    it would refuse only once the run starts (after conversion), are named when the recipe loads: checked by
+    DeepSpeed's own parser (the keys its DeepSpeedConfig reads; the sections' models), with the close known name."""
+    settings = ["train.strategy=deepspeed", "output.dir=unused"]
+    path = write(tmp_path, {"gradient_acumulation_steps": 2, "steps_per_print": 10,
+                            "zero_optimization": {"stage": "auto", "overlap_comm": True}})
+    with pytest.raises(RecipeError, match=r"DeepSpeed does not know gradient_acumulation_steps \(did you mean "
+                                          r"gradient_accumulation_steps\?\)$"):
+        load_recipe([], [*settings, f"train.deepspeed_config={path}"])
+    path = write(tmp_path, {"zero_optimization": {"stage": "auto", "offload_optimizer": {"device": "cpu",
+                                                                                         "pin_memoryy": True}}})
+    with pytest.raises(RecipeError, match=r"DeepSpeed does not know zero_optimization\.offload_optimizer\.pin_memoryy "
+                                          r"\(extra inputs are not permitted\)"):
+        load_recipe([], [*settings, f"train.deepspeed_config={path}"])
+    path = write(tmp_path, {"train_batch_size": 64, "steps_per_print": 10, "wall_clock_breakdown": False,
+                            "zero_optimization": {"stage": "auto", "overlap_comm": True, "reduce_bucket_size": 5e7}})
+    load_recipe([], [*settings, f"train.deepspeed_config={path}"])  # known keys pass (the batch: at launch)
+
+
 @pytest.mark.parametrize("content, said", [("{not json", "not valid JSON"), ("[1, 2]", "is a JSON object")])
 def test_a_bad_file_is_named(tmp_path, content, said):
     path = write(tmp_path, content)
