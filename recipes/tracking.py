@@ -60,6 +60,9 @@ def start_tracking(processes, recipe) -> None:
         accelerator.init_trackers(PROJECT, config=config, init_kwargs={"wandb": {"name": run_name}})
     except Exception as error:  # noqa: BLE001 - each tracker raises its own kinds; all are the same fault here
         names = ", ".join(str(getattr(kind, "value", kind)) for kind in accelerator.log_with)
+        if isinstance(error, OSError) and error.errno is not None:  # its folder cannot be written: the machine's
+            raise OSError(error.errno, f"train.report_to: {names} could not write its logs ({error.strerror})",
+                          accelerator.project_dir) from error
         cause = (str(error).strip().splitlines() or [""])[0]
         raise TrackerError(f"train.report_to: {names} could not start ({type(error).__name__}: {cause}); give the "
                            "tracker what it needs (e.g. WANDB_API_KEY, or WANDB_MODE=offline; "

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import json
 import os
 import sys
+import threading
 
 from .arguments import at_least, int_list, keep_attention, key_value, non_negative_list, option_dict, positive_list
 
@@ -329,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-mixers: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(getattr(args, "verbose", False))
+    threading.excepthook = functools.partial(_thread_failed, args.command)
     try:
         return _run(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT; atomic writers removed their staging
@@ -336,6 +339,17 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         _say(f"hf-mixers {args.command}: interrupted{resumes}")
         return EXIT_INTERRUPTED
+
+
+def _thread_failed(command: str, hook_args) -> None:
+    """A library's background thread (TensorBoard's event writer, ...) that fails to write: one warning line, not its
+    traceback; the command's own next write meets the same fault and reports it (exit 3). Anything else: Python's
+    usual report."""
+    error = hook_args.exc_value
+    if isinstance(error, OSError) and error.errno is not None:
+        _say(f"hf-mixers {command}: warning: a background writer ({hook_args.thread.name}) stopped: {error}")
+        return
+    threading.__excepthook__(hook_args)
 
 
 def _run(args) -> int:

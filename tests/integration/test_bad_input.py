@@ -346,29 +346,32 @@ def test_ctrl_c_is_one_line_exit_130_and_nothing_half_written(teacher_dir, tmp_p
 
 
 def test_a_run_that_fails_before_it_starts_leaves_nothing_and_names_the_file(teacher_dir, tmp_path):
-    """``ulimit -f`` below the packed training data: the write fails with its errno (exit 3, a machine fault), the
-    line names the file, and the run, which never started, leaves no data, recipe.json or output folder behind; a
-    folder that was there before stays, with what was in it."""
+    """``ulimit -f`` of 2 KiB: TensorBoard's first event file, or without a tracker the packed training data, cannot
+    be written. Each is one line naming the folder or file with its errno (exit 3, a machine fault), and the run,
+    which never started, leaves no tracker folder, data, recipe.json or output folder behind; a folder that was
+    there before keeps what was in it."""
     import subprocess
     import sys
 
     from test_recipes import small
 
-    for out in (tmp_path / "new", tmp_path / "kept"):
-        words = ["distill", *[part for item in small(teacher_dir, out, "stage1.steps=1", "stage2.steps=1")
-                              for part in ("--set", item)]]
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    for out, trackers, named in ((tmp_path / "new", "[tensorboard]", "could not write its logs (File too large): '"
+                                  f"{tmp_path / 'new' / 'tensorboard'}'"),
+                                 (tmp_path / "new", "[]", f"File too large: '{tmp_path / 'new' / 'data'}"),
+                                 (kept, "[]", f"File too large: '{kept / 'data' / 'train.int32'}'")):
+        words = ["distill", *[part for item in small(teacher_dir, out, "stage1.steps=1", "stage2.steps=1",
+                                                     f"train.report_to={trackers}") for part in ("--set", item)]]
         result = subprocess.run(["bash", "-c", 'ulimit -f 2; exec "$@"', "bash", sys.executable, "-m", "hf_mixers",
                                  *words], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                                 timeout=300)
         lines = [line for line in result.stderr.splitlines() if line.startswith("hf-mixers distill: error:")]
         assert result.returncode == 3, result.stderr[-2000:]
-        assert len(lines) == 1 and f"File too large: '{out / 'data' / 'train.int32'}'" in lines[0], lines
-        if out.name == "new":
-            assert not out.exists()
-            out = tmp_path / "kept"
-            out.mkdir()
-            (out / "notes.txt").write_text("mine")
-    assert sorted(os.listdir(tmp_path / "kept")) == ["notes.txt"]
+        assert len(lines) == 1 and named in lines[0], lines
+        assert not (tmp_path / "new").exists()
+    assert sorted(os.listdir(kept)) == ["notes.txt"]
 
 
 def test_a_value_out_of_range_is_blamed_on_where_it_was_set(tmp_path):
