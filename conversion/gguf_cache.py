@@ -56,13 +56,19 @@ def entry_folder(path: str, dtype: torch.dtype) -> str | None:
 
 
 def read_entry(folder: str | None) -> dict | None:
-    """The record of a complete entry (the GGUF file, dtype, licence, whether it has a tokenizer), or None."""
-    if folder is None:
+    """The record of a complete entry (the GGUF file, dtype, licence, whether it has a tokenizer), or None. An entry
+    is renamed into place whole, so a folder whose record is missing or unreadable is damaged: it is removed (named
+    in a warning), else no later load could write the entry again."""
+    if folder is None or not os.path.isdir(folder):
         return None
     try:
         with open(os.path.join(folder, RECORD), encoding="utf-8") as handle:
-            return json.load(handle)
-    except (OSError, ValueError):
+            record = json.load(handle)
+        if isinstance(record, dict):
+            return record
+        raise ValueError(f"{RECORD} is not a JSON object")
+    except (OSError, ValueError) as error:
+        discard_entry(folder, error)
         return None
 
 

@@ -92,13 +92,22 @@ def test_a_file_that_fails_to_decode_leaves_nothing_in_the_cache(tmp_path, monke
     assert os.listdir(tmp_path / "cache" / "gguf") == []
 
 
-def test_an_unreadable_entry_is_replaced(fake_gguf, caplog):
+@pytest.mark.parametrize("damage", ["truncated weights", "garbage weights", "garbage config", "garbage record"])
+def test_an_unreadable_entry_is_replaced(fake_gguf, caplog, damage):
+    """An entry cut short or overwritten with garbage (each of its files): named in a warning, removed, decoded
+    again and written anew; the load never fails for it."""
     path, decodes = fake_gguf
     decoded = load_teacher(path)
     entry = gguf_cache.entry_folder(path, torch.float32)
-    weights = os.path.join(entry, "model.safetensors")
-    with open(weights, "r+b") as handle:
-        handle.truncate(os.path.getsize(weights) // 2)
+    name = {"truncated weights": "model.safetensors", "garbage weights": "model.safetensors",
+            "garbage config": "config.json", "garbage record": gguf_cache.RECORD}[damage]
+    target = os.path.join(entry, name)
+    size = os.path.getsize(target)
+    with open(target, "r+b") as handle:
+        if damage == "truncated weights":
+            handle.truncate(size // 2)
+        else:
+            handle.write(os.urandom(size))
     with caplog.at_level(logging.WARNING, logger="hf_mixers"):
         again = load_teacher(path)
     assert len(decodes) == 2 and "cannot be read" in caplog.text and entry in caplog.text
