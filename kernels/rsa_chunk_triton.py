@@ -53,12 +53,6 @@ Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp
     gradients of the per-KV-head tensors and the parameters with ``tl.atomic_add`` (query heads of a group and
     all chunks / batch rows share them; fp32 atomics make the sums' order, hence the last bits, nondeterministic
     on GPUs). dq is read, added to and written back by each level's launch.
-  Measured (saved-tensor hooks, B=1, T=512, G=3 KV heads x 3 query heads, L=4, m=d=dv=64, C=64): 35 MiB saved
-  for the backward here (of which the kernel inputs ~10 MiB, the rest the PyTorch write side's autograd) against
-  133 MiB through the PyTorch chunk form (measured before its read side was batched over chunks; its autograd keeps
-  the same tensors either way), which keeps, per level and chunk, several (B, H, C, C) and (B, H, C, m) tensors per
-  *query* head (q.X^T, the causal intra-chunk weights of the routing and of the value read, scores,
-  activations, chains...).
 
 Scope (``rsa_chunk_triton_supports`` returns the reason for anything else): assign_fn softmax | sigmoid (write
 side, PyTorch), readout sigmoid | softmax_count, routing relation | elementwise | none, RSA-q on or off, any
@@ -67,16 +61,10 @@ must be None); fp32 / fp16 / bf16 q, k, v (fp64 is out: fp32 accumulation);
 CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests). Chunk size and slots up to MAX_TILE (64), head
 dims up to MAX_HEAD_DIM (128: Llama-3-8B's heads; the backward takes them FEATURE_BLOCK features at a time).
 
-GPU status: tested under the interpreter (which computes every dot in fp32 whatever ``input_precision`` says),
-for resources by ``scripts/kernel_resources.py`` (``triton.compile`` for sm_90 on a CPU, with the Triton of the
-lent H100, 3.6), and on an H100 (2026-11-27, docs/benchmarks.md "Kernels"): at SmolLM2's heads, T = 1K and 8K,
-fp32 and bf16, values and every gradient within 8e-4 of the fp64 reference (the backward before it took feature
-blocks; since then checked under the interpreter only). Shared memory for sm_90 ("tf32x3" dots, C = m = 64, L = 4):
-at 64-wide heads forward 96 KiB, backward 176 KiB (level 0: 112 KiB); at 128-wide heads forward 128 KiB (224 with
-the window's merge weight and RSA-q), backward 176-192 KiB. A call's three kernels compile side by side before its
-first launch (``_Read.compile_kernels``: 98.8 s one after another on the H100's host; 55 -> 31 s on two CPU cores).
-"tf32" dots needed more shared memory, "ieee" did not finish compiling. Speed on a GPU is unmeasured; block sizes
-and warps are untuned.
+Tested under the interpreter (which computes every dot in fp32 whatever ``input_precision`` says) and on a GPU by
+tests/gpu/test_kernels_cuda.py; the kernels' registers, spills, shared memory and compile times for sm_90, read
+without a GPU by scripts/kernel_resources.py, and their speed are in docs/benchmarks.md. A call's kernels compile
+side by side before its first launch (``_Read.compile_kernels``).
 
 The read's forward and backward are torch.library ops (``_read_forward``, ``_read_backward``: torch.compile keeps
 each as one call); the backward's 14 gradients, which its kernel accumulates into, are zero-filled as one buffer.
