@@ -2,8 +2,8 @@
 
 Each op has one entry function that holds every choice of its own (kernels/feedback_solve.py ``feedback_solve``,
 kernels/rsa_memory.py ``rsa_memory``, kernels/mamba_ops.py's scans): the single-token case, fp64, options a kernel
-does not cover. It asks this module whether a fast kernel may run. (VORT's retention and the selective SSM's
-``ssm_scan`` still pick their PyTorch form themselves, by length and shape: docs/architecture.md.)
+does not cover. It asks this module whether a fast kernel may run. (The selective SSM's ``ssm_scan`` still picks
+its PyTorch form itself, by length and shape: docs/architecture.md.)
 
     backend = HF_MIXERS_BACKEND (environment) or config.kernel_backend:  "auto" | "triton" | "torch"
       auto    Triton when it can run on the tensors' device (CUDA + triton; or TRITON_INTERPRET=1, the CPU
@@ -12,7 +12,8 @@ does not cover. It asks this module whether a fast kernel may run. (VORT's reten
       torch   the PyTorch path (chunked forms; the reference math itself)
 
 Maintained libraries' CUDA kernels (mamba_ssm's scans; flash-linear-attention's chunk_simple_gla and chunk_gla;
-torch's flex_attention; Liger-Kernel's fused losses) are picked here too, by ``library_kernel``: the same backends ("triton" forces the fast kernel), the same one log line.
+torch's flex_attention; Liger-Kernel's fused losses) are picked here too, by ``library_kernel``: the same backends
+("triton" forces the fast kernel), the same one log line.
 
 Each decision is logged once per process and kernel, with the reason ("tensors on cpu", "triton is not
 installed", "forced by HF_MIXERS_BACKEND=torch", ...): a missing fast path is said loudly, never silently.

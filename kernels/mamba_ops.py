@@ -8,8 +8,8 @@ Code written for mamba_ssm runs with ``from hf_mixers.ops import selective_scan,
 maintained kernel is installed (mamba_ssm; else for SSD flash-linear-attention's ``chunk_simple_gla``; its
 ``chunk_gla`` for Mamba-Δᵀ with A per state slot), the call goes to it (kernels/dispatch.py, logged once);
 otherwise to the PyTorch chunked scan of kernels/selective_scan.py, which is also the reference the tests compare
-every path with. Mamba-Δᵀ with a full A
-(one rate per channel and slot) has no maintained kernel: it always runs on the PyTorch path.
+every path with. Mamba-Δᵀ with a full A (one rate per channel and slot) has no maintained kernel: it always runs
+on the PyTorch path.
 """
 
 from __future__ import annotations

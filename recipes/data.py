@@ -10,6 +10,7 @@ is cut into ``sequence_length`` blocks as it comes (the usual causal-LM packing)
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from itertools import islice
@@ -80,7 +81,12 @@ def teacher_text(teacher, tokens: int, folder: str, seed: int = 0, length: int =
 
     path = os.path.join(folder, f"teacher-{tokens}tok-{length}len-seed{seed}.jsonl")
     if os.path.exists(path):
-        return path
+        problem = _unusable_teacher_text(path, -(-tokens // length))
+        if problem is None:
+            return path
+        logging.getLogger("hf_mixers").warning("hf_mixers: the cached teacher text %s cannot be used (%s); the "
+                                               "teacher writes it again", path, problem)
+        os.remove(path)
     tokenizer, model = teacher.tokenizer, teacher.model
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -101,6 +107,24 @@ def teacher_text(teacher, tokens: int, folder: str, seed: int = 0, length: int =
     os.makedirs(folder, exist_ok=True)
     write_atomically(path, "".join(json.dumps({"text": text}) + "\n" for text in texts if text))
     return path
+
+
+def _unusable_teacher_text(path: str, rows: int) -> str | None:
+    """Why a cached ``teacher_text`` file cannot be reused (cut short, overwritten, empty), or None: it is written
+    whole (``write_atomically``), one JSON object with a non-empty "text" a line, at most ``rows`` lines."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+        lines = data.decode("utf-8").splitlines()
+        if not lines or not data.endswith(b"\n") or len(lines) > rows:
+            return f"{len(lines)} lines where 1 to {rows} whole ones were written"
+        for number, line in enumerate(lines, 1):
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"]:
+                return f"line {number} is not a sample"
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and json's errors are ValueErrors
+        return f"{type(error).__name__}: {error}"[:200]
+    return None
 
 
 def materialise_sources(source, teacher, folder: str, seed: int, length: int, progress: bool = True):

@@ -291,29 +291,39 @@ def test_a_full_disk_is_found_before_training_and_a_failed_write_is_one_line(tea
     assert not [name for name in os.listdir(tmp_path / "run" / "checkpoints") if ".partial" in name]
 
 
-@pytest.mark.parametrize("command", ["convert", "distill"])
+@pytest.mark.parametrize("command", ["convert", "distill", "distill's export"])
 def test_a_real_file_size_limit_is_one_line_exit_3_and_nothing_half_written(teacher_dir, tmp_path, command):
     """A real fault, not a built message: ``ulimit -f`` in a child process, so safetensors' own write fails (EFBIG)
-    as on a full disk: convert's model folder, distill's stage-1 checkpoint. One line naming what was being written,
-    exit 3 (a machine fault), no partial output."""
+    as on a full disk: convert's model folder, distill's stage-1 checkpoint, distill's final export (stage 2's LoRA
+    checkpoints fit, the model does not). One line naming what was being written, exit 3 (a machine fault), no
+    partial output; the same command without the limit then finishes (after the export: from its checkpoint)."""
     import subprocess
     import sys
 
     from test_recipes import small
 
     out = tmp_path / "out"
-    words = {"convert": ["convert", teacher_dir, "--mixer", "rsa", "--out", str(out)],
-             "distill": ["distill", *[part for item in small(teacher_dir, out, "stage1.steps=1", "stage2.steps=1")
-                                      for part in ("--set", item)]]}[command]
-    limit = 100  # KiB: the packed data and logs fit; the tiny model (~550 KiB) and its RSA checkpoint do not
+    stages = ["stage1.enabled=false", "stage2.steps=2"] if command == "distill's export" else \
+        ["stage1.steps=1", "stage2.steps=1"]
+    words = ["convert", teacher_dir, "--mixer", "rsa", "--out", str(out)] if command == "convert" else \
+        ["distill", *[part for item in small(teacher_dir, out, *stages) for part in ("--set", item)]]
+    # KiB: the packed data and logs fit, the tiny model (~570 KiB) does not; nor does its stage-1 checkpoint at 100,
+    # while its stage-2 checkpoint (~250 KiB) fits at 400
+    limit = 400 if command == "distill's export" else 100
     result = subprocess.run(["bash", "-c", f'ulimit -f {limit}; exec "$@"', "bash", sys.executable, "-m",
                              "hf_mixers", *words], capture_output=True, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
-    lines = [line for line in result.stderr.splitlines() if line.startswith(f"hf-mixers {command}: error:")]
+    lines = [line for line in result.stderr.splitlines() if line.startswith(f"hf-mixers {words[0]}: error:")]
     assert result.returncode == 3, result.stderr[-2000:]
     assert len(lines) == 1 and "File too large (writing " in lines[0] and "Traceback" not in result.stderr, \
         result.stderr[-2000:]
     assert not [path for path in tmp_path.rglob("*") if ".partial" in path.name]
+    if command == "distill's export":
+        assert "model" in lines[0] and (out / "checkpoints" / "stage2.safetensors").exists()
+        again = subprocess.run([sys.executable, "-m", "hf_mixers", *words], capture_output=True, text=True,
+                               env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert (out / "model" / "config.json").exists()
 
 
 @pytest.mark.parametrize("command", ["convert", "distill"])

@@ -3,6 +3,7 @@
 import importlib.util
 import re
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -691,7 +692,7 @@ def test_kl_selection_after_a_short_stage_1(teacher_dir, tmp_path, capsys):
         load_recipe([], small(teacher_dir, out, "model.keep_attention=kl:1", "stage1.selection_steps=9"))
 
 
-def test_the_teacher_writes_its_own_distillation_data(teacher_dir, tmp_path):
+def test_the_teacher_writes_its_own_distillation_data(teacher_dir, tmp_path, caplog):
     """data.source teacher:N: N tokens sampled from the teacher, cached and reused; mixed with Shakespeare, the
     training text draws on both, and the Python docs (the other domain) stay out of training."""
     from hf_mixers.conversion import load_teacher
@@ -707,6 +708,16 @@ def test_the_teacher_writes_its_own_distillation_data(teacher_dir, tmp_path):
     assert os.stat(path).st_mtime_ns == stamp  # reused, not written again
     other = teacher_text(teacher, 64, str(tmp_path / "other"), seed=4, length=16, batch=2, progress=False)
     assert open(other, encoding="utf-8").read() != text  # another seed, another sample
+    for damage in ("cut short", "garbage"):  # a damaged cache file is named, removed and written again
+        size = os.path.getsize(path)
+        with open(path, "r+b") as handle:
+            handle.truncate(size // 2) if damage == "cut short" else handle.write(os.urandom(size))
+        with caplog.at_level(logging.WARNING, logger="hf_mixers"):
+            assert teacher_text(teacher, 64, str(tmp_path / "cache"), seed=3, length=16, batch=2,
+                                progress=False) == path
+        assert f"the cached teacher text {path} cannot be used" in caplog.text
+        assert open(path, encoding="utf-8").read() == text  # the same seed: the same sample, whole again
+        caplog.clear()
 
     out = tmp_path / "mixed"
     summary = distill(load_recipe([], small(teacher_dir, out, "stage1.enabled=false", "stage2.steps=1",
