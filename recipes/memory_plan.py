@@ -313,7 +313,8 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
 
 
 def _with(recipe: Recipe, overrides: tuple) -> Recipe:
-    """``recipe`` with ``overrides`` ("section.field=value", values already typed) applied: a copy."""
+    """A copy of ``recipe`` with ``overrides`` ("section.field=value", the value read as the field's current type:
+    int, str, or "true" for a bool) applied; only ``_switches``' own fields are written."""
     recipe = copy.deepcopy(recipe)
     for item in overrides:
         path, value = item.split("=", 1)
