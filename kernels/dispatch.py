@@ -82,9 +82,14 @@ def use_triton(kernel: str, device: torch.device, config_value: str = "auto", ch
     return False
 
 
+_installed: dict = {}  # package -> importable, found once a process (a path search on every layer's call otherwise)
+
+
 def installed(package: str) -> bool:
-    """Whether ``package`` can be imported (for an entry function choosing between two libraries' kernels)."""
-    return importlib.util.find_spec(package) is not None
+    """Whether ``package`` can be imported (a library kernel's, or an entry function choosing between two)."""
+    if package not in _installed:
+        _installed[package] = importlib.util.find_spec(package) is not None
+    return _installed[package]
 
 
 def library_kernel(kernel: str, module: str, attribute: str, device: torch.device, config_value: str = "auto",
@@ -102,7 +107,7 @@ def library_kernel(kernel: str, module: str, attribute: str, device: torch.devic
     stand_in = _stand_ins.get(f"{module}.{attribute}") if device.type == "cpu" else None
     if device.type != "cuda" and stand_in is None:
         reason = f"tensors on {device.type} (the {package} kernel needs CUDA)"
-    elif stand_in is None and importlib.util.find_spec(package) is None:
+    elif stand_in is None and not installed(package):
         reason = f"{package} is not installed"
     elif check is not None and (problem := check()) is not None:
         reason = problem

@@ -87,7 +87,8 @@ def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softpl
     Δ = clamp(softplus(dt + dt_bias)) per head; y = scan + D x, times silu(z); with ``return_final_states`` also the
     state (batch, heads, P, N) after the last token. ``backend``: as ``config.kernel_backend`` (kernels/dispatch.py).
     """
-    if installed("mamba_ssm"):  # mamba_ssm's own kernel, where it is installed (it has no wheels)
+    mamba_ssm = installed("mamba_ssm")
+    if mamba_ssm:  # mamba_ssm's own kernel, where it is installed (it has no wheels)
         fast = library_kernel("ssd_scan", "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined",
                               x.device, backend, check=lambda: _library_dtype(x))
         if fast is not None:
@@ -101,7 +102,7 @@ def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softpl
     log_decay = dt * A.to(cd)  # (batch, L, heads)
     # else SSD is gated linear attention with one scalar forget gate a head (q = C, k = B, v = Δ x, g = Δ A):
     # flash-linear-attention's chunk_simple_gla on CUDA
-    fast = None if installed("mamba_ssm") else library_kernel("ssd_scan", "fla.ops.simple_gla", "chunk_simple_gla",
+    fast = None if mamba_ssm else library_kernel("ssd_scan", "fla.ops.simple_gla", "chunk_simple_gla",
                                                                x.device, backend, check=lambda: _library_dtype(x))
     if fast is not None:
         heads = x.shape[2]

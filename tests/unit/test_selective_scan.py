@@ -191,6 +191,7 @@ def test_delta_t_scan_is_eq_15_and_gated_linear_attention(full_A, input_scaling)
 @pytest.fixture
 def fresh_dispatch(monkeypatch):
     monkeypatch.setattr(dispatch, "_announced", set())
+    monkeypatch.setattr(dispatch, "_installed", {})  # what a test's patched find_spec says is not kept
     monkeypatch.delenv(dispatch.BACKEND_ENV, raising=False)
 
 
