@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-mixers: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(getattr(args, "verbose", False))
-    threading.excepthook = functools.partial(_thread_failed, args.command)
+    hook, threading.excepthook = threading.excepthook, functools.partial(_thread_failed, args.command)
     try:
         return _run(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT; atomic writers removed their staging
@@ -339,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         _say(f"hf-mixers {args.command}: interrupted{resumes}")
         return EXIT_INTERRUPTED
+    finally:  # a caller in the same process (a test, a notebook) keeps its own hook
+        threading.excepthook = hook
 
 
 def _thread_failed(command: str, hook_args) -> None:

@@ -158,11 +158,17 @@ def removed_unless_started(out_dir: str):
         yield
     except BaseException:
         if int(os.environ.get("RANK", "0")) == 0 and os.path.isdir(out_dir) and not _started(out_dir):
-            for name in set(os.listdir(out_dir)) - before:
-                path = os.path.join(out_dir, name)
-                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
-            if not existed and not os.listdir(out_dir):
-                os.rmdir(out_dir)
+            try:
+                for name in set(os.listdir(out_dir)) - before:
+                    path = os.path.join(out_dir, name)
+                    if os.path.isdir(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        os.remove(path)
+                if not existed and not os.listdir(out_dir):
+                    os.rmdir(out_dir)
+            except OSError:  # a cleanup that cannot finish never replaces the error that brought us here
+                pass
         raise
 
 
