@@ -451,8 +451,20 @@ def _train(args) -> int:
         summary = run(load_recipe(args.recipes, [*flags, *args.overrides]))
     except (*EXPECTED_ERRORS, NonFiniteLoss) as error:
         return _fail(args.command, error)
+    finally:
+        _end_process_group()
     print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=2, default=str))
     return 0
+
+
+def _end_process_group() -> None:
+    """The run's process group (the launcher's, or DeepSpeed's one-process group), ended before the command returns:
+    left to the interpreter's teardown, a rank whose peer already exited can abort in gloo's threads (SIGABRT,
+    "terminate called without an active exception") after its run finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _reproduce(args) -> int:
