@@ -35,6 +35,8 @@ buffers a backward accumulates into are zero-filled as one (``common.packed_zero
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # A try block on purpose (see rsa_chunk_triton.py): imported only once a Triton path was chosen.
@@ -234,16 +236,17 @@ def _chain_fwd(x_ptr, valid_ptr, reached_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_p
         tl.debug_barrier()  # S_{c+1}, n_{c+1} written before the next chunk reads them
 
 
-@triton.jit(do_not_specialize=["Tp", "NC", "ref_b", "ref_g", "prior_g", "kappa_g", "beta_g"])
+@triton.jit(do_not_specialize=["Tp", "NC", "ref_b", "ref_g", "prior_g", "kappa_g", "beta_g", "partials_b"])
 def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr, s_ptr, n_ptr,
                df_ptr, dp_ptr, ds_ptr, dn_ptr, w_ptr, dz_ptr,
                dx_ptr, dks0_ptr, dm0_ptr, dref0_ptr, dprior_ptr, dkappa_ptr, dbeta_ptr,
-               ref_b, ref_g, prior_g, kappa_g, beta_g, Tp, NC, G, C, M, D, tau, eps,
+               ref_b, ref_g, prior_g, kappa_g, beta_g, partials_b, Tp, NC, G, C, M, D, tau, eps,
                SIGMOID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                PRECISION: tl.constexpr):
     """One program = one (batch row, KV head), chunks in reverse. d* are the gradients of the forward's outputs
     (dp only with SIGMOID); writes dx (B, G, Tp, D) for chunks up to the row's last boundary (the rest stays 0), the
-    gradients of the starting state, and this program's partials of kappa P (B, G, M, D), kappa and beta (B, G).
+    gradients of the starting state, and this program's partials of kappa P (G, M, D), kappa and beta (G,) in its
+    batch row of one partials buffer (``partials_b`` apart), so one sum over the rows reduces all three.
     The adjoint of the key sums lives in dks0 (its final value), BLOCK_D features at a time, as the forward's S;
     the partial of kappa P accumulates in dprior (zeros on entry). w, dz (B, G, C, M): a chunk's written
     assignments and score gradients, between its row pass and its feature pass."""
@@ -323,8 +326,7 @@ def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, be
                 else:  # ref = (kappa P + S_c) / (kappa + n_c)
                     scaled = d_ref * inverse[:, None]
                     tl.store(g_sum + off_md, adjoint + scaled, mask=ok_md)
-                    d_prior = tl.load(dprior_ptr + head * MD + off_md, mask=ok_md, other=0.0)
-                    tl.store(dprior_ptr + head * MD + off_md, d_prior + scaled, mask=ok_md)
+                    _add_into(dprior_ptr + row * partials_b + g64 * MD + off_md, scaled, ok_md)
                     d_ref_ref += tl.sum(d_ref * ref, 1)
             if c > 0:
                 d_total = tl.where(total > eps, -d_ref_ref * inverse, 0.0)  # the clamp holds: no gradient
@@ -340,8 +342,8 @@ def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, be
         g_mass += tl.load(d_masses + c * M + slots, mask=slot_ok, other=0.0)
         tl.debug_barrier()
     tl.store(dm0_ptr + head * M + slots, g_mass, mask=slot_ok)
-    tl.store(dkappa_ptr + head, d_kappa)
-    tl.store(dbeta_ptr + head, d_beta)
+    tl.store(dkappa_ptr + row * partials_b + g64, d_kappa)
+    tl.store(dbeta_ptr + row * partials_b + g64, d_beta)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -452,19 +454,22 @@ def _divisor_gradient(kappa, n_at, eps, d_key, d_value):
     return d_total + tl.where(n_at > eps, -d_value * v_inverse, 0.0), tl.sum(d_total, 0)
 
 
-@triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g"])
+@triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g",
+                               "partials_b"])
 def _level_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr,
                kappa_ptr, above_ptr, dw_ptr, gv_ptr, dr_ptr, dxn_ptr, dyn_ptr, dkout_ptr, dvout_ptr,
                df_ptr, dp_ptr, dy_ptr, ds_ptr, dn_ptr, dv0_ptr, dkref0_ptr, dvref0_ptr, dprior_ptr, dkappa_ptr,
-               dabove_ptr, dr0_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, Tp, NC, G, C, M, D, DV, eps,
+               dabove_ptr, dr0_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, partials_b, Tp, NC, G, C, M, D,
+               DV, eps,
                SIGMOID: tl.constexpr, RESIDUAL: tl.constexpr, RELATION: tl.constexpr, BLOCK_R: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """One program = one (batch row, KV head), chunks in reverse. In: the forward's inputs and V; the gradients
     of its outputs (gv: of V, a copy the references' shares are added into at their boundary; dr: of R).
     Out: df (and dp with SIGMOID; softmax adds it into df), dy, the gradients of S and n (zeros on entry, added at
     each boundary a reference reads), of the starting value sum (dv0: the adjoint of V_c as the sweep goes),
-    references and relation sum, this program's partials of kappa P and kappa, and dabove = W dR^T. The keys'
-    gradient is dxn itself (x enters only x - p ref_k)."""
+    references and relation sum, this program's partials of kappa P and kappa (in its batch row of one partials
+    buffer, ``partials_b`` apart), and dabove = W dR^T. The keys' gradient is dxn itself (x enters only
+    x - p ref_k)."""
     b, g, head, row, g64, kappa, reached, kref0, prior = _program(reached_ptr, kref0_ptr, prior_ptr, kappa_ptr, kref_b,
                                                                   kref_g, prior_g, kappa_g, G)
     vref0 = vref0_ptr + row * vref_b + g64 * vref_g
@@ -474,7 +479,8 @@ def _level_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v_ptr,
     sums, masses, values = s_ptr + head * (NC + 1) * MD, n_ptr + head * (NC + 1) * M, v_ptr + head * (NC + 1) * MDV
     d_sums, d_masses = ds_ptr + head * (NC + 1) * MD, dn_ptr + head * (NC + 1) * M
     g_values, g_value = gv_ptr + head * (NC + 1) * MDV, dv0_ptr + head * MDV  # g_value: the adjoint of V_{c+1}
-    d_prior, d_kref0, d_vref0 = dprior_ptr + head * MD, dkref0_ptr + head * MD, dvref0_ptr + head * MDV
+    d_prior, d_kref0, d_vref0 = dprior_ptr + row * partials_b + g64 * MD, dkref0_ptr + head * MD, \
+        dvref0_ptr + head * MDV
     off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
     # the references after the last chunk, boundary min(NC, reached)
     at = tl.minimum(NC, reached)
@@ -614,7 +620,7 @@ def _level_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v_ptr,
         tl.debug_barrier()
     if RELATION:
         tl.store(dr0_ptr + head * MM + off_mm, g_relation, mask=ok_mm)
-    tl.store(dkappa_ptr + head, d_kappa)
+    tl.store(dkappa_ptr + row * partials_b + g64, d_kappa)
 
 
 def _launch_options(sigmoid: bool, chunk_size: int, slots: int, key_dim: int) -> dict:
@@ -671,28 +677,39 @@ def _(x, valid, key_sum, mass, key_ref, prior, kappa, beta, reached, sigmoid, ch
 def _chain_backward(x: Tensor, valid: Tensor, reached: Tensor, key_ref: Tensor, prior: Tensor, kappa: Tensor,
                     beta: Tensor, sums: Tensor, masses: Tensor, d_f: Tensor, d_p: Tensor, d_sums: Tensor,
                     d_masses: Tensor, sigmoid: bool, chunk_size: int, eps: float) -> list[Tensor]:
-    """[dx and the batch's d prior packed (``_chain_zeroed``), d key_sum, d mass, d key_ref, d prior, d kappa,
-    d beta] (the last three summed over the batch)."""
+    """[dx and the batch rows' partials packed (``_chain_zeroed``), d key_sum, d mass, d key_ref, the partials summed
+    over the batch (``_shared_gradients``: d prior, d kappa, d beta)]."""
     batch, groups, padded = x.shape[:3]
     sizes = _chain_sizes(x, prior, chunk_size, eps)
-    # dx (rows past a row's last boundary stay 0) and the accumulated d prior: one zero fill
-    zeroed, (d_x, d_prior) = packed_zeros(_chain_zeroed(x, prior), x.device)
+    # dx (rows past a row's last boundary stay 0) and the partials (d prior accumulates): one zero fill
+    zeroed, (d_x, partials) = packed_zeros(_chain_zeroed(x, prior), x.device)
+    d_prior, d_kappa, d_beta = _shared_gradients(partials, prior, 2)
     d_key_sum, d_key_ref = (x.new_empty(batch, groups, *prior.shape[1:]) for _ in range(2))  # written whole
-    d_mass, d_kappa, d_beta = x.new_empty(batch, groups, prior.shape[1]), x.new_empty(batch, groups), \
-        x.new_empty(batch, groups)
+    d_mass = x.new_empty(batch, groups, prior.shape[1])
     scratch = x.new_empty(batch, groups, chunk_size, prior.shape[1])  # (B, G, C, M)
     _chain_bwd[(batch * groups,)](x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f.contiguous(),
                                   d_p.contiguous(), d_sums.contiguous(), d_masses.contiguous(), scratch,
                                   torch.empty_like(scratch), d_x, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa,
-                                  d_beta, *_chain_read_strides(key_ref, prior, kappa, beta), *sizes,
-                                  **_launch_options(sigmoid, chunk_size, prior.shape[1], x.shape[-1]),
+                                  d_beta, *_chain_read_strides(key_ref, prior, kappa, beta), partials.stride(0),
+                                  *sizes, **_launch_options(sigmoid, chunk_size, prior.shape[1], x.shape[-1]),
                                   num_warps=BACKWARD_WARPS, num_stages=CHAIN_STAGES)
-    return [zeroed, d_key_sum, d_mass, d_key_ref, d_prior.sum(0), d_kappa.sum(0), d_beta.sum(0)]
+    return [zeroed, d_key_sum, d_mass, d_key_ref, partials.sum(0)]
+
+
+def _shared_gradients(partials, prior, scalars: int) -> list[Tensor]:
+    """Views of a partials buffer (rows, G*M*D + scalars*G), by rows: the gradients of the parameters every batch
+    row shares, kappa P (rows, G, M, D), then ``scalars`` of (rows, G) (kappa [, beta]). A kernel writes one batch
+    row each; summed over the rows (``partials.sum(0)``, then rows = 1 squeezed) they are the parameters'
+    gradients."""
+    rows, groups, size = partials.shape[0], prior.shape[0], prior[0].numel()
+    views = [partials[:, :groups * size].unflatten(1, prior.shape)]
+    return views + [partials[:, groups * size + i * groups:groups * size + (i + 1) * groups] for i in range(scalars)]
 
 
 def _chain_zeroed(x, prior) -> list[tuple]:
-    """The shapes of the chain backward's zero-filled buffers: dx, the batch's d prior."""
-    return [tuple(x.shape), (*x.shape[:2], *prior.shape[1:])]
+    """The shapes of the chain backward's zero-filled buffers: dx, the batch rows' partials (d prior, d kappa,
+    d beta)."""
+    return [tuple(x.shape), (x.shape[0], prior.numel() + 2 * prior.shape[0])]
 
 
 @_chain_backward.register_fake
@@ -701,8 +718,8 @@ def _(x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, d_
     batch, groups = x.shape[:2]
     new = lambda *shape: x.new_empty(shape, dtype=torch.float32)  # noqa: E731
     return [packed_zeros(_chain_zeroed(x, prior), x.device)[0], new(batch, groups, *prior.shape[1:]),
-            new(batch, groups, prior.shape[1]),
-            new(batch, groups, *prior.shape[1:]), new(*prior.shape), new(*kappa.shape), new(*beta.shape)]
+            new(batch, groups, prior.shape[1]), new(batch, groups, *prior.shape[1:]),
+            new(prior.numel() + 2 * prior.shape[0])]
 
 
 def _save_chain(ctx, inputs, output):
@@ -719,9 +736,10 @@ def _chain_gradients(ctx, grads):
     given = lambda grad, shape: x.new_zeros(shape, dtype=torch.float32) if grad is None else grad  # noqa: E731
     d_f = given(d_f, (*x.shape[:3], prior.shape[1]))
     d_p = given(d_p, d_f.shape) if sigmoid else d_f  # softmax: a dummy pointer
-    zeroed, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa, d_beta = _chain_backward(
+    zeroed, d_key_sum, d_mass, d_key_ref, shared = _chain_backward(
         x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, given(d_sums, sums.shape),
         given(d_masses, masses.shape), *ctx.options)
+    d_prior, d_kappa, d_beta = (t[0] for t in _shared_gradients(shared[None], prior, 2))
     d_x = unpacked(zeroed, _chain_zeroed(x, prior))[0]
     return d_x, None, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa, d_beta, None, None, None, None
 
@@ -811,20 +829,21 @@ def _(f, p, x, y, valid, key_sum, mass, value_sum0, key_ref0, value_ref0, prior,
 
 def _level_gradient_shapes(f, p, y, prior, kappa, residual, relation) -> list[tuple]:
     """The shapes of ``_level_backward``'s results after the packed zero-filled ones (``_level_zeroed``): df, [dp],
-    dy, d value_sum0, d prior, d kappa, [d above, d relation_sum0]."""
+    dy, d value_sum0, d prior and d kappa (``_shared_gradients``, summed over the batch), [d above,
+    d relation_sum0]."""
     batch, groups, _, slots = f.shape
     return ([tuple(f.shape)] + ([tuple(f.shape)] if p is not None and residual else [])
-            + [tuple(y.shape), (batch, groups, slots, y.shape[-1]), tuple(prior.shape), tuple(kappa.shape)]
+            + [tuple(y.shape), (batch, groups, slots, y.shape[-1]), (prior.numel() + kappa.numel(),)]
             + ([tuple(f.shape), (batch, groups, slots, slots)] if relation else []))
 
 
-def _level_zeroed(f, y, key_sum, mass) -> list[tuple]:
+def _level_zeroed(f, y, key_sum, mass, prior) -> list[tuple]:
     """The shapes of the level backward's zero-filled buffers, packed in its first result: d key_sum, d mass,
-    d key_ref0, d value_ref0, the batch's d prior."""
+    d key_ref0, d value_ref0, the batch rows' partials (d prior, d kappa)."""
     batch, groups, _, slots = f.shape
     key_dim, value_dim = key_sum.shape[-1], y.shape[-1]
     return [tuple(key_sum.shape), tuple(mass.shape), (batch, groups, slots, key_dim), (batch, groups, slots, value_dim),
-            (batch, groups, slots, key_dim)]
+            (batch, prior.numel() + groups)]
 
 
 @kernel_op(__name__, "level_backward")
@@ -848,10 +867,10 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
     d_p = torch.empty_like(f) if p is not None and residual else f
     d_y = torch.empty_like(y)
     # what the kernel accumulates into: one zero fill
-    zeroed, (d_key_sum, d_mass, d_key_ref0, d_value_ref0, d_prior) = packed_zeros(_level_zeroed(f, y, key_sum, mass),
-                                                                                 f.device)
+    zeroed, (d_key_sum, d_mass, d_key_ref0, d_value_ref0, partials) = packed_zeros(
+        _level_zeroed(f, y, key_sum, mass, prior), f.device)
+    d_prior, d_kappa = _shared_gradients(partials, prior, 1)
     d_value_sum0 = y.new_empty(batch, groups, slots, value_dim)  # written whole
-    d_kappa = f.new_empty(batch, groups)
     d_above = torch.empty_like(f) if relation else f
     d_relation0 = f.new_empty(batch, groups, slots, slots) if relation else f
     _level_bwd[(batch * groups,)](f, f if p is None else p, y, valid, reached, key_sum, mass, value_sums, key_ref0,
@@ -859,17 +878,17 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
                                   g_values, d_relations, d_x_next, d_y_next, d_key_ref.contiguous(),
                                   d_value_ref.contiguous(), d_f, d_p, d_y, d_key_sum, d_mass, d_value_sum0,
                                   d_key_ref0, d_value_ref0, d_prior, d_kappa, d_above, d_relation0,
-                                  *_level_read_strides(key_ref0, value_ref0, prior, kappa), *sizes,
-                                  SIGMOID=p is not None, **options, num_warps=BACKWARD_WARPS,
+                                  *_level_read_strides(key_ref0, value_ref0, prior, kappa), partials.stride(0),
+                                  *sizes, SIGMOID=p is not None, **options, num_warps=BACKWARD_WARPS,
                                   num_stages=CHAIN_STAGES)
     return ([zeroed, d_f] + ([d_p] if p is not None and residual else [])
-            + [d_y, d_value_sum0, d_prior.sum(0), d_kappa.sum(0)] + ([d_above, d_relation0] if relation else []))
+            + [d_y, d_value_sum0, partials.sum(0)] + ([d_above, d_relation0] if relation else []))
 
 
 @_level_backward.register_fake
 def _(f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above, d_written,
       d_values, d_relations, d_x_next, d_y_next, d_key_ref, d_value_ref, residual, chunk_size, eps):
-    return [packed_zeros(_level_zeroed(f, y, key_sum, mass), f.device)[0]] + [
+    return [packed_zeros(_level_zeroed(f, y, key_sum, mass, prior), f.device)[0]] + [
         f.new_empty(shape) for shape in _level_gradient_shapes(f, p, y, prior, kappa, residual, above is not None)]
 
 
@@ -882,6 +901,15 @@ def _save_level(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # a result without a gradient costs no zero tensor unless the kernel needs one
 
 
+def _given(grads: list, shapes: list, like: Tensor) -> list:
+    """``grads`` with each missing one (None where its shape is given) zeros of its shape: views of one zero fill,
+    as the kernel only reads them (e.g. the references a training step never reads get none)."""
+    missing = [math.prod(shape) for grad, shape in zip(grads, shapes) if grad is None and shape is not None]
+    zeros = like.new_zeros(max(missing)) if missing else None
+    return [zeros[:math.prod(shape)].view(shape) if grad is None and shape is not None else grad
+            for grad, shape in zip(grads, shapes)]
+
+
 def _level_gradients(ctx, grads):
     f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above = ctx.saved_tensors
     residual, relation, chunk_size, eps = ctx.options
@@ -892,20 +920,20 @@ def _level_gradients(ctx, grads):
     d_key_ref, d_value_ref = grads
     batch, groups, boundaries = key_sum.shape[:3]
     slots, key_dim, value_dim = f.shape[-1], key_sum.shape[-1], y.shape[-1]
-    given = lambda grad, *shape: f.new_zeros(shape) if grad is None else grad  # noqa: E731
     d_x = d_x_next  # x_next = x - p ref_k: x's gradient passes through
-    results = list(_level_backward(
-        f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above,
-        given(d_written, *f.shape), given(d_values, *value_sums.shape),
-        given(d_relations, batch, groups, boundaries, slots, slots) if relation else None,
-        given(d_x_next, *f.shape[:3], key_dim) if residual else None, given(d_y_next, *y.shape) if residual else None,
-        given(d_key_ref, batch, groups, slots, key_dim), given(d_value_ref, batch, groups, slots, value_dim),
-        residual, chunk_size, eps))
-    d_key_sum, d_mass, d_key_ref0, d_value_ref0, _ = unpacked(results.pop(0), _level_zeroed(f, y, key_sum, mass))
+    given = _given([d_written, d_values, d_relations, d_x_next, d_y_next, d_key_ref, d_value_ref],
+                   [f.shape, value_sums.shape, (batch, groups, boundaries, slots, slots) if relation else None,
+                    (*f.shape[:3], key_dim) if residual else None, y.shape if residual else None,
+                    (batch, groups, slots, key_dim), (batch, groups, slots, value_dim)], f)
+    results = list(_level_backward(f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior,
+                                   kappa, above, *given, residual, chunk_size, eps))
+    d_key_sum, d_mass, d_key_ref0, d_value_ref0, _ = unpacked(results.pop(0),
+                                                              _level_zeroed(f, y, key_sum, mass, prior))
     d_f = results.pop(0)
     d_p = results.pop(0) if p is not None and residual else None
-    d_y, d_value_sum0, d_prior, d_kappa = results[:4]
-    d_above, d_relation0 = results[4:] if relation else (None, None)
+    d_y, d_value_sum0, shared = results[:3]
+    d_prior, d_kappa = (t[0] for t in _shared_gradients(shared[None], prior, 1))
+    d_above, d_relation0 = results[3:] if relation else (None, None)
     return (d_f, d_p, d_x, d_y, None, d_key_sum, d_mass, d_value_sum0, d_key_ref0, d_value_ref0, d_prior, d_kappa,
             d_above, d_relation0, None, None, None)
 

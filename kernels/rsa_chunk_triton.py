@@ -26,9 +26,10 @@ linear attention.
 Split of the work:
   * Write side: ``rsa_state.write_chunks`` (shared with the PyTorch chunk form), split along its one recurrence:
     each level's key-assignment chain over the chunks (its assignments depend on the chunk-start state) is one
-    launch of kernels/rsa_chain_triton.py, forward and backward; everything else (value and relation sums, every
-    chunk's references, the residual MLPs between levels, shared across heads) is PyTorch over all chunks at once,
-    which autograd differentiates. The same path with and without autograd.
+    launch of kernels/rsa_chain_triton.py, forward and backward; the rest of its write (value and relation sums,
+    every chunk's references, the next level's residual inputs) one launch of the level kernel there, and the
+    residual MLPs between levels one launch a level for the key and value MLPs (kernels/rsa_mlp_triton.py), each
+    way. The same path with and without autograd.
   * Read side: ``_fwd_kernel``, one launch for *all* chunks of the call (given the write side, the chunks' reads
     are independent): grid (n_chunks, B * H), one program = one query head x one chunk, all L levels in order
     inside the program (the chain and the global normaliser couple them). ``_bwd_kernel`` is launched once per
@@ -92,6 +93,7 @@ from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunk
 # (C, d) tile whole, its backward takes FEATURE_BLOCK features at a time); calls over the limits run the PyTorch
 # path, said in the dispatch's log line.
 from .rsa_chain_triton import INPUT_PRECISION, NUM_WARPS, assign_chain_triton, level_writes_triton, scope_reason
+from .rsa_mlp_triton import residual_mlps_triton
 from .triton_compile import compile_side_by_side
 
 FEATURE_BLOCK = 64
@@ -685,7 +687,7 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
     valid_b = layout.valid(batch, q.device)
     # Write side: each level's assignment chain in one launch (kernels/rsa_chain_triton.py), the rest over all chunks
     writes, state = write_chunks(k_b, v_b, valid_b, layout, state, params, chain=assign_chain_triton,
-                                 level=level_writes_triton)
+                                 level=level_writes_triton, mlps=residual_mlps_triton)
 
     # Read side: all chunks in one launch, from the chunk-start sums.
     levels = params.prototypes.shape[1]

@@ -424,8 +424,13 @@ def level_writes(f, p, x, y, valid, key_sum, mass, start_value_sum, start_key_re
     return written, value_sum, relation_sum, x_next, y_next, key_ref[:, :, -1], value_ref[:, :, -1]
 
 
+def residual_mlps(key_mlp: ResidualMLPWeights, value_mlp: ResidualMLPWeights, x, y):
+    """A level's two residual MLPs: the next level's keys and values (the twin of kernels/rsa_mlp_triton.py)."""
+    return key_mlp(x), value_mlp(y)
+
+
 def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params: RSAParams, decay_b=None,
-                 chain=assign_chain, level=level_writes):
+                 chain=assign_chain, level=level_writes, mlps=residual_mlps):
     """The write side of every chunk of the aligned buffer: k_b (B, G, Tp, d), v_b (B, G, Tp, dv), valid_b (B, Tp),
     decay_b (B, G, Tp) or None -> (ChunkWrites, the state after the last chunk, count advanced). The buffer holds at
     least one chunk. Equal to ``write_chunks_in_order``.
@@ -433,8 +438,8 @@ def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params
     Split along the one recurrence: a level's assignments (``chain``: ``assign_chain`` or its Triton kernel) depend
     on its chunk-start key sums and mass, and once they are known everything else is a product over all chunks at
     once (``level``: ``level_writes`` or its kernel): the value sums and relation sums, the references of every
-    chunk start, and the next level's keys and values (the residual MLPs, one call for all chunks). So the op count
-    does not grow with T. With decay or ``params.compile_write``: ``write_chunks_in_order``.
+    chunk start, and the next level's keys and values (``mlps``: the residual MLPs, one call for all chunks). So the
+    op count does not grow with T. With decay or ``params.compile_write``: ``write_chunks_in_order``.
     """
     if decay_b is not None or params.compile_write:
         return write_chunks_in_order(k_b, v_b, valid_b, layout, state, params, decay_b)
@@ -461,7 +466,7 @@ def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params
         if i:
             relations.append(relation)
         if i < levels - 1:  # the next level writes the residuals' MLPs, every chunk at once
-            x_k, x_v = params.key_mlps[i](x_next), params.value_mlps[i](y_next)
+            x_k, x_v = mlps(params.key_mlps[i], params.value_mlps[i], x_next, y_next)
     count = k_b.shape[2] // params.chunk_size
     key_sum, value_sum, mass = (torch.stack(t, 3) for t in (key_sums, value_sums, masses))  # (B, G, N + 1, L, ...)
     relation_sum = torch.stack(relations, 3) if relations else state.relation_sum[:, :, None].expand(

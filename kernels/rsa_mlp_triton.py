@@ -1,0 +1,235 @@
+"""RSA's residual MLPs between levels as Triton kernels: a level's key MLP and value MLP in one launch each way.
+
+    out = x + silu(x W1^T + b1) W2^T + b2        x (N, d), W1 (h, d), b1 (h,), W2 (d, h), b2 (d,)
+
+``rsa_state.ResidualMLPWeights.__call__`` is the math, the CPU path and the reference. The backward recomputes the
+hidden layer from x (nothing is saved but the inputs):
+
+    a = x W1^T + b1,  s = silu(a),  da = (g W2) * silu'(a),  silu'(a) = sigmoid(a) (1 + a (1 - sigmoid(a)))
+    dx = g + da W1,   dW1 = da^T x,   db1 = sum_rows da,   dW2 = g^T s,   db2 = sum_rows g
+
+Eager PyTorch spends 4 launches forward and 8 backward on each MLP (two linears, the activation, the residual add
+and their gradients), 24 a level for the key and value MLPs; here a level takes 3. The grid is (programs, 2): axis
+1 picks the key or the value MLP, which may differ in width. Forward, a program per block of rows. Backward, at
+most ``MAX_PROGRAMS`` programs, each taking the row blocks program, program + P, ...: it writes its rows' dx and
+its own partial weight gradients into its slot of a scratch buffer, and one sum over the programs reduces them (no
+atomics, so the gradients are deterministic). Hidden units go ``HIDDEN_BLOCK`` at a time, so a program holds at
+most (rows, d) and (hidden block, d) tiles.
+
+Scope: fp32 (tf32x3 dots, as the other RSA kernels) and fp64 (IEEE dots, for the tests); both widths at most
+``MAX_WIDTH``. Used by the Triton write path (kernels/rsa_chunk_triton.py), with and without autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# A try block on purpose (see rsa_chunk_triton.py): imported only once a Triton path was chosen.
+try:
+    import triton
+    import triton.language as tl
+finally:
+    pass
+
+from .common import kernel_op, tile_edge
+from .rsa_chain_triton import INPUT_PRECISION
+from .rsa_state import ResidualMLPWeights
+
+ROW_BLOCK = 32  # rows a program takes at once: (32, d) tiles of x, g, dx
+HIDDEN_BLOCK = 32  # hidden units an iteration takes: (32, d) tiles of W1 and W2, (rows, 32) of a, s, da
+MAX_WIDTH = 128  # d (Llama-3-8B's heads): a row of x is one tile
+MAX_PROGRAMS = 512  # the backward's programs: enough to fill an H100's 132 SMs, few partial slots to sum
+WARPS = 4
+
+
+@triton.jit
+def _forward_rows(x_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, block, N, D, H, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (rows < N)[:, None] & (cols < D)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
+    out = x + tl.load(b2_ptr + cols, mask=cols < D, other=0.0)[None, :]
+    for h0 in range(0, H, BLOCK_H):
+        hidden = h0 + tl.arange(0, BLOCK_H)
+        w_ok = (hidden < H)[:, None] & (cols < D)[None, :]
+        w1 = tl.load(w1_ptr + hidden[:, None] * D + cols[None, :], mask=w_ok, other=0.0)  # (BLOCK_H, BLOCK_D)
+        w2t = tl.load(w2_ptr + cols[None, :] * H + hidden[:, None], mask=w_ok, other=0.0)  # W2^T block
+        a = tl.dot(x, tl.trans(w1), input_precision=PRECISION) \
+            + tl.load(b1_ptr + hidden, mask=hidden < H, other=0.0)[None, :]
+        out += tl.dot(a * tl.sigmoid(a), w2t, input_precision=PRECISION)  # padded hidden units: a = 0, s = 0
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], out, mask=ok)
+
+
+@triton.jit
+def _mlp_fwd(xk_ptr, wk1_ptr, bk1_ptr, wk2_ptr, bk2_ptr, outk_ptr, xv_ptr, wv1_ptr, bv1_ptr, wv2_ptr, bv2_ptr,
+             outv_ptr, N, DK, HK, DV, HV, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+             PRECISION: tl.constexpr):
+    """Program (row block, MLP): out = x + silu(x W1^T + b1) W2^T + b2 for BLOCK_N rows of the key (axis 1 = 0) or
+    value (1) MLP."""
+    if tl.program_id(1) == 0:
+        _forward_rows(xk_ptr, wk1_ptr, bk1_ptr, wk2_ptr, bk2_ptr, outk_ptr, tl.program_id(0), N, DK, HK, BLOCK_N,
+                      BLOCK_D, BLOCK_H, PRECISION)
+    else:
+        _forward_rows(xv_ptr, wv1_ptr, bv1_ptr, wv2_ptr, bv2_ptr, outv_ptr, tl.program_id(0), N, DV, HV, BLOCK_N,
+                      BLOCK_D, BLOCK_H, PRECISION)
+
+
+@triton.jit
+def _backward_rows(x_ptr, g_ptr, w1_ptr, b1_ptr, w2_ptr, dx_ptr, slot_ptr, program, programs, N, D, H,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
+    """This program's rows (blocks program, program + programs, ...): their dx, and the partial weight gradients
+    over them written to ``slot_ptr``: dW1 (H, D), db1 (H), dW2 (D, H), db2 (D), in that order."""
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    blocks = tl.cdiv(N, BLOCK_N)
+    acc = x_ptr.dtype.element_ty  # fp32, or fp64 for the tests
+    d_b2 = tl.zeros((BLOCK_D,), dtype=acc)
+    for h0 in range(0, H, BLOCK_H):  # outer: one hidden block's weight gradients stay in registers
+        hidden = h0 + tl.arange(0, BLOCK_H)
+        hidden_ok = hidden < H
+        w_ok = hidden_ok[:, None] & col_ok[None, :]
+        w1 = tl.load(w1_ptr + hidden[:, None] * D + cols[None, :], mask=w_ok, other=0.0)  # (BLOCK_H, BLOCK_D)
+        w2t = tl.load(w2_ptr + cols[None, :] * H + hidden[:, None], mask=w_ok, other=0.0)  # W2^T block
+        b1 = tl.load(b1_ptr + hidden, mask=hidden_ok, other=0.0)
+        d_w1 = tl.zeros((BLOCK_H, BLOCK_D), dtype=acc)
+        d_w2t = tl.zeros((BLOCK_H, BLOCK_D), dtype=acc)
+        d_b1 = tl.zeros((BLOCK_H,), dtype=acc)
+        for block in range(program, blocks, programs):
+            rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = (rows < N)[:, None] & col_ok[None, :]
+            at = rows[:, None] * D + cols[None, :]
+            x = tl.load(x_ptr + at, mask=ok, other=0.0)
+            g = tl.load(g_ptr + at, mask=ok, other=0.0)  # padded rows: g = 0, so they add nothing
+            a = tl.dot(x, tl.trans(w1), input_precision=PRECISION) + b1[None, :]
+            gate = tl.sigmoid(a)
+            d_a = tl.dot(g, tl.trans(w2t), input_precision=PRECISION) * gate * (1.0 + a * (1.0 - gate))
+            d_w1 += tl.dot(tl.trans(d_a), x, input_precision=PRECISION)
+            d_w2t += tl.dot(tl.trans(a * gate), g, input_precision=PRECISION)
+            d_b1 += tl.sum(d_a, 0)
+            if h0 == 0:  # the residual's and b2's share, once
+                d_b2 += tl.sum(g, 0)
+                d_x = g
+            else:
+                d_x = tl.load(dx_ptr + at, mask=ok, other=0.0)
+            tl.store(dx_ptr + at, d_x + tl.dot(d_a, w1, input_precision=PRECISION), mask=ok)
+        tl.store(slot_ptr + hidden[:, None] * D + cols[None, :], d_w1, mask=w_ok)
+        tl.store(slot_ptr + H * D + hidden, d_b1, mask=hidden_ok)
+        tl.store(slot_ptr + H * D + H + cols[None, :] * H + hidden[:, None], d_w2t, mask=w_ok)
+    tl.store(slot_ptr + 2 * H * D + H + cols, d_b2, mask=col_ok)
+
+
+@triton.jit
+def _mlp_bwd(xk_ptr, gk_ptr, wk1_ptr, bk1_ptr, wk2_ptr, dxk_ptr, xv_ptr, gv_ptr, wv1_ptr, bv1_ptr, wv2_ptr, dxv_ptr,
+             partial_ptr, N, DK, HK, DV, HV, SLOT, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (p, MLP): dx of its row blocks and its partial weight gradients, into slot (p, MLP) of ``partial``
+    (P, 2, SLOT)."""
+    program, programs = tl.program_id(0), tl.num_programs(0)
+    slot_ptr = partial_ptr + (program * 2 + tl.program_id(1)) * SLOT
+    if tl.program_id(1) == 0:
+        _backward_rows(xk_ptr, gk_ptr, wk1_ptr, bk1_ptr, wk2_ptr, dxk_ptr, slot_ptr, program, programs, N, DK, HK,
+                       BLOCK_N, BLOCK_D, BLOCK_H, PRECISION)
+    else:
+        _backward_rows(xv_ptr, gv_ptr, wv1_ptr, bv1_ptr, wv2_ptr, dxv_ptr, slot_ptr, program, programs, N, DV, HV,
+                       BLOCK_N, BLOCK_D, BLOCK_H, PRECISION)
+
+
+def scope_reason(x: Tensor, y: Tensor, key_mlp: ResidualMLPWeights, value_mlp: ResidualMLPWeights) -> str | None:
+    """Why the kernels cannot take this pair of MLPs (None: they can)."""
+    if x.dtype not in (torch.float32, torch.float64) or y.dtype != x.dtype:
+        return f"inputs {x.dtype} / {y.dtype}: the kernels take fp32 or fp64"
+    for name, mlp, width in (("key", key_mlp, x.shape[-1]), ("value", value_mlp, y.shape[-1])):
+        if width > MAX_WIDTH or mlp.up_weight.shape[0] > 4 * MAX_WIDTH:
+            return f"{name} MLP {width} -> {mlp.up_weight.shape[0]} wider than the kernels' {MAX_WIDTH}"
+    return None
+
+
+def _widths(x, y, wk1, wv1) -> tuple:
+    """(dk, hk, dv, hv): each MLP's width and hidden width."""
+    return x.shape[-1], wk1.shape[0], y.shape[-1], wv1.shape[0]
+
+
+def _launch_options(x, widths) -> dict:
+    dk, hk, dv, hv = widths
+    return dict(BLOCK_N=ROW_BLOCK, BLOCK_D=tile_edge(max(dk, dv)), BLOCK_H=tile_edge(max(hk, hv), HIDDEN_BLOCK),
+                PRECISION="ieee" if x.dtype == torch.float64 else INPUT_PRECISION, num_warps=WARPS)
+
+
+def _slot(dk, hk, dv, hv) -> int:
+    """Elements of one program's partial gradients, the wider MLP's: dW1, db1, dW2, db2."""
+    return max(2 * h * d + h + d for d, h in ((dk, hk), (dv, hv)))
+
+
+@kernel_op(__name__, "residual_mlps_forward")
+def _residual_mlps_forward(x: Tensor, wk1: Tensor, bk1: Tensor, wk2: Tensor, bk2: Tensor, y: Tensor, wv1: Tensor,
+                           bv1: Tensor, wv2: Tensor, bv2: Tensor) -> list[Tensor]:
+    """[key MLP(x), value MLP(y)] for x (N, dk), y (N, dv), contiguous."""
+    rows = x.shape[0]
+    out_x, out_y = torch.empty_like(x), torch.empty_like(y)
+    if rows:
+        widths = _widths(x, y, wk1, wv1)
+        _mlp_fwd[(triton.cdiv(rows, ROW_BLOCK), 2)](x, wk1, bk1, wk2, bk2, out_x, y, wv1, bv1, wv2, bv2, out_y, rows,
+                                                    *widths, **_launch_options(x, widths))
+    return [out_x, out_y]
+
+
+@_residual_mlps_forward.register_fake
+def _(x, wk1, bk1, wk2, bk2, y, wv1, bv1, wv2, bv2):
+    return [torch.empty_like(x), torch.empty_like(y)]
+
+
+@kernel_op(__name__, "residual_mlps_backward")
+def _residual_mlps_backward(x: Tensor, wk1: Tensor, bk1: Tensor, wk2: Tensor, y: Tensor, wv1: Tensor, bv1: Tensor,
+                            wv2: Tensor, g_x: Tensor, g_y: Tensor) -> list[Tensor]:
+    """[dx, dy, the weight gradients (2, SLOT): per MLP dW1, db1, dW2, db2 flat, summed over the programs]."""
+    rows = x.shape[0]
+    widths = _widths(x, y, wk1, wv1)
+    d_x, d_y = torch.empty_like(x), torch.empty_like(y)
+    if not rows:
+        return [d_x, d_y, x.new_zeros(2, _slot(*widths))]
+    programs = min(triton.cdiv(rows, ROW_BLOCK), MAX_PROGRAMS)
+    partial = x.new_empty(programs, 2, _slot(*widths))  # every element written by its program
+    _mlp_bwd[(programs, 2)](x, g_x, wk1, bk1, wk2, d_x, y, g_y, wv1, bv1, wv2, d_y, partial, rows, *widths,
+                            partial.shape[-1], **_launch_options(x, widths))
+    return [d_x, d_y, partial.sum(0)]
+
+
+@_residual_mlps_backward.register_fake
+def _(x, wk1, bk1, wk2, y, wv1, bv1, wv2, g_x, g_y):
+    return [torch.empty_like(x), torch.empty_like(y), x.new_empty(2, _slot(*_widths(x, y, wk1, wv1)))]
+
+
+def _save_inputs(ctx, inputs, output):
+    x, wk1, bk1, wk2, _, y, wv1, bv1, wv2, _ = inputs
+    ctx.save_for_backward(x, wk1, bk1, wk2, y, wv1, bv1, wv2)
+
+
+def _gradients(ctx, grads):
+    x, wk1, bk1, wk2, y, wv1, bv1, wv2 = ctx.saved_tensors
+    g_x, g_y = grads  # materialised: an output without a gradient gets zeros
+    d_x, d_y, weights = _residual_mlps_backward(x, wk1, bk1, wk2, y, wv1, bv1, wv2, g_x.contiguous(),
+                                                g_y.contiguous())
+    grads = []
+    for flat, (d, h) in zip(weights, ((x.shape[-1], wk1.shape[0]), (y.shape[-1], wv1.shape[0]))):
+        grads += [flat[:h * d].view(h, d), flat[h * d:h * d + h], flat[h * d + h:2 * h * d + h].view(d, h),
+                  flat[2 * h * d + h:2 * h * d + h + d]]
+    return (d_x, *grads[:4], d_y, *grads[4:])
+
+
+_residual_mlps_forward.register_autograd(_gradients, setup_context=_save_inputs)
+
+
+def residual_mlps_triton(key_mlp: ResidualMLPWeights, value_mlp: ResidualMLPWeights, x: Tensor, y: Tensor
+                         ) -> tuple[Tensor, Tensor]:
+    """(key_mlp(x), value_mlp(y)) on the kernels, x (..., dk) and y (..., dv) with the same leading shape; where
+    ``scope_reason`` says they cannot, the PyTorch MLPs."""
+    if scope_reason(x, y, key_mlp, value_mlp) is not None:
+        return key_mlp(x), value_mlp(y)
+    out_x, out_y = _residual_mlps_forward(
+        x.reshape(-1, x.shape[-1]).contiguous(), *(t.contiguous() for t in (key_mlp.up_weight, key_mlp.up_bias,
+                                                                         key_mlp.down_weight, key_mlp.down_bias)),
+        y.reshape(-1, y.shape[-1]).contiguous(), *(t.contiguous() for t in (value_mlp.up_weight, value_mlp.up_bias,
+                                                                         value_mlp.down_weight, value_mlp.down_bias)))
+    return out_x.view(x.shape), out_y.view(y.shape)
