@@ -12,9 +12,9 @@ Eager PyTorch spends 4 launches forward and 8 backward on each MLP (two linears,
 and their gradients), 24 a level for the key and value MLPs; here a level takes 3. The grid is (programs, 2): axis
 1 picks the key or the value MLP, which may differ in width. Forward, a program per block of rows. Backward, at
 most ``MAX_PROGRAMS`` programs, each taking the row blocks program, program + P, ...: it writes its rows' dx and
-its own partial weight gradients into its slot of a scratch buffer, and one sum over the programs reduces them (no
-atomics, so the gradients are deterministic). Hidden units go ``HIDDEN_BLOCK`` at a time, so a program holds at
-most (rows, d) and (hidden block, d) tiles.
+sums its partial weight gradients in its own slot of a scratch buffer (not in registers), and one sum over the
+programs reduces them (no atomics, so the gradients are deterministic). Hidden units go ``HIDDEN_BLOCK`` at a time,
+so a program holds at most (rows, d) and (hidden block, d) tiles.
 
 Scope: fp32 (tf32x3 dots, as the other RSA kernels) and fp64 (IEEE dots, for the tests); both widths at most
 ``MAX_WIDTH``. Used by the Triton write path (kernels/rsa_chunk_triton.py), with and without autograd.
@@ -36,11 +36,13 @@ from .common import kernel_op, tile_edge
 from .rsa_chain_triton import INPUT_PRECISION
 from .rsa_state import ResidualMLPWeights
 
-ROW_BLOCK = 32  # rows a program takes at once: (32, d) tiles of x, g, dx
+# Tiles and warps: the fewest registers without a spill found on sm_90 at d = 64 and 128 (scripts/kernel_resources.py;
+# neither fits 168 registers yet: that needs the features in blocks as well).
+FORWARD_ROWS, FORWARD_WARPS = 16, 4  # a forward program's rows: (16, d) tiles of x and the output
+BACKWARD_ROWS, BACKWARD_WARPS = 32, 8  # a backward row block: (32, d) tiles of x, g, dx
 HIDDEN_BLOCK = 32  # hidden units an iteration takes: (32, d) tiles of W1 and W2, (rows, 32) of a, s, da
 MAX_WIDTH = 128  # d (Llama-3-8B's heads): a row of x is one tile
 MAX_PROGRAMS = 512  # the backward's programs: enough to fill an H100's 132 SMs, few partial slots to sum
-WARPS = 4
 
 
 @triton.jit
@@ -77,47 +79,48 @@ def _mlp_fwd(xk_ptr, wk1_ptr, bk1_ptr, wk2_ptr, bk2_ptr, outk_ptr, xv_ptr, wv1_p
 
 
 @triton.jit
+def _accumulate(ptr, value, ok, first):
+    """ptr <- value on a program's first row block, ptr + value after: a partial kept in its slot, not registers."""
+    if first:
+        tl.store(ptr, value, mask=ok)
+    else:
+        tl.store(ptr, tl.load(ptr, mask=ok, other=0.0) + value, mask=ok)
+
+
+@triton.jit
 def _backward_rows(x_ptr, g_ptr, w1_ptr, b1_ptr, w2_ptr, dx_ptr, slot_ptr, program, programs, N, D, H,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
     """This program's rows (blocks program, program + programs, ...): their dx, and the partial weight gradients
-    over them written to ``slot_ptr``: dW1 (H, D), db1 (H), dW2 (D, H), db2 (D), in that order."""
+    over them summed in ``slot_ptr``: dW1 (H, D), db1 (H), dW2 (D, H), db2 (D), in that order."""
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     blocks = tl.cdiv(N, BLOCK_N)
-    acc = x_ptr.dtype.element_ty  # fp32, or fp64 for the tests
-    d_b2 = tl.zeros((BLOCK_D,), dtype=acc)
-    for h0 in range(0, H, BLOCK_H):  # outer: one hidden block's weight gradients stay in registers
-        hidden = h0 + tl.arange(0, BLOCK_H)
-        hidden_ok = hidden < H
-        w_ok = hidden_ok[:, None] & col_ok[None, :]
-        w1 = tl.load(w1_ptr + hidden[:, None] * D + cols[None, :], mask=w_ok, other=0.0)  # (BLOCK_H, BLOCK_D)
-        w2t = tl.load(w2_ptr + cols[None, :] * H + hidden[:, None], mask=w_ok, other=0.0)  # W2^T block
-        b1 = tl.load(b1_ptr + hidden, mask=hidden_ok, other=0.0)
-        d_w1 = tl.zeros((BLOCK_H, BLOCK_D), dtype=acc)
-        d_w2t = tl.zeros((BLOCK_H, BLOCK_D), dtype=acc)
-        d_b1 = tl.zeros((BLOCK_H,), dtype=acc)
-        for block in range(program, blocks, programs):
-            rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
-            ok = (rows < N)[:, None] & col_ok[None, :]
-            at = rows[:, None] * D + cols[None, :]
-            x = tl.load(x_ptr + at, mask=ok, other=0.0)
-            g = tl.load(g_ptr + at, mask=ok, other=0.0)  # padded rows: g = 0, so they add nothing
-            a = tl.dot(x, tl.trans(w1), input_precision=PRECISION) + b1[None, :]
+    for block in range(program, blocks, programs):
+        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = (rows < N)[:, None] & col_ok[None, :]
+        at = rows[:, None] * D + cols[None, :]
+        first = block == program
+        x = tl.load(x_ptr + at, mask=ok, other=0.0)
+        g = tl.load(g_ptr + at, mask=ok, other=0.0)  # padded rows: g = 0, so they add nothing
+        _accumulate(slot_ptr + 2 * H * D + H + cols, tl.sum(g, 0), col_ok, first)  # db2
+        d_x = g  # the residual's share
+        for h0 in range(0, H, BLOCK_H):
+            hidden = h0 + tl.arange(0, BLOCK_H)
+            hidden_ok = hidden < H
+            w_ok = hidden_ok[:, None] & col_ok[None, :]
+            w1 = tl.load(w1_ptr + hidden[:, None] * D + cols[None, :], mask=w_ok, other=0.0)  # (BLOCK_H, BLOCK_D)
+            a = tl.dot(x, tl.trans(w1), input_precision=PRECISION) \
+                + tl.load(b1_ptr + hidden, mask=hidden_ok, other=0.0)[None, :]
             gate = tl.sigmoid(a)
+            w2t = tl.load(w2_ptr + cols[None, :] * H + hidden[:, None], mask=w_ok, other=0.0)  # W2^T block
             d_a = tl.dot(g, tl.trans(w2t), input_precision=PRECISION) * gate * (1.0 + a * (1.0 - gate))
-            d_w1 += tl.dot(tl.trans(d_a), x, input_precision=PRECISION)
-            d_w2t += tl.dot(tl.trans(a * gate), g, input_precision=PRECISION)
-            d_b1 += tl.sum(d_a, 0)
-            if h0 == 0:  # the residual's and b2's share, once
-                d_b2 += tl.sum(g, 0)
-                d_x = g
-            else:
-                d_x = tl.load(dx_ptr + at, mask=ok, other=0.0)
-            tl.store(dx_ptr + at, d_x + tl.dot(d_a, w1, input_precision=PRECISION), mask=ok)
-        tl.store(slot_ptr + hidden[:, None] * D + cols[None, :], d_w1, mask=w_ok)
-        tl.store(slot_ptr + H * D + hidden, d_b1, mask=hidden_ok)
-        tl.store(slot_ptr + H * D + H + cols[None, :] * H + hidden[:, None], d_w2t, mask=w_ok)
-    tl.store(slot_ptr + 2 * H * D + H + cols, d_b2, mask=col_ok)
+            d_x += tl.dot(d_a, w1, input_precision=PRECISION)
+            _accumulate(slot_ptr + hidden[:, None] * D + cols[None, :],
+                        tl.dot(tl.trans(d_a), x, input_precision=PRECISION), w_ok, first)  # dW1
+            _accumulate(slot_ptr + H * D + hidden, tl.sum(d_a, 0), hidden_ok, first)  # db1
+            _accumulate(slot_ptr + H * D + H + cols[None, :] * H + hidden[:, None],
+                        tl.dot(tl.trans(a * gate), g, input_precision=PRECISION), w_ok, first)  # dW2 (as W2^T)
+        tl.store(dx_ptr + at, d_x, mask=ok)
 
 
 @triton.jit
@@ -151,10 +154,10 @@ def _widths(x, y, wk1, wv1) -> tuple:
     return x.shape[-1], wk1.shape[0], y.shape[-1], wv1.shape[0]
 
 
-def _launch_options(x, widths) -> dict:
+def _launch_options(x, widths, rows: int, warps: int) -> dict:
     dk, hk, dv, hv = widths
-    return dict(BLOCK_N=ROW_BLOCK, BLOCK_D=tile_edge(max(dk, dv)), BLOCK_H=tile_edge(max(hk, hv), HIDDEN_BLOCK),
-                PRECISION="ieee" if x.dtype == torch.float64 else INPUT_PRECISION, num_warps=WARPS)
+    return dict(BLOCK_N=rows, BLOCK_D=tile_edge(max(dk, dv)), BLOCK_H=tile_edge(max(hk, hv), HIDDEN_BLOCK),
+                PRECISION="ieee" if x.dtype == torch.float64 else INPUT_PRECISION, num_warps=warps, num_stages=1)
 
 
 def _slot(dk, hk, dv, hv) -> int:
@@ -170,8 +173,9 @@ def _residual_mlps_forward(x: Tensor, wk1: Tensor, bk1: Tensor, wk2: Tensor, bk2
     out_x, out_y = torch.empty_like(x), torch.empty_like(y)
     if rows:
         widths = _widths(x, y, wk1, wv1)
-        _mlp_fwd[(triton.cdiv(rows, ROW_BLOCK), 2)](x, wk1, bk1, wk2, bk2, out_x, y, wv1, bv1, wv2, bv2, out_y, rows,
-                                                    *widths, **_launch_options(x, widths))
+        _mlp_fwd[(triton.cdiv(rows, FORWARD_ROWS), 2)](x, wk1, bk1, wk2, bk2, out_x, y, wv1, bv1, wv2, bv2, out_y,
+                                                       rows, *widths, **_launch_options(x, widths, FORWARD_ROWS,
+                                                                                        FORWARD_WARPS))
     return [out_x, out_y]
 
 
@@ -189,10 +193,10 @@ def _residual_mlps_backward(x: Tensor, wk1: Tensor, bk1: Tensor, wk2: Tensor, y:
     d_x, d_y = torch.empty_like(x), torch.empty_like(y)
     if not rows:
         return [d_x, d_y, x.new_zeros(2, _slot(*widths))]
-    programs = min(triton.cdiv(rows, ROW_BLOCK), MAX_PROGRAMS)
+    programs = min(triton.cdiv(rows, BACKWARD_ROWS), MAX_PROGRAMS)
     partial = x.new_empty(programs, 2, _slot(*widths))  # every element written by its program
     _mlp_bwd[(programs, 2)](x, g_x, wk1, bk1, wk2, d_x, y, g_y, wv1, bv1, wv2, d_y, partial, rows, *widths,
-                            partial.shape[-1], **_launch_options(x, widths))
+                            partial.shape[-1], **_launch_options(x, widths, BACKWARD_ROWS, BACKWARD_WARPS))
     return [d_x, d_y, partial.sum(0)]
 
 
