@@ -73,12 +73,15 @@ def soe_nodes(num_terms: int, horizon: int, eps: float) -> tuple:
 
 @torch.compiler.assume_constant_result
 def _node_tensors(num_terms: int, horizon: int, eps: float, dtype, device) -> tuple:
-    """(-xi then 0, xi, Omega) as tensors, made once per dtype and device (a decode step reads them per layer)."""
+    """(-xi then 0; log(Omega / pi); the slot weights' exponents xi + log(1 - e^-xi) (gl) and log xi (power)) as
+    tensors, computed in float64 once per dtype and device (a decode step reads them per layer)."""
     key = (num_terms, horizon, eps, dtype, device)
     if key not in _tensors:
         xi, omega, _, _ = soe_nodes(num_terms, horizon, eps)
-        xi_t = torch.tensor(xi, dtype=dtype, device=device)
-        _tensors[key] = torch.cat([-xi_t, xi_t.new_zeros(1)]), xi_t, torch.tensor(omega, dtype=dtype, device=device)
+        xi = torch.tensor(xi, dtype=torch.float64)
+        tensors = (torch.cat([-xi, xi.new_zeros(1)]), torch.log(torch.tensor(omega, dtype=torch.float64) / math.pi),
+                   xi + torch.log(-torch.expm1(-xi)), torch.log(xi))
+        _tensors[key] = tuple(t.to(dtype=dtype, device=device) for t in tensors)
     return _tensors[key]
 
 
@@ -101,22 +104,27 @@ def soe_log_rates(num_terms: int, horizon: int, eps: float = 1e-3, dtype=torch.f
 
 def soe_weights(alpha: torch.Tensor, num_terms: int, horizon: int, eps: float = 1e-3, kernel: str = "gl"):
     """The alpha-dependent slot weights, differentiable in alpha: ``weights`` alpha.shape + (S + 1,) (the last is
-    the DC slot) and ``skip_weight`` alpha.shape (the lag-0 term; 0 for the power law, undefined at j = 0)."""
+    the DC slot) and ``skip_weight`` alpha.shape (the lag-0 term; 0 for the power law, undefined at j = 0).
+
+    Slot s: Omega_s rho(xi_s) = sin(pi alpha) exp(log(Omega_s / pi) - alpha c_s), c_s = xi_s + log(1 - e^-xi_s)
+    (gl) or log xi_s (power), constants of the nodes. The DC slot, the mass below lambda_min, is the same for both:
+    lambda_min^(1 - alpha) / (Gamma(alpha) Gamma(2 - alpha)) = sinc(1 - alpha) lambda_min^(1 - alpha) (reflection:
+    Gamma(alpha) Gamma(1 - alpha) = pi / sin(pi alpha)). The skip (gl), the mass above lambda_max at j = 0:
+    sin(pi alpha) / (pi alpha) e^(-alpha lambda_max). sin(pi alpha) is computed as sin(pi (1 - alpha)): exactly 0
+    at alpha = 1. Written as few elementwise ops (16 forward), since VORT computes it for every token."""
     _check(num_terms, horizon, eps)
     if kernel not in KERNELS:
         raise ValueError(f"soe: kernel must be one of {KERNELS}, got {kernel!r}")
     _, _, lambda_min, lambda_max = soe_nodes(num_terms, horizon, float(eps))
-    _, xi, omega = _node_tensors(num_terms, horizon, float(eps), alpha.dtype, alpha.device)
-    a = alpha[..., None]
-    sin_term = torch.sin(math.pi * (1 - a)) / math.pi  # sin(pi alpha) / pi, exactly 0 at alpha = 1
-    if kernel == "gl":
-        slots = omega * sin_term * torch.exp(-a * xi - a * torch.log(-torch.expm1(-xi)))
-        dc = torch.exp((1 - alpha) * math.log(lambda_min) - torch.lgamma(alpha) - torch.lgamma(2 - alpha))
-        skip = torch.sin(math.pi * (1 - alpha)) / (math.pi * alpha) * torch.exp(-alpha * lambda_max)
-    else:  # rho = sin(pi alpha) / pi lambda^-alpha; DC mass sin(pi alpha) / (pi (1 - alpha)) lambda_min^(1 - alpha)
-        slots = omega * sin_term * torch.exp(-a * torch.log(xi))
-        dc = torch.sinc(1 - alpha) * torch.exp((1 - alpha) * math.log(lambda_min))
-        skip = torch.zeros_like(alpha)
+    _, log_scale, gl_exponent, power_exponent = _node_tensors(num_terms, horizon, float(eps), alpha.dtype,
+                                                              alpha.device)
+    below = 1 - alpha
+    sin_pi_alpha = torch.sin(math.pi * below)
+    exponent = gl_exponent if kernel == "gl" else power_exponent
+    slots = sin_pi_alpha[..., None] * torch.exp(torch.addcmul(log_scale, alpha[..., None], exponent, value=-1))
+    dc = torch.sinc(below) * torch.exp(below * math.log(lambda_min))
+    skip = sin_pi_alpha * torch.exp(alpha * -lambda_max) / (math.pi * alpha) if kernel == "gl" \
+        else torch.zeros_like(alpha)
     return torch.cat([slots, dc[..., None]], dim=-1), skip
 
 

@@ -121,8 +121,8 @@ class VORTMixer(RecurrentMixer, FullAttention):
         if name == "hedgehog":
             weight = (self.hedgehog_q if side == "q" else self.hedgehog_k).to(x.dtype)  # (G, d, F/2)
             shape = (1, weight.shape[0]) + (1,) * (x.dim() - 4) + weight.shape[1:]
-            projected = x @ weight.view(shape)
-            return torch.cat([projected.softmax(-1), (-projected).softmax(-1)], dim=-1), zero
+            projected = x @ weight.view(shape)  # both halves' softmax in one call: [xW, -xW] stacked
+            return torch.stack([projected, -projected], -2).softmax(-1).flatten(-2), zero
         if name == "elu1":
             return F.elu(x) + 1, zero
         return x, zero
