@@ -352,9 +352,8 @@ def feedback_solve(f, q, k, gain, *, key_mask=None, past_k=None, past_s=None, sc
 
 # The Triton forward (and its backward's lambda sweep) walks the query chunks in turn, one program per batch row and
 # block of value columns: with fewer programs than the GPU has multiprocessors, a long input runs faster on the
-# PyTorch chunked solve, whose products fill the GPU. Measured on an H100 (bf16, Llama-3-8B's 32 feedback rows of
-# 128 at batch 1: 32 programs), forward / forward+backward in ms: Triton 3.3 / 8.0, 12 / 29, 47 / 110, 186 / 421 at
-# 1K / 2K / 4K / 8K; PyTorch 9.6 / 26, 22 / 39, 45 / 88, 93 / 215 (docs/benchmarks.md, "The fifth GPU run").
+# PyTorch chunked solve, whose products fill the GPU; on the lent H100 the crossing was at 4K tokens
+# (docs/benchmarks.md, "Kernels").
 SEQUENTIAL_LENGTH = 4096
 
 

@@ -1,10 +1,9 @@
 """Compile the Triton kernels one call will launch side by side, before it launches the first.
 
-A Triton kernel compiles at its first launch, one after another: RSA's read is a forward and two backward variants
-(~55 s in all for sm_90 on a CPU core, ~100 s measured on the lent H100's host before its backward took feature
-blocks), Sessa's solve a forward and three backward kernels. About three quarters of each compile is ``ptxas``, a
-subprocess, so threads overlap them: RSA's three kernels on 2 CPU cores took 30.9 s side by side against 55 s in
-turn (Triton 3.6 for sm_90, ``scripts/kernel_resources.py --side-by-side``; docs/benchmarks.md "Kernels"). Triton's
+A Triton kernel compiles at its first launch, one after another: RSA's read is a forward and two backward variants,
+Sessa's solve a forward and three backward kernels, tens of seconds each for sm_90. Most of each compile is
+``ptxas``, a subprocess, so threads overlap them (``scripts/kernel_resources.py --side-by-side`` measures it;
+docs/benchmarks.md "Kernels"). Triton's
 own ``AsyncCompileMode`` runs the compiles on an executor; ``JITFunction.warmup`` compiles a launch without running
 it, from the same arguments (a ``torch.dtype`` in place of a tensor that does not exist yet:
 Triton reads only its dtype, and takes it as 16-byte aligned, as every fresh CUDA allocation is).

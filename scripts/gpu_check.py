@@ -75,8 +75,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / ".gpu-wheels"  # filled by `make gpu-wheels`: wheels, SmolLM2's tokenizer (see Makefile)
 # What a GPU run compiled (Triton's and Inductor's caches), brought back in $OUT as COMPILE_CACHE_NAME and carried
-# to the next run here (git-ignored; `make gpu-wheels` does not touch it): each run compiled its kernels afresh,
-# 100-200 s of a 15-minute lease (the fifth run, 2026-11-28). A cache entry's key holds its source, the compiler's
+# to the next run here (git-ignored; `make gpu-wheels` does not touch it): otherwise each run compiles its kernels
+# afresh, minutes of a 15-minute lease. A cache entry's key holds its source, the compiler's
 # version and the GPU target, so a stale or foreign entry is only a miss.
 COMPILE_CACHE = ROOT / ".gpu-cache" / "compile-cache.tar.gz"
 COMPILE_CACHE_NAME = "compile_cache.tar.gz"
@@ -371,8 +371,8 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
             and not (dry and kernel != "rsa-window")]  # on CPU one proves the step: the warm-ups are one function
     records = lambda name: {**tier, "HF_MIXERS_GPU_CHECK_RECORDS": os.path.join(work, f"pytest_{name}.json")}  # noqa
     # In order of what is least known. Correctness on CUDA is proven (every kernel against its fp64 reference, every
-    # mixer against the CPU, compiled decode as a CUDA graph: the H100 runs of 2026-11-27), and the first timings
-    # (2026-11-28) came from the first three benches only, the rest cut by the budget: so first what serving and
+    # mixer against the CPU, compiled decode as a CUDA graph), and the first timings came from the first three
+    # benches only, the rest cut by the budget: so first what serving and
     # training cost against the teacher (a compiled token step replayed as a CUDA graph; a stage-2 step against a
     # teacher-LoRA step), the kernels against SDPA, where a step's time goes; then the regression tests; the
     # maintained libraries' kernels (minutes of autotuning and compiling) last. Each bench writes its points as they
@@ -395,14 +395,14 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
         # (each form is measured as it compiles, and a cut keeps what was measured)
         ("decode-graphs", [*python, str(Path(__file__).resolve()), "--decode-graphs", teacher,
                            os.path.join(work, "decode_graphs.json")] + (["--dry-run"] if dry else []), 420, {}),
-        # the whole stack compiles as one graph at batch 1 and at the budget's batch (2026-11-28: its four points
-        # took 70 s with a graph a block, then `generate` recompiled for its mask, cut at 150 s)
+        # the whole stack compiles as one graph at batch 1 and at the budget's batch (with a graph a block,
+        # `generate` recompiled for its mask and ran out of time)
         ("bench-generate-compiled", [*generate("rsa"), "--compile-decode", "reduce-overhead", "--out",
                                      os.path.join(work, "compiled"), "--overwrite"], 300, {}),
         # eager, then every block of the student, the teacher and the baseline compiled by Inductor (minutes at first)
         bench_distill("bench-distill", [], work, 300),
-        # the same step with each chunk's write compiled and replayed as CUDA graphs: the 0.031x of 2026-11-28 was the
-        # eager write side's launches (+ Inductor's compiles)
+        # the same step with each chunk's write compiled and replayed as CUDA graphs (the eager write side's launches
+        # were the step's cost)
         bench_distill("bench-distill-compiled-write", ["--option", "rsa_compile_write=reduce-overhead"],
                       os.path.join(work, "compiled-write"), 180),
         # issue 36's serving figures for the other constant-state mixers (VORT, the selective SSM; same window), the
@@ -709,8 +709,8 @@ def main(argv=None) -> int:
                                                          {**env, **step[3]}, log), batch)
                 report["steps"].update({step[0]: result for step, result in zip(batch, results)})
     report["figures"] = figures(work)
-    # a pytest step that ran but left no records file, not even the empty one its first import writes (the H100 run
-    # of 2026-11-27 lost pytest-mixers' figures, cause not found)
+    # a pytest step that ran but left no records file, not even the empty one its first import writes (one GPU run
+    # lost pytest-mixers' figures so, cause not found)
     report["records_missing"] = [name for name in ("mixers", "kernels", "libraries")
                                  if f"pytest-{name}" in report["steps"] and f"pytest_{name}" not in report["figures"]]
     report["seconds"] = round(time.perf_counter() - began, 1)
