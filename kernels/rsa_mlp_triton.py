@@ -13,11 +13,12 @@ and their gradients), 24 a level for the key and value MLPs; here a level takes 
 1 picks the key or the value MLP, which may differ in width. Forward, a program per block of rows. Backward, at
 most ``MAX_PROGRAMS`` programs, each taking the row blocks program, program + P, ...: it writes its rows' dx and
 sums its partial weight gradients in its own slot of a scratch buffer (not in registers), and one sum over the
-programs reduces them (no atomics, so the gradients are deterministic). Hidden units go ``HIDDEN_BLOCK`` at a time,
-so a program holds at most (rows, d) and (hidden block, d) tiles.
+programs reduces them (no atomics, so the gradients are deterministic). Hidden units go ``HIDDEN_BLOCK`` and
+features ``FEATURE_BLOCK`` at a time: a program holds (rows, block) and (block, block) tiles only, whatever the
+width.
 
-Scope: fp32 (tf32x3 dots, as the other RSA kernels) and fp64 (IEEE dots, for the tests); both widths at most
-``MAX_WIDTH``. Used by the Triton write path (kernels/rsa_chunk_triton.py), with and without autograd.
+Scope: fp32 (tf32x3 dots, as the other RSA kernels) and fp64 (IEEE dots, for the tests), any widths. Used by the
+Triton write path (kernels/rsa_chunk_triton.py), with and without autograd.
 """
 
 from __future__ import annotations
@@ -36,46 +37,61 @@ from .common import kernel_op, tile_edge
 from .rsa_chain_triton import INPUT_PRECISION
 from .rsa_state import ResidualMLPWeights
 
-# Tiles and warps: the fewest registers without a spill found on sm_90 at d = 64 and 128 (scripts/kernel_resources.py;
-# neither fits 168 registers yet: that needs the features in blocks as well).
-FORWARD_ROWS, FORWARD_WARPS = 16, 4  # a forward program's rows: (16, d) tiles of x and the output
-BACKWARD_ROWS, BACKWARD_WARPS = 32, 8  # a backward row block: (32, d) tiles of x, g, dx
-HIDDEN_BLOCK = 32  # hidden units an iteration takes: (32, d) tiles of W1 and W2, (rows, 32) of a, s, da
-MAX_WIDTH = 128  # d (Llama-3-8B's heads): a row of x is one tile
+# Tiles and warps, read from sm_90 cubins (scripts/kernel_resources.py): no spill and at most 168 registers at 4 warps,
+# whatever d, since every tile is (rows or hidden block) x feature block.
+FORWARD_ROWS, FORWARD_WARPS = 16, 4  # a forward program's rows
+BACKWARD_ROWS, BACKWARD_WARPS = 16, 4  # a backward row block
+HIDDEN_BLOCK = 32  # hidden units an iteration takes: (rows, 32) tiles of a, s, da
+FEATURE_BLOCK = 32  # features an iteration takes: (rows, 32) tiles of x, g, dx; (32, 32) of W1 and W2
 MAX_PROGRAMS = 512  # the backward's programs: enough to fill an H100's 132 SMs, few partial slots to sum
 
 
 @triton.jit
 def _forward_rows(x_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, block, N, D, H, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
+    """BLOCK_N rows: out = x + b2 first, then each hidden block's s W2^T added, BLOCK_F features at a time."""
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_D)
-    ok = (rows < N)[:, None] & (cols < D)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
-    out = x + tl.load(b2_ptr + cols, mask=cols < D, other=0.0)[None, :]
+    row_ok = rows < N
+    for f0 in range(0, D, BLOCK_F):
+        cols = f0 + tl.arange(0, BLOCK_F)
+        ok, at = row_ok[:, None] & (cols < D)[None, :], rows[:, None] * D + cols[None, :]
+        tl.store(out_ptr + at, tl.load(x_ptr + at, mask=ok, other=0.0)
+                 + tl.load(b2_ptr + cols, mask=cols < D, other=0.0)[None, :], mask=ok)
+    tl.debug_barrier()
     for h0 in range(0, H, BLOCK_H):
         hidden = h0 + tl.arange(0, BLOCK_H)
-        w_ok = (hidden < H)[:, None] & (cols < D)[None, :]
-        w1 = tl.load(w1_ptr + hidden[:, None] * D + cols[None, :], mask=w_ok, other=0.0)  # (BLOCK_H, BLOCK_D)
-        w2t = tl.load(w2_ptr + cols[None, :] * H + hidden[:, None], mask=w_ok, other=0.0)  # W2^T block
-        a = tl.dot(x, tl.trans(w1), input_precision=PRECISION) \
+        a = tl.zeros((BLOCK_N, BLOCK_H), dtype=x_ptr.dtype.element_ty) \
             + tl.load(b1_ptr + hidden, mask=hidden < H, other=0.0)[None, :]
-        out += tl.dot(a * tl.sigmoid(a), w2t, input_precision=PRECISION)  # padded hidden units: a = 0, s = 0
-    tl.store(out_ptr + rows[:, None] * D + cols[None, :], out, mask=ok)
+        for f0 in range(0, D, BLOCK_F):
+            cols = f0 + tl.arange(0, BLOCK_F)
+            x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=row_ok[:, None] & (cols < D)[None, :],
+                        other=0.0)
+            w_ok = (hidden < H)[:, None] & (cols < D)[None, :]
+            w1 = tl.load(w1_ptr + hidden[:, None] * D + cols[None, :], mask=w_ok, other=0.0)
+            a += tl.dot(x, tl.trans(w1), input_precision=PRECISION)
+        s = a * tl.sigmoid(a)  # padded hidden units: a = 0, s = 0
+        for f0 in range(0, D, BLOCK_F):
+            cols = f0 + tl.arange(0, BLOCK_F)
+            ok, at = row_ok[:, None] & (cols < D)[None, :], rows[:, None] * D + cols[None, :]
+            w_ok = (hidden < H)[:, None] & (cols < D)[None, :]
+            w2t = tl.load(w2_ptr + cols[None, :] * H + hidden[:, None], mask=w_ok, other=0.0)  # W2^T block
+            tl.store(out_ptr + at, tl.load(out_ptr + at, mask=ok, other=0.0)
+                     + tl.dot(s, w2t, input_precision=PRECISION), mask=ok)
+        tl.debug_barrier()  # the next hidden block reads what this one stored
 
 
 @triton.jit
 def _mlp_fwd(xk_ptr, wk1_ptr, bk1_ptr, wk2_ptr, bk2_ptr, outk_ptr, xv_ptr, wv1_ptr, bv1_ptr, wv2_ptr, bv2_ptr,
-             outv_ptr, N, DK, HK, DV, HV, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+             outv_ptr, N, DK, HK, DV, HV, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr,
              PRECISION: tl.constexpr):
     """Program (row block, MLP): out = x + silu(x W1^T + b1) W2^T + b2 for BLOCK_N rows of the key (axis 1 = 0) or
     value (1) MLP."""
     if tl.program_id(1) == 0:
         _forward_rows(xk_ptr, wk1_ptr, bk1_ptr, wk2_ptr, bk2_ptr, outk_ptr, tl.program_id(0), N, DK, HK, BLOCK_N,
-                      BLOCK_D, BLOCK_H, PRECISION)
+                      BLOCK_F, BLOCK_H, PRECISION)
     else:
         _forward_rows(xv_ptr, wv1_ptr, bv1_ptr, wv2_ptr, bv2_ptr, outv_ptr, tl.program_id(0), N, DV, HV, BLOCK_N,
-                      BLOCK_D, BLOCK_H, PRECISION)
+                      BLOCK_F, BLOCK_H, PRECISION)
 
 
 @triton.jit
@@ -89,43 +105,56 @@ def _accumulate(ptr, value, ok, first):
 
 @triton.jit
 def _backward_rows(x_ptr, g_ptr, w1_ptr, b1_ptr, w2_ptr, dx_ptr, slot_ptr, program, programs, N, D, H,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
     """This program's rows (blocks program, program + programs, ...): their dx, and the partial weight gradients
-    over them summed in ``slot_ptr``: dW1 (H, D), db1 (H), dW2 (D, H), db2 (D), in that order."""
-    cols = tl.arange(0, BLOCK_D)
-    col_ok = cols < D
+    over them summed in ``slot_ptr``: dW1 (H, D), db1 (H), dW2 (D, H), db2 (D), in that order. Per row block and
+    hidden block, a and g W2 are summed over feature blocks first, then each feature block's products follow."""
     blocks = tl.cdiv(N, BLOCK_N)
     for block in range(program, blocks, programs):
         rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = (rows < N)[:, None] & col_ok[None, :]
-        at = rows[:, None] * D + cols[None, :]
+        row_ok = rows < N
         first = block == program
-        x = tl.load(x_ptr + at, mask=ok, other=0.0)
-        g = tl.load(g_ptr + at, mask=ok, other=0.0)  # padded rows: g = 0, so they add nothing
-        _accumulate(slot_ptr + 2 * H * D + H + cols, tl.sum(g, 0), col_ok, first)  # db2
-        d_x = g  # the residual's share
         for h0 in range(0, H, BLOCK_H):
             hidden = h0 + tl.arange(0, BLOCK_H)
             hidden_ok = hidden < H
-            w_ok = hidden_ok[:, None] & col_ok[None, :]
-            w1 = tl.load(w1_ptr + hidden[:, None] * D + cols[None, :], mask=w_ok, other=0.0)  # (BLOCK_H, BLOCK_D)
-            a = tl.dot(x, tl.trans(w1), input_precision=PRECISION) \
+            a = tl.zeros((BLOCK_N, BLOCK_H), dtype=x_ptr.dtype.element_ty) \
                 + tl.load(b1_ptr + hidden, mask=hidden_ok, other=0.0)[None, :]
+            g_w2 = tl.zeros((BLOCK_N, BLOCK_H), dtype=x_ptr.dtype.element_ty)
+            for f0 in range(0, D, BLOCK_F):
+                cols = f0 + tl.arange(0, BLOCK_F)
+                ok, at = row_ok[:, None] & (cols < D)[None, :], rows[:, None] * D + cols[None, :]
+                w_ok = hidden_ok[:, None] & (cols < D)[None, :]
+                w1 = tl.load(w1_ptr + hidden[:, None] * D + cols[None, :], mask=w_ok, other=0.0)
+                w2t = tl.load(w2_ptr + cols[None, :] * H + hidden[:, None], mask=w_ok, other=0.0)  # W2^T block
+                a += tl.dot(tl.load(x_ptr + at, mask=ok, other=0.0), tl.trans(w1), input_precision=PRECISION)
+                g_w2 += tl.dot(tl.load(g_ptr + at, mask=ok, other=0.0), tl.trans(w2t), input_precision=PRECISION)
             gate = tl.sigmoid(a)
-            w2t = tl.load(w2_ptr + cols[None, :] * H + hidden[:, None], mask=w_ok, other=0.0)  # W2^T block
-            d_a = tl.dot(g, tl.trans(w2t), input_precision=PRECISION) * gate * (1.0 + a * (1.0 - gate))
-            d_x += tl.dot(d_a, w1, input_precision=PRECISION)
-            _accumulate(slot_ptr + hidden[:, None] * D + cols[None, :],
-                        tl.dot(tl.trans(d_a), x, input_precision=PRECISION), w_ok, first)  # dW1
+            d_a = g_w2 * gate * (1.0 + a * (1.0 - gate))  # padded rows: g = 0, so they add nothing
             _accumulate(slot_ptr + H * D + hidden, tl.sum(d_a, 0), hidden_ok, first)  # db1
-            _accumulate(slot_ptr + H * D + H + cols[None, :] * H + hidden[:, None],
-                        tl.dot(tl.trans(a * gate), g, input_precision=PRECISION), w_ok, first)  # dW2 (as W2^T)
-        tl.store(dx_ptr + at, d_x, mask=ok)
+            for f0 in range(0, D, BLOCK_F):
+                cols = f0 + tl.arange(0, BLOCK_F)
+                col_ok = cols < D
+                ok, at = row_ok[:, None] & col_ok[None, :], rows[:, None] * D + cols[None, :]
+                w_ok = hidden_ok[:, None] & col_ok[None, :]
+                x = tl.load(x_ptr + at, mask=ok, other=0.0)
+                g = tl.load(g_ptr + at, mask=ok, other=0.0)
+                w1 = tl.load(w1_ptr + hidden[:, None] * D + cols[None, :], mask=w_ok, other=0.0)
+                _accumulate(slot_ptr + hidden[:, None] * D + cols[None, :],
+                            tl.dot(tl.trans(d_a), x, input_precision=PRECISION), w_ok, first)  # dW1
+                _accumulate(slot_ptr + H * D + H + cols[None, :] * H + hidden[:, None],
+                            tl.dot(tl.trans(a * gate), g, input_precision=PRECISION), w_ok, first)  # dW2 (as W2^T)
+                if h0 == 0:  # the residual's share, and b2's
+                    _accumulate(slot_ptr + 2 * H * D + H + cols, tl.sum(g, 0), col_ok, first)
+                    d_x = g
+                else:
+                    d_x = tl.load(dx_ptr + at, mask=ok, other=0.0)
+                tl.store(dx_ptr + at, d_x + tl.dot(d_a, w1, input_precision=PRECISION), mask=ok)
+            tl.debug_barrier()  # the next hidden block (or row block) reads what this one stored
 
 
 @triton.jit
 def _mlp_bwd(xk_ptr, gk_ptr, wk1_ptr, bk1_ptr, wk2_ptr, dxk_ptr, xv_ptr, gv_ptr, wv1_ptr, bv1_ptr, wv2_ptr, dxv_ptr,
-             partial_ptr, N, DK, HK, DV, HV, SLOT, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             partial_ptr, N, DK, HK, DV, HV, SLOT, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
              BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
     """Program (p, MLP): dx of its row blocks and its partial weight gradients, into slot (p, MLP) of ``partial``
     (P, 2, SLOT)."""
@@ -133,19 +162,17 @@ def _mlp_bwd(xk_ptr, gk_ptr, wk1_ptr, bk1_ptr, wk2_ptr, dxk_ptr, xv_ptr, gv_ptr,
     slot_ptr = partial_ptr + (program * 2 + tl.program_id(1)) * SLOT
     if tl.program_id(1) == 0:
         _backward_rows(xk_ptr, gk_ptr, wk1_ptr, bk1_ptr, wk2_ptr, dxk_ptr, slot_ptr, program, programs, N, DK, HK,
-                       BLOCK_N, BLOCK_D, BLOCK_H, PRECISION)
+                       BLOCK_N, BLOCK_F, BLOCK_H, PRECISION)
     else:
         _backward_rows(xv_ptr, gv_ptr, wv1_ptr, bv1_ptr, wv2_ptr, dxv_ptr, slot_ptr, program, programs, N, DV, HV,
-                       BLOCK_N, BLOCK_D, BLOCK_H, PRECISION)
+                       BLOCK_N, BLOCK_F, BLOCK_H, PRECISION)
 
 
 def scope_reason(x: Tensor, y: Tensor, key_mlp: ResidualMLPWeights, value_mlp: ResidualMLPWeights) -> str | None:
     """Why the kernels cannot take this pair of MLPs (None: they can)."""
-    if x.dtype not in (torch.float32, torch.float64) or y.dtype != x.dtype:
-        return f"inputs {x.dtype} / {y.dtype}: the kernels take fp32 or fp64"
-    for name, mlp, width in (("key", key_mlp, x.shape[-1]), ("value", value_mlp, y.shape[-1])):
-        if width > MAX_WIDTH or mlp.up_weight.shape[0] > 4 * MAX_WIDTH:
-            return f"{name} MLP {width} -> {mlp.up_weight.shape[0]} wider than the kernels' {MAX_WIDTH}"
+    dtypes = {t.dtype for t in (x, y, *vars(key_mlp).values(), *vars(value_mlp).values())}
+    if len(dtypes) > 1 or dtypes.pop() not in (torch.float32, torch.float64):
+        return f"inputs {x.dtype} / {y.dtype} and weights {key_mlp.up_weight.dtype}: the kernels take fp32 or fp64"
     return None
 
 
@@ -156,7 +183,8 @@ def _widths(x, y, wk1, wv1) -> tuple:
 
 def _launch_options(x, widths, rows: int, warps: int) -> dict:
     dk, hk, dv, hv = widths
-    return dict(BLOCK_N=rows, BLOCK_D=tile_edge(max(dk, dv)), BLOCK_H=tile_edge(max(hk, hv), HIDDEN_BLOCK),
+    return dict(BLOCK_N=rows, BLOCK_F=tile_edge(max(dk, dv), FEATURE_BLOCK),
+                BLOCK_H=tile_edge(max(hk, hv), HIDDEN_BLOCK),
                 PRECISION="ieee" if x.dtype == torch.float64 else INPUT_PRECISION, num_warps=warps, num_stages=1)
 
 

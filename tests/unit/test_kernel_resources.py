@@ -40,3 +40,36 @@ def test_a_launch_is_compiled_for_sm90_and_its_shared_memory_read(monkeypatch):
     assert record["kernel"] == "square_tile" and record["arch"] == 90 and record["constexprs"] == {"BLOCK": 32}
     assert record["options"] == {"num_warps": 4} and 0 < record["shared_bytes"] <= tool.SHARED_LIMIT[90]
     assert record["fits"] is True
+
+
+@pytest.mark.parametrize("width", [64, 128], ids=["smollm2-135m", "llama3-8b"])
+def test_the_residual_mlp_kernels_fit_sm90_registers_without_a_spill(monkeypatch, width):
+    """Issue 67's register budget, read from the sm_90 cubins of RSA's residual MLP kernels at both head widths: at
+    most 168 registers a thread at 4 warps and no spill (the other RSA kernels do not fit yet: docs/benchmarks.md)."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from hf_mixers.kernels import rsa_mlp_triton
+    from hf_mixers.kernels.rsa_state import ResidualMLPWeights
+
+    if isinstance(tl.zeros, InterpretedFunction):
+        pytest.skip("under TRITON_INTERPRET=1 kernels are interpreted, not compiled")
+    spec = importlib.util.spec_from_file_location("kernel_resources", ROOT / "scripts" / "kernel_resources.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    records = []
+    monkeypatch.setattr(JITFunction, "run", tool.compiling_run(90, records, set()))
+    mlp = lambda: ResidualMLPWeights(*(torch.zeros(*shape, requires_grad=True)  # noqa: E731
+                                       for shape in ((width, width), (width,), (width, width), (width,))))
+    x, y = (torch.zeros(1, 3, 64, width, requires_grad=True) for _ in range(2))
+    try:  # the launches are compiled, not run: what they return is never used
+        out_x, out_y = rsa_mlp_triton.residual_mlps_triton(mlp(), mlp(), x, y)
+        (out_x.sum() + out_y.sum()).backward()
+    except RuntimeError:
+        pass
+    usage = {record["kernel"]: (record["options"]["num_warps"], record["registers"], record["spill_bytes"])
+             for record in records}
+    assert usage.keys() == {"_mlp_fwd", "_mlp_bwd"}, records
+    for kernel, (warps, registers, spill) in usage.items():
+        assert warps == 4 and registers <= 168 and spill == 0, (kernel, usage)

@@ -65,22 +65,23 @@ def test_values_and_gradients_equal_the_pytorch_mlps(dtype, tolerance, rows):
 
 
 @needs_kernels
-def test_many_row_blocks_per_program_and_hidden_blocks(monkeypatch):
+def test_many_row_blocks_per_program_feature_and_hidden_blocks(monkeypatch):
     """The backward with fewer programs than row blocks (each program sums its own blocks' weight gradients before
-    the sum over programs) and hidden units in several blocks, the last one ragged (dx accumulated block by block):
-    still the PyTorch MLPs' gradients."""
+    the sum over programs), features and hidden units in several blocks, the last ones ragged (dx and the output
+    accumulated block by block): still the PyTorch MLPs' values and gradients."""
     from hf_mixers.kernels import rsa_mlp_triton
 
     monkeypatch.setattr(rsa_mlp_triton, "MAX_PROGRAMS", 2)
     monkeypatch.setattr(rsa_mlp_triton, "HIDDEN_BLOCK", 16)
-    key_mlp, value_mlp = mlp(12, 40, torch.float64, 3), mlp(10, 17, torch.float64, 4)
+    monkeypatch.setattr(rsa_mlp_triton, "FEATURE_BLOCK", 16)
+    key_mlp, value_mlp = mlp(40, 40, torch.float64, 3), mlp(21, 17, torch.float64, 4)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 3, 29, 12, generator=g, dtype=torch.float64).to(DEV).requires_grad_()  # 174 rows: 6 blocks
-    y = torch.randn(2, 3, 29, 10, generator=g, dtype=torch.float64).to(DEV).requires_grad_()
+    x = torch.randn(2, 3, 29, 40, generator=g, dtype=torch.float64).to(DEV).requires_grad_()  # 174 rows: 6 blocks
+    y = torch.randn(2, 3, 29, 21, generator=g, dtype=torch.float64).to(DEV).requires_grad_()
     weights = [torch.randn(t.shape, generator=g, dtype=torch.float64).to(DEV) for t in (x, y)]
-    _, want = run(residual_mlps, key_mlp, value_mlp, x, y, weights)
-    _, got = run(rsa_mlp_triton.residual_mlps_triton, key_mlp, value_mlp, x, y, weights)
-    for name, actual, expected in zip(NAMES, got, want):
+    want_out, want = run(residual_mlps, key_mlp, value_mlp, x, y, weights)
+    got_out, got = run(rsa_mlp_triton.residual_mlps_triton, key_mlp, value_mlp, x, y, weights)
+    for name, actual, expected in zip(["key output", "value output", *NAMES], [*got_out, *got], [*want_out, *want]):
         torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12, msg=name)
 
 
@@ -93,28 +94,31 @@ def test_no_rows_and_no_grad():
     key_mlp, value_mlp = mlp(12, 20, torch.float64, 0), mlp(10, 7, torch.float64, 1)
     x = torch.zeros(2, 0, 12, dtype=torch.float64, device=DEV, requires_grad=True)
     y = torch.zeros(2, 0, 10, dtype=torch.float64, device=DEV, requires_grad=True)
-    (out_x, out_y), grads = run(residual_mlps_triton, key_mlp, value_mlp, x, y, [torch.zeros_like(x), torch.zeros_like(y)])
+    (out_x, out_y), grads = run(residual_mlps_triton, key_mlp, value_mlp, x, y,
+                                [torch.zeros_like(x), torch.zeros_like(y)])
     assert out_x.shape == x.shape and out_y.shape == y.shape
     assert all(torch.count_nonzero(grad) == 0 for grad in grads)
-    x, y = torch.randn(3, 5, 12, dtype=torch.float64, device=DEV), torch.randn(3, 5, 10, dtype=torch.float64, device=DEV)
+    x = torch.randn(3, 5, 12, dtype=torch.float64, device=DEV)
+    y = torch.randn(3, 5, 10, dtype=torch.float64, device=DEV)
     with torch.no_grad():
         for got, want in zip(residual_mlps_triton(key_mlp, value_mlp, x, y), residual_mlps(key_mlp, value_mlp, x, y)):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @needs_kernels
-def test_out_of_scope_calls_take_the_pytorch_mlps():
-    """A width over MAX_WIDTH, or half precision, is the PyTorch MLPs' (the same function, no launch)."""
+def test_half_precision_takes_the_pytorch_mlps():
+    """bf16 inputs (or weights of another dtype than the inputs) are the PyTorch MLPs' (the same function, no
+    launch)."""
     from hf_mixers.kernels import rsa_mlp_triton
 
-    wide = mlp(rsa_mlp_triton.MAX_WIDTH + 1, 8, torch.float32, 0)
-    x = torch.randn(4, rsa_mlp_triton.MAX_WIDTH + 1, device=DEV)
-    assert "wider" in rsa_mlp_triton.scope_reason(x, x, wide, wide)
+    key_mlp, value_mlp = mlp(12, 8, torch.bfloat16, 0), mlp(10, 8, torch.bfloat16, 1)
+    x, y = torch.randn(4, 12, device=DEV, dtype=torch.bfloat16), torch.randn(4, 10, device=DEV, dtype=torch.bfloat16)
+    assert "fp32 or fp64" in rsa_mlp_triton.scope_reason(x, y, key_mlp, value_mlp)
+    assert "fp32 or fp64" in rsa_mlp_triton.scope_reason(x.float(), y.float(), key_mlp, value_mlp)
     with torch.no_grad():
-        assert torch.equal(rsa_mlp_triton.residual_mlps_triton(wide, wide, x, x)[0], wide(x))
-    half = torch.randn(4, 12, device=DEV, dtype=torch.bfloat16)
-    assert "fp32 or fp64" in rsa_mlp_triton.scope_reason(half, half, mlp(12, 8, torch.bfloat16, 0),
-                                                         mlp(12, 8, torch.bfloat16, 1))
+        for got, want in zip(rsa_mlp_triton.residual_mlps_triton(key_mlp, value_mlp, x, y),
+                             residual_mlps(key_mlp, value_mlp, x, y)):
+            assert torch.equal(got, want)
 
 
 @needs_kernels
