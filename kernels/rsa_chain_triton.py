@@ -701,7 +701,7 @@ def _shared_gradients(partials, prior, scalars: int) -> list[Tensor]:
     row shares, kappa P (rows, G, M, D), then ``scalars`` of (rows, G) (kappa [, beta]). A kernel writes one batch
     row each; summed over the rows (``partials.sum(0)``, then rows = 1 squeezed) they are the parameters'
     gradients."""
-    rows, groups, size = partials.shape[0], prior.shape[0], prior[0].numel()
+    groups, size = prior.shape[0], prior[0].numel()
     views = [partials[:, :groups * size].unflatten(1, prior.shape)]
     return views + [partials[:, groups * size + i * groups:groups * size + (i + 1) * groups] for i in range(scalars)]
 
