@@ -111,7 +111,7 @@ def soe_weights(alpha: torch.Tensor, num_terms: int, horizon: int, eps: float = 
     lambda_min^(1 - alpha) / (Gamma(alpha) Gamma(2 - alpha)) = sinc(1 - alpha) lambda_min^(1 - alpha) (reflection:
     Gamma(alpha) Gamma(1 - alpha) = pi / sin(pi alpha)). The skip (gl), the mass above lambda_max at j = 0:
     sin(pi alpha) / (pi alpha) e^(-alpha lambda_max). sin(pi alpha) is computed as sin(pi (1 - alpha)): exactly 0
-    at alpha = 1. Written as few elementwise ops (16 forward), since VORT computes it for every token."""
+    at alpha = 1. Written in as few elementwise ops as the math allows: VORT computes it for every token."""
     _check(num_terms, horizon, eps)
     if kernel not in KERNELS:
         raise ValueError(f"soe: kernel must be one of {KERNELS}, got {kernel!r}")
