@@ -85,6 +85,7 @@ def use_triton(kernel: str, device: torch.device, config_value: str = "auto", ch
 _installed: dict = {}  # package -> importable, found once a process (a path search on every layer's call otherwise)
 
 
+@torch.compiler.assume_constant_result  # a constant to torch.compile: the memo filling in is no guard to recompile on
 def installed(package: str) -> bool:
     """Whether ``package`` can be imported (a library kernel's, or an entry function choosing between two)."""
     if package not in _installed:

@@ -102,8 +102,8 @@ def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softpl
     log_decay = dt * A.to(cd)  # (batch, L, heads)
     # else SSD is gated linear attention with one scalar forget gate a head (q = C, k = B, v = Δ x, g = Δ A):
     # flash-linear-attention's chunk_simple_gla on CUDA
-    fast = None if mamba_ssm else library_kernel("ssd_scan", "fla.ops.simple_gla", "chunk_simple_gla",
-                                                               x.device, backend, check=lambda: _library_dtype(x))
+    fast = None if mamba_ssm else library_kernel("ssd_scan", "fla.ops.simple_gla", "chunk_simple_gla", x.device,
+                                                 backend, check=lambda: _library_dtype(x))
     if fast is not None:
         heads = x.shape[2]
         state = None if initial_states is None else initial_states.transpose(-1, -2).to(cd)  # fla: (B, H, N, P)

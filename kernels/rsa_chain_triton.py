@@ -729,16 +729,25 @@ def _save_chain(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # a result without a gradient costs no zero tensor unless the kernel needs one
 
 
+def _given(grads: list, shapes: list, like: Tensor) -> list:
+    """``grads`` with each missing one (None where its shape is given) zeros of its shape: views of one zero fill,
+    as the kernel only reads them (e.g. the references a training step never reads get none)."""
+    missing = [math.prod(shape) for grad, shape in zip(grads, shapes) if grad is None and shape is not None]
+    zeros = like.new_zeros(max(missing)) if missing else None
+    return [zeros[:math.prod(shape)].view(shape) if grad is None and shape is not None else grad
+            for grad, shape in zip(grads, shapes)]
+
+
 def _chain_gradients(ctx, grads):
     x, valid, reached, key_ref, prior, kappa, beta, sums, masses = ctx.saved_tensors
     sigmoid = ctx.options[0]
     d_f, d_p, d_sums, d_masses = grads if sigmoid else (grads[0], None, grads[1], grads[2])
-    given = lambda grad, shape: x.new_zeros(shape, dtype=torch.float32) if grad is None else grad  # noqa: E731
-    d_f = given(d_f, (*x.shape[:3], prior.shape[1]))
-    d_p = given(d_p, d_f.shape) if sigmoid else d_f  # softmax: a dummy pointer
+    f_shape = (*x.shape[:3], prior.shape[1])
+    d_f, d_p, d_sums, d_masses = _given([d_f, d_p, d_sums, d_masses],
+                                        [f_shape, f_shape if sigmoid else None, sums.shape, masses.shape], x)
     zeroed, d_key_sum, d_mass, d_key_ref, shared = _chain_backward(
-        x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, given(d_sums, sums.shape),
-        given(d_masses, masses.shape), *ctx.options)
+        x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p if sigmoid else d_f, d_sums, d_masses,
+        *ctx.options)  # softmax: d_f a dummy pointer for d_p
     d_prior, d_kappa, d_beta = (t[0] for t in _shared_gradients(shared[None], prior, 2))
     d_x = unpacked(zeroed, _chain_zeroed(x, prior))[0]
     return d_x, None, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa, d_beta, None, None, None, None
@@ -899,15 +908,6 @@ def _save_level(ctx, inputs, output):
                           above)
     ctx.options = (x is not None, above is not None, chunk_size, eps)
     ctx.set_materialize_grads(False)  # a result without a gradient costs no zero tensor unless the kernel needs one
-
-
-def _given(grads: list, shapes: list, like: Tensor) -> list:
-    """``grads`` with each missing one (None where its shape is given) zeros of its shape: views of one zero fill,
-    as the kernel only reads them (e.g. the references a training step never reads get none)."""
-    missing = [math.prod(shape) for grad, shape in zip(grads, shapes) if grad is None and shape is not None]
-    zeros = like.new_zeros(max(missing)) if missing else None
-    return [zeros[:math.prod(shape)].view(shape) if grad is None and shape is not None else grad
-            for grad, shape in zip(grads, shapes)]
 
 
 def _level_gradients(ctx, grads):

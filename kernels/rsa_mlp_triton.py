@@ -34,7 +34,7 @@ finally:
     pass
 
 from .common import kernel_op, tile_edge
-from .rsa_chain_triton import INPUT_PRECISION
+from .rsa_chain_triton import INPUT_PRECISION, _add_into
 from .rsa_state import ResidualMLPWeights
 
 # Tiles and warps, read from sm_90 cubins (scripts/kernel_resources.py): no spill and at most 168 registers at 4 warps,
@@ -100,7 +100,7 @@ def _accumulate(ptr, value, ok, first):
     if first:
         tl.store(ptr, value, mask=ok)
     else:
-        tl.store(ptr, tl.load(ptr, mask=ok, other=0.0) + value, mask=ok)
+        _add_into(ptr, value, ok)
 
 
 @triton.jit

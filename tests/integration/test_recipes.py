@@ -630,6 +630,26 @@ def test_deepspeed_in_one_plain_process_runs_like_data_parallel(teacher_dir, tmp
     assert got == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.parametrize("fails", [False, True], ids=["finished", "failed"])
+def test_a_training_command_ends_its_process_group(monkeypatch, tmp_path, fails):
+    """distill ends the run's process group before it returns, finished or failed: left to the interpreter's
+    teardown, gloo's threads aborted a torchrun rank whose peer had already exited (SIGABRT after a finished run)."""
+    import torch.distributed as dist
+
+    import hf_mixers.recipes as recipes
+    from hf_mixers.recipes.config import RecipeError
+
+    def run(recipe):  # a launched run: its group made as DeepSpeed's one-process group is
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        if fails:
+            raise RecipeError("stage2.steps: the run stopped")
+        return {"steps": 0}
+
+    monkeypatch.setattr(recipes, "distill", run)
+    assert cli_main(["distill", "--set", f"output.dir={tmp_path / 'out'}"]) == (2 if fails else 0)
+    assert not dist.is_initialized()
+
+
 def test_cli_distill_reports_recipe_errors(capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("stage2: {lora_rank: 4}\n")
