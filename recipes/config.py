@@ -135,6 +135,9 @@ class DistillSection:  # stage 2
     # the KL and CE from the final hidden states through the lm_heads, this many tokens at a time: never the whole
     # batch's logits (kernels/distill_loss.py); 0 = the dense loss over full logits
     loss_chunk_rows: int = bounded(512, 0)
+    # 0: the teacher runs in every step; k: its top-k next-token log-probabilities, computed once for the training
+    # blocks and cached (recipes/teacher_targets.py), the rest of its mass one tail bucket of the KL
+    teacher_top_k: int = bounded(0, 0)
 
 
 @dataclass

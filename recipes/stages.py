@@ -178,6 +178,37 @@ def distillation_loss(student, teacher_model, temperature: float, ce_weight: flo
     return loss_fn
 
 
+def top_k_distillation_loss(student, blocks, targets, temperature: float, ce_weight: float, chunk_rows: int,
+                            device: torch.device):
+    """Stage 2 against cached teacher targets (``stage2.teacher_top_k``, recipes/teacher_targets.py): no teacher
+    runs. The stage's rows are indices of ``blocks``; ``batch_of(rows)`` gives the loss their tokens and top-k
+    targets on ``device``. ``loss_fn`` as ``distillation_loss``'s, its KL kernels/distill_loss.py's
+    ``top_k_kl`` (chunked; over the whole logits where the head is sharded or ``chunk_rows`` is 0)."""
+
+    def batch_of(rows):
+        rows = rows[:, 0]
+        return (blocks[rows].to(device, torch.long), targets.index[rows].to(device),
+                targets.log_probs[rows].to(device))
+
+    def loss_fn(batch, metrics: bool = True):
+        ids, index, log_probs = batch
+        next_tokens = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], 1).reshape(-1)
+        index, log_probs = index.flatten(0, 1), log_probs.flatten(0, 1)
+        head = student.get_output_embeddings().weight
+        if not chunk_rows or _sharded(head):
+            logits = student(input_ids=ids, use_cache=False).logits.flatten(0, 1).float()
+            kl = loss_from_hidden.top_k_kl(logits, index, log_probs, temperature)
+            if not (ce_weight or metrics):
+                return kl, {"kl": kl.detach()}
+            ce = F.cross_entropy(logits, next_tokens, ignore_index=IGNORE)
+            return kl + ce_weight * ce, {"kl": kl.detach(), "ce": ce.detach()}
+        h_s = student.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        loss, kl, ce = loss_from_hidden.top_k_distillation_loss(h_s.flatten(0, 1), head, index, log_probs, next_tokens,
+                                                                temperature, ce_weight, chunk_rows, with_ce=metrics)
+        return loss, {"kl": kl} if ce is None else {"kl": kl, "ce": ce}
+    return loss_fn, batch_of
+
+
 def _shares_frozen(weight, teacher_weight) -> bool:
     return not weight.requires_grad and weight.data_ptr() == teacher_weight.data_ptr()
 
@@ -438,13 +469,13 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     if recipe.stage2.enabled and recipe.stage2.steps > 0:
         peft_model = add_lora(student, recipe.stage2, recipe.train.seed)
         parameters = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
-        loss_fn = distillation_loss(peft_model, teacher.model, recipe.stage2.temperature, recipe.stage2.ce_weight,
-                                    recipe.stage2.loss_chunk_rows)
+        loss_fn, data = stage2_loss(recipe, peft_model, teacher, train_ids, processes, progress)
         with released_per_block(peft_model, recipe.train, device):
             histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
                                             lr=recipe.stage2.lr or recipe.train.lr,
                                             sharding=sharding_for(peft_model, teacher_model=teacher.model),
-                                            evaluate=measured_so_far, log_offset=log_offsets["stage2"], **common)
+                                            evaluate=measured_so_far, log_offset=log_offsets["stage2"],
+                                            **{**common, **data})
         del loss_fn  # it holds the teacher, which the export may free
         if recipe.output.merge_lora:  # merging writes into the adapted weights: the teacher's must stay as they are
             unshare_weights(peft_model, teacher.model, only=("base_layer",), release_teacher_pages=True)
@@ -484,6 +515,26 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     finish_tracking(processes)
     processes.barrier()
     return {**summary, "model": student}
+
+
+def stage2_loss(recipe: Recipe, student, teacher, train_ids, processes: Processes, progress: bool):
+    """Stage 2's loss and what ``run_stage`` draws its batches from: the teacher online (every step), or with
+    ``stage2.teacher_top_k`` its cached top-k targets (computed here once, by the main process)."""
+    stage2 = recipe.stage2
+    if not stage2.teacher_top_k:
+        return distillation_loss(student, teacher.model, stage2.temperature, stage2.ce_weight,
+                                 stage2.loss_chunk_rows), {}
+    from .teacher_targets import cached_top_k
+
+    with processes.main_first(), autocast(training_dtype(recipe.train.precision, processes.device),
+                                          processes.device):
+        targets = cached_top_k(teacher.model, train_ids, stage2.teacher_top_k, stage2.temperature,
+                               recipe.model.teacher, recipe.train.batch_size, stage2.loss_chunk_rows or 512,
+                               progress and processes.is_main, compute=processes.is_main)
+    loss_fn, batch_of = top_k_distillation_loss(student, train_ids, targets, stage2.temperature, stage2.ce_weight,
+                                                stage2.loss_chunk_rows, processes.device)
+    rows = torch.arange(train_ids.shape[0])[:, None]  # batches of row indices, drawn as token blocks are
+    return loss_fn, {"blocks": rows, "tokens_per_row": train_ids.shape[1], "batch_of": batch_of}
 
 
 def _blockwise_stage1(student, teacher_model, layers, parameters, recipe, train_ids, common) -> list[dict]:

@@ -146,7 +146,7 @@ def leaves_nothing_unless_started(run):
 def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps: int, train, lr: float,
               out_dir: str, checkpoint_every: int, log_every: int = 1, progress: bool = True,
               processes: Processes | None = None, tokens_per_row: int | None = None,
-              sharding: Sharding | None = None, evaluate=None, log_offset: int = 0) -> list[dict]:
+              sharding: Sharding | None = None, evaluate=None, log_offset: int = 0, batch_of=None) -> list[dict]:
     """Train ``parameters`` (name -> tensor with requires_grad) for ``steps`` optimiser steps on ``blocks``.
 
     ``loss_fn(batch, metrics) -> (loss, {name: scalar})``, the scalars device tensors, read only on the steps
@@ -154,7 +154,8 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
     Returns the history: one dict per step (step, loss, metrics). With several processes each rank takes its own
     micro-batches, gradients are averaged (``train.strategy: ddp``), reduce-scattered by DeepSpeed ZeRO
     (``deepspeed``) or by FSDP2 (``fsdp``); rank 0 writes metrics.
-    ``tokens_per_row`` (default: the blocks' last dimension) is what one row stands for in the tokens/s figure.
+    ``tokens_per_row`` (default: the blocks' last dimension) is what one row stands for in the tokens/s figure;
+    ``batch_of(rows)`` makes the loss's batch of a micro-batch of rows (default: the rows on the device, as int64).
     ``sharding`` says what ``fsdp`` / ZeRO-3 shard (the model, sharded for the stage, is whole again on return).
     ``evaluate() -> {name: value}``: held-out measures of the model as trained so far, taken every
     ``train.eval_every`` steps on every rank (a sharded model's forward needs them all). The experiment trackers
@@ -207,7 +208,7 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
                 index = ((step - 1) * train.grad_accum + micro) * processes.world + processes.rank
                 rows = batch_at(blocks, index, train.batch_size, train.seed)
                 first_rows = rows.flatten(1)[:, 0].tolist() if first_rows is None else first_rows  # still on the host
-                batch = rows.to(device, torch.long)
+                batch = rows.to(device, torch.long) if batch_of is None else batch_of(rows)
                 with autocast(dtype, device):
                     loss, extra = optimizer.loss(batch, metrics=reads)
                 if not loss.requires_grad:
