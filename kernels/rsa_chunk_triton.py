@@ -31,13 +31,15 @@ Split of the work:
     residual MLPs between levels one launch a level for the key and value MLPs (kernels/rsa_mlp_triton.py), each
     way. The same path with and without autograd.
   * Read side: ``_fwd_kernel``, one launch for *all* chunks of the call (given the write side, the chunks' reads
-    are independent): grid (n_chunks, B * H), one program = one query head x one chunk, all L levels in order
-    inside the program (the chain and the global normaliser couple them). ``_bwd_kernel`` is launched once per
-    level, top level first, on the same grid: one level's body per program (the whole unrolled backward needed
-    288 KiB of shared memory on an H100 and did not launch); the routing's gradients for the level below pass
-    through three (B, H, Tp, m) buffers, dq accumulates in place; it takes the key and value features
-    FEATURE_BLOCK at a time, summing its products over them block by block. Every tile is at most C x C, C x m,
-    C x d, m x m or m x d (the backward's d and dv at most FEATURE_BLOCK), kept in registers; fp32 operands and
+    are independent): grid (n_chunks x C / FORWARD_ROWS, B * H), one program = FORWARD_ROWS rows of a chunk x one
+    query head, all L levels in order inside the program (the chain and the global normaliser couple them). Its
+    rows read the chunk's rows up to themselves: (R, C) causal products with the chunk's (C, .) level tensors.
+    ``_bwd_kernel`` is launched once per level, top level first, on the same grid: one level's body per program
+    (the whole unrolled backward needed 288 KiB of shared memory on an H100 and did not launch); the routing's
+    gradients for the level below pass through two (B, H, Tp, m) buffers of the program's own rows (its share of
+    dF_{i-1} is added in directly), dq accumulates in place; it takes the key and value features FEATURE_BLOCK at a
+    time, summing its products over them block by block. Every tile is at most R x C, C x m, R x d, C x d, m x m
+    or m x d (the backward's d and dv at most FEATURE_BLOCK), kept in registers; fp32 operands and
     accumulation (an fp16 / bf16 q is copied to fp32 first: the math wants fp32, the interpreter's bf16 dot is
     broken, and one compiled kernel then serves every dtype).
 
@@ -50,7 +52,7 @@ Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp
   * forward output (B, H, Tp, dv [+ 1]). Nothing else is saved: the backward recomputes the read side.
   * backward, transient: ``_fwd_kernel`` is re-run to write chain_i (B, H, L-1, Tp, m) (only with routing),
     the numerator (B, H, Tp, dv) and the normaliser (B, H, Tp); then ``_bwd_kernel`` runs level by level in
-    reverse (with routing, three (B, H, Tp, m) buffers carry d chain, d F, d N down), accumulating the
+    reverse (with routing, two (B, H, Tp, m) buffers carry d chain and d N down), accumulating the
     gradients of the per-KV-head tensors and the parameters with ``tl.atomic_add`` (query heads of a group and
     all chunks / batch rows share them; fp32 atomics make the sums' order, hence the last bits, nondeterministic
     on GPUs). dq is read, added to and written back by each level's launch.
@@ -97,6 +99,13 @@ from .rsa_mlp_triton import residual_mlps_triton
 from .triton_compile import compile_side_by_side
 
 FEATURE_BLOCK = 64
+# Rows of a chunk per program, forward and backward: a program's own tiles are (rows, C), (rows, m) and (rows, dv),
+# so fewer rows hold fewer registers per thread (and give more programs per launch).
+FORWARD_ROWS = 16
+KEY_BLOCK = 16  # the forward's chunk rows read per step (at least 16: the least inner dimension of a tl.dot)
+# 8 warps: the dots' operands are replicated across warps along the rows (a (16, m) tile is one warp's rows), and
+# their fp32 split into tf32 halves (tf32x3) is what fills the registers; at 8 warps each holds half the columns.
+READ_WARPS = 8
 # Software pipelining of the backward's loops over feature blocks (a few iterations each): Triton's default of 3
 # buffers their loads three deep, which took the window's + RSA-q's variant at 128-wide heads to 240 KiB; with 1 it
 # needs 192 KiB.
@@ -130,42 +139,17 @@ def rsa_chunk_triton_supports(params: RSAParams, q=None, v=None, log_decay=None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Kernels. One program = one query head x one chunk. Tiles: rows = chunk rows (BLOCK_C), slots (BLOCK_M),
-# cols_d / cols_v = key / value features; ``off_xy`` / ``ok_xy`` are the row-major offsets / masks of an (x, y)
-# tile with x, y in c (rows), m (slots), d, v. Pointer offsets are int64 (B*H*Tp*d may exceed 2^31). Tile loads
+# Kernels. One program = one query head x a block of a chunk's rows (forward) or the whole chunk (backward). Tiles:
+# rows = the program's chunk rows, cols = every row of the chunk (BLOCK_C), slots (BLOCK_M), cols_d / cols_v = key /
+# value features; ``off_xy`` / ``ok_xy`` are the row-major offsets / masks of an (x, y) tile with x, y in c (rows),
+# m (slots), d, v. Pointer offsets are int64 (B*H*Tp*d may exceed 2^31). Tile loads
 # and atomics are written inline: under the interpreter every device-function call costs ~1 ms of patching.
 
 
 @triton.jit
-def _tiles(rows, slots, cols_d, cols_v, C, M, D, DV):
-    """Offsets and masks of the (C, m), (C, d), (C, dv), (m, m), (m, d), (m, dv), (d, m) tiles."""
-    row_ok, slot_ok, d_ok, v_ok = rows < C, slots < M, cols_d < D, cols_v < DV
-    return (rows[:, None] * M + slots[None, :], row_ok[:, None] & slot_ok[None, :],
-            rows[:, None] * D + cols_d[None, :], row_ok[:, None] & d_ok[None, :],
-            rows[:, None] * DV + cols_v[None, :], row_ok[:, None] & v_ok[None, :],
-            slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :],
-            slots[:, None] * D + cols_d[None, :], slot_ok[:, None] & d_ok[None, :],
-            slots[:, None] * DV + cols_v[None, :], slot_ok[:, None] & v_ok[None, :],
-            cols_d[:, None] * M + slots[None, :], d_ok[:, None] & slot_ok[None, :])
-
-
-@triton.jit
-def _scores(q, x, f, ks0, kappa, n, causal, slot_ok, tau, eps,
-            LEVEL0: tl.constexpr, READOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """Readout activation of every row against its inclusive key slots, from whole (C, d) / (m, d) tiles. Returns
-    q.X^T masked (C, C), the scores (C, m), their denominator max(kappa + N, eps) (C, m) and the activation (C, m),
-    0 on padded slots."""
-    qx = tl.dot(q, tl.trans(x), input_precision=PRECISION) * causal
-    qk = tl.dot(q, tl.trans(ks0), input_precision=PRECISION)
-    score, den, act = _activation(qk, qx, f, kappa, n, slot_ok, tau, eps, LEVEL0, READOUT, PRECISION)
-    return qx, score, den, act
-
-
-@triton.jit
-def _activation(qk, qx, f, kappa, n, slot_ok, tau, eps,
-                LEVEL0: tl.constexpr, READOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """The scores, their denominator and the activation (``_scores``) from q KS0^T (C, m) and q.X^T masked (C, C)."""
-    num = qk + tl.dot(qx, f, input_precision=PRECISION)
+def _activation(num, kappa, n, slot_ok, tau, eps, LEVEL0: tl.constexpr, READOUT: tl.constexpr):
+    """The scores tau num / max(kappa + N, eps), their denominator and the readout activation, from the score
+    numerator num = q KS0^T + ((q X^T) . M) F (rows, m); the activation is 0 on padded slots."""
     den = tl.maximum(kappa + n, eps)
     score = tau * num / den
     if READOUT == 1:  # softmax_count: a count prior log N on level 0 only
@@ -180,14 +164,6 @@ def _activation(qk, qx, f, kappa, n, slot_ok, tau, eps,
     return score, den, act
 
 
-@triton.jit
-def _value_read(w, n, f, y, vs0, causal, eps, PRECISION: tl.constexpr):
-    """read(w) = w~ VS0 + ((w~ F^T) . M) Y with w~ = w / max(N, eps): weights over the inclusive value slots."""
-    scaled = w / tl.maximum(n, eps)
-    intra = tl.dot(scaled, tl.trans(f), input_precision=PRECISION) * causal
-    return tl.dot(scaled, vs0, input_precision=PRECISION) + tl.dot(intra, y, input_precision=PRECISION)
-
-
 # Lengths, the level and the save flag are plain runtime integers (no specialisation on 1 or on alignment): one
 # compiled kernel per layout and options, whatever the sequence length (each compile takes a minute).
 @triton.jit(do_not_specialize=["Tp", "NC", "save"])
@@ -196,45 +172,61 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                 out_ptr, lw_ptr, chain_ptr, num_ptr, den_ptr,  # out (B, H, Tp, DV), LOG_WEIGHT: (B, H, Tp);
                 Tp, NC, H, G, GS, C, M, D, DV, tau, eps, save,  # save: chains, numerator, normaliser
                 L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
-                LOG_WEIGHT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+                LOG_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    chunk = tl.program_id(0).to(tl.int64)
+    """One program = BLOCK_R rows of one chunk x one query head. Its rows read the chunk-start state and the rows
+    of the chunk up to themselves, BLOCK_K of those at a time: every causal product is summed over (R, K) blocks,
+    so the tiles held are (R, m), (R, dv), (K, m | d | dv) and m x m / m x d / m x dv, whatever the chunk size."""
+    row_blocks = tl.cdiv(C, BLOCK_R)
+    chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)  # b * H + head
     head = bh % H
     bg = (bh // H) * G + head // GS  # (b, KV head) of this query head
     row0 = chunk * C
-    rows = tl.arange(0, BLOCK_C)
+    first = (tl.program_id(0) % row_blocks) * BLOCK_R
+    rows = first + tl.arange(0, BLOCK_R)  # this program's rows of the chunk
+    reach = tl.minimum(first + BLOCK_R, C)  # the chunk rows they read: [0, reach)
+    keys = tl.arange(0, BLOCK_K)
     slots = tl.arange(0, BLOCK_M)
-    slot_ok = slots < M
-    off_cm, ok_cm, off_cd, ok_cd, off_cv, ok_cv, off_mm, ok_mm, off_md, ok_md, off_mv, ok_mv, off_dm, ok_dm = \
-        _tiles(rows, slots, tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), C, M, D, DV)
-    causal = (rows[None, :] <= rows[:, None]).to(tl.float32)  # inclusive: row t reads its own write
+    cols_d = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
+    row_ok, slot_ok, d_ok, v_ok = rows < C, slots < M, cols_d < D, cols_v < DV
+    ok_rm, ok_mm = row_ok[:, None] & slot_ok[None, :], slot_ok[:, None] & slot_ok[None, :]
+    off_mm = slots[:, None] * M + slots[None, :]
 
-    q = tl.load(q_ptr + (bh * Tp + row0) * D + off_cd, mask=ok_cd, other=0.0).to(tl.float32)  # (C, D)
-    chain = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
-    num = tl.zeros((BLOCK_C, BLOCK_DV), tl.float32)
-    den = tl.zeros((BLOCK_C,), tl.float32)
-    extra = tl.zeros((BLOCK_C, BLOCK_DV), tl.float32)  # RSA-q branch, outside the normaliser
-    f_prev = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
-    n_prev = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+    q = tl.load(q_ptr + (bh * Tp + row0 + rows)[:, None] * D + cols_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (R, D)
+    chain = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
+    num = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)
+    den = tl.zeros((BLOCK_R,), tl.float32)
+    extra = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)  # RSA-q branch, outside the normaliser
+    n_prev = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
     for i in tl.static_range(L):
         level_row = (bg * L + i) * Tp + row0  # row of (B, G, L, Tp, .) level tensors
         state = (bg * NC + chunk) * L + i  # index of (B, G, NC, L, ...) chunk-start sums
-        f = tl.load(f_ptr + level_row * M + off_cm, mask=ok_cm, other=0.0)  # (C, m)
-        x = tl.load(x_ptr + level_row * D + off_cd, mask=ok_cd, other=0.0)  # (C, d)
-        y = tl.load(y_ptr + level_row * DV + off_cv, mask=ok_cv, other=0.0)  # (C, dv)
-        ks0 = tl.load(ks0_ptr + state * M * D + off_md, mask=ok_md, other=0.0)  # (m, d)
-        vs0 = tl.load(vs0_ptr + state * M * DV + off_mv, mask=ok_mv, other=0.0)  # (m, dv)
-        n = tl.load(n0_ptr + state * M + slots, mask=slot_ok, other=0.0)[None, :] \
-            + tl.dot(causal, f, input_precision=PRECISION)  # inclusive running mass N (C, m)
+        # the inclusive running mass N = n0 + M F and the score numerator q KS0^T + ((q X^T) . M) F, (R, m)
+        n = tl.zeros((BLOCK_R, BLOCK_M), tl.float32) + tl.load(n0_ptr + state * M + slots, mask=slot_ok,
+                                                                other=0.0)[None, :]
+        snum = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
+        for k0 in range(0, reach, BLOCK_K):
+            cols = k0 + keys
+            causal = (cols[None, :] <= rows[:, None]).to(tl.float32)  # (R, K), inclusive
+            f = tl.load(f_ptr + (level_row + cols)[:, None] * M + slots[None, :],
+                        mask=(cols < reach)[:, None] & slot_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + (level_row + cols)[:, None] * D + cols_d[None, :],
+                        mask=(cols < reach)[:, None] & d_ok[None, :], other=0.0)
+            n += tl.dot(causal, f, input_precision=PRECISION)
+            snum += tl.dot(tl.dot(q, tl.trans(x), input_precision=PRECISION) * causal, f, input_precision=PRECISION)
+        ks0 = tl.load(ks0_ptr + (state * M + slots)[:, None] * D + cols_d[None, :],
+                      mask=slot_ok[:, None] & d_ok[None, :], other=0.0)  # (m, d)
+        snum += tl.dot(q, tl.trans(ks0), input_precision=PRECISION)
         kappa = tl.load(kappa_ptr + (bg % G) * L + i)
-        qx, score, den_k, act = _scores(q, x, f, ks0, kappa, n, causal, slot_ok, tau, eps, i == 0, READOUT,
-                                        PRECISION)
+        score, den_k, act = _activation(snum, kappa, n, slot_ok, tau, eps, i == 0, READOUT)
         if LOG_WEIGHT and i == 0:  # log sum_j N_j exp(score_j) over the real level-0 slots (the window's merge)
             z = tl.where(slot_ok[None, :], score + tl.log(tl.maximum(n, eps)), float("-inf"))
             z_max = tl.max(z, 1)
             tl.store(lw_ptr + bh * Tp + row0 + rows, z_max + tl.log(tl.sum(tl.exp(z - z_max[:, None]), 1)),
-                     mask=rows < C)
+                     mask=row_ok)
         hl = head * L + i
         theta = tl.load(theta_ptr + hl)
         w = tl.load(w_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
@@ -246,80 +238,112 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         elif ROUTING == 1:
             chain = chain * sparse
         else:  # relation: chain_{i-1} routed through the inclusive relation matrix (R0 + causal F^T F) / N
-            r0 = tl.load(r0_ptr + ((bg * NC + chunk) * (L - 1) + i - 1) * M * M + off_mm, mask=ok_mm, other=0.0)
             scaled = chain / tl.maximum(n_prev, eps)
-            intra = tl.dot(scaled, tl.trans(f_prev), input_precision=PRECISION) * causal
-            chain = (tl.dot(scaled, r0, input_precision=PRECISION)
-                     + tl.dot(intra, f, input_precision=PRECISION)) * sparse
+            r0 = tl.load(r0_ptr + ((bg * NC + chunk) * (L - 1) + i - 1) * M * M + off_mm, mask=ok_mm, other=0.0)
+            routed = tl.dot(scaled, r0, input_precision=PRECISION)
+            for k0 in range(0, reach, BLOCK_K):
+                cols = k0 + keys
+                ok_km = (cols < reach)[:, None] & slot_ok[None, :]
+                f_prev = tl.load(f_ptr + (level_row - Tp + cols)[:, None] * M + slots[None, :], mask=ok_km,
+                                 other=0.0)
+                f = tl.load(f_ptr + (level_row + cols)[:, None] * M + slots[None, :], mask=ok_km, other=0.0)
+                intra = tl.dot(scaled, tl.trans(f_prev), input_precision=PRECISION) \
+                    * (cols[None, :] <= rows[:, None]).to(tl.float32)
+                routed += tl.dot(intra, f, input_precision=PRECISION)
+            chain = routed * sparse
         if ROUTING != 0 and i < L - 1:
             if save:  # the backward reads chain_i back at level i + 1
-                tl.store(chain_ptr + ((bh * (L - 1) + i) * Tp + row0) * M + off_cm, chain, mask=ok_cm)
+                tl.store(chain_ptr + ((bh * (L - 1) + i) * Tp + row0 + rows)[:, None] * M + slots[None, :], chain,
+                         mask=ok_rm)
         wr = tl.load(wr_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
         a = tl.dot(chain, wr, input_precision=PRECISION)
-        num += _value_read(a, n, f, y, vs0, causal, eps, PRECISION)
         den += tl.sum(tl.abs(a), 1)  # total absolute read weight (rsa_memory.py docstring)
+        # read(w) = w~ VS0 + ((w~ F^T) . M) Y, w~ = w / max(N, eps): into num (a), and extra (q W_qr / 16, RSA-q)
+        norm_n = tl.maximum(n, eps)
+        a = a / norm_n
+        vs0 = tl.load(vs0_ptr + (state * M + slots)[:, None] * DV + cols_v[None, :],
+                      mask=slot_ok[:, None] & v_ok[None, :], other=0.0)  # (m, dv)
+        num += tl.dot(a, vs0, input_precision=PRECISION)
         if QUERY_READ:
-            wqr = tl.load(wqr_ptr + hl * D * M + off_dm, mask=ok_dm, other=0.0)
-            extra += _value_read(tl.dot(q, wqr, input_precision=PRECISION) / 16, n, f, y, vs0, causal, eps,
-                                 PRECISION)
-        f_prev = f
+            wqr = tl.load(wqr_ptr + hl * D * M + cols_d[:, None] * M + slots[None, :],
+                          mask=d_ok[:, None] & slot_ok[None, :], other=0.0)
+            query_weights = tl.dot(q, wqr, input_precision=PRECISION) / 16 / norm_n
+            extra += tl.dot(query_weights, vs0, input_precision=PRECISION)
+        for k0 in range(0, reach, BLOCK_K):
+            cols = k0 + keys
+            causal = (cols[None, :] <= rows[:, None]).to(tl.float32)
+            f = tl.load(f_ptr + (level_row + cols)[:, None] * M + slots[None, :],
+                        mask=(cols < reach)[:, None] & slot_ok[None, :], other=0.0)
+            y = tl.load(y_ptr + (level_row + cols)[:, None] * DV + cols_v[None, :],
+                        mask=(cols < reach)[:, None] & v_ok[None, :], other=0.0)
+            num += tl.dot(tl.dot(a, tl.trans(f), input_precision=PRECISION) * causal, y, input_precision=PRECISION)
+            if QUERY_READ:
+                extra += tl.dot(tl.dot(query_weights, tl.trans(f), input_precision=PRECISION) * causal, y,
+                                input_precision=PRECISION)
         n_prev = n
-    out_at = (bh * Tp + row0) * DV + off_cv
-    tl.store(out_ptr + out_at, num / tl.maximum(den, eps)[:, None] + extra, mask=ok_cv)
+    out_at = (bh * Tp + row0 + rows)[:, None] * DV + cols_v[None, :]
+    ok_rv = row_ok[:, None] & v_ok[None, :]
+    tl.store(out_ptr + out_at, num / tl.maximum(den, eps)[:, None] + extra, mask=ok_rv)
     if save:
-        tl.store(num_ptr + out_at, num, mask=ok_cv)
-        tl.store(den_ptr + bh * Tp + row0 + rows, den, mask=rows < C)
+        tl.store(num_ptr + out_at, num, mask=ok_rv)
+        tl.store(den_ptr + bh * Tp + row0 + rows, den, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["Tp", "NC", "i"])
 def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
                 g_ptr, g_lw_ptr, chain_ptr, num_ptr, den_ptr,  # dL/d(out, log weight), what _fwd_kernel(save) wrote
-                d_chain_ptr, df_next_ptr, dn_next_ptr,  # (B, H, Tp, m) each: level i + 1's gradients for level i
+                d_chain_ptr, dn_next_ptr,  # (B, H, Tp, m) each: level i + 1's gradients for level i's rows
                 dq_ptr, df_ptr, dx_ptr, dy_ptr, dks0_ptr, dvs0_ptr, dn0_ptr, dr0_ptr, dkappa_ptr,
                 dw_ptr, dwr_ptr, dtheta_ptr, dwa_ptr, dwqr_ptr,  # fp32 gradients, zero-initialised, added into
                 Tp, NC, H, G, GS, C, M, D, DV, tau, eps, i,
                 L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
-                LOG_WEIGHT: tl.constexpr, LEVEL0: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+                LOG_WEIGHT: tl.constexpr, LEVEL0: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """Level ``i`` of the backward (launched for i = L-1 .. 0, LEVEL0 = i == 0): one level's body per program
     keeps the shared memory and the compile time of one level; what crosses levels goes through global memory.
+    One program = BLOCK_R rows of a chunk (as the forward's): the gradients of its rows' own tensors (q, the
+    carries) are written, those of the whole chunk's (F, X, Y) and of the shared ones added in (atomics).
     The key and value features are taken BLOCK_D / BLOCK_DV at a time (at most FEATURE_BLOCK): every product over
-    them is summed block by block into (C, C) / (C, m) tiles, and every gradient of a (., d) or (., dv) tensor is
-    written block by block, so the tiles held stay C x C, C x m and m x m whatever the head width."""
-    chunk = tl.program_id(0).to(tl.int64)
+    them is summed block by block into (R, C) / (R, m) tiles, and every gradient of a (., d) or (., dv) tensor is
+    written block by block, so the tiles held stay (R or C) x (C or m) and m x m whatever the head width."""
+    row_blocks = tl.cdiv(C, BLOCK_R)
+    chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     head = bh % H
     bg = (bh // H) * G + head // GS
     row0 = chunk * C
-    rows = tl.arange(0, BLOCK_C)
+    rows = (tl.program_id(0) % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
     slots = tl.arange(0, BLOCK_M)
     cols_d = tl.arange(0, BLOCK_D)
     cols_v = tl.arange(0, BLOCK_DV)
     slot_ok = slots < M
-    row_ok = rows < C
-    off_cm, ok_cm = rows[:, None] * M + slots[None, :], row_ok[:, None] & slot_ok[None, :]
+    row_ok, col_ok = rows < C, cols < C
+    off_rm, ok_rm = rows[:, None] * M + slots[None, :], row_ok[:, None] & slot_ok[None, :]
+    off_cm, ok_cm = cols[:, None] * M + slots[None, :], col_ok[:, None] & slot_ok[None, :]
     off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
-    causal = (rows[None, :] <= rows[:, None]).to(tl.float32)
+    causal = (cols[None, :] <= rows[:, None]).to(tl.float32)  # (R, C)
     level_row = (bg * L + i) * Tp + row0
     state = (bg * NC + chunk) * L + i
     kappa_at = (bg % G) * L + i
     hl = head * L + i
     q_rows = (bh * Tp + row0 + rows)[:, None]  # row offsets of (B, H, Tp, .) tensors
-    level_rows = (level_row + rows)[:, None]  # of (B, G, L, Tp, .) tensors
+    level_cols = (level_row + cols)[:, None]  # of (B, G, L, Tp, .) tensors, every row of the chunk
 
-    # Value side, a block of dv at a time: sum_v g num (for the normaliser), g Y^T (C, C) and g VS0^T (C, m)
+    # Value side, a block of dv at a time: sum_v g num (for the normaliser), g Y^T (R, C) and g VS0^T (R, m)
     den = tl.load(den_ptr + bh * Tp + row0 + rows, mask=row_ok, other=0.0)
     norm = tl.maximum(den, eps)
-    g_num = tl.zeros((BLOCK_C,), tl.float32)
-    g_y = tl.zeros((BLOCK_C, BLOCK_C), tl.float32)
-    g_vs0 = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+    g_num = tl.zeros((BLOCK_R,), tl.float32)
+    g_y = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+    g_vs0 = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
     for v0 in range(0, DV, BLOCK_DV):
         cv = v0 + cols_v
         ok_cv = row_ok[:, None] & (cv < DV)[None, :]
-        g = tl.load(g_ptr + q_rows * DV + cv[None, :], mask=ok_cv, other=0.0)  # dL/dout (C, dv block)
+        g = tl.load(g_ptr + q_rows * DV + cv[None, :], mask=ok_cv, other=0.0)  # dL/dout (R, dv block)
         num = tl.load(num_ptr + q_rows * DV + cv[None, :], mask=ok_cv, other=0.0)
-        y = tl.load(y_ptr + level_rows * DV + cv[None, :], mask=ok_cv, other=0.0)
+        y = tl.load(y_ptr + level_cols * DV + cv[None, :], mask=col_ok[:, None] & (cv < DV)[None, :], other=0.0)
         vs0 = tl.load(vs0_ptr + state * M * DV + slots[:, None] * DV + cv[None, :],
                       mask=slot_ok[:, None] & (cv < DV)[None, :], other=0.0)
         g_num += tl.sum(g * num, 1)
@@ -328,15 +352,15 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     d_den = tl.where(den >= eps, -g_num / (norm * norm), 0.0)  # out = num / max(den, eps) + extra
     inv = 1.0 / norm  # d num = g / max(den, eps), row by row
 
-    # Key side, a block of d at a time: q X^T (C, C), q KS0^T (C, m) [, q W_qr (C, m)]
-    q_x = tl.zeros((BLOCK_C, BLOCK_C), tl.float32)
-    q_ks0 = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
-    q_wqr = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+    # Key side, a block of d at a time: q X^T (R, C), q KS0^T (R, m) [, q W_qr (R, m)]
+    q_x = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+    q_ks0 = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
+    q_wqr = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cd = d0 + cols_d
         ok_cd = row_ok[:, None] & (cd < D)[None, :]
         q = tl.load(q_ptr + q_rows * D + cd[None, :], mask=ok_cd, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + level_rows * D + cd[None, :], mask=ok_cd, other=0.0)
+        x = tl.load(x_ptr + level_cols * D + cd[None, :], mask=col_ok[:, None] & (cd < D)[None, :], other=0.0)
         ks0 = tl.load(ks0_ptr + state * M * D + slots[:, None] * D + cd[None, :],
                       mask=slot_ok[:, None] & (cd < D)[None, :], other=0.0)
         q_x += tl.dot(q, tl.trans(x), input_precision=PRECISION)
@@ -347,21 +371,20 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
             q_wqr += tl.dot(q, wqr, input_precision=PRECISION)
     qx = q_x * causal
 
-    d_chain = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)  # into chain_i, from level i + 1's routing
-    df_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)  # into F_i, from level i + 1's relation routing
-    dn_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)  # into N_i, likewise
-    carry_at = (bh * Tp + row0) * M + off_cm
+    d_chain = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)  # into chain_i, from level i + 1's routing
+    dn_next = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)  # into N_i, from level i + 1's relation routing
+    carry_at = (bh * Tp + row0) * M + off_rm
     if ROUTING != 0:
         if i < L - 1:  # written by level i + 1; none above the top level
-            d_chain = tl.load(d_chain_ptr + carry_at, mask=ok_cm, other=0.0)
+            d_chain = tl.load(d_chain_ptr + carry_at, mask=ok_rm, other=0.0)
             if ROUTING == 2:
-                df_next = tl.load(df_next_ptr + carry_at, mask=ok_cm, other=0.0)
-                dn_next = tl.load(dn_next_ptr + carry_at, mask=ok_cm, other=0.0)
+                dn_next = tl.load(dn_next_ptr + carry_at, mask=ok_rm, other=0.0)
     f = tl.load(f_ptr + level_row * M + off_cm, mask=ok_cm, other=0.0)
     n = tl.load(n0_ptr + state * M + slots, mask=slot_ok, other=0.0)[None, :] \
         + tl.dot(causal, f, input_precision=PRECISION)
     kappa = tl.load(kappa_ptr + kappa_at)
-    score, den_k, act = _activation(q_ks0, qx, f, kappa, n, slot_ok, tau, eps, LEVEL0, READOUT, PRECISION)
+    score, den_k, act = _activation(q_ks0 + tl.dot(qx, f, input_precision=PRECISION), kappa, n, slot_ok, tau, eps,
+                                    LEVEL0, READOUT)
     w = tl.load(w_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
     wr = tl.load(wr_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
     theta = tl.load(theta_ptr + hl)
@@ -371,9 +394,9 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     sparse = tl.where(slot_ok[None, :], scale * tl.maximum(a_hat - theta, 0.0) + theta / M, 0.0)
 
     # chain_i = routed . sparse, recomputed from the saved chain_{i-1}
-    routed = tl.full((BLOCK_C, BLOCK_M), 1.0, tl.float32)
+    routed = tl.full((BLOCK_R, BLOCK_M), 1.0, tl.float32)
     if not LEVEL0 and ROUTING != 0:
-        chain_prev = tl.load(chain_ptr + ((bh * (L - 1) + i - 1) * Tp + row0) * M + off_cm, mask=ok_cm,
+        chain_prev = tl.load(chain_ptr + ((bh * (L - 1) + i - 1) * Tp + row0) * M + off_rm, mask=ok_rm,
                              other=0.0)
         if ROUTING == 1:
             routed = chain_prev
@@ -399,7 +422,7 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     d_intra = g_y * causal * inv[:, None]  # (d num Y^T) . M
     d_scaled = g_vs0 * inv[:, None] + tl.dot(d_intra, f, input_precision=PRECISION)
     intra = tl.dot(scaled, tl.trans(f), input_precision=PRECISION) * causal
-    d_f = tl.dot(tl.trans(d_intra), scaled, input_precision=PRECISION) + df_next
+    d_f = tl.dot(tl.trans(d_intra), scaled, input_precision=PRECISION)  # (C, m): this program's rows' share
     sign = tl.where(a > 0, 1.0, tl.where(a < 0, -1.0, 0.0))
     d_a = d_scaled / norm_n + d_den[:, None] * sign  # den += sum |a_i|
     d_n = tl.where(mass_ok, -(d_scaled / norm_n) * scaled, 0.0) + dn_next
@@ -421,17 +444,16 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         tl.atomic_add(dvs0_ptr + state * M * DV + slots[:, None] * DV + cv[None, :],
                       tl.dot(tl.trans(w_vs0), g, input_precision=PRECISION),
                       mask=slot_ok[:, None] & (cv < DV)[None, :])
-        tl.atomic_add(dy_ptr + level_rows * DV + cv[None, :], tl.dot(tl.trans(w_y), g, input_precision=PRECISION),
-                      mask=ok_cv)
+        tl.atomic_add(dy_ptr + level_cols * DV + cv[None, :], tl.dot(tl.trans(w_y), g, input_precision=PRECISION),
+                      mask=col_ok[:, None] & (cv < DV)[None, :])
 
     # a = chain W_r
     d_chain_i = tl.dot(d_a, tl.trans(wr), input_precision=PRECISION) + d_chain
     tl.atomic_add(dwr_ptr + hl * M * M + off_mm, tl.dot(tl.trans(chain), d_a, input_precision=PRECISION),
                   mask=ok_mm)
     d_sparse = d_chain_i * routed
-    d_chain = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
-    df_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
-    dn_next = tl.zeros((BLOCK_C, BLOCK_M), tl.float32)
+    d_chain = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
+    dn_next = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
     if not LEVEL0 and ROUTING == 1:
         d_chain = d_chain_i * sparse
     if not LEVEL0 and ROUTING == 2:  # routed = c~ R0 + ((c~ F_{i-1}^T) . M) F_i, c~ = chain_{i-1} / N_{i-1}
@@ -442,12 +464,13 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         d_intra_prev = tl.dot(d_routed, tl.trans(f), input_precision=PRECISION) * causal
         d_scaled_prev = tl.dot(d_routed, tl.trans(r0), input_precision=PRECISION) \
             + tl.dot(d_intra_prev, f_prev, input_precision=PRECISION)
-        df_next = tl.dot(tl.trans(d_intra_prev), scaled_prev, input_precision=PRECISION)
+        tl.atomic_add(df_ptr + (level_row - Tp) * M + off_cm,  # into F_{i-1}, the whole chunk's rows
+                      tl.dot(tl.trans(d_intra_prev), scaled_prev, input_precision=PRECISION), mask=ok_cm)
         d_chain = d_scaled_prev / norm_prev
         dn_next = tl.where(n_prev >= eps, -d_chain * scaled_prev, 0.0)
 
     # sparse = w_a relu(act W - theta) + theta / m
-    d_sparse = tl.where(ok_cm, d_sparse, 0.0)
+    d_sparse = tl.where(ok_rm, d_sparse, 0.0)
     d_a_hat = tl.where(active, d_sparse * scale, 0.0)
     tl.atomic_add(dwa_ptr + hl, tl.sum(tl.sum(tl.where(active, d_sparse * (a_hat - theta), 0.0), 1), 0))
     tl.atomic_add(dtheta_ptr + hl, tl.sum(tl.sum(d_sparse * (1.0 / M - tl.where(active, scale, 0.0)), 1), 0))
@@ -482,14 +505,14 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         ok_cd = row_ok[:, None] & (cd < D)[None, :]
         ok_md = slot_ok[:, None] & (cd < D)[None, :]
         q = tl.load(q_ptr + q_rows * D + cd[None, :], mask=ok_cd, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + level_rows * D + cd[None, :], mask=ok_cd, other=0.0)
+        x = tl.load(x_ptr + level_cols * D + cd[None, :], mask=col_ok[:, None] & (cd < D)[None, :], other=0.0)
         ks0 = tl.load(ks0_ptr + state * M * D + slots[:, None] * D + cd[None, :], mask=ok_md, other=0.0)
         dq = tl.load(dq_ptr + q_rows * D + cd[None, :], mask=ok_cd, other=0.0)
         dq += tl.dot(d_snum, ks0, input_precision=PRECISION) + tl.dot(d_qx, x, input_precision=PRECISION)
         tl.atomic_add(dks0_ptr + state * M * D + slots[:, None] * D + cd[None, :],
                       tl.dot(tl.trans(d_snum), q, input_precision=PRECISION), mask=ok_md)
-        tl.atomic_add(dx_ptr + level_rows * D + cd[None, :], tl.dot(tl.trans(d_qx), q, input_precision=PRECISION),
-                      mask=ok_cd)
+        tl.atomic_add(dx_ptr + level_cols * D + cd[None, :], tl.dot(tl.trans(d_qx), q, input_precision=PRECISION),
+                      mask=col_ok[:, None] & (cd < D)[None, :])
         if QUERY_READ:
             ok_dm = (cd < D)[:, None] & slot_ok[None, :]
             wqr = tl.load(wqr_ptr + hl * D * M + cd[:, None] * M + slots[None, :], mask=ok_dm, other=0.0)
@@ -503,11 +526,10 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     d_f += tl.dot(tl.trans(causal), d_n, input_precision=PRECISION)
     tl.atomic_add(dn0_ptr + state * M + slots, tl.sum(d_n, 0), mask=slot_ok)
     tl.atomic_add(df_ptr + level_row * M + off_cm, d_f, mask=ok_cm)
-    if not LEVEL0 and ROUTING != 0:  # for level i - 1 (the same program's rows: no other program reads them)
-        tl.store(d_chain_ptr + carry_at, d_chain, mask=ok_cm)
+    if not LEVEL0 and ROUTING != 0:  # for level i - 1 (the same rows' program: no other program reads them)
+        tl.store(d_chain_ptr + carry_at, d_chain, mask=ok_rm)
         if ROUTING == 2:
-            tl.store(df_next_ptr + carry_at, df_next, mask=ok_cm)
-            tl.store(dn_next_ptr + carry_at, dn_next, mask=ok_cm)
+            tl.store(dn_next_ptr + carry_at, dn_next, mask=ok_rm)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -529,7 +551,7 @@ class _Read:
         batch, heads, self.padded, key_dim = q.shape
         _, groups, levels, _, slots = f.shape
         n_chunks = self.padded // chunk_size
-        self.grid = (n_chunks, batch * heads)
+        self.grid = (n_chunks * triton.cdiv(chunk_size, FORWARD_ROWS), batch * heads)  # forward and backward
         self.sizes = (self.padded, n_chunks, heads, groups, heads // groups, chunk_size, slots, key_dim,
                       y.shape[-1], key_dim**-0.5, eps)
         self.batch, self.heads, self.levels, self.slots, self.value_dim = batch, heads, levels, slots, y.shape[-1]
@@ -537,8 +559,10 @@ class _Read:
                             QUERY_READ=query_read, LOG_WEIGHT=log_weight,
                             BLOCK_C=tile_edge(chunk_size), BLOCK_M=tile_edge(slots),
                             BLOCK_D=tile_edge(key_dim), BLOCK_DV=tile_edge(y.shape[-1]),
-                            PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS)
-        self.backward_options = dict(self.options, BLOCK_D=min(self.options["BLOCK_D"], FEATURE_BLOCK),
+                            PRECISION=INPUT_PRECISION, num_warps=READ_WARPS)
+        self.forward_options = dict({key: value for key, value in self.options.items() if key != "BLOCK_C"},
+                                    BLOCK_R=FORWARD_ROWS, BLOCK_K=KEY_BLOCK)
+        self.backward_options = dict(self.options, BLOCK_R=FORWARD_ROWS, BLOCK_D=min(self.options["BLOCK_D"], FEATURE_BLOCK),
                                      BLOCK_DV=min(self.options["BLOCK_DV"], FEATURE_BLOCK),
                                      num_stages=BACKWARD_STAGES)
 
@@ -547,9 +571,9 @@ class _Read:
         and for a backward the level-0 variant and the other levels' one (the level is not specialised). Buffers not
         yet allocated are given as their dtype (all fp32)."""
         buffers = [torch.float32] * 5  # out, log weight, chain, num, den
-        warmups = [(_fwd_kernel, self.grid, (*inputs, *buffers, *self.sizes, 0), self.options)]
-        if backward:  # g, g_lw, chain, num, den, the 3 carries and the 14 gradients, then the sizes and the level
-            args = (*inputs, *[torch.float32] * (5 + 3 + len(inputs)), *self.sizes)
+        warmups = [(_fwd_kernel, self.grid, (*inputs, *buffers, *self.sizes, 0), self.forward_options)]
+        if backward:  # g, g_lw, chain, num, den, the 2 carries and the 14 gradients, then the sizes and the level
+            args = (*inputs, *[torch.float32] * (5 + 2 + len(inputs)), *self.sizes)
             warmups += [(_bwd_kernel, self.grid, (*args, level), {**self.backward_options, "LEVEL0": level == 0})
                         for level in sorted({0, self.levels - 1})]
         return warmups
@@ -572,7 +596,8 @@ class _Read:
                 chain = out.new_empty(self.batch, self.heads, self.levels - 1, self.padded, self.slots)
             num, den = torch.empty_like(out), out.new_empty(self.batch, self.heads, self.padded)
         if out.numel():
-            _fwd_kernel[self.grid](*inputs, out, log_weight, chain, num, den, *self.sizes, int(save), **self.options)
+            _fwd_kernel[self.grid](*inputs, out, log_weight, chain, num, den, *self.sizes, int(save),
+                                   **self.forward_options)
         if self.options["LOG_WEIGHT"]:
             out = torch.cat([out, log_weight[..., None]], -1)
         return (out, chain, num, den) if save else out
@@ -587,9 +612,9 @@ class _Read:
         grad_out = grad_out.float()
         g = grad_out[..., :self.value_dim].contiguous()
         g_log_weight = grad_out[..., self.value_dim].contiguous() if self.options["LOG_WEIGHT"] else g  # or dummy
-        carries = [g] * 3  # dummies without routing: (d chain, d F, d N) that level i + 1 hands to level i
+        carries = [g] * 2  # dummies without routing: (d chain, d N) that level i + 1 hands to level i
         if self.levels > 1 and self.options["ROUTING"] != 0:
-            carries = [g.new_empty(self.batch, self.heads, self.padded, self.slots) for _ in range(3)]
+            carries = [g.new_empty(self.batch, self.heads, self.padded, self.slots) for _ in range(2)]
         for level in reversed(range(self.levels)):  # one launch per level, the top one first
             _bwd_kernel[self.grid](*inputs, g, g_log_weight, chain, num, den, *carries, *grads, *self.sizes, level,
                                    LEVEL0=level == 0, **self.backward_options)

@@ -323,6 +323,24 @@ def test_backward_over_feature_blocks_matches_reference(readout, routing, query_
 
 
 @needs_kernels
+@pytest.mark.parametrize("readout, routing, query_read", first_in_fast(("softmax_count", "relation", True),
+                                                                      ("sigmoid", "elementwise", False)))
+def test_forward_over_row_blocks_matches_reference(readout, routing, query_read, monkeypatch):
+    """The kernels take a chunk FORWARD_ROWS rows per program, and the forward reads the chunk's rows KEY_BLOCK at a
+    time: both cut to 8 with chunks of 12, each chunk is two programs, the second one ragged, whose rows read the
+    chunk's rows up to theirs in two blocks (and, backward, add their share of the chunk's gradients); output, state
+    and every gradient still equal rsa_chunked, the window's merge weight included."""
+    monkeypatch.setattr(rct, "FORWARD_ROWS", 8)
+    monkeypatch.setattr(rct, "KEY_BLOCK", 8)
+    params = make_params(chunk=12, readout=readout, routing=routing, query_read=query_read, log_weight=True)
+    read = rct._Read(rct._read_options(params), torch.zeros(1, 4, 24, KEY_DIM), torch.zeros(1, 2, 3, 24, SLOTS),
+                     torch.zeros(1, 2, 3, 24, VALUE_DIM))
+    assert read.grid == (4, 4) and read.forward_options["BLOCK_R"] == read.backward_options["BLOCK_R"] == 8
+    inputs = make_inputs(params, batch=2)
+    assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
+
+
+@needs_kernels
 @pytest.mark.variant  # 9 s under the interpreter: the full tier only
 def test_conversion_init_and_single_level():
     """The converted layer at init: W_r = 0 below level 0 (a_i = 0 exactly: |a| has a zero subgradient) and
