@@ -1,0 +1,282 @@
+"""A converted folder as a vLLM model: ``vllm serve DIR`` / ``LLM(model=DIR)`` with hf-mixers installed (its
+``vllm.general_plugins`` entry point, ``register``, names this class for every hf-mixers architecture).
+
+The model is the folder's own ``MixerForCausalLM`` (the same modules, weights and math as ``generate()``), run on
+vLLM's flat batch of tokens:
+
+    kept attention layers   the layer's projections, then vLLM's ``Attention`` over its paged KV cache
+    constant-state mixers   ``StateLayer``: the layer's state lives in vLLM's state cache (a ``MambaBase`` layer with
+                            its own backend, ``HF_MIXERS_STATE``), one slot per sequence in ``serving/state.py``'s
+                            layout, so continuous batching, preemption and swapping are vLLM's; each sequence of a
+                            batch (a prefill chunk or one decode token) runs ``mixer.mix`` from its slot and writes
+                            the new state back. The call is the custom op ``vllm::hf_mixers_mix``: a compiled graph
+                            keeps it whole.
+
+Refused by name, with the reason (``servable_reason``): mixers whose decode state grows with the context (Sessa,
+GLTM, whose cache keeps positions), and models mixing two kinds of constant-state layer (vLLM sizes every state
+slot alike). Tensor and pipeline parallelism are not supported: one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backend import AttentionBackend
+from vllm.v1.attention.backends.mamba_attn import BaseMambaAttentionMetadata, BaseMambaAttentionMetadataBuilder
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from ..core.mixer import RecurrentMixer
+from ..core.registry import get_mixer
+from ..model.modeling import MixerForCausalLM
+from . import STATE_BACKEND as BACKEND_NAME, register
+from .state import StateLayout, pack, state_layout, unpack
+
+ATTENTION = ("full_attention", "sliding_attention")  # kept teacher layers: vLLM's paged attention
+
+
+@dataclass
+class MixerStateMetadata(BaseMambaAttentionMetadata):
+    """vLLM's per-step batch description for state layers: decodes first, then prefills with their slots."""
+
+
+class MixerStateMetadataBuilder(BaseMambaAttentionMetadataBuilder[MixerStateMetadata]):
+    metadata_cls = MixerStateMetadata
+
+
+class MixerStateBackend(AttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "HF_MIXERS_STATE"
+
+    @staticmethod
+    def get_builder_cls() -> type[MixerStateMetadataBuilder]:
+        return MixerStateMetadataBuilder
+
+    @classmethod
+    def is_ssm(cls) -> bool:
+        return True
+
+
+register()  # idempotent: vLLM has called it in this process already, a direct import has not
+STATE_BACKEND = MambaAttentionBackendEnum[BACKEND_NAME]
+
+
+def servable_reason(config) -> str | None:
+    """None when every layer of ``config`` can be served, else which layer cannot, and why."""
+    recurrent = set()
+    for index, kind in enumerate(config.layer_types):
+        if kind in ATTENTION:
+            continue
+        if not issubclass(get_mixer(kind).mixer_class, RecurrentMixer):
+            grows = "its decode state grows with the context" if not get_mixer(kind).constant_state else \
+                "its cache keeps token positions, not a fixed-size state"
+            return f"layer {index} is {kind!r}: {grows}, which vLLM's fixed-size state cache cannot hold"
+        recurrent.add(kind)
+    if len(recurrent) > 1:
+        return f"layers of {sorted(recurrent)}: vLLM gives every state layer of a model one slot size"
+    return None
+
+
+def _window(config) -> int:
+    """The longest local window among ``config``'s options (a state exists whole only past it)."""
+    return max([value for key, value in config.to_dict().items() if key.endswith("_window")
+                and isinstance(value, int) and not isinstance(value, bool)] + [0])
+
+
+_LAYOUTS: dict = {}
+
+
+def layout_for(config, dtype: torch.dtype) -> StateLayout:
+    """The state slot of ``config``'s constant-state layers, from a small warm call of one of them (built alone,
+    on the CPU, once per config and dtype)."""
+    key = (config.to_json_string(use_diff=False), dtype)
+    if key not in _LAYOUTS:
+        index = next(i for i, kind in enumerate(config.layer_types) if kind not in ATTENTION)
+        with torch.device("cpu"):
+            mixer = get_mixer(config.layer_types[index]).mixer_class(config, index).to(dtype)
+            rotary = LlamaRotaryEmbedding(config=config)
+        _LAYOUTS[key] = state_layout(mixer, rotary, _window(config))
+    return _LAYOUTS[key]
+
+
+class StateLayer(MambaBase, nn.Module):
+    """vLLM's view of one constant-state layer: its state shapes and dtypes, and the per-sequence calls."""
+
+    def __init__(self, mixer, layout: StateLayout, prefix: str):
+        super().__init__()
+        self.__dict__["mixer"] = mixer  # not a submodule: its parameters keep their names in the block
+        self.layout, self.prefix = layout, prefix
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"duplicate layer name: {prefix}")
+        context[prefix] = self
+        self.kv_cache = (torch.tensor([]),)
+
+    def get_state_shape(self):
+        return self.layout.shapes
+
+    def get_state_dtype(self):
+        return self.layout.dtypes
+
+    @property
+    def mamba_type(self):
+        return STATE_BACKEND
+
+    def forward(self, hidden_states, cos, sin):
+        output = torch.empty_like(hidden_states)
+        torch.ops.vllm.hf_mixers_mix(hidden_states, cos, sin, output, self.prefix)
+        return output
+
+    def mix_sequences(self, hidden_states, cos, sin, output) -> None:
+        """Each sequence of the batch from its slot: (N, D) tokens, decodes first, then prefills."""
+        metadata = get_forward_context().attn_metadata
+        metadata = None if metadata is None else metadata.get(self.prefix)
+        if metadata is None:  # vLLM's profiling run: no sequences, no states
+            out, _, _ = self.mixer.mix(hidden_states[None], (cos[None], sin[None]))
+            output.copy_(out[0])
+            return
+        for start, end, slot, continues in _sequences(metadata):
+            state, history = unpack(self.layout, self.kv_cache, slot) if continues else (None, None)
+            out, state, history = self.mixer.mix(hidden_states[None, start:end], (cos[None, start:end],
+                                                                                  sin[None, start:end]),
+                                                 None, state, history)
+            pack(self.layout, (state, history), self.kv_cache, slot)
+            output[start:end] = out[0]
+
+
+def _sequences(metadata) -> list[tuple[int, int, int, bool]]:
+    """(first token, end, state slot, has a state) of each sequence: the decodes' one token each, then the
+    prefills' (chunks of) prompts, in vLLM's token order."""
+    spans = []
+    if metadata.num_decodes:
+        slots = metadata.state_indices_tensor_d
+        slots = (slots[:, 0] if slots.dim() > 1 else slots)[:metadata.num_decodes].tolist()
+        spans += [(index, index + 1, slot, True) for index, slot in enumerate(slots)]
+    if metadata.num_prefills:
+        offset = metadata.num_decode_tokens
+        starts = metadata.query_start_loc_p.tolist()
+        slots = metadata.state_indices_tensor_p
+        slots = (slots[:, 0] if slots.dim() > 1 else slots)[:metadata.num_prefills].tolist()
+        continues = metadata.has_initial_states_p[:metadata.num_prefills].tolist()
+        spans += [(offset + starts[i], offset + starts[i + 1], slots[i], bool(continues[i]))
+                  for i in range(metadata.num_prefills)]
+    return spans
+
+
+def _mix(hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, output: torch.Tensor,
+         layer_name: str) -> None:
+    get_forward_context().no_compile_layers[layer_name].mix_sequences(hidden_states, cos, sin, output)
+
+
+def _mix_fake(hidden_states, cos, sin, output, layer_name) -> None:
+    return None
+
+
+direct_register_custom_op(op_name="hf_mixers_mix", op_func=_mix, mutates_args=["output"], fake_impl=_mix_fake)
+
+
+class AttentionLayer(nn.Module):
+    """A kept attention layer: its own projections, q/k norms and RoPE, then vLLM's paged attention."""
+
+    def __init__(self, attention, prefix: str, cache_config):
+        super().__init__()
+        self.__dict__["attention"] = attention  # its parameters stay the block's
+        self.attn = Attention(attention.num_heads, attention.head_dim, attention.scaling,
+                              num_kv_heads=attention.num_key_value_heads, cache_config=cache_config,
+                              per_layer_sliding_window=attention.sliding_window, prefix=f"{prefix}.attn")
+
+    def forward(self, hidden_states, cos, sin):
+        query, key, value = self.attention.project(hidden_states[None], (cos[None], sin[None]))  # (1, H, N, hd)
+        flat = lambda x: x[0].transpose(0, 1).flatten(1)  # noqa: E731  (N, H * hd)
+        return self.attention.o_proj(self.attn(flat(query), flat(key), flat(value)))
+
+
+class MixerForCausalLMvLLM(nn.Module, HasInnerState, IsHybrid):
+    """Every hf-mixers architecture in vLLM (module docstring)."""
+
+    state_tensors = 0  # of the layout built in this process: get_mamba_state_copy_func's length
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        reason = servable_reason(config)
+        if reason is not None:
+            raise ValueError(f"hf-mixers cannot serve this model in vLLM: {reason}")
+        if vllm_config.parallel_config.tensor_parallel_size > 1 or \
+                vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("hf-mixers models are served on one device: tensor and pipeline parallel size 1")
+        self.config = config
+        causal_lm = MixerForCausalLM(config)
+        self.model, self.lm_head = causal_lm.model, causal_lm.lm_head
+        self.checkpoint_names = set(dict(self.named_parameters()))  # before vLLM's own layers join the blocks
+        layout = None
+        for index, (block, kind) in enumerate(zip(self.model.layers, config.layer_types)):
+            name = f"model.layers.{index}.mixer"
+            if kind in ATTENTION:
+                block.serving = AttentionLayer(block.mixer, name, vllm_config.cache_config)
+            else:
+                layout = layout or layout_for(config, vllm_config.model_config.dtype)
+                block.serving = StateLayer(block.mixer, layout, name)
+        type(self).state_tensors = 0 if layout is None else len(layout.shapes)
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        layout = layout_for(vllm_config.model_config.hf_config, vllm_config.model_config.dtype)
+        cls.state_tensors = len(layout.shapes)
+        return layout.shapes
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return layout_for(vllm_config.model_config.hf_config, vllm_config.model_config.dtype).dtypes
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return (get_temporal_copy_spec,) * cls.state_tensors
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        hidden_states = (self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds)[None]
+        cos, sin = self.model.rotary_emb(hidden_states, positions[None])
+        for block in self.model.layers:
+            hidden_states = block.around(hidden_states, lambda x, block=block: block.serving(x[0], cos[0],
+                                                                                             sin[0])[None])
+        return self.model.norm(hidden_states)[0]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden_states, self.lm_head.weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The folder's safetensors by their own names (the modules are the folder's): every parameter of the
+        folder's model must be given, except a head tied to the embeddings; vLLM's own (its attention's scales)
+        keep their initial values."""
+        parameters = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name not in parameters:
+                if name == "lm_head.weight" and self.lm_head.weight is self.model.embed_tokens.weight:
+                    continue
+                raise ValueError(f"the checkpoint's {name} {tuple(tensor.shape)} is not a parameter of this model")
+            if parameters[name].shape != tensor.shape:
+                raise ValueError(f"the checkpoint's {name} is {tuple(tensor.shape)}, the model's "
+                                 f"{tuple(parameters[name].shape)}")
+            with torch.no_grad():
+                parameters[name].copy_(tensor)
+            loaded.add(name)
+        missing = sorted(self.checkpoint_names - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        return loaded | (set(parameters) - self.checkpoint_names)
