@@ -220,7 +220,8 @@ class MixerForCausalLMvLLM(nn.Module, HasInnerState, IsHybrid):
         self.config = config
         causal_lm = MixerForCausalLM(config)
         self.model, self.lm_head = causal_lm.model, causal_lm.lm_head
-        self.checkpoint_names = set(dict(self.named_parameters()))  # before vLLM's own layers join the blocks
+        # what the folder's safetensors hold: the parameters and persistent buffers, before vLLM's layers join
+        self.checkpoint_names = set(self.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
         layout = None
         for index, (block, kind) in enumerate(zip(self.model.layers, config.layer_types)):
             name = f"model.layers.{index}.mixer"
@@ -264,19 +265,20 @@ class MixerForCausalLMvLLM(nn.Module, HasInnerState, IsHybrid):
         folder's model must be given, except a head tied to the embeddings; vLLM's own (its attention's scales)
         keep their initial values."""
         parameters = dict(self.named_parameters())
+        targets = {**dict(self.named_buffers()), **parameters}
         loaded = set()
         for name, tensor in weights:
-            if name not in parameters:
-                if name == "lm_head.weight" and self.lm_head.weight is self.model.embed_tokens.weight:
+            if name not in self.checkpoint_names:
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
                     continue
-                raise ValueError(f"the checkpoint's {name} {tuple(tensor.shape)} is not a parameter of this model")
-            if parameters[name].shape != tensor.shape:
+                raise ValueError(f"the checkpoint's {name} {tuple(tensor.shape)} is not a tensor of this model")
+            if targets[name].shape != tensor.shape:
                 raise ValueError(f"the checkpoint's {name} is {tuple(tensor.shape)}, the model's "
-                                 f"{tuple(parameters[name].shape)}")
+                                 f"{tuple(targets[name].shape)}")
             with torch.no_grad():
-                parameters[name].copy_(tensor)
+                targets[name].copy_(tensor)
             loaded.add(name)
         missing = sorted(self.checkpoint_names - loaded)
         if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
-        return loaded | (set(parameters) - self.checkpoint_names)
+            raise ValueError(f"the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}")
+        return set(parameters)  # every parameter: the checkpoint's, and vLLM's own at their initial values
