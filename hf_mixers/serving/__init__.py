@@ -6,6 +6,37 @@ from __future__ import annotations
 
 VLLM_MODEL = "hf_mixers.serving.vllm_model:MixerForCausalLMvLLM"
 STATE_BACKEND = "HF_MIXERS_STATE"  # the state layers' vLLM backend (vllm_model.MixerStateBackend)
+ATTENTION = ("full_attention", "sliding_attention")  # kept teacher layers: vLLM's paged attention
+
+
+def servable_reason(config) -> str | None:
+    """None when vLLM can serve every layer of ``config``, else which layer cannot, and why: a mixer whose decode
+    cache keeps tokens (Sessa's grows with the context, GLTM's keeps the positions its pattern reads), or two kinds
+    of constant-state layer (vLLM gives every state slot of a model one size)."""
+    from ..core.mixer import RecurrentMixer
+    from ..core.registry import get_mixer
+
+    recurrent = set()
+    for index, kind in enumerate(config.layer_types):
+        if kind in ATTENTION:
+            continue
+        if not issubclass(get_mixer(kind).mixer_class, RecurrentMixer):
+            return (f"layer {index} is {kind!r}, whose decode cache keeps tokens (a state that grows with the "
+                    "context, or chosen past positions), not the fixed-size state a vLLM state slot holds")
+        recurrent.add(kind)
+    if len(recurrent) > 1:
+        return f"layers of {sorted(recurrent)}: vLLM gives every state layer of a model one slot size"
+    return None
+
+
+def state_window(config) -> int:
+    """The longest local window of ``config``'s mixers (their ``<mixer>_window`` options): a windowed state exists
+    whole only past it."""
+    from ..core.registry import get_mixer
+
+    names = {option.name for kind in set(config.layer_types) - set(ATTENTION) for option in get_mixer(kind).options
+             if option.name.endswith("_window")}
+    return max([getattr(config, name) or 0 for name in names] + [0])
 
 
 def architectures() -> list[str]:

@@ -12,9 +12,9 @@ vLLM's flat batch of tokens:
                             the new state back. The call is the custom op ``vllm::hf_mixers_mix``: a compiled graph
                             keeps it whole.
 
-Refused by name, with the reason (``servable_reason``): mixers whose decode state grows with the context (Sessa,
-GLTM, whose cache keeps positions), and models mixing two kinds of constant-state layer (vLLM sizes every state
-slot alike). Tensor and pipeline parallelism are not supported: one device.
+Refused by name, with the reason (``servable_reason``): mixers whose decode cache keeps tokens (Sessa's grows with
+the context, GLTM's keeps the positions its pattern reads), and models mixing two kinds of constant-state layer
+(vLLM sizes every state slot of a model alike). Tensor and pipeline parallelism are not supported: one device.
 """
 
 from __future__ import annotations
@@ -37,13 +37,11 @@ from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.attention.backends.mamba_attn import BaseMambaAttentionMetadata, BaseMambaAttentionMetadataBuilder
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from ..core.mixer import RecurrentMixer
 from ..core.registry import get_mixer
 from ..model.modeling import MixerForCausalLM
-from . import STATE_BACKEND as BACKEND_NAME, register
+from . import ATTENTION, STATE_BACKEND as BACKEND_NAME, register, servable_reason, state_window
 from .state import StateLayout, pack, state_layout, unpack
 
-ATTENTION = ("full_attention", "sliding_attention")  # kept teacher layers: vLLM's paged attention
 
 
 @dataclass
@@ -73,28 +71,6 @@ register()  # idempotent: vLLM has called it in this process already, a direct i
 STATE_BACKEND = MambaAttentionBackendEnum[BACKEND_NAME]
 
 
-def servable_reason(config) -> str | None:
-    """None when every layer of ``config`` can be served, else which layer cannot, and why."""
-    recurrent = set()
-    for index, kind in enumerate(config.layer_types):
-        if kind in ATTENTION:
-            continue
-        if not issubclass(get_mixer(kind).mixer_class, RecurrentMixer):
-            grows = "its decode state grows with the context" if not get_mixer(kind).constant_state else \
-                "its cache keeps token positions, not a fixed-size state"
-            return f"layer {index} is {kind!r}: {grows}, which vLLM's fixed-size state cache cannot hold"
-        recurrent.add(kind)
-    if len(recurrent) > 1:
-        return f"layers of {sorted(recurrent)}: vLLM gives every state layer of a model one slot size"
-    return None
-
-
-def _window(config) -> int:
-    """The longest local window among ``config``'s options (a state exists whole only past it)."""
-    return max([value for key, value in config.to_dict().items() if key.endswith("_window")
-                and isinstance(value, int) and not isinstance(value, bool)] + [0])
-
-
 _LAYOUTS: dict = {}
 
 
@@ -107,7 +83,7 @@ def layout_for(config, dtype: torch.dtype) -> StateLayout:
         with torch.device("cpu"):
             mixer = get_mixer(config.layer_types[index]).mixer_class(config, index).to(dtype)
             rotary = LlamaRotaryEmbedding(config=config)
-        _LAYOUTS[key] = state_layout(mixer, rotary, _window(config))
+        _LAYOUTS[key] = state_layout(mixer, rotary, state_window(config))
     return _LAYOUTS[key]
 
 

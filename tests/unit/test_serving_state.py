@@ -5,17 +5,13 @@ window's memory first exists."""
 import pytest
 import torch
 
+from hf_mixers.serving import servable_reason, state_window
 from hf_mixers.serving.state import pack, state_layout, unpack
-from hf_mixers.testing import tiny_model
+from hf_mixers.testing import tiny_config, tiny_model
 
 pytestmark = pytest.mark.unit
 
 MIXERS = ["rsa", "rsa[window]", "selective_ssm", "selective_ssm[window]", "vort", "vort[no_window]"]
-
-
-def _window(config) -> int:
-    return max([value for key, value in config.to_dict().items() if key.endswith("_window")
-                and isinstance(value, int)] + [0])
 
 
 @pytest.mark.parametrize("name", MIXERS)
@@ -23,7 +19,7 @@ def _window(config) -> int:
 def test_a_state_kept_in_slots_continues_as_the_state_itself(name, prompt):
     model = tiny_model(name)
     mixer, rotary = model.model.layers[0].mixer, model.model.rotary_emb
-    layout = state_layout(mixer, rotary, _window(model.config))
+    layout = state_layout(mixer, rotary, state_window(model.config))
     assert len(layout.shapes[-1]) == 1 and layout.dtypes[-1] == torch.uint8 and layout.nbytes % 8 == 0
     sizes = [torch.empty((), dtype=dtype).element_size() for dtype in layout.dtypes]
     assert sizes == sorted(sizes, reverse=True)  # packed back to back in one page, every tensor starts aligned
@@ -54,3 +50,14 @@ def test_a_state_part_that_is_not_a_tensor_is_named():
     mixer.mix = lambda *args, **kwargs: (*original(*args, **kwargs)[:2], "history")
     with pytest.raises(TypeError, match="a state holds a str"):
         state_layout(mixer, model.model.rotary_emb)
+
+
+def test_what_vllm_cannot_serve_is_refused_by_name():
+    assert servable_reason(tiny_config("rsa[window]")) is None
+    assert servable_reason(tiny_config("rsa", layer_types=["rsa", "full_attention", "sliding_attention"],
+                                       num_hidden_layers=3)) is None
+    assert "layer 0 is 'sessa', whose decode cache keeps tokens" in servable_reason(tiny_config("sessa"))
+    assert "layer 1 is 'gltm'" in servable_reason(tiny_config("gltm", layer_types=["full_attention", "gltm"]))
+    assert "layers of ['rsa', 'vort']: vLLM gives every state layer" in servable_reason(
+        tiny_config("rsa", layer_types=["rsa", "vort"]))
+    assert state_window(tiny_config("rsa[window]")) == 3 and state_window(tiny_config("rsa")) == 0
