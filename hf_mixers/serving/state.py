@@ -1,9 +1,9 @@
 """A constant-state mixer's decode state as a fixed list of per-sequence tensors, and back: what a serving engine's
 state cache (vLLM's) keeps in one slot for one sequence.
 
-    layout = state_layout(mixer, rotary)          # shapes and dtypes of one sequence's slot, from a warm state
-    pack(layout, (state, history), tensors, slot)  # the state of a batch-1 call into row ``slot`` of each tensor
-    state, history = unpack(layout, tensors, slot)
+    layout = state_layout(mixer, rotary)           # shapes and dtypes of one sequence's slot, from a warm state
+    pack(layout, (state, history), tensors, slots)  # a batch's state: row b into row slots[b] of each tensor
+    state, history = unpack(layout, tensors, slots)
 
 A mixer's state (``RecurrentMixer.mix``: an RSAState, a WindowState around one, tuples of tensors, the short-conv
 history) is a tree of dataclasses, tuples and tensors whose shapes do not grow with the context, but whose parts may
@@ -64,23 +64,24 @@ def state_layout(mixer, rotary, window: int = 0) -> StateLayout:
                        dtypes=(*(leaves[i].dtype for i in order), torch.uint8), template=template, places=places)
 
 
-def pack(layout: StateLayout, state, tensors, slot) -> None:
-    """Write ``state`` (batch 1, the layout's tree with any part None) into row ``slot`` of ``tensors``."""
+def pack(layout: StateLayout, state, tensors, slots) -> None:
+    """Write ``state`` (a batch of len(slots) rows, the layout's tree with any part None) into rows ``slots`` of
+    ``tensors``."""
+    index = torch.as_tensor(slots, dtype=torch.long, device=tensors[-1].device)
     flags, leaves = [], []
     _walk(layout.template, state, flags, leaves)
-    tensors[-1][slot, :len(flags)] = torch.tensor(flags, dtype=torch.uint8, device=tensors[-1].device)
+    tensors[-1][index, :len(flags)] = torch.tensor(flags, dtype=torch.uint8, device=index.device)
     for place, leaf in zip(layout.places, leaves):
-        if leaf is None:
-            tensors[place][slot].zero_()
-        else:
-            tensors[place][slot] = leaf[0]
+        tensors[place][index] = 0 if leaf is None else leaf.to(tensors[place].dtype)
 
 
-def unpack(layout: StateLayout, tensors, slot):
-    """The batch-1 state kept in row ``slot`` of ``tensors`` (a copy; None where a part was None)."""
-    flags = iter(tensors[-1][slot].tolist())
+def unpack(layout: StateLayout, tensors, slots):
+    """The state kept in rows ``slots`` of ``tensors``, a batch of len(slots) (a copy; None where a part was None:
+    the rows must have the same parts, as one call left them)."""
+    index = torch.as_tensor(slots, dtype=torch.long, device=tensors[-1].device)
+    flags = iter(tensors[-1][index[0]].tolist())
     leaves = iter([tensors[place] for place in layout.places])
-    return _build(layout.template, flags, leaves, slot)
+    return _build(layout.template, flags, leaves, index)
 
 
 def _walk(template, actual, flags: list, leaves: list) -> None:
@@ -104,16 +105,16 @@ def _walk(template, actual, flags: list, leaves: list) -> None:
         raise ValueError("a state part that is None in the layout is present")
 
 
-def _build(template, flags, leaves, slot):
+def _build(template, flags, leaves, index):
     present = next(flags)
     if isinstance(template, torch.Tensor):
         tensor = next(leaves)
-        return tensor[slot][None].clone() if present else None
+        return tensor[index] if present else None  # advanced indexing: a copy
     if dataclasses.is_dataclass(template):
-        parts = {field.name: _build(getattr(template, field.name), flags, leaves, slot)
+        parts = {field.name: _build(getattr(template, field.name), flags, leaves, index)
                  for field in dataclasses.fields(template)}
         return type(template)(**parts) if present else None
     if isinstance(template, (tuple, list)):
-        parts = [_build(part, flags, leaves, slot) for part in template]
+        parts = [_build(part, flags, leaves, index) for part in template]
         return type(template)(parts) if present else None
     return None

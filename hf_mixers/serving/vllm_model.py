@@ -123,32 +123,48 @@ class StateLayer(MambaBase, nn.Module):
             out, _, _ = self.mixer.mix(hidden_states[None], (cos[None], sin[None]))
             output.copy_(out[0])
             return
-        for start, end, slot, continues in _sequences(metadata):
-            state, history = unpack(self.layout, self.kv_cache, slot) if continues else (None, None)
-            out, state, history = self.mixer.mix(hidden_states[None, start:end], (cos[None, start:end],
-                                                                                  sin[None, start:end]),
-                                                 None, state, history)
-            pack(self.layout, (state, history), self.kv_cache, slot)
-            output[start:end] = out[0]
+        for rows, slots, continues in _decode_batches(metadata, self.kv_cache[-1]):
+            self._mix(hidden_states[rows][:, None], cos[rows][:, None], sin[rows][:, None], slots, continues,
+                      lambda out, rows=rows: output.index_copy_(0, rows, out[:, 0]))
+        for start, end, slot, continues in _prefills(metadata):
+            self._mix(hidden_states[None, start:end], cos[None, start:end], sin[None, start:end], [slot], continues,
+                      lambda out, start=start, end=end: output[start:end].copy_(out[0]))
+
+    def _mix(self, hidden_states, cos, sin, slots, continues: bool, write) -> None:
+        """``mix`` over a batch of sequences (B, T, D) from their slots (a state each, or none yet), written back."""
+        state, history = unpack(self.layout, self.kv_cache, slots) if continues else (None, None)
+        out, state, history = self.mixer.mix(hidden_states, (cos, sin), None, state, history)
+        pack(self.layout, (state, history), self.kv_cache, slots)
+        write(out)
 
 
-def _sequences(metadata) -> list[tuple[int, int, int, bool]]:
-    """(first token, end, state slot, has a state) of each sequence: the decodes' one token each, then the
-    prefills' (chunks of) prompts, in vLLM's token order."""
-    spans = []
-    if metadata.num_decodes:
-        slots = metadata.state_indices_tensor_d
-        slots = (slots[:, 0] if slots.dim() > 1 else slots)[:metadata.num_decodes].tolist()
-        spans += [(index, index + 1, slot, True) for index, slot in enumerate(slots)]
-    if metadata.num_prefills:
-        offset = metadata.num_decode_tokens
-        starts = metadata.query_start_loc_p.tolist()
-        slots = metadata.state_indices_tensor_p
-        slots = (slots[:, 0] if slots.dim() > 1 else slots)[:metadata.num_prefills].tolist()
-        continues = metadata.has_initial_states_p[:metadata.num_prefills].tolist()
-        spans += [(offset + starts[i], offset + starts[i + 1], slots[i], bool(continues[i]))
-                  for i in range(metadata.num_prefills)]
-    return spans
+def _decode_batches(metadata, flags):
+    """The decodes (one token each, first in vLLM's token order) as batches of (token rows, state slots, continues a
+    state), each one ``mix`` call: the sequences with a state grouped by its parts (``flags``: the slots' presence
+    flags), and those without one (a one-token prompt is a decode too, with nothing computed before it)."""
+    if not metadata.num_decodes:
+        return []
+    slots = metadata.state_indices_tensor_d
+    slots = (slots[:, 0] if slots.dim() > 1 else slots)[:metadata.num_decodes].long()
+    continues = metadata.seq_lens[:metadata.num_decodes].to(slots.device) > 1  # tokens before this one
+    kinds, kind_of = torch.unique(torch.cat([continues[:, None].to(flags.dtype), flags[slots]], 1), dim=0,
+                                  return_inverse=True)
+    return [((kind_of == kind).nonzero()[:, 0], slots[kind_of == kind], bool(kinds[kind, 0]))
+            for kind in range(kinds.shape[0])]
+
+
+def _prefills(metadata) -> list[tuple[int, int, int, bool]]:
+    """(first token, end, state slot, continues a state) of each prefill (a prompt, or a chunk of one), after the
+    decodes in vLLM's token order."""
+    if not metadata.num_prefills:
+        return []
+    offset = metadata.num_decode_tokens
+    starts = metadata.query_start_loc_p.tolist()
+    slots = metadata.state_indices_tensor_p
+    slots = (slots[:, 0] if slots.dim() > 1 else slots)[:metadata.num_prefills].tolist()
+    continues = metadata.has_initial_states_p[:metadata.num_prefills].tolist()
+    return [(offset + starts[i], offset + starts[i + 1], slots[i], bool(continues[i]))
+            for i in range(metadata.num_prefills)]
 
 
 def _mix(hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, output: torch.Tensor,

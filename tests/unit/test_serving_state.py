@@ -30,16 +30,16 @@ def test_a_state_kept_in_slots_continues_as_the_state_itself(name, prompt):
     cos, sin = rotary(x, positions)
     with torch.no_grad():
         _, state, history = mixer.mix(x[:, :prompt], (cos[:, :prompt], sin[:, :prompt]))
-        pack(layout, (state, history), slots, 1)
-        kept_state, kept_history = unpack(layout, slots, 1)
+        pack(layout, (state, history), slots, [1])
+        kept_state, kept_history = unpack(layout, slots, [1])
         for step in range(prompt, prompt + 2):
             embeddings = (cos[:, step:step + 1], sin[:, step:step + 1])
             expected, state, history = mixer.mix(x[:, step:step + 1], embeddings, None, state, history)
             got, kept_state, kept_history = mixer.mix(x[:, step:step + 1], embeddings, None, kept_state,
                                                       kept_history)
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
-            pack(layout, (kept_state, kept_history), slots, 1)
-            kept_state, kept_history = unpack(layout, slots, 1)
+            pack(layout, (kept_state, kept_history), slots, [1])
+            kept_state, kept_history = unpack(layout, slots, [1])
     assert all(torch.equal(tensor[[0, 2]], old[[0, 2]]) for tensor, old in zip(slots, before))  # the others kept
 
 
@@ -61,3 +61,29 @@ def test_what_vllm_cannot_serve_is_refused_by_name():
     assert "layers of ['rsa', 'vort']: vLLM gives every state layer" in servable_reason(
         tiny_config("rsa", layer_types=["rsa", "vort"]))
     assert state_window(tiny_config("rsa[window]")) == 3 and state_window(tiny_config("rsa")) == 0
+
+
+@pytest.mark.parametrize("name", ["rsa[window]", "selective_ssm", "vort"])
+def test_slots_read_and_written_as_one_batch_equal_each_sequence_alone(name):
+    """An engine steps its decoding sequences in one call: their slots (any rows, in any order) unpacked as one
+    batch, one token each, and packed back give what each sequence's own call gives."""
+    model = tiny_model(name)
+    mixer, rotary = model.model.layers[0].mixer, model.model.rotary_emb
+    layout = state_layout(mixer, rotary, state_window(model.config))
+    slots = [torch.zeros((4, *shape), dtype=dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
+    x = torch.randn(2, 11, model.config.hidden_size, dtype=torch.float64)
+    cos, sin = rotary(x, torch.arange(11)[None])
+    alone = []
+    with torch.no_grad():
+        for row, (length, slot) in enumerate(((7, 2), (9, 0))):  # both past the window: the same parts
+            _, state, history = mixer.mix(x[row:row + 1, :length], (cos[:, :length], sin[:, :length]))
+            pack(layout, (state, history), slots, [slot])
+            step = (cos[:, length:length + 1], sin[:, length:length + 1])
+            alone.append(mixer.mix(x[row:row + 1, length:length + 1], step, None, state, history)[0])
+        state, history = unpack(layout, slots, [2, 0])
+        positions = torch.tensor([[7], [9]])
+        together, state, history = mixer.mix(torch.stack([x[0, 7:8], x[1, 9:10]]), rotary(x, positions), None,
+                                             state, history)
+        torch.testing.assert_close(together, torch.cat(alone), rtol=1e-12, atol=1e-12)
+        pack(layout, (state, history), slots, [2, 0])
+        assert unpack(layout, slots, [0])[0] is not None
