@@ -178,7 +178,9 @@ def chunked_distillation_loss(h_s, w_s, h_t, w_t, targets, temperature: float = 
     at ce_weight 0 without ``with_ce`` the CE is not computed (None)."""
     _check_shapes(h_s, w_s, h_t, w_t, targets)
     h_t, w_t = h_t.detach(), w_t.detach()
-    teacher_kl = lambda start, stop, log_p_s: _dense_teacher_kl(log_p_s, h_t[start:stop], w_t, temperature)  # noqa
+
+    def teacher_kl(start, stop, log_p_s):
+        return _dense_teacher_kl(log_p_s, h_t[start:stop], w_t, temperature)
     return _chunked(h_s, w_s, targets, teacher_kl, temperature, ce_weight, chunk_rows, with_ce)
 
 
@@ -233,5 +235,7 @@ def top_k_distillation_loss(h_s, w_s, index, log_probs, targets, temperature: fl
                          f"{tuple(index.shape)}, log_probs {tuple(log_probs.shape)} and targets {tuple(targets.shape)} "
                          "must be (N, H), (V, H), (N, k), (N, k) and (N,)")
     log_probs = log_probs.to(compute_dtype(h_s.dtype))
-    teacher_kl = lambda start, stop, log_p_s: _top_k_teacher_kl(log_p_s, index[start:stop], log_probs[start:stop])  # noqa
+
+    def teacher_kl(start, stop, log_p_s):
+        return _top_k_teacher_kl(log_p_s, index[start:stop], log_probs[start:stop])
     return _chunked(h_s, w_s, targets, teacher_kl, temperature, ce_weight, chunk_rows, with_ce)

@@ -31,15 +31,15 @@ Split of the work:
     residual MLPs between levels one launch a level for the key and value MLPs (kernels/rsa_mlp_triton.py), each
     way. The same path with and without autograd.
   * Read side: ``_fwd_kernel``, one launch for *all* chunks of the call (given the write side, the chunks' reads
-    are independent): grid (n_chunks x C / FORWARD_ROWS, B * H), one program = FORWARD_ROWS rows of a chunk x one
+    are independent): grid (n_chunks x C / PROGRAM_ROWS, B * H), one program = PROGRAM_ROWS rows of a chunk x one
     query head, all L levels in order inside the program (the chain and the global normaliser couple them). Its
-    rows read the chunk's rows up to themselves: (R, C) causal products with the chunk's (C, .) level tensors.
+    rows read the chunk's rows up to themselves, KEY_BLOCK at a time: causal products summed over (R, K) blocks.
     ``_bwd_kernel`` is launched once per level, top level first, on the same grid: one level's body per program
     (the whole unrolled backward needed 288 KiB of shared memory on an H100 and did not launch); the routing's
     gradients for the level below pass through two (B, H, Tp, m) buffers of the program's own rows (its share of
     dF_{i-1} is added in directly), dq accumulates in place; it takes the key and value features FEATURE_BLOCK at a
     time, summing its products over them block by block. Every tile is at most R x C, C x m, R x d, C x d, m x m
-    or m x d (the backward's d and dv at most FEATURE_BLOCK), kept in registers; fp32 operands and
+    or m x d (R = PROGRAM_ROWS; the backward's d and dv at most FEATURE_BLOCK), kept in registers; fp32 operands and
     accumulation (an fp16 / bf16 q is copied to fp32 first: the math wants fp32, the interpreter's bf16 dot is
     broken, and one compiled kernel then serves every dtype).
 
@@ -101,7 +101,7 @@ from .triton_compile import compile_side_by_side
 FEATURE_BLOCK = 64
 # Rows of a chunk per program, forward and backward: a program's own tiles are (rows, C), (rows, m) and (rows, dv),
 # so fewer rows hold fewer registers per thread (and give more programs per launch).
-FORWARD_ROWS = 16
+PROGRAM_ROWS = 16
 KEY_BLOCK = 16  # the forward's chunk rows read per step (at least 16: the least inner dimension of a tl.dot)
 # 8 warps: the dots' operands are replicated across warps along the rows (a (16, m) tile is one warp's rows), and
 # their fp32 split into tf32 halves (tf32x3) is what fills the registers; at 8 warps each holds half the columns.
@@ -139,11 +139,11 @@ def rsa_chunk_triton_supports(params: RSAParams, q=None, v=None, log_decay=None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Kernels. One program = one query head x a block of a chunk's rows (forward) or the whole chunk (backward). Tiles:
-# rows = the program's chunk rows, cols = every row of the chunk (BLOCK_C), slots (BLOCK_M), cols_d / cols_v = key /
-# value features; ``off_xy`` / ``ok_xy`` are the row-major offsets / masks of an (x, y) tile with x, y in c (rows),
-# m (slots), d, v. Pointer offsets are int64 (B*H*Tp*d may exceed 2^31). Tile loads
-# and atomics are written inline: under the interpreter every device-function call costs ~1 ms of patching.
+# Kernels. One program = one query head x PROGRAM_ROWS rows of a chunk. Tiles: rows = the program's chunk rows (R),
+# cols / keys = the chunk's rows they read (C whole in the backward, KEY_BLOCK at a time in the forward), slots (m),
+# cols_d / cols_v = key / value features; ``off_xy`` / ``ok_xy`` are the row-major offsets / masks of an (x, y) tile
+# with x, y in r (rows), c (cols), m, d, v. Pointer offsets are int64 (B*H*Tp*d may exceed 2^31). Tile loads and
+# atomics are written inline: under the interpreter every device-function call costs ~1 ms of patching.
 
 
 @triton.jit
@@ -551,7 +551,7 @@ class _Read:
         batch, heads, self.padded, key_dim = q.shape
         _, groups, levels, _, slots = f.shape
         n_chunks = self.padded // chunk_size
-        self.grid = (n_chunks * triton.cdiv(chunk_size, FORWARD_ROWS), batch * heads)  # forward and backward
+        self.grid = (n_chunks * triton.cdiv(chunk_size, PROGRAM_ROWS), batch * heads)  # forward and backward
         self.sizes = (self.padded, n_chunks, heads, groups, heads // groups, chunk_size, slots, key_dim,
                       y.shape[-1], key_dim**-0.5, eps)
         self.batch, self.heads, self.levels, self.slots, self.value_dim = batch, heads, levels, slots, y.shape[-1]
@@ -561,8 +561,9 @@ class _Read:
                             BLOCK_D=tile_edge(key_dim), BLOCK_DV=tile_edge(y.shape[-1]),
                             PRECISION=INPUT_PRECISION, num_warps=READ_WARPS)
         self.forward_options = dict({key: value for key, value in self.options.items() if key != "BLOCK_C"},
-                                    BLOCK_R=FORWARD_ROWS, BLOCK_K=KEY_BLOCK)
-        self.backward_options = dict(self.options, BLOCK_R=FORWARD_ROWS, BLOCK_D=min(self.options["BLOCK_D"], FEATURE_BLOCK),
+                                    BLOCK_R=PROGRAM_ROWS, BLOCK_K=KEY_BLOCK)
+        self.backward_options = dict(self.options, BLOCK_R=PROGRAM_ROWS,
+                                     BLOCK_D=min(self.options["BLOCK_D"], FEATURE_BLOCK),
                                      BLOCK_DV=min(self.options["BLOCK_DV"], FEATURE_BLOCK),
                                      num_stages=BACKWARD_STAGES)
 

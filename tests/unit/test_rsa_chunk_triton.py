@@ -326,11 +326,11 @@ def test_backward_over_feature_blocks_matches_reference(readout, routing, query_
 @pytest.mark.parametrize("readout, routing, query_read", first_in_fast(("softmax_count", "relation", True),
                                                                       ("sigmoid", "elementwise", False)))
 def test_forward_over_row_blocks_matches_reference(readout, routing, query_read, monkeypatch):
-    """The kernels take a chunk FORWARD_ROWS rows per program, and the forward reads the chunk's rows KEY_BLOCK at a
+    """The kernels take a chunk PROGRAM_ROWS rows per program, and the forward reads the chunk's rows KEY_BLOCK at a
     time: both cut to 8 with chunks of 12, each chunk is two programs, the second one ragged, whose rows read the
     chunk's rows up to theirs in two blocks (and, backward, add their share of the chunk's gradients); output, state
     and every gradient still equal rsa_chunked, the window's merge weight included."""
-    monkeypatch.setattr(rct, "FORWARD_ROWS", 8)
+    monkeypatch.setattr(rct, "PROGRAM_ROWS", 8)
     monkeypatch.setattr(rct, "KEY_BLOCK", 8)
     params = make_params(chunk=12, readout=readout, routing=routing, query_read=query_read, log_weight=True)
     read = rct._Read(rct._read_options(params), torch.zeros(1, 4, 24, KEY_DIM), torch.zeros(1, 2, 3, 24, SLOTS),
