@@ -149,3 +149,20 @@ def test_vllm_serve_answers_completions_and_chat(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_bench_serve_measures_a_converted_folder_against_its_teacher(tmp_path):
+    """``hf-mixers bench serve`` (vLLM's default mode: compiled): each model at each point, the ratios to the
+    teacher's, the JSON and the plot."""
+    from hf_mixers.apps.bench.serve import bench_serve
+
+    _folder(tmp_path / "teacher", "full_attention")
+    _, converted = _folder(tmp_path / "rsa", *SERVED["rsa"])
+    report = bench_serve(str(tmp_path / "out"), str(tmp_path / "teacher"), [converted], concurrency=(1, 3),
+                         contexts=(8,), new_tokens=2, cache_gib=1.0)
+    assert [(row["model"], row["concurrency"]) for row in report["rows"]] == [("teacher", 1), ("teacher", 3),
+                                                                              ("rsa", 1), ("rsa", 3)]
+    assert all(row["output_tokens"] == 2 * row["concurrency"] and row["output_vs_teacher"] > 0
+               for row in report["rows"])
+    assert report["rows"][0]["output_vs_teacher"] == 1.0
+    assert (tmp_path / "out" / "bench_serve.json").exists() and (tmp_path / "out" / "bench_serve.png").exists()
