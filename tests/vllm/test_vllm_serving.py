@@ -159,7 +159,7 @@ def test_bench_serve_measures_a_converted_folder_against_its_teacher(tmp_path):
     _folder(tmp_path / "teacher", "full_attention")
     _, converted = _folder(tmp_path / "rsa", *SERVED["rsa"])
     report = bench_serve(str(tmp_path / "out"), str(tmp_path / "teacher"), [converted], concurrency=(1, 3),
-                         contexts=(8,), new_tokens=2, cache_gib=1.0)
+                         contexts=(8,), new_tokens=2, cache_gib=1)
     assert [(row["model"], row["concurrency"]) for row in report["rows"]] == [("teacher", 1), ("teacher", 3),
                                                                               ("rsa", 1), ("rsa", 3)]
     assert all(row["output_tokens"] == 2 * row["concurrency"] and row["output_vs_teacher"] > 0

@@ -17,11 +17,11 @@ import os
 import time
 
 from . import register_bench
-from ..arguments import at_least, positive_list, positive_number
+from ..arguments import at_least, positive_list
 
 
 def bench_serve(out_dir: str, teacher_dir: str, model_dirs, concurrency=(1, 8, 64), contexts=(512, 4096),
-                new_tokens: int = 64, dtype: str = "float32", cache_gib: float = 4.0, enforce_eager: bool = False,
+                new_tokens: int = 64, dtype: str = "float32", cache_gib: int = 4, enforce_eager: bool = False,
                 repeats: int = 1) -> dict:
     try:
         from vllm import LLM, SamplingParams
@@ -38,7 +38,7 @@ def bench_serve(out_dir: str, teacher_dir: str, model_dirs, concurrency=(1, 8, 6
     for folder in folders.values():
         if not os.path.isfile(os.path.join(folder, "config.json")):
             raise SystemExit(f"bench serve: {folder} is not a model folder (no config.json)")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cache_gib))  # host memory for vLLM's caches on CPU
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(cache_gib)))  # host memory for vLLM's caches on CPU
     generator = torch.Generator().manual_seed(0)
     rows = []
     progress = tqdm(total=len(folders) * len(contexts) * len(concurrency) * repeats, desc="bench serve",
@@ -117,7 +117,7 @@ def _arguments(parser) -> None:
                         "(default 512,4096)")
     parser.add_argument("--new-tokens", type=at_least(1), default=64, help="tokens generated a request (default 64)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--cache-gib", type=positive_number, default=4.0, help="on CPU: host memory for vLLM's "
+    parser.add_argument("--cache-gib", type=at_least(1), default=4, help="on CPU: GiB of host memory for vLLM's "
                         "caches (VLLM_CPU_KVCACHE_SPACE, default 4)")
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs in vLLM")
 
