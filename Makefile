@@ -41,7 +41,7 @@ test-fast: $(VENV)/.installed-test
 	$(PYTEST) -m "(unit or contract) and not variant and not slow"
 
 # vLLM's CPU build in an environment of its own (it takes an older transformers than constraints.txt): built once
-# into .venv-vllm (about 2 GB), then every test-vllm serves tiny converted models with the real engine (tests/vllm).
+# into .venv-vllm (about 2 GB), then every test-vllm serves tiny converted models with the real engine (tests/serving).
 VLLM_VENV := .venv-vllm
 vllm-env: $(VLLM_VENV)/.installed
 
@@ -61,7 +61,7 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints-vllm.txt
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
-	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/serving
 
 bench: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/hf-mixers bench sessa --out outputs/bench

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.entrypoints.llm")  # the engine itself (not any folder named vllm)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the KV and state caches
 
 from hf_mixers.testing import tiny_model  # noqa: E402
