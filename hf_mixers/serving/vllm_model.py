@@ -7,9 +7,9 @@ vLLM's flat batch of tokens:
     kept attention layers   the layer's projections, then vLLM's ``Attention`` over its paged KV cache
     constant-state mixers   ``StateLayer``: the layer's state lives in vLLM's state cache (a ``MambaBase`` layer with
                             its own backend, ``HF_MIXERS_STATE``), one slot per sequence in ``serving/state.py``'s
-                            layout, so continuous batching, preemption and swapping are vLLM's; each sequence of a
-                            batch (a prefill chunk or one decode token) runs ``mixer.mix`` from its slot and writes
-                            the new state back. The call is the custom op ``vllm::hf_mixers_mix``: a compiled graph
+                            layout, so continuous batching, preemption and swapping are vLLM's; a step's sequences
+                            run ``mixer.mix`` from their slots in a few batched calls (``_groups``) and write the
+                            new states back. The call is the custom op ``vllm::hf_mixers_mix``: a compiled graph
                             keeps it whole.
 
 Refused by name, with the reason (``servable_reason``): mixers whose decode cache keeps tokens (Sessa's grows with
@@ -116,55 +116,66 @@ class StateLayer(MambaBase, nn.Module):
         return output
 
     def mix_sequences(self, hidden_states, cos, sin, output) -> None:
-        """Each sequence of the batch from its slot: (N, D) tokens, decodes first, then prefills."""
+        """The batch's sequences from their slots: (N, D) tokens, in groups that run as one ``mix`` call each."""
         metadata = get_forward_context().attn_metadata
         metadata = None if metadata is None else metadata.get(self.prefix)
         if metadata is None:  # vLLM's profiling run: no sequences, no states
             out, _, _ = self.mixer.mix(hidden_states[None], (cos[None], sin[None]))
             output.copy_(out[0])
             return
-        for rows, slots, continues in _decode_batches(metadata, self.kv_cache[-1]):
-            self._mix(hidden_states[rows][:, None], cos[rows][:, None], sin[rows][:, None], slots, continues,
-                      lambda out, rows=rows: output.index_copy_(0, rows, out[:, 0]))
-        for start, end, slot, continues in _prefills(metadata):
-            self._mix(hidden_states[None, start:end], cos[None, start:end], sin[None, start:end], [slot], continues,
-                      lambda out, start=start, end=end: output[start:end].copy_(out[0]))
-
-    def _mix(self, hidden_states, cos, sin, slots, continues: bool, write) -> None:
-        """``mix`` over a batch of sequences (B, T, D) from their slots (a state each, or none yet), written back."""
-        state, history = unpack(self.layout, self.kv_cache, slots) if continues else (None, None)
-        out, state, history = self.mixer.mix(hidden_states, (cos, sin), None, state, history)
-        pack(self.layout, (state, history), self.kv_cache, slots)
-        write(out)
+        for spans, continues in _groups(_spans(metadata), self.kv_cache[-1]):
+            tokens, real = _left_padded(spans, hidden_states.device)  # (B, T) token rows, real ones
+            mask = None if bool(real.all()) else real
+            state, history = unpack(self.layout, self.kv_cache, [slot for _, _, slot, _ in spans]) \
+                if continues else (None, None)
+            cos_b = torch.where(real[..., None], cos[tokens], 1.0)  # padding: position 0's rotation
+            sin_b = torch.where(real[..., None], sin[tokens], 0.0)
+            out, state, history = self.mixer.mix(hidden_states[tokens] * real[..., None], (cos_b, sin_b), mask,
+                                                 state, history)
+            pack(self.layout, (state, history), self.kv_cache, [slot for _, _, slot, _ in spans])
+            output[tokens[real]] = out[real]
 
 
-def _decode_batches(metadata, flags):
-    """The decodes (one token each, first in vLLM's token order) as batches of (token rows, state slots, continues a
-    state), each one ``mix`` call: the sequences with a state grouped by its parts (``flags``: the slots' presence
-    flags), and those without one (a one-token prompt is a decode too, with nothing computed before it)."""
-    if not metadata.num_decodes:
-        return []
-    slots = metadata.state_indices_tensor_d
-    slots = (slots[:, 0] if slots.dim() > 1 else slots)[:metadata.num_decodes].long()
-    continues = metadata.seq_lens[:metadata.num_decodes].to(slots.device) > 1  # tokens before this one
-    kinds, kind_of = torch.unique(torch.cat([continues[:, None].to(flags.dtype), flags[slots]], 1), dim=0,
-                                  return_inverse=True)
-    return [((kind_of == kind).nonzero()[:, 0], slots[kind_of == kind], bool(kinds[kind, 0]))
-            for kind in range(kinds.shape[0])]
+def _spans(metadata) -> list[tuple[int, int, int, bool]]:
+    """(first token, end, state slot, continues a state) of each sequence, in vLLM's token order: the decodes (one
+    token each; a one-token prompt is one too, with nothing computed before it), then the prefills (a prompt, or
+    a chunk of one)."""
+    spans = []
+    if metadata.num_decodes:
+        slots = metadata.state_indices_tensor_d
+        slots = (slots[:, 0] if slots.dim() > 1 else slots)[:metadata.num_decodes].tolist()
+        computed = (metadata.seq_lens[:metadata.num_decodes] > 1).tolist()  # tokens before this one
+        spans += [(row, row + 1, slot, bool(before)) for row, (slot, before) in enumerate(zip(slots, computed))]
+    if metadata.num_prefills:
+        offset = metadata.num_decode_tokens
+        starts = metadata.query_start_loc_p.tolist()
+        slots = metadata.state_indices_tensor_p
+        slots = (slots[:, 0] if slots.dim() > 1 else slots)[:metadata.num_prefills].tolist()
+        continues = metadata.has_initial_states_p[:metadata.num_prefills].tolist()
+        spans += [(offset + starts[i], offset + starts[i + 1], slots[i], bool(continues[i]))
+                  for i in range(metadata.num_prefills)]
+    return spans
 
 
-def _prefills(metadata) -> list[tuple[int, int, int, bool]]:
-    """(first token, end, state slot, continues a state) of each prefill (a prompt, or a chunk of one), after the
-    decodes in vLLM's token order."""
-    if not metadata.num_prefills:
-        return []
-    offset = metadata.num_decode_tokens
-    starts = metadata.query_start_loc_p.tolist()
-    slots = metadata.state_indices_tensor_p
-    slots = (slots[:, 0] if slots.dim() > 1 else slots)[:metadata.num_prefills].tolist()
-    continues = metadata.has_initial_states_p[:metadata.num_prefills].tolist()
-    return [(offset + starts[i], offset + starts[i + 1], slots[i], bool(continues[i]))
-            for i in range(metadata.num_prefills)]
+def _groups(spans, flags) -> list[tuple[list, bool]]:
+    """The spans as ``mix`` calls: every new sequence in one left-padded call (padding before a sequence's first
+    token is how ``generate`` batches prompts, and leaves each state as its own call would), and the ones that
+    continue a state by length and by their state's parts (``flags``: the slots' presence flags; padding inside a
+    sequence would take a window's places)."""
+    parts = flags[torch.tensor([slot for _, _, slot, _ in spans], device=flags.device)].tolist()  # one read
+    groups = {}
+    for span, part in zip(spans, parts):
+        start, end, _, continues = span
+        groups.setdefault((True, end - start, tuple(part)) if continues else (False,), []).append(span)
+    return [(members, key[0]) for key, members in groups.items()]
+
+
+def _left_padded(spans, device):
+    """(B, T) token rows of the spans, each right-aligned in T = the longest, and which of them are real tokens."""
+    longest = max(end - start for start, end, _, _ in spans)
+    rows = [[0] * (longest - end + start) + list(range(start, end)) for start, end, _, _ in spans]
+    real = [[False] * (longest - end + start) + [True] * (end - start) for start, end, _, _ in spans]
+    return torch.tensor(rows, device=device), torch.tensor(real, device=device)
 
 
 def _mix(hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, output: torch.Tensor,
