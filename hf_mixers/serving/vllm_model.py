@@ -126,20 +126,26 @@ class StateLayer(MambaBase, nn.Module):
         for spans, continues in _groups(_spans(metadata), self.kv_cache[-1]):
             tokens, real = _left_padded(spans, hidden_states.device)  # (B, T) token rows, real ones
             mask = None if bool(real.all()) else real
-            state, history = unpack(self.layout, self.kv_cache, [slot for _, _, slot, _ in spans]) \
-                if continues else (None, None)
+            slots = [slot for _, _, slot, _ in spans]
+            state, history = unpack(self.layout, self.kv_cache, slots) if continues else (None, None)
             cos_b = torch.where(real[..., None], cos[tokens], 1.0)  # padding: position 0's rotation
             sin_b = torch.where(real[..., None], sin[tokens], 0.0)
             out, state, history = self.mixer.mix(hidden_states[tokens] * real[..., None], (cos_b, sin_b), mask,
                                                  state, history)
-            pack(self.layout, (state, history), self.kv_cache, [slot for _, _, slot, _ in spans])
+            pack(self.layout, (state, history), self.kv_cache, slots)
             output[tokens[real]] = out[real]
+
+
+_last_spans: tuple = (None, None)  # (metadata, its spans): every state layer of a step reads the same metadata
 
 
 def _spans(metadata) -> list[tuple[int, int, int, bool]]:
     """(first token, end, state slot, continues a state) of each sequence, in vLLM's token order: the decodes (one
     token each; a one-token prompt is one too, with nothing computed before it), then the prefills (a prompt, or
-    a chunk of one)."""
+    a chunk of one). Read from the metadata once a step, not once a layer."""
+    global _last_spans
+    if _last_spans[0] is metadata:
+        return _last_spans[1]
     spans = []
     if metadata.num_decodes:
         slots = metadata.state_indices_tensor_d
@@ -154,6 +160,7 @@ def _spans(metadata) -> list[tuple[int, int, int, bool]]:
         continues = metadata.has_initial_states_p[:metadata.num_prefills].tolist()
         spans += [(offset + starts[i], offset + starts[i + 1], slots[i], bool(continues[i]))
                   for i in range(metadata.num_prefills)]
+    _last_spans = (metadata, spans)
     return spans
 
 

@@ -235,19 +235,11 @@ def table(report: dict) -> str:
 
 
 def _plot(report: dict, path: str) -> None:
-    import matplotlib.pyplot as plt
+    from .harness import plot_against_teacher
 
-    from .harness import format_log_axes, save_figure
-
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    for label in report["models"]:
-        for batch in report["batch_sizes"]:
-            rows = [r for r in report["rows"] if r["model"] == label and r["batch"] == batch]
-            axis.plot([r["context"] for r in rows], [r["decode_tokens_per_s"] for r in rows], marker="o",
-                      linestyle="--" if label == "teacher" else "-", label=f"{label}, batch {batch}")
-    format_log_axes([(axis, "decode tokens/s")], "context (prompt tokens)")
-    axis.set_title(f"decode throughput, {report['device']}, {report['dtype']}")
-    save_figure(figure, path)
+    plot_against_teacher(report, itertools.product(report["models"], ["batch"], report["batch_sizes"]), "context",
+                         "decode_tokens_per_s", "context (prompt tokens)", "decode tokens/s",
+                         f"decode throughput, {report['device']}, {report['dtype']}", path)
 
 
 def _arguments(parser) -> None:

@@ -199,6 +199,22 @@ def format_log_axes(axes_and_labels, x_label: str) -> None:
         axis.legend()
 
 
+def plot_against_teacher(report: dict, series, x: str, y: str, x_label: str, y_label: str, title: str,
+                         path: str) -> None:
+    """One line per (model, group) of ``report["rows"]``: ``y`` against ``x`` on log axes, the teacher's dashed.
+    ``series``: (model, group field, group value) triples, in legend order."""
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for label, field, value in series:
+        rows = [r for r in report["rows"] if r["model"] == label and r[field] == value]
+        axis.plot([r[x] for r in rows], [r[y] for r in rows], marker="o",
+                  linestyle="--" if label == "teacher" else "-", label=f"{label}, {field} {value}")
+    format_log_axes([(axis, y_label)], x_label)
+    axis.set_title(title)
+    save_figure(figure, path)
+
+
 def check_shape(benchmark, lengths, contexts, hidden_size, num_heads, num_kv_heads) -> None:
     """The arguments every training + decoding benchmark shares, refused with the benchmark's name."""
     if not lengths or not contexts or min(*lengths, *contexts) < 2:

@@ -93,18 +93,11 @@ def table(report: dict) -> str:
 
 
 def _plot(report: dict, path: str) -> None:
-    import matplotlib.pyplot as plt
+    from .harness import plot_against_teacher
 
-    from .harness import format_log_axes, save_figure
-
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    for label, context in itertools.product(report["models"], report["contexts"]):
-        rows = [r for r in report["rows"] if r["model"] == label and r["context"] == context]
-        axis.plot([r["concurrency"] for r in rows], [r["output_tokens_per_s"] for r in rows], marker="o",
-                  linestyle="--" if label == "teacher" else "-", label=f"{label}, {context} tokens")
-    format_log_axes([(axis, "output tokens/s")], "concurrent requests")
-    axis.set_title(f"vLLM {report['vllm']}, {report['device']}, {report['dtype']}")
-    save_figure(figure, path)
+    plot_against_teacher(report, itertools.product(report["models"], ["context"], report["contexts"]), "concurrency",
+                         "output_tokens_per_s", "concurrent requests", "output tokens/s",
+                         f"vLLM {report['vllm']}, {report['device']}, {report['dtype']}", path)
 
 
 def _arguments(parser) -> None:
