@@ -35,6 +35,8 @@ import math
 import numpy as np
 import torch
 
+from .dispatch import use_triton
+
 KERNELS = ("gl", "power")  # the alpha-dependent kernels (VORT's "exp" and "mixture" baselines have learned rates)
 
 
@@ -126,6 +128,43 @@ def soe_weights(alpha: torch.Tensor, num_terms: int, horizon: int, eps: float = 
     skip = sin_pi_alpha * torch.exp(alpha * -lambda_max) / (math.pi * alpha) if kernel == "gl" \
         else torch.zeros_like(alpha)
     return torch.cat([slots, dc[..., None]], dim=-1), skip
+
+
+def write_weights(alpha: torch.Tensor, keep: torch.Tensor | None, lag: int, num_terms: int, horizon: int,
+                  eps: float = 1e-3, kernel: str = "gl", backend: str = "auto"):
+    """VORT's per-token write weights: ``soe_weights`` times ``keep`` (B, T) (0: a padding token, which writes
+    nothing; None: all 1) and, per slot, the decay over a delay of ``lag`` steps, e^(l_s lag) (a token written late
+    was already that old). alpha (B, G, T) -> (weights (B, G, T, S + 1), skip_weight (B, G, T), times keep); a
+    token with keep 0 has weights and gradient exactly 0.
+
+    One Triton launch forward and one backward where kernels/dispatch.py takes Triton (kernels/soe_triton.py), for
+    fp32 and fp64; else this math, which is the kernel's reference."""
+    _check(num_terms, horizon, eps)
+    if kernel not in KERNELS:
+        raise ValueError(f"soe: kernel must be one of {KERNELS}, got {kernel!r}")
+    if alpha.dim() != 3 or (keep is not None and tuple(keep.shape) != (alpha.shape[0], alpha.shape[2])):
+        raise ValueError(f"write_weights: alpha must be (B, G, T) and keep (B, T) or None; got {tuple(alpha.shape)} "
+                         f"and {None if keep is None else tuple(keep.shape)}")
+    if use_triton("VORT write weights", alpha.device, backend,
+                  check=lambda: None if alpha.dtype in (torch.float32, torch.float64)
+                  else f"{alpha.dtype} orders (the kernel takes fp32 or fp64)"):
+        from .soe_triton import write_weights_triton
+
+        _, _, lambda_min, lambda_max = soe_nodes(num_terms, horizon, float(eps))
+        log_rates, log_scale, gl_exponent, power_exponent = _node_tensors(num_terms, horizon, float(eps),
+                                                                          alpha.dtype, alpha.device)
+        return write_weights_triton(alpha, keep, lag, log_rates, log_scale,
+                                    gl_exponent if kernel == "gl" else power_exponent, lambda_min, lambda_max,
+                                    gl=kernel == "gl")
+    if keep is not None:  # a token that writes nothing (padding may carry alpha = 0: 1 / alpha) at alpha = 1
+        keep = keep[:, None].to(alpha.dtype)
+        alpha = torch.where(keep != 0, alpha, 1)
+    weights, skip = soe_weights(alpha, num_terms, horizon, eps, kernel)
+    if keep is not None:
+        weights, skip = weights * keep[..., None], skip * keep
+    if lag:
+        weights = weights * torch.exp(soe_log_rates(num_terms, horizon, eps, alpha.dtype, alpha.device) * lag)
+    return weights, skip
 
 
 def soe_kernel(alpha: torch.Tensor, num_terms: int, horizon: int, eps: float = 1e-3, kernel: str = "gl"):

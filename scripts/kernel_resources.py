@@ -116,7 +116,7 @@ def main() -> int:
     from hf_mixers.apps.arguments import key_value, option_dict
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernel", choices=("rsa", "sessa", "all"), default="all")
+    parser.add_argument("--kernel", choices=("rsa", "sessa", "vort", "all"), default="all")
     parser.add_argument("--shape", default="smollm2-135m", help="a head layout of `hf-mixers bench kernels`")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--length", type=int, default=128, help="sequence length of the sample call")
@@ -151,7 +151,14 @@ def main() -> int:
     if args.feedback:  # one feedback head of ROW features (heads x head dim) with KEYS-wide keys
         keys, row = (int(size) for size in args.feedback.split(","))
         feedback = dict(heads=1, kv_heads=1, head_dim=row, feedback_heads=1, feedback_key_dim=keys)
-    for kernel in ("sessa", "rsa") if args.kernel == "all" else (args.kernel,):
+    for kernel in ("sessa", "rsa", "vort") if args.kernel == "all" else (args.kernel,):
+        if kernel == "vort":  # VORT's write weights (alpha's order per token and KV head), the conversion's SOE
+            from hf_mixers.kernels.soe import write_weights
+
+            alpha = torch.rand(1, shape["kv_heads"], args.length, requires_grad=True)
+            weights, skip = write_weights(alpha, torch.ones(1, args.length), 64, 15, 8192, backend="triton")
+            (weights.sum() + skip.sum()).backward()
+            continue
         layout = feedback if kernel == "sessa" and args.feedback else shape
         _, run = _candidate(f"{kernel}_triton", layout, args.length, "cpu", dtype, generator, 64, rsa_options)
         run().float().pow(2).mean().backward()  # the read's forward and backward kernels, side by side

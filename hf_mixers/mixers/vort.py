@@ -39,7 +39,7 @@ from ..core.registry import (MixerOption, MixerSpec, boolean, non_negative_int, 
 from ..core.window import windowed
 from ..kernels.common import compute_dtype, outside_autocast
 from ..kernels.retention import lag_kernel, retention, retention_chunked, retention_quadratic, retention_recurrent
-from ..kernels.soe import KERNELS, gl_weights, power_weights, soe_log_rates, soe_weights
+from ..kernels.soe import KERNELS, gl_weights, power_weights, soe_log_rates, soe_weights, write_weights
 
 FEATURE_MAPS = ("favor_pos", "hedgehog", "elu1", "identity")
 COMBINES = {"sum": "sum", "gated_sum": "gated_sum", "shared_normalizer": "shared"}  # option -> core.window name
@@ -146,21 +146,33 @@ class VORTMixer(RecurrentMixer, FullAttention):
             return soe_log_rates(c.vort_soe_terms, c.vort_soe_horizon, c.vort_soe_eps, dtype=dtype, device=device)[None]
         return -torch.exp(self.log_rate.to(dtype))
 
-    def slot_weights(self, alpha, like):
-        """Per-token write weights (B, G, T, slots) and the lag-0 skip weight (B, G, T) or None; ``like`` (B, G, T)
-        gives shape and dtype when the kernel has no alpha. nearest_bank: the paper's K orders with a
-        straight-through estimator (c(alpha) + stop_grad(c(alpha_k) - c(alpha)))."""
+    def slot_weights(self, alpha, like, keep=None, lag: int = 0):
+        """Per-token write weights (B, G, T, slots) and the lag-0 skip weight (B, G, T) or None, times ``keep``
+        (B, T) (0: padding; None: 1) and, per slot, the decay over a delay of ``lag`` steps; ``like`` (B, G, T) gives
+        shape and dtype when the kernel has no alpha. nearest_bank: the paper's K orders with a straight-through
+        estimator (c(alpha) + stop_grad(c(alpha_k) - c(alpha)))."""
         c = self.config
+        skip = None
+        if self.uses_alpha and c.vort_alpha_quantization == "none":  # one fused launch each way on the GPU path
+            weights, skip = write_weights(alpha, keep, lag, c.vort_soe_terms, c.vort_soe_horizon, c.vort_soe_eps,
+                                          c.vort_kernel, backend=c.kernel_backend)
+            return weights, (skip if c.vort_kernel == "gl" else None)
         if self.uses_alpha:
             weights, skip = soe_weights(alpha, c.vort_soe_terms, c.vort_soe_horizon, c.vort_soe_eps, c.vort_kernel)
-            if c.vort_alpha_quantization == "nearest_bank":
-                banked_w, banked_s = soe_weights(nearest_bank(alpha, c.vort_delta, c.vort_num_banks),
-                                                 c.vort_soe_terms, c.vort_soe_horizon, c.vort_soe_eps, c.vort_kernel)
-                weights, skip = weights + (banked_w - weights).detach(), skip + (banked_s - skip).detach()
-            return weights, (skip if c.vort_kernel == "gl" else None)
-        if c.vort_kernel == "exp":
-            return torch.ones_like(like)[..., None], None
-        return F.softplus(self.mixture_logit.to(like.dtype))[None, :, None, :].expand(*like.shape, -1), None
+            banked_w, banked_s = soe_weights(nearest_bank(alpha, c.vort_delta, c.vort_num_banks),
+                                             c.vort_soe_terms, c.vort_soe_horizon, c.vort_soe_eps, c.vort_kernel)
+            weights, skip = weights + (banked_w - weights).detach(), skip + (banked_s - skip).detach()
+            skip = skip if c.vort_kernel == "gl" else None
+        elif c.vort_kernel == "exp":
+            weights = torch.ones_like(like)[..., None]
+        else:
+            weights = F.softplus(self.mixture_logit.to(like.dtype))[None, :, None, :].expand(*like.shape, -1)
+        if keep is not None:
+            keep = keep[:, None].to(like.dtype)
+            weights, skip = weights * keep[..., None], None if skip is None else skip * keep
+        if lag:
+            weights = weights * torch.exp(self.log_rates(like.dtype, like.device) * lag)[None, :, None, :]
+        return weights, skip
 
     @outside_autocast  # the memory's sums in fp32 (fp16 overflows them)
     def retain(self, q_feat, q_offset, k_feat, values, writing, alpha, state, lag: int = 0, method: str = "auto"):
@@ -170,15 +182,13 @@ class VORTMixer(RecurrentMixer, FullAttention):
         c = self.config
         cd = q_feat.dtype
         like = values[..., 0]
-        keep = writing.to(cd)[:, None, :].expand_as(like) if writing is not None else torch.ones_like(like)
-        weights, skip = self.slot_weights(alpha, like)
+        keep = None if writing is None else writing.to(cd)
+        # a token written `lag` steps late was already `lag` steps old
+        weights, skip = self.slot_weights(alpha, like, keep, lag)
         log_rates = self.log_rates(cd, q_feat.device)
-        weights = weights * keep[..., None]
-        if lag:  # a token written `lag` steps late was already `lag` steps old
-            weights = weights * torch.exp(log_rates * lag)[None, :, None, :]
         # a delayed write is read in the same step (its lag is already `lag` >= 1, so no skip term)
         include = bool(lag) or c.vort_include_current
-        skip = skip * keep if skip is not None and include and not lag else None
+        skip = skip if include and not lag else None
         decayed = c.vort_normalizer == "decayed"
         main, plain = state if state is not None else (None, None)
         v = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1) if decayed else values
@@ -190,8 +200,8 @@ class VORTMixer(RecurrentMixer, FullAttention):
             numerator, denominator = out[..., :-1], out[..., -1]
         else:  # eq. 13's normaliser: the same scores without the retention weights (one rate-1 slot)
             zero = torch.zeros(1, 1, dtype=cd, device=q_feat.device)
-            den, plain = run(q_feat, k_feat, keep[..., None], zero, keep[..., None], None, plain,
-                             include_current=include)
+            ones = (torch.ones_like(like) if keep is None else keep[:, None].expand_as(like))[..., None]
+            den, plain = run(q_feat, k_feat, ones, zero, ones, None, plain, include_current=include)
             numerator, denominator = out, den[..., 0]
         scale = torch.exp(-q_offset).clamp(max=1e30)  # eps0 in the features' unshifted units
         tiny = torch.finfo(cd).tiny  # an empty memory reads 0, also with eps0 = 0

@@ -1,0 +1,130 @@
+"""VORT's write-weights kernel (kernels/soe_triton.py) against its PyTorch reference (kernels/soe.py
+``write_weights`` on the torch backend): values and gradients in fp64, fp32 within rounding, padding, delays, both
+alpha kernels, alpha = 1, slot counts that do not fill the tile, token counts that do not fill a program."""
+
+import pytest
+import torch
+
+from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
+
+from hf_mixers.apps.bench.op_count import count_ops
+from hf_mixers.kernels.soe import write_weights
+
+
+@pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
+def test_under_interpreter_in_subprocess():
+    run_under_interpreter(__file__)
+
+
+def _inputs(batch, groups, length, dtype, padded, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    alpha = 0.1 + 0.9 * torch.rand(batch, groups, length, generator=generator, dtype=torch.float64)
+    alpha[0, 0, :3] = torch.tensor([1.0, 0.9999, 0.1], dtype=torch.float64)  # alpha = 1: sin and sinc's limits
+    keep = None
+    if padded:
+        keep = torch.ones(batch, length, dtype=torch.float64)
+        keep[0, :length // 3] = 0  # a left-padded row
+        alpha[0, :, 3:5] = 0  # padding may carry alpha = 0 (the window pads its delayed inputs with zeros)
+    move = lambda t: None if t is None else t.to(DEVICE, dtype)  # noqa: E731
+    return move(alpha), move(keep)
+
+
+def _both(alpha, keep, lag, terms, kernel, backend):
+    alpha = alpha.detach().requires_grad_()
+    weights, skip = write_weights(alpha, keep, lag, terms, 512, 1e-3, kernel, backend=backend)
+    return alpha, weights, skip
+
+
+@needs_kernels
+@pytest.mark.parametrize("kernel", ["gl", "power"])
+@pytest.mark.parametrize("lag,padded", [(0, False), (0, True), (16, True)], ids=["plain", "padded", "delayed"])
+@pytest.mark.parametrize("terms", [15, 4])
+def test_weights_and_gradients_equal_the_reference_in_fp64(kernel, lag, padded, terms):
+    alpha, keep = _inputs(2, 3, 150, torch.float64, padded)  # 900 tokens: 7 programs, the last one ragged
+    generator = torch.Generator().manual_seed(1)
+    g_weights = torch.randn(2, 3, 150, terms + 1, generator=generator, dtype=torch.float64).to(DEVICE)
+    g_skip = torch.randn(2, 3, 150, generator=generator, dtype=torch.float64).to(DEVICE)
+    results = {}
+    for backend in ("torch", "triton"):
+        a, weights, skip = _both(alpha, keep, lag, terms, kernel, backend)
+        grad, = torch.autograd.grad((weights * g_weights).sum() + (skip * g_skip).sum(), a)
+        results[backend] = weights, skip, grad
+    for name, expected, actual in zip(("weights", "skip", "d alpha"), results["torch"], results["triton"]):
+        # sinc'(b) near b = 0 cancels in both forms (cos(pi b) - sinc(b)): 1e-11 relative at alpha = 0.9999
+        torch.testing.assert_close(actual, expected, rtol=1e-11, atol=1e-13, msg=name)
+    if padded:  # a padding token writes nothing and gets no gradient, alpha = 0 included
+        for weights, skip, grad in results.values():
+            assert not weights[0, :, :50].any() and not skip[0, :, :50].any() and not grad[0, :, :50].any()
+
+
+@needs_kernels
+def test_a_loss_of_the_weights_alone_reaches_alpha():
+    """VORT's delayed writes use the weights and not the skip: the skip's gradient is absent, not an error."""
+    alpha, keep = _inputs(1, 2, 40, torch.float64, True)
+    grads = []
+    for backend in ("torch", "triton"):
+        a, weights, _ = _both(alpha, keep, 8, 15, "gl", backend)
+        grads.append(torch.autograd.grad(weights.pow(2).sum(), a)[0])
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-14)
+
+
+@needs_kernels
+def test_fp32_within_rounding_of_fp64():
+    alpha, keep = _inputs(2, 2, 70, torch.float64, True)
+    exact = _both(alpha, keep, 0, 15, "gl", "torch")
+    fast = _both(alpha.float(), keep.float(), 0, 15, "gl", "triton")
+    for expected, actual in zip(exact[1:], fast[1:]):
+        torch.testing.assert_close(actual.double(), expected.detach(), rtol=2e-5, atol=1e-7)
+
+
+@needs_kernels
+def test_one_launch_each_way():
+    alpha, keep = _inputs(1, 2, 40, torch.float32, True)
+    alpha.requires_grad_()
+
+    def step():
+        weights, skip = write_weights(alpha, keep, 0, 15, 512, 1e-3, "gl", backend="triton")
+        (weights.sum() + skip.sum()).backward()
+
+    count, _ = count_ops(step)
+    assert count.triton_launches == 2 and count.host_reads == 0, count.top()
+
+
+def test_the_reference_applies_keep_and_delay_to_soe_weights():
+    """The PyTorch path is soe_weights times keep and e^(l_s lag), shape-checked."""
+    from hf_mixers.kernels.soe import soe_log_rates, soe_weights
+
+    alpha = torch.rand(2, 3, 5, dtype=torch.float64) * 0.9 + 0.1
+    keep = torch.tensor([[0.0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.float64)
+    weights, skip = write_weights(alpha, keep, 7, 15, 512, backend="torch")
+    plain_w, plain_s = soe_weights(alpha, 15, 512)
+    decay = torch.exp(7 * soe_log_rates(15, 512))
+    torch.testing.assert_close(weights, plain_w * keep[:, None, :, None] * decay, rtol=1e-15, atol=0)
+    torch.testing.assert_close(skip, plain_s * keep[:, None], rtol=1e-15, atol=0)
+    with pytest.raises(ValueError, match=r"keep \(B, T\)"):
+        write_weights(alpha, keep[:, :4], 0, 15, 512, backend="torch")
+
+
+@needs_kernels
+@pytest.mark.parametrize("combine", ["shared_normalizer", "sum"])
+def test_a_vort_layer_on_the_kernel_equals_its_pytorch_path(combine):
+    """A converted VORT layer (Hedgehog features, alpha routed by the window's entropy), left-padded, fp64: output and
+    every parameter's gradient the same with the write weights on the kernel and on PyTorch."""
+    from hf_mixers.apps.bench.harness import build_mixer, rotary_embeddings
+    from hf_mixers.core.registry import get_mixer
+
+    options = {**get_mixer("vort").conversion_options, "vort_window": 8, "vort_chunk_size": 8, "vort_combine": combine}
+    results = {}
+    for backend in ("torch", "triton"):
+        torch.manual_seed(0)
+        module, config = build_mixer("vort", {**options, "kernel_backend": backend}, 32, 4, 2, DEVICE, torch.float64)
+        with torch.no_grad():  # alpha away from its init, so that tokens differ in order
+            module.alpha_proj.weight.normal_(0, 0.3)
+        x = torch.randn(2, 30, 32, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        mask = torch.ones(2, 30, dtype=torch.bool, device=DEVICE)
+        mask[0, :7] = False
+        out = module(x, rotary_embeddings(config, x, 30), None, mask)
+        out.pow(2).sum().backward()
+        results[backend] = [out.detach(), x.grad] + [p.grad for p in module.parameters()]
+    for expected, actual in zip(results["torch"], results["triton"], strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
