@@ -152,12 +152,18 @@ def main() -> int:
         keys, row = (int(size) for size in args.feedback.split(","))
         feedback = dict(heads=1, kv_heads=1, head_dim=row, feedback_heads=1, feedback_key_dim=keys)
     for kernel in ("sessa", "rsa", "vort") if args.kernel == "all" else (args.kernel,):
-        if kernel == "vort":  # VORT's write weights (alpha's order per token and KV head), the conversion's SOE
+        if kernel == "vort":  # VORT's write weights (the conversion's SOE) and Hedgehog maps (2 head_dim features)
+            from hf_mixers.kernels.hedgehog import hedgehog_pair
             from hf_mixers.kernels.soe import write_weights
 
-            alpha = torch.rand(1, shape["kv_heads"], args.length, requires_grad=True)
+            groups, width = shape["kv_heads"], shape["head_dim"]
+            alpha = torch.rand(1, groups, args.length, requires_grad=True)
             weights, skip = write_weights(alpha, torch.ones(1, args.length), 64, 15, 8192, backend="triton")
             (weights.sum() + skip.sum()).backward()
+            q = torch.randn(1, groups, shape["heads"] // groups, args.length, width, requires_grad=True)
+            k = torch.randn(1, groups, args.length, width, requires_grad=True)
+            maps = [torch.randn(groups, width, width, requires_grad=True) for _ in range(2)]
+            sum(phi.sum() for phi in hedgehog_pair(q, maps[0], k, maps[1], backend="triton")).backward()
             continue
         layout = feedback if kernel == "sessa" and args.feedback else shape
         _, run = _candidate(f"{kernel}_triton", layout, args.length, "cpu", dtype, generator, 64, rsa_options)

@@ -38,6 +38,7 @@ from ..core.registry import (MixerOption, MixerSpec, boolean, non_negative_int, 
                              one_of, open_unit_interval, positive_int, positive_number, register_mixer)
 from ..core.window import windowed
 from ..kernels.common import compute_dtype, outside_autocast
+from ..kernels.hedgehog import hedgehog, hedgehog_pair
 from ..kernels.retention import lag_kernel, retention, retention_chunked, retention_quadratic, retention_recurrent
 from ..kernels.soe import KERNELS, gl_weights, power_weights, soe_log_rates, soe_weights, write_weights
 
@@ -105,27 +106,32 @@ class VORTMixer(RecurrentMixer, FullAttention):
 
     @outside_autocast  # its exp in fp32: in fp16 it overflows
     def feature_map(self, x, side: str):
-        """phi(x) for x (..., G, [g,] T, d) (KV-head axis 1) -> (features, log offset): phi(x) = features * exp(offset).
-        FAVOR+ (Performer): exp(Omega x~ - |x~|^2 / 2) / sqrt(m), x~ = x d^-1/4, so phi(q) . phi(k) estimates
-        exp(q.k / sqrt(d)); the query side is divided by its largest feature (the offset keeps the absolute scale
-        for the shared normaliser). Hedgehog: [softmax(x W), softmax(-x W)]."""
-        name, zero = self.config.vort_feature_map, x.new_zeros(x.shape[:-1])
+        """phi(x) for x (..., G, [g,] T, d) (KV-head axis 1) -> (features, log offset or None): phi(x) = features *
+        exp(offset). FAVOR+ (Performer): exp(Omega x~ - |x~|^2 / 2) / sqrt(m), x~ = x d^-1/4, so phi(q) . phi(k)
+        estimates exp(q.k / sqrt(d)); the query side is divided by its largest feature (the offset keeps the absolute
+        scale for the shared normaliser). Hedgehog: [softmax(x W), softmax(-x W)] (kernels/hedgehog.py). The other
+        maps are their own scale (offset None)."""
+        name = self.config.vort_feature_map
         if name == "favor_pos":
             scaled = x * self.head_dim ** -0.25
             exponent = scaled @ self.feature_projection.to(x.dtype).T - scaled.pow(2).sum(-1, keepdim=True) / 2 \
                 - math.log(self.features) / 2
             if side == "k":
-                return torch.exp(exponent), zero
+                return torch.exp(exponent), None
             offset = exponent.amax(-1, keepdim=True).detach()
             return torch.exp(exponent - offset), offset[..., 0]
         if name == "hedgehog":
-            weight = (self.hedgehog_q if side == "q" else self.hedgehog_k).to(x.dtype)  # (G, d, F/2)
-            shape = (1, weight.shape[0]) + (1,) * (x.dim() - 4) + weight.shape[1:]
-            projected = x @ weight.view(shape)  # both halves' softmax in one call: [xW, -xW] stacked
-            return torch.stack([projected, -projected], -2).softmax(-1).flatten(-2), zero
-        if name == "elu1":
-            return F.elu(x) + 1, zero
-        return x, zero
+            return hedgehog(x, self.hedgehog_q if side == "q" else self.hedgehog_k), None
+        return (F.elu(x) + 1 if name == "elu1" else x), None
+
+    @outside_autocast
+    def feature_maps(self, q, k):
+        """(phi(q), q's log offset or None, phi(k)) as ``feature_map`` gives them; Hedgehog's two maps through one
+        kernel launch each way on the GPU path (kernels/hedgehog.py ``hedgehog_pair``)."""
+        if self.config.vort_feature_map == "hedgehog":
+            q_feat, k_feat = hedgehog_pair(q, self.hedgehog_q, k, self.hedgehog_k, backend=self.config.kernel_backend)
+            return q_feat, None, k_feat
+        return *self.feature_map(q, "q"), self.feature_map(k, "k")[0]
 
     def orders(self, hidden_states, entropy=None):
         """alpha (B, G, T) in the compute dtype from the block input and the window entropy (B, G, g, T) or None."""
@@ -176,7 +182,8 @@ class VORTMixer(RecurrentMixer, FullAttention):
 
     @outside_autocast  # the memory's sums in fp32 (fp16 overflows them)
     def retain(self, q_feat, q_offset, k_feat, values, writing, alpha, state, lag: int = 0, method: str = "auto"):
-        """The global branch over the tokens written by this call (``writing`` (B, T) marks real ones), ``lag``
+        """The global branch over the tokens written by this call (``writing`` (B, T) marks real ones; ``q_offset``
+        the query features' log scale or None), ``lag``
         steps behind the queries (the window's delay) -> (output (B, G, g, T, dv), log weight (B, G, g, T), state).
         State: (slots state (B, G, S, F, dv + 1), undecayed-normaliser state (B, G, 1, F, 1) or None)."""
         c = self.config
@@ -203,11 +210,12 @@ class VORTMixer(RecurrentMixer, FullAttention):
             ones = (torch.ones_like(like) if keep is None else keep[:, None].expand_as(like))[..., None]
             den, plain = run(q_feat, k_feat, ones, zero, ones, None, plain, include_current=include)
             numerator, denominator = out, den[..., 0]
-        scale = torch.exp(-q_offset).clamp(max=1e30)  # eps0 in the features' unshifted units
+        # eps0 in the features' unshifted units
+        eps = c.vort_eps0 if q_offset is None else c.vort_eps0 * torch.exp(-q_offset).clamp(max=1e30)
         tiny = torch.finfo(cd).tiny  # an empty memory reads 0, also with eps0 = 0
-        output = numerator / (denominator + c.vort_eps0 * scale).clamp(min=tiny)[..., None]
-        log_weight = torch.log(denominator.clamp(min=tiny)) + q_offset
-        return output, log_weight, (main, plain)
+        output = numerator / (denominator + eps).clamp(min=tiny)[..., None]
+        log_weight = torch.log(denominator.clamp(min=tiny))
+        return output, (log_weight if q_offset is None else log_weight + q_offset), (main, plain)
 
     def projections(self, hidden_states, position_embeddings):
         """Queries (B, G, g, T, d) and keys, values (B, G, T, d) in the compute dtype: the window's (rotated) and the
@@ -232,8 +240,7 @@ class VORTMixer(RecurrentMixer, FullAttention):
         """(B, T, D) -> output (B, T, D), the new state (a WindowState around the global state when windowed)."""
         batch, length, _ = hidden_states.shape
         q_win, k_win, q_glob, k_glob, value = self.projections(hidden_states, position_embeddings)
-        q_feat, q_offset = self.feature_map(q_glob, "q")
-        k_feat, _ = self.feature_map(k_glob, "k")
+        q_feat, q_offset, k_feat = self.feature_maps(q_glob, k_glob)
         valid = None if token_mask is None else token_mask[:, -length:]
         if not self.window:
             alpha = self.orders(hidden_states) if self.uses_alpha else None
@@ -272,6 +279,8 @@ class VORTMixer(RecurrentMixer, FullAttention):
         alpha = self.orders(hidden_states, entropy) if self.uses_alpha else None
         q_feat, q_offset = self.feature_map(q_glob, "q")
         k_feat, _ = self.feature_map(k_glob, "k")
+        if q_offset is None:
+            q_offset = torch.zeros_like(q_feat[..., 0])
         combine = COMBINES[c.vort_combine] if self.window else "none"
         delayed = combine in ("shared", "gated_sum")
         if scores == "exact":

@@ -1,6 +1,8 @@
-"""VORT's write-weights kernel (kernels/soe_triton.py) against its PyTorch reference (kernels/soe.py
-``write_weights`` on the torch backend): values and gradients in fp64, fp32 within rounding, padding, delays, both
-alpha kernels, alpha = 1, slot counts that do not fill the tile, token counts that do not fill a program."""
+"""VORT's Triton kernels against their PyTorch references, values and gradients in fp64, fp32 within rounding:
+the write weights (kernels/soe_triton.py against kernels/soe.py ``write_weights``: padding, delays, both alpha
+kernels, alpha = 1, slot counts that do not fill the tile), the Hedgehog feature maps (kernels/hedgehog_triton.py
+against kernels/hedgehog.py ``hedgehog``: row and column counts that do not fill a block), and a converted layer
+with both."""
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torch
 from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
 
 from hf_mixers.apps.bench.op_count import count_ops
+from hf_mixers.kernels.hedgehog import hedgehog, hedgehog_pair
 from hf_mixers.kernels.soe import write_weights
 
 
@@ -104,6 +107,58 @@ def test_the_reference_applies_keep_and_delay_to_soe_weights():
     with pytest.raises(ValueError, match=r"keep \(B, T\)"):
         write_weights(alpha, keep[:, :4], 0, 15, 512, backend="torch")
 
+
+# --- the Hedgehog feature maps
+
+@needs_kernels
+@pytest.mark.parametrize("batch,groups,per_group,length,width,half", [(2, 2, 3, 37, 16, 8), (1, 3, 2, 45, 64, 64)],
+                         ids=["small", "column_blocks"])
+def test_hedgehog_pair_equals_the_reference_in_fp64(batch, groups, per_group, length, width, half):
+    """Queries (B, G, g, T, d) and keys (B, G, T, d), strided, through one launch each way: features, dq, dk and
+    both maps' weight gradients equal the definition's; 45 rows, 64 columns: ragged row blocks, two column blocks."""
+    generator = torch.Generator().manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64).to(DEVICE)  # noqa: E731
+    # as a layer hands them over: projections (B, T, heads, d) transposed, read in place
+    q = make(batch, length, groups * per_group, width).transpose(1, 2).unflatten(1, (groups, per_group))
+    k = make(batch, length, groups, width).transpose(1, 2)
+    wq, wk = make(groups, width, half) / width ** 0.5, make(groups, width, half) / width ** 0.5
+    g_q, g_k = make(batch, groups, per_group, length, 2 * half), make(batch, groups, length, 2 * half)
+    results = {}
+    for backend in ("torch", "triton"):
+        inputs = [t.clone().requires_grad_() for t in (q, wq, k, wk)]
+        phi_q, phi_k = hedgehog_pair(*inputs, backend=backend)
+        grads = torch.autograd.grad((phi_q * g_q).sum() + (phi_k * g_k).sum(), inputs)
+        results[backend] = (phi_q, phi_k, *grads)
+    names = ("phi(q)", "phi(k)", "dq", "d W_q", "dk", "d W_k")
+    for name, expected, actual in zip(names, results["torch"], results["triton"], strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-14, msg=name)
+
+
+@needs_kernels
+def test_hedgehog_fp32_within_rounding_and_one_launch_each_way():
+    generator = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 2, 3, 20, 32, generator=generator), torch.randn(1, 2, 20, 32, generator=generator)
+    wq, wk = torch.randn(2, 32, 32, generator=generator) / 6, torch.randn(2, 32, 32, generator=generator) / 6
+    exact = hedgehog(q.double(), wq.double()), hedgehog(k.double(), wk.double())
+    inputs = [t.to(DEVICE).requires_grad_() for t in (q, wq, k, wk)]
+
+    def step():
+        phi_q, phi_k = hedgehog_pair(*inputs, backend="triton")
+        (phi_q.pow(2).sum() + phi_k.sum()).backward()
+        return phi_q, phi_k
+
+    count, fast = count_ops(step)
+    for expected, actual in zip(exact, fast):
+        torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-7)
+    assert count.triton_launches == 2 and count.host_reads == 0, count.top()
+
+
+def test_hedgehog_names_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"hedgehog: x must be \(B, G, ..., d\) and weight \(G, d, F / 2\)"):
+        hedgehog(torch.zeros(1, 2, 5, 8), torch.zeros(3, 8, 4))
+
+
+# --- a converted layer
 
 @needs_kernels
 @pytest.mark.parametrize("combine", ["shared_normalizer", "sum"])
