@@ -152,7 +152,7 @@ def main() -> int:
         keys, row = (int(size) for size in args.feedback.split(","))
         feedback = dict(heads=1, kv_heads=1, head_dim=row, feedback_heads=1, feedback_key_dim=keys)
     for kernel in ("sessa", "rsa", "vort") if args.kernel == "all" else (args.kernel,):
-        if kernel == "vort":  # VORT's write weights (the conversion's SOE) and Hedgehog maps (2 head_dim features)
+        if kernel == "vort":  # VORT's write weights (the conversion's SOE), Hedgehog maps (2 head_dim features), combine
             from hf_mixers.kernels.hedgehog import hedgehog_pair
             from hf_mixers.kernels.soe import write_weights
 
@@ -164,6 +164,12 @@ def main() -> int:
             k = torch.randn(1, groups, args.length, width, requires_grad=True)
             maps = [torch.randn(groups, width, width, requires_grad=True) for _ in range(2)]
             sum(phi.sum() for phi in hedgehog_pair(q, maps[0], k, maps[1], backend="triton")).backward()
+            from hf_mixers.kernels.window_combine import combine_reads  # the window's combine (RSA's too)
+
+            reads = [torch.randn(1, groups, shape["heads"] // groups, args.length, *dv, requires_grad=True)
+                     for dv in ((width,), (), (width,), ())]
+            combine_reads(*reads, torch.ones(1, args.length, dtype=torch.bool), "shared", backend="triton").sum(
+                ).backward()
             continue
         layout = feedback if kernel == "sessa" and args.feedback else shape
         _, run = _candidate(f"{kernel}_triton", layout, args.length, "cpu", dtype, generator, 64, rsa_options)

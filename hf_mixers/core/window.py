@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ..kernels.local_attention import local_attention, ring_attention
+from ..kernels.window_combine import combine_reads
 from .cache import map_tensors
 from .registry import MixerOption, non_negative_int
 
@@ -89,7 +90,6 @@ def _writes_in_place(state: WindowState, keys, values, extras) -> bool:
 # None, new memory state): the mixer's constant-state read after writing, at each step, the token leaving the window
 # (or, for the additive combinations, the new token itself)
 Memory = Callable[..., tuple]
-COMBINES = ("shared", "convex", "sum", "gated_sum")
 
 
 def windowed(query, keys, values, valid, extras, state: WindowState | None, window: int, scale: float,
@@ -104,7 +104,8 @@ def windowed(query, keys, values, valid, extras, state: WindowState | None, wind
         "gated_sum"  window + sigmoid(gate) memory; writes delayed
         "sum"        window + memory, the memory reading every token (its writes not delayed: VORT's eq. 17)
     None: "shared" when the memory returns a log weight, else "convex". ``gate`` (G, g): per-head logits.
-    ``backend``: the window attention's path, as ``config.kernel_backend`` (kernels/local_attention.py).
+    ``backend``: the window attention's and the combine's path, as ``config.kernel_backend``
+    (kernels/local_attention.py, kernels/window_combine.py).
     """
     length = query.shape[3]
     if valid is None:
@@ -122,22 +123,10 @@ def windowed(query, keys, values, valid, extras, state: WindowState | None, wind
     if combine == "sum":
         out = local + remote.to(local.dtype)
     else:
-        if combine is None:
-            combine = "shared" if remote_log is not None else "convex"
         # a query whose leaving token is padding reads the window alone (with left padding its memory is empty); one
         # whose leaving token is real has it in the memory
-        seen = writing[:, None, None]  # (B, 1, 1, T)
-        if combine == "shared":
-            if remote_log is None:
-                raise ValueError("windowed: combine='shared' needs a memory that returns its log weight")
-            share = torch.sigmoid(remote_log - local_log)  # Z_memory / (Z_window + Z_memory)
-        elif combine in ("convex", "gated_sum"):
-            share = torch.sigmoid(gate.to(local.dtype))[None, :, :, None].expand_as(local_log)
-        else:
-            raise ValueError(f"windowed: combine must be one of {COMBINES}, got {combine!r}")
-        share = torch.where(seen, share.to(local.dtype), torch.zeros((), dtype=local.dtype, device=local.device))
-        remote = remote.to(local.dtype)
-        out = local + share[..., None] * (remote if combine == "gated_sum" else remote - local)
+        combine = combine or ("shared" if remote_log is not None else "convex")
+        out = combine_reads(local, local_log, remote, remote_log, writing, combine, gate, backend)
     written = writing.long().sum(1)
     return out, replace(ring, memory=memory_state, written=written if state is None else state.written + written)
 

@@ -1,0 +1,66 @@
+"""The shared-normaliser combine of a window's and a memory's reads (kernels/window_combine_triton.py) against its
+PyTorch reference (kernels/window_combine.py ``combine_reads`` on the torch backend): values and every gradient in
+fp64, queries whose memory has seen nothing, widths and query counts that do not fill a block."""
+
+import pytest
+import torch
+
+from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
+
+from hf_mixers.apps.bench.op_count import count_ops
+from hf_mixers.kernels.window_combine import combine_reads
+
+
+@pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
+def test_under_interpreter_in_subprocess():
+    run_under_interpreter(__file__)
+
+
+def _reads(dtype, batch=2, groups=3, per_group=2, length=11, width=12, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64).to(DEVICE, dtype)  # noqa: E731
+    seen = torch.ones(batch, length, dtype=torch.bool)
+    seen[0, :4] = False  # a left-padded row: its first queries' memories are empty
+    seen = seen.to(DEVICE)
+    # the memory's output read as a (B, G, g, T, dv) view of a (B, T, G, g, dv) tensor, as fla returns it
+    remote = make(batch, length, groups, per_group, width).permute(0, 2, 3, 1, 4)
+    return (make(batch, groups, per_group, length, width), make(batch, groups, per_group, length), remote,
+            make(batch, groups, per_group, length), seen)
+
+
+@needs_kernels
+def test_shared_combine_and_its_gradients_equal_the_reference_in_fp64():
+    local, local_log, remote, remote_log, seen = _reads(torch.float64)  # 132 queries: 5 programs, the last ragged
+    g = torch.randn(local.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    results = {}
+    for backend in ("torch", "triton"):
+        inputs = [t.clone().requires_grad_() for t in (local, local_log, remote, remote_log)]
+        out = combine_reads(*inputs[:4], seen, "shared", backend=backend)
+        results[backend] = (out, *torch.autograd.grad((out * g).sum(), inputs))
+    names = ("out", "d local", "d local log", "d remote", "d remote log")
+    for name, expected, actual in zip(names, results["torch"], results["triton"], strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-13, atol=1e-14, msg=name)
+    out, _, d_local_log, d_remote, _ = results["triton"]
+    # an unseen memory: the window alone, nothing flows into the memory
+    assert torch.equal(out[0, :, :, :4], local[0, :, :, :4]) and not d_remote[0, :, :, :4].any()
+    assert not d_local_log[0, :, :, :4].any()
+
+
+@needs_kernels
+def test_one_launch_each_way_and_no_host_read():
+    inputs = [t.requires_grad_() for t in _reads(torch.float32)[:4]]
+    seen = _reads(torch.float32)[4]
+    count, _ = count_ops(lambda: combine_reads(*inputs, seen, "shared", backend="triton").sum().backward())
+    assert count.triton_launches == 2 and count.host_reads == 0, count.top()
+
+
+def test_the_reference_names_its_mistakes():
+    generator = torch.Generator().manual_seed(0)
+    local, remote = (torch.randn(1, 1, 1, 3, 4, generator=generator, dtype=torch.float64) for _ in range(2))
+    local_log, remote_log = (torch.randn(1, 1, 1, 3, generator=generator, dtype=torch.float64) for _ in range(2))
+    seen = torch.ones(1, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="needs a memory that returns its log weight"):
+        combine_reads(local, local_log, remote, None, seen, "shared", backend="torch")
+    with pytest.raises(ValueError, match="combine must be one of"):
+        combine_reads(local, local_log, remote, remote_log, seen, "product", backend="torch")
+
