@@ -30,25 +30,29 @@ TILE_ELEMENTS, WARPS = 2048, 4
 
 
 @triton.jit
-def _share(local_log_ptr, remote_log_ptr, seen_ptr, queries, query_ok, HEADS_LENGTH, LENGTH):
-    """s per query: sigmoid(log Z_m - log Z_w), 0 where the query's memory has seen nothing."""
+def _block(local_ptr, local_log_ptr, remote_ptr, remote_log_ptr, seen_ptr, N, HEADS_LENGTH, LENGTH, V,
+           BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """This program's queries: (queries, their mask, s, the (query, feature) mask and offsets, o_w, o_m), where
+    s = sigmoid(log Z_m - log Z_w), 0 where the query's memory has seen nothing."""
+    queries = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    query_ok = queries < N
     seen = tl.load(seen_ptr + (queries // HEADS_LENGTH) * LENGTH + queries % LENGTH, mask=query_ok, other=0) != 0
     z = tl.load(remote_log_ptr + queries, mask=query_ok, other=0.0) - tl.load(local_log_ptr + queries,
                                                                               mask=query_ok, other=0.0)
     e = tl.exp(-tl.abs(z))  # a sigmoid that overflows nowhere: an empty memory's log weight is about -700 (fp64)
-    return tl.where(seen, tl.where(z >= 0, 1 / (1 + e), e / (1 + e)), 0.0)
+    share = tl.where(seen, tl.where(z >= 0, 1 / (1 + e), e / (1 + e)), 0.0)
+    cols = tl.arange(0, BLOCK_V)
+    ok, at = query_ok[:, None] & (cols < V)[None, :], queries[:, None] * V + cols[None, :]
+    local = tl.load(local_ptr + at, mask=ok, other=0.0)
+    remote = tl.load(remote_ptr + at, mask=ok, other=0.0)
+    return queries, query_ok, share, ok, at, local, remote
 
 
 @triton.jit
 def _combine_fwd(local_ptr, local_log_ptr, remote_ptr, remote_log_ptr, seen_ptr, out_ptr, N, HEADS_LENGTH, LENGTH, V,
                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
-    queries = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    query_ok = queries < N
-    share = _share(local_log_ptr, remote_log_ptr, seen_ptr, queries, query_ok, HEADS_LENGTH, LENGTH)
-    cols = tl.arange(0, BLOCK_V)
-    ok, at = query_ok[:, None] & (cols < V)[None, :], queries[:, None] * V + cols[None, :]
-    local = tl.load(local_ptr + at, mask=ok, other=0.0)
-    remote = tl.load(remote_ptr + at, mask=ok, other=0.0)
+    _, _, share, ok, at, local, remote = _block(local_ptr, local_log_ptr, remote_ptr, remote_log_ptr, seen_ptr, N,
+                                                HEADS_LENGTH, LENGTH, V, BLOCK_N, BLOCK_V)
     tl.store(out_ptr + at, local + share[:, None] * (remote - local), mask=ok)
 
 
@@ -56,13 +60,8 @@ def _combine_fwd(local_ptr, local_log_ptr, remote_ptr, remote_log_ptr, seen_ptr,
 def _combine_bwd(local_ptr, local_log_ptr, remote_ptr, remote_log_ptr, seen_ptr, g_ptr, d_local_ptr, d_local_log_ptr,
                  d_remote_ptr, d_remote_log_ptr, N, HEADS_LENGTH, LENGTH, V, BLOCK_N: tl.constexpr,
                  BLOCK_V: tl.constexpr):
-    queries = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    query_ok = queries < N
-    share = _share(local_log_ptr, remote_log_ptr, seen_ptr, queries, query_ok, HEADS_LENGTH, LENGTH)
-    cols = tl.arange(0, BLOCK_V)
-    ok, at = query_ok[:, None] & (cols < V)[None, :], queries[:, None] * V + cols[None, :]
-    local = tl.load(local_ptr + at, mask=ok, other=0.0)
-    remote = tl.load(remote_ptr + at, mask=ok, other=0.0)
+    queries, query_ok, share, ok, at, local, remote = _block(local_ptr, local_log_ptr, remote_ptr, remote_log_ptr,
+                                                             seen_ptr, N, HEADS_LENGTH, LENGTH, V, BLOCK_N, BLOCK_V)
     g = tl.load(g_ptr + at, mask=ok, other=0.0)
     tl.store(d_local_ptr + at, g * (1 - share[:, None]), mask=ok)
     tl.store(d_remote_ptr + at, g * share[:, None], mask=ok)
