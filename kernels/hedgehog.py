@@ -19,7 +19,8 @@ from .dispatch import use_triton
 
 
 def hedgehog(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[softmax(x W_G), softmax(-x W_G)] for x (B, G, ..., d) (KV-head axis 1) and weight (G, d, F / 2) -> (B, G, ..., F)."""
+    """[softmax(x W_G), softmax(-x W_G)] for x (B, G, ..., d) (KV-head axis 1) and weight (G, d, F / 2) ->
+    (B, G, ..., F)."""
     if x.dim() < 3 or weight.dim() != 3 or x.shape[1] != weight.shape[0] or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"hedgehog: x must be (B, G, ..., d) and weight (G, d, F / 2); got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")

@@ -12,7 +12,8 @@ Two paths, one result (``local_attention`` picks through kernels/dispatch.py):
     flex_attention     torch.nn.attention.flex_attention on CUDA: the band as a block mask built from the shapes, the
                        padding as a score_mod, the normaliser from ``return_aux``; one fused kernel forward and one
                        backward. The entropy comes from the same call: with the keys appended to the values, the
-                       output's key part is sum_c p_c k_c, and H = log Z - scale q . sum_c p_c k_c.
+                       output's key part is sum_c p_c k_c, and H = log Z - scale q . sum_c p_c k_c
+                       (``flex_read_entropy``: one Triton launch each way, kernels/local_attention_triton.py).
 
 A query that sees no valid key (a padding position) has output 0 and log normaliser ``finfo.min`` on the flex path,
 and an arbitrary output on the PyTorch path: no caller reads either (its share of the memory is 0).
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from .dispatch import library_kernel
+from .dispatch import library_kernel, use_triton
 
 # Scores one call of ``window_attention`` holds at most, (B, G, g, block, 2w) per block of w queries: longer inputs go
 # a segment of queries at a time. All at once, the scores grew with T (75 MB at 16K for SmolLM2) past glibc's mmap
@@ -145,9 +146,10 @@ def band_block_mask(length: int, span: int, window: int, device, block: int | No
 
 
 def flex_window_attention(query, keys, values, valid, window: int, scale: float, with_entropy: bool = False,
-                          flex=None):
+                          flex=None, backend: str = "auto"):
     """``window_attention`` through flex_attention (``flex``: the function to call, torch's by default; on CUDA the
-    caller passes a compiled one outside torch.compile, since eager flex_attention materialises every score)."""
+    caller passes a compiled one outside torch.compile, since eager flex_attention materialises every score).
+    ``backend``: the entropy epilogue's path (``flex_read_entropy``)."""
     flex = flex or flex_attention
     batch, groups, per_group, length, dim = query.shape
     span = keys.shape[2]
@@ -161,13 +163,27 @@ def flex_window_attention(query, keys, values, valid, window: int, scale: float,
     out, aux = flex(query.flatten(1, 2), keys, values, score_mod=padding,
                     block_mask=band_block_mask(length, span, window, query.device), scale=scale, enable_gqa=True,
                     return_aux=AuxRequest(lse=True))
-    out = out.unflatten(1, (groups, per_group))
-    log_normaliser = aux.lse.unflatten(1, (groups, per_group)).clamp(min=torch.finfo(aux.lse.dtype).min)
-    log_normaliser = log_normaliser.to(query.dtype)
-    if not with_entropy:
-        return out, log_normaliser
+    out, lse = out.unflatten(1, (groups, per_group)), aux.lse.unflatten(1, (groups, per_group))
+    if with_entropy:
+        return flex_read_entropy(out, lse, query, valid, window, value_dim, scale, backend)
+    return out, lse.clamp(min=torch.finfo(lse.dtype).min).to(query.dtype)
+
+
+def flex_read_entropy(out, lse, query, valid, window: int, value_dim: int, scale: float, backend: str = "auto"):
+    """Split flex's output over [values, keys] (B, G, g, T, dv + d) into the read o and m = sum_c p_c k_c, and
+    return (o, log Z, H): log Z = lse (B, G, g, T) clamped to the dtype's min (a query that sees no key has -inf),
+    H = (log Z - scale q . m) / log(s), s the valid keys among the query's window (H = 0 where s <= 1); log Z and H
+    in the queries' dtype. One Triton launch each way where kernels/dispatch.py takes Triton
+    (kernels/local_attention_triton.py); else this math, which is the kernel's reference."""
+    if use_triton("window entropy", out.device, backend, check=lambda: None if out.dtype in (
+            torch.float32, torch.float64) else f"{out.dtype} reads (the kernel takes fp32 or fp64)"):
+        from .local_attention_triton import read_entropy_triton
+
+        return read_entropy_triton(out, lse, query, valid, window, value_dim, scale)
+    log_normaliser = lse.clamp(min=torch.finfo(lse.dtype).min).to(query.dtype)
     out, mean_key = out[..., :value_dim], out[..., value_dim:]
     # keys each query sees: the valid positions among i+1 .. i+w, from one cumulative sum
+    length = query.shape[3]
     counted = torch.nn.functional.pad(valid.cumsum(1), (1, 0))  # (B, w + T + 1): valid positions before each index
     seen = (counted[:, window + 1:] - counted[:, 1:length + 1]).to(query.dtype)[:, None, None]  # (B, 1, 1, T)
     entropy = log_normaliser - scale * (query * mean_key.to(query.dtype)).sum(-1)
@@ -205,4 +221,4 @@ def local_attention(query, keys, values, valid, window: int, scale: float, with_
         return window_attention(query, keys, values, valid, window, scale, with_entropy)
     if query.device.type == "cuda":
         flex = _compiled(flex)
-    return flex_window_attention(query, keys, values, valid, window, scale, with_entropy, flex=flex)
+    return flex_window_attention(query, keys, values, valid, window, scale, with_entropy, flex=flex, backend=backend)

@@ -23,7 +23,8 @@ Forms, equal in fp64 (tests/unit/test_retention.py; ``retention`` is the entry t
     retention_simple_gla  through flash-linear-attention's chunk_simple_gla (CUDA): each (KV head, slot) pair is a
                           linear attention of constant decay l_s (its ``g_gamma``) over the keys c_s(i) k_i; fla's
                           heads carry one query each, so the pair runs once per query head of its KV head
-States are fp32 (fp64 stays fp64): 1 - e^{l_s} can be 5.6e-7, below bf16's resolution.
+States are fp32 (fp64 stays fp64): 1 - e^{l_s} can be 5.6e-7, below bf16's resolution. ``normalised_read``
+divides a read by its normaliser (one Triton launch each way on the GPU path).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from .common import compute_dtype, outside_autocast
-from .dispatch import library_kernel
+from .dispatch import library_kernel, use_triton
 
 
 def _check(q, k, v, log_rates, weights, skip, state):
@@ -231,6 +232,26 @@ def retention_simple_gla(q, k, v, log_rates, weights, skip=None, state=None, inc
     if current is not None:
         out = out + (current[:, :, None] * (q * k[:, :, None]).sum(-1))[..., None] * v[:, :, None]
     return out.to(q.dtype), final.to(q.dtype)
+
+
+def normalised_read(read, eps0: float, offset=None, backend: str = "auto"):
+    """A linear attention's read divided by its normaliser: ``read`` (B, G, g, T, dv + 1) holds the numerator, then
+    the denominator d (the retention of a column of ones) -> (numerator / max(d + eps, tiny), log max(d, tiny)
+    (+ offset)), eps = eps0 or, with the query features' log scale ``offset`` (B, G, g, T) (detached), eps0 e^-offset
+    (at most 1e30 eps0): eps0 in the features' unshifted units. ``tiny``: the dtype's smallest normal, so an empty
+    memory reads 0, also with eps0 = 0. One Triton launch each way where kernels/dispatch.py takes Triton
+    (kernels/retention_triton.py), for fp32 and fp64; else this math, which is the kernel's reference."""
+    if use_triton("normalised retention read", read.device, backend, check=lambda: None if read.dtype in (
+            torch.float32, torch.float64) else f"{read.dtype} reads (the kernel takes fp32 or fp64)"):
+        from .retention_triton import normalised_read_triton
+
+        return normalised_read_triton(read, eps0, offset)
+    numerator, denominator = read[..., :-1], read[..., -1]
+    eps = eps0 if offset is None else eps0 * torch.exp(-offset).clamp(max=1e30)
+    tiny = torch.finfo(read.dtype).tiny
+    output = numerator / (denominator + eps).clamp(min=tiny)[..., None]
+    log_weight = torch.log(denominator.clamp(min=tiny))
+    return output, (log_weight if offset is None else log_weight + offset)
 
 
 def retention(q, k, v, log_rates, weights, skip=None, state=None, include_current: bool = True, chunk_size: int = 64,

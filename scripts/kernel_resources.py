@@ -79,8 +79,10 @@ def compiling_run(arch: int, records: list, seen: set, pending: list | None = No
         options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
         names = self.arg_names
         bound = dict(zip(names, args), **kwargs)
-        signature = {name: ("constexpr" if name in kwargs else _type_of(bound[name])) for name in names}
-        constexprs = {name: kwargs[name] for name in names if name in kwargs}
+        # a None pointer (an optional input left out) is a constexpr None, as Triton's launcher makes it
+        signature = {name: ("constexpr" if name in kwargs or bound[name] is None else _type_of(bound[name]))
+                     for name in names}
+        constexprs = {name: kwargs.get(name) for name in names if signature[name] == "constexpr"}
         key = (self.__name__, tuple(sorted(constexprs.items())), tuple(sorted(options.items())),
                tuple(signature.values()))
         if key in seen:
@@ -152,7 +154,7 @@ def main() -> int:
         keys, row = (int(size) for size in args.feedback.split(","))
         feedback = dict(heads=1, kv_heads=1, head_dim=row, feedback_heads=1, feedback_key_dim=keys)
     for kernel in ("sessa", "rsa", "vort") if args.kernel == "all" else (args.kernel,):
-        if kernel == "vort":  # VORT's write weights (the conversion's SOE), Hedgehog maps (2 head_dim features), combine
+        if kernel == "vort":  # VORT's kernels (write weights, Hedgehog maps, normalised read) and the window's
             from hf_mixers.kernels.hedgehog import hedgehog_pair
             from hf_mixers.kernels.soe import write_weights
 
@@ -169,6 +171,20 @@ def main() -> int:
             reads = [torch.randn(1, groups, shape["heads"] // groups, args.length, *dv, requires_grad=True)
                      for dv in ((width,), (), (width,), ())]
             combine_reads(*reads, torch.ones(1, args.length, dtype=torch.bool), "shared", backend="triton").sum(
+                ).backward()
+            from hf_mixers.kernels.retention import normalised_read
+
+            read = torch.randn(1, args.length, groups, shape["heads"] // groups, width + 1, requires_grad=True)
+            sum(part.sum() for part in normalised_read(read.permute(0, 2, 3, 1, 4), 1e-6, backend="triton")
+                ).backward()
+            from hf_mixers.kernels.local_attention import flex_read_entropy
+
+            per_group = shape["heads"] // groups
+            out = torch.randn(1, groups, per_group, args.length, 2 * width, requires_grad=True)
+            lse = torch.randn(1, groups, per_group, args.length, requires_grad=True)
+            query = torch.randn(1, groups, per_group, args.length, width, requires_grad=True)
+            valid = torch.ones(1, 64 + args.length, dtype=torch.bool)
+            sum(part.sum() for part in flex_read_entropy(out, lse, query, valid, 64, width, 0.125, backend="triton")
                 ).backward()
             continue
         layout = feedback if kernel == "sessa" and args.feedback else shape

@@ -39,7 +39,8 @@ from ..core.registry import (MixerOption, MixerSpec, boolean, non_negative_int, 
 from ..core.window import windowed
 from ..kernels.common import compute_dtype, outside_autocast
 from ..kernels.hedgehog import hedgehog, hedgehog_pair
-from ..kernels.retention import lag_kernel, retention, retention_chunked, retention_quadratic, retention_recurrent
+from ..kernels.retention import (lag_kernel, normalised_read, retention, retention_chunked, retention_quadratic,
+                                 retention_recurrent)
 from ..kernels.soe import KERNELS, gl_weights, power_weights, soe_log_rates, soe_weights, write_weights
 
 FEATURE_MAPS = ("favor_pos", "hedgehog", "elu1", "identity")
@@ -202,20 +203,14 @@ class VORTMixer(RecurrentMixer, FullAttention):
         run = {"auto": lambda *a, **k: retention(*a, **k, chunk_size=c.vort_chunk_size, backend=c.kernel_backend),
                "recurrent": retention_recurrent, "quadratic": retention_quadratic,
                "chunked": lambda *a, **k: retention_chunked(*a, **k, chunk_size=c.vort_chunk_size)}[method]
-        out, main = run(q_feat, k_feat, v, log_rates, weights, skip, main, include_current=include)
-        if decayed:
-            numerator, denominator = out[..., :-1], out[..., -1]
-        else:  # eq. 13's normaliser: the same scores without the retention weights (one rate-1 slot)
+        read, main = run(q_feat, k_feat, v, log_rates, weights, skip, main, include_current=include)
+        if not decayed:  # eq. 13's normaliser: the same scores without the retention weights (one rate-1 slot)
             zero = torch.zeros(1, 1, dtype=cd, device=q_feat.device)
             ones = (torch.ones_like(like) if keep is None else keep[:, None].expand_as(like))[..., None]
             den, plain = run(q_feat, k_feat, ones, zero, ones, None, plain, include_current=include)
-            numerator, denominator = out, den[..., 0]
-        # eps0 in the features' unshifted units
-        eps = c.vort_eps0 if q_offset is None else c.vort_eps0 * torch.exp(-q_offset).clamp(max=1e30)
-        tiny = torch.finfo(cd).tiny  # an empty memory reads 0, also with eps0 = 0
-        output = numerator / (denominator + eps).clamp(min=tiny)[..., None]
-        log_weight = torch.log(denominator.clamp(min=tiny))
-        return output, (log_weight if q_offset is None else log_weight + q_offset), (main, plain)
+            read = torch.cat([read, den], dim=-1)
+        output, log_weight = normalised_read(read, c.vort_eps0, q_offset, backend=c.kernel_backend)
+        return output, log_weight, (main, plain)
 
     def projections(self, hidden_states, position_embeddings):
         """Queries (B, G, g, T, d) and keys, values (B, G, T, d) in the compute dtype: the window's (rotated) and the

@@ -1,8 +1,9 @@
 """VORT's Triton kernels against their PyTorch references, values and gradients in fp64, fp32 within rounding:
 the write weights (kernels/soe_triton.py against kernels/soe.py ``write_weights``: padding, delays, both alpha
 kernels, alpha = 1, slot counts that do not fill the tile), the Hedgehog feature maps (kernels/hedgehog_triton.py
-against kernels/hedgehog.py ``hedgehog``: row and column counts that do not fill a block), and a converted layer
-with both."""
+against kernels/hedgehog.py ``hedgehog``: row and column counts that do not fill a block), the normalised read
+(kernels/retention_triton.py against kernels/retention.py ``normalised_read``: empty memories, eps0 = 0, the
+FAVOR+ offset), and a converted layer with all of them."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
 
 from hf_mixers.apps.bench.op_count import count_ops
 from hf_mixers.kernels.hedgehog import hedgehog, hedgehog_pair
+from hf_mixers.kernels.retention import normalised_read
 from hf_mixers.kernels.soe import write_weights
 
 
@@ -156,6 +158,32 @@ def test_hedgehog_fp32_within_rounding_and_one_launch_each_way():
 def test_hedgehog_names_mismatched_shapes():
     with pytest.raises(ValueError, match=r"hedgehog: x must be \(B, G, ..., d\) and weight \(G, d, F / 2\)"):
         hedgehog(torch.zeros(1, 2, 5, 8), torch.zeros(3, 8, 4))
+
+
+# --- the normalised read
+
+@needs_kernels
+@pytest.mark.parametrize("eps0,with_offset", [(1e-6, False), (0.0, False), (1e-6, True)],
+                         ids=["hedgehog", "no_eps", "favor_offset"])
+def test_normalised_read_equals_the_reference_in_fp64(eps0, with_offset):
+    """The read as fla hands it over (a permuted view), some denominators 0 (an empty memory) or below eps0:
+    output, log weight and the read's gradient equal the reference's."""
+    generator = torch.Generator().manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64).to(DEVICE)  # noqa: E731
+    read = make(2, 13, 3, 2, 9).permute(0, 2, 3, 1, 4)  # (B, G, g, T, dv + 1) from (B, T, G, g, dv + 1)
+    read[..., -1] = read[..., -1].abs()
+    read[0, :, :, :3] = 0  # empty memories: read 0, log weight log(tiny)
+    read[1, 0, 0, :2, -1] = 1e-9  # a denominator below eps0
+    offset = make(2, 3, 2, 13) if with_offset else None
+    g_out, g_log = make(2, 3, 2, 13, 8), make(2, 3, 2, 13)
+    results = {}
+    for backend in ("torch", "triton"):
+        leaf = read.clone().requires_grad_()
+        out, log_weight = normalised_read(leaf, eps0, offset, backend=backend)
+        results[backend] = (out, log_weight, *torch.autograd.grad((out * g_out).sum() + (log_weight * g_log).sum(),
+                                                                  leaf))
+    for name, expected, actual in zip(("out", "log weight", "d read"), results["torch"], results["triton"]):
+        torch.testing.assert_close(actual, expected, rtol=1e-13, atol=1e-14, msg=name)
 
 
 # --- a converted layer

@@ -1,6 +1,8 @@
-"""The shared-normaliser combine of a window's and a memory's reads (kernels/window_combine_triton.py) against its
-PyTorch reference (kernels/window_combine.py ``combine_reads`` on the torch backend): values and every gradient in
-fp64, queries whose memory has seen nothing, widths and query counts that do not fill a block."""
+"""The local window's Triton kernels against their PyTorch references, values and every gradient in fp64: the
+shared-normaliser combine of the window's and a memory's reads (kernels/window_combine_triton.py against
+kernels/window_combine.py ``combine_reads``: queries whose memory has seen nothing, widths and query counts that do
+not fill a block) and the flex read's entropy epilogue (kernels/local_attention_triton.py against
+kernels/local_attention.py ``flex_read_entropy``: padding, queries that see no key, a window longer than a block)."""
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torch
 from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
 
 from hf_mixers.apps.bench.op_count import count_ops
+from hf_mixers.kernels.local_attention import flex_read_entropy
 from hf_mixers.kernels.window_combine import combine_reads
 
 
@@ -64,3 +67,35 @@ def test_the_reference_names_its_mistakes():
     with pytest.raises(ValueError, match="combine must be one of"):
         combine_reads(local, local_log, remote, remote_log, seen, "product", backend="torch")
 
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [5, 80], ids=["short_window", "window_over_a_block"])
+def test_flex_read_entropy_and_its_gradients_equal_the_reference_in_fp64(window):
+    """flex's output over [values, keys] split into the read, log Z and the normalised entropy: values and the
+    gradients of the output, lse and the queries; left padding (queries that see one key or none: lse -inf)."""
+    batch, groups, per_group, length, width, value_dim = 2, 2, 3, 19, 8, 6
+    generator = torch.Generator().manual_seed(2)
+    make = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64).to(DEVICE)  # noqa: E731
+    out = make(batch, groups, per_group, length, value_dim + width)
+    lse = make(batch, groups, per_group, length)
+    valid = torch.ones(batch, window + length, dtype=torch.bool)
+    valid[:, :window] = False  # a first call: the w positions before it are padding
+    valid[0, window:window + 4] = False  # a left-padded row
+    valid = valid.to(DEVICE)
+    lse[0, :, :, :3] = -float("inf")  # queries that see no key
+    # the queries as a layer hands them over: (B, T, heads, d) transposed
+    query = make(batch, length, groups * per_group, width).transpose(1, 2).unflatten(1, (groups, per_group))
+    grads = [make(batch, groups, per_group, length, value_dim), make(batch, groups, per_group, length),
+             make(batch, groups, per_group, length)]
+    results = {}
+    for backend in ("torch", "triton"):
+        leaves = [t.clone().requires_grad_() for t in (out, lse, query)]
+        outputs = flex_read_entropy(leaves[0], leaves[1], leaves[2], valid, window, value_dim, 0.35, backend=backend)
+        loss = sum((o * g).sum() for o, g in zip(outputs, grads))
+        results[backend] = (*outputs, *torch.autograd.grad(loss, leaves))
+    names = ("values", "log Z", "entropy", "d out", "d lse", "d query")
+    for name, expected, actual in zip(names, results["torch"], results["triton"], strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-13, atol=1e-14, msg=name)
+    entropy = results["triton"][2]
+    assert not entropy[0, :, :, :4].any()  # at most one valid key: 0
