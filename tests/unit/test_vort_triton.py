@@ -8,7 +8,7 @@ FAVOR+ offset), and a converted layer with all of them."""
 import pytest
 import torch
 
-from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
+from triton_interpreter import DEVICE, interpreter_only, needs_kernels, run_under_interpreter
 
 from hf_mixers.apps.bench.op_count import count_ops
 from hf_mixers.kernels.hedgehog import hedgehog, hedgehog_pair
@@ -82,7 +82,7 @@ def test_fp32_within_rounding_of_fp64():
         torch.testing.assert_close(actual.double(), expected.detach(), rtol=2e-5, atol=1e-7)
 
 
-@needs_kernels
+@interpreter_only  # the counter sees interpreted launches
 def test_one_launch_each_way():
     alpha, keep = _inputs(1, 2, 40, torch.float32, True)
     alpha.requires_grad_()
@@ -136,22 +136,31 @@ def test_hedgehog_pair_equals_the_reference_in_fp64(batch, groups, per_group, le
         torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-14, msg=name)
 
 
-@needs_kernels
-def test_hedgehog_fp32_within_rounding_and_one_launch_each_way():
+def _hedgehog_fp32_inputs():
     generator = torch.Generator().manual_seed(1)
     q, k = torch.randn(1, 2, 3, 20, 32, generator=generator), torch.randn(1, 2, 20, 32, generator=generator)
     wq, wk = torch.randn(2, 32, 32, generator=generator) / 6, torch.randn(2, 32, 32, generator=generator) / 6
+    return q, wq, k, wk
+
+
+@needs_kernels
+def test_hedgehog_fp32_within_rounding():
+    q, wq, k, wk = _hedgehog_fp32_inputs()
     exact = hedgehog(q.double(), wq.double()), hedgehog(k.double(), wk.double())
-    inputs = [t.to(DEVICE).requires_grad_() for t in (q, wq, k, wk)]
+    fast = hedgehog_pair(*(t.to(DEVICE) for t in (q, wq, k, wk)), backend="triton")
+    for expected, actual in zip(exact, fast):
+        torch.testing.assert_close(actual.double().cpu(), expected, rtol=1e-5, atol=1e-7)
+
+
+@interpreter_only  # the counter sees interpreted launches
+def test_hedgehog_one_launch_each_way():
+    inputs = [t.requires_grad_() for t in _hedgehog_fp32_inputs()]
 
     def step():
         phi_q, phi_k = hedgehog_pair(*inputs, backend="triton")
         (phi_q.pow(2).sum() + phi_k.sum()).backward()
-        return phi_q, phi_k
 
-    count, fast = count_ops(step)
-    for expected, actual in zip(exact, fast):
-        torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-7)
+    count, _ = count_ops(step)
     assert count.triton_launches == 2 and count.host_reads == 0, count.top()
 
 
@@ -192,13 +201,14 @@ def test_normalised_read_equals_the_reference_in_fp64(eps0, with_offset):
 @pytest.mark.parametrize("combine", ["shared_normalizer", "sum"])
 def test_a_vort_layer_on_the_kernel_equals_its_pytorch_path(combine):
     """A converted VORT layer (Hedgehog features, alpha routed by the window's entropy), left-padded, fp64: output and
-    every parameter's gradient the same with the write weights on the kernel and on PyTorch."""
+    every parameter's gradient the same with its kernels (write weights, Hedgehog maps, normalised read, the shared
+    combine) and on PyTorch."""
     from hf_mixers.apps.bench.harness import build_mixer, rotary_embeddings
     from hf_mixers.core.registry import get_mixer
 
     options = {**get_mixer("vort").conversion_options, "vort_window": 8, "vort_chunk_size": 8, "vort_combine": combine}
     results = {}
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "auto"):  # auto: our kernels (fla and flex take no fp64 on a GPU: PyTorch there)
         torch.manual_seed(0)
         module, config = build_mixer("vort", {**options, "kernel_backend": backend}, 32, 4, 2, DEVICE, torch.float64)
         with torch.no_grad():  # alpha away from its init, so that tokens differ in order
@@ -209,5 +219,5 @@ def test_a_vort_layer_on_the_kernel_equals_its_pytorch_path(combine):
         out = module(x, rotary_embeddings(config, x, 30), None, mask)
         out.pow(2).sum().backward()
         results[backend] = [out.detach(), x.grad] + [p.grad for p in module.parameters()]
-    for expected, actual in zip(results["torch"], results["triton"], strict=True):
+    for expected, actual in zip(results["torch"], results["auto"], strict=True):
         torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)

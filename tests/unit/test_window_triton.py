@@ -7,7 +7,7 @@ kernels/local_attention.py ``flex_read_entropy``: padding, queries that see no k
 import pytest
 import torch
 
-from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
+from triton_interpreter import DEVICE, interpreter_only, needs_kernels, run_under_interpreter
 
 from hf_mixers.apps.bench.op_count import count_ops
 from hf_mixers.kernels.local_attention import flex_read_entropy
@@ -49,7 +49,7 @@ def test_shared_combine_and_its_gradients_equal_the_reference_in_fp64():
     assert not d_local_log[0, :, :, :4].any()
 
 
-@needs_kernels
+@interpreter_only  # the counter sees interpreted launches
 def test_one_launch_each_way_and_no_host_read():
     inputs = [t.requires_grad_() for t in _reads(torch.float32)[:4]]
     seen = _reads(torch.float32)[4]
