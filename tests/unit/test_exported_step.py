@@ -102,6 +102,7 @@ def test_libraries_are_kept_on_disk():
     assert {stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode) for name in files} == {0o666 & ~umask}
 
 
+@pytest.mark.variant  # a library build each (~5 s): the full tier only
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_a_broken_cache_entry_is_named_removed_and_built_again(damage, caplog):
     """A real library on disk, then damaged as a full disk or a stray write would leave it: the next process names
@@ -123,6 +124,7 @@ def test_a_broken_cache_entry_is_named_removed_and_built_again(damage, caplog):
     assert exported_step.counts["built"] == 0  # the rebuilt entry serves the next process
 
 
+@pytest.mark.variant  # a library build each (~5 s): the full tier only
 def test_a_changed_attribute_config_or_weight_is_seen():
     block = toy_block()
     inputs = toy_inputs()
@@ -144,6 +146,7 @@ def test_a_changed_attribute_config_or_weight_is_seen():
     assert exported_step.counts["exported"] == 3
 
 
+@pytest.mark.variant  # a library build each (~5 s): the full tier only
 def test_a_new_dtype_is_caught_by_the_library_and_gets_its_own():
     block = toy_block()
     run(block, toy_inputs())
@@ -185,6 +188,7 @@ def test_a_step_that_cannot_be_exported_falls_back_once(caplog):
     assert len(warnings) == 1, "the failure is said once, and the key is not exported again"
 
 
+@pytest.mark.variant  # a library build each (~5 s): the full tier only
 def test_a_library_is_checked_on_each_block_it_serves(caplog):
     """The key leaves out ``layer_idx`` (no step should read it: one library serves every layer); a step that reads
     it anyway gets its library checked on each block against that block's eager step, and the block whose program
@@ -204,6 +208,7 @@ def test_a_library_is_checked_on_each_block_it_serves(caplog):
     assert run(first, toy_inputs(1), reads_the_layer) is not None  # the block it was built on keeps it
 
 
+@pytest.mark.variant  # a library build each (~5 s): the full tier only
 def test_a_step_that_writes_its_state_in_place_is_checked_on_copies():
     """A step may write its state into its input in place (the local window's ring buffer): the library's first-use
     check runs the eager step and the library on copies, so the call itself reads the state as it was, and the

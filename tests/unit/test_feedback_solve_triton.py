@@ -20,6 +20,7 @@ if DEVICE is not None:
     solve = fst.feedback_solve_triton
 
 
+@pytest.mark.variant  # ~25 s of interpreted kernels: the full tier (make test) only
 @pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
 def test_under_interpreter_in_subprocess():
     run_under_interpreter(__file__)

@@ -25,6 +25,7 @@ HIDDEN, HEADS, KV_HEADS = 64, 4, 2
 RSA = {"rsa_readout": "softmax_count", "rsa_chunk_size": 16, "rsa_num_slots": 16, "kernel_backend": "triton"}
 
 
+@pytest.mark.variant  # ~75 s of interpreted kernels: the full tier (make test) only
 @pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
 def test_under_interpreter_in_subprocess():
     run_under_interpreter(__file__)

@@ -25,6 +25,7 @@ STATE_FIELDS = ("key_sum", "value_sum", "mass", "relation_sum", "key_ref", "valu
 KEY_DIM, VALUE_DIM, SLOTS = 12, 10, 6
 
 
+@pytest.mark.variant  # ~100 s of interpreted kernels: the full tier (make test) only
 @pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
 def test_under_interpreter_in_subprocess():
     run_under_interpreter(__file__)
