@@ -114,6 +114,35 @@ def compiling_run(arch: int, records: list, seen: set, pending: list | None = No
     return run
 
 
+def run_vort_kernels(shape: dict, length: int) -> None:
+    """Every launch of VORT's kernels (write weights, Hedgehog maps, normalised read) and the local window's (the
+    flex read's entropy, the shared combine), forward and backward, at a head layout of `hf-mixers bench kernels`."""
+    import torch
+
+    from hf_mixers.kernels.hedgehog import hedgehog_pair
+    from hf_mixers.kernels.local_attention import flex_read_entropy
+    from hf_mixers.kernels.retention import normalised_read
+    from hf_mixers.kernels.soe import write_weights
+    from hf_mixers.kernels.window_combine import combine_reads
+
+    groups, width = shape["kv_heads"], shape["head_dim"]
+    per_group = shape["heads"] // groups
+    leaf = lambda *size: torch.randn(*size, requires_grad=True)  # noqa: E731
+    weights, skip = write_weights(leaf(1, groups, length), torch.ones(1, length), 64, 15, 8192, backend="triton")
+    (weights.sum() + skip.sum()).backward()
+    q, k = leaf(1, groups, per_group, length, width), leaf(1, groups, length, width)
+    sum(phi.sum() for phi in hedgehog_pair(q, leaf(groups, width, width), k, leaf(groups, width, width),
+                                           backend="triton")).backward()
+    read = leaf(1, length, groups, per_group, width + 1).permute(0, 2, 3, 1, 4)  # as fla hands it over
+    sum(part.sum() for part in normalised_read(read, 1e-6, backend="triton")).backward()
+    heads = (1, groups, per_group, length)
+    valid = torch.ones(1, 64 + length, dtype=torch.bool)
+    sum(part.sum() for part in flex_read_entropy(leaf(*heads, 2 * width), leaf(*heads), leaf(*heads, width), valid,
+                                                 64, width, 0.125, backend="triton")).backward()
+    combine_reads(leaf(*heads, width), leaf(*heads), leaf(*heads, width), leaf(*heads),
+                  torch.ones(1, length, dtype=torch.bool), "shared", backend="triton").sum().backward()
+
+
 def main() -> int:
     from hf_mixers.apps.arguments import key_value, option_dict
 
@@ -154,38 +183,8 @@ def main() -> int:
         keys, row = (int(size) for size in args.feedback.split(","))
         feedback = dict(heads=1, kv_heads=1, head_dim=row, feedback_heads=1, feedback_key_dim=keys)
     for kernel in ("sessa", "rsa", "vort") if args.kernel == "all" else (args.kernel,):
-        if kernel == "vort":  # VORT's kernels (write weights, Hedgehog maps, normalised read) and the window's
-            from hf_mixers.kernels.hedgehog import hedgehog_pair
-            from hf_mixers.kernels.soe import write_weights
-
-            groups, width = shape["kv_heads"], shape["head_dim"]
-            alpha = torch.rand(1, groups, args.length, requires_grad=True)
-            weights, skip = write_weights(alpha, torch.ones(1, args.length), 64, 15, 8192, backend="triton")
-            (weights.sum() + skip.sum()).backward()
-            q = torch.randn(1, groups, shape["heads"] // groups, args.length, width, requires_grad=True)
-            k = torch.randn(1, groups, args.length, width, requires_grad=True)
-            maps = [torch.randn(groups, width, width, requires_grad=True) for _ in range(2)]
-            sum(phi.sum() for phi in hedgehog_pair(q, maps[0], k, maps[1], backend="triton")).backward()
-            from hf_mixers.kernels.window_combine import combine_reads  # the window's combine (RSA's too)
-
-            reads = [torch.randn(1, groups, shape["heads"] // groups, args.length, *dv, requires_grad=True)
-                     for dv in ((width,), (), (width,), ())]
-            combine_reads(*reads, torch.ones(1, args.length, dtype=torch.bool), "shared", backend="triton").sum(
-                ).backward()
-            from hf_mixers.kernels.retention import normalised_read
-
-            read = torch.randn(1, args.length, groups, shape["heads"] // groups, width + 1, requires_grad=True)
-            sum(part.sum() for part in normalised_read(read.permute(0, 2, 3, 1, 4), 1e-6, backend="triton")
-                ).backward()
-            from hf_mixers.kernels.local_attention import flex_read_entropy
-
-            per_group = shape["heads"] // groups
-            out = torch.randn(1, groups, per_group, args.length, 2 * width, requires_grad=True)
-            lse = torch.randn(1, groups, per_group, args.length, requires_grad=True)
-            query = torch.randn(1, groups, per_group, args.length, width, requires_grad=True)
-            valid = torch.ones(1, 64 + args.length, dtype=torch.bool)
-            sum(part.sum() for part in flex_read_entropy(out, lse, query, valid, 64, width, 0.125, backend="triton")
-                ).backward()
+        if kernel == "vort":
+            run_vort_kernels(shape, args.length)
             continue
         layout = feedback if kernel == "sessa" and args.feedback else shape
         _, run = _candidate(f"{kernel}_triton", layout, args.length, "cpu", dtype, generator, 64, rsa_options)

@@ -45,7 +45,7 @@ def test_a_launch_is_compiled_for_sm90_and_its_shared_memory_read(monkeypatch):
 @pytest.mark.parametrize("width", [64, 128], ids=["smollm2-135m", "llama3-8b"])
 def test_the_residual_mlp_kernels_fit_sm90_registers_without_a_spill(monkeypatch, width):
     """Issue 67's register budget, read from the sm_90 cubins of RSA's residual MLP kernels at both head widths: at
-    most 168 registers a thread at 4 warps and no spill (the other RSA kernels do not fit yet: docs/benchmarks.md)."""
+    most 168 registers a thread at 4 warps and no spill (RSA's other kernels do not fit yet: docs/benchmarks.md)."""
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
@@ -71,5 +71,34 @@ def test_the_residual_mlp_kernels_fit_sm90_registers_without_a_spill(monkeypatch
     usage = {record["kernel"]: (record["options"]["num_warps"], record["registers"], record["spill_bytes"])
              for record in records}
     assert usage.keys() == {"_mlp_fwd", "_mlp_bwd"}, records
+    for kernel, (warps, registers, spill) in usage.items():
+        assert warps == 4 and registers <= 168 and spill == 0, (kernel, usage)
+
+
+@pytest.mark.parametrize("shape", ["smollm2-135m", "llama3-8b"])
+def test_the_vort_and_window_kernels_fit_sm90_registers_without_a_spill(monkeypatch, shape):
+    """Issue 67's register budget, read from the sm_90 cubins of VORT's kernels (write weights, Hedgehog maps,
+    normalised read) and the window's (the flex read's entropy, the shared combine) at both head layouts: at most 168
+    registers a thread at 4 warps and no spill, forward and backward."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from hf_mixers.apps.bench.kernels import SHAPES
+
+    if isinstance(tl.zeros, InterpretedFunction):
+        pytest.skip("under TRITON_INTERPRET=1 kernels are interpreted, not compiled")
+    spec = importlib.util.spec_from_file_location("kernel_resources", ROOT / "scripts" / "kernel_resources.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    records = []
+    monkeypatch.setattr(JITFunction, "run", tool.compiling_run(90, records, set()))
+    monkeypatch.setattr("hf_mixers.kernels.dispatch.triton_unavailable", lambda device: None)  # compiled, never run
+    tool.run_vort_kernels(SHAPES[shape], 64)
+    usage = {record["kernel"]: (record["options"]["num_warps"], record["registers"], record["spill_bytes"])
+             for record in records}
+    kernels = {f"_{name}_{way}" for name in ("weights", "hedgehog", "read", "entropy", "combine")
+               for way in ("fwd", "bwd")}
+    assert usage.keys() == kernels, records
     for kernel, (warps, registers, spill) in usage.items():
         assert warps == 4 and registers <= 168 and spill == 0, (kernel, usage)
