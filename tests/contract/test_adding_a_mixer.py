@@ -1,9 +1,12 @@
-"""docs/adding-a-mixer.md: a mixer defined outside the package (docs/examples/ema_mixer.py) registers with one call
-and then passes the contract suite, converts a teacher, distils through the recipes, and ships as remote code."""
+"""docs/adding-a-mixer.md: the guide's Python blocks, run in order from an empty folder, register a mixer defined
+outside the package (sections 1-3 are the file ema_mixer.py, section 4 runs next to it) and pass the contract suite;
+the same mixer converts a teacher, distils through the recipes, and ships as remote code."""
 
 import importlib
 import json
 import os
+import re
+import subprocess
 import sys
 
 import pytest
@@ -14,20 +17,52 @@ from hf_mixers.common.remote_check import load_in_fresh_process
 from hf_mixers.core.registry import unregister_mixer
 from hf_mixers.testing import check_mixer
 
-EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "examples")
+GUIDE = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "adding-a-mixer.md")
+
+
+def guide_blocks() -> tuple[str, str]:
+    """(ema_mixer.py, the script that runs next to it): the guide's Python blocks of sections 1-3, and of 4 on."""
+    text = open(GUIDE, encoding="utf-8").read()
+    module, script = [], []
+    for section in re.split(r"^## ", text, flags=re.M)[1:]:
+        number = int(section.split(".", 1)[0]) if section[0].isdigit() else 0
+        blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.M | re.S)
+        (module if number <= 3 else script).extend(blocks)
+    return "\n\n".join(module), "\n".join(script)
+
+
+@pytest.fixture(scope="module")
+def guide_folder(tmp_path_factory):
+    """A folder holding the guide's ema_mixer.py, and nothing else."""
+    folder = tmp_path_factory.mktemp("guide")
+    (folder / "ema_mixer.py").write_text(guide_blocks()[0], encoding="utf-8")
+    return str(folder)
 
 
 @pytest.fixture
-def ema_mixer():
-    """docs/examples/ema_mixer.py, registered for this test only (the rest of the suite never sees "ema")."""
-    sys.path.insert(0, EXAMPLES)
+def ema_mixer(guide_folder):
+    """The guide's mixer, registered for this test only (the rest of the suite never sees "ema")."""
+    sys.path.insert(0, guide_folder)
     try:
         module = importlib.import_module("ema_mixer")  # its first import registers "ema"
     finally:
-        sys.path.remove(EXAMPLES)
+        sys.path.remove(guide_folder)
     register_mixer(module.EMA)  # again after an earlier test forgot it (a no-op otherwise)
     yield module
     unregister_mixer("ema")
+
+
+@pytest.mark.variant  # a fresh process and the whole contract (~20 s); the fast tier checks the mixer in-process
+def test_the_guides_blocks_run_in_order_from_an_empty_folder(tmp_path):
+    """Sections 1-3 saved as ema_mixer.py, section 4's block run next to it in a fresh process: it registers "ema"
+    and passes ``check_mixer`` (the whole contract suite)."""
+    module, script = guide_blocks()
+    assert "class EMAMixer(SequenceMixer)" in module and "check_mixer(\"ema\")" in script
+    (tmp_path / "ema_mixer.py").write_text(module, encoding="utf-8")
+    (tmp_path / "check.py").write_text(script + "\nprint('guide passed')\n", encoding="utf-8")
+    result = subprocess.run([sys.executable, "check.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": ""})
+    assert result.returncode == 0 and "guide passed" in result.stdout, result.stderr[-4000:]
 
 
 def test_the_example_mixer_passes_the_contract(ema_mixer):
@@ -92,10 +127,8 @@ def test_names_are_checked_at_registration(ema_mixer):
 
 
 @pytest.mark.integration  # end to end: convert, distil, load; the command line in a subprocess
-def test_the_command_line_loads_mixer_plugins(teacher_dir, tmp_path):
-    import subprocess
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [EXAMPLES, os.environ.get("PYTHONPATH")])),
+def test_the_command_line_loads_mixer_plugins(guide_folder, teacher_dir, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [guide_folder, os.environ.get("PYTHONPATH")])),
            "HF_MIXERS_PLUGINS": "ema_mixer"}
     command = [sys.executable, "-m", "hf_mixers", "convert", teacher_dir, "--mixer", "ema", "--out",
                str(tmp_path / "ema"), "--sequence-length", "32", "--calibration-sequences", "2",
