@@ -98,12 +98,12 @@ def test_bad_arguments_are_reported_by_the_parser(capsys):
 def test_every_benchmark_has_its_own_flags_and_help(capsys):
     from hf_mixers.apps.bench import targets
 
-    assert {"sessa", "rsa", "selective_ssm", "gltm", "vort", "distill", "kernels", "generate",
+    assert {"sessa", "rsa", "selective_ssm", "gltm", "vort", "distill", "kernels", "generate", "precision",
             "serve"} <= set(targets())
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     listed = " ".join(capsys.readouterr().out.split())
-    assert "distill, generate, gltm, kernels, rsa, selective_ssm, serve, sessa, vort" in listed
+    assert "distill, generate, gltm, kernels, precision, rsa, selective_ssm, serve, sessa, vort" in listed
     with pytest.raises(SystemExit):
         main(["bench", "gltm", "--help"])
     out = capsys.readouterr().out
