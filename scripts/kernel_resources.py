@@ -143,11 +143,24 @@ def run_vort_kernels(shape: dict, length: int) -> None:
                   torch.ones(1, length, dtype=torch.bool), "shared", backend="triton").sum().backward()
 
 
+def run_gltm_kernels(shape: dict, length: int) -> None:
+    """GLTM's sparse solve, forward and backward: a (sequence, head) row a program, pow2_ce's support, head_dim wide."""
+    import torch
+
+    from hf_mixers.kernels.feedback_solve import sparse_solve
+    from hf_mixers.kernels.token_patterns import support_rows
+
+    support = support_rows("pow2_ce", torch.arange(1, length + 1).expand(shape["heads"], -1)) - 1
+    weights = torch.rand(support.shape, requires_grad=True)
+    f = torch.randn(shape["heads"], length, shape["head_dim"], requires_grad=True)
+    sparse_solve(f, weights, support, backend="triton").sum().backward()
+
+
 def main() -> int:
     from hf_mixers.apps.arguments import key_value, option_dict
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernel", choices=("rsa", "sessa", "vort", "all"), default="all")
+    parser.add_argument("--kernel", choices=("rsa", "sessa", "vort", "gltm", "all"), default="all")
     parser.add_argument("--shape", default="smollm2-135m", help="a head layout of `hf-mixers bench kernels`")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--length", type=int, default=128, help="sequence length of the sample call")
@@ -182,9 +195,9 @@ def main() -> int:
     if args.feedback:  # one feedback head of ROW features (heads x head dim) with KEYS-wide keys
         keys, row = (int(size) for size in args.feedback.split(","))
         feedback = dict(heads=1, kv_heads=1, head_dim=row, feedback_heads=1, feedback_key_dim=keys)
-    for kernel in ("sessa", "rsa", "vort") if args.kernel == "all" else (args.kernel,):
-        if kernel == "vort":
-            run_vort_kernels(shape, args.length)
+    for kernel in ("sessa", "rsa", "vort", "gltm") if args.kernel == "all" else (args.kernel,):
+        if kernel in ("vort", "gltm"):
+            (run_vort_kernels if kernel == "vort" else run_gltm_kernels)(shape, args.length)
             continue
         layout = feedback if kernel == "sessa" and args.feedback else shape
         _, run = _candidate(f"{kernel}_triton", layout, args.length, "cpu", dtype, generator, 64, rsa_options)

@@ -252,7 +252,8 @@ class GLTMMixer(FullAttention):
                 y = feedback_solve(_fold(f, 1), _fold(q_b, 1).to(cd), _fold(feedback_keys, groups).to(cd),
                                    gate.flatten(0, 1), key_mask=key_mask, past_k=fold_past(past_keys, groups),
                                    past_s=fold_past(past_outputs, 1), scale=self.scaling,
-                                   method=self.config.gltm_solver, chunk_size=self.config.gltm_chunk_size)
+                                   method=self.config.gltm_solver, chunk_size=self.config.gltm_chunk_size,
+                                   backend=self.config.kernel_backend)
             elif self.config.gltm_solver == "dense":  # the reference: masked T x T matrices, one solve
                 b_rows = index(support_rows(self.pattern, positions, self.window, self.offsets, longest))  # (B, T, K)
                 y = feedback_solve_sparse(_fold(f, 1), _fold(q_b, 1).to(cd), _fold(feedback_keys, groups).to(cd),
@@ -266,7 +267,7 @@ class GLTMMixer(FullAttention):
                                            b_rows.repeat_interleave(self.num_key_value_heads, 0), self.scaling)
                 weights = _from_kv_head(weights, batch).flatten(0, 1) * gate.flatten(0, 1)[..., None]  # (B H, T, K)
                 y = sparse_solve(_fold(f, 1), weights, b_rows.repeat_interleave(heads, 0),
-                                 fold_past(past_outputs, 1), self.config.gltm_chunk_size)
+                                 fold_past(past_outputs, 1), self.config.gltm_chunk_size, self.config.kernel_backend)
             outputs = y.view(batch, heads, length, -1)  # what later tokens read (z under weight sharing)
             y = outputs if skip is None else outputs - skip[..., None] * direct  # weight sharing: y = z - d x
         else:

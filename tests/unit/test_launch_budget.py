@@ -124,3 +124,13 @@ def test_a_training_step_reads_nothing_back_to_the_host(mixer, variant, options,
     embeddings = rotary_embeddings(config, x, 24)
     count, _ = count_ops(lambda: module(x, embeddings, None, token_mask).float().pow(2).mean().backward())
     assert count.host_reads == 0, dict(count.read_sites)
+
+
+@needs_kernels
+def test_gltm_step_on_its_sparse_solve_kernel_is_flat():
+    """GLTM with its default pattern: the sparse solve is one Triton launch each way (kernels/sparse_solve_triton.py;
+    the chunked PyTorch form grew by ~40 ops a chunk), so the step does not grow with T. Issue 67's target (150) is
+    not met: the ceiling is today's count (the support table, the gathered softmax and the projections remain)."""
+    short, long = step_ops("gltm", {"kernel_backend": "triton"}, 48), step_ops("gltm", {"kernel_backend": "triton"}, 96)
+    assert short.by_name["triton:_solve_fwd"] == short.by_name["triton:_solve_bwd"] == 1
+    assert short.ops == long.ops and short.ops <= 233, (short.ops, long.ops, short.top())

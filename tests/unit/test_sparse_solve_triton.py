@@ -1,0 +1,94 @@
+"""GLTM's sparse feedback solve on its Triton kernel (kernels/sparse_solve_triton.py) against the chunked PyTorch form
+(kernels/feedback_solve.py ``sparse_solve`` on the torch backend) and the dense reference: values and the gradients
+of f, the weights and a past, in fp64; GLTM's patterns, rows with no entry, a past, widths and entry counts that do
+not fill a tile."""
+
+import pytest
+import torch
+
+from triton_interpreter import DEVICE, interpreter_only, needs_kernels, run_under_interpreter
+
+from hf_mixers.apps.bench.op_count import count_ops
+from hf_mixers.kernels.feedback_solve import sparse_solve
+from hf_mixers.kernels.token_patterns import support_rows
+
+
+@pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
+def test_under_interpreter_in_subprocess():
+    run_under_interpreter(__file__)
+
+
+def _system(pattern, batch=3, length=23, width=12, past=0, seed=0):
+    """f (B, T, D), weights (B, T, K) and support (B, T, K) rows of [past, new] for a GLTM pattern (-1: none), and a
+    past (B, P, D) or None."""
+    generator = torch.Generator().manual_seed(seed)
+    positions = torch.arange(past + 1, past + length + 1).expand(batch, -1)  # 1-based
+    table = support_rows(pattern, positions, window=3)  # (B, T, K) 1-based positions, 0 where none
+    support = table - 1  # 0-based rows of [past, new]; -1 where none
+    weights = torch.rand(*support.shape, generator=generator, dtype=torch.float64) * 0.4 * (support >= 0)
+    f = torch.randn(batch, length, width, generator=generator, dtype=torch.float64)
+    past_s = torch.randn(batch, past, width, generator=generator, dtype=torch.float64) if past else None
+    move = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    return move(f), move(weights), move(support), move(past_s)
+
+
+@needs_kernels
+@pytest.mark.parametrize("pattern,past", [("pow2_ce", 0), ("banded", 0), ("quad_ce", 5), ("ssm", 2)])
+def test_the_kernel_equals_the_chunked_form_in_fp64(pattern, past):
+    f, weights, support, past_s = _system(pattern, past=past)
+    g = torch.randn(f.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    results = {}
+    for backend in ("torch", "triton"):
+        leaves = [t.clone().requires_grad_() for t in (f, weights)] + ([past_s.clone().requires_grad_()] if past
+                                                                         else [])
+        solved = sparse_solve(leaves[0], leaves[1], support, leaves[2] if past else None, chunk_size=5,
+                              backend=backend)
+        results[backend] = (solved, *torch.autograd.grad((solved * g).sum(), leaves))
+    names = ("s", "d f", "d weights", "d past")
+    for name, expected, actual in zip(names, results["torch"], results["triton"]):
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-13, msg=name)
+
+
+@needs_kernels
+def test_the_kernel_solves_the_system():
+    """(I - B) s = f holds row by row: s_t - sum_k w s[support] = f_t."""
+    f, weights, support, _ = _system("pow2_ce", width=40)
+    solved = sparse_solve(f, weights, support, backend="triton")
+    gathered = solved.gather(1, support.clamp(min=0).flatten(1)[..., None].expand(-1, -1, f.shape[-1])).view(
+        *support.shape, -1)
+    residual = solved - (weights[..., None] * gathered * (support >= 0)[..., None]).sum(2)
+    torch.testing.assert_close(residual, f, rtol=1e-12, atol=1e-12)
+
+
+@interpreter_only  # the counter sees interpreted launches
+def test_one_launch_each_way_whatever_the_length():
+    counts = []
+    for length in (16, 48):
+        f, weights, support, _ = _system("pow2_ce", batch=2, length=length)
+        f, weights = f.float().requires_grad_(), weights.float().requires_grad_()
+        count, _ = count_ops(lambda: sparse_solve(f, weights, support, backend="triton").sum().backward())
+        counts.append(count)
+    assert counts[0].ops == counts[1].ops and counts[0].triton_launches == 2, [c.top() for c in counts]
+    assert counts[0].host_reads == 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("pattern", ["pow2_ce", "banded"])
+def test_a_gltm_layer_on_the_kernel_equals_its_pytorch_path(pattern):
+    """A GLTM layer, left-padded, fp64: output and every parameter's gradient the same with the sparse solve on the
+    kernel and on the chunked form."""
+    from hf_mixers.apps.bench.harness import build_mixer, rotary_embeddings
+
+    results = {}
+    for backend in ("torch", "auto"):
+        torch.manual_seed(0)
+        module, config = build_mixer("gltm", {"gltm_pattern": pattern, "gltm_chunk_size": 8, "kernel_backend": backend},
+                                     32, 4, 2, DEVICE, torch.float64)
+        x = torch.randn(2, 27, 32, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        mask = torch.ones(2, 27, dtype=torch.bool, device=DEVICE)
+        mask[0, :6] = False
+        out = module(x, rotary_embeddings(config, x, 27), None, mask)
+        out.pow(2).sum().backward()
+        results[backend] = [out.detach(), x.grad] + [p.grad for p in module.parameters() if p.grad is not None]
+    for expected, actual in zip(results["torch"], results["auto"], strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
