@@ -37,24 +37,29 @@ MAX_WIDTH = 256  # D in one tile: (K, D) gathers
 
 
 @triton.jit
+def _row_entries(idx_ptr, w_ptr, b, t, T, K, BLOCK_K: tl.constexpr):
+    """Row t of batch row b: where its entries sit, their rows of [past, new] (clamped: 0 where none), weights, and
+    which are real."""
+    slots = tl.arange(0, BLOCK_K)
+    entry = (b * T + t) * K + slots
+    index = tl.load(idx_ptr + entry, mask=slots < K, other=-1)
+    weight = tl.load(w_ptr + entry, mask=slots < K, other=0.0)
+    return entry, tl.maximum(index, 0), weight, index >= 0
+
+
+@triton.jit
 def _solve_fwd(f_ptr, w_ptr, idx_ptr, s_ptr, T, P, K, D, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """Batch row b: s rows P .. P + T - 1 of s (B, P + T, D), its past rows already in place."""
     b = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
-    col_ok = cols < D
-    slots = tl.arange(0, BLOCK_K)
-    slot_ok = slots < K
     rows_base = b * (P + T)
     for t in range(T):
-        entry = (b * T + t) * K + slots
-        index = tl.load(idx_ptr + entry, mask=slot_ok, other=-1)
-        weight = tl.load(w_ptr + entry, mask=slot_ok, other=0.0)
-        read = index >= 0
-        gathered = tl.load(s_ptr + (rows_base + tl.maximum(index, 0))[:, None] * D + cols[None, :],
-                           mask=read[:, None] & col_ok[None, :], other=0.0)
-        solved = tl.load(f_ptr + (b * T + t) * D + cols, mask=col_ok, other=0.0) \
+        _, index, weight, read = _row_entries(idx_ptr, w_ptr, b, t, T, K, BLOCK_K)
+        gathered = tl.load(s_ptr + (rows_base + index)[:, None] * D + cols[None, :],
+                           mask=read[:, None] & (cols < D)[None, :], other=0.0)
+        solved = tl.load(f_ptr + (b * T + t) * D + cols, mask=cols < D, other=0.0) \
             + tl.sum(weight[:, None] * gathered, axis=0)
-        tl.store(s_ptr + (rows_base + P + t) * D + cols, solved, mask=col_ok)
+        tl.store(s_ptr + (rows_base + P + t) * D + cols, solved, mask=cols < D)
         tl.debug_barrier()  # the next rows read this one
 
 
@@ -64,24 +69,18 @@ def _solve_bwd(g_ptr, w_ptr, idx_ptr, s_ptr, lam_ptr, dw_ptr, T, P, K, D, BLOCK_
     """Batch row b, rows T - 1 .. 0: lam (B, P + T, D), zero-filled, ends as d [past_s, f]; dw (B, T, K)."""
     b = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
-    col_ok = cols < D
-    slots = tl.arange(0, BLOCK_K)
-    slot_ok = slots < K
     rows_base = b * (P + T)
     for step in range(T):
         t = T - 1 - step
         at = (rows_base + P + t) * D + cols
-        lam = tl.load(g_ptr + (b * T + t) * D + cols, mask=col_ok, other=0.0) + tl.load(lam_ptr + at, mask=col_ok,
-                                                                                         other=0.0)
-        tl.store(lam_ptr + at, lam, mask=col_ok)
-        entry = (b * T + t) * K + slots
-        index = tl.load(idx_ptr + entry, mask=slot_ok, other=-1)
-        weight = tl.load(w_ptr + entry, mask=slot_ok, other=0.0)
-        read = index >= 0
-        rows = (rows_base + tl.maximum(index, 0))[:, None] * D + cols[None, :]
-        mask = read[:, None] & col_ok[None, :]
+        lam = tl.load(g_ptr + (b * T + t) * D + cols, mask=cols < D, other=0.0) \
+            + tl.load(lam_ptr + at, mask=cols < D, other=0.0)
+        tl.store(lam_ptr + at, lam, mask=cols < D)
+        entry, index, weight, read = _row_entries(idx_ptr, w_ptr, b, t, T, K, BLOCK_K)
+        rows = (rows_base + index)[:, None] * D + cols[None, :]
+        mask = read[:, None] & (cols < D)[None, :]
         gathered = tl.load(s_ptr + rows, mask=mask, other=0.0)
-        tl.store(dw_ptr + entry, tl.sum(gathered * lam[None, :], axis=1), mask=slot_ok)  # 0 where no entry
+        tl.store(dw_ptr + entry, tl.sum(gathered * lam[None, :], axis=1), mask=tl.arange(0, BLOCK_K) < K)
         tl.atomic_add(lam_ptr + rows, weight[:, None] * lam[None, :], mask=mask)  # a repeated row adds twice
         tl.debug_barrier()  # the earlier rows read what this one scattered
 
