@@ -10,8 +10,8 @@ Backward, from the output phi (saved) and its gradient [g+, g-]:
     c+ = sum_j phi+_j g+_j,  c- = sum_j phi-_j g-_j,   dp = phi+ (g+ - c+) - phi- (g- - c-)
     dx = dp W_G^T,   dW_G = sum over the rows of KV head G of x^T dp
 
-Eager PyTorch spends ~11 launches forward and ~12 backward on the two maps (a matmul, the stacked softmax and their
-gradients each); here each way is one, plus one sum of the weight gradients' partials. Grid axis 2 picks the
+Eager PyTorch spends a launch on each of the two maps' matmul, stacked softmax and their gradients; here each
+way is one, plus one sum of the weight gradients' partials. Grid axis 2 picks the
 queries (0) or the keys (1), which have different row counts. The forward takes a block of ``ROWS`` rows a
 program, the columns ``COLUMN_BLOCK`` at a time in two passes (each half's max and normaliser, then the features). The
 backward runs ``PROGRAMS`` programs per KV head and side, each over the row blocks program, program + P, ... of
@@ -34,9 +34,9 @@ finally:
 from .common import kernel_op, tile_edge
 from .rsa_chain_triton import INPUT_PRECISION
 
-# Tiles and warps, read from sm_90 cubins (scripts/kernel_resources.py --kernel vort): no spill, at most 168 registers
-# at 4 warps, whatever d and F, since every tile is (rows or feature block) x column block.
-# (32-wide blocks: 222-255 registers in the backward, or a spill)
+# Tiles and warps chosen from sm_90 cubins (scripts/kernel_resources.py --kernel vort; docs/benchmarks.md): within
+# issue 67's register budget at 4 warps, whatever d and F, since every tile is (rows or feature block) x column
+# block; 32-wide blocks were over it in the backward.
 ROWS, WARPS = 16, 4  # a program's row block
 FEATURE_BLOCK = 16  # input features a step takes: (16, 16) tiles of x and dx
 COLUMN_BLOCK = 16  # feature-map columns a step takes: (16, 16) tiles of W, p and dp

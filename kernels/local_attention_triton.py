@@ -11,7 +11,7 @@ Backward, with f = 1 / log max(s, 2) where s > 1 (else 0):
 
     d lse = [lse >= min] (g_logZ + f g_H),   d m = -scale f g_H q,   d q = -scale f g_H m,   d o = g_o
 
-Eager PyTorch spends ~15 launches forward and ~15 backward on it (the count of keys, the split of the row, the
+Eager PyTorch spends a launch on each op and gradient of it (the count of keys, the split of the row, the
 clamp, the dot and the division); here each way is one. The window's key count is summed from ``valid`` in the
 kernel (``WINDOW_BLOCK`` positions at a time). A program takes a block of queries and every feature.
 """

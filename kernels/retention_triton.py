@@ -6,8 +6,8 @@ kernels/retention.py ``normalised_read`` is the math, the CPU path and the refer
     o = n / D,  D = max(d + eps, tiny);    l = log max(d, tiny) (+ offset)
     dn = g_o / D,   dd = -[d + eps >= tiny] (g_o . n) / D / D + [d >= tiny] g_l / d   (D^2 underflows at tiny)
 
-(the clamps pass the gradient where they do not bite, as torch's do). Eager PyTorch spends ~7 launches forward and
-~15 backward on it (the read's two slices among them); here each way is one. The read may be any view with a unit
+(the clamps pass the gradient where they do not bite, as torch's do). Eager PyTorch spends a launch on each
+op and gradient (the read's two slices among them); here each way is one. The read may be any view with a unit
 feature stride (fla returns it as a permutation); a program takes a block of queries and every feature.
 """
 

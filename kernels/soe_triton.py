@@ -16,10 +16,10 @@ The backward maps (dw, dskip) to d alpha, with s' = ds/dalpha = -pi cos(pi b):
                      sinc'(b) = (cos(pi b) - sinc(b)) / b  (0 at b = 0)
     dskip / dalpha = m h (s' - s (lambda_max + 1 / alpha)),  h = exp(-alpha lambda_max) / (pi alpha)
 
-Eager PyTorch spends ~16 launches forward and ~30 backward on these (VORT computes them for every token of every
-layer); here each way is one. A program takes ``TOKENS`` tokens and every slot (a (TOKENS, slots) tile). A token
-with keep 0 is evaluated at alpha = 1 (padding may carry alpha = 0, where the skip weight divides by 0), so its
-weights and gradient are exactly 0. Scope: fp32 and fp64.
+Eager PyTorch spends a launch on each elementwise op of these, forward and backward (VORT computes them for every
+token of every layer); here each way is one. A program takes ``TOKENS`` tokens and every slot (a (TOKENS, slots)
+tile). A token with keep 0 is evaluated at alpha = 1 (padding may carry alpha = 0, where the skip weight divides by
+0), so its weights and gradient are exactly 0. Scope: fp32 and fp64.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ and the backward, with the adjoint lam = (I - B)^-T g swept in reverse,
 
 One program per batch row (a batch row is a (sequence, head) pair in GLTM) walks its rows in turn, each step one
 gather of K rows of s (one scatter-add of K rows of lam backward) across all D features. The PyTorch form issues
-~40 launches per chunk of 64 rows each way; this is one whatever T. The walk is sequential, so a long sequence
-with few rows and heads leaves SMs idle: the launches, not the GPU's arithmetic, are what it removes. Scope: fp32
-and fp64, D up to 256 (one tile), any K.
+launches per chunk of rows each way, so its count grows with T; this is one whatever T. The walk is sequential, so a
+long sequence with few rows and heads leaves SMs idle: the launches, not the GPU's arithmetic, are what it removes.
+Scope: fp32 and fp64, D up to 256 (one tile), any K.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ s = sigmoid(log Z_m - log Z_w) where its memory has seen a token and 0 elsewhere
     o = o_w + s (o_m - o_w)
     do_w = g (1 - s),  do_m = g s,  d log Z_m = -d log Z_w = s (1 - s) sum_v g_v (o_m - o_w)_v
 
-Eager PyTorch spends ~9 launches forward and ~9 backward on it; here each way is one. A program takes a block of
-queries and every value feature. Inputs are contiguous (B, G, g, T, dv) and (B, G, g, T); seen (B, T) bool.
+Eager PyTorch spends a launch on each of its elementwise ops and their gradients; here each way is one. A program
+takes a block of queries and every value feature. Inputs are contiguous (B, G, g, T, dv) and (B, G, g, T); seen (B,
+T) bool.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ finally:
 
 from .common import kernel_op, tile_edge
 
-# A program's queries: (QUERIES, dv) tiles of 2,048 elements (sm_90: 96 / 128 registers at dv = 64, none spilled;
-# (32, 128) tiles took 226 in the backward), at 4 warps.
+# A program's queries: (rows, dv) tiles of 2,048 elements at 4 warps, within issue 67's register budget on sm_90
+# (docs/benchmarks.md); (32, 128) tiles were over it in the backward.
 TILE_ELEMENTS, WARPS = 2048, 4
 
 
