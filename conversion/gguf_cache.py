@@ -1,8 +1,8 @@
 """A GGUF teacher decoded once: its de-quantised tensors, tokenizer and licence kept as a plain model folder.
 
 Reading a GGUF file is slow in transformers (pure Python: the metadata parsed for the config, again for the
-tensors and again for the tokenizer, whose vocabulary is then rebuilt token by token; SmolLM2-135M's 98 MB Q4_1
-file takes 26-43 s on 2 CPU cores). The same tensors from safetensors load in under a second. So the first load of a
+tensors and again for the tokenizer, whose vocabulary is then rebuilt token by token: tens of seconds for
+SmolLM2-135M's file on a small CPU). The same tensors from safetensors load in under a second. So the first load of a
 GGUF file writes what it decoded into
 
     $HF_MIXERS_CACHE/gguf/<file stem>-<key>/    (default ~/.cache/hf-mixers/gguf)

@@ -178,8 +178,8 @@ def freed_memory_released_per_block(blocks, embedding=None):
     """Within it, ``release_freed_memory`` at each block's boundaries, forward and backward (``train.
     release_host_memory``). On a CPU host the transients a block frees stay resident in glibc's heap, between the
     tensors kept for the backward pass, and the heap grows block by block; ZeRO-3, which gathers and frees each
-    block's weights, fragments it further (a 1.1B run: 7.5 GiB per process, 5.9 released at each boundary). Released
-    pages are faulted back in when reused: steps take about a third longer. A checkpointed block's recomputation
+    block's weights, fragments it further (docs/benchmarks.md, "Memory plan"). Released pages are faulted back in
+    when reused, so steps take longer. A checkpointed block's recomputation
     calls its ``forward`` directly (transformers' GradientCheckpointingLayer), past the module hooks: a hook on the
     gradient of each block's output marks its boundary in the backward pass.
 

@@ -221,7 +221,7 @@ def _decode_gguf(path: str, source: str, kind: str, dtype) -> Teacher:
         raise TeacherLoadError(f"{path}: cannot read the GGUF file: {error}") from error
     family = check_family(config, path)
     try:
-        # the config read above: without it from_pretrained parses the file's metadata once more (6 of SmolLM2's 22 s)
+        # the config read above: without it from_pretrained parses the file's metadata once more (slow: pure Python)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, config=config)
         tokenizer = _tokenizer(folder, gguf_file=name)
     except Exception as error:

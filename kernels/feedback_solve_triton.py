@@ -71,20 +71,20 @@ from .triton_compile import compile_side_by_side
 
 # fp32-accurate ``tl.dot``s: the solve feeds its own output back, and plain tf32 (10-bit mantissa) logits and values
 # would put it ~1e-3 away from the reference. "tf32x3" (three tf32 products, the RSA kernels' choice) is as accurate
-# and runs on the tensor cores; "ieee" (FMA loops) took 147 s to compile the forward alone for sm_90 at 128-wide rows,
-# tf32x3 22 s (`triton.compile` on a 2-core CPU, docs/benchmarks.md "Kernels").
+# and runs on the tensor cores; "ieee" (FMA loops) compiles several times slower for sm_90 at 128-wide rows
+# (`triton.compile` on a CPU, docs/benchmarks.md "Kernels").
 INPUT_PRECISION = "tf32x3"
 MAX_KEY_BLOCK = 64  # key / query block of the sweeps and the parallel backward kernels (register budget)
 NUM_WARPS = 4  # untuned: tuning (and an autotune config list) needs a GPU
 # One software-pipelining stage: Triton's default of 3 buffers every tile load three deep, and the forward at the
-# Llama-3-8B head layout (64 x 128 tiles) then asks for 352 KiB of shared memory, over the H100's 227 KiB (it does
-# not launch); with 1 it needs 96 KiB (`triton.compile` for sm_90 on a CPU, docs/benchmarks.md "Kernels"). The sweep
-# is a chain of dependent steps, so deeper pipelining has little to overlap.
+# Llama-3-8B head layout (64 x 128 tiles) then asks for more shared memory than an H100 block has (it does not
+# launch); with 1 it fits (`triton.compile` for sm_90 on a CPU). The sweep is a chain of dependent steps, so deeper
+# pipelining has little to overlap.
 NUM_STAGES = 1
 # The key and value features go KEY_FEATURE_BLOCK / VALUE_FEATURE_BLOCK at a time (module docstring). Whole rows
-# as one tile needed 288-416 KiB of shared memory for sm_90 in the backward at 256 features, over the 227 KiB an
-# H100 block can have; in blocks of 128 the four kernels need 64-128 KiB at any width (tf32x3, one stage), so the
-# official conversion's one feedback head (576 wide for SmolLM2, 4096 for an 8B model) takes the kernels.
+# as one tile needed more shared memory for sm_90 in the backward at 256 features than an H100 block can have; in
+# blocks of 128 the four kernels fit at any width (tf32x3, one stage), so the official conversion's one feedback
+# head (576 wide for SmolLM2, 4096 for an 8B model) takes the kernels.
 KEY_FEATURE_BLOCK = 128
 VALUE_FEATURE_BLOCK = 128
 
@@ -622,7 +622,7 @@ def feedback_solve_triton(f, q, k, gain, key_mask=None, past_k=None, past_s=None
 
     f (B, T, D), q/k (B, T, d), gain (B, T), key_mask (B, P+T) bool, past_k (B, P, d) / past_s (B, P, D).
     Needs CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set before triton was first imported
-    (tests only: the interpreter is ~1000x slower), in fp32, bf16 or fp16: the kernels compute in fp32, and
+    (tests only: the interpreter is far slower), in fp32, bf16 or fp16: the kernels compute in fp32, and
     ``feedback_solve`` (the op's entry point) sends fp64 to the PyTorch path.
     """
     check_feedback_shapes(f, q, k, gain, key_mask, past_k, past_s)

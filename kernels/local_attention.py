@@ -28,8 +28,8 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 from .dispatch import library_kernel, use_triton
 
 # Scores one call of ``window_attention`` holds at most, (B, G, g, block, 2w) per block of w queries: longer inputs go
-# a segment of queries at a time. All at once, the scores grew with T (75 MB at 16K for SmolLM2) past glibc's mmap
-# threshold, and every such tensor was mapped and faulted in afresh: the window's time grew 3x from 8K to 16K.
+# a segment of queries at a time. All at once, the scores grew with T past glibc's mmap threshold, and every such
+# tensor was mapped and faulted in afresh: the window's time grew faster than T.
 SEGMENT_SCORES = 1 << 20
 
 
@@ -93,7 +93,7 @@ def _attend(query_b, spans_k, spans_v, allowed, scale: float, length: int, with_
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1)
     # log Z from the softmax itself (its largest weight is exp(0) / Z): on a CPU, torch.logsumexp and torch.exp of the
-    # masked scores take a slow path for inputs below ~-88 (10-20x a softmax's time: 2/3 of this function's)
+    # masked scores take a slow path for inputs below ~-88 (many times a softmax's time)
     log_z = scores.amax(-1) - torch.log(weights.amax(-1))  # (B, G, N, g, block)
     out = (weights.flatten(3, 4) @ spans_v).view(*shape[:5], -1)  # (B, G, N, g, block, dv)
 

@@ -69,8 +69,8 @@ def lag_kernel(log_rates, weights, length: int):
 
 
 # Elements of the chunk form's largest intermediates, (B, G, S, V) x max(g C, F) per chunk (each chunk's writes and
-# its per-slot read), that one call holds: longer inputs go a segment at a time. All at once they reached 400-600 MB
-# each at 16K for the converted SmolLM2 (16 slots), every one a fresh mapping faulted in page by page.
+# its per-slot read), that one call holds: longer inputs go a segment at a time. All at once they reached hundreds
+# of MB each at 16K for the converted SmolLM2, every one a fresh mapping faulted in page by page.
 SEGMENT_ELEMENTS = 1 << 22
 
 
@@ -174,7 +174,7 @@ def retention_chunked(q, k, v, log_rates, weights, skip=None, state=None, includ
     # each chunk's own write, decayed to its last token: (B, G, N, S, F, V)
     to_end = torch.exp(log_rates[:, :, None] * (size - 1 - r).to(q.dtype))  # (G, S, C)
     # as one product per chunk, (S F, C) @ (C, V), its left side built in that layout (the four-operand einsum
-    # copied the same tensor into it: 6.3 -> 3.0 ms a layer at 512 tokens for SmolLM2's layout, the same values)
+    # copied the same tensor into it, twice as slow, the same values)
     weighed = (wc.transpose(-1, -2) * to_end[None, :, None])[..., :, None, :]  # (B, G, N, S, 1, C)
     writes = (weighed * kc.transpose(-1, -2)[..., None, :, :]).flatten(3, 4) @ vc  # (B, G, N, S F, V)
     writes = writes.unflatten(3, (slots, features))
@@ -189,7 +189,7 @@ def retention_chunked(q, k, v, log_rates, weights, skip=None, state=None, includ
     first = 0 if state is not None else 1  # without a carried state the first chunk reads zeros: skip it
     if chunks > first:  # the inter-chunk read, S F V per query: the form's main cost
         # per chunk one matmul of its queries (g C, F) with every slot's state (F, S V), then each slot's read weighed
-        # by its decay to the row and summed over the slots: 2.5x faster on CPU than decaying the queries per slot
+        # by its decay to the row and summed over the slots: faster on CPU than decaying the queries per slot
         # first (a (g, C, S F) tensor, copied again for the einsum's matmul)
         queries = qc[:, :, :, first:].transpose(2, 3).flatten(3, 4)  # (B, G, N', g C, F)
         states = before[:, :, first:].transpose(3, 4).flatten(4, 5)  # (B, G, N', F, S V)

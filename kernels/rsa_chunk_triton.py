@@ -35,7 +35,7 @@ Split of the work:
     query head, all L levels in order inside the program (the chain and the global normaliser couple them). Its
     rows read the chunk's rows up to themselves, KEY_BLOCK at a time: causal products summed over (R, K) blocks.
     ``_bwd_kernel`` is launched once per level, top level first, on the same grid: one level's body per program
-    (the whole unrolled backward needed 288 KiB of shared memory on an H100 and did not launch); the routing's
+    (the whole unrolled backward needed more shared memory than an H100 block has); the routing's
     gradients for the level below pass through two (B, H, Tp, m) buffers of the program's own rows (its share of
     dF_{i-1} is added in directly), dq accumulates in place; it takes the key and value features FEATURE_BLOCK at a
     time, summing its products over them block by block. Every tile is at most R x C, C x m, R x d, C x d, m x m
@@ -107,8 +107,8 @@ KEY_BLOCK = 16  # the forward's chunk rows read per step (at least 16: the least
 # their fp32 split into tf32 halves (tf32x3) is what fills the registers; at 8 warps each holds half the columns.
 READ_WARPS = 8
 # Software pipelining of the backward's loops over feature blocks (a few iterations each): Triton's default of 3
-# buffers their loads three deep, which took the window's + RSA-q's variant at 128-wide heads to 240 KiB; with 1 it
-# needs 192 KiB.
+# buffers their loads three deep, which took the window's + RSA-q's variant at 128-wide heads past an H100 block's
+# shared memory; with 1 it fits.
 BACKWARD_STAGES = 1
 READOUTS = {"sigmoid": 0, "softmax_count": 1}
 ROUTINGS = {"none": 0, "elementwise": 1, "relation": 2}
@@ -143,7 +143,7 @@ def rsa_chunk_triton_supports(params: RSAParams, q=None, v=None, log_decay=None)
 # cols / keys = the chunk's rows they read (C whole in the backward, KEY_BLOCK at a time in the forward), slots (m),
 # cols_d / cols_v = key / value features; ``off_xy`` / ``ok_xy`` are the row-major offsets / masks of an (x, y) tile
 # with x, y in r (rows), c (cols), m, d, v. Pointer offsets are int64 (B*H*Tp*d may exceed 2^31). Tile loads and
-# atomics are written inline: under the interpreter every device-function call costs ~1 ms of patching.
+# atomics are written inline: under the interpreter every device-function call costs a round of patching.
 
 
 @triton.jit

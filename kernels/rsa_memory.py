@@ -58,8 +58,8 @@ __all__ = ["ResidualMLPWeights", "RSAParams", "RSAState", "initial_state", "rsa_
 
 # Elements of the read side's largest intermediate, (B, G, g, C, max(C, m, d)) per chunk, that one call of
 # ``read_chunks`` makes: chunks are read a group at a time so that its tensors stay a few MB. Reading all chunks at
-# once made them grow with T (38 MB each at 16K for SmolLM2's layout): past glibc's mmap threshold (32 MB) every one
-# of them was mapped and faulted in afresh, and read_chunks' time grew 4.4x from 8K to 16K.
+# once made them grow with T: past glibc's mmap threshold every one of them was mapped and faulted in afresh, and
+# read_chunks' time grew faster than T.
 READ_GROUP_ELEMENTS = 1 << 20
 
 

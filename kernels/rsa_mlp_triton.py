@@ -37,8 +37,8 @@ from .common import kernel_op, tile_edge
 from .rsa_chain_triton import INPUT_PRECISION, _add_into
 from .rsa_state import ResidualMLPWeights
 
-# Tiles and warps, read from sm_90 cubins (scripts/kernel_resources.py): no spill and at most 168 registers at 4 warps,
-# whatever d, since every tile is (rows or hidden block) x feature block.
+# Tiles and warps, read from sm_90 cubins (scripts/kernel_resources.py): within issue 67's register budget at 4
+# warps, whatever d, since every tile is (rows or hidden block) x feature block.
 FORWARD_ROWS, FORWARD_WARPS = 16, 4  # a forward program's rows
 BACKWARD_ROWS, BACKWARD_WARPS = 16, 4  # a backward row block
 HIDDEN_BLOCK = 32  # hidden units an iteration takes: (rows, 32) tiles of a, s, da

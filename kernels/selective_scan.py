@@ -167,7 +167,7 @@ class _FactoredRecurrence(torch.autograd.Function):
     """The recurrence with log_decay = delta * A given as its factors, and a hand-written backward that keeps only
     the state entering each segment of ``segment`` tokens and recomputes the segment's states when it gets there.
     Autograd through ``ssm_recurrent`` keeps every step's (H, P, N) state and decay, T H P N numbers per layer and
-    as many for the decay tensor, which is what made S6 / S4D cost 8 GB a layer at T = 8192; this keeps
+    as many for the decay tensor, which is what made S6 / S4D cost gigabytes a layer at long T; this keeps
     T / segment + segment states.
 
     Gradients, with g_t = dL/dh_t (from y_t, the final state and h_{t+1}) and a_t = exp(delta_t A):
@@ -239,8 +239,8 @@ def ssm_scan(u, delta, A, B, C, state=None, method: str = "auto", chunk_size: in
     "recurrent" (the definition), "factored" (the recurrence with a recomputing backward, no (T, H, P, N) tensor), or
     "auto": the recurrence for one token; ``ssm_factored`` for a decay per channel and slot (S6, S4D, Δᵀ with a full
     A) once the state of one step is large (B H P N >= 2^14), where the work is T H P N whatever the form and the
-    memory is what matters (docs/benchmarks.md); else the chunked form (18x the recurrence at the paper's
-    per-channel 32 x 8 state, 11-14x for Mamba-2)."""
+    memory is what matters (docs/benchmarks.md); else the chunked form (over ten times the recurrence's speed at
+    the paper's per-channel 32 x 8 state and for Mamba-2)."""
     if method == "auto":
         batch, length, heads, width = u.shape
         decay = torch.broadcast_shapes(delta.shape[3:], A.shape[1:])

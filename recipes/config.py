@@ -90,9 +90,9 @@ class TrainSection:
     # for about a third more compute (stage 2 and finetune; in stage 1 each converted mixer's, on the teacher's inputs)
     gradient_checkpointing: bool = False
     # CPU hosts, stage 2 and finetune: hand the memory each block frees back to the OS at the blocks' boundaries,
-    # forward and backward, for a lower peak and steps 10-25% longer. "auto": on under fsdp and deepspeed, whose heaps
-    # grow through a step by more than one can plan (a 1.1B run on 2 processes: ZeRO-3 6.9 -> 5.4-5.7 GiB each, 13%
-    # longer steps; ZeRO-2 up to 4.6 -> 3.6 GiB, 19%), off under ddp (3.8 -> 3.7 GiB for 25%)
+    # forward and backward, for a lower peak and longer steps. "auto": on under fsdp and deepspeed, whose heaps grow
+    # through a step by more than one can plan, off under ddp, where it gains little (docs/benchmarks.md, "Memory
+    # plan")
     release_host_memory: bool | str = "auto"
     # "auto": bf16 on a GPU that has it, else fp32; "bf16": frozen weights in bf16, trained tensors fp32, autocast;
     # "fp16": the same in fp16 with dynamic loss scaling (GPUs without bf16)
@@ -284,8 +284,8 @@ def shards_the_model(train: TrainSection) -> bool:
 def releases_host_memory(train: TrainSection) -> bool:
     """``train.release_host_memory`` with "auto" decided: on under fsdp and deepspeed, off under ddp. On a CPU host
     (the caller checks it) their heaps grow through a step beyond what the memory plan can count: FSDP's and ZeRO-3's
-    gathering and freeing of each block's weights fragments it, and ZeRO-2's grew by up to 87 MB a block through the
-    checkpointed forward where ddp's grew by 27 (docs/benchmarks.md, "Memory plan")."""
+    gathering and freeing of each block's weights fragments it, and ZeRO-2's grew block by block through the
+    checkpointed forward several times faster than ddp's (docs/benchmarks.md, "Memory plan")."""
     if train.release_host_memory == "auto":
         return train.strategy in ("fsdp", "deepspeed")
     return bool(train.release_host_memory)

@@ -44,7 +44,7 @@ def zero3_settings(hidden: int, largest_block: int) -> dict:
     most two blocks' weights gathered ahead (``stage3_max_live_parameters``), and a gathered weight kept only for a
     reuse within one block (``stage3_max_reuse_distance``: from a checkpointed block's recomputed forward to its
     backward). DeepSpeed's defaults, 1e9 values each, let the prefetch run up to 1e9 weights ahead: for a 1.1B model
-    nearly all of it gathered at once, 1.75 GiB more per process than these settings in a bf16 run."""
+    nearly all of it gathered at once, GiBs more per process than these settings in a bf16 run."""
     return {"stage3_param_persistence_threshold": 10 * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden**2),
             "stage3_max_live_parameters": 2 * largest_block, "stage3_max_reuse_distance": largest_block}
 

@@ -200,7 +200,7 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
     plan = MemoryPlan(title, world, device, device_memory, dtype_name(dtype))
     for module in ("accelerate", "peft", "datasets"):  # what a run imports before it loads anything: its runtime
         importlib.import_module(module)
-    _folder_tokenizer(recipe.model.teacher)  # a run holds it too (0.06 GiB for SmolLM2's): in the peak below
+    _folder_tokenizer(recipe.model.teacher)  # a run holds it too: in the peak below
     host_runtime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # this process's peak so far, bytes
     runtime = CUDA_RUNTIME if device == "cuda" else host_runtime
     teacher_bytes = counts["teacher"] * element
@@ -275,7 +275,7 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
             parts["heap slack (freed, still resident)"] = slack * train.batch_size
         if fragmenting:
             # gathered weights freed between the tensors the backward keeps: the heap grew by about one gathered
-            # block per block in the 1.1B runs (ZeRO-3 +1.6, FSDP +1.1 GiB over the plan; 1.86 GiB of blocks)
+            # block per block in the 1.1B runs (docs/benchmarks.md, "Memory plan")
             parts["heap fragmented by gathering (up to every block once)"] = (
                 (counts["student"] - counts["root"]) * element)
         if name == "stage 1":

@@ -103,8 +103,7 @@ def attention_transfer_loss(student, teacher_model, layers, checkpointing: bool 
     """Stage 1: mean over converted layers of ||mixer(h) - attention(h)||^2 / ||attention(h)||^2 on teacher inputs
     (plus each mixer's auxiliary loss: ``transfer_loss``). With ``checkpointing`` (``train.gradient_checkpointing``)
     each layer's term keeps only its inputs, the teacher's captured tensors, and is recomputed in the backward pass:
-    one mixer's activations at a time instead of every converted layer's (an RSA mixer at 2,048 tokens keeps about
-    2.3 GiB; a Llama-3-8B-shaped stage 1 would hold 74 GiB of them)."""
+    one mixer's activations at a time instead of every converted layer's (docs/benchmarks.md, "Memory plan")."""
     def loss_fn(batch, metrics: bool = True):
         captured = {}
 
@@ -166,7 +165,7 @@ def distillation_loss(student, teacher_model, temperature: float, ce_weight: flo
             h_t = teacher_model.get_decoder()(batch.to(teacher_model.device), use_cache=False).last_hidden_state
         on_host = batch.device.type == "cpu"
         if on_host:  # each forward's freed transients go back to the OS before the next part of the step stands
-            release_freed_memory()  # on them (the 1.1B run's peak: 4.06 -> 3.63 GiB, at the same tokens/s)
+            release_freed_memory()  # on them (a lower peak at the same tokens/s: docs/benchmarks.md)
         h_s = student.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
         if on_host:
             release_freed_memory()
@@ -510,7 +509,7 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         save_model(student, model_dir, tokenizer, extra=write_history)
         with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as handle:
             json.dump(summary, handle, indent=2)
-        if os.path.exists(os.path.join(model_dir, LOSS_CURVE)):  # drawn once (~1.5 s a figure), in both folders
+        if os.path.exists(os.path.join(model_dir, LOSS_CURVE)):  # drawn once (a figure is slow), in both folders
             shutil.copyfile(os.path.join(model_dir, LOSS_CURVE), os.path.join(out, LOSS_CURVE))
     finish_tracking(processes)
     processes.barrier()

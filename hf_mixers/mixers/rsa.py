@@ -200,9 +200,8 @@ class RSAMixer(RecurrentMixer, FullAttention):
         return self.o_proj(out), state, conv_history
 
     # The compiled token step on CPU leaves the references' refresh (at one token in C) to ``store_decode_state``,
-    # eagerly, where a host check costs nothing: in the graph they were recomputed and rewritten every token (RSA w=64
-    # on SmolLM2 at 512: 0.80-0.81x the teacher's tokens/s with them in the graph, 0.83-0.84x without). On CUDA they
-    # stay in the graph (no host synchronisation inside a CUDA graph).
+    # eagerly, where a host check costs nothing: in the graph they were recomputed and rewritten every token, which
+    # measured slower. On CUDA they stay in the graph (no host synchronisation inside a CUDA graph).
     def decode_step(self, hidden_states, position_embeddings, token_mask, state, history):
         output, state, history = self.mix(hidden_states, position_embeddings, token_mask, state, history,
                                           refresh_in_step=hidden_states.device.type != "cpu")
@@ -219,7 +218,7 @@ class RSAMixer(RecurrentMixer, FullAttention):
         memory = state.memory if isinstance(state, WindowState) else state
         if memory is None or memory.count.device.type != "cpu":
             return state
-        counts = memory.count.tolist()  # one host read (the tensor test it replaced was 4 ops, ~25 us a layer)
+        counts = memory.count.tolist()  # one host read (cheaper than the tensor test it replaced)
         if not any(count and count % self.config.rsa_chunk_size == 0 for count in counts):
             return state
         rows = (memory.count % self.config.rsa_chunk_size == 0) & (memory.count > 0)

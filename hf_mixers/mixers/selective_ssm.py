@@ -48,8 +48,8 @@ A_SHAPES = {"channel_state": lambda h, p, n: (h, p, n), "state": lambda h, p, n:
             "head": lambda h, p, n: (h, 1, 1)}
 ACTIVATIONS = {"silu": F.silu, "relu": F.relu, "identity": lambda x: x}
 GATE_BIAS = 1.2784645427610737  # the root of silu(z) = 1: a gate that starts exactly transparent
-WINDOW_GATE_INIT = -4.0  # converted with a window: the memory starts at sigmoid(-4) = 1.8% of the output (SmolLM2:
-# 8.0x the teacher's perplexity at init, as the window alone; at -2, 45x: the untrained memory only adds noise)
+WINDOW_GATE_INIT = -4.0  # converted with a window: the memory starts at sigmoid(-4) = 1.8% of the output (a larger
+# share of an untrained memory only adds noise: docs/local-window.md)
 
 
 class ScanInputs(NamedTuple):

@@ -212,8 +212,7 @@ SESSA = register_mixer(MixerSpec(
     derived_defaults=_derived_defaults, validate=_validate, cache_layer=SessaCacheLayer, attention_mask="causal",
     keep_in_fp32=("gamma_bias",), exact_at_init=True,
     # gain 0: the converted layer is exactly its teacher; the lean cache (one head's width of feedback keys, past
-    # outputs in the activation dtype): 2.67x the teacher's K/V on SmolLM2 instead of 4x (fp32) / 5.5x (bf16), with
-    # the same quality after distillation (docs/mixers/sessa.md)
+    # outputs in the activation dtype): a smaller cache with the same quality after distillation (docs/mixers/sessa.md)
     conversion_options={"sessa_gamma_bias_init": 0.0, "sessa_feedback_dim": 64, "sessa_outputs_cache": "activation"},
     limitations=("Sessa layers solve a triangular system over the whole past: training and prefill cost grows with "
                  "the square of the sequence length, and decoding keeps a cache that grows with it.",),

@@ -491,8 +491,8 @@ VORT = register_mixer(MixerSpec(
                     positive_int),
     ),
     derived_defaults=_derived_defaults, validate=_validate, cache_layer=VORTCacheLayer, constant_state=True,
-    # Hedgehog, not FAVOR+, for conversion: SmolLM2-135M at init 2.28x the teacher's perplexity against 5.61x
-    # (FAVOR+ 64 features; 4.36x with 256), and stage 1 has a feature map to train
+    # Hedgehog, not FAVOR+, for conversion: nearer the teacher at init (docs/benchmarks.md, "VORT"), and stage 1
+    # has a feature map to train
     conversion_options={"vort_alpha_init": 0.95, "vort_combine": "shared_normalizer", "vort_global_rope": True,
                         "vort_feature_map": "hedgehog"},
     limitations=("VORT layers keep exact attention over the last w tokens only; older tokens are read through "

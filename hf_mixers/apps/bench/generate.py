@@ -128,8 +128,8 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
     budget = memory_budget_gib * 2**30
     weights = {label: _weights_bytes(model) for label, model in models.items()}
     rows = []
-    # Each compiled step built before anything is timed: the steps right after a compile ran ~20-30% slower on this
-    # CPU (measured), which the two warm-up steps of a point did not cover.
+    # Each compiled step built before anything is timed: the steps right after a compile ran measurably slower on a
+    # CPU, which the two warm-up steps of a point did not cover.
     # Timed, the warm-up is what a compiled step costs to build (its compile, a 16-token prompt and 4 steps): what
     # a process's first `generate` at that batch size waits.
     compiled = {label: model for label, model in models.items() if compile_decode and label != "teacher"}

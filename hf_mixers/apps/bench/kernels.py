@@ -84,8 +84,7 @@ def _candidate(candidate: str, shape: dict, length: int, device, dtype, generato
 def converted_rsa_options(rsa_options: dict | None = None) -> dict:
     """RSA's options as ``convert`` sets them (its conversion defaults: the count-aware softmax readout), then
     ``rsa_options``. Each readout is its own kernel variant, so what is timed and warmed (`make gpu-check`) must be the
-    converted layer's: the sigmoid readout warmed in the fourth GPU run left the demo's variant to compile twice
-    (~38 s each) inside its distillation."""
+    converted layer's: warming another readout leaves the converted variant to compile inside the timed run."""
     return {**get_mixer("rsa").conversion_options, **(rsa_options or {})}
 
 
@@ -165,7 +164,6 @@ def bench_kernels(out_dir, lengths=None, shapes=("smollm2-135m", "llama3-8b"), r
                             "peak_bytes": _cuda_peak(calls[candidate][1]) if device.type == "cuda" else None})
             save_point(out_dir, "bench_kernels", results[-1], results)
             # the next T costs at least length-proportionally more: a call predicted past the limit is not made
-            # (the H100's PyTorch RSA took 1.9 s at 8K, under a 2 s limit, and would have taken ~4 s x 4 at 16K)
             following = next((longer for longer in sorted(lengths) if longer > length), length)
             if forward_backward[index][0] * following / length > max_call_seconds:
                 cut.setdefault(name, {})[candidate] = length

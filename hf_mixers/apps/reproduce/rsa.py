@@ -19,7 +19,7 @@ from .training import parameter_count, scored_accuracy, tiny_model, train
 
 LINEAR_ATTENTION = {"vort_kernel": "exp", "vort_window": 0, "vort_feature_map": "elu1"}
 # the compared models at each scale: RSA's levels x slots (paper: 4 x 64; the cpu scale uses its Fig. 2 size 4 x 16,
-# which trains 3x faster on a CPU); the training steps, batch and learning rate are each claim's own
+# which trains faster on a CPU); the training steps, batch and learning rate are each claim's own
 COMPARED_NOTE = ("linear attention: our vort mixer with the exp kernel (one learned decay rate per head, started at "
                  "1e-2), elu + 1 features, no window, no RoPE, a decayed normaliser: RetNet/GLA-like, not GLA (whose "
                  "decay is data-dependent); RSA: the toolkit's defaults (softmax assignment, sigmoid readout, relation "
