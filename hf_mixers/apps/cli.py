@@ -105,15 +105,7 @@ def _version() -> str:
         return __version__
 
 
-def build_parser() -> argparse.ArgumentParser:
-    mixers = LazyChoices(registered_mixers)
-    parser = argparse.ArgumentParser(prog="hf-mixers", description="Replace a pretrained Transformer's attention with "
-                                     "new sequence mixers, distil and evaluate the result, ship it as a Hub model.",
-                                     epilog="Exit codes: 0 done, 2 usage or input error, 3 fault outside the command "
-                                            "(disk, permission, network, missing package), 4 the run diverged.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    commands = parser.add_subparsers(dest="command", required=True)
-
+def _convert_command(commands, mixers) -> None:
     convert = commands.add_parser(
         "convert", help="replace a pretrained model's attention with a mixer; writes the model and a report",
         description="SOURCE: a local model folder, a hub id (online), a .gguf file, or 'smollm2-135m' (the "
@@ -138,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--seed", type=at_least(0), default=0)
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
 
+
+def _distill_command(commands) -> None:
     distill = commands.add_parser(
         "distill", help="stage 1 (attention transfer) and stage 2 (LoRA KD) of a converted model, from YAML recipes",
         description="Recipes stack left to right; --set key.sub=value overrides any field (e.g. --set "
@@ -151,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --plan: memory of each process's device, e.g. 80GB (implies a CUDA device)")
     distill.add_argument("--json", action="store_true", help="with --plan: the plan as JSON (bytes per part and stage)")
 
+
+def _finetune_command(commands) -> None:
     finetune = commands.add_parser(
         "finetune", help="stage 3: supervised fine-tuning of a converted model on chat data (LoRA or full)",
         description="Needs model.student (a converted or distilled folder); finetune.source is chat data in TRL's "
@@ -158,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "mapping like data.source's (default: Shakespeare speeches).")
     _recipe_arguments(finetune)
 
+
+def _evaluate_command(commands) -> None:
     evaluate = commands.add_parser(
         "eval", help="held-out perplexity, KL and agreement with the teacher, passkey retrieval, samples, decode speed",
         description="Writes MODEL/eval_report.json and .md (or into --out). The teacher defaults to the one named "
@@ -191,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="run the folder's own modeling code (needed only for model types neither transformers "
                                "nor hf-mixers knows)")
 
+
+def _card_command(commands) -> None:
     card = commands.add_parser(
         "card", help="write DIR/README.md: the model card (Hub metadata, conversion, recipe, evaluation, usage)")
     card.add_argument("model", help="a saved model folder")
@@ -200,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "(default: from the conversion report)")
     card.add_argument("--license", default=None, help="override the licence inherited from the teacher")
 
+
+def _push_command(commands) -> None:
     push = commands.add_parser(
         "push", help="upload a model folder to the Hub after checking its card, weights and remote-code load",
         description="The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT picks another endpoint.")
@@ -215,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "committing to it")
     push.add_argument("--dry-run", action="store_true", help="list the files that would be uploaded, upload nothing")
 
+
+def _compare_command(commands) -> None:
     compare = commands.add_parser(
         "compare", help="one teacher, several mixers, the same recipe and budget: one table and one plot",
         description="Each --mixer entry is converted, distilled with the same recipe (stacked YAML files and --set "
@@ -236,12 +240,16 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--decode-tokens", type=at_least(1), default=16, help="decode steps timed")
     compare.add_argument("--overwrite", action="store_true", help="redo entries finished under other settings")
 
+
+def _demo_command(commands) -> None:
     demo = commands.add_parser("demo", help="the main job: SmolLM2-135M -> RSA and Sessa, distilled, evaluated "
                                             "(about 12 minutes on 2 CPU cores)")
     demo.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
     demo.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
     demo.add_argument("--max-steps", type=at_least(1), default=None, help="cap every stage at N steps (a smoke run)")
 
+
+def _diagnose_command(commands) -> None:
     diagnose = commands.add_parser(
         "diagnose", help="lag sensitivity ||dy_t/dx_{t-l}|| of a mixer or a model folder, with tail fits and theory",
         description="TARGET: a registered mixer (one scratch-initialised layer on Gaussian inputs) or a model folder "
@@ -263,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose.add_argument("--heads", type=at_least(1), default=9, help="mixer name: heads (default 9)")
     diagnose.add_argument("--kv-heads", type=at_least(1), default=3, help="mixer name: KV heads (default 3)")
 
+
+def _reproduce_command(commands) -> None:
     reproduce = commands.add_parser(
         "reproduce", help="a paper's claim re-measured on this toolkit's mixers (docs/reproductions.md)",
         description="CLAIM: one of the registered claims, 'all', or 'list' to print them. Writes OUT/<claim>.json "
@@ -274,12 +284,35 @@ def build_parser() -> argparse.ArgumentParser:
                            help="cpu: reduced sizes, minutes on 2 cores (default); paper: the paper's sizes; smoke: "
                                 "the same code in seconds (no verdict)")
 
+
+def _bench_command(commands) -> None:
     bench = commands.add_parser(
         "bench", help="benchmarks, written as JSON and PNG",
         description="TARGET: a registered benchmark (each a module of hf_mixers/apps/bench); `hf-mixers bench TARGET "
                     "--help` lists its own flags.")
     bench.add_argument("target", choices=LazyChoices(bench_targets), metavar="TARGET", help="%(choices)s")
     bench.add_argument("options", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # the target's own flags
+
+
+def build_parser() -> argparse.ArgumentParser:
+    mixers = LazyChoices(registered_mixers)
+    parser = argparse.ArgumentParser(prog="hf-mixers", description="Replace a pretrained Transformer's attention with "
+                                     "new sequence mixers, distil and evaluate the result, ship it as a Hub model.",
+                                     epilog="Exit codes: 0 done, 2 usage or input error, 3 fault outside the command "
+                                            "(disk, permission, network, missing package), 4 the run diverged.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _convert_command(commands, mixers)
+    _distill_command(commands)
+    _finetune_command(commands)
+    _evaluate_command(commands)
+    _card_command(commands)
+    _push_command(commands)
+    _compare_command(commands)
+    _demo_command(commands)
+    _diagnose_command(commands)
+    _reproduce_command(commands)
+    _bench_command(commands)
     verbose = dict(action="store_true", help="also show the info lines of hf-mixers and its libraries (default: "
                                              "warnings and errors only)")
     parser.add_argument("--verbose", **verbose)

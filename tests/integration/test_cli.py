@@ -92,7 +92,7 @@ def test_bad_arguments_are_reported_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "nothing"])
     assert ("argument TARGET: invalid choice: 'nothing' (choose from 'distill', 'generate', 'gltm', 'kernels', "
-            "'rsa'") in capsys.readouterr().err
+            "'precision', 'rsa'") in capsys.readouterr().err
 
 
 def test_every_benchmark_has_its_own_flags_and_help(capsys):
