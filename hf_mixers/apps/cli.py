@@ -243,7 +243,7 @@ def _compare_command(commands) -> None:
 
 def _demo_command(commands) -> None:
     demo = commands.add_parser("demo", help="the main job: SmolLM2-135M -> RSA and Sessa, distilled, evaluated "
-                                            "(about 12 minutes on 2 CPU cores)")
+                                            "(about 15 minutes on 2 CPU cores)")
     demo.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
     demo.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
     demo.add_argument("--max-steps", type=at_least(1), default=None, help="cap every stage at N steps (a smoke run)")
