@@ -162,18 +162,26 @@ def check_block_compiles_whole(name):
         def step(x, block=block, rest=args[1:], kwargs=kwargs):
             return block(x, *rest, **kwargs)
 
-        expected = step(hidden)
-        weights = torch.randn_like(expected)
-        expected_grad, = torch.autograd.grad((expected * weights).sum(), hidden)
-        torch._dynamo.reset()
+        check_step_compiles_whole(step, hidden, where)
+
+
+def check_step_compiles_whole(step, x, where: str = "the step") -> None:
+    """``step(x)`` (x asks for gradients) compiles with ``fullgraph=True`` (a graph break is an error naming it) and,
+    traced by AOTAutograd with Inductor's decompositions, gives the eager output and input gradient."""
+    expected = step(x)
+    weights = torch.randn_like(expected)
+    expected_grad, = torch.autograd.grad((expected * weights).sum(), x)
+    torch._dynamo.reset()
+    try:
         try:
-            actual = torch.compile(step, fullgraph=True, backend="aot_eager_decomp_partition")(hidden)
+            actual = torch.compile(step, fullgraph=True, backend="aot_eager_decomp_partition")(x)
         except Exception as error:  # dynamo's message names the break and the line
             raise AssertionError(f"compile: {where} is not one graph: {str(error).splitlines()[0]}") from error
-        actual_grad, = torch.autograd.grad((actual * weights).sum(), hidden)
-        _close(actual, expected, f"compile: {where}'s compiled forward", torch.float32)
-        _close(actual_grad, expected_grad, f"compile: {where}'s compiled backward", torch.float32)
-    torch._dynamo.reset()
+        actual_grad, = torch.autograd.grad((actual * weights).sum(), x)
+    finally:
+        torch._dynamo.reset()
+    _close(actual, expected, f"compile: {where}'s compiled forward", torch.float32)
+    _close(actual_grad, expected_grad, f"compile: {where}'s compiled backward", torch.float32)
 
 
 def check_gradcheck(name):

@@ -70,3 +70,17 @@ def run_under_interpreter(test_file, timeout=600):
     assert result.returncode == 0 and " passed" in summary and "failed" not in summary, \
         result.stdout[-8000:] + result.stderr[-4000:]
     print("interpreter subprocess:", summary)
+
+
+
+def padded_layer_step(mixer, options, width, length, dtype=torch.float32, padding=7):
+    """A standalone ``mixer`` layer (4 heads, 2 KV heads; apps/bench/harness.build_mixer) on DEVICE and its step on
+    a batch of 2 whose first row is left-padded by ``padding`` tokens -> (step, x asking for gradients, module)."""
+    from hf_mixers.apps.bench.harness import build_mixer, rotary_embeddings
+
+    module, config = build_mixer(mixer, options, width, 4, 2, DEVICE, dtype)
+    x = torch.randn(2, length, width, device=DEVICE, dtype=dtype, requires_grad=True)
+    embeddings = rotary_embeddings(config, x, length)
+    token_mask = torch.ones(2, length, dtype=torch.bool, device=DEVICE)
+    token_mask[0, :padding] = False
+    return (lambda x: module(x, embeddings, None, token_mask)), x, module

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from conftest import first_in_fast
-from triton_interpreter import (DEVICE, compile_key, interpreter_only, needs_kernels, record_launches,
-                                run_under_interpreter)
+from triton_interpreter import (DEVICE, compile_key, interpreter_only, needs_kernels, padded_layer_step,
+                                record_launches, run_under_interpreter)
 
 from hf_mixers.kernels import rsa_chunk_triton as rct
 from hf_mixers.kernels import rsa_chain_triton as rch
 from hf_mixers.kernels.rsa_memory import RSAParams, ResidualMLPWeights, initial_state, rsa_chunked, rsa_recurrent
 from hf_mixers.kernels.rsa_state import ChunkLayout, write_chunks
+from hf_mixers.testing import check_step_compiles_whole
 
 DEV = DEVICE or "cpu"  # where the tensors live (the parent process of a CPU machine builds some, launches nothing)
 STATE_FIELDS = ("key_sum", "value_sum", "mass", "relation_sum", "key_ref", "value_ref")
@@ -500,26 +501,8 @@ def test_the_layers_kernel_step_is_one_graph_for_torch_compile(options):
     """The chain, level and read kernels are torch.library ops (forward and backward), so an RSA layer's training
     step on the kernels compiles with ``fullgraph=True`` (a left-padded batch; the sigmoid assignment and the local
     window too) and gives the eager output and input gradient: on a GPU it can be captured whole."""
-    from hf_mixers.apps.bench.harness import build_mixer, rotary_embeddings
-
     torch.manual_seed(0)
     options = {"rsa_readout": "softmax_count", "rsa_chunk_size": 16, "rsa_num_slots": 16, "kernel_backend": "triton",
                **options}
-    module, config = build_mixer("rsa", options, 64, 4, 2, DEVICE, torch.float32)
-    x = torch.randn(2, 40, 64, device=DEVICE, requires_grad=True)
-    embeddings = rotary_embeddings(config, x, 40)
-    token_mask = torch.ones(2, 40, dtype=torch.bool, device=DEVICE)
-    token_mask[0, :7] = False
-
-    def step(x):
-        return module(x, embeddings, None, token_mask)
-
-    expected = step(x)
-    weights = torch.randn_like(expected)
-    expected_grad, = torch.autograd.grad((expected * weights).sum(), x)
-    torch._dynamo.reset()
-    actual = torch.compile(step, fullgraph=True, backend="aot_eager_decomp_partition")(x)
-    actual_grad, = torch.autograd.grad((actual * weights).sum(), x)
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-5, atol=1e-6)
-    torch._dynamo.reset()
+    step, x, _ = padded_layer_step("rsa", options, 64, 40)
+    check_step_compiles_whole(step, x)

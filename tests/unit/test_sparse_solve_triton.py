@@ -11,6 +11,7 @@ from triton_interpreter import DEVICE, interpreter_only, needs_kernels, run_unde
 from hf_mixers.apps.bench.op_count import count_ops
 from hf_mixers.kernels.feedback_solve import sparse_solve
 from hf_mixers.kernels.token_patterns import support_rows
+from hf_mixers.testing import check_step_compiles_whole
 
 
 @pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
@@ -92,3 +93,18 @@ def test_a_gltm_layer_on_the_kernel_equals_its_pytorch_path(pattern):
         results[backend] = [out.detach(), x.grad] + [p.grad for p in module.parameters() if p.grad is not None]
     for expected, actual in zip(results["torch"], results["auto"], strict=True):
         torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+
+
+@needs_kernels
+def test_a_gltm_layer_on_the_kernel_is_one_graph_for_torch_compile():
+    """The solve's kernels are torch.library ops, so a GLTM layer's training step on them compiles with
+    ``fullgraph=True`` and gives the eager output and input gradient."""
+    from hf_mixers.apps.bench.harness import build_mixer, rotary_embeddings
+
+    torch.manual_seed(0)
+    module, config = build_mixer("gltm", {"gltm_chunk_size": 8, "kernel_backend": "triton"}, 32, 4, 2, DEVICE,
+                                 torch.float32)
+    x = torch.randn(2, 24, 32, device=DEVICE, requires_grad=True)
+    embeddings = rotary_embeddings(config, x, 24)
+
+    check_step_compiles_whole(lambda x: module(x, embeddings), x)

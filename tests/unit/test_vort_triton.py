@@ -8,12 +8,13 @@ FAVOR+ offset), and a converted layer with all of them."""
 import pytest
 import torch
 
-from triton_interpreter import DEVICE, interpreter_only, needs_kernels, run_under_interpreter
+from triton_interpreter import DEVICE, interpreter_only, needs_kernels, padded_layer_step, run_under_interpreter
 
 from hf_mixers.apps.bench.op_count import count_ops
 from hf_mixers.kernels.hedgehog import hedgehog, hedgehog_pair
 from hf_mixers.kernels.retention import normalised_read
 from hf_mixers.kernels.soe import write_weights
+from hf_mixers.testing import check_step_compiles_whole
 
 
 @pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
@@ -221,3 +222,17 @@ def test_a_vort_layer_on_the_kernel_equals_its_pytorch_path(combine):
         results[backend] = [out.detach(), x.grad] + [p.grad for p in module.parameters()]
     for expected, actual in zip(results["torch"], results["auto"], strict=True):
         torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+
+
+@needs_kernels
+def test_a_vort_layer_on_its_kernels_is_one_graph_for_torch_compile():
+    """The write weights, Hedgehog, normalised-read and combine kernels are torch.library ops (forward and
+    backward), so a converted VORT layer's training step on them compiles with ``fullgraph=True`` (a left-padded
+    batch) and gives the eager output and input gradient."""
+    from hf_mixers.core.registry import get_mixer
+
+    torch.manual_seed(0)
+    options = {**get_mixer("vort").conversion_options, "vort_window": 8, "vort_chunk_size": 8,
+               "kernel_backend": "triton"}
+    step, x, _ = padded_layer_step("vort", options, 32, 30)
+    check_step_compiles_whole(step, x)
