@@ -95,6 +95,7 @@ def test_a_gltm_layer_on_the_kernel_equals_its_pytorch_path(pattern):
         torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.variant  # a trace by dynamo and AOTAutograd: the full tier
 @needs_kernels
 def test_a_gltm_layer_on_the_kernel_is_one_graph_for_torch_compile():
     """The solve's kernels are torch.library ops, so a GLTM layer's training step on them compiles with

@@ -224,6 +224,7 @@ def test_a_vort_layer_on_the_kernel_equals_its_pytorch_path(combine):
         torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.variant  # a trace by dynamo and AOTAutograd: the full tier
 @needs_kernels
 def test_a_vort_layer_on_its_kernels_is_one_graph_for_torch_compile():
     """The write weights, Hedgehog, normalised-read and combine kernels are torch.library ops (forward and
