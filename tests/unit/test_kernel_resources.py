@@ -75,6 +75,7 @@ def test_the_residual_mlp_kernels_fit_sm90_registers_without_a_spill(monkeypatch
         assert warps == 4 and registers <= 168 and spill == 0, (kernel, usage)
 
 
+@pytest.mark.variant  # ten sm_90 compiles a layout where Triton's cache is cold (CI): the full tier
 @pytest.mark.parametrize("shape", ["smollm2-135m", "llama3-8b"])
 def test_the_vort_and_window_kernels_fit_sm90_registers_without_a_spill(monkeypatch, shape):
     """Issue 67's register budget, read from the sm_90 cubins of VORT's kernels (write weights, Hedgehog maps,

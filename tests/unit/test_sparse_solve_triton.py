@@ -14,6 +14,7 @@ from hf_mixers.kernels.token_patterns import support_rows
 from hf_mixers.testing import check_step_compiles_whole
 
 
+@pytest.mark.variant  # a subprocess of interpreted kernels: the full tier (make test) only
 @pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
 def test_under_interpreter_in_subprocess():
     run_under_interpreter(__file__)
