@@ -101,15 +101,18 @@ def test_vort_step_as_converted_meets_the_budget():
     assert short.ops == long.ops and short.ops <= 134, (short.ops, long.ops, short.top())  # the budget: 150
 
 
-# every converted-to mixer with each of its optional branches (the contract suite's variants)
-VARIANTS = [(spec.name, variant, {**spec.conversion_options, **spec.tiny_options, **options})
+# every converted-to mixer with each of its optional branches (the contract suite's variants), left-padded (the mask's
+# path, the one with more to read back); packed (no mask) for each mixer's base configuration
+VARIANTS = [(spec.name, variant, {**spec.conversion_options, **spec.tiny_options, **options}, padded)
             for spec in list_mixers(convertible=True) if not spec.is_teacher_attention
-            for variant, options in {"": {}, **spec.tiny_variants}.items()]
+            for variant, options in {"": {}, **spec.tiny_variants}.items()
+            for padded in ((False, True) if not variant else (True,))]
 
 
 @needs_kernels
-@pytest.mark.parametrize("padded", [False, True], ids=["packed", "left_padded"])
-@pytest.mark.parametrize("mixer,variant,options", VARIANTS, ids=[f"{m}[{v}]" if v else m for m, v, _ in VARIANTS])
+@pytest.mark.parametrize("mixer,variant,options,padded", VARIANTS,
+                         ids=[(f"{m}[{v}]" if v else m) + ("-left_padded" if p else "-packed")
+                              for m, v, _, p in VARIANTS])
 def test_a_training_step_reads_nothing_back_to_the_host(mixer, variant, options, padded):
     """A host read (``.item()``, ``bool(tensor)``, a data-dependent shape) waits for the GPU's queue to drain, so a
     training step has none: sizes come from the shapes, and checks that need the data run only in the debug mode
