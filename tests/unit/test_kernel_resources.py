@@ -13,6 +13,23 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _compiling_tool(monkeypatch):
+    """scripts/kernel_resources.py loaded, every Triton launch from now on compiled for sm_90 instead of run: (the
+    tool, the list its records go to). Skips under TRITON_INTERPRET=1, where kernels are interpreted."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(tl.zeros, InterpretedFunction):
+        pytest.skip("under TRITON_INTERPRET=1 kernels are interpreted, not compiled")
+    spec = importlib.util.spec_from_file_location("kernel_resources", ROOT / "scripts" / "kernel_resources.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    records = []
+    monkeypatch.setattr(JITFunction, "run", tool.compiling_run(90, records, set()))
+    return tool, records
+
+
 def test_a_launch_is_compiled_for_sm90_and_its_shared_memory_read(monkeypatch):
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
@@ -46,20 +63,10 @@ def test_a_launch_is_compiled_for_sm90_and_its_shared_memory_read(monkeypatch):
 def test_the_residual_mlp_kernels_fit_sm90_registers_without_a_spill(monkeypatch, width):
     """Issue 67's register budget, read from the sm_90 cubins of RSA's residual MLP kernels at both head widths: at
     most 168 registers a thread at 4 warps and no spill (RSA's other kernels do not fit yet: docs/benchmarks.md)."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
     from hf_mixers.kernels import rsa_mlp_triton
     from hf_mixers.kernels.rsa_state import ResidualMLPWeights
 
-    if isinstance(tl.zeros, InterpretedFunction):
-        pytest.skip("under TRITON_INTERPRET=1 kernels are interpreted, not compiled")
-    spec = importlib.util.spec_from_file_location("kernel_resources", ROOT / "scripts" / "kernel_resources.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    records = []
-    monkeypatch.setattr(JITFunction, "run", tool.compiling_run(90, records, set()))
+    _, records = _compiling_tool(monkeypatch)
     mlp = lambda: ResidualMLPWeights(*(torch.zeros(*shape, requires_grad=True)  # noqa: E731
                                        for shape in ((width, width), (width,), (width, width), (width,))))
     x, y = (torch.zeros(1, 3, 64, width, requires_grad=True) for _ in range(2))
@@ -81,19 +88,9 @@ def test_the_vort_and_window_kernels_fit_sm90_registers_without_a_spill(monkeypa
     """Issue 67's register budget, read from the sm_90 cubins of VORT's kernels (write weights, Hedgehog maps,
     normalised read) and the window's (the flex read's entropy, the shared combine) at both head layouts: at most 168
     registers a thread at 4 warps and no spill, forward and backward."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
     from hf_mixers.apps.bench.kernels import SHAPES
 
-    if isinstance(tl.zeros, InterpretedFunction):
-        pytest.skip("under TRITON_INTERPRET=1 kernels are interpreted, not compiled")
-    spec = importlib.util.spec_from_file_location("kernel_resources", ROOT / "scripts" / "kernel_resources.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    records = []
-    monkeypatch.setattr(JITFunction, "run", tool.compiling_run(90, records, set()))
+    tool, records = _compiling_tool(monkeypatch)
     monkeypatch.setattr("hf_mixers.kernels.dispatch.triton_unavailable", lambda device: None)  # compiled, never run
     tool.run_vort_kernels(SHAPES[shape], 64)
     usage = {record["kernel"]: (record["options"]["num_warps"], record["registers"], record["spill_bytes"])
