@@ -59,6 +59,12 @@ def _packed_starts(shapes) -> tuple[list[int], int]:
     return starts, end
 
 
+def readable_in_place(x: torch.Tensor) -> bool:
+    """Whether a kernel can read x as it lies (and write its gradient in a tensor allocated like it): unit stride on
+    the last axis, and ``empty_like`` keeps x's strides (dense, no overlap)."""
+    return x.stride(-1) == 1 and torch.empty_like(x).stride() == x.stride()
+
+
 def packed_zeros(shapes, device) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Zero-filled fp32 tensors of ``shapes`` as views of one buffer, for kernels that accumulate into them: one fill
     launch instead of one a tensor. Returns (the buffer, the views). A torch.library op returns the buffer (an op's

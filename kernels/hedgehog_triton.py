@@ -31,7 +31,7 @@ try:
 finally:
     pass
 
-from .common import kernel_op, tile_edge
+from .common import kernel_op, readable_in_place, tile_edge
 from .rsa_chain_triton import INPUT_PRECISION
 
 # Tiles and warps chosen from sm_90 cubins (scripts/kernel_resources.py --kernel vort; docs/benchmarks.md): within
@@ -241,13 +241,8 @@ def hedgehog_pair_triton(q: Tensor, q_weight: Tensor, k: Tensor, k_weight: Tenso
     """``hedgehog.hedgehog_pair``'s result on the kernels: q (B, G, g, T, d) or (B, G, T, d), k (B, G, T, d), any
     strides (a transposed projection is read in place), weights (G, d, F / 2) in q's dtype."""
     queries = q if q.dim() == 5 else q.unsqueeze(2)
-    queries = queries if _reads_in_place(queries) else queries.contiguous()
-    keys = k if _reads_in_place(k) else k.contiguous()
+    queries = queries if readable_in_place(queries) else queries.contiguous()
+    keys = k if readable_in_place(k) else k.contiguous()
     phi_q, phi_k = _hedgehog_forward(queries, q_weight.contiguous(), keys, k_weight.contiguous())
     return phi_q.view(*q.shape[:-1], -1), phi_k
 
-
-def _reads_in_place(x: Tensor) -> bool:
-    """Whether the kernel can read (and its backward write the gradient of) x as it is: unit feature stride, and a
-    gradient allocated like x has x's strides (dense, no overlap)."""
-    return x.stride(-1) == 1 and torch.empty_like(x).stride() == x.stride()

@@ -28,7 +28,7 @@ try:
 finally:
     pass
 
-from .common import kernel_op, tile_edge
+from .common import kernel_op, readable_in_place, tile_edge
 
 # (rows, features) tiles of at most 2,048 elements a tensor, at 4 warps (as kernels/window_combine_triton.py)
 TILE_ELEMENTS, WARPS = 2048, 4
@@ -160,8 +160,7 @@ _read_entropy_forward.register_autograd(_gradients, setup_context=_save)
 def read_entropy_triton(out: Tensor, lse: Tensor, query: Tensor, valid: Tensor, window: int, value_dim: int,
                         scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """``local_attention.flex_read_entropy``'s result on the kernels (log Z and H cast to the queries' dtype)."""
-    heads_merge = query.stride(1) == query.stride(2) * query.shape[2]
-    if query.stride(-1) != 1 or not heads_merge or torch.empty_like(query).stride() != query.stride():
+    if not readable_in_place(query) or query.stride(1) != query.stride(2) * query.shape[2]:  # (G, g) as one axis
         query = query.contiguous()
     values, log_z, entropy = _read_entropy_forward(out.contiguous(), lse.contiguous(), query, valid.contiguous(),
                                                    int(window), int(value_dim), float(scale))

@@ -76,11 +76,9 @@ def _read_bwd(read_ptr, offset_ptr, g_out_ptr, g_log_ptr, d_read_ptr, N, HEADS, 
 
 
 def _launch(read: Tensor, eps0: float, offset: Tensor | None) -> tuple:
-    """(grid, the sizes and scalars both kernels take, constexprs) for read (B, G, g, T, dv + 1)."""
+    """(grid, the sizes and scalars both kernels take, constexprs) for read (B, G, g, T, dv + 1) whose head axes
+    (G, g) are one strided axis (``normalised_read_triton`` makes them so)."""
     batch, groups, per_group, length, columns = read.shape
-    if read.stride(2) * per_group != read.stride(1):  # the two head axes as one (B, heads, T) stride each
-        raise ValueError(f"normalised_read: the read's head axes must be one strided axis, got strides "
-                         f"{read.stride()}")
     block_v = tile_edge(columns)
     block_n = max(16, TILE_ELEMENTS // block_v)
     queries = batch * groups * per_group * length
