@@ -27,6 +27,22 @@ def data_checks() -> bool:
     return os.environ.get("HF_MIXERS_DEBUG") == "1" and not torch.compiler.is_compiling()
 
 
+_shape_constants: dict = {}  # key -> a tensor built from shapes and options only (``shape_constant``)
+
+
+def shape_constant(key: tuple, build):
+    """``build()``, a value that depends only on shapes and options (a pattern's index table, a block mask): built
+    once per ``key`` (which names the device) and kept, the 64 newest; inside a compiled graph built in place, as
+    part of the graph (a kept tensor would be a global for dynamo to guard on)."""
+    if torch.compiler.is_compiling():
+        return build()
+    if key not in _shape_constants:
+        if len(_shape_constants) >= 64:
+            _shape_constants.pop(next(iter(_shape_constants)))
+        _shape_constants[key] = build()
+    return _shape_constants[key]
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Solves and softmax normalisers run in fp32 whatever the activation dtype (fp64 stays fp64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -36,6 +36,7 @@ import torch
 
 from .common import check_feedback_shapes, compute_dtype, data_checks, outside_autocast
 from .dispatch import use_triton
+from .sparse_attention import gather_rows, gathered_softmax_reference
 
 
 def strict_past_softmax(
@@ -191,33 +192,6 @@ def feedback_solve_chunked(f, q, k, gain, key_mask=None, past_k=None, past_s=Non
     return _ChunkedFeedbackSolve.apply(f, q, k, gain, key_mask, past_k, past_s, scale, chunk_size)
 
 
-@outside_autocast
-def gathered_softmax(q, keys, support, scale):
-    """Softmax of <q_t, keys_j> * scale over the keys a table names: q (B, T, g, d) (g queries per key head, GQA),
-    keys (B, N, d), support (B, T, K) indices into keys, -1 for none -> weights (B, T, g, K), 0 at -1 and all 0 on a
-    row with no key. Memory (B, T, K, d) for the gathered keys: what GLTM's sparse patterns cost instead of a T x N
-    score matrix, once per key head."""
-    valid = (support >= 0)[:, :, None]  # (B, T, 1, K)
-    gathered = _gather_rows(keys, support.clamp(min=0))
-    logits = torch.einsum("btgd,btkd->btgk", q, gathered) * scale
-    logits = logits.masked_fill(~valid, float("-inf")).masked_fill(~valid.any(-1, keepdim=True), 0.0)
-    return torch.softmax(logits, dim=-1).masked_fill(~valid, 0.0)
-
-
-@outside_autocast
-def sparse_attention(q, keys, values, support, scale):
-    """Softmax attention of each query over the rows a table names: q (B, T, g, d), keys / values (B, N, d / dv),
-    support (B, T, K) (-1: none) -> (B, T, g, dv) in the compute dtype; a row with no key gives 0."""
-    cd = compute_dtype(q.dtype)
-    weights = gathered_softmax(q.to(cd), keys.to(cd), support, scale)
-    return torch.einsum("btgk,btkd->btgd", weights, _gather_rows(values.to(cd), support.clamp(min=0)))
-
-
-def _gather_rows(x, index):
-    """x (B, N, D) at index (B, C, K) -> (B, C, K, D)."""
-    return x.gather(1, index.flatten(1)[..., None].expand(-1, -1, x.shape[-1])).view(*index.shape, x.shape[-1])
-
-
 class _SparseFeedbackSolve(torch.autograd.Function):
     """(I - B) s = f with row t of B given as weights (B, T, K) on rows support (B, T, K) of [past, new] (-1: none),
     by chunks of C rows: entries in earlier chunks gathered into the right-hand side, entries inside the chunk
@@ -237,7 +211,7 @@ class _SparseFeedbackSolve(torch.autograd.Function):
         for c0 in range(0, length, chunk_size):
             c1 = min(c0 + chunk_size, length)
             earlier, inside, index, local = _split_chunk(weights, support, past + c0, past + c1, c0, c1)
-            rhs = f[:, c0:c1] + torch.einsum("bck,bckd->bcd", earlier, _gather_rows(s_all, index))
+            rhs = f[:, c0:c1] + torch.einsum("bck,bckd->bcd", earlier, gather_rows(s_all, index))
             s_all[:, past + c0:past + c1] = solve_block(_block(inside, local, c1 - c0), rhs)
         ctx.save_for_backward(weights, support, s_all)
         ctx.meta = (past, chunk_size)
@@ -260,7 +234,7 @@ class _SparseFeedbackSolve(torch.autograd.Function):
             contribution = earlier[..., None] * lam[:, :, None, :]  # (B, C, K, D) onto the earlier rows it read
             adjoint.scatter_add_(1, index.flatten(1)[..., None].expand(-1, -1, lam.shape[-1]),
                                  contribution.flatten(1, 2))
-            read = torch.einsum("bcd,bckd->bck", lam, _gather_rows(s_all, index))  # lam_t . s_j
+            read = torch.einsum("bcd,bckd->bck", lam, gather_rows(s_all, index))  # lam_t . s_j
             d_weights[:, c0:c1] = read * (support[:, c0:c1] >= 0)
         return adjoint[:, past:], d_weights, None, (adjoint[:, :past] if past else None), None
 
@@ -302,7 +276,7 @@ def feedback_solve_sparse(f, q, k, gain, support, past_k=None, past_s=None, scal
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     cd = compute_dtype(f.dtype)
     keys = (k if past_k is None else torch.cat([past_k, k], dim=1)).to(cd)
-    weights = gain.to(cd)[..., None] * gathered_softmax(q.to(cd)[:, :, None], keys, support, scale)[:, :, 0]
+    weights = gathered_softmax_reference(q.to(cd)[:, :, None], keys, support, scale, gain.to(cd)[..., None])[:, :, 0]
     return sparse_solve(f, weights, support, past_s, chunk_size)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
+from .common import shape_constant
 from .dispatch import library_kernel, use_triton
 
 # Scores one call of ``window_attention`` holds at most, (B, G, g, block, 2w) per block of w queries: longer inputs go
@@ -113,7 +114,6 @@ def _attend(query_b, spans_k, spans_v, allowed, scale: float, length: int, with_
 # The flex path ------------------------------------------------------------------------------------------------------
 
 FLEX_BLOCK = 128  # flex_attention's sparse block, both sides
-_band_masks: dict = {}  # (length, span, window, block, device) -> BlockMask, for eager calls (a compile builds its own)
 _compiled_flex = None
 
 
@@ -123,26 +123,22 @@ def band_block_mask(length: int, span: int, window: int, device, block: int | No
     i reads the key blocks from the one holding its first query's first key to the one holding its last query's last
     key. No block is marked full, so the score_mod (the padding) and the band's mask_mod apply in every block read."""
     block = block or FLEX_BLOCK
-    key = (length, span, window, block, str(device))
-    if key in _band_masks and not torch.compiler.is_compiling():
-        return _band_masks[key]
-    query_blocks, key_blocks = -(-length // block), -(-span // block)
-    starts = torch.arange(query_blocks, device=device) * block
-    first = (starts + 1) // block
-    last = ((starts + block).clamp(max=length) - 1 + window).clamp(max=span - 1) // block
-    indices = (first[:, None] + torch.arange(key_blocks, device=device)).clamp(max=key_blocks - 1)
 
-    def band(batch, head, query, key):  # key index c is read by query i when i + 1 <= c <= i + w
-        gap = query + window - key
-        return (gap >= 0) & (gap < window)
+    def build():
+        query_blocks, key_blocks = -(-length // block), -(-span // block)
+        starts = torch.arange(query_blocks, device=device) * block
+        first = (starts + 1) // block
+        last = ((starts + block).clamp(max=length) - 1 + window).clamp(max=span - 1) // block
+        indices = (first[:, None] + torch.arange(key_blocks, device=device)).clamp(max=key_blocks - 1)
 
-    mask = BlockMask.from_kv_blocks((last - first + 1).int()[None, None], indices.int()[None, None], BLOCK_SIZE=block,
-                                    mask_mod=band, seq_lengths=(length, span))
-    if not torch.compiler.is_compiling():
-        if len(_band_masks) >= 64:
-            _band_masks.clear()
-        _band_masks[key] = mask
-    return mask
+        def band(batch, head, query, key):  # key index c is read by query i when i + 1 <= c <= i + w
+            gap = query + window - key
+            return (gap >= 0) & (gap < window)
+
+        return BlockMask.from_kv_blocks((last - first + 1).int()[None, None], indices.int()[None, None],
+                                        BLOCK_SIZE=block, mask_mod=band, seq_lengths=(length, span))
+
+    return shape_constant(("band", length, span, window, block, str(device)), build)
 
 
 def flex_window_attention(query, keys, values, valid, window: int, scale: float, with_entropy: bool = False,
@@ -200,7 +196,7 @@ def _flex_unsupported(query, length: int, window: int) -> str | None:
     return None
 
 
-def _compiled(flex):
+def compiled_flex(flex):
     """flex_attention compiled once a process (its fused kernel; eager flex_attention is the dense reference)."""
     global _compiled_flex
     if torch.compiler.is_compiling():  # inside a compiled step: dynamo traces flex_attention itself
@@ -220,5 +216,5 @@ def local_attention(query, keys, values, valid, window: int, scale: float, with_
     if flex is None:
         return window_attention(query, keys, values, valid, window, scale, with_entropy)
     if query.device.type == "cuda":
-        flex = _compiled(flex)
+        flex = compiled_flex(flex)
     return flex_window_attention(query, keys, values, valid, window, scale, with_entropy, flex=flex, backend=backend)

@@ -37,24 +37,24 @@ MAX_WIDTH = 256  # D in one tile: (K, D) gathers
 
 
 @triton.jit
-def _row_entries(idx_ptr, w_ptr, b, t, T, K, BLOCK_K: tl.constexpr):
-    """Row t of batch row b: where its entries sit, their rows of [past, new] (clamped: 0 where none), weights, and
-    which are real."""
+def _row_entries(idx_ptr, w_ptr, b, t, T, K, si_b, BLOCK_K: tl.constexpr):
+    """Row t of batch row b: where its weights sit, their rows of [past, new] (clamped: 0 where none), weights, and
+    which are real (``si_b``: the support's batch stride, 0 for one table shared by every batch row)."""
     slots = tl.arange(0, BLOCK_K)
     entry = (b * T + t) * K + slots
-    index = tl.load(idx_ptr + entry, mask=slots < K, other=-1)
+    index = tl.load(idx_ptr + b * si_b + t * K + slots, mask=slots < K, other=-1)
     weight = tl.load(w_ptr + entry, mask=slots < K, other=0.0)
     return entry, tl.maximum(index, 0), weight, index >= 0
 
 
 @triton.jit
-def _solve_fwd(f_ptr, w_ptr, idx_ptr, s_ptr, T, P, K, D, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+def _solve_fwd(f_ptr, w_ptr, idx_ptr, s_ptr, T, P, K, D, si_b, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """Batch row b: s rows P .. P + T - 1 of s (B, P + T, D), its past rows already in place."""
     b = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     rows_base = b * (P + T)
     for t in range(T):
-        _, index, weight, read = _row_entries(idx_ptr, w_ptr, b, t, T, K, BLOCK_K)
+        _, index, weight, read = _row_entries(idx_ptr, w_ptr, b, t, T, K, si_b, BLOCK_K)
         gathered = tl.load(s_ptr + (rows_base + index)[:, None] * D + cols[None, :],
                            mask=read[:, None] & (cols < D)[None, :], other=0.0)
         solved = tl.load(f_ptr + (b * T + t) * D + cols, mask=cols < D, other=0.0) \
@@ -64,7 +64,7 @@ def _solve_fwd(f_ptr, w_ptr, idx_ptr, s_ptr, T, P, K, D, BLOCK_K: tl.constexpr, 
 
 
 @triton.jit
-def _solve_bwd(g_ptr, w_ptr, idx_ptr, s_ptr, lam_ptr, dw_ptr, T, P, K, D, BLOCK_K: tl.constexpr,
+def _solve_bwd(g_ptr, w_ptr, idx_ptr, s_ptr, lam_ptr, dw_ptr, T, P, K, D, si_b, BLOCK_K: tl.constexpr,
                BLOCK_D: tl.constexpr):
     """Batch row b, rows T - 1 .. 0: lam (B, P + T, D), zero-filled, ends as d [past_s, f]; dw (B, T, K)."""
     b = tl.program_id(0)
@@ -76,7 +76,7 @@ def _solve_bwd(g_ptr, w_ptr, idx_ptr, s_ptr, lam_ptr, dw_ptr, T, P, K, D, BLOCK_
         lam = tl.load(g_ptr + (b * T + t) * D + cols, mask=cols < D, other=0.0) \
             + tl.load(lam_ptr + at, mask=cols < D, other=0.0)
         tl.store(lam_ptr + at, lam, mask=cols < D)
-        entry, index, weight, read = _row_entries(idx_ptr, w_ptr, b, t, T, K, BLOCK_K)
+        entry, index, weight, read = _row_entries(idx_ptr, w_ptr, b, t, T, K, si_b, BLOCK_K)
         rows = (rows_base + index)[:, None] * D + cols[None, :]
         mask = read[:, None] & (cols < D)[None, :]
         gathered = tl.load(s_ptr + rows, mask=mask, other=0.0)
@@ -98,7 +98,7 @@ def _sparse_solve_forward(f: Tensor, weights: Tensor, support: Tensor, past_s: T
     if past:
         solved[:, :past] = past_s
     if f.numel():
-        _solve_fwd[(batch,)](f, weights, support, solved, length, past, weights.shape[-1], width,
+        _solve_fwd[(batch,)](f, weights, support, solved, length, past, weights.shape[-1], width, support.stride(0),
                              **_options(weights, width))
     return solved
 
@@ -116,7 +116,7 @@ def _sparse_solve_backward(grad: Tensor, weights: Tensor, support: Tensor, solve
     d_weights = torch.empty_like(weights)
     if grad.numel():
         _solve_bwd[(batch,)](grad, weights, support, solved, lam, d_weights, length, solved.shape[1] - length,
-                             weights.shape[-1], width, **_options(weights, width))
+                             weights.shape[-1], width, support.stride(0), **_options(weights, width))
     return [lam, d_weights]
 
 
@@ -142,8 +142,10 @@ _sparse_solve_forward.register_autograd(_gradients, setup_context=_save)
 
 
 def sparse_solve_triton(f: Tensor, weights: Tensor, support: Tensor, past_s: Tensor | None = None) -> Tensor:
-    """``feedback_solve.sparse_solve``'s result on the kernels: f (B, T, D), weights / support (B, T, K), past_s
-    (B, P, D) or None, in f's dtype (fp32 or fp64)."""
-    solved = _sparse_solve_forward(f.contiguous(), weights.contiguous(), support.contiguous(),
+    """``feedback_solve.sparse_solve``'s result on the kernels: f (B, T, D), weights / support (B, T, K) (the
+    support's batch may be a broadcast), past_s (B, P, D) or None, in f's dtype (fp32 or fp64)."""
+    if support.stride(-1) != 1 or support.stride(-2) != support.shape[-1]:
+        support = support.contiguous()
+    solved = _sparse_solve_forward(f.contiguous(), weights.contiguous(), support,
                                    None if past_s is None else past_s.contiguous())
     return solved if past_s is None or not past_s.shape[1] else solved[:, past_s.shape[1]:]

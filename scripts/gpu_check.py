@@ -428,7 +428,7 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
     ] + ([] if dry else [  # on CPU `make test` runs these under the interpreter already
         ("pytest-triton", [*python, "-m", "pytest", "tests/unit/test_feedback_solve_triton.py",
                            "tests/unit/test_rsa_chunk_triton.py", "tests/unit/test_vort_triton.py",
-                           "tests/unit/test_window_triton.py", "tests/unit/test_sparse_solve_triton.py", "-m", "", "-q",
+                           "tests/unit/test_window_triton.py", "tests/unit/test_gltm_triton.py", "-m", "", "-q",
                            "-p", "no:cacheprovider"], 150, {}),
     ]) + [  # issue 34's scale checks, last: minutes each (`--only scale-1b,scale-8b` runs them alone); on CPU both
         # would run the same tiny shape, so the one with more settings (gradient checkpointing) proves the step

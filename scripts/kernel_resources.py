@@ -144,16 +144,23 @@ def run_vort_kernels(shape: dict, length: int) -> None:
 
 
 def run_gltm_kernels(shape: dict, length: int) -> None:
-    """GLTM's sparse solve, forward and backward: a (sequence, head) row a program, pow2_ce's support, head_dim wide."""
+    """GLTM's kernels, forward and backward, with pow2_ce's support: the gathered softmax (a (sequence, key head)
+    row of a query row a program, its query heads in turn) and the sparse solve (a (sequence, head) row a program)."""
     import torch
 
     from hf_mixers.kernels.feedback_solve import sparse_solve
+    from hf_mixers.kernels.sparse_attention import gathered_softmax
     from hf_mixers.kernels.token_patterns import support_rows
 
-    support = support_rows("pow2_ce", torch.arange(1, length + 1).expand(shape["heads"], -1)) - 1
-    weights = torch.rand(support.shape, requires_grad=True)
-    f = torch.randn(shape["heads"], length, shape["head_dim"], requires_grad=True)
-    sparse_solve(f, weights, support, backend="triton").sum().backward()
+    groups, width = shape["kv_heads"], shape["head_dim"]
+    leaf = lambda *size: torch.randn(*size, requires_grad=True)  # noqa: E731
+    support = support_rows("pow2_ce", torch.arange(1, length + 1)[None]) - 1  # (1, T, K): shared by the rows
+    gathered_softmax(leaf(groups, length, shape["heads"] // groups, width), leaf(groups, length, width),
+                     support.expand(groups, -1, -1), 0.125, gain=torch.rand(groups, length, shape["heads"] // groups),
+                     backend="triton").sum().backward()
+    weights = torch.rand(shape["heads"], *support.shape[1:], requires_grad=True)
+    sparse_solve(leaf(shape["heads"], length, width), weights, support.expand(shape["heads"], -1, -1),
+                 backend="triton").sum().backward()
 
 
 def main() -> int:

@@ -40,9 +40,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from ..core.attention import FullAttention
 from ..core.cache import KVPlusLayer
 from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
-from ..kernels.common import compute_dtype
-from ..kernels.feedback_solve import (feedback_solve, feedback_solve_sparse, gathered_softmax, sparse_attention,
-                                      sparse_solve, strict_past_softmax)
+from ..kernels.common import compute_dtype, shape_constant
+from ..kernels.feedback_solve import feedback_solve, feedback_solve_sparse, sparse_solve, strict_past_softmax
+from ..kernels.sparse_attention import gathered_softmax, sparse_attention
 from ..kernels.token_patterns import PATTERNS, RECURRENT, offset_function, offsets_below, support_rows
 
 GATES = ("mamba2", "sigmoid", "fixed")
@@ -203,7 +203,7 @@ class GLTMMixer(FullAttention):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
                 past_key_values=None, **kwargs):
         batch, length, _ = hidden_states.shape
-        heads, groups = self.num_heads, self.num_key_value_groups
+        heads, kv_heads, groups = self.num_heads, self.num_key_value_heads, self.num_key_value_groups
         cd = compute_dtype(hidden_states.dtype)
         layer = None if past_key_values is None else past_key_values.layers[self.layer_idx]
         old = None if layer is None or not layer.is_initialized else layer
@@ -215,8 +215,16 @@ class GLTMMixer(FullAttention):
         # no position exceeds this: the supports and the lookup are sized from the shapes, with no host read
         longest = seen + length if token_mask is None else token_mask.shape[1]
         query, key, value = self.project(hidden_states, position_embeddings)  # (B, H, T, d), (B, Hkv, T, d) x 2
-        if self.pattern not in FULL_A:  # 1-based positions -> rows of [kept positions, new tokens]
+        # every sequence at positions 1..T (no padding, no past: a training step, a first prefill) reads the same
+        # rows, built once a length; otherwise 1-based positions -> rows of [kept positions, new tokens] per call
+        shared = token_mask is None and old is None and self.pattern not in FULL_A
+        if shared:
+            a_rows, b_rows = self.shared_rows(length, hidden_states.device)  # (1, T, Ka), (1, T, K)
+        elif self.pattern not in FULL_A:
             index = _Lookup(positions if old is None else torch.cat([old.positions, positions], dim=1), longest)
+            a_rows = None if self.diagonal_a else index(self.a_support(positions, longest))  # (B, T, Ka)
+            b_rows = index(support_rows(self.pattern, positions, self.window, self.offsets, longest)) \
+                if self.recurrent else None  # (B, T, K)
         if self.diagonal_a:  # A reads x_i itself
             direct = value.repeat_interleave(groups, dim=1)  # (B, H, T, d)
         elif self.pattern in FULL_A:
@@ -231,9 +239,10 @@ class GLTMMixer(FullAttention):
             direct = direct.transpose(1, 2).to(cd)
         else:  # the A-support gathered from [kept positions, new tokens], appended to the cache (in place) first
             key_all, value_all = (key, value) if layer is None else layer.update(key, value)
-            a_rows = index(self.a_support(positions, longest))  # (B, T, Ka) into the M + T rows
             direct = sparse_attention(_by_kv_head(query, groups), key_all.flatten(0, 1), value_all.flatten(0, 1),
-                                      a_rows.repeat_interleave(self.num_key_value_heads, 0), self.scaling)
+                                      _per_head(a_rows, batch, kv_heads, shared), self.scaling,
+                                      shared=self.rows_name(length) if shared else None,
+                                      backend=self.config.kernel_backend)
             direct = _from_kv_head(direct, batch)  # (B, H, T, d)
         direct = direct.to(cd)
         if token_mask is not None:  # padded rows carry nothing (and no NaN) into anyone's solve
@@ -255,19 +264,19 @@ class GLTMMixer(FullAttention):
                                    method=self.config.gltm_solver, chunk_size=self.config.gltm_chunk_size,
                                    backend=self.config.kernel_backend)
             elif self.config.gltm_solver == "dense":  # the reference: masked T x T matrices, one solve
-                b_rows = index(support_rows(self.pattern, positions, self.window, self.offsets, longest))  # (B, T, K)
                 y = feedback_solve_sparse(_fold(f, 1), _fold(q_b, 1).to(cd), _fold(feedback_keys, groups).to(cd),
-                                          gate.flatten(0, 1), b_rows.repeat_interleave(heads, 0),
+                                          gate.flatten(0, 1), _per_head(b_rows, batch, heads, shared),
                                           past_k=fold_past(past_keys, groups), past_s=fold_past(past_outputs, 1),
                                           scale=self.scaling, method="dense")
-            else:  # B's entries from keys gathered once per KV head, then the block substitution
-                b_rows = index(support_rows(self.pattern, positions, self.window, self.offsets, longest))  # (B, T, K)
+            else:  # B's entries from keys gathered once per KV head, gated, then the block substitution
                 keys_all = feedback_keys if past_keys is None else torch.cat([past_keys, feedback_keys], dim=2)
-                weights = gathered_softmax(_by_kv_head(q_b, groups).to(cd), keys_all.flatten(0, 1).to(cd),
-                                           b_rows.repeat_interleave(self.num_key_value_heads, 0), self.scaling)
-                weights = _from_kv_head(weights, batch).flatten(0, 1) * gate.flatten(0, 1)[..., None]  # (B H, T, K)
-                y = sparse_solve(_fold(f, 1), weights, b_rows.repeat_interleave(heads, 0),
-                                 fold_past(past_outputs, 1), self.config.gltm_chunk_size, self.config.kernel_backend)
+                gain = gate.unflatten(1, (kv_heads, groups)).transpose(2, 3).flatten(0, 1)
+                weights = gathered_softmax(_by_kv_head(q_b, groups), keys_all.flatten(0, 1),
+                                           _per_head(b_rows, batch, kv_heads, shared), self.scaling, gain=gain,
+                                           backend=self.config.kernel_backend)  # (B Hkv, T, g, K)
+                y = sparse_solve(_fold(f, 1), _from_kv_head(weights, batch).flatten(0, 1),
+                                 _per_head(b_rows, batch, heads, shared), fold_past(past_outputs, 1),
+                                 self.config.gltm_chunk_size, self.config.kernel_backend)
             outputs = y.view(batch, heads, length, -1)  # what later tokens read (z under weight sharing)
             y = outputs if skip is None else outputs - skip[..., None] * direct  # weight sharing: y = z - d x
         else:
@@ -407,6 +416,20 @@ class GLTMMixer(FullAttention):
             return d + d_prime, d
         return 1.0 - gate, None
 
+    def rows_name(self, length: int) -> tuple:
+        """What ``shared_rows`` depends on: the pattern, its options and the length."""
+        return ("gltm", self.pattern, self.window, self.config.gltm_offsets, length)
+
+    def shared_rows(self, length: int, device) -> tuple:
+        """The A- and B-support of positions 1..T as rows of the T tokens (-1: none), (1, T, Ka) and (1, T, K) (the
+        A rows None with a diagonal A): the same for every call of that length, so built once (shape_constant)."""
+        def build():
+            positions = torch.arange(1, length + 1, device=device)[None]
+            b_rows = support_rows(self.pattern, positions, self.window, self.offsets, length) - 1
+            return None if self.diagonal_a else self.a_support(positions, length) - 1, b_rows
+
+        return shape_constant((*self.rows_name(length), str(device)), build)
+
     def a_support(self, positions, longest=None):
         """1-based positions of each token's A-support (B, T, Ka), 0 for none: {i} ∪ P(i), the window for local, {i}
         for ssm (spec X1, X9, X10); ``longest`` bounds the positions (``support_rows``)."""
@@ -457,6 +480,12 @@ def _from_kv_head(x, batch):
     """(B Hkv, T, g, ...) -> (B, H, T, ...), the inverse of ``_by_kv_head``."""
     x = x.unflatten(0, (batch, -1)).transpose(2, 3)  # (B, Hkv, g, T, ...)
     return x.flatten(1, 2)
+
+
+def _per_head(rows, batch, heads, shared):
+    """Support rows (B, T, K) -> (B heads, T, K), each sequence's rows for each of its heads; ``shared`` rows
+    (1, T, K), the same for every sequence, as a broadcast view."""
+    return rows.expand(batch * heads, -1, -1) if shared else rows.repeat_interleave(heads, 0)
 
 
 def _fold(x, groups):

@@ -162,3 +162,33 @@ def test_flex_attention_window_equals_the_block_form(shape_name, dtype, record):
     bound = 2e-3 if dtype == torch.float32 else 2e-2
     record(shape=shape_name, dtype=str(dtype), errors=errors, bound=bound)
     assert max(errors.values()) < bound, f"flex_attention window vs the block form: {errors}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_attention_over_a_gltm_pattern_equals_the_gathered_form(dtype, record):
+    """kernels/sparse_attention.sparse_attention on CUDA with a shared table takes flex_attention (compiled once; the
+    table as its mask_mod, the key blocks it touches as its block mask): GLTM's A-branch with pow2_ce at 2,048 tokens
+    and the 8B model's heads equals the gathered form in fp64 on the same rounded inputs, values and gradients."""
+    if DEVICE.type != "cuda":
+        pytest.skip("flex_attention's fused kernel needs CUDA (its CPU form: tests/unit/test_sparse_attention.py)")
+    from hf_mixers.kernels.sparse_attention import sparse_attention
+    from hf_mixers.kernels.token_patterns import support_rows
+
+    shape, length = SHAPES["llama3-8b"], 2048
+    per_group, dim = shape["heads"] // shape["kv_heads"], shape["head_dim"]
+    positions = torch.arange(1, length + 1)
+    table = (torch.cat([positions[:, None], support_rows("pow2_ce", positions)], -1) - 1).to(DEVICE)
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(2, length, per_group, dim, generator=g), torch.randn(2, length, dim, generator=g),
+              torch.randn(2, length, dim, generator=g)]
+    probe = torch.randn(2, length, per_group, dim, generator=g).to(DEVICE, torch.float64)
+    results = {}
+    for backend, run_dtype, shared in (("auto", dtype, ("gpu test", length)), ("torch", torch.float64, None)):
+        tensors = [t.to(dtype).to(DEVICE, run_dtype).requires_grad_() for t in leaves]
+        out = sparse_attention(*tensors, table.expand(2, -1, -1), dim ** -0.5, shared=shared, backend=backend)
+        grads = torch.autograd.grad((out.double() * probe).sum(), tensors)
+        results[backend] = {"out": out, **{f"d{name}": grad for name, grad in zip("qkv", grads)}}
+    errors = {name: relative_error(results["auto"][name], results["torch"][name]) for name in results["torch"]}
+    bound = 2e-3 if dtype == torch.float32 else 2e-2
+    record(dtype=str(dtype), errors=errors, bound=bound)
+    assert max(errors.values()) < bound, f"flex_attention over pow2_ce vs the gathered form: {errors}"

@@ -100,3 +100,20 @@ def test_the_vort_and_window_kernels_fit_sm90_registers_without_a_spill(monkeypa
     assert usage.keys() == kernels, records
     for kernel, (warps, registers, spill) in usage.items():
         assert warps == 4 and registers <= 168 and spill == 0, (kernel, usage)
+
+
+@pytest.mark.variant  # four sm_90 compiles a layout: the full tier
+@pytest.mark.parametrize("shape", ["smollm2-135m", "llama3-8b"])
+def test_the_gltm_kernels_fit_sm90_registers_without_a_spill(monkeypatch, shape):
+    """Issue 67's register budget for GLTM's gathered softmax and sparse solve, forward and backward, at both head
+    layouts: at most 168 registers a thread at 4 warps and no spill."""
+    from hf_mixers.apps.bench.kernels import SHAPES
+
+    tool, records = _compiling_tool(monkeypatch)
+    monkeypatch.setattr("hf_mixers.kernels.dispatch.triton_unavailable", lambda device: None)  # compiled, never run
+    tool.run_gltm_kernels(SHAPES[shape], 64)
+    usage = {record["kernel"]: (record["options"]["num_warps"], record["registers"], record["spill_bytes"])
+             for record in records}
+    assert usage.keys() == {"_softmax_fwd", "_softmax_bwd", "_solve_fwd", "_solve_bwd"}, records
+    for kernel, (warps, registers, spill) in usage.items():
+        assert warps == 4 and registers <= 168 and spill == 0, (kernel, usage)

@@ -1,7 +1,11 @@
-"""GLTM's sparse feedback solve on its Triton kernel (kernels/sparse_solve_triton.py) against the chunked PyTorch form
-(kernels/feedback_solve.py ``sparse_solve`` on the torch backend) and the dense reference: values and the gradients
-of f, the weights and a past, in fp64; GLTM's patterns, rows with no entry, a past, widths and entry counts that do
-not fill a tile."""
+"""GLTM's Triton kernels against their PyTorch references, in fp64: values and every gradient.
+
+- The sparse feedback solve (kernels/sparse_solve_triton.py) against the chunked form (kernels/feedback_solve.py
+  ``sparse_solve`` on the torch backend): GLTM's patterns, rows with no entry, a past, widths and entry counts that
+  do not fill a tile, one support table broadcast over the batch.
+- The gathered softmax (kernels/sparse_attention_triton.py) against ``gathered_softmax_reference``: GQA groups, a
+  gain, strided queries and keys, rows with no key, repeated entries.
+- A whole GLTM layer on the kernels against its PyTorch path, packed (shared support rows) and left-padded."""
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ from triton_interpreter import DEVICE, interpreter_only, needs_kernels, run_unde
 
 from hf_mixers.apps.bench.op_count import count_ops
 from hf_mixers.kernels.feedback_solve import sparse_solve
+from hf_mixers.kernels.sparse_attention import gathered_softmax, gathered_softmax_reference
 from hf_mixers.kernels.token_patterns import support_rows
 from hf_mixers.testing import check_step_compiles_whole
 
@@ -52,6 +57,44 @@ def test_the_kernel_equals_the_chunked_form_in_fp64(pattern, past):
 
 
 @needs_kernels
+def test_one_table_broadcast_over_the_batch_reads_as_its_copies():
+    f, weights, support, _ = _system("pow2_ce")
+    shared = support[:1].expand_as(support)  # every row's table is the same: a stride-0 view
+    torch.testing.assert_close(sparse_solve(f, weights, shared, backend="triton"),
+                               sparse_solve(f, weights, support.contiguous(), backend="torch"), rtol=1e-12, atol=1e-13)
+
+
+def _softmax_inputs(batch=3, length=19, per_group=3, width=10, keys_length=19, entries=6, seed=0):
+    """q (B, T, g, d) and keys (B, N, d) as strided views, support (B, T, K) with a row of no key and a repeated
+    entry, a gain (B, T, g) as a strided view."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, per_group, length, width, generator=generator, dtype=torch.float64).transpose(1, 2)
+    keys = torch.randn(keys_length, batch, width, generator=generator, dtype=torch.float64).transpose(0, 1)
+    support = torch.randint(-1, keys_length, (batch, length, entries), generator=generator)
+    support[1, 4] = -1  # a row with no key
+    support[2, 7, :2] = 5  # one key read twice (once where a row has one entry)
+    gain = torch.rand(batch, per_group, length, generator=generator, dtype=torch.float64).transpose(1, 2)
+    return tuple(t.to(DEVICE) for t in (q, keys, support, gain))
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_gain", [False, True])
+@pytest.mark.parametrize("shape", [dict(), dict(per_group=1, width=64, entries=16), dict(width=5, entries=1)])
+def test_the_gathered_softmax_kernel_equals_its_reference(with_gain, shape):
+    q, keys, support, gain = _softmax_inputs(**shape)
+    probe = torch.randn(*support.shape[:2], q.shape[2], support.shape[-1], dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    results = []
+    for softmax in (gathered_softmax_reference, lambda *args: gathered_softmax(*args, backend="triton")):
+        leaves = [t.clone().requires_grad_() for t in ((q, keys, gain) if with_gain else (q, keys))]
+        weights = softmax(leaves[0], leaves[1], support, 0.4, leaves[2] if with_gain else None)
+        results.append((weights, *torch.autograd.grad((weights * probe).sum(), leaves)))
+    for name, expected, actual in zip(("weights", "d q", "d keys", "d gain"), *results):
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-13, msg=name)
+    assert results[1][0][1, 4].abs().max() == 0  # no key: no weight
+
+
+@needs_kernels
 def test_the_kernel_solves_the_system():
     """(I - B) s = f holds row by row: s_t - sum_k w s[support] = f_t."""
     f, weights, support, _ = _system("pow2_ce", width=40)
@@ -75,10 +118,12 @@ def test_one_launch_each_way_whatever_the_length():
 
 
 @needs_kernels
-@pytest.mark.parametrize("pattern", ["pow2_ce", "banded"])
-def test_a_gltm_layer_on_the_kernel_equals_its_pytorch_path(pattern):
-    """A GLTM layer, left-padded, fp64: output and every parameter's gradient the same with the sparse solve on the
-    kernel and on the chunked form."""
+@pytest.mark.parametrize("pattern,padded", [("pow2_ce", True), ("banded", True), ("pow2_ce", False),
+                                            ("quad_ce", False)])
+def test_a_gltm_layer_on_the_kernels_equals_its_pytorch_path(pattern, padded):
+    """A GLTM layer in fp64, left-padded (rows looked up per call) or packed (the rows every sequence shares):
+    output and every parameter's gradient the same with the gathered softmax and the sparse solve on the kernels and
+    on the PyTorch forms."""
     from hf_mixers.apps.bench.harness import build_mixer, rotary_embeddings
 
     results = {}
@@ -89,7 +134,7 @@ def test_a_gltm_layer_on_the_kernel_equals_its_pytorch_path(pattern):
         x = torch.randn(2, 27, 32, dtype=torch.float64, device=DEVICE, requires_grad=True)
         mask = torch.ones(2, 27, dtype=torch.bool, device=DEVICE)
         mask[0, :6] = False
-        out = module(x, rotary_embeddings(config, x, 27), None, mask)
+        out = module(x, rotary_embeddings(config, x, 27), None, mask if padded else None)
         out.pow(2).sum().backward()
         results[backend] = [out.detach(), x.grad] + [p.grad for p in module.parameters() if p.grad is not None]
     for expected, actual in zip(results["torch"], results["auto"], strict=True):
@@ -99,7 +144,7 @@ def test_a_gltm_layer_on_the_kernel_equals_its_pytorch_path(pattern):
 @pytest.mark.variant  # a trace by dynamo and AOTAutograd: the full tier
 @needs_kernels
 def test_a_gltm_layer_on_the_kernel_is_one_graph_for_torch_compile():
-    """The solve's kernels are torch.library ops, so a GLTM layer's training step on them compiles with
+    """GLTM's kernels are torch.library ops, so a GLTM layer's training step on them compiles with
     ``fullgraph=True`` and gives the eager output and input gradient."""
     from hf_mixers.apps.bench.harness import build_mixer, rotary_embeddings
 
