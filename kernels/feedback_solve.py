@@ -320,38 +320,13 @@ def feedback_solve(f, q, k, gain, *, key_mask=None, past_k=None, past_s=None, sc
         raise ValueError(f"feedback_solve: unknown method {method!r}; choose one of {sorted(SOLVERS)}")
     check_feedback_shapes(f, q, k, gain, key_mask, past_k, past_s)
     if method == "chunked" and use_triton("Sessa feedback solve", f.device, backend,
-                                          check=lambda: _triton_unsupported(f),
-                                          slower=lambda: _pytorch_faster(f.shape, _multiprocessors(f.device))):
+                                          check=lambda: _triton_unsupported(f)):
         from .feedback_solve_triton import feedback_solve_triton  # needs triton: imported only when chosen
 
         return feedback_solve_triton(f, q, k, gain, key_mask=key_mask, past_k=past_k, past_s=past_s, scale=scale,
                                      chunk_size=chunk_size)
     kwargs = {"chunk_size": chunk_size} if method == "chunked" else {}
     return SOLVERS[method](f, q, k, gain, key_mask=key_mask, past_k=past_k, past_s=past_s, scale=scale, **kwargs)
-
-
-# The Triton forward (and its backward's lambda sweep) walks the query chunks in turn, one program per batch row and
-# block of value columns: with fewer programs than the GPU has multiprocessors, a long input runs faster on the
-# PyTorch chunked solve, whose products fill the GPU; on the lent H100 the crossing was at 4K tokens
-# (docs/benchmarks.md, "Kernels").
-SEQUENTIAL_LENGTH = 4096
-
-
-def _multiprocessors(device: torch.device) -> int | None:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-
-
-def _pytorch_faster(shape, multiprocessors: int | None) -> str | None:
-    """Why the PyTorch solve is faster for ``f`` of ``shape`` (B, T, D) on a GPU of ``multiprocessors`` (None:
-    not a GPU, or not measured so)."""
-    from .feedback_solve_triton import VALUE_FEATURE_BLOCK
-
-    rows, length, width = shape
-    programs = rows * -(-width // VALUE_FEATURE_BLOCK)
-    if multiprocessors is None or length < SEQUENTIAL_LENGTH or programs >= multiprocessors:
-        return None
-    return (f"faster at T >= {SEQUENTIAL_LENGTH} when the kernel's programs, one per batch row and "
-            f"{VALUE_FEATURE_BLOCK} columns, are fewer than the GPU's {multiprocessors} multiprocessors")
 
 
 def _triton_unsupported(f) -> str | None:

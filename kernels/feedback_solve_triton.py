@@ -12,30 +12,38 @@ Key and value features are taken BLOCK_DK / BLOCK_DV at a time (at most KEY_FEAT
 so feedback heads of any width fit a GPU block's shared memory): the logits <q_t, k_j> sum over key blocks
 (``_logits``), dq and dk write one block of their columns per program.
 
-Forward (``_fwd_kernel``, grid (B, D / BLOCK_DV)): one program per batch row and block of value columns (the
-columns solve apart, under the same alpha; each program recomputes the logits) sweeps the query chunks of C rows in
-order.
-For chunk rows R = c0..c0+C-1:
-  1. old keys (the P cached ones, then new rows < c0, already solved), in blocks of BLOCK_N: the logits are
-     folded into an online softmax (running max m, sum z, flash-attention style) while the numerator
-     ``acc = sum_j exp(l_tj - m) s_j`` is rescaled along, so only (C, BLOCK_N) logits ever exist;
+Forward (``_fwd_kernel``): a chunk pipeline, one program per (batch row, block of value columns, chunk of C rows);
+the columns solve apart under the same alpha (each program recomputes the logits). For chunk rows R = c0..c0+C-1:
+  1. old keys (the P cached ones, then new rows < c0), in blocks of BLOCK_N, oldest first: each block waits until
+     the chunks holding its rows are published (below); the logits are folded into an online softmax (running max
+     m, sum z, flash-attention style) while the numerator ``acc = sum_j exp(l_tj - m) s_j`` is rescaled along, so
+     only (C, BLOCK_N) logits ever exist;
   2. the chunk's own strictly-earlier keys (a C x C block) join the same running max / sum, so
      ``alpha = exp(l - m) / z`` uses the full-row normaliser over old *and* intra-chunk keys;
   3. rhs = f_R + gain_R * acc / z  (= f_R + B_{R,old} s_old), then the unit-lower C x C solve
      (I - W) s_R = rhs with W = gain * alpha_RR, done exactly by doubling: W is nilpotent (W^C = 0), so
      (I - W)^-1 = (I + W)(I + W^2)(I + W^4)... with ceil(log2 C) factors, i.e. 2*ceil(log2 C) small ``tl.dot``s
      instead of C sequential row updates;
-  4. s_R is written to the output, which later chunks read back as values (a barrier makes it visible).
+  4. s_R is written and the chunk published: a barrier, then a release increment of its (batch row, column block)'s
+     progress counter; a waiting program acquires it before it reads the rows.
+The pipeline (``_claim``, ``_wait_for``, ``_publish``): the chunks' programs run at once, each reading the keys
+before its chunk as they are published, so that only the last block before a chunk and its own solve wait on the
+previous chunk: so the chain of dependent steps is one block and one C x C solve a chunk, and the launch has B x
+column blocks x T / C programs where the sweep had B x column blocks (one feedback head 64 wide, as converted: T /
+64 at batch 1). A program's chunk comes from a ticket drawn when it starts, not from its program id: every program
+it waits for started before it, so no order the GPU starts programs in can deadlock the chain. A wait gives up after
+``SPIN_LIMIT`` polls and the chunk is NaN (not a hang).
 Saved for the backward: s (B, T, D), h = alpha @ s (B, T, D; the feedback read-out, s = f + gain*h) and the
 per-row logsumexp lse (B, T), so alpha[t, j] = exp(scale <q_t, k_j> - lse_t) is recomputed exactly, blockwise.
 h and lse are neither computed nor allocated when no gradient is needed (inference, decoding).
 Memory: O(T*D + T) per batch row; no T x T matrix is ever formed (tiles are C x BLOCK_N and C x C).
 
 Backward, with lam = (I - B)^-T g and the formulas of ``_ChunkedFeedbackSolve``:
-  * ``_bwd_lam_kernel`` (grid (B, D / BLOCK_DV), sequential): the reverse chunk sweep, a block of columns each.
-    For chunk J it gathers ``g_J + sum_{t in later chunks} B[t, J]^T lam_t`` over later row blocks (their lam is
-    already written), then solves the upper C x C system (I - W_JJ)^T lam_J = that, again by doubling. df = lam; and
-    d_gain_t = lam_t . h_t (exact, no division by gain), added up over the column blocks.
+  * ``_bwd_lam_kernel``: the same pipeline in reverse (the last chunk's ticket first), a program per (batch row,
+    column block, chunk). Chunk J gathers ``g_J + sum_{t in later chunks} B[t, J]^T lam_t`` over later row blocks,
+    the last first, each once its chunks' lam is published, then solves the upper C x C system
+    (I - W_JJ)^T lam_J = that, again by doubling. df = lam; and d_gain_t = lam_t . h_t (exact, no division by gain),
+    added up over the column blocks.
   * ``_bwd_dq_kernel`` (grid (B, T/BLOCK_M, d/BLOCK_DK), parallel): per query block, over all admissible keys,
     d_logits = gain_t alpha_tj (lam_t . s_j - d_gain_t) (lam_t . s_j summed over column blocks) and
     dq = scale * d_logits @ k.
@@ -74,6 +82,7 @@ from .triton_compile import compile_side_by_side
 # and runs on the tensor cores; "ieee" (FMA loops) compiles several times slower for sm_90 at 128-wide rows
 # (`triton.compile` on a CPU, docs/benchmarks.md "Kernels").
 INPUT_PRECISION = "tf32x3"
+SPIN_LIMIT = tl.constexpr(1 << 26)  # polls before a chunk's wait gives up (module docstring: the pipeline)
 MAX_KEY_BLOCK = 64  # key / query block of the sweeps and the parallel backward kernels (register budget)
 NUM_WARPS = 4  # untuned: tuning (and an autotune config list) needs a GPU
 # One software-pipelining stage: Triton's default of 3 buffers every tile load three deep, and the forward at the
@@ -140,14 +149,44 @@ def _logits(q_ptr, q_rows, q_ok, past_k_ptr, k_ptr, pos, P, n_valid, DK, scale, 
 
 # Lengths and offsets are plain runtime integers (no specialisation on 1 or on alignment): one compiled kernel per
 # layout, whatever the prompt or past length (each compile takes tens of seconds).
-@triton.jit(do_not_specialize=["T", "P"])
+@triton.jit
+def _claim(ticket_ptr, progress_ptr, N_CHUNKS, V_BLOCKS):
+    """This program's (batch row, value-column block, chunk index) from a ticket drawn in the order programs start,
+    chunks fastest, and the progress counter of its (batch row, column block): every program that it waits for drew
+    an earlier ticket, so it is running or done (no deadlock, whatever order the GPU starts programs in)."""
+    ticket = tl.atomic_add(ticket_ptr, 1)
+    row = ticket // N_CHUNKS  # (batch row, column block)
+    return (row // V_BLOCKS).to(tl.int64), row % V_BLOCKS, ticket % N_CHUNKS, progress_ptr + row
+
+
+@triton.jit
+def _wait_for(progress_ptr, chunks):
+    """Spin until ``chunks`` chunks of this (batch row, column block) are published (acquire: their stores are then
+    visible); 1 if it gave up after ``SPIN_LIMIT`` polls, else 0. The caller then writes NaN, so that a GPU which
+    never ran an earlier program fails loudly (the trainer's NaN stop, the tests) rather than hangs."""
+    polls = 0
+    while (tl.atomic_add(progress_ptr, 0, sem="acquire") < chunks) & (polls < SPIN_LIMIT):
+        polls += 1
+    return (polls >= SPIN_LIMIT).to(tl.int32)
+
+
+@triton.jit
+def _publish(progress_ptr):
+    """Count this chunk as published, after every thread's stores (the barrier, then a release)."""
+    tl.debug_barrier()
+    tl.atomic_add(progress_ptr, 1, sem="release")
+
+
+@triton.jit(do_not_specialize=["T", "P", "N_CHUNKS"])
 def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,  # inputs
                 s_ptr, h_ptr, lse_ptr,  # outputs: s, h (B, T, DV) fp32; lse (B, T) fp32
-                T, P, DK, DV, CHUNK, scale,
+                ticket_ptr, progress_ptr,  # int32 counters, zeroed: 1 and (B * V_BLOCKS)
+                T, P, DK, DV, CHUNK, N_CHUNKS, V_BLOCKS, scale,
                 HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, LOG_C: tl.constexpr, ONE_KEY_BLOCK: tl.constexpr,
                 PRECISION: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)  # int64 batch offsets: B*T*D may exceed 2^31
+    # int64 batch offsets: B*T*D may exceed 2^31
+    b, v_block, chunk, progress_ptr = _claim(ticket_ptr, progress_ptr, N_CHUNKS, V_BLOCKS)
     f_ptr += b * T * DV
     q_ptr += b * T * DK
     k_ptr += b * T * DK
@@ -161,83 +200,87 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
 
     offs_c = tl.arange(0, BLOCK_C)
     offs_n = tl.arange(0, BLOCK_N)
-    cols_v = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)  # the columns solve apart: same alpha for each
+    cols_v = v_block * BLOCK_DV + tl.arange(0, BLOCK_DV)  # the columns solve apart: same alpha for each
     lower = offs_c[None, :] < offs_c[:, None]  # strictly lower (C, C): key j < row t inside the chunk
 
-    for c0 in range(0, T, CHUNK):
-        rows = c0 + offs_c  # local row index (BLOCK_C,)
-        row_ok = (offs_c < CHUNK) & (rows < T)
+    c0 = chunk * CHUNK
+    rows = c0 + offs_c  # local row index (BLOCK_C,)
+    row_ok = (offs_c < CHUNK) & (rows < T)
 
-        # (1) old keys: online max / sum and the rescaled numerator acc = sum_j exp(l - m) s_j.
-        m_i = tl.full((BLOCK_C,), -1e30, tl.float32)  # finite start: exp(m_old - m_new) never sees -inf - -inf
-        z_i = tl.zeros((BLOCK_C,), tl.float32)
-        acc = tl.zeros((BLOCK_C, BLOCK_DV), tl.float32)
-        n_old = P + c0  # every old key precedes every row of the chunk
-        q_c = 0.0  # the chunk's queries, loaded once when the keys are one block (_logits)
-        if ONE_KEY_BLOCK:
-            q_c = _queries(q_ptr, rows, row_ok, tl.arange(0, BLOCK_DK), DK)
-        for n0 in range(0, n_old, BLOCK_N):
-            pos = n0 + offs_n  # absolute key positions (BLOCK_N,)
-            key_ok = _key_ok(mask_ptr, pos, n_old, HAS_MASK)
-            s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, n_old, cols_v, DV)  # (N, DV), solved rows only
-            logits = _logits(q_ptr, rows, row_ok, past_k_ptr, k_ptr, pos, P, n_old, DK, scale, q_c,
-                             BLOCK_C, BLOCK_N, BLOCK_DK, ONE_KEY_BLOCK, PRECISION)  # (C, N)
-            logits = tl.where(key_ok[None, :], logits, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(logits, 1))
-            corr = tl.exp(m_i - m_new)
-            p = tl.exp(logits - m_new[:, None])
-            z_i = z_i * corr + tl.sum(p, 1)
-            acc = acc * corr[:, None] + tl.dot(p, s_blk, input_precision=PRECISION)
-            m_i = m_new
-
-        # (2) the chunk's own strictly-earlier keys join the normaliser (their s is not known yet).
-        key_c_ok = _key_ok(mask_ptr, P + rows, P + T, HAS_MASK) & row_ok
-        allowed = lower & key_c_ok[None, :] & row_ok[:, None]  # (C, C)
-        logits = _logits(q_ptr, rows, row_ok, past_k_ptr, k_ptr, P + rows, P, P + T, DK, scale, q_c,
-                         BLOCK_C, BLOCK_C, BLOCK_DK, ONE_KEY_BLOCK, PRECISION)
-        logits = tl.where(allowed, logits, float("-inf"))
+    # (1) old keys: online max / sum and the rescaled numerator acc = sum_j exp(l - m) s_j.
+    m_i = tl.full((BLOCK_C,), -1e30, tl.float32)  # finite start: exp(m_old - m_new) never sees -inf - -inf
+    z_i = tl.zeros((BLOCK_C,), tl.float32)
+    acc = tl.zeros((BLOCK_C, BLOCK_DV), tl.float32)
+    n_old = P + c0  # every old key precedes every row of the chunk
+    q_c = 0.0  # the chunk's queries, loaded once when the keys are one block (_logits)
+    if ONE_KEY_BLOCK:
+        q_c = _queries(q_ptr, rows, row_ok, tl.arange(0, BLOCK_DK), DK)
+    stalled = 0
+    for n0 in range(0, n_old, BLOCK_N):  # the oldest first: published first
+        pos = n0 + offs_n  # absolute key positions (BLOCK_N,)
+        stalled += _wait_for(progress_ptr, (tl.minimum(n0 + BLOCK_N, n_old) - P + CHUNK - 1) // CHUNK)
+        key_ok = _key_ok(mask_ptr, pos, n_old, HAS_MASK)
+        s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, n_old, cols_v, DV)  # (N, DV), solved rows only
+        logits = _logits(q_ptr, rows, row_ok, past_k_ptr, k_ptr, pos, P, n_old, DK, scale, q_c,
+                         BLOCK_C, BLOCK_N, BLOCK_DK, ONE_KEY_BLOCK, PRECISION)  # (C, N)
+        logits = tl.where(key_ok[None, :], logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         corr = tl.exp(m_i - m_new)
-        p_cc = tl.exp(logits - m_new[:, None])
-        z_i = z_i * corr + tl.sum(p_cc, 1)
-        acc = acc * corr[:, None]
+        p = tl.exp(logits - m_new[:, None])
+        z_i = z_i * corr + tl.sum(p, 1)
+        acc = acc * corr[:, None] + tl.dot(p, s_blk, input_precision=PRECISION)
         m_i = m_new
-        has_key = z_i > 0  # rows with no admissible key get alpha = 0, so s = f exactly
-        inv_z = tl.where(has_key, 1.0 / tl.where(has_key, z_i, 1.0), 0.0)
 
-        # (3) rhs = f + gain * alpha_old s_old, then (I - W) s = rhs by doubling.
-        gain_c = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)  # (C,)
-        f_c = tl.load(f_ptr + rows[:, None] * DV + cols_v[None, :],
-                      mask=row_ok[:, None] & (cols_v[None, :] < DV), other=0.0).to(tl.float32)  # (C, DV)
-        alpha_cc = p_cc * inv_z[:, None]  # (C, C), exactly 0 off the admissible pattern
-        h_old = acc * inv_z[:, None]  # (C, DV)
-        s_c = f_c + gain_c[:, None] * h_old
-        w_pow = gain_c[:, None] * alpha_cc  # W^(2^i), strictly lower
-        for i in tl.static_range(LOG_C):
-            s_c += tl.dot(w_pow, s_c, input_precision=PRECISION)
-            if i + 1 < LOG_C:
-                w_pow = tl.dot(w_pow, w_pow, input_precision=PRECISION)
+    # (2) the chunk's own strictly-earlier keys join the normaliser (their s is not known yet).
+    key_c_ok = _key_ok(mask_ptr, P + rows, P + T, HAS_MASK) & row_ok
+    allowed = lower & key_c_ok[None, :] & row_ok[:, None]  # (C, C)
+    logits = _logits(q_ptr, rows, row_ok, past_k_ptr, k_ptr, P + rows, P, P + T, DK, scale, q_c,
+                     BLOCK_C, BLOCK_C, BLOCK_DK, ONE_KEY_BLOCK, PRECISION)
+    logits = tl.where(allowed, logits, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, 1))
+    corr = tl.exp(m_i - m_new)
+    p_cc = tl.exp(logits - m_new[:, None])
+    z_i = z_i * corr + tl.sum(p_cc, 1)
+    acc = acc * corr[:, None]
+    m_i = m_new
+    has_key = z_i > 0  # rows with no admissible key get alpha = 0, so s = f exactly
+    inv_z = tl.where(has_key, 1.0 / tl.where(has_key, z_i, 1.0), 0.0)
 
-        # (4) publish the chunk: later chunks read s_c back as values.
-        out_mask = row_ok[:, None] & (cols_v[None, :] < DV)
-        tl.store(s_ptr + rows[:, None] * DV + cols_v[None, :], s_c, mask=out_mask)
-        if SAVE:  # for the backward: h = alpha @ s over all keys, and the row logsumexp
-            h_c = h_old + tl.dot(alpha_cc, s_c, input_precision=PRECISION)
-            tl.store(h_ptr + rows[:, None] * DV + cols_v[None, :], h_c, mask=out_mask)
-            lse_c = tl.where(has_key, m_i + tl.log(tl.where(has_key, z_i, 1.0)), 0.0)
-            first_block = (rows * 0 + tl.program_id(1)) == 0  # every column block has the same lse: one writes it
-            tl.store(lse_ptr + rows, lse_c, mask=row_ok & first_block)
-        tl.debug_barrier()  # stores by some threads must be visible to the next chunk's loads by others
+    # (3) rhs = f + gain * alpha_old s_old, then (I - W) s = rhs by doubling.
+    gain_c = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)  # (C,)
+    f_c = tl.load(f_ptr + rows[:, None] * DV + cols_v[None, :],
+                  mask=row_ok[:, None] & (cols_v[None, :] < DV), other=0.0).to(tl.float32)  # (C, DV)
+    alpha_cc = p_cc * inv_z[:, None]  # (C, C), exactly 0 off the admissible pattern
+    h_old = acc * inv_z[:, None]  # (C, DV)
+    s_c = f_c + gain_c[:, None] * h_old
+    w_pow = gain_c[:, None] * alpha_cc  # W^(2^i), strictly lower
+    for i in tl.static_range(LOG_C):
+        s_c += tl.dot(w_pow, s_c, input_precision=PRECISION)
+        if i + 1 < LOG_C:
+            w_pow = tl.dot(w_pow, w_pow, input_precision=PRECISION)
+
+    # (4) publish the chunk: later chunks read s_c back as values.
+    s_c = tl.where(stalled == 0, s_c, float("nan"))
+    out_mask = row_ok[:, None] & (cols_v[None, :] < DV)
+    tl.store(s_ptr + rows[:, None] * DV + cols_v[None, :], s_c, mask=out_mask)
+    if SAVE:  # for the backward: h = alpha @ s over all keys, and the row logsumexp
+        h_c = h_old + tl.dot(alpha_cc, s_c, input_precision=PRECISION)
+        tl.store(h_ptr + rows[:, None] * DV + cols_v[None, :], h_c, mask=out_mask)
+        lse_c = tl.where(has_key, m_i + tl.log(tl.where(has_key, z_i, 1.0)), 0.0)
+        first_block = (rows * 0 + v_block) == 0  # every column block has the same lse: one writes it
+        tl.store(lse_ptr + rows, lse_c, mask=row_ok & first_block)
+    _publish(progress_ptr)  # the later chunks' programs read s_c back
 
 
 @triton.jit(do_not_specialize=["T", "P", "N_CHUNKS"])
 def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # inputs (g: dL/ds, fp32)
                     lam_ptr, dgain_ptr,  # outputs: lam = df (B, T, DV) fp32; d_gain (B, T) fp32
-                    T, P, DK, DV, CHUNK, N_CHUNKS, scale,
+                    ticket_ptr, progress_ptr,  # int32 counters, zeroed: 1 and (B * V_BLOCKS)
+                    T, P, DK, DV, CHUNK, N_CHUNKS, V_BLOCKS, scale,
                     HAS_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, LOG_C: tl.constexpr,
                     PRECISION: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)  # program_id(1): this program's block of BLOCK_DV value columns
+    b, v_block, step, progress_ptr = _claim(ticket_ptr, progress_ptr, N_CHUNKS, V_BLOCKS)
     q_ptr += b * T * DK
     k_ptr += b * T * DK
     gain_ptr += b * T
@@ -250,51 +293,56 @@ def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # 
 
     offs_c = tl.arange(0, BLOCK_C)
     offs_m = tl.arange(0, BLOCK_M)
-    cols_v = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    cols_v = v_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
     v_col_ok = cols_v < DV  # the chunk's keys are new ones (positions >= P): k_ptr stands in for the cache
     lower = offs_c[None, :] < offs_c[:, None]
 
-    for ci in range(N_CHUNKS):
-        c0 = (N_CHUNKS - 1 - ci) * CHUNK  # reverse sweep: later rows' lam is final before it is read
-        rows = c0 + offs_c
-        row_ok = (offs_c < CHUNK) & (rows < T)
-        key_c_ok = _key_ok(mask_ptr, P + rows, P + T, HAS_MASK) & row_ok
-        adj = tl.load(g_ptr + rows[:, None] * DV + cols_v[None, :],
-                      mask=row_ok[:, None] & v_col_ok[None, :], other=0.0).to(tl.float32)  # (C, DV)
+    c0 = (N_CHUNKS - 1 - step) * CHUNK  # the reverse order: the last chunk's lam is published first
+    rows = c0 + offs_c
+    row_ok = (offs_c < CHUNK) & (rows < T)
+    key_c_ok = _key_ok(mask_ptr, P + rows, P + T, HAS_MASK) & row_ok
+    adj = tl.load(g_ptr + rows[:, None] * DV + cols_v[None, :],
+                  mask=row_ok[:, None] & v_col_ok[None, :], other=0.0).to(tl.float32)  # (C, DV)
 
-        # adj_J = g_J + sum over later rows t of B[t, J]^T lam_t (a gather, no read-modify-write).
-        for t0 in range(c0 + CHUNK, T, BLOCK_M):
-            t = t0 + offs_m  # (M,)
-            t_ok = t < T
-            lse_t = tl.load(lse_ptr + t, mask=t_ok, other=0.0)
-            gain_t = tl.load(gain_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
-            lam_t = tl.load(lam_ptr + t[:, None] * DV + cols_v[None, :],
-                            mask=t_ok[:, None] & v_col_ok[None, :], other=0.0)  # (M, DV)
-            logits = _logits(q_ptr, t, t_ok, k_ptr, k_ptr, P + rows, P, P + T, DK, scale, 0.0,
-                             BLOCK_M, BLOCK_C, BLOCK_DK, False, PRECISION)  # (M, C)
-            allowed = t_ok[:, None] & key_c_ok[None, :]  # t > j always: t is in a later chunk
-            # W = gain * alpha from the saved lse; exp(-inf) = 0 exactly off the admissible pattern.
-            w = gain_t[:, None] * tl.exp(tl.where(allowed, logits - lse_t[:, None], float("-inf")))
-            adj += tl.dot(tl.trans(w), lam_t, input_precision=PRECISION)
+    # adj_J = g_J + sum over later rows t of B[t, J]^T lam_t (a gather, no read-modify-write).
+    later = T - (c0 + CHUNK)  # rows after the chunk, taken from the last block back (published first)
+    stalled = 0
+    for back in range(0, later, BLOCK_M):
+        t0 = tl.maximum(T - back - BLOCK_M, c0 + CHUNK)
+        t = t0 + offs_m  # (M,)
+        t = tl.where(t < T - back, t, T)  # a first block shorter than BLOCK_M: rows already taken read as none
+        stalled += _wait_for(progress_ptr, N_CHUNKS - t0 // CHUNK)  # chunks from t0's to the last
+        t_ok = t < T
+        lse_t = tl.load(lse_ptr + t, mask=t_ok, other=0.0)
+        gain_t = tl.load(gain_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
+        lam_t = tl.load(lam_ptr + t[:, None] * DV + cols_v[None, :],
+                        mask=t_ok[:, None] & v_col_ok[None, :], other=0.0)  # (M, DV)
+        logits = _logits(q_ptr, t, t_ok, k_ptr, k_ptr, P + rows, P, P + T, DK, scale, 0.0,
+                         BLOCK_M, BLOCK_C, BLOCK_DK, False, PRECISION)  # (M, C)
+        allowed = t_ok[:, None] & key_c_ok[None, :]  # t > j always: t is in a later chunk
+        # W = gain * alpha from the saved lse; exp(-inf) = 0 exactly off the admissible pattern.
+        w = gain_t[:, None] * tl.exp(tl.where(allowed, logits - lse_t[:, None], float("-inf")))
+        adj += tl.dot(tl.trans(w), lam_t, input_precision=PRECISION)
 
-        # (I - W_JJ)^T lam_J = adj_J; W^T is strictly upper and nilpotent, so the same doubling applies.
-        lse_c = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-        gain_c = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        logits = _logits(q_ptr, rows, row_ok, k_ptr, k_ptr, P + rows, P, P + T, DK, scale, 0.0,
-                         BLOCK_C, BLOCK_C, BLOCK_DK, False, PRECISION)  # (C, C)
-        allowed = lower & key_c_ok[None, :] & row_ok[:, None]
-        w_pow = tl.trans(gain_c[:, None] * tl.exp(tl.where(allowed, logits - lse_c[:, None], float("-inf"))))
-        lam = adj
-        for i in tl.static_range(LOG_C):
-            lam += tl.dot(w_pow, lam, input_precision=PRECISION)
-            if i + 1 < LOG_C:
-                w_pow = tl.dot(w_pow, w_pow, input_precision=PRECISION)
+    # (I - W_JJ)^T lam_J = adj_J; W^T is strictly upper and nilpotent, so the same doubling applies.
+    lse_c = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    gain_c = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    logits = _logits(q_ptr, rows, row_ok, k_ptr, k_ptr, P + rows, P, P + T, DK, scale, 0.0,
+                     BLOCK_C, BLOCK_C, BLOCK_DK, False, PRECISION)  # (C, C)
+    allowed = lower & key_c_ok[None, :] & row_ok[:, None]
+    w_pow = tl.trans(gain_c[:, None] * tl.exp(tl.where(allowed, logits - lse_c[:, None], float("-inf"))))
+    lam = adj
+    for i in tl.static_range(LOG_C):
+        lam += tl.dot(w_pow, lam, input_precision=PRECISION)
+        if i + 1 < LOG_C:
+            w_pow = tl.dot(w_pow, w_pow, input_precision=PRECISION)
 
-        h_c = tl.load(h_ptr + rows[:, None] * DV + cols_v[None, :],
-                      mask=row_ok[:, None] & v_col_ok[None, :], other=0.0)
-        tl.store(lam_ptr + rows[:, None] * DV + cols_v[None, :], lam, mask=row_ok[:, None] & v_col_ok[None, :])
-        tl.atomic_add(dgain_ptr + rows, tl.sum(lam * h_c, 1), mask=row_ok)  # d_gain_t = lam_t . h_t, by blocks
-        tl.debug_barrier()  # the next (earlier) chunk reads this lam back
+    lam = tl.where(stalled == 0, lam, float("nan"))
+    h_c = tl.load(h_ptr + rows[:, None] * DV + cols_v[None, :],
+                  mask=row_ok[:, None] & v_col_ok[None, :], other=0.0)
+    tl.store(lam_ptr + rows[:, None] * DV + cols_v[None, :], lam, mask=row_ok[:, None] & v_col_ok[None, :])
+    tl.atomic_add(dgain_ptr + rows, tl.sum(lam * h_c, 1), mask=row_ok)  # d_gain_t = lam_t . h_t, by blocks
+    _publish(progress_ptr)  # the earlier chunks' programs read this lam back
 
 
 @triton.jit
@@ -443,29 +491,46 @@ def _meta(length, key_dim, width, chunk_size) -> dict:
                 block_dv=tile_edge(width, VALUE_FEATURE_BLOCK))
 
 
-def _forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, past, scale, meta, save):
-    """``_fwd_kernel``'s launch as ``(kernel, grid, args, constexprs)``; s, h, lse may be dtypes (a warmup)."""
+def _pipeline(batch, length, width, meta) -> tuple[int, int, int]:
+    """(programs, chunks, value-column blocks) of a chunk pipeline: a program per (batch row, column block, chunk)."""
+    chunks, blocks = triton.cdiv(length, meta["chunk"]), triton.cdiv(width, meta["block_dv"])
+    return batch * blocks * chunks, chunks, blocks
+
+
+def _counters(batch, width, meta, device):
+    """The pipeline's zeroed int32 counters: the ticket, then one progress count per (batch row, column block)."""
+    return torch.zeros(1 + batch * triton.cdiv(width, meta["block_dv"]), dtype=torch.int32, device=device)
+
+
+def _forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, counters, past, scale, meta, save):
+    """``_fwd_kernel``'s launch as ``(kernel, grid, args, constexprs)``; s, h, lse and the counters may be dtypes (a
+    warmup)."""
     batch, length, width = f.shape
-    return (_fwd_kernel, (batch, triton.cdiv(width, meta["block_dv"])), (
+    programs, chunks, blocks = _pipeline(batch, length, width, meta)
+    ticket, progress = (counters, counters) if isinstance(counters, torch.dtype) else (counters, counters[1:])
+    return (_fwd_kernel, (programs,), (
         f, q, k, gain, gain if mask is None else mask, k if not past else past_k, s if not past else past_s,
-        s, h, lse, length, past, q.shape[-1], width, meta["chunk"], float(scale)), dict(
+        s, h, lse, ticket, progress, length, past, q.shape[-1], width, meta["chunk"], chunks, blocks,
+        float(scale)), dict(
         HAS_MASK=mask is not None, SAVE=save, BLOCK_C=meta["block_c"], BLOCK_N=meta["block_n"],
         BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"], LOG_C=meta["log_c"],
         ONE_KEY_BLOCK=meta["block_dk"] >= q.shape[-1], PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS,
         num_stages=NUM_STAGES))
 
 
-def _backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam, d_gain, dq, dk, d_past_k, d_past_s,
-                       batch, length, width, past, scale, meta):
-    """The backward's launches in order (the lam sweep, then dq where wanted, then dk where wanted): ``(kernel,
+def _backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam, d_gain, counters, dq, dk, d_past_k,
+                       d_past_s, batch, length, width, past, scale, meta):
+    """The backward's launches in order (the lam pipeline, then dq where wanted, then dk where wanted): ``(kernel,
     grid, args, constexprs)``. A gradient not wanted is None; the buffers may be dtypes (a warmup)."""
     key_dim = q.shape[-1]
     mask_arg = gain if mask is None else mask
     common = dict(HAS_MASK=mask is not None, BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"],
                   PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    launches = [(_bwd_lam_kernel, (batch, triton.cdiv(width, meta["block_dv"])), (
-        q, k, gain, mask_arg, lse, h, grad_s, lam, d_gain,
-        length, past, key_dim, width, meta["chunk"], triton.cdiv(length, meta["chunk"]), scale), dict(
+    programs, chunks, blocks = _pipeline(batch, length, width, meta)
+    ticket, progress = (counters, counters) if isinstance(counters, torch.dtype) else (counters, counters[1:])
+    launches = [(_bwd_lam_kernel, (programs,), (
+        q, k, gain, mask_arg, lse, h, grad_s, lam, d_gain, ticket, progress,
+        length, past, key_dim, width, meta["chunk"], chunks, blocks, scale), dict(
         BLOCK_C=meta["block_c"], BLOCK_M=meta["block_n"], LOG_C=meta["log_c"], **common))]
     pk = k if not past else past_k
     ps = s if not past else past_s
@@ -493,9 +558,11 @@ def _warmups(f, q, k, gain, mask, past_k, past_s, scale, meta, needs):
     past = 0 if past_k is None else past_k.shape[1]
     fp32 = torch.float32
     need_q, need_k, need_past = needs
-    launches = [_forward_launch(f, q, k, gain, mask, past_k, past_s, fp32, fp32, fp32, past, scale, meta, True)]
+    counters = torch.int32
+    launches = [_forward_launch(f, q, k, gain, mask, past_k, past_s, fp32, fp32, fp32, counters, past, scale, meta,
+                                True)]
     return launches + _backward_launches(q, k, gain, mask, past_k, past_s, fp32, fp32, fp32, fp32, fp32, fp32,
-                                         fp32 if need_q else None, fp32 if need_k or need_past else None,
+                                         counters, fp32 if need_q else None, fp32 if need_k or need_past else None,
                                          fp32 if need_past else None, fp32 if need_past else None,
                                          batch, length, width, past, scale, meta)
 
@@ -528,7 +595,8 @@ def _forward(f, q, k, gain, mask, past_k, past_s, scale, meta, save):
     h = torch.empty_like(s) if save else s  # alpha @ s, for d_gain (not allocated for inference)
     lse = torch.empty(batch, length, dtype=torch.float32, device=f.device) if save else s  # (B, T)
     if batch and length:
-        _launch([_forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, past, scale, meta, save)])
+        _launch([_forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse,
+                                 _counters(batch, width, meta, f.device), past, scale, meta, save)])
     return (s, h, lse) if save else (s, s.new_empty(0), s.new_empty(0))
 
 
@@ -583,8 +651,8 @@ def _solve_backward(q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, mask: 
     if batch and length:
         wanted = lambda grad: grad if grad.dim() > 1 else None  # noqa: E731
         _launch(_backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s.contiguous().float(), lam,
-                                   d_gain, wanted(dq), wanted(dk), wanted(d_past_k), wanted(d_past_s), batch,
-                                   length, width, past, scale, meta))
+                                   d_gain, _counters(batch, width, meta, s.device), wanted(dq), wanted(dk),
+                                   wanted(d_past_k), wanted(d_past_s), batch, length, width, past, scale, meta))
     return [lam, dq, dk, d_gain, d_past_k, d_past_s]
 
 

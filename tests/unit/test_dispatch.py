@@ -84,19 +84,6 @@ def test_a_path_measured_faster_is_taken_under_auto_only(monkeypatch, caplog):
     assert "k runs on the PyTorch path (faster at this size)" in caplog.text
 
 
-def test_the_sessa_solve_takes_pytorch_for_long_inputs_on_few_programs():
-    """The H100 figures (kernels/feedback_solve.py): 32 rows of 128 at 8K on 132 multiprocessors -> PyTorch; at 2K,
-    with a GPU's worth of rows (a batch of 8), or off a GPU -> the kernel."""
-    from hf_mixers.kernels.feedback_solve import _pytorch_faster
-
-    assert "132 multiprocessors" in _pytorch_faster((32, 8192, 128), 132)
-    assert "T >= 4096" in _pytorch_faster((1, 4096, 576), 132)  # one row of 576 (SmolLM2's official layout)
-    assert _pytorch_faster((32, 4096, 576), 132) is None  # 32 rows of 5 column blocks: 160 programs
-    assert _pytorch_faster((32, 2048, 128), 132) is None
-    assert _pytorch_faster((256, 8192, 128), 132) is None
-    assert _pytorch_faster((32, 8192, 128), None) is None
-
-
 def test_a_decision_inside_torch_compile_does_not_break_the_graph(caplog):
     """A compiled step's first call may be the first to ask: the log line is left out there (a logging call would
     end dynamo's graph), and said by the next eager call."""

@@ -202,6 +202,20 @@ def test_warmups_are_exactly_what_the_call_launches(past, detached_cache, need_q
 
 
 @needs_kernels
+def test_the_sweeps_are_pipelines_of_a_program_a_chunk(monkeypatch):
+    """The forward and the lam sweep launch one program per (batch row, column block, chunk), so no program walks
+    the sequence's chunks (the sweep had one per batch row and column block); 5 chunks of 8 here."""
+    grids = {}
+    launch = fst._launch
+    monkeypatch.setattr(fst, "_launch", lambda launches: (
+        grids.update({kernel.fn.__name__: grid for kernel, grid, _, _ in launches}), launch(launches))[1])
+    inputs = make_inputs()
+    out = solve(**inputs, chunk_size=8)
+    torch.autograd.grad(out.square().sum(), _leaves(inputs))
+    assert grids["_fwd_kernel"] == grids["_bwd_lam_kernel"] == (B * 1 * 5,)
+
+
+@needs_kernels
 def test_the_entry_point_sends_fp64_to_pytorch_and_bad_arguments_are_named():
     """feedback_solve holds every choice: fp64 takes the PyTorch path under "auto", is an error when the kernel is
     forced, and the kernel itself refuses it by name."""

@@ -19,7 +19,7 @@ from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
 
 from hf_mixers.apps.bench.harness import build_mixer, rotary_embeddings
 from hf_mixers.apps.bench.op_count import count_ops, training_step_ops
-from hf_mixers.core.registry import list_mixers
+from hf_mixers.core.registry import get_mixer, list_mixers
 
 HIDDEN, HEADS, KV_HEADS = 64, 4, 2
 RSA = {"rsa_readout": "softmax_count", "rsa_chunk_size": 16, "rsa_num_slots": 16, "kernel_backend": "triton"}
@@ -71,6 +71,16 @@ def test_rsa_window_step_takes_flex_attention_as_one_launch_each_way():
     assert short.by_name["library:flex_attention"] == 2
     assert short.by_name["triton:_combine_fwd"] == short.by_name["triton:_combine_bwd"] == 1  # their shared normaliser
     assert short.ops <= 287, short.top()  # the memory's and the window's: issue 67's target (300) met
+
+
+@needs_kernels
+def test_sessa_step_meets_the_budget_and_is_flat():
+    """Sessa on its feedback-solve kernels (kernels/feedback_solve_triton.py): the solve one launch forward and three
+    backward (the lam pipeline, dq, dk) whatever T; within issue 67's budget of 120 a layer."""
+    options = {**get_mixer("sessa").conversion_options, "sessa_chunk_size": 16, "kernel_backend": "triton"}
+    short, long = step_ops("sessa", options, 48), step_ops("sessa", options, 96)
+    assert short.triton_launches == 4 and short.ops == long.ops, (short.top(), long.top())
+    assert short.ops <= 120 and short.host_reads == 0, short.top()
 
 
 @needs_kernels
