@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 
+import torch
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
@@ -26,7 +27,6 @@ from ..common.files import write_atomically
 from ..common.folder import FolderError, check_model_weights
 from ..common.history import (CONVERSION_REPORT, EVAL_REPORT, FINETUNE_SUMMARY, LOSS_CURVE, TRAINING_SUMMARY,
                                blank_or)
-from ..core.mixer import SequenceMixer
 from ..core.registry import TEACHER_ATTENTION, get_mixer, list_mixers
 from ..model.config import saved_layer_types
 
@@ -190,6 +190,30 @@ def check_repo_id(repo_id: str) -> None:
         raise CardError(f"repo id {repo_id!r} is not a valid model repository id: {error}") from None
 
 
+def decode_steps(config: dict, layer_types: list[str], mixers: list[str]) -> tuple[list[str], list[str]]:
+    """The titles of the mixers whose token step ``generate`` compiles by default (``compile_decode: "auto"``: a
+    constant-size state) and of those compiled on request only (a cache that grows: symbolic shapes), each asked on
+    a layer built on the meta device from the saved config."""
+    from ..model.config import MixerConfig
+
+    registered = {spec.name: spec for spec in list_mixers()}
+    by_default, on_request = [], []
+    switched_off = config.get("compile_decode", "auto") is False  # this folder's config turns the default off
+    try:
+        model_config = MixerConfig.from_dict(config)
+    except (TypeError, ValueError):  # not a config this version reads: no claim about its decoding
+        return [], []
+    for kind in mixers:
+        if kind not in registered:
+            continue
+        with torch.device("meta"):
+            mixer = registered[kind].mixer_class(model_config, layer_types.index(kind))
+        if mixer.can_compile_decode():
+            asked_only = mixer.decode_dynamic_shapes or switched_off
+            (on_request if asked_only else by_default).append(registered[kind].title)
+    return by_default, on_request
+
+
 def render_card(folder: str, repo_id: str | None = None, base_model: str | None = None,
                 license: str | None = None) -> ModelCard:
     """The card of ``folder`` (not written)."""
@@ -224,9 +248,7 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
     except KeyError:  # a hybrid of several mixers, or one not registered in this process
         title, summary = mixer, "a hf-mixers sequence mixer"
     name = repo_id.split("/")[-1] if repo_id else os.path.basename(folder)
-    registered = {spec.name: spec for spec in list_mixers()}
-    compiled = [registered[kind].title for kind in mixers if kind in registered
-                and registered[kind].mixer_class.can_compile_decode is not SequenceMixer.can_compile_decode]
+    by_default, on_request = decode_steps(config, layer_types, mixers)
     if conversion:
         parameters = (f"{conversion['student_parameters']:,} ({conversion['parameters_added']:+,} over the teacher's "
                       f"{conversion['teacher_parameters']:,})")
@@ -251,7 +273,7 @@ def render_card(folder: str, repo_id: str | None = None, base_model: str | None 
         version=__version__, reports=", ".join(reports) or "none",
         conversion_report=os.path.isfile(os.path.join(folder, f"{CONVERSION_REPORT}.md")),
         remote_code=os.path.isfile(os.path.join(folder, "modeling_hf_mixers.py")),
-        compiled_decode=" or ".join(compiled))  # the mixers with a compiled token step (config.compile_decode)
+        compiled_by_default=" and ".join(by_default), compiled_on_request=" and ".join(on_request))
     metadata = card_metadata(config, conversion, training, base_model, license)
     return ModelCard.from_template(metadata, template_path=TEMPLATE, **context)
 

@@ -194,15 +194,17 @@ def compiles_decode(model) -> bool:
 @contextlib.contextmanager
 def compiled_decode(model, mode):
     """Inside the block, ``model`` decodes through its compiled token step (``config.compile_decode = mode``) when
-    ``mode`` is set and the model has one; yields the step's name ("eager" or "compiled (MODE)"). The config is
-    restored after, and a model without the field (a teacher) is left untouched."""
-    if not (mode and compiles_decode(model)):
+    ``mode`` is set and the model has one, else eagerly (``compile_decode = False``: "auto", the default, would
+    compile a long ``generate``); yields the step's name ("eager" or "compiled (MODE)"). The config is restored
+    after, and a model without a compiled step (a teacher) is left untouched."""
+    if not compiles_decode(model):
         yield "eager"
         return
+    mode = False if mode == "auto" else mode
     saved = model.config.compile_decode
     model.config.compile_decode = mode
     try:
-        yield "compiled (" + ("default" if mode is True else mode) + ")"
+        yield "compiled (" + ("default" if mode is True else mode) + ")" if mode else "eager"
     finally:
         model.config.compile_decode = saved
 

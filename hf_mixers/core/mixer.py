@@ -11,10 +11,14 @@ its spec's ``cache_layer``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+# ``HF_MIXERS_COMPILE_DECODE=0``: every token step eager, whatever ``config.compile_decode`` says
+COMPILE_DECODE_ENV = "HF_MIXERS_COMPILE_DECODE"
 COMPILE_CHOICES = (False, True, *COMPILE_MODES)  # a compile switch: off, torch.compile's default mode, or a mode
 
 
@@ -105,8 +109,11 @@ class SequenceMixer(nn.Module):
 
     def decode_compile_mode(self) -> str | None:
         """The torch.compile mode of the compiled token step (``config.compile_decode``: True is "default"), or None
-        for an eager one."""
+        for an eager one: "auto" is eager here, and ``generate`` sets a mode for the calls it compiles
+        (model/modeling.py); ``HF_MIXERS_COMPILE_DECODE=0`` is eager always."""
         mode = self.config.compile_decode
+        if mode == "auto" or os.environ.get(COMPILE_DECODE_ENV) == "0":
+            return None
         return "default" if mode is True else mode or None
 
     def compiles_decode(self, hidden_states, past_key_values) -> bool:

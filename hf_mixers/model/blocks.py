@@ -22,6 +22,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from ..core.cache import map_tensors, tensors_of
+from ..core.mixer import COMPILE_DECODE_ENV
 from ..kernels.common import own_code
 from .exported_step import run_exported_step
 
@@ -242,6 +243,49 @@ IN_PLACE_DEVICES: tuple = ()
 _fixed_points: set = set()  # (step key, state signature): a state whose new state has its own shapes
 
 
+# ``config.compile_decode = "auto"``: where ``generate`` takes the compiled step unasked. Measured faster than the
+# eager step on a CPU in fp32, where the step is an AOTInductor library kept on disk (docs/benchmarks.md, "Decoding
+# by default": 2.2-2.4x the eager step's speed at 512 tokens). A process's first compiled step of a mixer class and
+# batch size first exports and loads its library (~3 s with the library on disk; its build, 15-25 s, once per
+# machine), which a generation of fewer than AUTO_NEW_TOKENS tokens does not win back; once loaded, any generation
+# takes it. Elsewhere (bf16 or a GPU: torch.compile in every process; a growing cache: symbolic shapes) a user asks
+# for it (``compile_decode = True`` or a mode).
+AUTO_NEW_TOKENS = 64
+_auto_announced: set = set()
+_stepped: set = set()  # (mixer class, batch) whose compiled step this process has run
+
+
+def auto_decode_refusal(blocks, parameter: torch.Tensor, new_tokens: int | None, batch: int | None = None
+                        ) -> str | None:
+    """Why ``compile_decode="auto"`` leaves a ``generate`` of ``new_tokens`` (None: unknown) at ``batch`` eager on
+    ``blocks`` with weights like ``parameter``; None: it decodes through the compiled step."""
+    mixers = [block.mixer for block in blocks if block.mixer.can_compile_decode()]
+    if os.environ.get(COMPILE_DECODE_ENV) == "0":
+        return f"{COMPILE_DECODE_ENV}=0"
+    if not mixers:
+        return "no layer has a compiled token step"
+    if any(mixer.decode_dynamic_shapes for mixer in mixers):
+        return "a layer's cache grows with the context (its step has symbolic shapes, compiled in every process)"
+    if parameter.device.type not in EXPORT_DEVICES or parameter.dtype not in EXPORT_DTYPES:
+        return (f"{parameter.dtype} on {parameter.device.type}: the step is measured faster unasked only on a CPU in "
+                "fp32; set model.config.compile_decode = True (or a torch.compile mode) to compile it")
+    loaded = all((type(mixer), batch) in _stepped for mixer in mixers)
+    if not loaded and new_tokens is not None and new_tokens < AUTO_NEW_TOKENS:
+        return f"{new_tokens} new tokens (a process's first compiled step pays from {AUTO_NEW_TOKENS})"
+    return None
+
+
+def announce_auto_decode(refusal: str | None) -> None:
+    """Say once a process what ``compile_decode="auto"`` chose, and how to choose otherwise."""
+    if refusal is None and None not in _auto_announced:
+        logger.warning("hf_mixers: generate decodes through the compiled token step (compile_decode='auto'; the "
+                       "first process on a machine builds it once, later ones load it); model.config.compile_decode "
+                       "= False or HF_MIXERS_COMPILE_DECODE=0 decodes eagerly")
+    elif refusal is not None and refusal not in _auto_announced:
+        logger.info("hf_mixers: generate decodes eagerly (compile_decode='auto': %s)", refusal)
+    _auto_announced.add(refusal)
+
+
 def stack_compiles_decode(blocks, hidden_states, past_key_values, output_hidden_states=False) -> bool:
     """Whether this token runs through the whole stack as one compiled graph (``decode_compiled(blocks, ...)``):
     on CUDA, every block's mixer compiles this step with static shapes, in one mode that replays a CUDA graph, and
@@ -277,7 +321,7 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
     in the default mode runs as an AOTInductor library instead, without dynamo's call path (``_exports``,
     model/exported_step.py). The first call compiles (on 2 CPU cores: 5-6 s a
     mixer class, ~19 s for a process's first compile, 1-3 s once Inductor's on-disk cache holds it; minutes for a
-    stack), hence opt-in (``config.compile_decode``). Replayed as a CUDA graph, each replay
+    stack), hence asked for (``config.compile_decode``; "auto" where it pays). Replayed as a CUDA graph, each replay
     writes its outputs into the same memory: they are copied out before the next replay would overwrite them (or,
     on an ``IN_PLACE_DEVICES`` device, the stack writes its states into the cache's tensors: ``_decode_in_place``).
     """
@@ -293,6 +337,7 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
         layer_inputs = mixer.decode_inputs(layer_cache, token_mask)
         # a growing cache's views keep their strides: symbolic there, and a copy would cost a cache a step
         inputs.append(layer_inputs if dynamic else _dense_all(layer_inputs))
+    _stepped.update((type(mixer), key[2]) for mixer in mixers)
     if len(blocks) == 1 and _exports(key) and hidden_states.dtype in EXPORT_DTYPES:
         result = run_exported_step(block_step, blocks[0], _dense(hidden_states), position_embeddings, inputs[0],
                                    small_products_fused)

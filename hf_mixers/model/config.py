@@ -41,14 +41,17 @@ class MixerConfig(PreTrainedConfig):
         environment variable HF_MIXERS_BACKEND overrides it (kernels/dispatch.py).
     compile_decode: run each one-token decode step of a block around a mixer that has a compiled step (RSA, the
         selective SSMs, VORT: every ``RecurrentMixer``; GLTM's evicting patterns; Sessa, with symbolic shapes) as
-        one torch.compile graph, shared by every such block (model/blocks.py); the first step compiles for 5-20 s.
-        On CPU a step of fixed shapes in fp32 runs as an AOTInductor library instead, called without dynamo's per-call
-        cost (model/exported_step.py; built once per machine in 15-25 s, kept in $HF_MIXERS_CACHE/compiled-steps;
-        HF_MIXERS_EXPORTED_STEP=0 keeps torch.compile's).
-        True (torch.compile's default mode) or a mode name from ``COMPILE_MODES``: "reduce-overhead" replays the step
-        as a CUDA graph on CUDA, and where every layer's step has fixed shapes the whole stack of blocks is one graph
-        (compiled for minutes, then one replay a token). A runtime switch: ``model.config.compile_decode = True`` on
-        a loaded model turns it on.
+        one compiled graph, shared by every such block (model/blocks.py). On CPU a step of fixed shapes in fp32 is
+        an AOTInductor library (model/exported_step.py; built once per machine, kept in
+        $HF_MIXERS_CACHE/compiled-steps; HF_MIXERS_EXPORTED_STEP=0 keeps torch.compile's), elsewhere torch.compile's
+        step (compiled in each process).
+        "auto" (the default): ``generate`` takes the compiled step where it was measured faster than the eager one
+        (model/blocks.py ``auto_decode_refusal``: CPU, fp32, constant-size states, long enough generations), and
+        every other call is eager. True (torch.compile's default mode) or a mode name from ``COMPILE_MODES``: every
+        token step of such a block, in that mode; "reduce-overhead" replays the step as a CUDA graph on CUDA, and
+        where every layer's step has fixed shapes the whole stack of blocks is one graph. False: eager.
+        ``HF_MIXERS_COMPILE_DECODE=0`` in the environment makes every step eager. A runtime switch:
+        ``model.config.compile_decode = ...`` on a loaded model.
 
     Mixer options: see each mixer's ``MixerSpec.options`` (``hf_mixers.get_mixer("rsa").options``) and its page in
     docs/mixers/.
@@ -83,7 +86,7 @@ class MixerConfig(PreTrainedConfig):
     layer_types: list[str] | None = None
     block: str = "llama"
     kernel_backend: str = "auto"
-    compile_decode: bool | str = False
+    compile_decode: bool | str = "auto"
 
     default_mixer = "full_attention"  # class attribute: what layer_types defaults to
 
@@ -176,8 +179,8 @@ def validate_mixer_config(config: MixerConfig) -> None:
         fail(f"head_dim ({config.head_dim}) must be even for rotary embeddings")
     if config.kernel_backend not in KERNEL_BACKENDS:
         fail(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {config.kernel_backend!r}")
-    if not isinstance(config.compile_decode, bool) and config.compile_decode not in COMPILE_MODES:
-        fail(f"compile_decode must be true, false or a torch.compile mode {COMPILE_MODES}, got "
+    if not isinstance(config.compile_decode, bool) and config.compile_decode not in ("auto", *COMPILE_MODES):
+        fail(f"compile_decode must be 'auto', true, false or a torch.compile mode {COMPILE_MODES}, got "
              f"{config.compile_decode!r}")
     used = config.used_mixers()
     for spec in used:

@@ -28,7 +28,8 @@ from transformers.utils.output_capturing import capture_outputs
 
 from ..core.mixer import COMPILE_MODES, SequenceMixer, forget_token_mask
 from ..core.registry import get_mixer, on_register
-from .blocks import BLOCK_CLASSES, LlamaBlock, SessaBlock, decode_compiled, stack_compiles_decode
+from .blocks import (BLOCK_CLASSES, LlamaBlock, SessaBlock, announce_auto_decode, auto_decode_refusal, decode_compiled,
+                     stack_compiles_decode)
 from .config import MixerConfig, config_class
 from .export import remote_auto_map, write_remote_code
 
@@ -177,12 +178,24 @@ class MixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
     # needs fixed-size K/V caches; here what compiles is each block's token step (``config.compile_decode``), so the
     # two hooks below route transformers' switch to it: the same lean step, in the CompileConfig's mode.
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
-        """Whether this ``generate`` decodes through compiled steps: a ``compile_config`` was given (on any device:
-        the compiled step runs on CPU too), compiling is not disabled, and a layer has a compiled token step.
-        transformers' own criteria (a GPU and a fixed-size cache, or ``_compile_all_devices``) are for its
-        whole-forward compile, which never applies to this model's caches."""
-        return (generation_config.compile_config is not None and not generation_config.disable_compile
-                and any(block.mixer.can_compile_decode() for block in self.model.layers))
+        """Whether this ``generate`` decodes through compiled steps: compiling is not disabled, and a ``compile_config``
+        was given (on any device: the compiled step runs on CPU too) and a layer has a compiled token step, or
+        ``config.compile_decode`` is "auto" and model/blocks.py ``auto_decode_refusal`` finds none. transformers' own
+        criteria (a GPU and a fixed-size cache, or ``_compile_all_devices``) are for its whole-forward compile, which
+        never applies to this model's caches."""
+        if generation_config.disable_compile:
+            return False
+        if generation_config.compile_config is not None:
+            return any(block.mixer.can_compile_decode() for block in self.model.layers)
+        if self.config.compile_decode != "auto":  # True or a mode: every step compiles anyway; False: none
+            return False
+        batch, prompt = _prompt_shape(model_kwargs)
+        new_tokens = generation_config.max_new_tokens
+        if new_tokens is None and generation_config.max_length is not None and prompt is not None:
+            new_tokens = generation_config.max_length - prompt
+        refusal = auto_decode_refusal(self.model.layers, self.lm_head.weight, new_tokens, batch)
+        announce_auto_decode(refusal)
+        return refusal is None
 
     def get_compiled_call(self, compile_config):
         """What ``generate`` calls for each decode step when ``_valid_auto_compile_criteria`` holds: the model with
@@ -223,6 +236,15 @@ class MixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+def _prompt_shape(model_kwargs) -> tuple[int | None, int | None]:
+    """(batch, prompt length) of a ``generate`` from its model kwargs (generate drops a mask of all ones, and keeps
+    the positions); (None, None) when neither is there."""
+    for name in ("attention_mask", "position_ids"):
+        if isinstance(model_kwargs.get(name), torch.Tensor):
+            return model_kwargs[name].shape[0], model_kwargs[name].shape[-1]
+    return None, None
 
 
 def model_classes(name: str) -> tuple[type, type]:

@@ -53,7 +53,7 @@ def test_card_of_a_distilled_and_evaluated_model(distilled, capsys):
            f"{evaluation['quality']['teacher_perplexity']:.3f} |" in text
     assert "passkey retrieval" in text and "decode tokens/s after 64 tokens" in text
     assert 'repo = "someone/tiny-rsa"' in text and "trust_remote_code=True" in text
-    assert "With `model.config.compile_decode = True` each RSA\nblock's token step runs as one" in text
+    assert "`generate()` decodes through each RSA block's compiled token step by default" in text
     assert "## Limitations" in text and "Layer 1 is still full attention, with its KV cache." in text
     assert "`conversion_report.md`, `training_summary.json`, `eval_report.md`" in text
     # the card is for someone/tiny-rsa: a push elsewhere is refused (a dry run too), the right one passes
@@ -123,3 +123,20 @@ def test_hub_dataset_goes_into_the_metadata(distilled, tmp_path):
     (folder / "training_summary.json").write_text(json.dumps({**history, "data": "someone/corpus"}))
     card = ModelCard.load(build_card(str(folder)))
     assert card.data.datasets == ["someone/corpus"] and "tokens of someone/corpus" in card.text
+
+
+def test_the_card_says_which_token_steps_generate_compiles_by_default():
+    """Constant-size states (RSA, GLTM's evicting patterns) compile by default; a growing cache (Sessa, GLTM's
+    translation-invariant patterns), or a folder whose config turned the default off, on request only."""
+    from hf_mixers.model_cards.card import decode_steps
+    from hf_mixers.testing import tiny_model
+
+    def steps(name, **overrides):
+        config = tiny_model(name, **overrides).config
+        return decode_steps(config.to_dict(), config.layer_types, sorted(set(config.layer_types)))
+
+    assert steps("rsa") == (["RSA"], [])
+    assert steps("sessa") == ([], ["Sessa"])
+    assert steps("gltm") == (["GLTM"], []) and steps("gltm", gltm_pattern="pow2") == ([], ["GLTM"])
+    assert steps("rsa", compile_decode=False) == ([], ["RSA"])
+    assert steps("full_attention") == ([], [])

@@ -277,7 +277,7 @@ def test_generate_compile_config_decodes_through_the_compiled_token_step(monkeyp
 
     compile_decode_without_inductor(monkeypatch)
     monkeypatch.setattr(blocks, "_compiled_steps", {})
-    model = tiny_model("rsa", dtype=torch.float32)
+    model = tiny_model("rsa", dtype=torch.float32, compile_decode=False)
     ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
@@ -305,6 +305,71 @@ def test_generate_compile_config_decodes_through_the_compiled_token_step(monkeyp
     assert messages == ["generate(compile_config=...): {'backend': 'aot_eager'} not used; the compiled token step "
                         "takes the mode only (Inductor, one graph per mixer class and batch size)"]
     assert model.config.compile_decode is False
+
+
+def test_plain_generate_decodes_through_the_compiled_step_by_default_where_it_pays(monkeypatch):
+    """``compile_decode = "auto"`` (the default): a plain ``generate`` of at least AUTO_NEW_TOKENS tokens on a CPU in
+    fp32 runs its decode steps through the compiled step, with the eager model's tokens, and says so once; a shorter
+    one stays eager until the step has run in the process, then takes it too; ``compile_decode = False``,
+    HF_MIXERS_COMPILE_DECODE=0, a step with symbolic shapes (Sessa) and any other call than generate's are eager."""
+    from hf_mixers.model import blocks
+    from hf_mixers.testing import tiny_model
+
+    compile_decode_without_inductor(monkeypatch)
+    monkeypatch.setattr(blocks, "_compiled_steps", {})
+    monkeypatch.setattr(blocks, "_auto_announced", set())
+    monkeypatch.setattr(blocks, "_stepped", set())
+    steps = []
+    compiled = blocks.decode_compiled
+    monkeypatch.setattr(blocks, "decode_compiled", lambda *args: steps.append(1) or compiled(*args))
+    messages = []
+    monkeypatch.setattr(blocks.logger, "warning", lambda message, *args: messages.append(message % args))
+    model = tiny_model("rsa", dtype=torch.float32)
+    assert model.config.compile_decode == "auto"
+    ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def generate(tokens):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                              do_sample=False, pad_token_id=0)
+
+    long = blocks.AUTO_NEW_TOKENS
+    generate(long - 1)
+    assert not steps  # too short to win back the step's set-up
+    got = generate(long)
+    said = [message for message in messages if "compile_decode='auto'" in message]
+    assert len(steps) == (long - 1) * len(model.model.layers) and len(said) == 1, messages
+    assert "compile_decode = False or HF_MIXERS_COMPILE_DECODE=0" in said[0]
+    with torch.no_grad():
+        model(ids, attention_mask=torch.ones_like(ids), use_cache=True)  # a forward of its own: eager
+    assert len(steps) == (long - 1) * len(model.model.layers)
+    generate(4)  # the step is loaded in this process now: a short generate takes it too
+    assert len(steps) == (long - 1 + 3) * len(model.model.layers)
+    steps.clear()
+    model.config.compile_decode = False
+    assert torch.equal(generate(long), got) and not steps
+    model.config.compile_decode = "auto"
+    monkeypatch.setenv("HF_MIXERS_COMPILE_DECODE", "0")
+    assert torch.equal(generate(long), got) and not steps
+    monkeypatch.delenv("HF_MIXERS_COMPILE_DECODE")
+    sessa = tiny_model("sessa", dtype=torch.float32)
+    sessa.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=long, do_sample=False, pad_token_id=0)
+    assert not steps
+
+
+def test_auto_names_why_it_stays_eager():
+    from hf_mixers.model.blocks import AUTO_NEW_TOKENS, auto_decode_refusal
+    from hf_mixers.testing import tiny_model
+
+    model = tiny_model("vort", dtype=torch.float32)
+    layers, weight = model.model.layers, model.lm_head.weight
+    assert auto_decode_refusal(layers, weight, AUTO_NEW_TOKENS) is None
+    assert auto_decode_refusal(layers, weight, None) is None  # a generate that does not say: long by default
+    assert "3 new tokens" in auto_decode_refusal(layers, weight, 3, 1)
+    assert "torch.bfloat16 on cpu" in auto_decode_refusal(layers, weight.bfloat16(), AUTO_NEW_TOKENS)
+    sessa = tiny_model("sessa", dtype=torch.float32)
+    assert "grows with the context" in auto_decode_refusal(sessa.model.layers, sessa.lm_head.weight, AUTO_NEW_TOKENS)
+    teacher = tiny_model("full_attention", dtype=torch.float32)
+    assert "no layer" in auto_decode_refusal(teacher.model.layers, teacher.lm_head.weight, AUTO_NEW_TOKENS)
 
 
 def test_the_cpu_step_computes_its_small_products_in_fused_loops(monkeypatch):
@@ -340,7 +405,7 @@ def test_compile_decode_takes_a_torch_compile_mode():
     outputs = [model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                               pad_token_id=0) for model in (eager, compiled)]
     assert torch.equal(*outputs)
-    with pytest.raises(ValueError, match=r"compile_decode must be true, false or a torch.compile mode .*'fast'"):
+    with pytest.raises(ValueError, match=r"compile_decode must be 'auto', true, false or a torch.compile mode .*'fast"):
         tiny_model("selective_ssm", compile_decode="fast")
     assert "default" in COMPILE_MODES and tiny_model("rsa", rsa_compile_decode=True).model.layers[0].mixer \
         .decode_compile_mode() == "default"

@@ -56,7 +56,7 @@ def _models(teacher_source: str, model_dirs, mixers, options, dtype, device,
         models[label] = student
     for label, model in models.items():
         model.to(device=device, dtype=dtype).eval()
-        if compile_decode and label != "teacher":
+        if label != "teacher":  # eager unless asked: "auto" would compile a long generate
             model.config.compile_decode = compile_decode
     if compile_decode:
         suffix = ", compiled decode" + ("" if compile_decode is True else f" ({compile_decode})")
