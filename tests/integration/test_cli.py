@@ -179,6 +179,23 @@ def test_bench_rsa_writes_training_and_decoding_results(tmp_path, monkeypatch):
     assert report["targets"]["cache_bytes_constant"] and report["targets"]["decode_speedup_met"] is None
 
 
+def test_bench_decode_loads_folders_as_users_do_in_fresh_processes(tmp_path, teacher_dir):
+    """Each folder in two fresh processes (the first on an emptied compiled-steps cache), loaded through its remote
+    code beside the teacher, timed through plain generate: its default compile_decode recorded, ms a token against
+    the teacher's at each context, eager ms a token in the later process; JSON and plot."""
+    folder = tmp_path / "rsa"
+    assert main(["convert", teacher_dir, "--mixer", "rsa", "--out", str(folder)]) == 0
+    main(["bench", "decode", str(folder), "--teacher", teacher_dir, "--contexts", "8,16", "--new-tokens", "2,4",
+          "--repeats", "1", "--out", str(tmp_path / "bench")])
+    report = json.loads((tmp_path / "bench" / "bench_decode.json").read_text())
+    assert [(row["model"], row["process"]) for row in report["rows"]] == [("rsa", "cold"), ("rsa", "warm")]
+    cold, warm = report["rows"]
+    assert cold["compile_decode"] == "auto" and [p["context"] for p in cold["points"]] == [8]
+    assert [p["context"] for p in warm["points"]] == [8, 16] and all(
+        p["model_ms_per_token"] > 0 and p["ratio"] > 0 and p["eager_ms_per_token"] > 0 for p in warm["points"])
+    assert (tmp_path / "bench" / "bench_decode.png").stat().st_size > 10_000
+
+
 def test_bench_selective_ssm_writes_training_scan_forms_and_decoding(tmp_path):
     main(["bench", "selective_ssm", "--out", str(tmp_path), "--lengths", "64", "--contexts", "16,48",
           "--hidden-size", "32", "--heads", "2", "--kv-heads", "1", "--repeats", "1", "--decode-tokens", "2",
