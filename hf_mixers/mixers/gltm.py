@@ -218,6 +218,7 @@ class GLTMMixer(FullAttention):
         # every sequence at positions 1..T (no padding, no past: a training step, a first prefill) reads the same
         # rows, built once a length; otherwise 1-based positions -> rows of [kept positions, new tokens] per call
         shared = token_mask is None and old is None and self.pattern not in FULL_A
+        a_rows = b_rows = None  # FULL_A: attention over every position, and dense's solve takes no table
         if shared:
             a_rows, b_rows = self.shared_rows(length, hidden_states.device)  # (1, T, Ka), (1, T, K)
         elif self.pattern not in FULL_A:
@@ -252,31 +253,8 @@ class GLTMMixer(FullAttention):
             q_b, feedback_keys = self.project_feedback(hidden_states, position_embeddings)
             gate = self.gate(hidden_states).transpose(1, 2) * (positions >= 2)[:, None]  # (B, H, T): 0 with no past
             scale, skip = self.input_scale(hidden_states, gate)
-            f = scale[..., None] * direct  # A V
-            past_keys = None if old is None else old.feedback_keys.transpose(1, 2)  # (B, Hkv, M, d)
-            past_outputs = None if old is None else old.outputs.transpose(1, 2)  # (B, H, M, d)
-            fold_past = (lambda x, g: None if x is None else _fold(x, g))
-            if self.pattern == "dense":
-                key_mask = None if token_mask is None else token_mask.repeat_interleave(heads, 0)
-                y = feedback_solve(_fold(f, 1), _fold(q_b, 1).to(cd), _fold(feedback_keys, groups).to(cd),
-                                   gate.flatten(0, 1), key_mask=key_mask, past_k=fold_past(past_keys, groups),
-                                   past_s=fold_past(past_outputs, 1), scale=self.scaling,
-                                   method=self.config.gltm_solver, chunk_size=self.config.gltm_chunk_size,
-                                   backend=self.config.kernel_backend)
-            elif self.config.gltm_solver == "dense":  # the reference: masked T x T matrices, one solve
-                y = feedback_solve_sparse(_fold(f, 1), _fold(q_b, 1).to(cd), _fold(feedback_keys, groups).to(cd),
-                                          gate.flatten(0, 1), _per_head(b_rows, batch, heads, shared),
-                                          past_k=fold_past(past_keys, groups), past_s=fold_past(past_outputs, 1),
-                                          scale=self.scaling, method="dense")
-            else:  # B's entries from keys gathered once per KV head, gated, then the block substitution
-                keys_all = feedback_keys if past_keys is None else torch.cat([past_keys, feedback_keys], dim=2)
-                gain = gate.unflatten(1, (kv_heads, groups)).transpose(2, 3).flatten(0, 1)
-                weights = gathered_softmax(_by_kv_head(q_b, groups), keys_all.flatten(0, 1),
-                                           _per_head(b_rows, batch, kv_heads, shared), self.scaling, gain=gain,
-                                           backend=self.config.kernel_backend)  # (B Hkv, T, g, K)
-                y = sparse_solve(_fold(f, 1), _from_kv_head(weights, batch).flatten(0, 1),
-                                 _per_head(b_rows, batch, heads, shared), fold_past(past_outputs, 1),
-                                 self.config.gltm_chunk_size, self.config.kernel_backend)
+            y = self.solve_feedback(scale[..., None] * direct, q_b, feedback_keys, gate, b_rows, shared, old,
+                                    token_mask)  # (I - B)^-1 A V
             outputs = y.view(batch, heads, length, -1)  # what later tokens read (z under weight sharing)
             y = outputs if skip is None else outputs - skip[..., None] * direct  # weight sharing: y = z - d x
         else:
@@ -402,6 +380,37 @@ class GLTMMixer(FullAttention):
             layer_cache.update(*state[:2])
             layer_cache.append_extras(*state[2:])
         layer_cache.seen_tokens += 1
+
+    def solve_feedback(self, f, q_b, feedback_keys, gate, b_rows, shared, old, token_mask):
+        """(I - B) y = f for the new tokens, f = A V (B, H, T, d): B's rows from the B-branch queries (B, H, T, d),
+        the keys of the new and the cached positions, the gate (B, H, T) and the support rows (``shared``: one table
+        for every sequence); the past outputs from the cache ``old``. Returns y (B H, T, d) in the compute dtype."""
+        batch, heads, groups, kv_heads = f.shape[0], self.num_heads, self.num_key_value_groups, self.num_key_value_heads
+        cd = f.dtype
+        past_keys = None if old is None else old.feedback_keys.transpose(1, 2)  # (B, Hkv, M, d)
+        past_outputs = None if old is None else old.outputs.transpose(1, 2)  # (B, H, M, d)
+        fold_past = (lambda x, g: None if x is None else _fold(x, g))
+        if self.pattern == "dense":
+            key_mask = None if token_mask is None else token_mask.repeat_interleave(heads, 0)
+            return feedback_solve(_fold(f, 1), _fold(q_b, 1).to(cd), _fold(feedback_keys, groups).to(cd),
+                                  gate.flatten(0, 1), key_mask=key_mask, past_k=fold_past(past_keys, groups),
+                                  past_s=fold_past(past_outputs, 1), scale=self.scaling,
+                                  method=self.config.gltm_solver, chunk_size=self.config.gltm_chunk_size,
+                                  backend=self.config.kernel_backend)
+        if self.config.gltm_solver == "dense":  # the reference: masked T x T matrices, one solve
+            return feedback_solve_sparse(_fold(f, 1), _fold(q_b, 1).to(cd), _fold(feedback_keys, groups).to(cd),
+                                         gate.flatten(0, 1), _per_head(b_rows, batch, heads, shared),
+                                         past_k=fold_past(past_keys, groups), past_s=fold_past(past_outputs, 1),
+                                         scale=self.scaling, method="dense")
+        # B's entries from keys gathered once per KV head, gated, then the block substitution
+        keys_all = feedback_keys if past_keys is None else torch.cat([past_keys, feedback_keys], dim=2)
+        gain = gate.unflatten(1, (kv_heads, groups)).transpose(2, 3).flatten(0, 1)
+        weights = gathered_softmax(_by_kv_head(q_b, groups), keys_all.flatten(0, 1),
+                                   _per_head(b_rows, batch, kv_heads, shared), self.scaling, gain=gain,
+                                   backend=self.config.kernel_backend)  # (B Hkv, T, g, K)
+        return sparse_solve(_fold(f, 1), _from_kv_head(weights, batch).flatten(0, 1),
+                            _per_head(b_rows, batch, heads, shared), fold_past(past_outputs, 1),
+                            self.config.gltm_chunk_size, self.config.kernel_backend)
 
     def input_scale(self, hidden_states, gate):
         """The diagonal factor on the A-branch output, and what weight sharing subtracts afterwards: (1 - g, None);
