@@ -329,12 +329,14 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     passed in already loaded (the demo converts once per mixer); otherwise they come from ``recipe.model``. The
     trained model is ``summary["model"]`` (not serialised). The saved folder carries its history for the model
     card: the conversion report, ``training_summary.json`` (this summary and the recipe) and ``loss_curve.png``.
+
+    The phases, in order: the recipe checked and launched; the teacher and the data; the student; the evaluations
+    at init; stage 1 (with its kl:K selection); stage 2; the summary and the export.
     """
     if student is None and recipe.model.student is None:
         check_mixer_options(recipe)  # a wrong option fails here, not after the teacher and the data are ready
     parse_sources(recipe.data.source)  # likewise a wrong dataset key
-    out = recipe.output.dir
-    model_dir = os.path.join(out, "model")
+    model_dir = os.path.join(recipe.output.dir, "model")
     if os.path.isdir(model_dir) and os.listdir(model_dir) and not recipe.output.overwrite:
         raise FileExistsError(f"{model_dir} exists: this run already finished; set output.overwrite=true to redo "
                               "the export, or choose another output.dir")
@@ -343,29 +345,52 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     record = checked_recipe(recipe)
     start_tracking(processes, recipe)  # a tracker that cannot start fails here, before the teacher, data, conversion
     started = time.perf_counter()
-    device = processes.device
-    dtype = training_dtype(recipe.train.precision, device)
-    # the teacher straight in the training dtype (no fp32 copy of a bf16 checkpoint), on its device before the
-    # conversion, which then runs there; the student's frozen weights are the teacher's tensors from the start
+    dtype = training_dtype(recipe.train.precision, processes.device)
     loaded_here = teacher is None
+    teacher, data = _teacher_and_data(recipe, processes, dtype, teacher, progress)
+    student, conversion_report = _student(recipe, teacher, dtype, processes.device, student, conversion_report,
+                                          progress)
+    write_recipe(recipe, record, processes)
+    evaluator = _Evaluator(recipe, teacher, data, student, dtype, processes.device)
+    evaluator.evaluate("init", student)
+    student, histories = _train(recipe, processes, teacher, student, conversion_report, data.train, evaluator,
+                                dtype, progress)
+    saved_dtype = output_dtype(recipe.output.dtype, teacher.stored_dtype)
+    summary = _summary(recipe, processes, student, data, evaluator, histories, dtype, started, model_dir, saved_dtype)
+    tokenizer = teacher.tokenizer
+    if loaded_here:  # the teacher's last use is behind: its tensors go as the student's are cast for the export
+        teacher = evaluator = None
+        release_freed_memory()
+    _export(recipe, processes, student.to(saved_dtype), tokenizer, summary, histories, conversion_report, model_dir)
+    return {**summary, "model": student}
+
+
+def _teacher_and_data(recipe: Recipe, processes: Processes, dtype, teacher, progress: bool):
+    """The teacher, frozen, straight in the training dtype (no fp32 copy of a bf16 checkpoint) on its device, and the
+    data: a file that cannot make one sequence fails before minutes of conversion. ``teacher:N`` text is written once,
+    by the main process; a dataset is tokenised once, into datasets' cache, and the main process packs the training
+    blocks into OUT/data/train.int32, which every process then memory-maps (recipes/token_blocks.py)."""
     teacher = teacher or load_teacher(recipe.model.teacher, dtype=dtype)
-    teacher.model.to(device=recipe.model.teacher_device or device, dtype=dtype)
+    teacher.model.to(device=recipe.model.teacher_device or processes.device, dtype=dtype)
     for parameter in teacher.model.parameters():
         parameter.requires_grad_(False)
-    # the data first: a file that cannot make one sequence fails before minutes of conversion
-    length = recipe.data.sequence_length
-    source = recipe.data.source
-    if processes.is_main:  # teacher:N is written once, by one process
-        materialise_sources(source, teacher, teacher_text_folder(recipe), recipe.train.seed, length, progress)
+    length, source, folder = recipe.data.sequence_length, recipe.data.source, teacher_text_folder(recipe)
+    if processes.is_main:
+        materialise_sources(source, teacher, folder, recipe.train.seed, length, progress)
     processes.barrier()
-    source = materialise_sources(source, teacher, teacher_text_folder(recipe), recipe.train.seed, length, False)
-    # a dataset is tokenised once, into datasets' cache; the main process packs the training blocks into
-    # OUT/data/train.int32, which every process then memory-maps (recipes/token_blocks.py)
+    source = materialise_sources(source, teacher, folder, recipe.train.seed, length, False)
     with processes.main_first():
         data = source_blocks(source, teacher.tokenizer, length, recipe.data.max_train_sequences,
                              recipe.data.heldout_sequences, recipe.data.heldout_fraction,
-                             train_path=os.path.join(out, "data", "train.int32"), read_train=not processes.is_main)
-    train_ids, heldout_ids, data_name = data.train, data.heldout, data.name
+                             train_path=os.path.join(recipe.output.dir, "data", "train.int32"),
+                             read_train=not processes.is_main)
+    return teacher, data
+
+
+def _student(recipe: Recipe, teacher, dtype, device, student, conversion_report, progress: bool):
+    """The student in the training dtype on ``device``: given, read from ``model.student``, or converted here (on the
+    teacher's device); what it took over unchanged from the teacher held once (conversion/shared_weights.py), q/k/v
+    apart when stage 1 trains them. Returns (student, its conversion report)."""
     read_from = None  # the folder of a student read here: its weights are compared with the teacher's as stored
     if student is None and recipe.model.student:
         from transformers import AutoModelForCausalLM
@@ -383,9 +408,6 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
                                              share_teacher_weights=True)
     if read_from is None:  # a student in memory is compared as it is: in the training dtype, on the device
         student.to(device=device, dtype=dtype)
-    saved_dtype = output_dtype(recipe.output.dtype, teacher.stored_dtype)
-    # one copy of what the student took over unchanged (conversion/shared_weights.py; a conversion here shared them
-    # as it built the student); q/k/v get their own when stage 1 trains them
     trained_qkv = (".q_proj.", ".k_proj.", ".v_proj.") if recipe.stage1.enabled and recipe.stage1.train_qkv else ()
     share_frozen_weights(student, teacher.model, keep_separate=trained_qkv, stored_in=read_from)
     if trained_qkv:
@@ -395,40 +417,55 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     shared = shared_bytes(student, teacher.model)
     if shared and progress:
         tqdm.write(f"student and teacher hold their {shared / 2**20:.0f} MiB of common frozen weights once")
-    heldout_ids = heldout_ids.to(device, torch.long)  # the training blocks stay mapped: batches move one by one
-    write_recipe(recipe, record, processes)
+    return student, conversion_report
 
-    wider_ids = {name: ids.to(device, torch.long) for name, ids in
-                 wider_evaluation_sets(recipe, teacher.tokenizer, data).items()}
-    evaluations, wider = {}, {name: {} for name in wider_ids}
-    teacher_hidden = {}  # the frozen teacher's final states per evaluation set: computed once, not once per stage
 
-    def against_teacher(name: str, model, ids) -> dict:
-        if name not in teacher_hidden:
+class _Evaluator:
+    """The run's measures against the teacher: on the held-out set and the wider ones after each stage
+    (``evaluations``, ``wider``), and on the held-out set during a stage (``measured_so_far``, ``train.eval_every``).
+    The frozen teacher's final states per set are computed once, not once per stage."""
+
+    def __init__(self, recipe: Recipe, teacher, data: DataBlocks, student, dtype, device):
+        self.teacher, self.student, self.dtype, self.device = teacher, student, dtype, device
+        self.heldout = data.heldout.to(device, torch.long)  # the training blocks stay mapped: moved batch by batch
+        self.wider_ids = {name: ids.to(device, torch.long) for name, ids in
+                          wider_evaluation_sets(recipe, teacher.tokenizer, data).items()}
+        self.evaluations, self.wider = {}, {name: {} for name in self.wider_ids}
+        self.teacher_hidden = {}
+
+    def against_teacher(self, name: str, model, ids) -> dict:
+        if name not in self.teacher_hidden:
+            teacher = self.teacher.model
             with torch.no_grad():
-                teacher_hidden[name] = torch.cat([teacher.model.model(ids[row:row + 1].to(teacher.model.device),
-                                                                      use_cache=False).last_hidden_state
-                                                  for row in range(ids.shape[0])])
-        return compare_to_teacher(teacher.model, model, ids, teacher_hidden=teacher_hidden[name])
+                self.teacher_hidden[name] = torch.cat([teacher.model(ids[row:row + 1].to(teacher.device),
+                                                                     use_cache=False).last_hidden_state
+                                                       for row in range(ids.shape[0])])
+        return compare_to_teacher(self.teacher.model, model, ids, teacher_hidden=self.teacher_hidden[name])
 
-    def evaluate(stage: str, model) -> None:
-        with autocast(dtype, device):
-            evaluations[stage] = against_teacher("heldout", model, heldout_ids)
-            for name, ids in wider_ids.items():
-                wider[name][stage] = against_teacher(name, model, ids)
+    def evaluate(self, stage: str, model) -> None:
+        with autocast(self.dtype, self.device):
+            self.evaluations[stage] = self.against_teacher("heldout", model, self.heldout)
+            for name, ids in self.wider_ids.items():
+                self.wider[name][stage] = self.against_teacher(name, model, ids)
 
-    def measured_so_far() -> dict:  # train.eval_every: the held-out measures during a stage (LoRA is in student)
-        with torch.no_grad(), autocast(dtype, device):
-            measures = against_teacher("heldout", student, heldout_ids)
+    def measured_so_far(self) -> dict:
+        """The held-out measures of the student now (LoRA, once added, is in it)."""
+        with torch.no_grad(), autocast(self.dtype, self.device):
+            measures = self.against_teacher("heldout", self.student, self.heldout)
         return {name: value for name, value in measures.items() if name != "teacher_perplexity"}
 
-    evaluate("init", student)
+
+def _train(recipe: Recipe, processes: Processes, teacher, student, conversion_report, train_ids,
+           evaluator: _Evaluator, dtype, progress: bool):
+    """Stage 1 (attention transfer; under kl:K a short one on every layer, the ranking, then the rest) and stage 2
+    (LoRA distillation), each evaluated after. Returns (the trained student, {stage: its history})."""
+    device = processes.device
     histories = {}
-    common = dict(blocks=train_ids, train=recipe.train, out_dir=out, checkpoint_every=recipe.output.checkpoint_every,
-                  log_every=recipe.output.log_every, progress=progress, processes=processes)
+    common = dict(blocks=train_ids, train=recipe.train, out_dir=recipe.output.dir,
+                  checkpoint_every=recipe.output.checkpoint_every, log_every=recipe.output.log_every,
+                  progress=progress, processes=processes)
     train_mode(student, recipe.train, device)
     compile_blocks(teacher.model, compile_mode(recipe.train, device))  # its forward in each stage-2 step
-
     selection_steps = recipe.stage1.selection_steps if selects_after_stage1(recipe) else 0
     # the run-wide step of each stage's first step, less one: the trackers see one increasing step
     log_offsets = {"stage1-selection": 0, "stage1": selection_steps,
@@ -447,24 +484,23 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
         loss_fn = attention_transfer_loss(student, teacher.model, layers, recipe.train.gradient_checkpointing)
         return run_stage(stage, loss_fn, parameters, steps=steps,
                          lr=recipe.train.lr, sharding=sharding_for(student, layers, teacher.model),
-                         evaluate=measured_so_far, log_offset=log_offsets[stage], **common)
+                         evaluate=evaluator.measured_so_far, log_offset=log_offsets[stage], **common)
 
     stage1_steps = recipe.stage1.steps if recipe.stage1.enabled else 0
-    if selects_after_stage1(recipe):  # kl:K: a short stage 1 on every layer, then the ranking, then the rest
-        selection = recipe.stage1.selection_steps
-        histories["stage1-selection"] = transfer("stage1-selection", selection)
+    if selection_steps:
+        histories["stage1-selection"] = transfer("stage1-selection", selection_steps)
         count = int(recipe.model.keep_attention.removeprefix("kl:"))
         with autocast(dtype, device):  # the frozen weights may be bf16 beside the fp32 trained ones
             ranked_on = train_ids[:KL_RANKING_SEQUENCES].to(device, torch.long)
             kept = keep_by_marginal_kl(student, teacher.model, ranked_on, count, conversion_report,
-                                       f"ranked after {selection} stage-1 steps")
+                                       f"ranked after {selection_steps} stage-1 steps")
         if progress:
-            tqdm.write(f"kl:{count}: layers {kept} back to attention (ranked after {selection} stage-1 steps)")
-        evaluate("stage1-selection", student)
-        stage1_steps -= selection
+            tqdm.write(f"kl:{count}: layers {kept} back to attention (ranked after {selection_steps} stage-1 steps)")
+        evaluator.evaluate("stage1-selection", student)
+        stage1_steps -= selection_steps
     if stage1_steps > 0:
         histories["stage1"] = transfer("stage1", stage1_steps)
-        evaluate("stage1", student)
+        evaluator.evaluate("stage1", student)
     if recipe.stage2.enabled and recipe.stage2.steps > 0:
         peft_model = add_lora(student, recipe.stage2, recipe.train.seed)
         parameters = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
@@ -473,31 +509,41 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
             histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
                                             lr=recipe.stage2.lr or recipe.train.lr,
                                             sharding=sharding_for(peft_model, teacher_model=teacher.model),
-                                            evaluate=measured_so_far, log_offset=log_offsets["stage2"],
+                                            evaluate=evaluator.measured_so_far, log_offset=log_offsets["stage2"],
                                             **{**common, **data})
         del loss_fn  # it holds the teacher, which the export may free
         if recipe.output.merge_lora:  # merging writes into the adapted weights: the teacher's must stay as they are
             unshare_weights(peft_model, teacher.model, only=("base_layer",), release_teacher_pages=True)
         student = peft_model.merge_and_unload() if recipe.output.merge_lora else peft_model
-        evaluate("stage2", student.get_base_model() if hasattr(student, "get_base_model") else student)
+        evaluator.evaluate("stage2", student.get_base_model() if hasattr(student, "get_base_model") else student)
     student.eval()
-    summary = {"teacher": recipe.model.teacher, "mixer": recipe.model.mixer, "data": data_name,
-               "layer_types": student.config.layer_types, "train_sequences": int(train_ids.shape[0]),
-               "heldout_sequences": int(heldout_ids.shape[0]), "sequence_length": length, "evaluations": evaluations,
-               "wider_evaluations": wider,
-               "stages": {name: {"steps": len(h), "first_loss": h[0]["loss"] if h else None,
-                                 "final_loss": h[-1]["loss"] if h else None,
-                                 "tokens": len(h) * recipe.train.batch_size * recipe.train.grad_accum * length
-                                 * processes.world}
-                          for name, h in histories.items()},
-               "seconds": time.perf_counter() - started, "model_dir": model_dir, "world_size": processes.world,
-               "precision": dtype_name(dtype), "saved_dtype": dtype_name(saved_dtype),
-               "peak_memory_gib": processes.gather(peak_memory(device))}  # per rank: what --plan is checked against
-    tokenizer = teacher.tokenizer
-    if loaded_here:  # the teacher's last use is behind: its tensors go as the student's are cast for the export
-        teacher = None
-        release_freed_memory()
-    student.to(saved_dtype)
+    return student, histories
+
+
+def _summary(recipe: Recipe, processes: Processes, student, data: DataBlocks, evaluator: _Evaluator, histories,
+             dtype, started: float, model_dir: str, saved_dtype) -> dict:
+    """The run's summary: its data, the evaluations after each stage, each stage's steps, losses and tokens, time,
+    precision and each rank's peak memory (what ``--plan`` is checked against)."""
+    length = recipe.data.sequence_length
+    return {"teacher": recipe.model.teacher, "mixer": recipe.model.mixer, "data": data.name,
+            "layer_types": student.config.layer_types, "train_sequences": int(data.train.shape[0]),
+            "heldout_sequences": int(data.heldout.shape[0]), "sequence_length": length,
+            "evaluations": evaluator.evaluations, "wider_evaluations": evaluator.wider,
+            "stages": {name: {"steps": len(h), "first_loss": h[0]["loss"] if h else None,
+                              "final_loss": h[-1]["loss"] if h else None,
+                              "tokens": len(h) * recipe.train.batch_size * recipe.train.grad_accum * length
+                              * processes.world}
+                       for name, h in histories.items()},
+            "seconds": time.perf_counter() - started, "model_dir": model_dir, "world_size": processes.world,
+            "precision": dtype_name(dtype), "saved_dtype": dtype_name(saved_dtype),
+            "peak_memory_gib": processes.gather(peak_memory(processes.device))}
+
+
+def _export(recipe: Recipe, processes: Processes, student, tokenizer, summary: dict, histories, conversion_report,
+            model_dir: str) -> None:
+    """The trained student to OUT/model (the main process), with its history: the conversion report,
+    training_summary.json and the loss curve; OUT/summary.json beside it."""
+    out = recipe.output.dir
     if processes.is_main:
         def write_history(folder):
             if conversion_report is not None:
@@ -513,7 +559,6 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
             shutil.copyfile(os.path.join(model_dir, LOSS_CURVE), os.path.join(out, LOSS_CURVE))
     finish_tracking(processes)
     processes.barrier()
-    return {**summary, "model": student}
 
 
 def stage2_loss(recipe: Recipe, student, teacher, train_ids, processes: Processes, progress: bool):
