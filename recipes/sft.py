@@ -201,13 +201,36 @@ def heldout_loss(model, encoded, batch_size: int = 4) -> float:
     return sum(losses) / len(losses)
 
 
+def _check_chat_tokenizer(tokenizer, student_name) -> None:
+    """Before any work: a tokenizer, with the chat template every example goes through."""
+    if tokenizer is None:
+        raise ValueError("finetune: a model passed in needs its tokenizer (tokenizer=...)")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"finetune: the tokenizer of {student_name or 'the model passed in'} has no chat "
+                         "template, which finetune encodes its conversations with; fine-tune a model converted from "
+                         "a chat (instruct) teacher, or give the folder a template (tokenizer.chat_template = ..., "
+                         "then tokenizer.save_pretrained(folder))")
+
+
+def _trainable(student, section, seed: int):
+    """What stage 3 trains: LoRA adapters on the student (``finetune.lora``), or the whole student."""
+    from .stages import add_lora
+
+    torch.manual_seed(seed)
+    if section.lora:
+        return add_lora(student, section, seed)
+    for parameter in student.parameters():
+        parameter.requires_grad_(True)
+    return student
+
+
 @leaves_nothing_unless_started
 def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None) -> dict:
     """Stage 3 on ``recipe.model.student`` (or the given model); returns the summary (OUT/summary.json)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .stages import (add_lora, checked_recipe, copy_history, launched, local_student, released_per_block,
-                         save_model, sharding_for, train_mode, write_recipe)
+    from .stages import (checked_recipe, copy_history, launched, local_student, released_per_block, save_model,
+                         sharding_for, train_mode, write_recipe)
 
     section, out = recipe.finetune, recipe.output.dir
     model_dir = os.path.join(out, "model")
@@ -223,13 +246,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     if student is None:  # a folder: its tokenizer first, checked before the weights are read
         folder = local_student(recipe.model.student)
         tokenizer = AutoTokenizer.from_pretrained(recipe.model.student)
-    if tokenizer is None:
-        raise ValueError("finetune: a model passed in needs its tokenizer (tokenizer=...)")
-    if getattr(tokenizer, "chat_template", None) is None:  # before any work: every example goes through it
-        raise ValueError(f"finetune: the tokenizer of {recipe.model.student or 'the model passed in'} has no chat "
-                         "template, which finetune encodes its conversations with; fine-tune a model converted from "
-                         "a chat (instruct) teacher, or give the folder a template (tokenizer.chat_template = ..., "
-                         "then tokenizer.save_pretrained(folder))")
+    _check_chat_tokenizer(tokenizer, recipe.model.student)
     if student is None:  # read straight in the training dtype
         stored = stored_dtype(AutoConfig.from_pretrained(folder))
         student = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
@@ -247,13 +264,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     student.to(device=device, dtype=dtype)  # bf16: the frozen weights; run_stage keeps what it trains in fp32
     with autocast(dtype, device):
         before = heldout_loss(student, heldout_rows)
-    torch.manual_seed(recipe.train.seed)
-    if section.lora:
-        model = add_lora(student, section, recipe.train.seed)
-    else:
-        model = student
-        for parameter in model.parameters():
-            parameter.requires_grad_(True)
+    model = _trainable(student, section, recipe.train.seed)
     parameters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     train_mode(model, recipe.train, device)
 

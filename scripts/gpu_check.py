@@ -164,6 +164,23 @@ def static_teacher_step_seconds(model, ids, steps: int, warmup: int, backend: st
     return timed_steps(step, 1, steps, model.config.vocab_size, device, warmup)
 
 
+def _write_decode_report(report: dict, rounds: dict, out_json: str) -> None:
+    """decode_graphs' JSON so far: each form's median of the rounds after the first (or the first alone), and the
+    ratios to the teacher's tokens/s, eager and with its static cache and CUDA graphs."""
+    import statistics
+
+    from hf_mixers.common.files import write_atomically
+
+    timed = {form: times[1:] or times for form, times in rounds.items() if times}
+    report["decode_ms"] = {form: 1e3 * statistics.median(times) for form, times in timed.items()}
+    report["first_round_only"] = [form for form, times in rounds.items() if len(times) == 1]
+    for key, base in (("x_teacher_tokens_per_s", "teacher"),
+                      ("x_static_teacher_tokens_per_s", "teacher, static cache + CUDA graphs")):
+        if base in report["decode_ms"]:
+            report[key] = {form: report["decode_ms"][base] / ms for form, ms in report["decode_ms"].items()}
+    write_atomically(out_json, json.dumps(report, indent=1))
+
+
 def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:
     """Batch-1 decode after a 1K prompt (the dry run: 32), in one process and alternating, of the teacher (eager, and
     through a static cache replayed as a CUDA graph: ``static_teacher_step_seconds``) and its windowed RSA
@@ -176,12 +193,9 @@ def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:
     where it was cut. A form measured in its first round only (its compile's) is listed in ``first_round_only``.
     The dry run compiles with "aot_eager" (model/blocks.py ``COMPILE_BACKEND``): the same graphs, captured whole,
     without Inductor's C++ code, which is not what a GPU runs (~100 of the dry step's 130 s on 2 cores)."""
-    import statistics
-
     import torch
     from transformers import DynamicCache
 
-    from hf_mixers.common.files import write_atomically
     from hf_mixers.common.measures import decode_step_seconds
     from hf_mixers.conversion import convert, load_teacher
     from hf_mixers.model import blocks
@@ -204,15 +218,8 @@ def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:
     report = {"device": torch.cuda.get_device_name() if not dry else "cpu", "dtype": str(dtype)[6:],
               "context": context, "batch": 1, "decode_ms": {}, "first_round_only": [], "failed": {}, "cut": None}
 
-    def write() -> None:  # the medians of the rounds after the first, or the first alone
-        timed = {form: times[1:] or times for form, times in rounds.items() if times}
-        report["decode_ms"] = {form: 1e3 * statistics.median(times) for form, times in timed.items()}
-        report["first_round_only"] = [form for form, times in rounds.items() if len(times) == 1]
-        for key, base in (("x_teacher_tokens_per_s", "teacher"),
-                          ("x_static_teacher_tokens_per_s", "teacher, static cache + CUDA graphs")):
-            if base in report["decode_ms"]:
-                report[key] = {form: report["decode_ms"][base] / ms for form, ms in report["decode_ms"].items()}
-        write_atomically(out_json, json.dumps(report, indent=1))
+    def write() -> None:
+        _write_decode_report(report, rounds, out_json)
 
     def measure(name, mode, stack_devices, in_place_devices) -> float:
         model = models[name]

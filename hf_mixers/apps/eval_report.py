@@ -132,6 +132,29 @@ def load_model(model_dir: str, dtype: torch.dtype, device, trust_remote_code: bo
     return model, tokenizer
 
 
+def _check_lengths(model, model_dir: str, **lengths) -> None:
+    """Each flag's lengths (``passkey_lengths=...``: ``--passkey-lengths``) within the model's
+    max_position_embeddings, or a ValueError naming the flag."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    for name, values in lengths.items():
+        too_long = [v for v in values if limit and v > limit]
+        if too_long:
+            raise ValueError(f"--{name.replace('_', '-')} {too_long} exceed{'s' if len(too_long) == 1 else ''} the "
+                             f"model's max_position_embeddings ({limit}, {model_dir}/config.json)")
+
+
+def _decode_row(model, teacher_model, context: int, decode_tokens: int, device) -> dict:
+    """Decode tokens/s and cache bytes after a ``context``-token prompt, for the model and the teacher (None where
+    there is none)."""
+    row = {"context": context}
+    for name, candidate in (("model", model), ("teacher", teacher_model)):
+        latency, cache_bytes = (decode_latency(candidate, context, decode_tokens, candidate.config.vocab_size, device)
+                                if candidate is not None else (None, None))
+        row[f"{name}_tokens_per_s"] = None if latency is None else 1.0 / latency
+        row[f"{name}_cache_bytes"] = cache_bytes
+    return row
+
+
 def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = None, sequence_length: int = 512,
              heldout_sequences: int = 8, passkey_lengths=(256, 1024, 2048), passkey_trials: int = 5,
              prompts=DEFAULT_PROMPTS, max_new_tokens: int = 32, decode_contexts=(512, 2048), decode_tokens: int = 16,
@@ -168,13 +191,8 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
         tokenizer = tokenizer or loaded.tokenizer
     if tokenizer is None:
         raise FileNotFoundError(f"{model_dir}: no tokenizer files, and no teacher to take them from (--teacher)")
-    limit = getattr(model.config, "max_position_embeddings", None)
-    for flag, values in (("--passkey-lengths", passkey_lengths), ("--contexts", decode_contexts),
-                         ("--sequence-length", [sequence_length])):
-        too_long = [v for v in values if limit and v > limit]
-        if too_long:
-            raise ValueError(f"{flag} {too_long} exceed{'s' if len(too_long) == 1 else ''} the model's "
-                             f"max_position_embeddings ({limit}, {model_dir}/config.json)")
+    _check_lengths(model, model_dir, passkey_lengths=passkey_lengths, contexts=decode_contexts,
+                   sequence_length=[sequence_length])
 
     heldout = source_blocks(data, tokenizer, sequence_length, heldout_count=heldout_sequences, heldout_only=True)
     heldout_ids, data_name = heldout.heldout, heldout.name
@@ -193,16 +211,9 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
                 "teacher": generate_sample(teacher_model, tokenizer, prompt, max_new_tokens)
                 if teacher_model is not None else None} for prompt in prompts]
 
-    decode = []  # the samples and passkey ran as the folder's config says; the timing as asked
+    # the samples and passkey ran as the folder's config says; the timing as asked
     with compiled_decode(model, compile_decode or getattr(model.config, "compile_decode", False)) as decode_step:
-        for context in decode_contexts:
-            row = {"context": context}
-            for name, candidate in (("model", model), ("teacher", teacher_model)):
-                latency, cache_bytes = (decode_latency(candidate, context, decode_tokens, candidate.config.vocab_size,
-                                                       device) if candidate is not None else (None, None))
-                row[f"{name}_tokens_per_s"] = None if latency is None else 1.0 / latency
-                row[f"{name}_cache_bytes"] = cache_bytes
-            decode.append(row)
+        decode = [_decode_row(model, teacher_model, context, decode_tokens, device) for context in decode_contexts]
 
     report = EvalReport(model=model_dir, teacher=teacher, data=data_name, heldout_sequences=int(heldout_ids.shape[0]),
                         sequence_length=sequence_length, dtype=dtype, device=str(device), quality=quality,

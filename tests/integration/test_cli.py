@@ -91,8 +91,8 @@ def test_bad_arguments_are_reported_by_the_parser(capsys):
     assert "expected comma-separated integers" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "nothing"])
-    assert ("argument TARGET: invalid choice: 'nothing' (choose from 'distill', 'generate', 'gltm', 'kernels', "
-            "'precision', 'rsa'") in capsys.readouterr().err
+    assert ("argument TARGET: invalid choice: 'nothing' (choose from 'decode', 'distill', 'generate', 'gltm', "
+            "'kernels', 'precision', 'rsa'") in capsys.readouterr().err
 
 
 def test_every_benchmark_has_its_own_flags_and_help(capsys):

@@ -163,20 +163,7 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
     progress.close()
     order = {label: index for index, label in enumerate(models)}
     rows.sort(key=lambda row: order[row["model"]])  # by model, then (stable) by batch and context
-    teacher_rows = {(r["batch"], r["context"]): r for r in rows if r["model"] == "teacher"}
-    for row in rows:
-        base = teacher_rows[(row["batch"], row["context"])]
-        row["decode_speedup_vs_teacher"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-        # each repeat's model against the teacher's step of the same round (seconds apart): the ratio a drifting
-        # machine moves least, where the fastest repeats of two models may come from different phases
-        row["decode_speedup_vs_teacher_paired"] = statistics.median(
-            teacher / model for teacher, model in zip(base["decode_s_per_step_repeats"],
-                                                      row["decode_s_per_step_repeats"], strict=True))
-        row["prefill_speedup_vs_teacher"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
-        if row["max_batch_in_budget"] is not None and base["max_batch_in_budget"]:
-            row["max_batch_vs_teacher"] = row["max_batch_in_budget"] / base["max_batch_in_budget"]
-        if "budget_decode_tokens_per_s" in row and "budget_decode_tokens_per_s" in base:
-            row["budget_decode_vs_teacher"] = row["budget_decode_tokens_per_s"] / base["budget_decode_tokens_per_s"]
+    _against_teacher(rows)
     generation = {label: _generate_seconds(model, tokenizer, prompt_tokens, generate_tokens, device)
                   for label, model in models.items()}
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -192,6 +179,24 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
     os.makedirs(out_dir, exist_ok=True)
     write_atomically(os.path.join(out_dir, "bench_generate.md"), table(report))
     return write_report(report, out_dir, "bench_generate", _plot, lambda r: print(table(r)))
+
+
+def _against_teacher(rows: list) -> None:
+    """Each row's ratios to the teacher's row at the same batch and context, added to it."""
+    teacher_rows = {(r["batch"], r["context"]): r for r in rows if r["model"] == "teacher"}
+    for row in rows:
+        base = teacher_rows[(row["batch"], row["context"])]
+        row["decode_speedup_vs_teacher"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        # each repeat's model against the teacher's step of the same round (seconds apart): the ratio a drifting
+        # machine moves least, where the fastest repeats of two models may come from different phases
+        row["decode_speedup_vs_teacher_paired"] = statistics.median(
+            teacher / model for teacher, model in zip(base["decode_s_per_step_repeats"],
+                                                      row["decode_s_per_step_repeats"], strict=True))
+        row["prefill_speedup_vs_teacher"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
+        if row["max_batch_in_budget"] is not None and base["max_batch_in_budget"]:
+            row["max_batch_vs_teacher"] = row["max_batch_in_budget"] / base["max_batch_in_budget"]
+        if "budget_decode_tokens_per_s" in row and "budget_decode_tokens_per_s" in base:
+            row["budget_decode_vs_teacher"] = row["budget_decode_tokens_per_s"] / base["budget_decode_tokens_per_s"]
 
 
 def table(report: dict) -> str:
