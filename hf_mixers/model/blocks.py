@@ -134,7 +134,7 @@ def stack_step_in_place(blocks, hidden_states, position_embeddings, inputs, targ
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile's modes that replay a CUDA graph on CUDA
 # torch.compile's backend for the steps: Inductor. "aot_eager" (dynamo's capture and AOTAutograd's functionalisation,
-# no code generation) where only the graph matters and Inductor's C++ compiles would cost 10-25 s a graph: the
+# no code generation) where only the graph matters and Inductor's C++ compiles would dominate the time: the
 # CPU dry run of scripts/gpu_check.py and the tests' variants (tests/conftest.py compile_decode_without_inductor)
 COMPILE_BACKEND = "inductor"
 # (device type, mixer classes, batch, mode, dynamic, backend[, "in place"]) -> (compiled step, replays a CUDA graph)
@@ -144,8 +144,8 @@ _compiled_steps = {}
 # The CPU step's small matrix products (a memory's per-level assignments, reads and residual MLPs, the window's
 # scores: at most this many rows, or this many batched matrices, and inner sizes up to SMALL_PRODUCT_WIDTH) are
 # computed by Inductor as loops fused with the elementwise work around them instead of one BLAS call each
-# (Inductor's own decompose_mm_pass, whose CPU default takes a single row only). Each call cost ~4-5 us at batch 1,
-# ~30 of them a windowed RSA block: the converted SmolLM2 RSA w = 64 decodes 3-5% faster (docs/benchmarks.md).
+# (Inductor's own decompose_mm_pass, whose CPU default takes a single row only): a BLAS call's fixed cost, paid ~30
+# times a windowed RSA block, outweighs such a product (docs/benchmarks.md).
 # The teacher's projections (wider) stay BLAS calls.
 SMALL_PRODUCT_ROWS = 16
 SMALL_PRODUCT_WIDTH = 256
@@ -228,12 +228,11 @@ def _hooked(block) -> bool:
 
 
 # Where a single block's static-shape step in torch.compile's default mode runs as an AOTInductor library instead
-# (model/exported_step.py: the same graph without dynamo's ~0.25-0.30 ms a call); HF_MIXERS_EXPORTED_STEP=0 turns it
+# (model/exported_step.py: the same graph without dynamo's per-call path); HF_MIXERS_EXPORTED_STEP=0 turns it
 # off. Any call it cannot serve (autograd on, a hook, a failed export) runs through torch.compile.
 EXPORT_DEVICES = () if os.environ.get("HF_MIXERS_EXPORTED_STEP", "1") == "0" else ("cpu",)
-# The dtypes it serves: in bf16 the library measured 3-6% slower than torch.compile's step on a CPU (RSA w = 64 on
-# SmolLM2, one process alternating them: 64.3 against 62.5 ms a token, 93.8 against 88.7 in a second run;
-# docs/benchmarks.md), in fp32 5-9% faster.
+# The dtypes it serves: on a CPU the library measured faster than torch.compile's step in fp32 and slower in bf16
+# (RSA w = 64 on SmolLM2, one process alternating them; docs/benchmarks.md).
 EXPORT_DTYPES = (torch.float32, torch.float64)
 STACK_DEVICES = ("cuda",)  # where a stack's step replays as a CUDA graph (the tests add "cpu")
 # Where the stack's step writes the new states into the cache's tensors in place (at static addresses under a CUDA
@@ -244,12 +243,11 @@ _fixed_points: set = set()  # (step key, state signature): a state whose new sta
 
 
 # ``config.compile_decode = "auto"``: where ``generate`` takes the compiled step unasked. Measured faster than the
-# eager step on a CPU in fp32, where the step is an AOTInductor library kept on disk (docs/benchmarks.md, "Decoding
-# by default": 2.2-2.4x the eager step's speed at 512 tokens). A process's first compiled step of a mixer class and
-# batch size first exports and loads its library (~3 s with the library on disk; its build, 15-25 s, once per
-# machine), which a generation of fewer than AUTO_NEW_TOKENS tokens does not win back; once loaded, any generation
-# takes it. Elsewhere (bf16 or a GPU: torch.compile in every process; a growing cache: symbolic shapes) a user asks
-# for it (``compile_decode = True`` or a mode).
+# eager step on a CPU in fp32, where the step is an AOTInductor library kept on disk (docs/benchmarks.md, "Decoding by
+# default"). A process's first compiled step of a mixer class and batch size first exports and loads its library
+# (built once per machine), which a generation of fewer than AUTO_NEW_TOKENS tokens does not win back; once loaded,
+# any generation takes it. Elsewhere (bf16 or a GPU: torch.compile in every process; a growing cache: symbolic shapes)
+# a user asks for it (``compile_decode = True`` or a mode).
 AUTO_NEW_TOKENS = 64
 _auto_announced: set = set()
 _stepped: set = set()  # (mixer class, batch) whose compiled step this process has run
@@ -292,10 +290,10 @@ def stack_compiles_decode(blocks, hidden_states, past_key_values, output_hidden_
     no block must run on its own (a hook, or hidden states asked for, sees each block's call).
 
     Replayed block by block, a token costs the host one graph launch, dynamo's guards, cudagraph trees' input checks
-    and the cache's glue per block: the first H100 timings (docs/benchmarks.md) measured 20-35 ms a token for
-    SmolLM2's 30 blocks at batch 1, the teacher's eager step's time. The whole stack replays once. Without a CUDA
+    and the cache's glue per block: on the first H100 timings (docs/benchmarks.md) a token of SmolLM2's 30 blocks at
+    batch 1 cost the teacher's eager step. The whole stack replays once. Without a CUDA
     graph it does not pay: on a CPU its kernels are launched from Python (a C++ launcher would be one source file
-    for every block: g++ ran for over 10 minutes), 0.70x the teacher against 0.84x block by block (bf16)."""
+    for every block, too long for g++), and it measured slower than block by block (docs/benchmarks.md)."""
     if hidden_states.device.type not in STACK_DEVICES or output_hidden_states:  # every forward asks: CPU at once
         return False
     mixers = [block.mixer for block in blocks]
@@ -317,13 +315,13 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
     the context, and every input is given dense strides, so neither the context length nor a strided state recompiles
     it; a mixer whose cache grows (Sessa, ``decode_dynamic_shapes``) is compiled with symbolic shapes instead, its
     cache read in place. On CPU the graph's launcher is C++ (``cpp_wrapper``): the default Python launcher of ~50
-    kernels cost ~0.13 ms per block call, a tenth of an RSA step; on CPU a single block's fp32 step of fixed shapes
-    in the default mode runs as an AOTInductor library instead, without dynamo's call path (``_exports``,
-    model/exported_step.py). The first call compiles (on 2 CPU cores: 5-6 s a
-    mixer class, ~19 s for a process's first compile, 1-3 s once Inductor's on-disk cache holds it; minutes for a
-    stack), hence asked for (``config.compile_decode``; "auto" where it pays). Replayed as a CUDA graph, each replay
-    writes its outputs into the same memory: they are copied out before the next replay would overwrite them (or,
-    on an ``IN_PLACE_DEVICES`` device, the stack writes its states into the cache's tensors: ``_decode_in_place``).
+    kernels cost a tenth of an RSA step; on CPU a single block's fp32 step of fixed shapes in the default mode runs
+    as an AOTInductor library instead, without dynamo's call path (``_exports``, model/exported_step.py). The first
+    call compiles (seconds a mixer class, less once Inductor's on-disk cache holds it; minutes for a stack;
+    docs/benchmarks.md), hence asked for (``config.compile_decode``; "auto" where it pays). Replayed as a CUDA
+    graph, each replay writes its outputs into the same memory: they are copied out before the next replay would
+    overwrite them (or, on an ``IN_PLACE_DEVICES`` device, the stack writes its states into the cache's tensors:
+    ``_decode_in_place``).
     """
     device = hidden_states.device.type
     mixers = [block.mixer for block in blocks]

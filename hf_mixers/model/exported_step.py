@@ -1,26 +1,24 @@
 """A block's CPU token step exported once and compiled ahead of time (AOTInductor), called without dynamo.
 
-torch.compile's step (model/blocks.py) runs through dynamo on every call: frame evaluation, a check of ~370 guards
-(the block's modules, its config, every tensor's shape), AOTAutograd's runtime wrappers, then Inductor's graph.
-On a 2-core CPU that path costs 0.25-0.30 ms a block call, against 0.7-1.2 ms of graph (docs/benchmarks.md): a
-tenth or more of a converted model's token. Here the step is exported (``torch.export``, the block's parameters,
-buffers and the step's inputs all arguments, so one library serves every block of a model), compiled by
-AOTInductor into a shared library and called through its C++ runner.
+torch.compile's step (model/blocks.py) runs through dynamo on every call: frame evaluation, a check of ~370 guards (the
+block's modules, its config, every tensor's shape), AOTAutograd's runtime wrappers, then Inductor's graph. On a CPU that
+path costs a large share of a block call beside its graph (docs/benchmarks.md). Here the step is exported
+(``torch.export``, the block's parameters, buffers and the step's inputs all arguments, so one library serves every
+block of a model), compiled by AOTInductor into a shared library and called through its C++ runner.
 
-What dynamo's guards checked is checked here by a memo per block (``_Memo``), cheaply: the inputs' skeleton (the
-state's structure, the batch, the dtype), the global switches a trace reads (autograd and autocast off, the default
-dtype, no global hooks), the config's contents, and copies of every module's attribute, parameter, buffer, child
-and hook dicts (~20 us a block on SmolLM2's). The library checks its inputs' dtypes, shapes and strides itself, in
-C++ (``AOTI_RUNTIME_CHECK_INPUTS``, which importing this module sets unless a user has). A call that differs is
-described again (``_describe``: the modules' classes and public attributes, ``layer_idx`` aside, the tensors'
-layouts) and served by the library of what it now is, exported and built if new; one that no library can serve
-(autograd on, autocast, a hook, a config changing on every call, an export that failed) falls back to
-torch.compile (``run_exported_step`` returns None).
+What dynamo's guards checked is checked here by a memo per block (``_Memo``), cheaply: the inputs' skeleton (the state's
+structure, the batch, the dtype), the global switches a trace reads (autograd and autocast off, the default dtype, no
+global hooks), the config's contents, and copies of every module's attribute, parameter, buffer, child and hook dicts.
+The library checks its inputs' dtypes, shapes and strides itself, in C++ (``AOTI_RUNTIME_CHECK_INPUTS``, which importing
+this module sets unless a user has). A call that differs is described again (``_describe``: the modules' classes and
+public attributes, ``layer_idx`` aside, the tensors' layouts) and served by the library of what it now is, exported and
+built if new; one that no library can serve (autograd on, autocast, a hook, a config changing on every call, an export
+that failed) falls back to torch.compile (``run_exported_step`` returns None).
 
-A library takes 15-25 s to build on 2 cores; it is kept on disk ($HF_MIXERS_CACHE/compiled-steps, keyed by the
-exported program's code, its inputs' layouts, torch's version and the CPU's instruction set), so a later process
-only exports the step (1-2 s) and loads it. A library is checked against the eager step on its first inputs when
-built, and on each further block it serves at that block's first call.
+A library takes seconds to build (docs/benchmarks.md); it is kept on disk ($HF_MIXERS_CACHE/compiled-steps, keyed by the
+exported program's code, its inputs' layouts, torch's version and the CPU's instruction set), so a later process only
+exports the step and loads it. A library is checked against the eager step on its first inputs when built, and on each
+further block it serves at that block's first call.
 """
 
 from __future__ import annotations
