@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -245,12 +246,12 @@ _fixed_points: set = set()  # (step key, state signature): a state whose new sta
 # ``config.compile_decode = "auto"``: where ``generate`` takes the compiled step unasked. Measured faster than the
 # eager step on a CPU in fp32, where the step is an AOTInductor library kept on disk (docs/benchmarks.md, "Decoding by
 # default"). A process's first compiled step of a mixer class and batch size first exports and loads its library
-# (built once per machine), which a generation of fewer than AUTO_NEW_TOKENS tokens does not win back; once loaded,
-# any generation takes it. Elsewhere (bf16 or a GPU: torch.compile in every process; a growing cache: symbolic shapes)
-# a user asks for it (``compile_decode = True`` or a mode).
+# (built once per machine), which a generation of fewer than AUTO_NEW_TOKENS tokens does not win back; once a model's
+# step has run in the process, any generation of that model takes it. Elsewhere (bf16 or a GPU: torch.compile in every
+# process; a growing cache: symbolic shapes) a user asks for it (``compile_decode = True`` or a mode).
 AUTO_NEW_TOKENS = 64
 _auto_announced: set = set()
-_stepped: set = set()  # (mixer class, batch) whose compiled step this process has run
+_stepped = weakref.WeakKeyDictionary()  # mixer -> the batch sizes whose compiled step it has run in this process
 
 
 def auto_decode_refusal(blocks, parameter: torch.Tensor, new_tokens: int | None, batch: int | None = None
@@ -267,7 +268,7 @@ def auto_decode_refusal(blocks, parameter: torch.Tensor, new_tokens: int | None,
     if parameter.device.type not in EXPORT_DEVICES or parameter.dtype not in EXPORT_DTYPES:
         return (f"{parameter.dtype} on {parameter.device.type}: the step is measured faster unasked only on a CPU in "
                 "fp32; set model.config.compile_decode = True (or a torch.compile mode) to compile it")
-    loaded = all((type(mixer), batch) in _stepped for mixer in mixers)
+    loaded = all(batch in _stepped.get(mixer, ()) for mixer in mixers)  # this model's step, built and loaded
     if not loaded and new_tokens is not None and new_tokens < AUTO_NEW_TOKENS:
         return f"{new_tokens} new tokens (a process's first compiled step pays from {AUTO_NEW_TOKENS})"
     return None
@@ -335,7 +336,8 @@ def decode_compiled(blocks, hidden_states, position_embeddings, token_mask, past
         layer_inputs = mixer.decode_inputs(layer_cache, token_mask)
         # a growing cache's views keep their strides: symbolic there, and a copy would cost a cache a step
         inputs.append(layer_inputs if dynamic else _dense_all(layer_inputs))
-    _stepped.update((type(mixer), key[2]) for mixer in mixers)
+    for mixer in mixers:
+        _stepped.setdefault(mixer, set()).add(key[2])
     if len(blocks) == 1 and _exports(key) and hidden_states.dtype in EXPORT_DTYPES:
         result = run_exported_step(block_step, blocks[0], _dense(hidden_states), position_embeddings, inputs[0],
                                    small_products_fused)

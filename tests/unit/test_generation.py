@@ -1,5 +1,7 @@
 """Caching and generation: prefill + decode == one forward, padding invariance, generate() cached == uncached."""
 
+import weakref
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -318,7 +320,7 @@ def test_plain_generate_decodes_through_the_compiled_step_by_default_where_it_pa
     compile_decode_without_inductor(monkeypatch)
     monkeypatch.setattr(blocks, "_compiled_steps", {})
     monkeypatch.setattr(blocks, "_auto_announced", set())
-    monkeypatch.setattr(blocks, "_stepped", set())
+    monkeypatch.setattr(blocks, "_stepped", weakref.WeakKeyDictionary())
     steps = []
     compiled = blocks.decode_compiled
     monkeypatch.setattr(blocks, "decode_compiled", lambda *args: steps.append(1) or compiled(*args))
@@ -345,6 +347,9 @@ def test_plain_generate_decodes_through_the_compiled_step_by_default_where_it_pa
     generate(4)  # the step is loaded in this process now: a short generate takes it too
     assert len(steps) == (long - 1 + 3) * len(model.model.layers)
     steps.clear()
+    other = tiny_model("rsa", dtype=torch.float32, hidden_size=48)  # another model: its own step to build
+    other.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert not steps
     model.config.compile_decode = False
     assert torch.equal(generate(long), got) and not steps
     model.config.compile_decode = "auto"
