@@ -28,7 +28,7 @@ from ..common.folder import FolderError, check_model_weights
 from ..common.history import (CONVERSION_REPORT, EVAL_REPORT, FINETUNE_SUMMARY, LOSS_CURVE, TRAINING_SUMMARY,
                                blank_or)
 from ..core.registry import TEACHER_ATTENTION, get_mixer, list_mixers
-from ..model.config import saved_layer_types
+from ..model.config import MixerConfig, saved_layer_types
 
 TEMPLATE = os.path.join(os.path.dirname(__file__), "template.md")
 # Licence identifiers the Hub knows; any other teacher licence is written as license: other + license_name.
@@ -194,8 +194,6 @@ def decode_steps(config: dict, layer_types: list[str], mixers: list[str]) -> tup
     """The titles of the mixers whose token step ``generate`` compiles by default (``compile_decode: "auto"``: a
     constant-size state) and of those compiled on request only (a cache that grows: symbolic shapes), each asked on
     a layer built on the meta device from the saved config."""
-    from ..model.config import MixerConfig
-
     registered = {spec.name: spec for spec in list_mixers()}
     by_default, on_request = [], []
     switched_off = config.get("compile_decode", "auto") is False  # this folder's config turns the default off
