@@ -28,7 +28,7 @@ the columns solve apart under the same alpha (each program recomputes the logits
      progress counter; a waiting program acquires it before it reads the rows.
 The pipeline (``_claim``, ``_wait_for``, ``_publish``): the chunks' programs run at once, each reading the keys
 before its chunk as they are published, so that only the last block before a chunk and its own solve wait on the
-previous chunk: so the chain of dependent steps is one block and one C x C solve a chunk, and the launch has B x
+previous chunk; the chain of dependent steps is one block and one C x C solve a chunk, and the launch has B x
 column blocks x T / C programs where the sweep had B x column blocks (one feedback head 64 wide, as converted: T /
 64 at batch 1). A program's chunk comes from a ticket drawn when it starts, not from its program id: every program
 it waits for started before it, so no order the GPU starts programs in can deadlock the chain. A wait gives up after

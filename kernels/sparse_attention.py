@@ -100,9 +100,10 @@ def support_block_mask(table, block: int | None = None) -> BlockMask:
     table = table.contiguous()
 
     def reads(batch, head, query, key):
-        hit = table[query, 0] == key
+        row = query.clamp(max=length - 1)  # a last block's padded queries read a real row; their scores are dropped
+        hit = table[row, 0] == key
         for column in range(1, width):
-            hit = hit | (table[query, column] == key)
+            hit = hit | (table[row, column] == key)
         return hit
 
     return BlockMask.from_kv_blocks(touched.sum(-1).int()[None, None], order.int()[None, None], BLOCK_SIZE=block,
