@@ -81,6 +81,14 @@ def readable_in_place(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and torch.empty_like(x).stride() == x.stride()
 
 
+def table_with_contiguous_rows(table: torch.Tensor) -> torch.Tensor:
+    """A support table (B, T, K) as a kernel reads it: each batch's (T, K) rows contiguous, the batch stride free (0
+    for one table broadcast over the batch); copied only where its rows lie otherwise."""
+    if table.stride(-1) == 1 and table.stride(-2) == table.shape[-1]:
+        return table
+    return table.contiguous()
+
+
 def packed_zeros(shapes, device) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Zero-filled fp32 tensors of ``shapes`` as views of one buffer, for kernels that accumulate into them: one fill
     launch instead of one a tensor. Returns (the buffer, the views). A torch.library op returns the buffer (an op's

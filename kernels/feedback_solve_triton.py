@@ -502,12 +502,17 @@ def _counters(batch, width, meta, device):
     return torch.zeros(1 + batch * triton.cdiv(width, meta["block_dv"]), dtype=torch.int32, device=device)
 
 
+def _ticket_and_progress(counters):
+    """The ticket and the progress counts of ``_counters``' buffer (a warmup's dtype stands for both)."""
+    return (counters, counters) if isinstance(counters, torch.dtype) else (counters, counters[1:])
+
+
 def _forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, counters, past, scale, meta, save):
     """``_fwd_kernel``'s launch as ``(kernel, grid, args, constexprs)``; s, h, lse and the counters may be dtypes (a
     warmup)."""
     batch, length, width = f.shape
     programs, chunks, blocks = _pipeline(batch, length, width, meta)
-    ticket, progress = (counters, counters) if isinstance(counters, torch.dtype) else (counters, counters[1:])
+    ticket, progress = _ticket_and_progress(counters)
     return (_fwd_kernel, (programs,), (
         f, q, k, gain, gain if mask is None else mask, k if not past else past_k, s if not past else past_s,
         s, h, lse, ticket, progress, length, past, q.shape[-1], width, meta["chunk"], chunks, blocks,
@@ -527,7 +532,7 @@ def _backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam,
     common = dict(HAS_MASK=mask is not None, BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"],
                   PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     programs, chunks, blocks = _pipeline(batch, length, width, meta)
-    ticket, progress = (counters, counters) if isinstance(counters, torch.dtype) else (counters, counters[1:])
+    ticket, progress = _ticket_and_progress(counters)
     launches = [(_bwd_lam_kernel, (programs,), (
         q, k, gain, mask_arg, lse, h, grad_s, lam, d_gain, ticket, progress,
         length, past, key_dim, width, meta["chunk"], chunks, blocks, scale), dict(

@@ -29,7 +29,7 @@ try:
 finally:
     pass
 
-from .common import kernel_op, readable_in_place, tile_edge
+from .common import kernel_op, readable_in_place, table_with_contiguous_rows, tile_edge
 
 WARPS = 4
 
@@ -92,7 +92,8 @@ def _softmax_bwd(q_ptr, keys_ptr, idx_ptr, gain_ptr, dw_ptr, dq_ptr, dk_ptr, dga
         d_logits = p * (d_w - tl.sum(p * d_w, axis=0)) * scale
         tl.store(dq_ptr + ((b * T + t) * G + h) * D + cols, tl.sum(d_logits[:, None] * keys, axis=0), mask=cols < D)
         d_keys += d_logits[:, None] * q[None, :]
-    tl.atomic_add(dk_ptr + rows, d_keys, mask=real[:, None] & (cols < D)[None, :])  # a repeated row adds twice, as it should
+    # a key row the table names twice gets both contributions, as it should
+    tl.atomic_add(dk_ptr + rows, d_keys, mask=real[:, None] & (cols < D)[None, :])
 
 
 def _layout(q: Tensor, keys: Tensor, support: Tensor, gain: Tensor | None) -> tuple:
@@ -135,7 +136,8 @@ def _gathered_softmax_backward(grad: Tensor, q: Tensor, keys: Tensor, support: T
     if grad.numel():
         _softmax_bwd[(batch, length)](q, keys, support, q if gain is None else gain, grad, d_q, d_keys, d_gain,
                                       length, support.shape[-1], width, heads, scale,
-                                      *_layout(q, keys, support, gain), HAS_GAIN=gain is not None, **_options(q, support))
+                                      *_layout(q, keys, support, gain), HAS_GAIN=gain is not None,
+                                      **_options(q, support))
     return [d_q, d_keys, d_gain]
 
 
@@ -165,7 +167,5 @@ def gathered_softmax_triton(q: Tensor, keys: Tensor, support: Tensor, scale: flo
     None; fp32 or fp64 -> weights (B, T, g, K), a view of (B, g, T, K) memory."""
     q = q if q.stride(-1) == 1 else q.contiguous()
     keys = keys if readable_in_place(keys) else keys.contiguous()
-    if support.stride(-1) != 1 or support.stride(-2) != support.shape[-1]:
-        support = support.contiguous()
-    weights = _gathered_softmax_forward(q, keys, support, gain, scale)
+    weights = _gathered_softmax_forward(q, keys, table_with_contiguous_rows(support), gain, scale)
     return weights.transpose(1, 2)

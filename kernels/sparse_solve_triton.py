@@ -30,7 +30,7 @@ try:
 finally:
     pass
 
-from .common import kernel_op, tile_edge
+from .common import kernel_op, table_with_contiguous_rows, tile_edge
 
 WARPS = 4
 MAX_WIDTH = 256  # D in one tile: (K, D) gathers
@@ -144,8 +144,6 @@ _sparse_solve_forward.register_autograd(_gradients, setup_context=_save)
 def sparse_solve_triton(f: Tensor, weights: Tensor, support: Tensor, past_s: Tensor | None = None) -> Tensor:
     """``feedback_solve.sparse_solve``'s result on the kernels: f (B, T, D), weights / support (B, T, K) (the
     support's batch may be a broadcast), past_s (B, P, D) or None, in f's dtype (fp32 or fp64)."""
-    if support.stride(-1) != 1 or support.stride(-2) != support.shape[-1]:
-        support = support.contiguous()
-    solved = _sparse_solve_forward(f.contiguous(), weights.contiguous(), support,
+    solved = _sparse_solve_forward(f.contiguous(), weights.contiguous(), table_with_contiguous_rows(support),
                                    None if past_s is None else past_s.contiguous())
     return solved if past_s is None or not past_s.shape[1] else solved[:, past_s.shape[1]:]
