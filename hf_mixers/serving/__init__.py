@@ -55,31 +55,8 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
-
     if STATE_BACKEND not in MambaAttentionBackendEnum._member_map_:
         MambaAttentionBackendEnum.register(STATE_BACKEND, "hf_mixers.serving.vllm_model.MixerStateBackend")
     for name in architectures():
         if name not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(name, VLLM_MODEL)
-        MODELS_CONFIG_MAP.setdefault(name, _NoPrefixCaching)
-
-
-class _NoPrefixCaching:
-    """vLLM's per-architecture config hook: prefix caching off. Its "align" mode reuses the state a layer wrote at
-    each block boundary of a prompt; a state layer here writes it at the end of each scheduled chunk only."""
-
-    @staticmethod
-    def verify_and_update_config(vllm_config) -> None:
-        cache = vllm_config.cache_config
-        if cache.enable_prefix_caching:
-            import logging
-
-            logging.getLogger(__name__).warning("hf-mixers: prefix caching is off for this model (its state layers "
-                                                "keep one state per sequence, not one per block)")
-            cache.enable_prefix_caching = False
-        cache.mamba_cache_mode = "none"
-
-    @staticmethod
-    def verify_and_update_model_config(model_config) -> None:
-        return None

@@ -12,6 +12,12 @@ vLLM's flat batch of tokens:
                             new states back. The call is the custom op ``vllm::hf_mixers_mix``: a compiled graph
                             keeps it whole.
 
+Prefix caching is vLLM's "align" mode for state models (``SupportsMambaPrefixCaching``; vLLM turns it on with
+``enable_prefix_caching``, its default): the scheduler ends a prompt's chunks on block boundaries, a slot is kept
+per block and holds the state after that block's last token, and vLLM copies a cached block's slot into a request's
+running slot (``get_mamba_state_copy_func``: every slot tensor whole). The layer itself only reads and writes the
+slot vLLM hands it, as without caching: a state after a prefix is the same tensors whichever call computed it.
+
 Refused by name, with the reason (``servable_reason``): mixers whose decode cache keeps tokens (Sessa's grows with
 the context, GLTM's keeps the positions its pattern reads), and models mixing two kinds of constant-state layer
 (vLLM sizes every state slot of a model alike). Tensor and pipeline parallelism are not supported: one device.
@@ -31,7 +37,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMambaPrefixCaching
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.attention.backends.mamba_attn import BaseMambaAttentionMetadata, BaseMambaAttentionMetadataBuilder
@@ -213,7 +219,7 @@ class AttentionLayer(nn.Module):
         return self.attention.o_proj(self.attn(flat(query), flat(key), flat(value)))
 
 
-class MixerForCausalLMvLLM(nn.Module, HasInnerState, IsHybrid):
+class MixerForCausalLMvLLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefixCaching):
     """Every hf-mixers architecture in vLLM (module docstring)."""
 
     state_tensors = 0  # of the layout built in this process: get_mamba_state_copy_func's length

@@ -29,6 +29,7 @@ SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
 SERVED = {"rsa": ("rsa[window]", None), "selective_ssm": ("selective_ssm[window]", None), "vort": ("vort", None),
           "hybrid": ("rsa[window]", ["rsa", "full_attention", "sliding_attention", "rsa"])}
 LENGTHS = (1, 5, 9, 13, 20, 27, 33, 40)  # past the tiny windows (3) and chunks (4); one a decode from its start
+BLOCKS = {"rsa": 12, "hybrid": 16}  # cache blocks for the preemption test: fewer than 8 sequences need at once
 
 
 def _folder(tmp_path, name, layer_types=None):
@@ -55,11 +56,20 @@ def _expected(model, prompts, new_tokens):
     return expected
 
 
-def _engine(folder):
+def _engine(folder, **options):
+    """vLLM's engine on the folder; prefix caching off unless asked for (one slot per sequence: its "none" mode)."""
     from vllm import LLM
 
     return LLM(model=folder, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
-               max_num_seqs=8, seed=0)
+               max_num_seqs=8, seed=0, **{"enable_prefix_caching": False, **options})
+
+
+def _served_as_generated(outputs, expected, served):
+    for output, (tokens, log_probs) in zip(outputs, expected):
+        got = output.outputs[0]
+        assert list(got.token_ids) == tokens, (served, len(output.prompt_token_ids))
+        served_log_probs = [step[token].logprob for step, token in zip(got.logprobs, tokens)]
+        assert served_log_probs == pytest.approx(log_probs, abs=1e-5)
 
 
 @pytest.mark.parametrize("served", list(SERVED))
@@ -75,11 +85,38 @@ def test_vllm_serves_a_converted_folder_as_generate_does(served, tmp_path):
                                SamplingParams(max_tokens=6, temperature=0.0, detokenize=False, logprobs=1))
     finally:
         llm.llm_engine.engine_core.shutdown()
-    for output, (tokens, log_probs) in zip(outputs, expected):
-        got = output.outputs[0]
-        assert list(got.token_ids) == tokens, (served, len(output.prompt_token_ids))
-        served_log_probs = [step[token].logprob for step, token in zip(got.logprobs, tokens)]
-        assert served_log_probs == pytest.approx(log_probs, abs=1e-5)
+    _served_as_generated(outputs, expected, served)
+
+
+@pytest.mark.parametrize("served", ["rsa", "hybrid"])
+def test_prefix_caching_and_preemption_keep_generate_tokens(served, tmp_path):
+    """vLLM's prefix caching ("align" mode: a state slot per block) and preemption: prompts sharing a 37-token
+    prefix, the first alone, then 8 at once in a cache too small for all of them; the later ones start from the
+    cached blocks' states, one is preempted and recomputed, and every token is still generate()'s."""
+    from vllm import SamplingParams
+
+    model, folder = _folder(tmp_path, *SERVED[served])
+    generator = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 61, (37,), generator=generator).tolist()
+    prompts = [prefix + torch.randint(3, 61, (length,), generator=generator).tolist() for length in LENGTHS]
+    expected = _expected(model, prompts, 12)
+    llm = _engine(folder, enable_prefix_caching=True, block_size=16, num_gpu_blocks_override=BLOCKS[served],
+                  disable_log_stats=False)
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False, logprobs=1)
+    try:
+        assert llm.llm_engine.vllm_config.cache_config.mamba_cache_mode == "align"
+        outputs = llm.generate([{"prompt_token_ids": prompts[0]}], sampling)
+        outputs += llm.generate([{"prompt_token_ids": ids} for ids in prompts[1:]], sampling)
+        metrics = {metric.name: getattr(metric, "value", None) for metric in llm.get_metrics()}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    block = 16 if served == "rsa" else 32  # a hybrid's blocks grow until an attention page holds a state slot
+    preempted = metrics["vllm:num_preemptions"]
+    hits = [output.num_cached_tokens for output in outputs]
+    assert preempted >= 1 and hits[0] == 0
+    # a request starts from the prefix's cached state unless a preemption evicted those blocks before it ran
+    assert sum(hit >= block for hit in hits[1:]) >= len(hits) - 1 - preempted, (hits, preempted)
+    _served_as_generated(outputs, expected, served)
 
 
 def test_a_folder_vllm_cannot_serve_is_refused_with_the_reason(tmp_path, capfd):
