@@ -103,6 +103,13 @@ class SequenceMixer(nn.Module):
     # shapes: one graph for every length, and the cache's views passed as they are (no copy to dense strides).
     decode_dynamic_shapes = False
 
+    @classmethod
+    def constant_state(cls, config) -> bool:
+        """Whether this mixer's decode cache, under ``config``, is a state of fixed size that ``mix(hidden_states,
+        position_embeddings, token_mask, state, history) -> (output, state, history)`` reads and returns: what a
+        serving engine keeps per sequence (hf_mixers/serving). A cache that keeps tokens is not."""
+        return False
+
     def can_compile_decode(self) -> bool:
         """Whether this mixer has a one-token step the block can compile (never by default)."""
         return False
@@ -201,6 +208,10 @@ class RecurrentMixer(SequenceMixer):
         raise NotImplementedError(f"{type(self).__name__} must implement mix")
 
     decode_dynamic_shapes = False  # a constant state (before FullAttention in the subclasses' order)
+
+    @classmethod
+    def constant_state(cls, config) -> bool:
+        return True
 
     def can_compile_decode(self) -> bool:
         return True

@@ -29,6 +29,8 @@ at the value of {off, 0.1, ..., 0.9} whose layer output is closest to the teache
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -272,7 +274,11 @@ class GLTMMixer(FullAttention):
     # reads the cache where it lies through a mask of the positions the token reads, and appends its entry.
     @property
     def decode_dynamic_shapes(self) -> bool:
-        return self.pattern not in EVICTING
+        return not self.constant_state(self.config)
+
+    @classmethod
+    def constant_state(cls, config) -> bool:
+        return config.gltm_pattern in EVICTING
 
     def can_compile_decode(self) -> bool:
         return True
@@ -380,6 +386,36 @@ class GLTMMixer(FullAttention):
             layer_cache.update(*state[:2])
             layer_cache.append_extras(*state[2:])
         layer_cache.seen_tokens += 1
+
+    def mix(self, hidden_states, position_embeddings=None, token_mask=None, state=None, history=None):
+        """``forward`` on an evicting pattern's cache held as a constant state (``constant_state``; what a serving
+        engine keeps per sequence, hf_mixers/serving): -> (output, state, None). ``state``: None (nothing seen) or a
+        ``GLTMState``, each row's kept entries at ``decode_slots(max_position_embeddings)`` slots and its count of
+        real tokens; ``token_mask`` (B, T): which new tokens are real (left padding), None for all. The rows' pasts
+        may differ in length: a mask of [past, new] tokens, each past right-aligned, gives each token its position."""
+        if not self.constant_state(self.config):
+            raise ValueError(f"GLTM layer {self.layer_idx}: pattern {self.pattern!r} keeps every position, so its "
+                             "cache is no constant state")
+        batch, length = hidden_states.shape[:2]
+        new = hidden_states.new_ones(batch, length, dtype=torch.bool) if token_mask is None else token_mask.bool()
+        layer, mask = GLTMCacheLayer(), new
+        seen = new.new_zeros(batch, 1, dtype=torch.long) if state is None else state.seen
+        if state is not None:
+            width = int(seen.max())  # a host read: serving only, where the engine reads its metadata anyway
+            mask = torch.cat([torch.arange(width, device=seen.device) >= width - seen, new], dim=1)
+            layer.lazy_initialization(state.keys, state.values)
+            layer.keys, layer.values, layer.feedback_keys, layer.outputs, layer.positions = (
+                state.keys, state.values, state.feedback_keys, state.outputs, state.positions)
+        output = self.forward(hidden_states, position_embeddings, token_mask=mask,
+                              past_key_values=SimpleNamespace(layers={self.layer_idx: layer}))
+        slots = self.decode_slots(self.config.max_position_embeddings)
+        if layer.positions.shape[1] > slots:
+            raise ValueError(f"GLTM layer {self.layer_idx}: {layer.positions.shape[1]} kept positions, more than "
+                             f"the {slots} a sequence of max_position_embeddings="
+                             f"{self.config.max_position_embeddings} needs")
+        layer.reserve(slots)
+        return output, GLTMState(layer.keys, layer.values, layer.feedback_keys, layer.outputs, layer.positions,
+                                 seen + new.sum(-1, keepdim=True)), None
 
     def solve_feedback(self, f, q_b, feedback_keys, gate, b_rows, shared, old, token_mask):
         """(I - B) y = f for the new tokens, f = A V (B, H, T, d): B's rows from the B-branch queries (B, H, T, d),
@@ -543,6 +579,19 @@ def _entries(x, dim, index):
     """The entries of ``x`` (B, ..., M on ``dim``, ...) at ``index`` (B, K) of each row: (B, ..., K, ...)."""
     return x.gather(dim, _per_entry(index, x, dim).expand(*[s if d != dim else index.shape[1]
                                                              for d, s in enumerate(x.shape)]))
+
+
+@dataclass
+class GLTMState:
+    """An evicting pattern's cache at a fixed number of slots S (``GLTMMixer.mix``): kA, v (B, Hkv, S, d), kB
+    (B, S, Hkv, d), y (B, S, H, d), the entries' 1-based positions (B, S; 0 = empty) and the real tokens seen (B, 1)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    feedback_keys: torch.Tensor
+    outputs: torch.Tensor
+    positions: torch.Tensor
+    seen: torch.Tensor
 
 
 class GLTMCacheLayer(KVPlusLayer):

@@ -11,16 +11,15 @@ ATTENTION = ("full_attention", "sliding_attention")  # kept teacher layers: vLLM
 
 def servable_reason(config) -> str | None:
     """None when vLLM can serve every layer of ``config``, else which layer cannot, and why: a mixer whose decode
-    cache keeps tokens (Sessa's grows with the context, GLTM's keeps the positions its pattern reads), or two kinds
-    of constant-state layer (vLLM gives every state slot of a model one size)."""
-    from ..core.mixer import RecurrentMixer
+    cache keeps tokens (``constant_state`` is False: Sessa's, GLTM's growing patterns'), or two kinds of
+    constant-state layer (vLLM gives every state slot of a model one size)."""
     from ..core.registry import get_mixer
 
     recurrent = set()
     for index, kind in enumerate(config.layer_types):
         if kind in ATTENTION:
             continue
-        if not issubclass(get_mixer(kind).mixer_class, RecurrentMixer):
+        if not get_mixer(kind).mixer_class.constant_state(config):
             return (f"layer {index} is {kind!r}, whose decode cache keeps tokens (a state that grows with the "
                     "context, or chosen past positions), not the fixed-size state a vLLM state slot holds")
         recurrent.add(kind)

@@ -27,7 +27,8 @@ WARM_TOKENS = 66  # tokens past the longest window (and one chunk of 64) that ma
 @dataclass(frozen=True)
 class StateLayout:
     """One sequence's slot: ``shapes`` and ``dtypes`` of its tensors (the flags last), the state's tree, and where
-    each of the tree's tensors is kept (``places[i]``: the slot tensor of the i-th in the tree's order)."""
+    each of the tree's tensors is kept (``places[i]``: the slot tensor of the i-th in the tree's order; None for a
+    tensor with no elements, rebuilt from the tree)."""
 
     shapes: tuple
     dtypes: tuple
@@ -56,9 +57,10 @@ def state_layout(mixer, rotary, window: int = 0) -> StateLayout:
         if leaf.dim() == 0 or leaf.shape[0] != 1:
             raise ValueError(f"{type(mixer).__name__}: a state tensor of shape {tuple(leaf.shape)} has no batch "
                              "dimension first; it cannot be kept per sequence")
-    order = sorted(range(len(leaves)), key=lambda i: -leaves[i].element_size())  # stable: the tree's order within
-    places = tuple(order.index(i) for i in range(len(leaves)))
-    tensor_bytes = sum(leaf[0].numel() * leaf.element_size() for leaf in leaves)
+    # stable: the tree's order within; a part with no elements (a zero-width tensor) takes no room in the slot
+    order = sorted((i for i in range(len(leaves)) if leaves[i][0].numel()), key=lambda i: -leaves[i].element_size())
+    places = tuple(order.index(i) if i in order else None for i in range(len(leaves)))
+    tensor_bytes = sum(leaves[i][0].numel() * leaves[i].element_size() for i in order)
     flag_bytes = len(flags) + (-(tensor_bytes + len(flags))) % 8  # the slot a whole number of 8-byte words
     return StateLayout(shapes=(*(tuple(leaves[i].shape[1:]) for i in order), (flag_bytes,)),
                        dtypes=(*(leaves[i].dtype for i in order), torch.uint8), template=template, places=places)
@@ -72,7 +74,8 @@ def pack(layout: StateLayout, state, tensors, slots) -> None:
     _walk(layout.template, state, flags, leaves)
     tensors[-1][index, :len(flags)] = torch.tensor(flags, dtype=torch.uint8, device=index.device)
     for place, leaf in zip(layout.places, leaves):
-        tensors[place][index] = 0 if leaf is None else leaf.to(tensors[place].dtype)
+        if place is not None:
+            tensors[place][index] = 0 if leaf is None else leaf.to(tensors[place].dtype)
 
 
 def unpack(layout: StateLayout, tensors, slots):
@@ -80,7 +83,7 @@ def unpack(layout: StateLayout, tensors, slots):
     the rows must have the same parts, as one call left them)."""
     index = torch.as_tensor(slots, dtype=torch.long, device=tensors[-1].device)
     flags = iter(tensors[-1][index[0]].tolist())
-    leaves = iter([tensors[place] for place in layout.places])
+    leaves = iter([None if place is None else tensors[place] for place in layout.places])
     return _build(layout.template, flags, leaves, index)
 
 
@@ -109,6 +112,8 @@ def _build(template, flags, leaves, index):
     present = next(flags)
     if isinstance(template, torch.Tensor):
         tensor = next(leaves)
+        if tensor is None:  # a part with no elements, kept in no slot
+            return template.new_zeros((len(index), *template.shape[1:])).to(index.device) if present else None
         return tensor[index] if present else None  # advanced indexing: a copy
     if dataclasses.is_dataclass(template):
         parts = {field.name: _build(getattr(template, field.name), flags, leaves, index)

@@ -18,8 +18,8 @@ per block and holds the state after that block's last token, and vLLM copies a c
 running slot (``get_mamba_state_copy_func``: every slot tensor whole). The layer itself only reads and writes the
 slot vLLM hands it, as without caching: a state after a prefix is the same tensors whichever call computed it.
 
-Refused by name, with the reason (``servable_reason``): mixers whose decode cache keeps tokens (Sessa's grows with
-the context, GLTM's keeps the positions its pattern reads), and models mixing two kinds of constant-state layer
+Refused by name, with the reason (``servable_reason``): mixers whose decode cache keeps tokens (Sessa's, GLTM's
+growing patterns'), and models mixing two kinds of constant-state layer
 (vLLM sizes every state slot of a model alike). Tensor and pipeline parallelism are not supported: one device.
 """
 

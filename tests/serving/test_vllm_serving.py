@@ -27,6 +27,7 @@ pytestmark = pytest.mark.integration
 # head_dim 64: vLLM's CPU attention takes no smaller heads (the kept attention layers of the hybrid)
 SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
 SERVED = {"rsa": ("rsa[window]", None), "selective_ssm": ("selective_ssm[window]", None), "vort": ("vort", None),
+          "gltm": ("gltm", None),  # pow2_ce: its cache evicts, at fixed slots
           "hybrid": ("rsa[window]", ["rsa", "full_attention", "sliding_attention", "rsa"])}
 LENGTHS = (1, 5, 9, 13, 20, 27, 33, 40)  # past the tiny windows (3) and chunks (4); one a decode from its start
 BLOCKS = {"rsa": 12, "hybrid": 16}  # cache blocks for the preemption test: fewer than 8 sequences need at once

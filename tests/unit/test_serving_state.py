@@ -11,7 +11,8 @@ from hf_mixers.testing import tiny_config, tiny_model
 
 pytestmark = pytest.mark.unit
 
-MIXERS = ["rsa", "rsa[window]", "selective_ssm", "selective_ssm[window]", "vort", "vort[no_window]"]
+MIXERS = ["rsa", "rsa[window]", "selective_ssm", "selective_ssm[window]", "vort", "vort[no_window]", "gltm",
+          "gltm[local]", "gltm[ssm]"]  # GLTM's evicting patterns: local and ssm keep zero-width parts
 
 
 @pytest.mark.parametrize("name", MIXERS)
@@ -57,13 +58,14 @@ def test_what_vllm_cannot_serve_is_refused_by_name():
     assert servable_reason(tiny_config("rsa", layer_types=["rsa", "full_attention", "sliding_attention"],
                                        num_hidden_layers=3)) is None
     assert "layer 0 is 'sessa', whose decode cache keeps tokens" in servable_reason(tiny_config("sessa"))
-    assert "layer 1 is 'gltm'" in servable_reason(tiny_config("gltm", layer_types=["full_attention", "gltm"]))
+    assert servable_reason(tiny_config("gltm", layer_types=["full_attention", "gltm"])) is None  # pow2_ce evicts
+    assert "layer 1 is 'gltm'" in servable_reason(tiny_config("gltm[dense]", layer_types=["full_attention", "gltm"]))
     assert "layers of ['rsa', 'vort']: vLLM gives every state layer" in servable_reason(
         tiny_config("rsa", layer_types=["rsa", "vort"]))
     assert state_window(tiny_config("rsa[window]")) == 3 and state_window(tiny_config("rsa")) == 0
 
 
-@pytest.mark.parametrize("name", ["rsa[window]", "selective_ssm", "vort"])
+@pytest.mark.parametrize("name", ["rsa[window]", "selective_ssm", "vort", "gltm"])
 def test_slots_read_and_written_as_one_batch_equal_each_sequence_alone(name):
     """An engine steps its decoding sequences in one call: their slots (any rows, in any order) unpacked as one
     batch, one token each, and packed back give what each sequence's own call gives."""
@@ -87,3 +89,38 @@ def test_slots_read_and_written_as_one_batch_equal_each_sequence_alone(name):
         torch.testing.assert_close(together, torch.cat(alone), rtol=1e-12, atol=1e-12)
         pack(layout, (state, history), slots, [2, 0])
         assert unpack(layout, slots, [0])[0] is not None
+
+
+@pytest.mark.parametrize("name", ["gltm", "gltm[local]", "gltm[banded]", "gltm[ssm]", "gltm[quad_ce]"])
+def test_a_gltm_evicting_cache_as_a_state_equals_the_full_forward(name):
+    """GLTM's ``mix`` (an evicting pattern's cache at fixed slots, what a state slot keeps): two prompts of 5 and
+    9 tokens left-padded into one call, then three tokens together, equal each sequence's one full forward, in
+    fp64; the kept slots never exceed the fixed count."""
+    model = tiny_model(name)
+    mixer, rotary = model.model.layers[0].mixer, model.model.rotary_emb
+    x = torch.randn(2, 12, model.config.hidden_size, dtype=torch.float64)
+    lengths = (5, 9)
+    with torch.no_grad():
+        alone = [mixer(x[row:row + 1, :length + 3], rotary(x, torch.arange(length + 3)[None]))
+                 for row, length in enumerate(lengths)]
+        real = torch.arange(9)[None] >= torch.tensor([[4], [0]])  # (2, 9): the first prompt padded in front
+        prompts = torch.stack([torch.cat([x.new_zeros(4, x.shape[-1]), x[0, :5]]), x[1, :9]])
+        positions = (real.long().cumsum(-1) - 1).clamp(min=0)
+        out, state, _ = mixer.mix(prompts, rotary(x, positions), real)
+        steps = []
+        for step in range(3):
+            tokens = torch.stack([x[row, length + step] for row, length in enumerate(lengths)])[:, None]
+            position = torch.tensor([[length + step] for length in lengths])
+            got, state, _ = mixer.mix(tokens, rotary(x, position), None, state)
+            steps.append(got)
+            assert state.positions.shape[1] == mixer.decode_slots(model.config.max_position_embeddings)
+    for row, length in enumerate(lengths):
+        served = torch.cat([out[row:row + 1, 9 - length:], *[got[row:row + 1] for got in steps]], dim=1)
+        torch.testing.assert_close(served, alone[row], rtol=1e-10, atol=1e-10)
+    assert state.seen.flatten().tolist() == [8, 12]
+
+
+def test_a_gltm_cache_that_keeps_every_position_is_no_state():
+    mixer = tiny_model("gltm[dense]").model.layers[0].mixer
+    with pytest.raises(ValueError, match="GLTM layer 0: pattern 'dense' keeps every position"):
+        mixer.mix(torch.randn(1, 3, mixer.config.hidden_size, dtype=torch.float64))
