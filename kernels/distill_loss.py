@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import compute_dtype
+from .conventions import compute_dtype
 from .dispatch import library_kernel
 
 IGNORE = -100  # a target that counts for nothing (padding, the last position)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_feedback_shapes, compute_dtype, data_checks, outside_autocast
+from .conventions import check_feedback_shapes, compute_dtype, data_checks, outside_autocast
 from .dispatch import use_triton
 from .sparse_attention import gather_rows, gathered_softmax_reference
 

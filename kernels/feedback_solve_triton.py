@@ -74,7 +74,7 @@ try:
 finally:
     pass
 
-from .common import check_feedback_shapes, compute_dtype, kernel_op, tile_edge
+from .conventions import check_feedback_shapes, compute_dtype, kernel_op, tile_edge
 from .triton_compile import compile_side_by_side
 
 # fp32-accurate ``tl.dot``s: the solve feeds its own output back, and plain tf32 (10-bit mantissa) logits and values

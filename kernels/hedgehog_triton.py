@@ -31,7 +31,7 @@ try:
 finally:
     pass
 
-from .common import kernel_op, readable_in_place, tile_edge
+from .conventions import kernel_op, readable_in_place, tile_edge
 from .rsa_chain_triton import INPUT_PRECISION
 
 # Tiles and warps chosen from sm_90 cubins (scripts/kernel_resources.py --kernel vort; docs/benchmarks.md): within

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from .common import shape_constant
+from .conventions import shape_constant
 from .dispatch import library_kernel, use_triton
 
 # Scores one call of ``window_attention`` holds at most, (B, G, g, block, 2w) per block of w queries: longer inputs go

@@ -28,7 +28,7 @@ try:
 finally:
     pass
 
-from .common import kernel_op, readable_in_place, tile_edge
+from .conventions import kernel_op, readable_in_place, tile_edge
 
 # (rows, features) tiles of at most 2,048 elements a tensor, at 4 warps (as kernels/window_combine_triton.py)
 TILE_ELEMENTS, WARPS = 2048, 4

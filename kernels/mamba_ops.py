@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import compute_dtype, outside_autocast
+from .conventions import compute_dtype, outside_autocast
 from .dispatch import installed, library_kernel
 from .selective_scan import ssm_chunked
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import compute_dtype, outside_autocast
+from .conventions import compute_dtype, outside_autocast
 from .dispatch import library_kernel, use_triton
 
 

@@ -23,7 +23,7 @@ try:
 finally:
     pass
 
-from .common import kernel_op, tile_edge
+from .conventions import kernel_op, tile_edge
 
 # A program's queries: (rows, dv + 1) tiles of at most 2,048 elements, at 4 warps (as kernels/window_combine_triton.py)
 TILE_ELEMENTS, WARPS = 2048, 4

@@ -46,7 +46,7 @@ try:
 finally:
     pass
 
-from .common import kernel_op, packed_zeros, tile_edge, unpacked
+from .conventions import kernel_op, packed_zeros, tile_edge, unpacked
 from .rsa_state import RSAParams
 
 # fp32-accurate dots on tensor cores: plain tf32 would put the read ~1e-3 off the reference (it divides sums by

@@ -88,13 +88,13 @@ try:
 finally:
     pass
 
-from .common import compute_dtype, kernel_op, packed_zeros, tile_edge, unpacked
+from .conventions import compute_dtype, kernel_op, packed_zeros, tile_edge, unpacked
 from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunks
 # the write side's kernel (the assignment chain), and the tiles and dot precision both sides use: MAX_TILE (chunk
 # size and slot count, held as one tile: C x C, C x m and m x m) and MAX_HEAD_DIM (the read's forward holds a
 # (C, d) tile whole, its backward takes FEATURE_BLOCK features at a time); calls over the limits run the PyTorch
 # path, said in the dispatch's log line.
-from .rsa_chain_triton import INPUT_PRECISION, NUM_WARPS, assign_chain_triton, level_writes_triton, scope_reason
+from .rsa_chain_triton import INPUT_PRECISION, assign_chain_triton, level_writes_triton, scope_reason
 from .rsa_mlp_triton import residual_mlps_triton
 from .triton_compile import compile_side_by_side
 

@@ -45,7 +45,7 @@ from dataclasses import replace
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .common import compute_dtype, outside_autocast
+from .conventions import compute_dtype, outside_autocast
 from .dispatch import use_triton
 from .rsa_state import (ChunkLayout, ChunkWrites, ResidualMLPWeights, RSAParams, RSAState, assign, decay_masks,
                         decayed, initial_state, per_head, readout_activation, refresh_references, slot_prior,

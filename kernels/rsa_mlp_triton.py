@@ -33,7 +33,7 @@ try:
 finally:
     pass
 
-from .common import kernel_op, tile_edge
+from .conventions import kernel_op, tile_edge
 from .rsa_chain_triton import INPUT_PRECISION, _add_into
 from .rsa_state import ResidualMLPWeights
 

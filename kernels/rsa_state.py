@@ -8,14 +8,13 @@ chunk of an aligned buffer (``ChunkLayout``), in order, with the references refr
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .common import own_code
+from .conventions import own_code
 
 
 @dataclass

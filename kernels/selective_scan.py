@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import compute_dtype, outside_autocast
+from .conventions import compute_dtype, outside_autocast
 
 GATED_CHUNK = 16  # the longest chunk of the per-slot matmul form (fastest on CPU at SmolLM2's shapes)
 

@@ -36,7 +36,7 @@ try:
 finally:
     pass
 
-from .common import kernel_op, tile_edge
+from .conventions import kernel_op, tile_edge
 
 TOKENS, WARPS = 128, 4  # a program's tokens: (128, 16 slots) tiles of a few elementwise values
 

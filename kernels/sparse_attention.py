@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .common import compute_dtype, outside_autocast, shape_constant
+from .conventions import compute_dtype, outside_autocast, shape_constant
 from .dispatch import library_kernel, use_triton
 from .local_attention import FLEX_BLOCK, compiled_flex
 

@@ -29,7 +29,7 @@ try:
 finally:
     pass
 
-from .common import kernel_op, readable_in_place, table_with_contiguous_rows, tile_edge
+from .conventions import kernel_op, readable_in_place, table_with_contiguous_rows, tile_edge
 
 WARPS = 4
 

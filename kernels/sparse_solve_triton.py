@@ -30,7 +30,7 @@ try:
 finally:
     pass
 
-from .common import kernel_op, table_with_contiguous_rows, tile_edge
+from .conventions import kernel_op, table_with_contiguous_rows, tile_edge
 
 WARPS = 4
 MAX_WIDTH = 256  # D in one tile: (K, D) gathers

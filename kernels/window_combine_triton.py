@@ -23,7 +23,7 @@ try:
 finally:
     pass
 
-from .common import kernel_op, tile_edge
+from .conventions import kernel_op, tile_edge
 
 # A program's queries: (rows, dv) tiles of 2,048 elements at 4 warps, within issue 67's register budget on sm_90
 # (docs/benchmarks.md); (32, 128) tiles were over it in the backward.

@@ -42,7 +42,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from ..core.attention import FullAttention
 from ..core.cache import KVPlusLayer
 from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
-from ..kernels.common import compute_dtype, shape_constant
+from ..kernels.conventions import compute_dtype, shape_constant
 from ..kernels.feedback_solve import feedback_solve, feedback_solve_sparse, sparse_solve, strict_past_softmax
 from ..kernels.sparse_attention import gathered_softmax, sparse_attention
 from ..kernels.token_patterns import PATTERNS, RECURRENT, offset_function, offsets_below, support_rows

@@ -29,7 +29,7 @@ from ..core.mixer import COMPILE_CHOICES, RecurrentMixer
 from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
 from ..core.short_conv import causal_conv
 from ..core.window import WindowState, window_option, windowed
-from ..kernels.common import compute_dtype
+from ..kernels.conventions import compute_dtype
 from ..kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, refresh_references, rsa_memory
 
 logger = logging.getLogger(__name__)

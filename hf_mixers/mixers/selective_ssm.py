@@ -39,7 +39,7 @@ from ..core.registry import (MixerOption, MixerSpec, boolean, non_negative_int, 
                              register_mixer)
 from ..core.short_conv import causal_conv
 from ..core.window import window_option, windowed
-from ..kernels.common import compute_dtype
+from ..kernels.conventions import compute_dtype
 from ..kernels.mamba_ops import ssd_scan
 from ..kernels.selective_scan import ssm_scan
 

@@ -27,7 +27,7 @@ from ..core.attention import FullAttention
 from ..core.cache import KVPlusLayer
 from ..core.registry import (MixerOption, MixerSpec, boolean, number, one_of, open_unit_interval, positive_int,
                              register_mixer)
-from ..kernels.common import compute_dtype
+from ..kernels.conventions import compute_dtype
 from ..kernels.feedback_solve import feedback_solve, strict_past_softmax
 
 

@@ -37,7 +37,7 @@ from ..core.mixer import RecurrentMixer
 from ..core.registry import (MixerOption, MixerSpec, boolean, non_negative_int, non_negative_number, number,
                              one_of, open_unit_interval, positive_int, positive_number, register_mixer)
 from ..core.window import windowed
-from ..kernels.common import compute_dtype, outside_autocast
+from ..kernels.conventions import compute_dtype, outside_autocast
 from ..kernels.hedgehog import hedgehog, hedgehog_pair
 from ..kernels.retention import (lag_kernel, normalised_read, retention, retention_chunked, retention_quadratic,
                                  retention_recurrent)

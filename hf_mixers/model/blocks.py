@@ -24,7 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from ..core.cache import map_tensors, tensors_of
 from ..core.mixer import COMPILE_DECODE_ENV
-from ..kernels.common import own_code
+from ..kernels.conventions import own_code
 from .exported_step import run_exported_step
 
 logger = logging.getLogger(__name__)

@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from .common import IGNORE, check_int
+from .checks import IGNORE, check_int
 
 VOCAB = 8192
 PAD, BOS, SEP = 0, 1, 2

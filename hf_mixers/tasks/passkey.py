@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import IGNORE, check_int, check_probability
+from .checks import IGNORE, check_int, check_probability
 
 DIGITS = 10  # ids 0-9 are the digits
 KEY, QUERY = 10, 11  # the markers before the hidden key and before the answer

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import IGNORE
+from .checks import IGNORE
 
 
 

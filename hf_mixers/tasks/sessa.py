@@ -96,7 +96,7 @@ from typing import NamedTuple
 
 import torch
 
-from .common import IGNORE, check_int, check_probability
+from .checks import IGNORE, check_int, check_probability
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import IGNORE
+from .checks import IGNORE
 
 
 ZIPF_BETAS = (1.0, 1.5, 2.0)       # the paper averages Table 1 over these

@@ -268,7 +268,7 @@ def test_a_full_disk_is_found_before_training_and_a_failed_write_is_one_line(tea
 
     from safetensors import SafetensorError
 
-    import hf_mixers.recipes.strategies as strategies
+    import hf_mixers.recipes.checkpoint as checkpoint
     import hf_mixers.recipes.trainer as trainer
     from test_recipes import small
 
@@ -285,7 +285,7 @@ def test_a_full_disk_is_found_before_training_and_a_failed_write_is_one_line(tea
         raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
                               '"No space left on device" })')
 
-    monkeypatch.setattr(strategies, "save_file", full_disk)
+    monkeypatch.setattr(checkpoint, "save_file", full_disk)
     assert main(["distill", *settings, "--set", "output.overwrite=true"]) == 3
     _one_line(capsys, "No space left on device (writing ", "stage1.safetensors", "nothing was half-written")
     assert not [name for name in os.listdir(tmp_path / "run" / "checkpoints") if ".partial" in name]

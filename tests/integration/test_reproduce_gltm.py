@@ -9,7 +9,7 @@ import torch
 from hf_mixers.apps.reproduce import reproduce
 from hf_mixers.apps.reproduce.gltm import (PAPER_TABLE_1, RECALL_MIXERS, RECALL_SCALES, TASKS, _recall_batch,
                                            _recall_model)
-from hf_mixers.tasks.common import IGNORE
+from hf_mixers.tasks.checks import IGNORE
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 
 from hf_mixers.apps.reproduce import reproduce
 from hf_mixers.apps.reproduce.rsa import MODELS, PASSKEY_SCALES, RECALL_SCALES, recall_batch, state_sizes
-from hf_mixers.tasks.common import IGNORE
+from hf_mixers.tasks.checks import IGNORE
 from hf_mixers.tasks.selective_ssm import mqar
 
 MIXERS = ["rsa", "rsa (RoPE)", "linear attention", "full attention"]

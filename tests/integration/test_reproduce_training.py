@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_mixers.apps.reproduce.training import BareMixerModel, scored_accuracy, tiny_model, train
-from hf_mixers.tasks.common import IGNORE
+from hf_mixers.tasks.checks import IGNORE
 from hf_mixers.tasks.selective_ssm import keep_nth
 
 

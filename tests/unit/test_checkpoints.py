@@ -9,14 +9,15 @@ import torch
 from safetensors import safe_open
 
 from hf_mixers.recipes.config import TrainSection
-from hf_mixers.recipes.strategies import CheckpointError, LocalOptimizer, previous_checkpoint
+from hf_mixers.recipes.checkpoint import CheckpointError, previous_checkpoint
+from hf_mixers.recipes.strategies import LocalStrategy
 from hf_mixers.recipes.processes import Processes
 
 
 def _optimizer(path, seed=0, optimizer="adamw"):
     torch.manual_seed(seed)
     parameters = {"w": torch.nn.Parameter(torch.randn(3, 4)), "b": torch.nn.Parameter(torch.zeros(4))}
-    return LocalOptimizer(parameters, TrainSection(optimizer=optimizer), 1e-2, Processes(), str(path), loss_fn=None)
+    return LocalStrategy(parameters, TrainSection(optimizer=optimizer), 1e-2, Processes(), str(path), loss_fn=None)
 
 
 def _train_steps(optimizer, count):
@@ -104,7 +105,7 @@ def test_a_pickled_checkpoint_of_an_earlier_version_is_refused_unread(tmp_path, 
 def test_a_checkpoint_of_other_tensors_is_refused(tmp_path):
     _optimizer(tmp_path / "stage2.safetensors").save(1, [])
     torch.manual_seed(0)
-    other = LocalOptimizer({"w": torch.nn.Parameter(torch.randn(3, 4)), "c": torch.nn.Parameter(torch.zeros(4))},
+    other = LocalStrategy({"w": torch.nn.Parameter(torch.randn(3, 4)), "c": torch.nn.Parameter(torch.zeros(4))},
                            TrainSection(), 1e-2, Processes(), str(tmp_path / "stage2.safetensors"), loss_fn=None)
     with pytest.raises(CheckpointError, match=r"stage2.safetensors: checkpoint does not match this run \(it trains "
                                               r"other tensors: no \['c'\]\); use another output.dir"):
@@ -148,18 +149,18 @@ def test_an_fp16_loss_scale_crosses_between_torch_and_deepspeed():
     growth, and the other way round; a bf16 run's checkpoint (no scaler) leaves the scale as it starts."""
     from types import SimpleNamespace
 
-    from hf_mixers.recipes.strategies import DeepSpeedOptimizer
+    from hf_mixers.recipes.strategies import DeepSpeedStrategy
 
-    local = LocalOptimizer({"w": torch.nn.Parameter(torch.ones(2))}, TrainSection(precision="fp16"), 1e-2, Processes(),
+    local = LocalStrategy({"w": torch.nn.Parameter(torch.ones(2))}, TrainSection(precision="fp16"), 1e-2, Processes(),
                            "unused", loss_fn=None)
-    speed = DeepSpeedOptimizer.__new__(DeepSpeedOptimizer)  # only its scaler: a stand-in for ZeRO's
+    speed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # only its scaler: a stand-in for ZeRO's
     speed.fp16, speed.optimizer = True, SimpleNamespace(loss_scaler=SimpleNamespace(
         cur_scale=4096.0, cur_iter=20, last_overflow_iter=12, cur_hysteresis=1))
     saved = speed._scaler_state()
     assert (saved["scale"], saved["clean_steps"]) == (4096.0, 7)
     local._restore_scaler(saved)
     assert local.loss_scale() == 4096.0 and local.scaler.state_dict()["_growth_tracker"] == 7
-    fresh = DeepSpeedOptimizer.__new__(DeepSpeedOptimizer)
+    fresh = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
     fresh.fp16, fresh.optimizer = True, SimpleNamespace(loss_scaler=SimpleNamespace(
         cur_scale=65536.0, cur_iter=0, last_overflow_iter=-1, cur_hysteresis=2))
     fresh._restore_scaler(local._scaler_state())

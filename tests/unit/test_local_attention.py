@@ -55,7 +55,9 @@ def test_flex_path_equals_the_block_form(window, length, past, block, monkeypatc
         torch.testing.assert_close(real_queries(a, valid, window), real_queries(b, valid, window), rtol=1e-12,
                                    atol=1e-12, msg=name)
     out, log_normaliser = flex_window_attention(query, keys, values, valid, window, 0.3)
-    torch.testing.assert_close(out, got[0], rtol=0, atol=0)
+    # the same read without the keys beside the values: equal to rounding (a wider value matrix may sum in
+    # another order, as AVX-512 kernels do)
+    torch.testing.assert_close(out, got[0], rtol=1e-13, atol=1e-13)
     # a query that sees no real key: output 0 and a finite log normaliser, so a shared normaliser stays finite
     empty = ~valid[2, window:]
     assert out[2, :, :, empty].abs().max() == 0

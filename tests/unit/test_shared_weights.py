@@ -202,14 +202,14 @@ def test_fsdp_refuses_a_student_with_scalar_parameters_by_name(teacher, tmp_path
     from hf_mixers.recipes.config import TrainSection
     from hf_mixers.recipes.processes import Processes
     from hf_mixers.recipes.stages import sharding_for
-    from hf_mixers.recipes.strategies import FSDPOptimizer
+    from hf_mixers.recipes.strategies import FSDPStrategy
 
     student = _student(teacher)
     parameters = {name: p for name, p in student.named_parameters() if "gamma" in name}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(ValueError, match=r"cannot shard scalar parameters \(model.layers.0.mixer.gamma_bias"):
-            FSDPOptimizer(parameters, TrainSection(strategy="fsdp"), 1e-3, Processes(), str(tmp_path / "x"), None,
+            FSDPStrategy(parameters, TrainSection(strategy="fsdp"), 1e-3, Processes(), str(tmp_path / "x"), None,
                           sharding_for(student))
     finally:
         dist.destroy_process_group()

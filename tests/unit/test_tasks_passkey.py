@@ -4,7 +4,7 @@ only, and are deterministic per seed."""
 import pytest
 import torch
 
-from hf_mixers.tasks.common import IGNORE
+from hf_mixers.tasks.checks import IGNORE
 from hf_mixers.tasks.passkey import FIRST_FILLER, KEY, QUERY, passkey, passkey_vocab_size
 
 

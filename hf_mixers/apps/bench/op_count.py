@@ -89,9 +89,9 @@ def _site(folders) -> str:
 
 
 def _custom_op_function(func):
-    """The Python function behind one of the kernels' torch.library ops (kernels/common.py ``kernel_op``), else
+    """The Python function behind one of the kernels' torch.library ops (kernels/conventions.py ``kernel_op``), else
     None: the counter runs it under itself, so the op's allocations and launches count, not the op as one call."""
-    from ...kernels.common import KERNEL_OPS
+    from ...kernels.conventions import KERNEL_OPS
 
     return KERNEL_OPS.get(func.name())
 

@@ -9,7 +9,7 @@ import math
 import torch
 
 from ...kernels.token_patterns import longest_shortest_path, pattern_support
-from ...tasks.common import IGNORE
+from ...tasks.checks import IGNORE
 from ...tasks.gltm import associative_recall, copy_task, curriculum_divisor, multi_hop_recall, vocab_layout
 from . import claim
 from .training import scored_accuracy, tiny_model, train

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...tasks.common import IGNORE
+from ...tasks.checks import IGNORE
 from ...tasks.passkey import passkey, passkey_vocab_size
 from ...tasks.selective_ssm import mqar
 from . import claim

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ...tasks.common import IGNORE
+from ...tasks.checks import IGNORE
 from ...tasks.selective_ssm import induction_heads, keep_nth, mqar
 from . import claim
 from .training import BareMixerModel, parameter_count, scored_accuracy, train

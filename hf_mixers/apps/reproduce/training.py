@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ...tasks.common import IGNORE
+from ...tasks.checks import IGNORE
 
 
 def tiny_model(mixer: str, vocab: int, length: int, width: int = 64, layers: int = 1, heads: int = 2,
