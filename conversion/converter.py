@@ -35,6 +35,7 @@ from ..core.registry import TEACHER_ATTENTION, get_mixer, list_mixers
 from ..model.config import config_class
 from ..common.corpus import split_texts, token_blocks
 from ..common.measures import cache_bytes_at, compare_to_teacher
+from ..common.dtypes import to_dtype
 from ..common.files import check_output_folder, save_atomically
 from ..model.modeling import MixerForCausalLM, model_classes
 from .families import backbone_fields, student_name, teacher_layer_kinds
@@ -45,7 +46,6 @@ from .teacher import Teacher, load_teacher
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHE_CONTEXT = 2048  # the report compares both decode caches after a prefill this long (batch 1)
 KL_RANKING_SEQUENCES = 2  # calibration sequences kl:K ranks on: one student forward per converted layer each
 
@@ -76,8 +76,7 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
     if mixer not in convertible:
         raise ValueError(f"unknown mixer {mixer!r}; choose from {convertible}")
     spec = get_mixer(mixer)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    torch_dtype = to_dtype(dtype)
     if out is not None:
         check_output_folder(out, overwrite)  # fail before minutes of work, not after
     say = tqdm.write if progress else logger.info
@@ -107,7 +106,7 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
     config._attn_implementation = teacher.model.config._attn_implementation
 
     teacher_dtype = next(teacher.model.parameters()).dtype
-    if share_teacher_weights and teacher_dtype != DTYPES[dtype]:
+    if share_teacher_weights and teacher_dtype != torch_dtype:
         raise ValueError(f"share_teacher_weights: the teacher is in {teacher_dtype}, the student would be {dtype}; "
                          "shared tensors have one dtype")
     with torch.random.fork_rng(devices=[]):
@@ -131,7 +130,7 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
 
     student = _assemble(teacher, config, mixers, model_classes(mixer)[1], share=share_teacher_weights)
     verified = _verify_copied(teacher.model, student)
-    student.to(DTYPES[dtype])
+    student.to(torch_dtype)
     say("evaluating teacher and converted model on held-out text")
     metrics = compare_to_teacher(teacher.model, student, heldout_ids, teacher_hidden=heldout_final)
     release_freed_memory()  # the evaluation's activations: the cache probes next would otherwise stand on them
@@ -139,7 +138,7 @@ def convert(source: str | Teacher = "smollm2-135m", mixer: str = "rsa", *, layer
     device, vocab = next(student.parameters()).device, student.config.vocab_size
     teacher_bytes = cache_bytes_at(teacher.model, [CACHE_CONTEXT], vocab, device)[CACHE_CONTEXT]
     # the teacher's K/V as they would be in the student's dtype
-    metrics["teacher_cache_bytes"] = teacher_bytes * DTYPES[dtype].itemsize // teacher_dtype.itemsize
+    metrics["teacher_cache_bytes"] = teacher_bytes * torch_dtype.itemsize // teacher_dtype.itemsize
     metrics["cache_bytes"] = cache_bytes_at(student, [CACHE_CONTEXT], vocab, device)[CACHE_CONTEXT]
 
     teacher_parameters = sum(p.numel() for p in teacher.model.parameters())

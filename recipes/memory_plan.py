@@ -54,7 +54,8 @@ from ..core.registry import TEACHER_ATTENTION, get_mixer
 from .config import Recipe, releases_host_memory, shards_the_model
 from .deepspeed_config import zero3_gathered, zero3_settings_with
 from .optimizers import state_bytes
-from .precision import dtype_name, training_dtype
+from ..common.dtypes import dtype_name
+from .precision import training_dtype
 
 GIB = 2**30
 LOSS_TENSORS_PER_CHUNK_ROW = 5.7  # fp32 (rows, vocab) tensors alive in a chunk of the chunked loss (measured)

@@ -22,9 +22,10 @@ import os
 
 import torch
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-PRECISIONS = ("auto", *DTYPES)  # train.precision
-OUTPUT_DTYPES = ("auto", *DTYPES)  # output.dtype: auto = the dtype the model came in
+from ..common.dtypes import ALIASES, NAMES, TORCH_NAMES, to_dtype
+
+PRECISIONS = ("auto", *NAMES)  # train.precision (common/dtypes.py: bf16 or bfloat16 alike)
+OUTPUT_DTYPES = ("auto", *NAMES)  # output.dtype: auto = the dtype the model came in
 ACCELERATE_PRECISION = "ACCELERATE_MIXED_PRECISION"  # set by `accelerate launch` from its config or flag
 
 
@@ -32,18 +33,19 @@ def training_dtype(precision: str, device: torch.device) -> torch.dtype:
     """The dtype of the frozen weights for ``train.precision`` on ``device``."""
     if precision == "auto":
         launched = os.environ.get(ACCELERATE_PRECISION, "no").lower()
-        if launched in DTYPES:
-            return DTYPES[launched]
+        if launched in TORCH_NAMES:
+            return to_dtype(launched)
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    return DTYPES[precision]
+    return to_dtype(precision, "train.precision")
 
 
 def check_launch_precision(precision: str) -> None:
     """Refuse, in one line, an accelerate launch whose mixed_precision disagrees with ``train.precision``."""
     launched = os.environ.get(ACCELERATE_PRECISION, "no").lower()
-    if launched in ("no", "") or (launched in DTYPES and precision in ("auto", launched)):
+    if launched in ("no", "") or (launched in TORCH_NAMES and precision in ("auto", launched)) or \
+            ALIASES.get(precision) == launched:
         return
-    if launched in DTYPES:
+    if launched in TORCH_NAMES:
         reason = (f"but the recipe has train.precision={precision}: set train.precision={launched} (or auto), or "
                   "launch without it")
     else:
@@ -70,12 +72,7 @@ def loss_scaler(dtype: torch.dtype, device: torch.device):
 
 def output_dtype(choice: str, original: torch.dtype) -> torch.dtype:
     """The saved folder's dtype for ``output.dtype``: ``auto`` keeps ``original`` (the teacher's stored dtype)."""
-    return original if choice == "auto" else DTYPES[choice]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16": how summaries, plans and ``convert(dtype=...)`` name a dtype."""
-    return str(dtype).removeprefix("torch.")
+    return original if choice == "auto" else to_dtype(choice, "output.dtype")
 
 
 def fp32_masters(parameters) -> None:

@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from ..common.corpus import shakespeare
+from ..common.dtypes import dtype_name
 from ..common.history import FINETUNE_SUMMARY
 from ..conversion.teacher import stored_dtype
 from .config import Recipe
-from .precision import autocast, dtype_name, output_dtype, training_dtype
+from .precision import autocast, output_dtype, training_dtype
 from .tracking import finish_tracking, start_tracking
 from .trainer import leaves_nothing_unless_started, run_stage
 

@@ -37,7 +37,8 @@ from ..conversion.converter import KL_RANKING_SEQUENCES
 from ..conversion.selection import keep_by_marginal_kl
 from ..conversion.shared_weights import (freed_memory_released_per_block, release_freed_memory, share_frozen_weights,
                                          shared_bytes, unshare_weights)
-from .precision import autocast, dtype_name, output_dtype, training_dtype
+from ..common.dtypes import dtype_name
+from .precision import autocast, output_dtype, training_dtype
 from ..common.measures import compare_to_teacher
 from ..common.files import cache_folder, save_atomically, write_atomically
 from ..kernels import distill_loss as loss_from_hidden

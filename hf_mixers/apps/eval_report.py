@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..common.device import resolve_device
+from ..common.dtypes import to_dtype
 from ..common.files import write_atomically
 from ..common.folder import check_model_weights
 from ..common.history import CONVERSION_REPORT, EVAL_REPORT, blank_or
@@ -173,7 +174,7 @@ def run_eval(model_dir: str, teacher: str | None = "auto", data: str | None = No
     started = time.perf_counter()
     model_dir = os.path.abspath(model_dir)
     device = resolve_device(device)
-    torch_dtype = getattr(torch, dtype)
+    torch_dtype = to_dtype(dtype)
     notes = []
     if teacher == "auto":
         teacher = teacher_of(model_dir)

@@ -905,7 +905,8 @@ def test_output_dtype_defaults_to_the_teachers_stored_dtype(tmp_path, monkeypatc
                                         f"output.dir={tmp_path / 'sft'}"]), progress=False)
     assert summary["precision"] == "bfloat16" and summary["saved_dtype"] == "bfloat16"
     assert saved_dtypes(tmp_path / "sft" / "model") == {"BF16"}
-    with pytest.raises(RecipeError, match="output.dtype must be one of auto, bf16, fp16, fp32, got 'fp64'"):
+    with pytest.raises(RecipeError, match="output.dtype must be one of auto, fp32, bf16, fp16, float32, bfloat16, "
+                                          "float16, got 'fp64'"):
         load_recipe([], ["output.dtype=fp64", f"output.dir={tmp_path}"])
 
 

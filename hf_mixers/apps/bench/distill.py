@@ -20,6 +20,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from ...common.dtypes import names_of, to_dtype
 from . import register_bench
 from ..arguments import at_least, key_value, option_dict
 
@@ -48,8 +50,8 @@ def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa"
         parameter.requires_grad_(False)
     teacher.model.to(device)  # converted where its weights are (a GPU's k-means and calibration), in fp32
     student, _ = convert(teacher, mixer, mixer_options=mixer_options, progress=False)
-    teacher.model.to(dtype=getattr(torch, dtype))
-    student.to(device=device, dtype=getattr(torch, dtype))
+    teacher.model.to(dtype=to_dtype(dtype))
+    student.to(device=device, dtype=to_dtype(dtype))
     section = DistillSection()
     distilled = add_lora(student.train(), section, seed=0)
     kd = distillation_loss(distilled, teacher.model, section.temperature, section.ce_weight)
@@ -108,7 +110,7 @@ def _arguments(parser) -> None:
     parser.add_argument("--mixer", default="rsa", help="the mixer of the student (a registered mixer)")
     parser.add_argument("--sequence-length", type=at_least(2), default=256, help="tokens per sequence (default 256)")
     parser.add_argument("--batch-size", type=at_least(1), default=1)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=names_of("fp32", "bf16"), default="float32")
     parser.add_argument("--compile", type=lambda text: {"true": True, "false": False}.get(text, text),
                         default="auto", metavar="{auto,true,false,MODE}",
                         help="also measure both steps with compiled blocks, as train.compile (default auto: on a GPU)")

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from ...common.dtypes import names_of, to_dtype
 from . import register_bench
 from ..arguments import at_least, key_value, option_dict, positive_list, positive_number
 
@@ -123,7 +124,7 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
                          "(the teacher converted here)")
     check_compile_decode(compile_decode, "bench generate")
     device = bench_device(device, "generate")
-    models, tokenizer = _models(teacher, model_dirs, mixers, options or {}, getattr(torch, dtype), device,
+    models, tokenizer = _models(teacher, model_dirs, mixers, options or {}, to_dtype(dtype), device,
                                 compile_decode)
     budget = memory_budget_gib * 2**30
     weights = {label: _weights_bytes(model) for label, model in models.items()}
@@ -263,7 +264,7 @@ def _arguments(parser) -> None:
     parser.add_argument("--generate-tokens", type=at_least(1), default=32, help="the generate timing's new tokens")
     parser.add_argument("--memory-budget-gib", type=positive_number, default=8.0,
                         help="weights + caches (default 8)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=names_of("fp32", "bf16"), default="float32")
     parser.add_argument("--budget-decode-steps", type=at_least(0), default=0, help="also time this many decode "
                         "steps at the largest batch within --memory-budget-gib (each context, from the batch-1 "
                         "prompt's cache copied to every row; 0: off)")

@@ -23,6 +23,7 @@ import torch
 
 from ...common.files import write_atomically
 from ...common.device import resolve_device
+from ...common.dtypes import names_of, to_dtype
 from ...common.history import save_figure
 from ...core.registry import get_mixer
 from ...model.config import config_class
@@ -131,7 +132,7 @@ def cuda_peak(module, x, position_embeddings):
 def cpu_peak_point(mixer, options_json, length, hidden_size, num_heads, num_kv_heads, batch_size, dtype):
     """Run in a fresh process (see cpu_peak): print the peak RSS growth of one step, in bytes."""
     torch.manual_seed(0)
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    torch_dtype = to_dtype(dtype, choices=names_of("fp32", "bf16"))
     module, config = build_mixer(mixer, json.loads(options_json), hidden_size, num_heads, num_kv_heads,
                                  torch.device("cpu"), torch_dtype)
     x = torch.randn(batch_size, length, hidden_size, dtype=torch_dtype, requires_grad=True)

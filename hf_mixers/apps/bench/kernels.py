@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ...common.history import save_figure
+from ...common.dtypes import names_of, to_dtype
 from ...core.registry import get_mixer
 from .harness import bench_device, build_mixer, format_log_axes, save_point, time_calls, write_report
 from ...kernels.dispatch import triton_unavailable
@@ -142,7 +143,7 @@ def bench_kernels(out_dir, lengths=None, shapes=("smollm2-135m", "llama3-8b"), r
     if unknown:
         raise ValueError(f"bench kernels: unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
     lengths = lengths or ([1024, 2048, 4096, 8192, 16384] if device.type == "cuda" else [256, 512, 1024])
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    torch_dtype = to_dtype(dtype)
     why_not = triton_unavailable(device)
     if why_not is None and os.environ.get("TRITON_INTERPRET") == "1":
         why_not = "TRITON_INTERPRET=1: the interpreter is no benchmark"
@@ -244,7 +245,7 @@ def _arguments(parser) -> None:
     parser.add_argument("--lengths", type=positive_list, default=None, help="sequence lengths (default per shape)")
     parser.add_argument("--shapes", type=name_list, default=["smollm2-135m", "llama3-8b"],
                         help=f"model shapes (heads and widths), of {', '.join(SHAPES)}")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=names_of("fp32", "bf16"), default="float32")
     parser.add_argument("--chunk-size", type=at_least(1), default=64, help="query chunk of the feedback solve (64)")
     parser.add_argument("--max-call-seconds", type=positive_number, default=10.0,
                         help="a candidate whose forward+backward, scaled to the next T, is slower than this is not "

@@ -16,6 +16,7 @@ import itertools
 import os
 import time
 
+from ...common.dtypes import dtype_name, names_of, to_dtype
 from . import register_bench
 from ..arguments import at_least, positive_list
 
@@ -44,8 +45,8 @@ def bench_serve(out_dir: str, teacher_dir: str, model_dirs, concurrency=(1, 8, 6
     progress = tqdm(total=len(folders) * len(contexts) * len(concurrency) * repeats, desc="bench serve",
                     unit="point")
     for label, folder in folders.items():
-        llm = LLM(model=folder, dtype=dtype, max_model_len=max(contexts) + new_tokens, max_num_seqs=max(concurrency),
-                  enforce_eager=enforce_eager, seed=0, skip_tokenizer_init=True)
+        llm = LLM(model=folder, dtype=dtype_name(to_dtype(dtype)), max_model_len=max(contexts) + new_tokens,
+                  max_num_seqs=max(concurrency), enforce_eager=enforce_eager, seed=0, skip_tokenizer_init=True)
         vocab = llm.llm_engine.model_config.get_vocab_size()
         sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         llm.generate([{"prompt_token_ids": [3] * min(contexts)}], sampling, use_tqdm=False)  # warm-up
@@ -109,7 +110,7 @@ def _arguments(parser) -> None:
     parser.add_argument("--contexts", type=positive_list, default=[512, 4096], help="prompt tokens a request "
                         "(default 512,4096)")
     parser.add_argument("--new-tokens", type=at_least(1), default=64, help="tokens generated a request (default 64)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=names_of("fp32", "bf16"), default="float32")
     parser.add_argument("--cache-gib", type=at_least(1), default=4, help="on CPU: GiB of host memory for vLLM's "
                         "caches (VLLM_CPU_KVCACHE_SPACE, default 4)")
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs in vLLM")

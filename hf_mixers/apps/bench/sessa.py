@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ...common.history import save_figure
+from ...common.dtypes import names_of, to_dtype
 from . import harness, lengths_flag, register_bench, shape_flags
 from .harness import (ATTENTION, bench_device, build_mixer, cpu_peak, cuda_peak, format_log_axes, rotary_embeddings,
                       time_interleaved, write_report)
@@ -37,15 +38,13 @@ def bench_sessa(out_dir, lengths=(512, 1024, 2048, 4096), hidden_size=576, num_h
                 batch_size=1, repeats=3, dtype="float32", device=None) -> dict:
     if not lengths or any(length < 2 for length in lengths):
         raise ValueError(f"bench sessa: lengths must be a non-empty list of integers >= 2, got {lengths}")
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"bench sessa: dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    torch_dtype = to_dtype(dtype, "bench sessa: dtype", names_of("fp32", "bf16"))
     if min(hidden_size, num_heads, num_kv_heads, batch_size, repeats) < 1:
         raise ValueError("bench sessa: --hidden-size, --heads, --kv-heads, --batch-size and --repeats must be >= 1")
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(f"bench sessa: --heads ({num_heads}) must divide --hidden-size ({hidden_size}) and "
                          f"--kv-heads ({num_kv_heads}) must divide --heads")
     device = bench_device(device, "sessa")
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     measure_cpu_peak = device.type == "cpu" and harness.cpu_peak_supported()  # one switch for every bench
     memory_method = ("torch.cuda.max_memory_allocated" if device.type == "cuda" else
                      "peak RSS growth over one step, in a fresh process with MALLOC_MMAP_THRESHOLD_=65536"
@@ -156,7 +155,7 @@ def _arguments(parser) -> None:
     shape_flags(parser)
     lengths_flag(parser, [512, 1024, 2048, 4096])
     parser.add_argument("--batch-size", type=at_least(1), default=1)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=names_of("fp32", "bf16"), default="float32")
 
 
 register_bench("sessa", "Sessa's feedback solve (chunked and dense) against SDPA attention: forward+backward time and "
