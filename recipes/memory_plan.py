@@ -175,8 +175,7 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
                          os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // processes
                          if device == "cpu" and hasattr(os, "sysconf") else None)
     train = recipe.train
-    dtype = torch.bfloat16 if device == "cuda" and train.precision == "auto" else \
-        training_dtype(train.precision, torch.device("cpu"))
+    dtype = training_dtype(train.precision, torch.device(device), planned=not torch.cuda.is_available())
     teacher, _ = teacher_config(recipe.model.teacher)
     if recipe.model.student:  # a converted folder: its own config says which layers are what
         from transformers import AutoConfig

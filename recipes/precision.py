@@ -29,13 +29,15 @@ OUTPUT_DTYPES = ("auto", *NAMES)  # output.dtype: auto = the dtype the model cam
 ACCELERATE_PRECISION = "ACCELERATE_MIXED_PRECISION"  # set by `accelerate launch` from its config or flag
 
 
-def training_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """The dtype of the frozen weights for ``train.precision`` on ``device``."""
+def training_dtype(precision: str, device: torch.device, planned: bool = False) -> torch.dtype:
+    """The dtype of the frozen weights for ``train.precision`` on ``device``; ``planned``: a device this process
+    does not have (``hf-mixers plan --device-memory``), a CUDA one then taken to have bf16."""
     if precision == "auto":
         launched = os.environ.get(ACCELERATE_PRECISION, "no").lower()
         if launched in TORCH_NAMES:
             return to_dtype(launched)
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+        bf16 = device.type == "cuda" and (planned or torch.cuda.is_bf16_supported())
+        return torch.bfloat16 if bf16 else torch.float32
     return to_dtype(precision, "train.precision")
 
 
