@@ -9,11 +9,12 @@ block of a model), compiled by AOTInductor into a shared library and called thro
 What dynamo's guards checked is checked here by a memo per block (``_Memo``), cheaply: the inputs' skeleton (the state's
 structure, the batch, the dtype), the global switches a trace reads (autograd and autocast off, the default dtype, no
 global hooks), the config's contents, and copies of every module's attribute, parameter, buffer, child and hook dicts.
-The library checks its inputs' dtypes, shapes and strides itself, in C++ (``AOTI_RUNTIME_CHECK_INPUTS``, which importing
-this module sets unless a user has). A call that differs is described again (``_describe``: the modules' classes and
-public attributes, ``layer_idx`` aside, the tensors' layouts) and served by the library of what it now is, exported and
-built if new; one that no library can serve (autograd on, autocast, a hook, a config changing on every call, an export
-that failed) falls back to torch.compile (``run_exported_step`` returns None).
+The library checks its inputs' dtypes, shapes and strides itself, in C++ (``AOTI_RUNTIME_CHECK_INPUTS``, set for a
+library's first call unless a user has set it, and never left in the environment). A call that differs is described
+again (``_describe``: the modules' classes and public attributes, ``layer_idx`` aside, the tensors' layouts) and served
+by the library of what it now is, exported and built if new; one that no library can serve (autograd on, autocast, a
+hook, a config changing on every call, an export that failed) falls back to torch.compile (``run_exported_step`` returns
+None).
 
 A library takes seconds to build (docs/benchmarks.md); it is kept on disk ($HF_MIXERS_CACHE/compiled-steps, keyed by the
 exported program's code, its inputs' layouts, torch's version and the CPU's instruction set), so a later process only
@@ -23,6 +24,7 @@ further block it serves at that block's first call.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
@@ -47,8 +49,10 @@ UNREAD_ATTRIBUTES = frozenset({"layer_idx", "training"})  # layer_idx: no step r
 MAX_CONFIGS = 8  # libraries for one key under distinct configs before the key falls back to torch.compile
 CACHE_NAME = "compiled-steps"
 # Each library checks its inputs' dtypes, shapes, strides and devices itself, in C++, when this is set (read once
-# per library, at its first call); where a user turned it off, ``_memo_holds`` compares them in Python instead.
-LIBRARY_CHECKS_INPUTS = os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1") != "0"
+# per library, at its first call: ``_first_call`` sets it there); where a user turned it off, ``_memo_holds``
+# compares them in Python instead.
+INPUT_CHECKS = "AOTI_RUNTIME_CHECK_INPUTS"
+LIBRARY_CHECKS_INPUTS = os.environ.get(INPUT_CHECKS, "1") != "0"
 # what this process did: libraries exported, built (compiled), loaded; blocks described (a memo's slow path)
 counts = {"exported": 0, "built": 0, "loaded": 0, "described": 0}
 
@@ -256,11 +260,26 @@ def _load_kept(path: str):
 CHECK_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
+@contextlib.contextmanager
+def _first_call():
+    """Around a library's first call: its input checks on (``INPUT_CHECKS``, which it reads then), unless the user
+    chose; the environment is left as it was."""
+    if INPUT_CHECKS in os.environ:
+        yield
+        return
+    os.environ[INPUT_CHECKS] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(INPUT_CHECKS, None)
+
+
 def _check(runner, flat, reference) -> None:
     """The library's outputs on its first inputs against the eager step's (``reference``, flat): each within
     ``CHECK_TOLERANCE`` of it in norm, relative (the graph sums in another order), integers and flags equal. What
     it catches is a wrong program (another block's weights, a misread state), not rounding."""
-    outputs = runner.boxed_run(list(flat))
+    with _first_call():
+        outputs = runner.boxed_run(list(flat))
     if len(outputs) != len(reference):
         raise RuntimeError(f"the library returned {len(outputs)} tensors, the eager step {len(reference)}")
     for index, (got, want) in enumerate(zip(outputs, reference)):

@@ -154,6 +154,7 @@ def test_a_new_dtype_is_caught_by_the_library_and_gets_its_own():
     inputs = toy_inputs(dtype=torch.float64)
     assert_equals_eager(block, inputs, run(block, inputs))
     assert exported_step.counts["exported"] == 2 and run(block, inputs)[0].dtype == torch.float64
+    assert exported_step.INPUT_CHECKS not in os.environ  # set for each library's first call only
 
 
 def test_calls_a_library_cannot_serve_fall_back():
