@@ -84,6 +84,10 @@ from .triton_compile import compile_side_by_side
 INPUT_PRECISION = "tf32x3"
 SPIN_LIMIT = tl.constexpr(1 << 26)  # polls before a chunk's wait gives up (module docstring: the pipeline)
 MAX_KEY_BLOCK = 64  # key / query block of the sweeps and the parallel backward kernels (register budget)
+# The pipeline's chunk C is at most this, whatever the caller's chunk_size (the chunked PyTorch form's memory knob,
+# ``sessa_chunk_size``, 128 by default): the solve is exact for any C, and 128-row chunks ask the forward and lam
+# kernels for 256 / 384 KiB of shared memory, more than an H100 block has (they would not launch).
+MAX_CHUNK = 64
 NUM_WARPS = 4  # untuned: tuning (and an autotune config list) needs a GPU
 # One software-pipelining stage: Triton's default of 3 buffers every tile load three deep, and the forward at the
 # Llama-3-8B head layout (64 x 128 tiles) then asks for more shared memory than an H100 block has (it does not
@@ -485,7 +489,7 @@ def _launch(launches) -> None:
 
 
 def _meta(length, key_dim, width, chunk_size) -> dict:
-    chunk = min(chunk_size, max(length, 1))
+    chunk = min(chunk_size, MAX_CHUNK, max(length, 1))
     return dict(chunk=chunk, block_c=tile_edge(chunk), log_c=(chunk - 1).bit_length(),
                 block_n=tile_edge(chunk, MAX_KEY_BLOCK), block_dk=tile_edge(key_dim, KEY_FEATURE_BLOCK),
                 block_dv=tile_edge(width, VALUE_FEATURE_BLOCK))

@@ -117,3 +117,26 @@ def test_the_gltm_kernels_fit_sm90_registers_without_a_spill(monkeypatch, shape)
     assert usage.keys() == {"_softmax_fwd", "_softmax_bwd", "_solve_fwd", "_solve_bwd"}, records
     for kernel, (warps, registers, spill) in usage.items():
         assert warps == 4 and registers <= 168 and spill == 0, (kernel, usage)
+
+
+@pytest.mark.variant  # four sm_90 compiles: the full tier
+def test_the_sessa_kernels_fit_an_h100_block_at_the_default_chunk_size(monkeypatch):
+    """The solve's four kernels as the official SmolLM2 conversion launches them (one feedback head, keys and rows
+    576 wide) at the mixer's default ``sessa_chunk_size`` (128): each fits an sm_90 block's shared memory (the
+    pipeline takes chunks of at most MAX_CHUNK rows; 128-row ones would not launch). Registers still spill
+    (docs/benchmarks.md)."""
+    from hf_mixers.core.registry import get_mixer
+    from hf_mixers.kernels.feedback_solve import feedback_solve
+    from hf_mixers.kernels.feedback_solve_triton import MAX_CHUNK
+
+    tool, records = _compiling_tool(monkeypatch)
+    monkeypatch.setattr("hf_mixers.kernels.dispatch.triton_unavailable", lambda device: None)  # compiled, never run
+    chunk_size = next(option.default for option in get_mixer("sessa").options if option.name == "sessa_chunk_size")
+    assert chunk_size > MAX_CHUNK
+    leaf = lambda *size: torch.randn(*size, requires_grad=True)  # noqa: E731
+    feedback_solve(leaf(1, 256, 576), leaf(1, 256, 576), leaf(1, 256, 576), torch.rand(1, 256, requires_grad=True),
+                   method="chunked", chunk_size=chunk_size, backend="triton").sum().backward()
+    assert {record["kernel"] for record in records} == {"_fwd_kernel", "_bwd_lam_kernel", "_bwd_dq_kernel",
+                                                        "_bwd_dk_kernel"}, records
+    assert all(record["fits"] and record["constexprs"].get("BLOCK_C", MAX_CHUNK) <= MAX_CHUNK for record in records), \
+        records
