@@ -38,7 +38,9 @@ finally:
 
 from .conventions import kernel_op, tile_edge
 
-TOKENS, WARPS = 128, 4  # a program's tokens: (128, 16 slots) tiles of a few elementwise values
+# a program's tokens: (32, 16 slots) tiles of a few elementwise values, so that one sequence's 2K tokens of a few
+# heads are 100s of programs (an H100 has 132 SMs)
+TOKENS, WARPS = 32, 4
 
 
 @triton.jit

@@ -16,13 +16,15 @@ this machine's venv 3.9, and they allocate shared memory differently), e.g.
     /tmp/t36/bin/python scripts/kernel_resources.py --kernel rsa --shape smollm2-135m
 
 Registers and spill bytes (stack + local memory per thread) come from the cubin (``cuobjdump --dump-resource-usage``,
-shipped with Triton). Prints one line per compiled kernel and writes them as JSON with --out.
+shipped with Triton); ``programs`` is the launch's grid (at --length tokens, batch 1; an H100 has 132 SMs). Prints
+one line per compiled kernel and writes them as JSON with --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -83,18 +85,20 @@ def compiling_run(arch: int, records: list, seen: set, pending: list | None = No
         signature = {name: ("constexpr" if name in kwargs or bound[name] is None else _type_of(bound[name]))
                      for name in names}
         constexprs = {name: kwargs.get(name) for name in names if signature[name] == "constexpr"}
+        size = grid(bound) if callable(grid) else grid
+        programs = math.prod((size,) if isinstance(size, int) else size)  # this launch's (the variant's first)
         key = (self.__name__, tuple(sorted(constexprs.items())), tuple(sorted(options.items())),
                tuple(signature.values()))
         if key in seen:
             return None
         seen.add(key)
         if pending is not None:
-            pending.append(lambda: compile_one(self, signature, constexprs, options))
+            pending.append(lambda: compile_one(self, signature, constexprs, options, programs))
         else:
-            compile_one(self, signature, constexprs, options)
+            compile_one(self, signature, constexprs, options, programs)
         return None
 
-    def compile_one(self, signature, constexprs, options):
+    def compile_one(self, signature, constexprs, options, programs):
         began = time.perf_counter()
         try:
             compiled = triton.compile(ASTSource(self, signature, constexprs), target=GPUTarget("cuda", arch, 32),
@@ -105,9 +109,10 @@ def compiling_run(arch: int, records: list, seen: set, pending: list | None = No
                       "fits": shared <= SHARED_LIMIT.get(arch, SHARED_LIMIT[90])}
         except Exception as error:  # noqa: BLE001 - report and go on: the point is a list
             record = {"kernel": self.__name__, "error": f"{type(error).__name__}: {str(error)[:300]}"}
-        record.update(seconds=round(time.perf_counter() - began, 1), triton=triton.__version__, arch=arch,
-                      options=options, constexprs={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
-                                                   for k, v in constexprs.items()})
+        record.update(programs=programs, seconds=round(time.perf_counter() - began, 1), triton=triton.__version__,
+                      arch=arch, options=options,
+                      constexprs={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                                  for k, v in constexprs.items()})
         records.append(record)
         print(json.dumps(record), flush=True)
 

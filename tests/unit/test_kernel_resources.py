@@ -56,6 +56,7 @@ def test_a_launch_is_compiled_for_sm90_and_its_shared_memory_read(monkeypatch):
     record = records[0]
     assert record["kernel"] == "square_tile" and record["arch"] == 90 and record["constexprs"] == {"BLOCK": 32}
     assert record["options"] == {"num_warps": 4} and 0 < record["shared_bytes"] <= tool.SHARED_LIMIT[90]
+    assert record["programs"] == 1  # the grid (1,)
     assert record["fits"] is True
 
 
