@@ -331,7 +331,8 @@ class GLTMMixer(FullAttention):
         else:  # N(i): the slots (exactly P(i), or the window) and the token itself
             keys_read, values_read = torch.cat([keys, key], dim=2), torch.cat([values, value], dim=2)
             direct = sparse_attention(_by_kv_head(query, groups), keys_read.flatten(0, 1), values_read.flatten(0, 1),
-                                      rows.repeat_interleave(kv_heads, 0), self.scaling)
+                                      rows.repeat_interleave(kv_heads, 0), self.scaling,
+                                      backend=self.config.kernel_backend)
             direct = _from_kv_head(direct, batch)  # (B, H, 1, d)
         direct = direct.to(cd).masked_fill((position == 0)[:, None, :, None], 0.0)
         if self.recurrent:  # B reads the outputs of P(i): the slots, or every cached position (dense)
@@ -345,7 +346,7 @@ class GLTMMixer(FullAttention):
             else:
                 weights = gathered_softmax(_by_kv_head(q_b, groups).to(cd), feedback_keys.transpose(1, 2)
                                            .flatten(0, 1).to(cd), rows[..., :-1].repeat_interleave(kv_heads, 0),
-                                           self.scaling)
+                                           self.scaling, backend=self.config.kernel_backend)
                 weights = _from_kv_head(weights, batch)  # (B, H, 1, S)
             output = scale[..., None] * direct + torch.einsum("bhts,bshd->bhtd", weights * gate[..., None],
                                                               outputs.to(cd))
