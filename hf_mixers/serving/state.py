@@ -78,11 +78,12 @@ def pack(layout: StateLayout, state, tensors, slots) -> None:
             tensors[place][index] = 0 if leaf is None else leaf.to(tensors[place].dtype)
 
 
-def unpack(layout: StateLayout, tensors, slots):
+def unpack(layout: StateLayout, tensors, slots, flags=None):
     """The state kept in rows ``slots`` of ``tensors``, a batch of len(slots) (a copy; None where a part was None:
-    the rows must have the same parts, as one call left them)."""
+    the rows must have the same parts, as one call left them). ``flags``: the rows' presence flags when the caller
+    has read them already (else they are read here, from the first row)."""
     index = torch.as_tensor(slots, dtype=torch.long, device=tensors[-1].device)
-    flags = iter(tensors[-1][index[0]].tolist())
+    flags = iter(tensors[-1][index[0]].tolist() if flags is None else flags)
     leaves = iter([None if place is None else tensors[place] for place in layout.places])
     return _build(layout.template, flags, leaves, index)
 

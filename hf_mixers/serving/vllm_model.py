@@ -129,11 +129,11 @@ class StateLayer(MambaBase, nn.Module):
             out, _, _ = self.mixer.mix(hidden_states[None], (cos[None], sin[None]))
             output.copy_(out[0])
             return
-        for spans, continues in _groups(_spans(metadata), self.kv_cache[-1]):
+        for spans, flags in _groups(metadata, self.kv_cache[-1]):
             tokens, real = _left_padded(spans, hidden_states.device)  # (B, T) token rows, real ones
             mask = None if bool(real.all()) else real
             slots = [slot for _, _, slot, _ in spans]
-            state, history = unpack(self.layout, self.kv_cache, slots) if continues else (None, None)
+            state, history = unpack(self.layout, self.kv_cache, slots, flags) if flags else (None, None)
             cos_b = torch.where(real[..., None], cos[tokens], 1.0)  # padding: position 0's rotation
             sin_b = torch.where(real[..., None], sin[tokens], 0.0)
             out, state, history = self.mixer.mix(hidden_states[tokens] * real[..., None], (cos_b, sin_b), mask,
@@ -142,16 +142,10 @@ class StateLayer(MambaBase, nn.Module):
             output[tokens[real]] = out[real]
 
 
-_last_spans: tuple = (None, None)  # (metadata, its spans): every state layer of a step reads the same metadata
-
-
 def _spans(metadata) -> list[tuple[int, int, int, bool]]:
     """(first token, end, state slot, continues a state) of each sequence, in vLLM's token order: the decodes (one
     token each; a one-token prompt is one too, with nothing computed before it), then the prefills (a prompt, or
-    a chunk of one). Read from the metadata once a step, not once a layer."""
-    global _last_spans
-    if _last_spans[0] is metadata:
-        return _last_spans[1]
+    a chunk of one)."""
     spans = []
     if metadata.num_decodes:
         slots = metadata.state_indices_tensor_d
@@ -166,21 +160,31 @@ def _spans(metadata) -> list[tuple[int, int, int, bool]]:
         continues = metadata.has_initial_states_p[:metadata.num_prefills].tolist()
         spans += [(offset + starts[i], offset + starts[i + 1], slots[i], bool(continues[i]))
                   for i in range(metadata.num_prefills)]
-    _last_spans = (metadata, spans)
     return spans
 
 
-def _groups(spans, flags) -> list[tuple[list, bool]]:
-    """The spans as ``mix`` calls: every new sequence in one left-padded call (padding before a sequence's first
-    token is how ``generate`` batches prompts, and leaves each state as its own call would), and the ones that
-    continue a state by length and by their state's parts (``flags``: the slots' presence flags; padding inside a
-    sequence would take a window's places)."""
+_last_groups: tuple = (None, None)  # (metadata, its groups): every state layer of a step makes the same calls
+
+
+def _groups(metadata, flags) -> list[tuple[list, tuple | None]]:
+    """The step's sequences (``_spans``) as ``mix`` calls, each with its rows' presence flags (None: new
+    sequences): every new sequence in one left-padded call (padding before a sequence's first token is how
+    ``generate`` batches prompts, and leaves each state as its own call would), and the ones that continue a state
+    by length and by their state's parts (``flags``: the slots' presence flags; padding inside a sequence would
+    take a window's places). Worked out once a step, from the first state layer's slots: the layers of a model are
+    of one kind and see the same tokens, so their states have the same parts (one host read a step, not one a
+    layer)."""
+    global _last_groups
+    if _last_groups[0] is metadata:
+        return _last_groups[1]
+    spans = _spans(metadata)
     parts = flags[torch.tensor([slot for _, _, slot, _ in spans], device=flags.device)].tolist()  # one read
     groups = {}
     for span, part in zip(spans, parts):
         start, end, _, continues = span
-        groups.setdefault((True, end - start, tuple(part)) if continues else (False,), []).append(span)
-    return [(members, key[0]) for key, members in groups.items()]
+        groups.setdefault((end - start, tuple(part)) if continues else None, []).append(span)
+    _last_groups = (metadata, [(members, None if key is None else key[1]) for key, members in groups.items()])
+    return _last_groups[1]
 
 
 def _left_padded(spans, device):
