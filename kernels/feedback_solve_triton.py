@@ -86,7 +86,7 @@ SPIN_LIMIT = tl.constexpr(1 << 26)  # polls before a chunk's wait gives up (modu
 MAX_KEY_BLOCK = 64  # key / query block of the sweeps and the parallel backward kernels (register budget)
 # The pipeline's chunk C is at most this, whatever the caller's chunk_size (the chunked PyTorch form's memory knob,
 # ``sessa_chunk_size``, 128 by default): the solve is exact for any C, and 128-row chunks ask the forward and lam
-# kernels for 256 / 384 KiB of shared memory, more than an H100 block has (they would not launch).
+# kernels for more shared memory than an H100 block has, so they would not launch (scripts/kernel_resources.py).
 MAX_CHUNK = 64
 NUM_WARPS = 4  # untuned: tuning (and an autotune config list) needs a GPU
 # One software-pipelining stage: Triton's default of 3 buffers every tile load three deep, and the forward at the
