@@ -31,7 +31,7 @@ ACCELERATE_PRECISION = "ACCELERATE_MIXED_PRECISION"  # set by `accelerate launch
 
 def training_dtype(precision: str, device: torch.device, planned: bool = False) -> torch.dtype:
     """The dtype of the frozen weights for ``train.precision`` on ``device``; ``planned``: a device this process
-    does not have (``hf-mixers plan --device-memory``), a CUDA one then taken to have bf16."""
+    does not have (``hf-mixers distill --plan --device-memory``), a CUDA one then taken to have bf16."""
     if precision == "auto":
         launched = os.environ.get(ACCELERATE_PRECISION, "no").lower()
         if launched in TORCH_NAMES:
