@@ -19,6 +19,12 @@ from torch import nn
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 # ``HF_MIXERS_COMPILE_DECODE=0``: every token step eager, whatever ``config.compile_decode`` says
 COMPILE_DECODE_ENV = "HF_MIXERS_COMPILE_DECODE"
+
+
+def decode_compile_forbidden() -> bool:
+    """Whether the environment makes every token step eager (``HF_MIXERS_COMPILE_DECODE=0``)."""
+    return os.environ.get(COMPILE_DECODE_ENV) == "0"
+
 COMPILE_CHOICES = (False, True, *COMPILE_MODES)  # a compile switch: off, torch.compile's default mode, or a mode
 
 
@@ -119,7 +125,7 @@ class SequenceMixer(nn.Module):
         for an eager one: "auto" is eager here, and ``generate`` sets a mode for the calls it compiles
         (model/modeling.py); ``HF_MIXERS_COMPILE_DECODE=0`` is eager always."""
         mode = self.config.compile_decode
-        if mode == "auto" or os.environ.get(COMPILE_DECODE_ENV) == "0":
+        if mode == "auto" or decode_compile_forbidden():
             return None
         return "default" if mode is True else mode or None
 

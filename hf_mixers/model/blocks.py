@@ -23,7 +23,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from ..core.cache import map_tensors, tensors_of
-from ..core.mixer import COMPILE_DECODE_ENV
+from ..core.mixer import COMPILE_DECODE_ENV, decode_compile_forbidden
 from ..kernels.conventions import own_code
 from .exported_step import run_exported_step
 
@@ -259,7 +259,7 @@ def auto_decode_refusal(blocks, parameter: torch.Tensor, new_tokens: int | None,
     """Why ``compile_decode="auto"`` leaves a ``generate`` of ``new_tokens`` (None: unknown) at ``batch`` eager on
     ``blocks`` with weights like ``parameter``; None: it decodes through the compiled step."""
     mixers = [block.mixer for block in blocks if block.mixer.can_compile_decode()]
-    if os.environ.get(COMPILE_DECODE_ENV) == "0":
+    if decode_compile_forbidden():
         return f"{COMPILE_DECODE_ENV}=0"
     if not mixers:
         return "no layer has a compiled token step"

@@ -15,16 +15,16 @@ def servable_reason(config) -> str | None:
     constant-state layer (vLLM gives every state slot of a model one size)."""
     from ..core.registry import get_mixer
 
-    recurrent = set()
+    constant = set()  # the kinds of constant-state layer
     for index, kind in enumerate(config.layer_types):
         if kind in ATTENTION:
             continue
         if not get_mixer(kind).mixer_class.constant_state(config):
             return (f"layer {index} is {kind!r}, whose decode cache keeps tokens (a state that grows with the "
                     "context, or chosen past positions), not the fixed-size state a vLLM state slot holds")
-        recurrent.add(kind)
-    if len(recurrent) > 1:
-        return f"layers of {sorted(recurrent)}: vLLM gives every state layer of a model one slot size"
+        constant.add(kind)
+    if len(constant) > 1:
+        return f"layers of {sorted(constant)}: vLLM gives every state layer of a model one slot size"
     return None
 
 

@@ -114,7 +114,8 @@ def _build(template, flags, leaves, index):
     if isinstance(template, torch.Tensor):
         tensor = next(leaves)
         if tensor is None:  # a part with no elements, kept in no slot
-            return template.new_zeros((len(index), *template.shape[1:])).to(index.device) if present else None
+            return torch.zeros(len(index), *template.shape[1:], dtype=template.dtype, device=index.device) \
+                if present else None
         return tensor[index] if present else None  # advanced indexing: a copy
     if dataclasses.is_dataclass(template):
         parts = {field.name: _build(getattr(template, field.name), flags, leaves, index)

@@ -133,7 +133,7 @@ class StateLayer(MambaBase, nn.Module):
             tokens, real = _left_padded(spans, hidden_states.device)  # (B, T) token rows, real ones
             mask = None if bool(real.all()) else real
             slots = [slot for _, _, slot, _ in spans]
-            state, history = unpack(self.layout, self.kv_cache, slots, flags) if flags else (None, None)
+            state, history = (None, None) if flags is None else unpack(self.layout, self.kv_cache, slots, flags)
             cos_b = torch.where(real[..., None], cos[tokens], 1.0)  # padding: position 0's rotation
             sin_b = torch.where(real[..., None], sin[tokens], 0.0)
             out, state, history = self.mixer.mix(hidden_states[tokens] * real[..., None], (cos_b, sin_b), mask,

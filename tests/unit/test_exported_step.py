@@ -157,6 +157,21 @@ def test_a_new_dtype_is_caught_by_the_library_and_gets_its_own():
     assert exported_step.INPUT_CHECKS not in os.environ  # set for each library's first call only
 
 
+def test_a_library_checks_its_inputs_with_nothing_left_in_the_environment():
+    """AOTI_RUNTIME_CHECK_INPUTS is set only around a library's first call, yet the library keeps checking: a call
+    of its runner with inputs of another dtype is refused by the library itself (what run_exported_step relies on
+    to describe a block again)."""
+    block = toy_block()
+    inputs = toy_inputs()
+    run(block, inputs)
+    assert exported_step.INPUT_CHECKS not in os.environ
+    memo, step_tensors = exported_step._memos[block], []
+    exported_step._flatten(inputs, step_tensors)
+    wrong = [tensor.double() if tensor.is_floating_point() else tensor for tensor in step_tensors]
+    with pytest.raises(RuntimeError, match="unmatched dtype"):
+        memo.step.runner.boxed_run([*memo.tensors, *wrong])
+
+
 def test_calls_a_library_cannot_serve_fall_back():
     block = toy_block()
     inputs = toy_inputs()
