@@ -15,6 +15,7 @@ import torch
 
 from .core.registry import get_mixer, list_mixers
 from .core.window import WindowState
+from .decode.switch import has_token_step
 from .model.config import config_class
 
 TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -224,8 +225,8 @@ def _decode(model, ids, mask, prefill=5, after_step=None):
 
 def reset_compiled_steps() -> None:
     """Forget every compiled token step of this process: dynamo's graphs and counters, the exported steps' loaded
-    libraries and counts (model/exported_step.py; the libraries on disk stay)."""
-    from .model import exported_step
+    libraries and counts (decode/exported.py; the libraries on disk stay)."""
+    from .decode import exported as exported_step
 
     torch._dynamo.reset()
     exported_step.reset()
@@ -235,7 +236,7 @@ def reset_compiled_steps() -> None:
 def graphs_built() -> int:
     """Token-step graphs built since ``reset_compiled_steps``: torch.compile's and the exported steps' (each export
     is one program, whether its library was compiled or found on disk)."""
-    from .model import exported_step
+    from .decode import exported as exported_step
 
     return torch._dynamo.utils.counters["stats"]["unique_graphs"] + exported_step.counts["exported"]
 
@@ -243,7 +244,7 @@ def graphs_built() -> int:
 def check_compiled_decode(name):
     """``config.compile_decode``: each one-token step of a block around a mixer that has a compiled step (the
     recurrent mixers, GLTM, Sessa) runs as one compiled graph (torch.compile's, or on CPU for a step of fixed shapes
-    in fp32 / fp64 an exported AOTInductor library: model/exported_step.py), equal to the eager step and to one full
+    in fp32 / fp64 an exported AOTInductor library: decode/exported.py), equal to the eager step and to one full
     forward, on a left-padded batch; one graph per such mixer class, built at the first step and never rebuilt for
     the later ones, nor for steps without an attention mask (``generate``'s on a batch without padding); the teacher's
     q/k/v_proj, where the mixer keeps them, as one product (``fuse_qkv``); a local window's ring buffers written in
@@ -268,7 +269,7 @@ def check_compiled_decode(name):
                                                                                  state.valid, *state.extras)))
 
     stepped = _decode(compiled, ids, mask, after_step=after_step)
-    stepping = {type(block.mixer) for block in compiled.model.layers if block.mixer.can_compile_decode()}
+    stepping = {type(block.mixer) for block in compiled.model.layers if has_token_step(block.mixer)}
     moved = [layer for layer, places in rings.items() if len(places) > 1]
     assert not moved, f"compiled decode: layers {moved} wrote their window's ring buffers into new memory (a copy " \
         f"of the window a token, where the step writes the new token into its slot in place)"
@@ -281,7 +282,7 @@ def check_compiled_decode(name):
     assert graphs_built() == len(stepping), (
         f"compiled decode: steps without an attention mask built a graph of their own "
         f"({graphs_built()} graphs for {len(stepping)} mixer class(es))")
-    unfused = [index for index, block in enumerate(compiled.model.layers) if block.mixer.can_compile_decode()
+    unfused = [index for index, block in enumerate(compiled.model.layers) if has_token_step(block.mixer)
                and getattr(block.mixer, "fuses_qkv", lambda: False)() and not block.mixer.qkv_fused()]
     assert not unfused, f"compiled decode: layers {unfused} ran q/k/v_proj as three products, not one (fuse_qkv)"
     _close(stepped[valid], reference[valid], "compiled decode vs the eager decode", torch.float32)

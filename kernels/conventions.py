@@ -121,6 +121,10 @@ def kernel_op(module_name: str, name: str):
     return register
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+COMPILE_CHOICES = (False, True, *COMPILE_MODES)  # a compile switch: off, torch.compile's default mode, or a mode
+
+
 def own_code(function):
     """``function`` with a code object of its own, to hand torch.compile: dynamo keeps its graphs, and its limit of 8
     recompiles before it silently falls back to eager, per code object, so two compiles of one function (another

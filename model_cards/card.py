@@ -28,6 +28,7 @@ from ..common.folder import FolderError, check_model_weights
 from ..common.history import (CONVERSION_REPORT, EVAL_REPORT, FINETUNE_SUMMARY, LOSS_CURVE, TRAINING_SUMMARY,
                                blank_or)
 from ..core.registry import TEACHER_ATTENTION, get_mixer, list_mixers
+from ..decode.switch import grows, has_token_step
 from ..model.config import MixerConfig, saved_layer_types
 
 TEMPLATE = os.path.join(os.path.dirname(__file__), "template.md")
@@ -206,8 +207,8 @@ def decode_steps(config: dict, layer_types: list[str], mixers: list[str]) -> tup
             continue
         with torch.device("meta"):
             mixer = registered[kind].mixer_class(model_config, layer_types.index(kind))
-        if mixer.can_compile_decode():
-            asked_only = mixer.decode_dynamic_shapes or switched_off
+        if has_token_step(mixer):
+            asked_only = grows(mixer) or switched_off
             (on_request if asked_only else by_default).append(registered[kind].title)
     return by_default, on_request
 

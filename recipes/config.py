@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import yaml
 
+from ..kernels.conventions import COMPILE_MODES
 from .catalog import field_docs, recipe_path
 from .deepspeed_config import deepspeed_settings, merged, read_deepspeed_config
 from .optimizers import OPTIMIZERS
@@ -291,7 +292,6 @@ def releases_host_memory(train: TrainSection) -> bool:
     return bool(train.release_host_memory)
 
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def compile_mode(train: TrainSection, device: torch.device) -> str | None:

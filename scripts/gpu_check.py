@@ -185,25 +185,25 @@ def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:
     """Batch-1 decode after a 1K prompt (the dry run: 32), in one process and alternating, of the teacher (eager, and
     through a static cache replayed as a CUDA graph: ``static_teacher_step_seconds``) and its windowed RSA
     conversion (bf16; the dry run fp32) four ways: eager, its compiled step replayed as a CUDA graph a block, and
-    the whole stack as one graph (model/blocks.py ``stack_compiles_decode``), its states returned or written in
+    the whole stack as one graph (decode/engine.py ``stack_compiles_decode``), its states returned or written in
     place (``IN_PLACE_DEVICES``). Writes the medians, and why a form failed.
 
     Each form is measured as soon as it has compiled, and ``out_json`` is rewritten after every measurement: a stack
     compiles for minutes, and a step cut at its time limit (Ctrl-C, then a kill) keeps what it measured, saying
     where it was cut. A form measured in its first round only (its compile's) is listed in ``first_round_only``.
-    The dry run compiles with "aot_eager" (model/blocks.py ``COMPILE_BACKEND``): the same graphs, captured whole,
+    The dry run compiles with "aot_eager" (decode/engine.py ``COMPILE_BACKEND``): the same graphs, captured whole,
     without Inductor's C++ code, which is not what a GPU runs (~100 of the dry step's 130 s on 2 cores)."""
     import torch
     from transformers import DynamicCache
 
     from hf_mixers.common.measures import decode_step_seconds
     from hf_mixers.conversion import convert, load_teacher
-    from hf_mixers.model import blocks
+    from hf_mixers.decode import engine
 
     device = torch.device("cpu" if dry else "cuda")
     dtype, context, steps = (torch.float32, 32, 2) if dry else (torch.bfloat16, 1024, 8)
     backend = "aot_eager" if dry else "inductor"
-    settings = (blocks.COMPILE_BACKEND, blocks.STACK_DEVICES, blocks.IN_PLACE_DEVICES)  # restored at the end
+    settings = (engine.COMPILE_BACKEND, engine.STACK_DEVICES, engine.IN_PLACE_DEVICES)  # restored at the end
     teacher = load_teacher(teacher_dir)
     student, _ = convert(teacher, "rsa", mixer_options={"window": 64}, progress=False)
     models = {"teacher": teacher.model.to(device, dtype).eval(), "rsa": student.to(device, dtype).eval()}
@@ -227,14 +227,14 @@ def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:
             return static_teacher_step_seconds(model, ids.to(device), steps, warmup=2, backend=backend)
         if name == "rsa":
             model.config.compile_decode = mode
-            blocks.STACK_DEVICES, blocks.IN_PLACE_DEVICES = stack_devices, in_place_devices
+            engine.STACK_DEVICES, engine.IN_PLACE_DEVICES = stack_devices, in_place_devices
         cache = DynamicCache(config=model.config)
         model(ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
         return decode_step_seconds(model, cache, 1, steps, model.config.vocab_size, device, warmup=2)
 
     write()
     repeat, form = 0, None
-    blocks.COMPILE_BACKEND = backend
+    engine.COMPILE_BACKEND = backend
     try:
         with torch.no_grad():
             for repeat in range(3):  # the first round compiles each form's graph, then measures it at once
@@ -256,7 +256,7 @@ def decode_graphs(teacher_dir: str, out_json: str, dry: bool) -> None:
         print(f"decode graphs: cut in {report['cut']}", flush=True)
         raise SystemExit(130) from None
     finally:  # a caller in the same process (the tests) finds the blocks' settings as they were
-        blocks.COMPILE_BACKEND, blocks.STACK_DEVICES, blocks.IN_PLACE_DEVICES = settings
+        engine.COMPILE_BACKEND, engine.STACK_DEVICES, engine.IN_PLACE_DEVICES = settings
     print("decode graphs:", json.dumps(report), flush=True)
 
 

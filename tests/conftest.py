@@ -169,13 +169,13 @@ def torchrun_distill(settings, timeout=900, launcher="torchrun") -> str:
 
 
 def compile_decode_without_inductor(monkeypatch):
-    """From here on in this test, the compiled decode steps (model/blocks.py) are torch.compile'd with the "aot_eager"
+    """From here on in this test, the compiled decode steps (decode/engine.py) are torch.compile'd with the "aot_eager"
     backend: dynamo's capture (one graph, no graph break, no recompile: what the checks count) and AOTAutograd's
     functionalisation of the steps' in-place writes, without Inductor's code generation, 10-25 s of C++ compilation
     a graph on 2 cores. For the tiny variants: each mixer's base configuration compiles with Inductor."""
-    from hf_mixers.model import blocks
+    from hf_mixers.decode import engine
 
-    monkeypatch.setattr(blocks, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(engine, "COMPILE_BACKEND", "aot_eager")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from ..common.folder import check_model_weights
 from ..common.history import CONVERSION_REPORT, EVAL_REPORT, blank_or
 from ..common.measures import (compare_to_teacher, compiled_decode, decode_latency, generate_sample,
                                passkey_accuracy)
-from ..core.mixer import check_compile_decode
+from ..decode.switch import check_compile_decode
 
 DEFAULT_PROMPTS = ("Write one line of verse about the sea.", "What is the capital of France?",
                    "Explain in one sentence what a language model is.")

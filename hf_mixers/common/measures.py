@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from ..core.cache import cache_nbytes
+from ..decode.switch import has_token_step
 
 
 @torch.no_grad()
@@ -187,8 +188,8 @@ def decode_step_seconds(model, cache, batch: int, steps: int, vocab: int, device
 def compiles_decode(model) -> bool:
     """Whether any layer of ``model`` has a compiled token step (``config.compile_decode`` changes its decoding): an
     hf-mixers model with a mixer that has one."""
-    return any(getattr(getattr(layer, "mixer", None), "can_compile_decode", lambda: False)()
-               for layer in getattr(getattr(model, "model", None), "layers", ()))
+    return any(has_token_step(getattr(layer, "mixer", None)) for layer in getattr(getattr(model, "model", None),
+                                                                                  "layers", ()))
 
 
 @contextlib.contextmanager

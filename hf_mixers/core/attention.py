@@ -52,7 +52,7 @@ class FullAttention(SequenceMixer):
         # q/k/v as one matrix product in the compiled token step (fuse_qkv); None until that step first runs
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
-        self._qkv_prepared = None  # what prepare_compiled_decode last decided on (_qkv_identity)
+        self._qkv_prepared = None  # what keep_qkv_fused last decided on (_qkv_identity)
 
     # ----- q, k and v in one matrix product
     # A token step multiplies one row by three matrices; one product of their rows stacked reads the same bytes in
@@ -135,10 +135,11 @@ class FullAttention(SequenceMixer):
             identity += (type(layer), weight is not None and weight.data_ptr(), bias is not None and bias.data_ptr())
         return tuple(identity)
 
-    def prepare_compiled_decode(self) -> None:
-        """Before each compiled token step (model/blocks.py decode_compiled): q/k/v fused, or fused again if a weight
-        was replaced since (a host-side check the graph cannot make). It runs per layer and token, so the decision is
-        kept and only its inputs are compared (several times cheaper than the full ``qkv_fused`` check)."""
+    def keep_qkv_fused(self) -> None:
+        """Before each compiled token step (``TokenStep.prepare`` of the mixers built on this one): q/k/v fused, or
+        fused again if a weight was replaced since (a host-side check the graph cannot make). It runs per layer and
+        token, so the decision is kept and only its inputs are compared (several times cheaper than the full
+        ``qkv_fused`` check)."""
         identity = self._qkv_identity()
         if identity == self._qkv_prepared:
             return
@@ -178,16 +179,14 @@ class FullAttention(SequenceMixer):
                 past_key_values=None, **kwargs):
         return self.o_proj(self.attend(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs))
 
-    # The pieces of a compiled token step over a growing K/V cache (core/mixer.py): compiled with symbolic shapes,
-    # attending over the cached K/V where they lie. Sessa's step is built on them. Attention alone stays eager: its
+    # The pieces of a token step over a growing K/V cache (core/mixer.py TokenStep): attending over the cached K/V
+    # where they lie. Sessa's step is built on them. Attention alone declares no token step (it decodes eagerly): its
     # compiled block decoded slower than the eager teacher on a CPU (one SDPA call leaves little to fuse, and each
     # compiled call pays its guards).
-    decode_dynamic_shapes = True
-
-    def decode_ready(self, layer_cache) -> bool:
+    def kv_ready(self, layer_cache) -> bool:
         return layer_cache.is_initialized and layer_cache.keys.shape[-2] > 0
 
-    def decode_inputs(self, layer_cache, token_mask) -> tuple:
+    def kv_inputs(self, layer_cache, token_mask) -> tuple:
         """The token mask (B, P + 1) or None and the cached K/V (B, Hkv, P, d), as the cache holds them."""
         return token_mask, layer_cache.keys, layer_cache.values
 
@@ -196,12 +195,8 @@ class FullAttention(SequenceMixer):
         query, key, value = self.project(hidden_states, position_embeddings)
         return self.o_proj(self.attend_one(query, key, value, keys, values, token_mask)), key, value
 
-    def decode_step(self, hidden_states, position_embeddings, token_mask, keys, values):
-        output, key, value = self.attend_step(hidden_states, position_embeddings, token_mask, keys, values)
-        return output, (key, value)
-
-    def store_decode_state(self, layer_cache, state) -> None:
-        layer_cache.update(*state)
+    def store_kv(self, layer_cache, key_value) -> None:
+        layer_cache.update(*key_value)
 
     def attend_one(self, query, key, value, past_keys, past_values, token_mask=None):
         """``attend`` for one token over the cached K/V where they lie (a compiled step's: no mask tensor, no copy of

@@ -11,29 +11,11 @@ its spec's ``cache_layer``.
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
-
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
-# ``HF_MIXERS_COMPILE_DECODE=0``: every token step eager, whatever ``config.compile_decode`` says
-COMPILE_DECODE_ENV = "HF_MIXERS_COMPILE_DECODE"
-
-
-def decode_compile_forbidden() -> bool:
-    """Whether the environment makes every token step eager (``HF_MIXERS_COMPILE_DECODE=0``)."""
-    return os.environ.get(COMPILE_DECODE_ENV) == "0"
-
-COMPILE_CHOICES = (False, True, *COMPILE_MODES)  # a compile switch: off, torch.compile's default mode, or a mode
-
-
-def check_compile_decode(value, command: str) -> None:
-    """A command's ``--compile-decode`` (False, True or a ``COMPILE_MODES`` name), or a ValueError naming it."""
-    if value not in COMPILE_CHOICES:
-        raise ValueError(f"{command}: --compile-decode takes a torch.compile mode {COMPILE_MODES} or nothing, got "
-                         f"{value!r}")
-
 
 # (token mask, its version, its last column): the one a decode step's recurrent layers share (``last_token_mask``)
 _last_column: tuple = (None, None, None)
@@ -62,6 +44,33 @@ def forget_token_mask() -> None:
     _last_column = (None, None, None)
 
 
+@dataclass(frozen=True)
+class TokenStep:
+    """A mixer's one-token decode step, declared by its class (``SequenceMixer.token_step``); hf_mixers/decode runs it
+    with the block around it as one compiled graph. Each field is a function of the mixer first:
+
+        ready(mixer, layer_cache) -> bool          the cache holds what ``inputs`` reads (a prefill came first)
+        inputs(mixer, layer_cache, token_mask) -> tuple   what the step reads: tensors, tuples of them or None;
+                                                   token_mask (B, P + 1) bool or None
+        step(mixer, hidden_states (B, 1, D), position_embeddings, *inputs) -> (output (B, 1, D), new state)
+        store(mixer, layer_cache, new state)       the new state written back into the cache
+        replaced(mixer, inputs) -> tuple | None     the part of ``inputs`` the new state replaces, in its structure
+                                                   (the stack's step may then write it in place); None: never
+        prepare(mixer)                             host work before each step (the teacher's q/k/v stacked)
+
+    ``step`` is traced whole (fullgraph): no host synchronisation, no shape that depends on values. Its inputs keep
+    their shapes from token to token when the mixer's state is constant (``constant_state``); otherwise they grow
+    with the context, and the step is compiled with symbolic shapes, reading the cache where it lies. A subclass
+    that changes one function declares its own ``TokenStep`` (``dataclasses.replace`` of its parent's).
+    """
+    ready: Callable
+    inputs: Callable
+    step: Callable
+    store: Callable
+    replaced: Callable | None = None
+    prepare: Callable | None = None
+
+
 class SequenceMixer(nn.Module):
     """Subclass this, implement ``forward``, and register a ``MixerSpec`` naming the class.
 
@@ -74,10 +83,13 @@ class SequenceMixer(nn.Module):
         conversion_note: what ``from_attention`` chose, in a few words (the conversion report shows it per layer).
         auxiliary_loss(hidden_states, position_embeddings): a loss stage 1 adds to the layer's attention-transfer
             loss (None by default; VORT's retrieval loss).
+        token_step: the one-token decode step (``TokenStep``) the block may compile, or None (eager decode).
+        constant_state(config): whether the decode cache is a state of fixed size (serving, the token step's shapes).
     """
 
     teacher_modules: tuple[str, ...] = ()
     conversion_note: str = ""
+    token_step: TokenStep | None = None
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -102,67 +114,12 @@ class SequenceMixer(nn.Module):
         """An extra stage-1 training loss of this layer on the teacher's inputs (None: there is none)."""
         return None
 
-    # The compiled token step (model/blocks.py decode_compiled). A mixer that has one says so in
-    # ``can_compile_decode`` and implements the three methods below; the block then runs each one-token step of
-    # its layer, with the block's own layers around it, as one torch.compile graph.
-    # A step whose inputs grow with the context (a per-token cache read where it lies) is compiled with dynamic
-    # shapes: one graph for every length, and the cache's views passed as they are (no copy to dense strides).
-    decode_dynamic_shapes = False
-
     @classmethod
     def constant_state(cls, config) -> bool:
         """Whether this mixer's decode cache, under ``config``, is a state of fixed size that ``mix(hidden_states,
         position_embeddings, token_mask, state, history) -> (output, state, history)`` reads and returns: what a
         serving engine keeps per sequence (hf_mixers/serving). A cache that keeps tokens is not."""
         return False
-
-    def can_compile_decode(self) -> bool:
-        """Whether this mixer has a one-token step the block can compile (never by default)."""
-        return False
-
-    def decode_compile_mode(self) -> str | None:
-        """The torch.compile mode of the compiled token step (``config.compile_decode``: True is "default"), or None
-        for an eager one: "auto" is eager here, and ``generate`` sets a mode for the calls it compiles
-        (model/modeling.py); ``HF_MIXERS_COMPILE_DECODE=0`` is eager always."""
-        mode = self.config.compile_decode
-        if mode == "auto" or decode_compile_forbidden():
-            return None
-        return "default" if mode is True else mode or None
-
-    def compiles_decode(self, hidden_states, past_key_values) -> bool:
-        """Whether the block runs this step as one compiled graph: a mixer that can, ``config.compile_decode``, one
-        token, its cache already filled (a call with an empty cache, e.g. the prompt's prefill, runs eagerly)."""
-        return (self.can_compile_decode() and self.decode_compile_mode() is not None and hidden_states.shape[1] == 1
-                and past_key_values is not None and self.decode_ready(past_key_values.layers[self.layer_idx]))
-
-    def decode_ready(self, layer_cache) -> bool:
-        """Whether ``layer_cache`` holds what ``decode_inputs`` reads."""
-        raise NotImplementedError(f"{type(self).__name__} has no compiled token step")
-
-    def decode_inputs(self, layer_cache, token_mask) -> tuple:
-        """What the compiled step reads besides the block's input and the rotary embedding, from the layer's cache
-        and the token mask (B, P + 1): tensors, tuples of them or None, of shapes that do not grow with the context
-        (each shape is a graph), unless ``decode_dynamic_shapes``."""
-        raise NotImplementedError(f"{type(self).__name__} has no compiled token step")
-
-    def decode_step(self, hidden_states, position_embeddings, *inputs) -> tuple:
-        """One token (B, 1, D) and ``decode_inputs`` -> (output (B, 1, D), the new state): traced by torch.compile
-        (fullgraph), so no host synchronisation and no shape that depends on values."""
-        raise NotImplementedError(f"{type(self).__name__} has no compiled token step")
-
-    def store_decode_state(self, layer_cache, state) -> None:
-        """Write the state ``decode_step`` returned back into the layer's cache."""
-        raise NotImplementedError(f"{type(self).__name__} has no compiled token step")
-
-    def prepare_compiled_decode(self) -> None:
-        """Host-side work before each compiled token step, outside the graph (nothing by default; the teacher's
-        attention stacks q/k/v_proj into one product: core/attention.py ``fuse_qkv``)."""
-
-    def decode_state_inputs(self, inputs) -> tuple | None:
-        """The part of ``decode_inputs``'s ``inputs`` that the new state of ``decode_step`` replaces, in the same
-        structure (the compiled step may then write the new state into these tensors in place, model/blocks.py), or
-        None (never in place)."""
-        return None
 
     @classmethod
     def teacher_state(cls, attention: nn.Module, config) -> dict:
@@ -213,28 +170,26 @@ class RecurrentMixer(SequenceMixer):
     def mix(self, hidden_states, position_embeddings=None, token_mask=None, state=None, history=None):
         raise NotImplementedError(f"{type(self).__name__} must implement mix")
 
-    decode_dynamic_shapes = False  # a constant state (before FullAttention in the subclasses' order)
-
     @classmethod
     def constant_state(cls, config) -> bool:
         return True
 
-    def can_compile_decode(self) -> bool:
-        return True
-
-    def decode_ready(self, layer_cache) -> bool:
+    # The token step: this token's mask (B, 1) or None, the state and the short-conv history in; ``mix`` on them.
+    def step_ready(self, layer_cache) -> bool:
         return layer_cache.state is not None
 
-    def decode_inputs(self, layer_cache, token_mask) -> tuple:
-        """This token's mask (B, 1) or None, the state and the short-conv history."""
+    def step_inputs(self, layer_cache, token_mask) -> tuple:
         return last_token_mask(token_mask), layer_cache.state, layer_cache.conv_history
 
-    def decode_step(self, hidden_states, position_embeddings, token_mask, state, history):
+    def step(self, hidden_states, position_embeddings, token_mask, state, history):
         output, state, history = self.mix(hidden_states, position_embeddings, token_mask, state, history)
         return output, (state, history)
 
-    def decode_state_inputs(self, inputs) -> tuple:
-        return inputs[1], inputs[2]  # (state, history): what decode_step returns
-
-    def store_decode_state(self, layer_cache, state) -> None:
+    def store_step(self, layer_cache, state) -> None:
         layer_cache.update_state(state[0], 1, state[1])
+
+    def replaced_by_step(self, inputs) -> tuple:
+        return inputs[1], inputs[2]  # (state, history): what ``step`` returns
+
+    token_step = TokenStep(ready=step_ready, inputs=step_inputs, step=step, store=store_step,
+                           replaced=replaced_by_step)

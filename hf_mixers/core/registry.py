@@ -125,7 +125,6 @@ class MixerSpec:
     keep_in_fp32: tuple[str, ...] = ()
     conversion_options: dict = field(default_factory=dict)
     exact_at_init: bool = False
-    constant_state: bool = False
     limitations: tuple[str, ...] = ()
     sliding_note: str = ""
     tiny_options: dict = field(default_factory=dict)

@@ -41,6 +41,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from ..core.attention import FullAttention
 from ..core.cache import KVPlusLayer
+from ..core.mixer import TokenStep
 from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
 from ..kernels.conventions import compute_dtype, shape_constant
 from ..kernels.feedback_solve import feedback_solve, feedback_solve_sparse, sparse_solve, strict_past_softmax
@@ -266,24 +267,17 @@ class GLTMMixer(FullAttention):
                               positions)
         return self.o_proj(y.transpose(1, 2).flatten(2).to(hidden_states.dtype))  # (B, T, H d) -> (B, T, D)
 
-    # The compiled token step (model/blocks.py; ``config.compile_decode``). The evicting patterns' cache holds
-    # exactly the positions the next token reads, at most ``decode_slots`` of them, so it is kept at that many slots
+    # The token step (core/mixer.py TokenStep; ``config.compile_decode`` compiles it). The evicting patterns' cache
+    # holds exactly the positions the next token reads, at most ``decode_slots`` of them, so it is kept at that many slots
     # (empty ones have position 0) and one token is: attention over the slots and itself, the feedback read of the
     # slots, then the slots the token after it reads kept, all at shapes fixed for the whole run. The other
     # patterns' cache keeps every position and grows: their step is compiled with symbolic shapes (as Sessa's),
     # reads the cache where it lies through a mask of the positions the token reads, and appends its entry.
-    @property
-    def decode_dynamic_shapes(self) -> bool:
-        return not self.constant_state(self.config)
-
     @classmethod
     def constant_state(cls, config) -> bool:
         return config.gltm_pattern in EVICTING
 
-    def can_compile_decode(self) -> bool:
-        return True
-
-    def decode_ready(self, layer_cache) -> bool:
+    def step_ready(self, layer_cache) -> bool:
         return layer_cache.is_initialized
 
     def decode_slots(self, length: int) -> int:
@@ -291,7 +285,7 @@ class GLTMMixer(FullAttention):
         patterns (ceil(log2) for pow2_ce), w for banded and local, 1 for ssm."""
         return self.read_by(torch.tensor([[length]]), length).shape[-1]
 
-    def decode_inputs(self, layer_cache, token_mask) -> tuple:
+    def step_inputs(self, layer_cache, token_mask) -> tuple:
         """This token's 1-based position (B, 1; 0 for padding) and the cache at a fixed number of slots: K/V
         (B, Hkv, S, d), feedback keys (B, S, Hkv, d), outputs (B, S, H, d), positions (B, S). The slots cover
         every position up to ``decode_length``: the model's max_position_embeddings, or beyond it the next power of
@@ -310,9 +304,8 @@ class GLTMMixer(FullAttention):
         return (position, layer_cache.keys, layer_cache.values, layer_cache.feedback_keys, layer_cache.outputs,
                 layer_cache.positions)
 
-    def decode_step(self, hidden_states, position_embeddings, position, keys, values, feedback_keys, outputs,
-                    slots):
-        """``forward`` for one token on the cache (``decode_inputs``: fixed slots, or every position so far): the
+    def step(self, hidden_states, position_embeddings, position, keys, values, feedback_keys, outputs, slots):
+        """``forward`` for one token on the cache (``step_inputs``: fixed slots, or every position so far): the
         same math, no lookup table, no host synchronisation."""
         batch, groups, kv_heads = hidden_states.shape[0], self.num_key_value_groups, self.num_key_value_heads
         cd = compute_dtype(hidden_states.dtype)
@@ -374,12 +367,12 @@ class GLTMMixer(FullAttention):
         return (_entries(keys, 2, index), _entries(values, 2, index), _entries(feedback_keys, 1, index),
                 _entries(outputs, 1, index), torch.where(found, needed, 0))
 
-    def decode_state_inputs(self, inputs):
+    def replaced_by_step(self, inputs):
         """The fixed slots the evicting patterns' step rewrites (K/V, feedback keys, outputs, positions); a growing
         cache appends instead."""
         return inputs[1:] if self.pattern in EVICTING else None
 
-    def store_decode_state(self, layer_cache, state) -> None:
+    def store_step(self, layer_cache, state) -> None:
         if self.pattern in EVICTING:
             layer_cache.keys, layer_cache.values, layer_cache.feedback_keys, layer_cache.outputs, \
                 layer_cache.positions = state
@@ -387,6 +380,9 @@ class GLTMMixer(FullAttention):
             layer_cache.update(*state[:2])
             layer_cache.append_extras(*state[2:])
         layer_cache.seen_tokens += 1
+
+    token_step = TokenStep(ready=step_ready, inputs=step_inputs, step=step, store=store_step,
+                           replaced=replaced_by_step, prepare=FullAttention.keep_qkv_fused)
 
     def mix(self, hidden_states, position_embeddings=None, token_mask=None, state=None, history=None):
         """``forward`` on an evicting pattern's cache held as a constant state (``constant_state``; what a serving

@@ -25,11 +25,11 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..core.attention import FullAttention
 from ..core.cache import RecurrentStateLayer
-from ..core.mixer import COMPILE_CHOICES, RecurrentMixer
+from ..core.mixer import RecurrentMixer
 from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
 from ..core.short_conv import causal_conv
 from ..core.window import WindowState, window_option, windowed
-from ..kernels.conventions import compute_dtype
+from ..kernels.conventions import COMPILE_CHOICES, compute_dtype
 from ..kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, refresh_references, rsa_memory
 
 logger = logging.getLogger(__name__)
@@ -199,17 +199,19 @@ class RSAMixer(RecurrentMixer, FullAttention):
                                       refresh_in_step=refresh_in_step)
         return self.o_proj(out), state, conv_history
 
-    # The compiled token step on CPU leaves the references' refresh (at one token in C) to ``store_decode_state``,
+    # The compiled token step on CPU leaves the references' refresh (at one token in C) to ``store_step``,
     # eagerly, where a host check costs nothing: in the graph they were recomputed and rewritten every token, which
     # measured slower. On CUDA they stay in the graph (no host synchronisation inside a CUDA graph).
-    def decode_step(self, hidden_states, position_embeddings, token_mask, state, history):
+    def step(self, hidden_states, position_embeddings, token_mask, state, history):
         output, state, history = self.mix(hidden_states, position_embeddings, token_mask, state, history,
                                           refresh_in_step=hidden_states.device.type != "cpu")
         return output, (state, history)
 
-    def store_decode_state(self, layer_cache, state) -> None:
+    def store_step(self, layer_cache, state) -> None:
         memory, history = state
-        super().store_decode_state(layer_cache, (self.references_refreshed(memory), history))
+        RecurrentMixer.store_step(self, layer_cache, (self.references_refreshed(memory), history))
+
+    token_step = replace(RecurrentMixer.token_step, step=step, store=store_step, prepare=FullAttention.keep_qkv_fused)
 
     def references_refreshed(self, state):
         """``state`` (an RSAState, or a WindowState around one) with the references of the CPU rows whose count has
@@ -224,11 +226,6 @@ class RSAMixer(RecurrentMixer, FullAttention):
         rows = (memory.count % self.config.rsa_chunk_size == 0) & (memory.count > 0)
         memory = refresh_references(memory, self.memory_params(memory.mass.dtype), rows)
         return replace(state, memory=memory) if isinstance(state, WindowState) else memory
-
-    def decode_compile_mode(self) -> str | None:
-        """``config.compile_decode``'s mode, or "default" with ``rsa_compile_decode`` (the RSA-only switch came
-        first)."""
-        return super().decode_compile_mode() or ("default" if self.config.rsa_compile_decode else None)
 
     def init_new_parameters(self):
         """Conversion init: the scratch init, then W_r = I at level 0 and 0 below (deeper levels silent),
@@ -364,12 +361,10 @@ RSA = register_mixer(MixerSpec(
         MixerOption("rsa_memory_rope", True, "RoPE on the memory's queries and keys (False: only the window's are "
                     "rotated; the memory's slot assignments then do not depend on absolute positions, which it "
                     "would otherwise meet untrained past its training length)", boolean),
-        MixerOption("rsa_compile_decode", False, "run each one-token decode step of an RSA block as one "
-                    "compiled graph (about 2x faster per token on CPU, where it is an AOTInductor library: 15-25 s "
-                    "to build once per machine; 5-20 s to compile elsewhere); the model-wide compile_decode does "
-                    "this for every recurrent mixer", boolean),
+        MixerOption("rsa_compile_decode", False, "the older name of compile_decode = True: every one-token decode "
+                    "step of a block around a mixer that has one runs as one compiled graph", boolean),
     ),
-    derived_defaults=_derived_defaults, validate=_validate, cache_layer=RSACacheLayer, constant_state=True,
+    derived_defaults=_derived_defaults, validate=_validate, cache_layer=RSACacheLayer,
     conversion_options={"rsa_readout": "softmax_count"},  # count-aware softmax: the layer starts as cluster attention
     limitations=("RSA layers keep a fixed number of memory slots: exact recall of long-past tokens is lossy by "
                  "design, in exchange for a decoding state that does not grow with the context.",),

@@ -402,7 +402,7 @@ SELECTIVE_SSM = register_mixer(MixerSpec(
                     positive_int),
         window_option("selective_ssm"),
     ),
-    derived_defaults=_derived_defaults, validate=_validate, cache_layer=SelectiveSSMCacheLayer, constant_state=True,
+    derived_defaults=_derived_defaults, validate=_validate, cache_layer=SelectiveSSMCacheLayer,
     keep_in_fp32=("A_log",),
     # identity conv: the projections pass through; the output norm, started at the teacher's scale, for every variant
     conversion_options={"selective_ssm_conv_mode": "independent", "selective_ssm_conv_activation": "identity",

@@ -25,6 +25,7 @@ from transformers import initialization as init
 
 from ..core.attention import FullAttention
 from ..core.cache import KVPlusLayer
+from ..core.mixer import TokenStep
 from ..core.registry import (MixerOption, MixerSpec, boolean, number, one_of, open_unit_interval, positive_int,
                              register_mixer)
 from ..kernels.conventions import compute_dtype
@@ -114,20 +115,17 @@ class SessaMixer(FullAttention):
                            past_k=fold(past_keys), past_s=fold(past_outputs), **options)
         return s.unflatten(0, (-1, heads)).transpose(1, 2).flatten(2)
 
-    # The compiled token step (core/mixer.py, model/blocks.py): like its attention's, compiled with symbolic shapes,
-    # the cached K/V, feedback keys and outputs read where they lie.
-    def can_compile_decode(self) -> bool:
-        return True
+    # The token step (core/mixer.py TokenStep): over a cache that grows (compiled with symbolic shapes), the cached
+    # K/V, feedback keys and outputs read where they lie.
+    def step_ready(self, layer_cache) -> bool:
+        return self.kv_ready(layer_cache) and layer_cache.outputs is not None
 
-    def decode_ready(self, layer_cache) -> bool:
-        return super().decode_ready(layer_cache) and layer_cache.outputs is not None
-
-    def decode_inputs(self, layer_cache, token_mask) -> tuple:
+    def step_inputs(self, layer_cache, token_mask) -> tuple:
         """The token mask (B, P + 1) or None, the cached K/V (B, Hkv, P, d), feedback keys (B, P, d_fb) and outputs
         (B, P, D): views of the cache's buffers, never copied."""
-        return (*super().decode_inputs(layer_cache, token_mask), layer_cache.feedback_keys, layer_cache.outputs)
+        return (*self.kv_inputs(layer_cache, token_mask), layer_cache.feedback_keys, layer_cache.outputs)
 
-    def decode_step(self, hidden_states, position_embeddings, token_mask, keys, values, feedback_keys, outputs):
+    def step(self, hidden_states, position_embeddings, token_mask, keys, values, feedback_keys, outputs):
         """``forward`` for one token (B, 1, D) after P cached ones: attention over the cache and the token, then
         s = f + gamma * sum_j alpha_j s_j over the P cached outputs (the solve of one new row). -> (the layer's
         output, (K, V, feedback key, s) to append)."""
@@ -150,9 +148,12 @@ class SessaMixer(FullAttention):
         cached = s.to(f.dtype) if self.outputs_in_activation_dtype else s
         return s.to(f.dtype), (key, value, feedback_key, cached)
 
-    def store_decode_state(self, layer_cache, state) -> None:
-        super().store_decode_state(layer_cache, state[:2])
+    def store_step(self, layer_cache, state) -> None:
+        self.store_kv(layer_cache, state[:2])
         layer_cache.append_extras(*state[2:])
+
+    token_step = TokenStep(ready=step_ready, inputs=step_inputs, step=step, store=store_step,
+                           prepare=FullAttention.keep_qkv_fused)
 
 
 class SessaCacheLayer(KVPlusLayer):

@@ -24,6 +24,7 @@ on sequences no longer than the window the layer is its teacher.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -256,6 +257,9 @@ class VORTMixer(RecurrentMixer, FullAttention):
                                   gate=gate, combine=combine, backend=self.config.kernel_backend)
         out = out.flatten(1, 2).transpose(1, 2).reshape(batch, length, -1)  # (B, T, H * d)
         return self.o_proj(out.to(hidden_states.dtype)), state, history
+
+    # the token step: the recurrent one, with the teacher's q/k/v stacked into one product before it
+    token_step = replace(RecurrentMixer.token_step, prepare=FullAttention.keep_qkv_fused)
 
     # ----- the definition, for tests: one quadratic pass, no cache, no chunks, no delayed writes
 
@@ -490,7 +494,7 @@ VORT = register_mixer(MixerSpec(
         MixerOption("vort_chunk_size", 64, "chunk length of the chunked global branch (training, prefill)",
                     positive_int),
     ),
-    derived_defaults=_derived_defaults, validate=_validate, cache_layer=VORTCacheLayer, constant_state=True,
+    derived_defaults=_derived_defaults, validate=_validate, cache_layer=VORTCacheLayer,
     # Hedgehog, not FAVOR+, for conversion: nearer the teacher at init (docs/benchmarks.md, "VORT"), and stage 1
     # has a feature map to train
     conversion_options={"vort_alpha_init": 0.95, "vort_combine": "shared_normalizer", "vort_global_rope": True,

@@ -21,8 +21,8 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 from ..mixers import MIXERS  # noqa: F401  (importing registers the built-in mixers)
-from ..core.mixer import COMPILE_MODES
 from ..core.registry import get_mixer, list_mixers, on_register
+from ..kernels.conventions import COMPILE_MODES
 from ..kernels.dispatch import BACKENDS as KERNEL_BACKENDS
 
 BLOCK_TYPES = ("llama", "sessa")  # llama: norm-mixer-norm-MLP; sessa: the Sessa paper's gated block, no MLP
@@ -41,12 +41,12 @@ class MixerConfig(PreTrainedConfig):
         environment variable HF_MIXERS_BACKEND overrides it (kernels/dispatch.py).
     compile_decode: run each one-token decode step of a block around a mixer that has a compiled step (RSA, the
         selective SSMs, VORT: every ``RecurrentMixer``; GLTM's evicting patterns; Sessa, with symbolic shapes) as
-        one compiled graph, shared by every such block (model/blocks.py). On CPU a step of fixed shapes in fp32 is
-        an AOTInductor library (model/exported_step.py; built once per machine, kept in
+        one compiled graph, shared by every such block (hf_mixers/decode). On CPU a step of fixed shapes in fp32 is
+        an AOTInductor library (decode/exported.py; built once per machine, kept in
         $HF_MIXERS_CACHE/compiled-steps; HF_MIXERS_EXPORTED_STEP=0 keeps torch.compile's), elsewhere torch.compile's
         step (compiled in each process).
         "auto" (the default): ``generate`` takes the compiled step where it was measured faster than the eager one
-        (model/blocks.py ``auto_decode_refusal``: CPU, fp32, constant-size states, long enough generations), and
+        (decode/engine.py ``auto_decode_refusal``: CPU, fp32, constant-size states, long enough generations), and
         every other call is eager. True (torch.compile's default mode) or a mode name from ``COMPILE_MODES``: every
         token step of such a block, in that mode; "reduce-overhead" replays the step as a CUDA graph on CUDA, and
         where every layer's step has fixed shapes the whole stack of blocks is one graph. False: eager.

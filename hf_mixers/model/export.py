@@ -23,7 +23,8 @@ ENTRY_POINTS = ("model.config", "model.modeling")  # what config.auto_map names
 # flat names transformers users expect for the entry points; every other module is saved under its own last name
 FLAT_ENTRY_NAMES = {"model.config": "configuration_hf_mixers", "model.modeling": "modeling_hf_mixers"}
 REGISTRATION_LIST = "mixers"  # hf_mixers/mixers/__init__.py: generated in a saved folder
-SHIPPED = ("core", "mixers", "model", "kernels")  # what a saved folder may hold; never common/, apps/, recipes/...
+# a saved folder's possible files; never common/, apps/, recipes/...
+SHIPPED = ("core", "mixers", "model", "kernels", "decode")
 EXTERNAL = "ext:"  # key prefix of a module outside hf_mixers (a user's mixer), by its absolute name
 IN_PACKAGE = __package__.split(".")[0] == "hf_mixers"  # False inside a remote-code folder (already flat)
 

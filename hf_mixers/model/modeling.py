@@ -26,10 +26,12 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from ..core.mixer import COMPILE_MODES, SequenceMixer, forget_token_mask
+from ..core.mixer import SequenceMixer, forget_token_mask
 from ..core.registry import get_mixer, on_register
-from .blocks import (BLOCK_CLASSES, LlamaBlock, SessaBlock, announce_auto_decode, auto_decode_refusal, decode_compiled,
-                     stack_compiles_decode)
+from ..decode.engine import announce_auto_decode, auto_decode_refusal, decode_compiled, stack_compiles_decode
+from ..decode.switch import compiles, has_token_step
+from ..kernels.conventions import COMPILE_MODES
+from .blocks import BLOCK_CLASSES, LlamaBlock, SessaBlock
 from .config import MixerConfig, config_class
 from .export import remote_auto_map, write_remote_code
 
@@ -118,7 +120,7 @@ class MixerModel(MixerPreTrainedModel):
                     f"attention_mask has shape {tuple(attention_mask.shape)} but expected "
                     f"{(inputs_embeds.shape[0], past + length)}: {past} cached + {length} new tokens")
             token_mask = attention_mask.bool()
-        elif length == 1 and past and any(block.mixer.compiles_decode(inputs_embeds, past_key_values)
+        elif length == 1 and past and any(compiles(block.mixer, inputs_embeds, past_key_values)
                                           for block in self.layers):
             # generate drops a mask of all ones (no padding): with one, and so positions per row, a compiled step
             # runs the graph that a padded batch's steps build instead of compiling a second one
@@ -136,9 +138,11 @@ class MixerModel(MixerPreTrainedModel):
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         capturing = kwargs.get("output_hidden_states", self.config.output_hidden_states)
+        stacked = None  # the whole stack's compiled step, where it runs (None: block by block)
         if stack_compiles_decode(self.layers, hidden_states, past_key_values, capturing):
-            hidden_states = decode_compiled(self.layers, hidden_states, position_embeddings, token_mask,
-                                            past_key_values)
+            stacked = decode_compiled(self.layers, hidden_states, position_embeddings, token_mask, past_key_values)
+        if stacked is not None:
+            hidden_states = stacked
         else:
             for layer, mask_kind in zip(self.layers, self.layer_masks):
                 hidden_states = layer(hidden_states, position_embeddings=position_embeddings,
@@ -180,13 +184,13 @@ class MixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         """Whether this ``generate`` decodes through compiled steps: compiling is not disabled, and a ``compile_config``
         was given (on any device: the compiled step runs on CPU too) and a layer has a compiled token step, or
-        ``config.compile_decode`` is "auto" and model/blocks.py ``auto_decode_refusal`` finds none. transformers' own
+        ``config.compile_decode`` is "auto" and decode/engine.py ``auto_decode_refusal`` finds none. transformers' own
         criteria (a GPU and a fixed-size cache, or ``_compile_all_devices``) are for its whole-forward compile, which
         never applies to this model's caches."""
         if generation_config.disable_compile:
             return False
         if generation_config.compile_config is not None:
-            return any(block.mixer.can_compile_decode() for block in self.model.layers)
+            return any(has_token_step(block.mixer) for block in self.model.layers)
         if self.config.compile_decode != "auto":  # True or a mode: every step compiles anyway; False: none
             return False
         batch, prompt = _prompt_shape(model_kwargs)

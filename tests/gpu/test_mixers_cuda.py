@@ -113,16 +113,16 @@ def test_compiled_decode_equals_eager(mode, name, monkeypatch, record):
     """compile_decode: the torch.compile'd step equals the eager step on the device; "reduce-overhead" replays it as
     a CUDA graph (RSA's two layers as one graph for the stack; Sessa's step, of growing shapes, runs compiled without
     one, block by block); "states in place": the stack writes its states into the cache's tensors at static
-    addresses (model/blocks.py ``IN_PLACE_DEVICES``, off by default)."""
+    addresses (decode/engine.py ``IN_PLACE_DEVICES``, off by default)."""
     if mode != "default" and DEVICE.type != "cuda":
         pytest.skip("CUDA graphs need CUDA")
-    from hf_mixers.model import blocks
+    from hf_mixers.decode import engine
 
     torch._dynamo.reset()
-    monkeypatch.setattr(blocks, "_compiled_steps", {})
+    monkeypatch.setattr(engine, "_compiled_steps", {})
     if mode.endswith("in place"):
-        monkeypatch.setattr(blocks, "IN_PLACE_DEVICES", ("cuda",))
-        monkeypatch.setattr(blocks, "_fixed_points", set())
+        monkeypatch.setattr(engine, "IN_PLACE_DEVICES", ("cuda",))
+        monkeypatch.setattr(engine, "_fixed_points", set())
     options = COMPILED_STEPS[name]
     _, eager = _pair(name, **options)
     compiled = tiny_model(name, dtype=torch.float32, compile_decode=mode.split(",")[0], **options).to(DEVICE)

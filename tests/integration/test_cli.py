@@ -454,12 +454,12 @@ def test_bench_generate_reports_what_a_compiled_step_took_to_build(tmp_path, mon
     from conftest import save_tiny_teacher
 
     from hf_mixers.apps.bench.generate import bench_generate
-    from hf_mixers.model import blocks
+    from hf_mixers.decode import engine
 
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda function, mode=None, options=None, **kwargs:
                         compile_(function, backend="eager", **kwargs))
-    monkeypatch.setattr(blocks, "_compiled_steps", {})
+    monkeypatch.setattr(engine, "_compiled_steps", {})
     teacher = str(tmp_path / "teacher")
     save_tiny_teacher(teacher)
     report = bench_generate(str(tmp_path / "bench"), teacher=teacher, mixers=["selective_ssm"], batch_sizes=(1, 2),

@@ -1,4 +1,4 @@
-"""model/exported_step.py: a block's token step as an AOTInductor library, on a toy block (each library is a real
+"""decode/exported.py: a block's token step as an AOTInductor library, on a toy block (each library is a real
 build, ~5-10 s here: a module-wide cache folder keeps them for the tests that follow)."""
 
 import logging
@@ -11,7 +11,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from hf_mixers.core.cache import map_tensors
-from hf_mixers.model import exported_step
+from hf_mixers.decode import exported as exported_step
 
 
 class ToyMixer(nn.Module):
@@ -197,7 +197,7 @@ def test_a_step_that_cannot_be_exported_falls_back_once(caplog):
         return toy_step(block, -hidden_states, position_embeddings, inputs)
 
     block = toy_block()
-    with caplog.at_level(logging.WARNING, logger="hf_mixers.model.exported_step"):
+    with caplog.at_level(logging.WARNING, logger="hf_mixers.decode.exported"):
         assert run(block, toy_inputs(), data_dependent) is None
         assert run(block, toy_inputs(1), data_dependent) is None
     warnings = [record for record in caplog.records if "could not be compiled ahead of time" in record.message]
@@ -217,7 +217,7 @@ def test_a_library_is_checked_on_each_block_it_serves(caplog):
     first.mixer.layer_idx, second.mixer.layer_idx = 0, 1
     inputs = toy_inputs()
     assert run(first, inputs, reads_the_layer) is not None
-    with caplog.at_level(logging.WARNING, logger="hf_mixers.model.exported_step"):
+    with caplog.at_level(logging.WARNING, logger="hf_mixers.decode.exported"):
         assert run(second, inputs, reads_the_layer) is None
         assert run(second, toy_inputs(1), reads_the_layer) is None  # its memo says so: no second check
     assert sum("differs from this block's eager step" in record.message for record in caplog.records) == 1

@@ -1,5 +1,6 @@
 """Caching and generation: prefill + decode == one forward, padding invariance, generate() cached == uncached."""
 
+import logging
 import weakref
 
 import pytest
@@ -218,14 +219,14 @@ def test_compiled_decode_serves_more_batch_sizes_than_dynamos_recompile_limit(mo
     code object): every batch size gets one compiled graph (also across prefill -> decode: the conv history a
     prefill leaves is strided), and generate equals the eager model's. Dynamo's own eager backend stands in for
     inductor: the limit and the graph count are dynamo's, and it compiles in milliseconds."""
-    from hf_mixers.model import blocks
+    from hf_mixers.decode import engine
     from hf_mixers.testing import tiny_model
 
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None, options=None, **kwargs: compile_(fn, backend="eager",
                                                                                                  **kwargs))
-    monkeypatch.setattr(blocks, "_compiled_steps", {})
-    monkeypatch.setattr(blocks, "EXPORT_DEVICES", ())  # dynamo's own limits and graphs: torch.compile's step
+    monkeypatch.setattr(engine, "_compiled_steps", {})
+    monkeypatch.setattr(engine, "EXPORT_DEVICES", ())  # dynamo's own limits and graphs: torch.compile's step
     eager = tiny_model("selective_ssm", dtype=torch.float32)
     compiled = tiny_model("selective_ssm", dtype=torch.float32, compile_decode=True)
     torch._dynamo.reset()
@@ -243,14 +244,14 @@ def test_generate_without_padding_reuses_the_graph_of_masked_steps(monkeypatch):
     """transformers' generate drops an attention mask of all ones, so its steps reach the compiled step without a
     mask; given one of ones (and positions per row), they run the graph that steps with a mask built: a padded batch
     and an unpadded generate share one graph, and generate equals the eager model's tokens."""
-    from hf_mixers.model import blocks
+    from hf_mixers.decode import engine
     from hf_mixers.testing import tiny_model
 
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None, options=None, **kwargs: compile_(fn, backend="eager",
                                                                                                  **kwargs))
-    monkeypatch.setattr(blocks, "_compiled_steps", {})
-    monkeypatch.setattr(blocks, "EXPORT_DEVICES", ())  # dynamo's own limits and graphs: torch.compile's step
+    monkeypatch.setattr(engine, "_compiled_steps", {})
+    monkeypatch.setattr(engine, "EXPORT_DEVICES", ())  # dynamo's own limits and graphs: torch.compile's step
     eager = tiny_model("rsa", dtype=torch.float32)
     compiled = tiny_model("rsa", dtype=torch.float32, compile_decode=True)
     ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(0))
@@ -274,11 +275,12 @@ def test_generate_compile_config_decodes_through_the_compiled_token_step(monkeyp
     compile_config stay eager, and a mode the step cannot take is refused in words."""
     from transformers import CompileConfig
 
-    from hf_mixers.model import blocks, modeling
+    from hf_mixers.decode import engine
+    from hf_mixers.model import modeling
     from hf_mixers.testing import tiny_model
 
     compile_decode_without_inductor(monkeypatch)
-    monkeypatch.setattr(blocks, "_compiled_steps", {})
+    monkeypatch.setattr(engine, "_compiled_steps", {})
     model = tiny_model("rsa", dtype=torch.float32, compile_decode=False)
     ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -295,7 +297,7 @@ def test_generate_compile_config_decodes_through_the_compiled_token_step(monkeyp
     mode = "max-autotune-no-cudagraphs"
     assert torch.equal(generate(compile_config=CompileConfig(mode=mode)), expected)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    assert [key[3] for key in blocks._compiled_steps] == [mode] and model.config.compile_decode is False
+    assert [key[3] for key in engine._compiled_steps] == [mode] and model.config.compile_decode is False
     assert torch.equal(generate(compile_config=CompileConfig(mode=mode), disable_compile=True), expected)
     assert torch.equal(generate(), expected) and counters["stats"]["unique_graphs"] == 1  # nothing compiled again
     with pytest.raises(ValueError, match=r"compile_config=.*mode 'fast' is not a torch.compile mode"):
@@ -314,18 +316,19 @@ def test_plain_generate_decodes_through_the_compiled_step_by_default_where_it_pa
     fp32 runs its decode steps through the compiled step, with the eager model's tokens, and says so once; a shorter
     one stays eager until the step has run in the process, then takes it too; ``compile_decode = False``,
     HF_MIXERS_COMPILE_DECODE=0, a step with symbolic shapes (Sessa) and any other call than generate's are eager."""
+    from hf_mixers.decode import engine
     from hf_mixers.model import blocks
     from hf_mixers.testing import tiny_model
 
     compile_decode_without_inductor(monkeypatch)
-    monkeypatch.setattr(blocks, "_compiled_steps", {})
-    monkeypatch.setattr(blocks, "_auto_announced", set())
-    monkeypatch.setattr(blocks, "_stepped", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(engine, "_compiled_steps", {})
+    monkeypatch.setattr(engine, "_auto_announced", set())
+    monkeypatch.setattr(engine, "_stepped", weakref.WeakKeyDictionary())
     steps = []
-    compiled = blocks.decode_compiled
+    compiled = engine.decode_compiled
     monkeypatch.setattr(blocks, "decode_compiled", lambda *args: steps.append(1) or compiled(*args))
     messages = []
-    monkeypatch.setattr(blocks.logger, "warning", lambda message, *args: messages.append(message % args))
+    monkeypatch.setattr(engine.logger, "warning", lambda message, *args: messages.append(message % args))
     model = tiny_model("rsa", dtype=torch.float32)
     assert model.config.compile_decode == "auto"
     ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(0))
@@ -334,7 +337,7 @@ def test_plain_generate_decodes_through_the_compiled_step_by_default_where_it_pa
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
                               do_sample=False, pad_token_id=0)
 
-    long = blocks.AUTO_NEW_TOKENS
+    long = engine.AUTO_NEW_TOKENS
     generate(long - 1)
     assert not steps  # too short to win back the step's set-up
     got = generate(long)
@@ -362,7 +365,7 @@ def test_plain_generate_decodes_through_the_compiled_step_by_default_where_it_pa
 
 
 def test_auto_names_why_it_stays_eager():
-    from hf_mixers.model.blocks import AUTO_NEW_TOKENS, auto_decode_refusal
+    from hf_mixers.decode.engine import AUTO_NEW_TOKENS, auto_decode_refusal
     from hf_mixers.testing import tiny_model
 
     model = tiny_model("vort", dtype=torch.float32)
@@ -384,36 +387,69 @@ def test_the_cpu_step_computes_its_small_products_in_fused_loops(monkeypatch):
     (each mixer's base case compiles with Inductor)."""
     from torch._inductor.fx_passes import decompose_mem_bound_mm
 
-    from hf_mixers.model import blocks
+    from hf_mixers.decode import engine
 
     asked = []
     monkeypatch.setattr(torch, "compile", lambda function, **kwargs: asked.append(kwargs) or function)
     for device, dynamic in (("cpu", False), ("cpu", True), ("cuda", False)):
-        blocks.compile_step(blocks.block_step, device, None, dynamic)
+        engine.compile_step(engine.block_step, device, None, dynamic)
     fixed, growing, cuda = (kwargs["options"] for kwargs in asked)
     assert fixed == {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
     assert growing == {"cpp_wrapper": True} and cuda is None
-    assert decompose_mem_bound_mm.cpu_max_first_dimension_decomposition == blocks.SMALL_PRODUCT_ROWS
-    assert decompose_mem_bound_mm.cpu_max_other_dimension_decomposition == blocks.SMALL_PRODUCT_WIDTH
+    assert decompose_mem_bound_mm.cpu_max_first_dimension_decomposition == engine.SMALL_PRODUCT_ROWS
+    assert decompose_mem_bound_mm.cpu_max_other_dimension_decomposition == engine.SMALL_PRODUCT_WIDTH
 
 
-def test_compile_decode_takes_a_torch_compile_mode():
+def test_a_step_that_cannot_be_built_here_decodes_eagerly_and_says_so_once(monkeypatch, caplog):
+    """Where the compiled step cannot be built (no C++ compiler, a backend error: what a Hub user's machine may lack),
+    ``generate`` still runs, eagerly, with the eager model's tokens, and the log says why once; a failure of a step
+    that has run before is its own error and is raised."""
+    from hf_mixers.decode import engine
+    from hf_mixers.testing import tiny_model
+
+    def broken_backend(graph, example_inputs):
+        raise RuntimeError("no C++ compiler here")
+
+    for name, value in (("COMPILE_BACKEND", broken_backend), ("EXPORT_DEVICES", ()), ("_compiled_steps", {}),
+                        ("_eager_keys", set()), ("_ran", set())):
+        monkeypatch.setattr(engine, name, value)
+    eager = tiny_model("rsa", dtype=torch.float32)
+    compiled = tiny_model("rsa", dtype=torch.float32, compile_decode=True)
+    ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.WARNING, logger=engine.logger.name):
+        outputs = [model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                                  pad_token_id=0) for model in (eager, compiled, compiled)]
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+    said = [record.getMessage() for record in caplog.records if "could not be built here" in record.getMessage()]
+    assert len(said) == 1 and "RSAMixer" in said[0] and "no C++ compiler here" in said[0], said
+    assert [key[1] for key in engine._eager_keys] == [(type(compiled.model.layers[0].mixer),)]
+
+    key = next(iter(engine._eager_keys))
+    engine._eager_keys.clear()
+    engine._ran.add(key)  # a step that ran here before and now fails: not hidden behind the eager path
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="no C"):
+        compiled.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def test_compile_decode_takes_a_torch_compile_mode(monkeypatch):
     """compile_decode: true, false or one of torch.compile's modes ("reduce-overhead" is a CUDA graph on CUDA and
     the default mode on CPU, with its C++ launcher: no graph to replay there)."""
-    from hf_mixers.core.mixer import COMPILE_MODES
+    from hf_mixers.decode.switch import compile_mode
+    from hf_mixers.kernels.conventions import COMPILE_MODES
     from hf_mixers.testing import tiny_model
 
     eager = tiny_model("selective_ssm", dtype=torch.float32)
     compiled = tiny_model("selective_ssm", dtype=torch.float32, compile_decode="reduce-overhead")
-    assert compiled.model.layers[0].mixer.decode_compile_mode() == "reduce-overhead"
+    assert compile_mode(compiled.config) == "reduce-overhead"
     ids = torch.randint(3, 61, (2, 5), generator=torch.Generator().manual_seed(0))
     outputs = [model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                               pad_token_id=0) for model in (eager, compiled)]
     assert torch.equal(*outputs)
     with pytest.raises(ValueError, match=r"compile_decode must be 'auto', true, false or a torch.compile mode .*'fast"):
         tiny_model("selective_ssm", compile_decode="fast")
-    assert "default" in COMPILE_MODES and tiny_model("rsa", rsa_compile_decode=True).model.layers[0].mixer \
-        .decode_compile_mode() == "default"
+    assert "default" in COMPILE_MODES and compile_mode(tiny_model("rsa", rsa_compile_decode=True).config) == "default"
+    monkeypatch.setenv("HF_MIXERS_COMPILE_DECODE", "0")  # the environment's veto holds for the older switch too
+    assert compile_mode(tiny_model("rsa", rsa_compile_decode=True).config) is None
 
 
 def test_tensors_of_walks_what_map_tensors_meets():
@@ -473,11 +509,11 @@ def test_compiled_generate_under_inference_mode(monkeypatch):
     """``generate`` inside ``torch.inference_mode()`` (inference tensors have no version counter, which the token
     mask's shared last column is otherwise kept by) gives the eager tokens through the compiled step, a left-padded
     batch included."""
-    from hf_mixers.model import blocks
+    from hf_mixers.decode import engine
     from hf_mixers.testing import tiny_model
 
     compile_decode_without_inductor(monkeypatch)
-    monkeypatch.setattr(blocks, "_compiled_steps", {})
+    monkeypatch.setattr(engine, "_compiled_steps", {})
     model = tiny_model("rsa", dtype=torch.float32, rsa_window=3)
     ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -496,7 +532,7 @@ def test_dense_inputs_are_kept_and_strided_ones_copied():
     """The compiled step's inputs: a state whose tensors all have a new tensor's strides is passed as it is (no
     rebuild); one with a strided slice in it is rebuilt with that tensor copied dense, the others kept."""
     from hf_mixers.core.window import WindowState
-    from hf_mixers.model.blocks import _dense_all
+    from hf_mixers.decode.engine import _dense_all
 
     dense = torch.zeros(1, 2, 3)
     window = WindowState(keys=dense, values=dense + 1, valid=torch.ones(1, 3, dtype=torch.bool), extras=(),

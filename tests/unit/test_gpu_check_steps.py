@@ -61,7 +61,7 @@ def test_decode_graphs_keeps_what_it_measured_when_its_time_limit_cuts_it(gpu_ch
     import json
 
     from hf_mixers.common import measures
-    from hf_mixers.model import blocks
+    from hf_mixers.decode import engine
 
     teacher = tmp_path / "teacher"
     gpu_check.make_teacher(str(teacher), "tiny")
@@ -73,13 +73,13 @@ def test_decode_graphs_keeps_what_it_measured_when_its_time_limit_cuts_it(gpu_ch
     monkeypatch.setattr(measures, "decode_step_seconds", step_seconds)
     monkeypatch.setattr(gpu_check, "static_teacher_step_seconds", lambda *args, **kwargs: 0.005)
     out = tmp_path / "decode_graphs.json"
-    settings = (blocks.COMPILE_BACKEND, blocks.STACK_DEVICES, blocks.IN_PLACE_DEVICES)
+    settings = (engine.COMPILE_BACKEND, engine.STACK_DEVICES, engine.IN_PLACE_DEVICES)
     with pytest.raises(SystemExit) as stopped:
         gpu_check.decode_graphs(str(teacher), str(out), dry=True)
     assert stopped.value.code == 130
     # the dry run's aot_eager and each form's stack settings do not outlive the step (a later test would compile
     # through them)
-    assert (blocks.COMPILE_BACKEND, blocks.STACK_DEVICES, blocks.IN_PLACE_DEVICES) == settings
+    assert (engine.COMPILE_BACKEND, engine.STACK_DEVICES, engine.IN_PLACE_DEVICES) == settings
     report = json.loads(out.read_text())
     assert report["decode_ms"] == pytest.approx({"teacher": 10.0, "teacher, static cache + CUDA graphs": 5.0,
                                                  "rsa eager": 20.0})

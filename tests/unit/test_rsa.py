@@ -324,7 +324,7 @@ def test_a_step_replayed_into_reused_buffers_is_copied_out(monkeypatch):
     memory): stood in for on the CPU by the eager block step writing into fixed buffers. Without the copy, the
     second layer's replay would overwrite the first layer's cached state; with it, decoding equals eager."""
     from hf_mixers.core.cache import map_tensors
-    from hf_mixers.model import blocks
+    from hf_mixers.decode import engine
 
     def tensors(value) -> list:
         found = []
@@ -334,15 +334,15 @@ def test_a_step_replayed_into_reused_buffers_is_copied_out(monkeypatch):
     buffers = {}
 
     def replayed(*args):  # every call returns the same tensors, refilled, as a CUDA graph's replay does
-        outputs = blocks.block_step(*args)
+        outputs = engine.block_step(*args)
         if "out" not in buffers:
             buffers["out"] = map_tensors(outputs, torch.Tensor.clone)
         for held, fresh in zip(tensors(buffers["out"]), tensors(outputs), strict=True):
             held.copy_(fresh)
         return buffers["out"]
 
-    monkeypatch.setattr(blocks, "_compiled_steps", {})
-    monkeypatch.setattr(blocks, "compile_step", lambda function, device, mode=None, dynamic=False: (replayed, True))
+    monkeypatch.setattr(engine, "_compiled_steps", {})
+    monkeypatch.setattr(engine, "compile_step", lambda function, device, mode=None, dynamic=False: (replayed, True))
     ids = torch.randint(1, 101, (2, 10))
     mask = torch.ones_like(ids)
     options = dict(layer_types=["rsa", "rsa"], rsa_window=4)

@@ -338,7 +338,7 @@ def test_the_compiled_token_step_is_one_graph_while_the_cache_grows():
 def test_a_step_of_growing_shapes_is_never_replayed_as_a_cuda_graph():
     """A CUDA graph has fixed shapes: Sessa's compiled step would record one per context length, so its
     "reduce-overhead" runs compiled without one (RSA's, of fixed shapes, replays one)."""
-    from hf_mixers.model.blocks import block_step, compile_step
+    from hf_mixers.decode.engine import block_step, compile_step
 
     assert compile_step(block_step, "cuda", "reduce-overhead", dynamic=True)[1] is False
     assert compile_step(block_step, "cuda", "reduce-overhead")[1] is True

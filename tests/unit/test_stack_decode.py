@@ -1,4 +1,4 @@
-"""The whole stack's token step as one compiled graph (model/blocks.py ``stack_compiles_decode``): taken on CUDA when
+"""The whole stack's token step as one compiled graph (decode/engine.py ``stack_compiles_decode``): taken on CUDA when
 every layer has a compiled step of fixed shapes and the mode replays CUDA graphs, equal to the eager decode and to
 one full forward, one graph for every step; every other model, and a call that must see each block, goes block by
 block. On the CPU, where the stack does not pay, these tests let it run (``STACK_DEVICES``): the same code but for
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_mixers.core.cache import map_tensors
-from hf_mixers.model import blocks
+from hf_mixers.decode import engine
 from hf_mixers.testing import HYBRID, _decode, _inputs, _logits, tiny_config
 
 STATIC = ["rsa", "vort", "selective_ssm", "gltm"]  # every mixer whose compiled step has fixed shapes
@@ -17,7 +17,7 @@ STACKED = ["rsa", "vort"]  # the stacks Inductor compiles here
 
 @pytest.fixture(autouse=True)
 def stack_on_cpu(monkeypatch):
-    monkeypatch.setattr(blocks, "STACK_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(engine, "STACK_DEVICES", ("cuda", "cpu"))
 
 
 def mixed_model(layer_types, dtype=torch.float64, seed=0, **overrides):
@@ -60,8 +60,8 @@ def compiled_functions(monkeypatch):
         return compile_(function, backend="eager", **kwargs)
 
     monkeypatch.setattr(torch, "compile", compile_eagerly)
-    monkeypatch.setattr(blocks, "_compiled_steps", {})
-    monkeypatch.setattr(blocks, "EXPORT_DEVICES", ())  # which function torch.compile gets: no exported step
+    monkeypatch.setattr(engine, "_compiled_steps", {})
+    monkeypatch.setattr(engine, "EXPORT_DEVICES", ())  # which function torch.compile gets: no exported step
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     return names
@@ -78,7 +78,7 @@ def test_the_stack_compiles_as_one_graph_equal_to_eager_and_one_forward():
     stepped = _decode(compiled, ids, mask)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert [key[1] for key in blocks._compiled_steps if len(key[1]) == len(layer_types)], "the stack did not compile"
+    assert [key[1] for key in engine._compiled_steps if len(key[1]) == len(layer_types)], "the stack did not compile"
     assert_equal_to_eager(stepped, full, reference, mask)
 
 
@@ -150,7 +150,7 @@ def test_a_stack_replayed_into_reused_buffers_is_copied_out(monkeypatch):
     wrote, and decoding equals eager."""
 
     def addresses(value) -> set:
-        return {tensor.data_ptr() for tensor in blocks._leaves(value) if tensor.numel()}
+        return {tensor.data_ptr() for tensor in engine._leaves(value) if tensor.numel()}
 
     def replayed(function):
         buffers = {}
@@ -161,45 +161,49 @@ def test_a_stack_replayed_into_reused_buffers_is_copied_out(monkeypatch):
             outputs = function(*args)
             if "out" not in buffers:
                 buffers["out"] = map_tensors(outputs, torch.Tensor.clone)
-            for held, fresh in zip(blocks._leaves(buffers["out"]), blocks._leaves(outputs), strict=True):
+            for held, fresh in zip(engine._leaves(buffers["out"]), engine._leaves(outputs), strict=True):
                 held.copy_(fresh)
             return buffers["out"]
 
         return replay
 
-    monkeypatch.setattr(blocks, "_compiled_steps", {})
-    monkeypatch.setattr(blocks, "compile_step",
+    monkeypatch.setattr(engine, "_compiled_steps", {})
+    monkeypatch.setattr(engine, "compile_step",
                         lambda function, device, mode=None, dynamic=False: (replayed(function), True))
     eager = mixed_model(STATIC, dtype=torch.float32)
     stepped = mixed_model(STATIC, dtype=torch.float32, compile_decode="reduce-overhead")
     ids, mask = _inputs()
     torch.testing.assert_close(_decode(stepped, ids, mask), _decode(eager, ids, mask), rtol=1e-5, atol=1e-6)
-    assert [len(key[1]) for key in blocks._compiled_steps] == [len(STATIC)]
+    assert [len(key[1]) for key in engine._compiled_steps] == [len(STATIC)]
 
 
 def test_off_cuda_the_stack_is_not_taken(monkeypatch, compiled_functions):
     """Without a CUDA graph to replay, the whole stack does not pay (its kernels launched from Python): a CPU model
     compiles block by block, "reduce-overhead" there being the default mode (with the C++ launcher)."""
-    monkeypatch.setattr(blocks, "STACK_DEVICES", ("cuda",))
+    monkeypatch.setattr(engine, "STACK_DEVICES", ("cuda",))
     compiled = mixed_model(["rsa", "vort"], dtype=torch.float32, compile_decode="reduce-overhead")
     _decode(compiled, *_inputs())
     assert compiled_functions == ["block_step", "block_step"]
-    assert not blocks.compile_step(blocks.block_step, "cpu", "reduce-overhead")[1]
+    assert not engine.compile_step(engine.block_step, "cpu", "reduce-overhead")[1]
 
 
 @pytest.fixture
 def in_place(monkeypatch):
-    monkeypatch.setattr(blocks, "IN_PLACE_DEVICES", ("cpu",))
-    monkeypatch.setattr(blocks, "_fixed_points", set())
+    monkeypatch.setattr(engine, "IN_PLACE_DEVICES", ("cpu",))
+    monkeypatch.setattr(engine, "_fixed_points", set())
 
 
 def _state_pointers(model, cache, layer_types) -> list:
-    """Where each layer's state tensors (``decode_state_inputs``) are; not RSA's, which on a CPU refreshes its
+    """Where each layer's state tensors (``TokenStep.replaced``) are; not RSA's, which on a CPU refreshes its
     references on the host after the graph (``RSAMixer.references_refreshed``: new tensors at each chunk boundary; in
     the graph on CUDA)."""
-    return [tensor.data_ptr() for block, layer, kind in zip(model.model.layers, cache.layers, layer_types)
-            if kind != "rsa"
-            for tensor in blocks._leaves(block.mixer.decode_state_inputs(block.mixer.decode_inputs(layer, None)))]
+    pointers = []
+    for block, layer, kind in zip(model.model.layers, cache.layers, layer_types):
+        step = type(block.mixer).token_step
+        if kind != "rsa":
+            pointers += [tensor.data_ptr() for tensor in
+                         engine._leaves(step.replaced(block.mixer, step.inputs(block.mixer, layer, None)))]
+    return pointers
 
 
 def test_in_place_states_equal_eager_and_keep_their_memory(in_place):

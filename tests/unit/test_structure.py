@@ -18,14 +18,15 @@ ALLOWED = {
     "kernels": set(),
     "core": {"kernels"},  # the window branch's attention is a kernel (kernels/local_attention.py)
     "tasks": set(),
+    "decode": {"core", "kernels"},  # the compiled token step: a mixer's TokenStep (core) with its block around it
     "mixers": {"core", "kernels"},
-    "model": {"core", "kernels", "mixers"},
-    "common": {"core", "kernels", "mixers", "model"},
-    "conversion": {"common", "core", "kernels", "mixers", "model"},
-    "recipes": {"conversion", "common", "core", "kernels", "mixers", "model"},
-    "model_cards": {"common", "core", "kernels", "mixers", "model"},
-    "serving": {"core", "kernels", "mixers", "model"},  # imported by vLLM (its plugin entry point), no layer here
-    "apps": {"recipes", "conversion", "model_cards", "common", "core", "kernels", "mixers", "model", "tasks",
+    "model": {"core", "kernels", "mixers", "decode"},
+    "common": {"core", "kernels", "mixers", "decode", "model"},
+    "conversion": {"common", "core", "kernels", "mixers", "decode", "model"},
+    "recipes": {"conversion", "common", "core", "kernels", "mixers", "decode", "model"},
+    "model_cards": {"common", "core", "kernels", "mixers", "decode", "model"},
+    "serving": {"core", "kernels", "mixers", "decode", "model"},  # imported by vLLM (its plugin entry point)
+    "apps": {"recipes", "conversion", "model_cards", "common", "core", "kernels", "mixers", "decode", "model", "tasks",
              "testing", "ops", "__init__"},
 }
 
@@ -112,3 +113,17 @@ def test_no_import_circles():
 
 def test_the_structure_check_sees_every_layer():
     assert {layer(name) for name in modules()} >= set(ALLOWED) and os.path.isdir(ROOT / "kernels")
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists packages by hand: a folder with an ``__init__.py`` left out works in the editable install
+    of this checkout and is missing from a built wheel."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed, folders = set(setuptools["packages"]), set()
+    for name, folder in setuptools["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / folder).parts
+            folders.add(".".join((name, *relative)))
+    assert not folders - listed, f"package folders missing from pyproject.toml's packages: {sorted(folders - listed)}"

@@ -34,7 +34,8 @@ def bench_distill(out_dir: str, source: str = "smollm2-135m", mixer: str = "rsa"
     from .harness import bench_device
     from ...conversion import convert, load_teacher
     from ...common.corpus import shakespeare, token_blocks
-    from ...recipes.config import COMPILE_MODES, DistillSection, TrainSection, compile_mode
+    from ...kernels.conventions import COMPILE_MODES
+    from ...recipes.config import DistillSection, TrainSection, compile_mode
     from ...recipes.stages import add_lora, compile_blocks, distillation_loss
 
     if min(sequence_length, batch_size, repeats) < 1:

@@ -117,7 +117,7 @@ def bench_generate(out_dir: str, teacher: str = "smollm2-135m", model_dirs=(), m
     from ...common.files import write_atomically
     from ...common.measures import generation_timing
 
-    from ...core.mixer import check_compile_decode
+    from ...decode.switch import check_compile_decode
 
     if not model_dirs and not mixers:
         raise ValueError("bench generate: name a model: MODEL_DIR arguments (saved converted models) and/or --mixer "

@@ -1,6 +1,6 @@
 """A block's CPU token step exported once and compiled ahead of time (AOTInductor), called without dynamo.
 
-torch.compile's step (model/blocks.py) runs through dynamo on every call: frame evaluation, a check of ~370 guards (the
+torch.compile's step (decode/engine.py) runs through dynamo on every call: frame evaluation, a check of ~370 guards (the
 block's modules, its config, every tensor's shape), AOTAutograd's runtime wrappers, then Inductor's graph. On a CPU that
 path costs a large share of a block call beside its graph (docs/benchmarks.md). Here the step is exported
 (``torch.export``, the block's parameters, buffers and the step's inputs all arguments, so one library serves every
