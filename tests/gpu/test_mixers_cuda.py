@@ -70,7 +70,7 @@ def test_model_on_device_equals_the_cpu_reference(name, record):
 def test_generate_on_device_equals_the_cpu_reference(name):
     reference, model = _pair(name)
     ids, mask = _inputs(length=6, pad=2)
-    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8 if not DRY else 3, do_sample=False, pad_token_id=0)
     expected = reference.generate(ids, **kwargs)
     produced = model.generate(ids.to(DEVICE), **{**kwargs, "attention_mask": mask.to(DEVICE)}).cpu()
     uncached = model.generate(ids.to(DEVICE), use_cache=False,
@@ -83,7 +83,7 @@ def test_dispatch_picks_each_fast_path_with_one_log_line(caplog, record):
     """On the device the Sessa solve and RSA's chunk read (options its kernel covers) take their Triton kernels and
     say so once; every other mixer's decisions are recorded with their reasons (a library not installed, an option a
     kernel does not cover)."""
-    ids, mask = _inputs(length=24)
+    ids, mask = _inputs(length=24 if not DRY else 12)
     runs = [("sessa", {}), ("rsa", {"rsa_decay": False, "rsa_window": 0})] + [(name, {}) for name in NAMES]
     lines = []
     for index, (name, options) in enumerate(runs):

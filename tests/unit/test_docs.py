@@ -1,5 +1,6 @@
-"""The docs stay short and their links resolve: README.md and docs/*.md (issue 69's budgets). A page that grows past
-its budget is a page that became a run log; dated runs belong in git history or docs/runs/."""
+"""The docs stay short, their links resolve and the files they name exist: README.md and docs/*.md (issue 69's
+budgets). A page that grows past its budget is a page that became a run log; dated runs belong in git history or
+docs/runs/."""
 
 import re
 from pathlib import Path
@@ -38,3 +39,24 @@ def test_every_relative_link_names_a_file_that_exists():
             if not (page.parent / path).exists():
                 missing.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not missing, "links to files that do not exist:\n" + "\n".join(missing)
+
+
+# a file named in prose: a relative path with a folder and a known extension (placeholders such as OUT/ or R.yaml,
+# written in capitals, are a reader's own files)
+NAMED_FILE = re.compile(r"(?<![\w/.$~-])((?:[\w.-]+/)+[\w.-]+\.(?:py|md|yaml|yml|json|toml|txt|cfg|sh))(?![\w/])")
+PLACEHOLDER = re.compile(r"[A-Z]+(\.\w+)*")
+
+
+def test_every_file_the_docs_name_exists():
+    """README.md and docs/ (dated run logs in docs/runs/ aside: they describe the tree as it was) name files that
+    exist: from the repository root, from hf_mixers/ (module paths such as decode/engine.py), or from the page."""
+    pages = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "runs" not in p.parts)]
+    missing = []
+    for page in pages:
+        text = re.sub(r"https?://\S+", "", page.read_text(encoding="utf-8"))
+        for name in sorted(set(NAMED_FILE.findall(text))):
+            if any(PLACEHOLDER.fullmatch(part) for part in name.split("/")):
+                continue
+            if not any((base / name).exists() for base in (ROOT, ROOT / "hf_mixers", page.parent)):
+                missing.append(f"{page.relative_to(ROOT)}: {name}")
+    assert not missing, "files the docs name that do not exist:\n" + "\n".join(missing)
