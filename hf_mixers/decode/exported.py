@@ -141,10 +141,19 @@ def _flatten(value, found: list):
     return (type(value), *(_flatten(getattr(value, name), found) for name in fields))
 
 
+def _global_hooks() -> bool:
+    """Whether a global module hook is registered. torch keeps them in private dicts of torch.nn.modules.module, with
+    no public reader; a torch without those dicts counts as having a hook (the call then goes to torch.compile, which
+    sees every hook), so a library never runs past one it cannot see."""
+    try:
+        return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+    except AttributeError:
+        return True
+
+
 def _switches() -> tuple:
     """The global state a trace reads: autograd, autocast, the default dtype, global module hooks."""
-    return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_default_dtype(),
-            bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks))
+    return torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_default_dtype(), _global_hooks()
 
 
 def _config_of(block):

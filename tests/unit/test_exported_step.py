@@ -188,6 +188,17 @@ def test_calls_a_library_cannot_serve_fall_back():
     handle.remove()
     with torch.inference_mode():  # generation under inference mode: served
         assert_equals_eager(block, toy_inputs(1), run(block, toy_inputs(1)))
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: output)
+    assert run(block, inputs) is None  # a global hook: torch.compile's step runs it
+    handle.remove()
+
+
+def test_a_torch_without_the_global_hook_registry_falls_back(monkeypatch):
+    """The global hooks are read from torch's private dicts (no public reader): where a torch version lacks them,
+    every call goes to torch.compile rather than past a hook the library cannot see."""
+    block, inputs = toy_block(), toy_inputs()
+    monkeypatch.delattr(torch.nn.modules.module, "_global_forward_hooks")
+    assert run(block, inputs) is None and exported_step.counts["exported"] == 0
 
 
 def test_a_step_that_cannot_be_exported_falls_back_once(caplog):
