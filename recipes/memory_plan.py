@@ -51,11 +51,11 @@ import torch
 
 from ..conversion.shared_weights import freed_memory_released_per_block, release_freed_memory
 from ..core.registry import TEACHER_ATTENTION, get_mixer
-from .config import Recipe, releases_host_memory, shards_the_model
+from .config import Recipe, releases_host_memory
 from .deepspeed_config import zero3_gathered, zero3_settings_with
 from .optimizers import state_bytes
 from ..common.dtypes import dtype_name
-from .precision import training_dtype
+from .run_plan import plan_run
 
 GIB = 2**30
 LOSS_TENSORS_PER_CHUNK_ROW = 5.7  # fp32 (rows, vocab) tensors alive in a chunk of the chunked loss (measured)
@@ -175,7 +175,8 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
                          os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // processes
                          if device == "cpu" and hasattr(os, "sysconf") else None)
     train = recipe.train
-    dtype = training_dtype(train.precision, torch.device(device), planned=not torch.cuda.is_available())
+    run = plan_run(recipe, torch.device(device), processes, planned=not torch.cuda.is_available())
+    dtype = run.dtype
     teacher, _ = teacher_config(recipe.model.teacher)
     if recipe.model.student:  # a converted folder: its own config says which layers are what
         from transformers import AutoConfig
@@ -188,15 +189,14 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
     counts = _parameter_counts(config, teacher, recipe)
     element = torch.finfo(dtype).bits // 8
     world, strategy = processes, train.strategy
-    sharded = shards_the_model(train)
-    partitioned = strategy in ("deepspeed", "fsdp")  # optimizer states 1/N
+    sharded, partitioned = run.shards_model, run.partitions_optimizer
     tokens = train.batch_size * recipe.data.sequence_length
     length = recipe.data.sequence_length
     blocks = _block_counts(config)
     layers = ", ".join(f"{count} {kind}" for kind, count in blocks.items())
     title = (f"memory plan: {recipe.model.teacher} -> {config.model_type} ({layers}), {train.batch_size} x {length} "
-             f"tokens per micro-batch, {strategy}" + (f" ZeRO-{train.zero_stage}" if strategy == "deepspeed" else "")
-             + f" over {world} process{'es' if world > 1 else ''}, {dtype_name(dtype)} on {device}")
+             f"tokens per micro-batch, {run.strategy} over {world} process{'es' if world > 1 else ''}, "
+             f"{dtype_name(dtype)} on {device}")
     plan = MemoryPlan(title, world, device, device_memory, dtype_name(dtype))
     for module in ("accelerate", "peft", "datasets"):  # what a run imports before it loads anything: its runtime
         importlib.import_module(module)
@@ -221,12 +221,13 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
 
     stages, shapes = [], counts["shapes"]
     # a CPU host's heap under fsdp / ZeRO-3, which gather and free each block's weights (train.release_host_memory)
-    releasing = device == "cpu" and releases_host_memory(train)
+    releasing = run.releases_host_memory
     fragmenting = sharded and device == "cpu" and RESIDENT_MEASURED and not releasing
-    if recipe.stage1.enabled and recipe.stage1.steps > 0 and not recipe.model.student:
-        stages.append(("stage 1", shapes["new"] + (shapes["qkv"] if recipe.stage1.train_qkv else [])))
-    if recipe.stage2.enabled and recipe.stage2.steps > 0:
-        stages.append(("stage 2", shapes["new"] + shapes["lora"]))
+    for stage in run.stages:  # what each trains, as the run plan says
+        if stage.name == "stage1":
+            stages.append(("stage 1", shapes["new"] + (shapes["qkv"] if recipe.stage1.train_qkv else [])))
+        elif stage.name == "stage2":
+            stages.append(("stage 2", shapes["new"] + shapes["lora"]))
     # a CPU host releasing its memory at each block reads the memory-mapped (stored in the training dtype), untied
     # embedding a batch's rows at a time, and hands them back after each lookup (recipes/stages.py released_per_block)
     looked_up = releasing and not sharded and stored == dtype and not config.tie_word_embeddings

@@ -26,7 +26,8 @@ from ..common.dtypes import dtype_name
 from ..common.history import FINETUNE_SUMMARY
 from ..conversion.teacher import stored_dtype
 from .config import Recipe
-from .precision import autocast, output_dtype, training_dtype
+from .precision import autocast, output_dtype
+from .run_plan import plan_run
 from .tracking import finish_tracking, start_tracking
 from .trainer import leaves_nothing_unless_started, run_stage
 
@@ -243,7 +244,8 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
     record = checked_recipe(recipe)
     start_tracking(processes, recipe)  # a tracker that cannot start fails here, before the weights are read
     device = processes.device
-    dtype = training_dtype(recipe.train.precision, device)
+    plan = plan_run(recipe, device, processes.world, finetune=True)
+    dtype = plan.dtype
     if student is None:  # a folder: its tokenizer first, checked before the weights are read
         folder = local_student(recipe.model.student)
         tokenizer = AutoTokenizer.from_pretrained(recipe.model.student)
@@ -267,15 +269,15 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
         before = heldout_loss(student, heldout_rows)
     model = _trainable(student, section, recipe.train.seed)
     parameters = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    train_mode(model, recipe.train, device)
+    train_mode(model, plan)
 
     def measured_so_far() -> dict:  # train.eval_every
         with autocast(dtype, device):
             return {"assistant_loss": heldout_loss(model, heldout_rows)}
 
-    with released_per_block(model, recipe.train, device):
+    with released_per_block(model, plan):
         history = run_stage("finetune", lambda batch, metrics: (assistant_loss(model, batch), {}), parameters,
-                            train_rows, steps=section.steps, train=recipe.train, lr=section.lr or recipe.train.lr,
+                            train_rows, steps=section.steps, plan=plan, lr=section.lr or recipe.train.lr,
                             out_dir=out, checkpoint_every=recipe.output.checkpoint_every,
                             log_every=recipe.output.log_every,
                             progress=progress and processes.is_main, processes=processes,
@@ -287,7 +289,7 @@ def finetune(recipe: Recipe, progress: bool = True, student=None, tokenizer=None
                "train_rows": len(train_rows), "heldout_examples": len(heldout_rows), "heldout_from": heldout_from,
                "heldout_assistant_loss_before": before, "heldout_assistant_loss_after": after,
                "steps": len(history), "seconds": time.perf_counter() - started, "model_dir": model_dir,
-               "precision": dtype_name(dtype), "saved_dtype": dtype_name(saved_dtype)}
+               "precision": dtype_name(dtype), "saved_dtype": dtype_name(saved_dtype), "run_plan": plan.describe()}
     final.to(saved_dtype)
     if processes.is_main:
         def write_history(folder):  # the distilled model's history, and this stage's summary

@@ -38,16 +38,16 @@ from ..conversion.selection import keep_by_marginal_kl
 from ..conversion.shared_weights import (freed_memory_released_per_block, release_freed_memory, share_frozen_weights,
                                          shared_bytes, unshare_weights)
 from ..common.dtypes import dtype_name
-from .precision import autocast, output_dtype, training_dtype
+from .precision import autocast, output_dtype
 from ..common.measures import compare_to_teacher
 from ..common.files import cache_folder, save_atomically, write_atomically
 from ..kernels import distill_loss as loss_from_hidden
 from ..kernels.distill_loss import IGNORE
-from .config import (Recipe, RecipeError, check_mixer_options, compile_mode, recipe_changes, releases_host_memory,
-                     selects_after_stage1)
+from .config import Recipe, RecipeError, check_mixer_options, recipe_changes, selects_after_stage1
 from .blockwise import transfer_loss
 from .data import materialise_sources, pack
 from .dataset_sources import DataBlocks, parse_sources, source_blocks
+from .run_plan import RunPlan, plan_run
 from .strategies import Sharding, check_launch, from_accelerate_config
 from .tracking import finish_tracking, start_tracking, trackers
 from .trainer import Processes, leaves_nothing_unless_started, peak_memory, run_stage
@@ -251,14 +251,14 @@ def add_lora(student, stage2, seed: int):
     return peft_model
 
 
-def train_mode(model, train, device: torch.device) -> None:
+def train_mode(model, plan: RunPlan) -> None:
     """``model.train()``, recomputing each block in the backward pass when ``train.gradient_checkpointing``
-    (non-reentrant: frozen embeddings under LoRA need no gradient on the inputs), each block compiled when
-    ``train.compile`` says so on ``device``."""
+    (non-reentrant: frozen embeddings under LoRA need no gradient on the inputs), each block compiled in the plan's
+    ``compile_mode``."""
     model.train()
-    if train.gradient_checkpointing:
+    if plan.train.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    compile_blocks(model, compile_mode(train, device))
+    compile_blocks(model, plan.compile_mode)
 
 
 COMPILE_BACKEND = "inductor"  # the tests trace with "aot_eager": no C++ build on CI's two cores
@@ -276,12 +276,12 @@ def compile_blocks(model, mode: str | None) -> None:
         block.compile(backend=COMPILE_BACKEND, dynamic=False, **options)
 
 
-def released_per_block(model, train, device: torch.device):
-    """Within it, with ``train.release_host_memory`` on a CPU host ("auto": under fsdp and deepspeed), the
-    memory each of ``model``'s decoder blocks frees goes back to the OS at the block's boundaries, and an untied input
-    embedding's memory-mapped rows after each lookup (conversion/shared_weights.py); otherwise nothing."""
-    releasing = releases_host_memory(train) and device.type == "cpu"
-    if not releasing:
+def released_per_block(model, plan: RunPlan):
+    """Within it, where the plan releases host memory (``train.release_host_memory`` on a CPU host; "auto": under
+    fsdp and deepspeed), the memory each of ``model``'s decoder blocks frees goes back to the OS at the block's
+    boundaries, and an untied input embedding's memory-mapped rows after each lookup (conversion/shared_weights.py);
+    otherwise nothing."""
+    if not plan.releases_host_memory:
         return freed_memory_released_per_block(())
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     looked_up = head is None or head.weight.data_ptr() != embedding.weight.data_ptr()  # a tied head reads it whole
@@ -346,7 +346,8 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     record = checked_recipe(recipe)
     start_tracking(processes, recipe)  # a tracker that cannot start fails here, before the teacher, data, conversion
     started = time.perf_counter()
-    dtype = training_dtype(recipe.train.precision, processes.device)
+    plan = plan_run(recipe, processes.device, processes.world)
+    dtype = plan.dtype
     loaded_here = teacher is None
     teacher, data = _teacher_and_data(recipe, processes, dtype, teacher, progress)
     student, conversion_report = _student(recipe, teacher, dtype, processes.device, student, conversion_report,
@@ -354,10 +355,10 @@ def distill(recipe: Recipe, progress: bool = True, teacher=None, student=None, c
     write_recipe(recipe, record, processes)
     evaluator = _Evaluator(recipe, teacher, data, student, dtype, processes.device)
     evaluator.evaluate("init", student)
-    student, histories = _train(recipe, processes, teacher, student, conversion_report, data.train, evaluator,
-                                dtype, progress)
+    student, histories = _train(recipe, plan, processes, teacher, student, conversion_report, data.train, evaluator,
+                                progress)
     saved_dtype = output_dtype(recipe.output.dtype, teacher.stored_dtype)
-    summary = _summary(recipe, processes, student, data, evaluator, histories, dtype, started, model_dir, saved_dtype)
+    summary = _summary(recipe, plan, processes, student, data, evaluator, histories, started, model_dir, saved_dtype)
     tokenizer = teacher.tokenizer
     if loaded_here:  # the teacher's last use is behind: its tensors go as the student's are cast for the export
         teacher = evaluator = None
@@ -456,18 +457,18 @@ class _Evaluator:
         return {name: value for name, value in measures.items() if name != "teacher_perplexity"}
 
 
-def _train(recipe: Recipe, processes: Processes, teacher, student, conversion_report, train_ids,
-           evaluator: _Evaluator, dtype, progress: bool):
+def _train(recipe: Recipe, plan: RunPlan, processes: Processes, teacher, student, conversion_report, train_ids,
+           evaluator: _Evaluator, progress: bool):
     """Stage 1 (attention transfer; under kl:K a short one on every layer, the ranking, then the rest) and stage 2
     (LoRA distillation), each evaluated after. Returns (the trained student, {stage: its history})."""
-    device = processes.device
+    device, dtype = processes.device, plan.dtype
     histories = {}
-    common = dict(blocks=train_ids, train=recipe.train, out_dir=recipe.output.dir,
+    common = dict(blocks=train_ids, plan=plan, out_dir=recipe.output.dir,
                   checkpoint_every=recipe.output.checkpoint_every, log_every=recipe.output.log_every,
                   progress=progress, processes=processes)
-    train_mode(student, recipe.train, device)
-    compile_blocks(teacher.model, compile_mode(recipe.train, device))  # its forward in each stage-2 step
-    selection_steps = recipe.stage1.selection_steps if selects_after_stage1(recipe) else 0
+    train_mode(student, plan)
+    compile_blocks(teacher.model, plan.compile_mode)  # its forward in each stage-2 step
+    selection_steps = plan.selection_steps
     # the run-wide step of each stage's first step, less one: the trackers see one increasing step
     log_offsets = {"stage1-selection": 0, "stage1": selection_steps,
                    "stage2": recipe.stage1.steps if recipe.stage1.enabled else 0}
@@ -505,8 +506,8 @@ def _train(recipe: Recipe, processes: Processes, teacher, student, conversion_re
     if recipe.stage2.enabled and recipe.stage2.steps > 0:
         peft_model = add_lora(student, recipe.stage2, recipe.train.seed)
         parameters = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
-        loss_fn, data = stage2_loss(recipe, peft_model, teacher, train_ids, processes, progress)
-        with released_per_block(peft_model, recipe.train, device):
+        loss_fn, data = stage2_loss(recipe, plan, peft_model, teacher, train_ids, processes, progress)
+        with released_per_block(peft_model, plan):
             histories["stage2"] = run_stage("stage2", loss_fn, parameters, steps=recipe.stage2.steps,
                                             lr=recipe.stage2.lr or recipe.train.lr,
                                             sharding=sharding_for(peft_model, teacher_model=teacher.model),
@@ -521,10 +522,10 @@ def _train(recipe: Recipe, processes: Processes, teacher, student, conversion_re
     return student, histories
 
 
-def _summary(recipe: Recipe, processes: Processes, student, data: DataBlocks, evaluator: _Evaluator, histories,
-             dtype, started: float, model_dir: str, saved_dtype) -> dict:
+def _summary(recipe: Recipe, plan: RunPlan, processes: Processes, student, data: DataBlocks, evaluator: _Evaluator,
+             histories, started: float, model_dir: str, saved_dtype) -> dict:
     """The run's summary: its data, the evaluations after each stage, each stage's steps, losses and tokens, time,
-    precision and each rank's peak memory (what ``--plan`` is checked against)."""
+    precision, the run plan and each rank's peak memory (what ``--plan`` is checked against)."""
     length = recipe.data.sequence_length
     return {"teacher": recipe.model.teacher, "mixer": recipe.model.mixer, "data": data.name,
             "layer_types": student.config.layer_types, "train_sequences": int(data.train.shape[0]),
@@ -536,7 +537,7 @@ def _summary(recipe: Recipe, processes: Processes, student, data: DataBlocks, ev
                               * processes.world}
                        for name, h in histories.items()},
             "seconds": time.perf_counter() - started, "model_dir": model_dir, "world_size": processes.world,
-            "precision": dtype_name(dtype), "saved_dtype": dtype_name(saved_dtype),
+            "precision": dtype_name(plan.dtype), "saved_dtype": dtype_name(saved_dtype), "run_plan": plan.describe(),
             "peak_memory_gib": processes.gather(peak_memory(processes.device))}
 
 
@@ -562,7 +563,7 @@ def _export(recipe: Recipe, processes: Processes, student, tokenizer, summary: d
     processes.barrier()
 
 
-def stage2_loss(recipe: Recipe, student, teacher, train_ids, processes: Processes, progress: bool):
+def stage2_loss(recipe: Recipe, plan: RunPlan, student, teacher, train_ids, processes: Processes, progress: bool):
     """Stage 2's loss and what ``run_stage`` draws its batches from: the teacher online (every step), or with
     ``stage2.teacher_top_k`` its cached top-k targets (computed here once, by the main process)."""
     stage2 = recipe.stage2
@@ -571,8 +572,7 @@ def stage2_loss(recipe: Recipe, student, teacher, train_ids, processes: Processe
                                  stage2.loss_chunk_rows), {}
     from .teacher_targets import cached_top_k
 
-    with processes.main_first(), autocast(training_dtype(recipe.train.precision, processes.device),
-                                          processes.device):
+    with processes.main_first(), autocast(plan.dtype, processes.device):
         targets = cached_top_k(teacher.model, train_ids, stage2.teacher_top_k, stage2.temperature,
                                recipe.model.teacher, recipe.train.batch_size, stage2.loss_chunk_rows or 512,
                                progress and processes.is_main, compute=processes.is_main)

@@ -23,8 +23,9 @@ from tqdm.auto import tqdm
 from .checkpoint import load_training_state, optimizer_state_by_index, optimizer_state_by_name, save_checkpoint
 from .deepspeed_config import deepspeed_settings, merged, read_deepspeed_config, zero3_settings
 from .optimizers import check_optimizer, make_optimizer
-from .precision import check_launch_precision, loss_scaler, training_dtype
+from .precision import check_launch_precision, loss_scaler
 from .processes import Processes
+from .run_plan import RunPlan
 
 
 @dataclass
@@ -183,12 +184,13 @@ class LocalStrategy:
     ``set_lr``, ``zero_grad``, ``backward``, ``step``, ``save``, ``load``, ``finish`` (after the last step: the
     model whole again) and ``path`` (where the checkpoint lives)."""
 
-    def __init__(self, parameters: dict, train, lr: float, processes: Processes, path: str, loss_fn,
+    def __init__(self, parameters: dict, plan: RunPlan, lr: float, processes: Processes, path: str, loss_fn,
                  sharding: Sharding | None = None, data_parallel: bool = True):
+        train = plan.train
         self.parameters, self.train, self.processes, self.path = parameters, train, processes, path
         self.loss_fn = loss_fn
         self.optimizer = make_optimizer(list(parameters.values()), train, lr)
-        self.scaler = loss_scaler(training_dtype(train.precision, processes.device), processes.device)
+        self.scaler = loss_scaler(plan.dtype, processes.device)
         self.ddp, self._micro = None, 0
         if data_parallel and processes.world > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -285,13 +287,13 @@ class FSDPStrategy(LocalStrategy):
     and backward, gradients reduce-scattered; AdamW over the sharded trainable parameters. Checkpoints: the
     trainable parameters and optimizer states gathered whole to rank 0, in the one format (``save_checkpoint``)."""
 
-    def __init__(self, parameters: dict, train, lr: float, processes: Processes, path: str, loss_fn,
+    def __init__(self, parameters: dict, plan: RunPlan, lr: float, processes: Processes, path: str, loss_fn,
                  sharding: Sharding | None = None):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor
 
-        model = _sharded_model(sharding, train)
+        model = _sharded_model(sharding, plan.train)
         scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
         if scalars:  # FSDP2 shards along dimension 0
             raise ValueError(f"train.strategy=fsdp cannot shard scalar parameters ({', '.join(scalars[:3])}"
@@ -301,7 +303,7 @@ class FSDPStrategy(LocalStrategy):
         device = processes.device
         mesh = init_device_mesh(device.type, (processes.world,))
         done, root = set(), [sharding.root] if sharding.root is not None else []
-        policy = _fsdp_precision(training_dtype(train.precision, device))
+        policy = _fsdp_precision(plan.dtype)
         for module in [*sharding.units, *sharding.blocks, *root]:  # inner units first, the root last
             if id(module) not in done:
                 done.add(id(module))
@@ -311,7 +313,7 @@ class FSDPStrategy(LocalStrategy):
         outside = sorted(name for name in parameters if not isinstance(sharded.get(name), DTensor))
         if outside:
             raise ValueError(f"train.strategy=fsdp: trainable parameters outside every sharded module: {outside[:3]}")
-        super().__init__(sharded, train, lr, processes, path, loss_fn, data_parallel=False)  # FSDP reduces
+        super().__init__(sharded, plan, lr, processes, path, loss_fn, data_parallel=False)  # FSDP reduces
         stored = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
         _report_sharding(path, processes, "fsdp", stored, sum(p.numel() for p in model.parameters()))
 
@@ -403,13 +405,13 @@ class DeepSpeedStrategy:
 
     SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")  # DynamicLossScaler's state
 
-    def __init__(self, parameters: dict, train, lr: float, processes: Processes, path: str, loss_fn,
+    def __init__(self, parameters: dict, plan: RunPlan, lr: float, processes: Processes, path: str, loss_fn,
                  sharding: Sharding | None = None):
         import deepspeed
 
+        train, dtype = plan.train, plan.dtype
         self.processes, self.parameters, self.path = processes, parameters, path
         self.zero3 = train.zero_stage == 3
-        dtype = training_dtype(train.precision, processes.device)
         self.fp16 = dtype == torch.float16
         holder = _LossModule(loss_fn)
         config = deepspeed_settings(train, lr, dtype)

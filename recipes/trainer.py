@@ -1,6 +1,6 @@
 """One training loop for every stage: deterministic data order, atomic checkpoints, exact resume, NaN stop.
 
-    history = run_stage("stage1", loss_fn, parameters, blocks, steps, train, lr, out_dir, ...)
+    history = run_stage("stage1", loss_fn, parameters, blocks, steps, plan, lr, out_dir, ...)   # plan: run_plan.py
 
 - Step s reads micro-batches from a permutation of the blocks seeded by (seed, epoch): the order depends only on
   the step, so a resumed run sees exactly the batches the interrupted one would have.
@@ -39,9 +39,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..common.files import removed_unless_started
-from .precision import autocast, fp32_masters, training_dtype
+from .precision import autocast, fp32_masters
 from .processes import Processes
 from .profiling import StepProfiler
+from .run_plan import RunPlan
 from .schedule import learning_rate
 from .strategies import STRATEGIES, Sharding
 
@@ -143,7 +144,7 @@ def leaves_nothing_unless_started(run):
     return wrapped
 
 
-def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps: int, train, lr: float,
+def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps: int, plan: RunPlan, lr: float,
               out_dir: str, checkpoint_every: int, log_every: int = 1, progress: bool = True,
               processes: Processes | None = None, tokens_per_row: int | None = None,
               sharding: Sharding | None = None, evaluate=None, log_offset: int = 0, batch_of=None) -> list[dict]:
@@ -167,10 +168,10 @@ def run_stage(stage: str, loss_fn, parameters: dict, blocks: torch.Tensor, steps
     check_checkpoint_space(path, parameters)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     device = processes.device
-    dtype = training_dtype(train.precision, device)
+    train, dtype = plan.train, plan.dtype
     if dtype != torch.float32:
         fp32_masters(parameters.values())  # the trained tensors and their AdamW states in fp32
-    optimizer = STRATEGIES[train.strategy](parameters, train, lr, processes, path, loss_fn, sharding)
+    optimizer = STRATEGIES[train.strategy](parameters, plan, lr, processes, path, loss_fn, sharding)
     history, start = [], 0
     restored = optimizer.load()
     if restored is not None:

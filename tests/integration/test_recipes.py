@@ -842,6 +842,7 @@ def test_an_fp16_run_skips_overflowing_steps_and_resumes_its_loss_scale(tmp_path
     import torch.nn.functional as F
 
     from hf_mixers.recipes.processes import Processes
+    from hf_mixers.recipes.run_plan import plan_training
     from hf_mixers.recipes.trainer import run_stage
 
     train = load_recipe([], ["train.precision=fp16", "train.warmup_steps=0", "train.max_grad_norm=0",
@@ -859,7 +860,8 @@ def test_an_fp16_run_skips_overflowing_steps_and_resumes_its_loss_scale(tmp_path
             # (max 65504) at 2^16, 2^15 and 2^14, and not at 2^13
             return F.linear(inputs, weight).float().sum(), {}
 
-        history = run_stage("stage", loss_fn, {"weight": weight}, blocks, steps, train, 1e-2, str(out),
+        history = run_stage("stage", loss_fn, {"weight": weight}, blocks, steps, plan_training(train, torch.device("cpu")), 1e-2,
+                            str(out),
                             checkpoint_every=2, progress=False, processes=Processes())
         return history, weights + [weight.detach().clone()]
 

@@ -12,12 +12,18 @@ from hf_mixers.recipes.config import TrainSection
 from hf_mixers.recipes.checkpoint import CheckpointError, previous_checkpoint
 from hf_mixers.recipes.strategies import LocalStrategy
 from hf_mixers.recipes.processes import Processes
+from hf_mixers.recipes.run_plan import plan_training
+
+
+def cpu_plan(train):
+    return plan_training(train, torch.device("cpu"))
 
 
 def _optimizer(path, seed=0, optimizer="adamw"):
     torch.manual_seed(seed)
     parameters = {"w": torch.nn.Parameter(torch.randn(3, 4)), "b": torch.nn.Parameter(torch.zeros(4))}
-    return LocalStrategy(parameters, TrainSection(optimizer=optimizer), 1e-2, Processes(), str(path), loss_fn=None)
+    return LocalStrategy(parameters, cpu_plan(TrainSection(optimizer=optimizer)), 1e-2, Processes(), str(path),
+                         loss_fn=None)
 
 
 def _train_steps(optimizer, count):
@@ -106,7 +112,8 @@ def test_a_checkpoint_of_other_tensors_is_refused(tmp_path):
     _optimizer(tmp_path / "stage2.safetensors").save(1, [])
     torch.manual_seed(0)
     other = LocalStrategy({"w": torch.nn.Parameter(torch.randn(3, 4)), "c": torch.nn.Parameter(torch.zeros(4))},
-                           TrainSection(), 1e-2, Processes(), str(tmp_path / "stage2.safetensors"), loss_fn=None)
+                           cpu_plan(TrainSection()), 1e-2, Processes(), str(tmp_path / "stage2.safetensors"),
+                           loss_fn=None)
     with pytest.raises(CheckpointError, match=r"stage2.safetensors: checkpoint does not match this run \(it trains "
                                               r"other tensors: no \['c'\]\); use another output.dir"):
         other.load()
@@ -151,8 +158,8 @@ def test_an_fp16_loss_scale_crosses_between_torch_and_deepspeed():
 
     from hf_mixers.recipes.strategies import DeepSpeedStrategy
 
-    local = LocalStrategy({"w": torch.nn.Parameter(torch.ones(2))}, TrainSection(precision="fp16"), 1e-2, Processes(),
-                           "unused", loss_fn=None)
+    local = LocalStrategy({"w": torch.nn.Parameter(torch.ones(2))}, cpu_plan(TrainSection(precision="fp16")), 1e-2,
+                           Processes(), "unused", loss_fn=None)
     speed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # only its scaler: a stand-in for ZeRO's
     speed.fp16, speed.optimizer = True, SimpleNamespace(loss_scaler=SimpleNamespace(
         cur_scale=4096.0, cur_iter=20, last_overflow_iter=12, cur_hysteresis=1))

@@ -6,6 +6,7 @@ import torch
 
 from hf_mixers.recipes.config import load_recipe
 from hf_mixers.recipes.processes import Processes
+from hf_mixers.recipes.run_plan import plan_training
 from hf_mixers.recipes.trainer import run_stage
 
 
@@ -20,7 +21,8 @@ def _train(tmp_path, steps, profile_steps):
         reads.append(float(loss.detach()))  # one host read per step: what the summary counts
         return loss, {}
 
-    run_stage("stage2", loss_fn, {"weight": weight}, torch.arange(64).view(16, 4), steps, train, 1e-3,
+    run_stage("stage2", loss_fn, {"weight": weight}, torch.arange(64).view(16, 4), steps,
+              plan_training(train, torch.device("cpu")), 1e-3,
               str(tmp_path), checkpoint_every=100, progress=False, processes=Processes())
 
 

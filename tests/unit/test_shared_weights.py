@@ -11,6 +11,7 @@ from conftest import save_tiny_teacher
 from hf_mixers.conversion import convert, load_teacher
 from hf_mixers.conversion.shared_weights import release_file_pages, share_frozen_weights, unshare_weights
 from hf_mixers.recipes import distill, load_recipe
+from hf_mixers.recipes.run_plan import plan_training
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +182,8 @@ def test_a_sharded_stage_ends_with_the_frozen_weights_still_the_teachers(teacher
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         run_stage("stage2", distillation_loss(model, teacher.model, 1.0, 0.0), parameters,
-                  torch.randint(3, 300, (4, 16)), steps=2, train=TrainSection(strategy="fsdp", batch_size=1),
+                  torch.randint(3, 300, (4, 16)), steps=2,
+                  plan=plan_training(TrainSection(strategy="fsdp", batch_size=1), torch.device("cpu")),
                   lr=1e-2, out_dir=str(tmp_path), checkpoint_every=10, progress=False, processes=Processes(),
                   sharding=sharding_for(model, teacher_model=teacher.model))
     finally:
@@ -209,8 +211,8 @@ def test_fsdp_refuses_a_student_with_scalar_parameters_by_name(teacher, tmp_path
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(ValueError, match=r"cannot shard scalar parameters \(model.layers.0.mixer.gamma_bias"):
-            FSDPStrategy(parameters, TrainSection(strategy="fsdp"), 1e-3, Processes(), str(tmp_path / "x"), None,
-                          sharding_for(student))
+            FSDPStrategy(parameters, plan_training(TrainSection(strategy="fsdp"), torch.device("cpu")), 1e-3,
+                         Processes(), str(tmp_path / "x"), None, sharding_for(student))
     finally:
         dist.destroy_process_group()
 
@@ -316,7 +318,7 @@ def test_releasing_host_memory_holds_only_the_looked_up_rows_of_a_mapped_embeddi
         expected = student(ids).logits
         assert _resident_pages(embedding) > _pages(embedding) // 4  # 256 rows looked up, their neighbours mapped
         release_file_pages(embedding)
-        with released_per_block(student, TrainSection(release_host_memory=True), torch.device("cpu")):
+        with released_per_block(student, plan_training(TrainSection(release_host_memory=True), torch.device("cpu"))):
             got = student(ids).logits
         assert _resident_pages(embedding) <= 2
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -326,7 +328,8 @@ def test_releasing_host_memory_holds_only_the_looked_up_rows_of_a_mapped_embeddi
     tied_teacher = _mapped_teacher(str(tmp_path / "tied"), tied=True)
     tied, _ = convert(tied_teacher, "sessa", sequence_length=32, calibration_sequences=2, heldout_sequences=1,
                       progress=False, dtype="bfloat16", share_teacher_weights=True)
-    with torch.no_grad(), released_per_block(tied, TrainSection(release_host_memory=True), torch.device("cpu")):
+    with torch.no_grad(), released_per_block(tied, plan_training(TrainSection(release_host_memory=True),
+                                                                 torch.device("cpu"))):
         tied(ids)
     assert released == []
 
@@ -383,7 +386,7 @@ def test_a_stage_releases_per_block_only_on_request_and_on_a_cpu_host(teacher, m
     for release, strategy, device, expected in cases:
         calls.clear()
         train = TrainSection(release_host_memory=release, strategy=strategy)
-        with released_per_block(model, train, torch.device(device)):
+        with released_per_block(model, plan_training(train, torch.device(device))):
             with torch.no_grad():
                 model(input_ids=ids)
         assert len(calls) == expected, (release, strategy, device)

@@ -9,6 +9,7 @@ import torch
 from hf_mixers.apps.bench.op_count import count_ops
 from hf_mixers.recipes.config import load_recipe
 from hf_mixers.recipes.processes import Processes
+from hf_mixers.recipes.run_plan import plan_training
 from hf_mixers.recipes.trainer import PendingSteps, run_stage
 
 PROJECT = tuple(str(Path(__file__).resolve().parents[2] / folder) for folder in ("hf_mixers", "recipes", "kernels"))
@@ -29,8 +30,8 @@ def test_only_logged_checkpointed_and_last_steps_are_read(tmp_path, monkeypatch)
     read_at, read = [], PendingSteps.read
     monkeypatch.setattr(PendingSteps, "read", lambda self, last: read_at.append(len(self.steps)) or read(self, last))
     count, history = count_ops(run_stage, "stage2", loss_fn, {"weight": weight}, torch.arange(64).view(16, 4), 8,
-                               train, 1e-3, str(tmp_path), checkpoint_every=4, log_every=3, progress=False,
-                               processes=Processes())
+                               plan_training(train, torch.device("cpu")), 1e-3, str(tmp_path), checkpoint_every=4,
+                               log_every=3, progress=False, processes=Processes())
     # no line of the project read the device (torch's CPU AdamW reads its step count: not ours, and fused on CUDA)
     assert not [site for site in count.read_sites if site.startswith(PROJECT)], count.read_sites
     assert asked == [step in (3, 4, 6, 8) for step in range(1, 9)]
