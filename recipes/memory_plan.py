@@ -55,7 +55,7 @@ from .config import Recipe, releases_host_memory
 from .deepspeed_config import zero3_gathered, zero3_settings_with
 from .optimizers import state_bytes
 from ..common.dtypes import dtype_name
-from .run_plan import plan_run
+from .run_plan import RunPlan, plan_run
 
 GIB = 2**30
 LOSS_TENSORS_PER_CHUNK_ROW = 5.7  # fp32 (rows, vocab) tensors alive in a chunk of the chunked loss (measured)
@@ -159,22 +159,34 @@ def parse_size(text: str) -> int:
         raise ValueError(f"--device-memory: expected a size such as 80GB or 24GiB, got {text!r}") from None
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    """What every stage's parts are computed from: the run plan, the student's config, parameter counts, bytes a
+    weight, and the shared parts (the teacher's weights, a looked-up embedding, the runtime)."""
+    run: RunPlan
+    config: object
+    counts: dict
+    blocks: dict
+    element: int
+    tokens: int
+    teacher_bytes: int
+    embedding: int
+    runtime: int
+    fragmenting: bool
+
+
 def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = None,
                 device: str | None = None) -> MemoryPlan:
     """The per-process memory of ``recipe``'s stages on ``processes`` processes of ``device`` ("cpu" or "cuda";
     default: cuda when ``device_memory`` is given or this machine has a GPU). ``device_memory`` (bytes per process)
-    defaults to this machine's GPU memory, or on CPU to its RAM divided by the processes."""
+    defaults to this machine's GPU memory, or on CPU to its RAM divided by the processes. The run is resolved as a
+    launch resolves it (run_plan.py): its dtype, strategy and stages."""
     from ..conversion.teacher import stored_dtype, teacher_config
 
     if processes < 1:
         raise ValueError(f"--processes must be at least 1, got {processes}")
     device = device or ("cuda" if device_memory is not None or torch.cuda.is_available() else "cpu")
-    if device_memory is None:  # this machine's: its GPU's memory, or its RAM shared by the processes
-        device_memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
-                         and torch.cuda.is_available() else
-                         os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // processes
-                         if device == "cpu" and hasattr(os, "sysconf") else None)
-    train = recipe.train
+    device_memory = device_memory if device_memory is not None else _this_machines_memory(device, processes)
     run = plan_run(recipe, torch.device(device), processes, planned=not torch.cuda.is_available())
     dtype = run.dtype
     teacher, _ = teacher_config(recipe.model.teacher)
@@ -188,26 +200,22 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
         config = _student_config(recipe, teacher)
     counts = _parameter_counts(config, teacher, recipe)
     element = torch.finfo(dtype).bits // 8
-    world, strategy = processes, train.strategy
-    sharded, partitioned = run.shards_model, run.partitions_optimizer
-    tokens = train.batch_size * recipe.data.sequence_length
-    length = recipe.data.sequence_length
     blocks = _block_counts(config)
     layers = ", ".join(f"{count} {kind}" for kind, count in blocks.items())
-    title = (f"memory plan: {recipe.model.teacher} -> {config.model_type} ({layers}), {train.batch_size} x {length} "
-             f"tokens per micro-batch, {run.strategy} over {world} process{'es' if world > 1 else ''}, "
-             f"{dtype_name(dtype)} on {device}")
-    plan = MemoryPlan(title, world, device, device_memory, dtype_name(dtype))
+    title = (f"memory plan: {recipe.model.teacher} -> {config.model_type} ({layers}), {recipe.train.batch_size} x "
+             f"{recipe.data.sequence_length} tokens per micro-batch, {run.strategy} over {processes} "
+             f"process{'es' if processes > 1 else ''}, {dtype_name(dtype)} on {device}")
+    plan = MemoryPlan(title, processes, device, device_memory, dtype_name(dtype))
     for module in ("accelerate", "peft", "datasets"):  # what a run imports before it loads anything: its runtime
         importlib.import_module(module)
     _folder_tokenizer(recipe.model.teacher)  # a run holds it too: in the peak below
     host_runtime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # this process's peak so far, bytes
-    runtime = CUDA_RUNTIME if device == "cuda" else host_runtime
     teacher_bytes = counts["teacher"] * element
     # reading a checkpoint stored in another dtype holds its memory-mapped file and the converted tensors at once
     stored = stored_dtype(teacher)
     checkpoint = counts["teacher"] * torch.finfo(stored).bits // 8 if stored != dtype else 0
     plan.host_at_load = teacher_bytes + checkpoint + host_runtime
+    runtime = CUDA_RUNTIME if device == "cuda" else host_runtime
     if device == "cpu":  # the host is the device: loading is a stage of its own
         plan.stages["loading"] = {f"teacher weights ({plan.dtype})": teacher_bytes,
                                   "runtime (this process)": runtime}
@@ -219,98 +227,120 @@ def plan_memory(recipe: Recipe, processes: int = 1, device_memory: int | None = 
             plan.stages["loading"]["its largest tensor being compared"] = (
                 config.vocab_size * config.hidden_size * (student_element + element))
 
-    stages, shapes = [], counts["shapes"]
     # a CPU host's heap under fsdp / ZeRO-3, which gather and free each block's weights (train.release_host_memory)
-    releasing = run.releases_host_memory
-    fragmenting = sharded and device == "cpu" and RESIDENT_MEASURED and not releasing
-    for stage in run.stages:  # what each trains, as the run plan says
-        if stage.name == "stage1":
-            stages.append(("stage 1", shapes["new"] + (shapes["qkv"] if recipe.stage1.train_qkv else [])))
-        elif stage.name == "stage2":
-            stages.append(("stage 2", shapes["new"] + shapes["lora"]))
+    fragmenting = run.shards_model and device == "cpu" and RESIDENT_MEASURED and not run.releases_host_memory
     # a CPU host releasing its memory at each block reads the memory-mapped (stored in the training dtype), untied
     # embedding a batch's rows at a time, and hands them back after each lookup (recipes/stages.py released_per_block)
-    looked_up = releasing and not sharded and stored == dtype and not config.tie_word_embeddings
-    embedding = config.vocab_size * config.hidden_size * element if looked_up else 0
-    for name, trained_shapes in stages:
-        trained = sum(math.prod(shape) for shape in trained_shapes)
-        parts = {f"teacher weights ({plan.dtype})": teacher_bytes - embedding}
-        if embedding:
-            parts["embedding rows a batch looks up (mapped)"] = min(embedding, tokens * FAULT_AROUND)
-        own = counts["new"] * 4 + (counts["lora"] * 4 if name == "stage 2" else 0)
-        if name == "stage 1" and recipe.stage1.train_qkv:
-            own += counts["qkv"] * 4  # trained copies of the converted layers' q/k/v, no longer shared
-        if sharded:
-            student_bytes = (counts["student"] - counts["new"]) * element + own
-            parts["student weights (1/N shard)"] = student_bytes // world
-            # stage 2 gathers the root's embeddings (and norm); its head is the teacher's tensor, left whole
-            # (recipes/stages.py sharding_for; tied, it is the embedding, gathered with it)
-            head = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
-            root = (counts["root"] - head) * element if name == "stage 2" else 0
-            if strategy == "deepspeed":  # what its prefetch and reuse settings let it hold (deepspeed_config.py)
-                settings = zero3_settings_with(train.deepspeed_config, config.hidden_size, counts["largest_block"])
-                gathered = zero3_gathered(settings, counts["student"] - counts["root"])
-                parts["gathered weights (ZeRO-3 prefetch and reuse)"] = gathered * element + root
-            else:
-                parts["gathered blocks (2 in flight)"] = 2 * counts["largest_block"] * element + root
-        else:
-            parts["student's own weights (fp32)"] = own
-        deepspeed = strategy == "deepspeed"
-        if deepspeed:
-            parts["DeepSpeed fp32 masters (1/N)"] = trained * 4 // world
-        grads = trained * 4
-        if strategy == "ddp" or (deepspeed and train.zero_stage == 1):
-            parts["gradients (fp32)"] = grads
-            if strategy == "ddp" and world > 1:
-                parts["DDP gradient buckets"] = grads
-        else:
-            parts["gradients (fp32, 1/N)"] = grads // world
-        parts[OPTIMIZER_STATES[train.optimizer] + (" (1/N)" if partitioned else "")] = (
-            state_bytes(train.optimizer, trained_shapes) // (world if partitioned else 1))
-        per_row, recomputed, slack = _activations(config, recipe, dtype, name,
-                                                  resident=device == "cpu" and RESIDENT_MEASURED)
-        parts["activations"] = per_row * train.batch_size
-        if recomputed:
-            parts["one block recomputed (backward)"] = recomputed * train.batch_size
-        if slack:
-            parts["heap slack (freed, still resident)"] = slack * train.batch_size
-        if fragmenting:
-            # gathered weights freed between the tensors the backward keeps: the heap grew by about one gathered
-            # block per block in the 1.1B runs (docs/benchmarks.md, "Memory plan")
-            parts["heap fragmented by gathering (up to every block once)"] = (
-                (counts["student"] - counts["root"]) * element)
-        if name == "stage 1":
-            converted = sum(count for kind, count in blocks.items() if kind not in TEACHER_ATTENTION)
-            parts["captured teacher activations"] = 2 * converted * tokens * config.hidden_size * element
-        else:
-            rows = recipe.stage2.loss_chunk_rows
-            if rows:  # sharded too: the student's frozen head is the teacher's, read whole (stages.py)
-                parts["loss logits (chunked)"] = int(LOSS_TENSORS_PER_CHUNK_ROW * min(rows, tokens)
-                                                     * config.vocab_size * 4)
-            else:
-                parts["loss logits (whole batch)"] = int(LOSS_TENSORS_DENSE * tokens * config.vocab_size * 4)
-            # the loss's logits are freed before the backward pass makes its own parts: one block recomputed, the
-            # heap it leaves (a CPU step hands the forwards' back before the loss), the gradients (None between
-            # steps, zero_grad; DeepSpeed keeps its buffers). Accumulating micro-batches hold gradients at the loss.
-            after = ["one block recomputed (backward)", "heap slack (freed, still resident)"]
-            if train.grad_accum == 1 and strategy != "deepspeed":
-                after += ["gradients (fp32)", "gradients (fp32, 1/N)"]
-            logits = [part for part in parts if part.startswith("loss logits")]
-            backward = [part for part in after if part in parts]
-            if logits and backward:
-                plan.apart[name] = (logits, backward)
-        parts["runtime" + (" (CUDA context)" if device == "cuda" else " (this process)")] = runtime
-        plan.stages[name] = {part: int(value) for part, value in parts.items()}
+    looked_up = (run.releases_host_memory and not run.shards_model and stored == dtype
+                 and not config.tie_word_embeddings)
+    sizes = _Sizes(run, config, counts, blocks, element, recipe.train.batch_size * recipe.data.sequence_length,
+                   teacher_bytes, config.vocab_size * config.hidden_size * element if looked_up else 0, runtime,
+                   fragmenting)
+    shapes = counts["shapes"]
+    for stage in run.stages:  # what each trains, as the run plan says
+        if stage.name == "stage1":
+            trained = shapes["new"] + (shapes["qkv"] if recipe.stage1.train_qkv else [])
+            plan.stages["stage 1"] = _stage_parts("stage 1", trained, recipe, sizes, plan)
+        elif stage.name == "stage2":
+            plan.stages["stage 2"] = _stage_parts("stage 2", shapes["new"] + shapes["lora"], recipe, sizes, plan)
     if not set(plan.stages) - {"loading"}:
         raise ValueError("the recipe trains nothing (stage 1 and stage 2 are off or have 0 steps): nothing to plan")
     if fragmenting:
         plan.notes.append("on a CPU host, gathering and freeing each block's weights fragments the heap (counted as "
                           "an upper bound); train.release_host_memory (its default, auto, under fsdp and "
                           "deepspeed) hands the memory back at each block, for steps 10-15% longer")
-    if train.gradient_checkpointing:
+    if recipe.train.gradient_checkpointing:
         plan.notes.append("train.gradient_checkpointing: the blocks (stage 1: the converted mixers) keep their "
                           "inputs only, and one is recomputed at a time")
     return plan
+
+
+def _this_machines_memory(device: str, processes: int) -> int | None:
+    """A process's share of this machine: its GPU's memory, or its RAM divided by the processes (None: unknown)."""
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    if device == "cpu" and hasattr(os, "sysconf"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // processes
+    return None
+
+
+def _stage_parts(name: str, trained_shapes: list, recipe: Recipe, sizes: _Sizes, plan: MemoryPlan) -> dict:
+    """One stage's parts (name -> bytes per process): the frozen weights, what trains and its gradients and optimizer
+    states as the strategy holds them, the activations, the loss, the runtime; parts never held at once go to
+    ``plan.apart``."""
+    run, config, counts, element, train = sizes.run, sizes.config, sizes.counts, sizes.element, recipe.train
+    world, strategy, device = run.world, train.strategy, run.device.type
+    trained = sum(math.prod(shape) for shape in trained_shapes)
+    parts = {f"teacher weights ({plan.dtype})": sizes.teacher_bytes - sizes.embedding}
+    if sizes.embedding:
+        parts["embedding rows a batch looks up (mapped)"] = min(sizes.embedding, sizes.tokens * FAULT_AROUND)
+    own = counts["new"] * 4 + (counts["lora"] * 4 if name == "stage 2" else 0)
+    if name == "stage 1" and recipe.stage1.train_qkv:
+        own += counts["qkv"] * 4  # trained copies of the converted layers' q/k/v, no longer shared
+    if run.shards_model:
+        student_bytes = (counts["student"] - counts["new"]) * element + own
+        parts["student weights (1/N shard)"] = student_bytes // world
+        # stage 2 gathers the root's embeddings (and norm); its head is the teacher's tensor, left whole
+        # (recipes/stages.py sharding_for; tied, it is the embedding, gathered with it)
+        head = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+        root = (counts["root"] - head) * element if name == "stage 2" else 0
+        if strategy == "deepspeed":  # what its prefetch and reuse settings let it hold (deepspeed_config.py)
+            settings = zero3_settings_with(train.deepspeed_config, config.hidden_size, counts["largest_block"])
+            gathered = zero3_gathered(settings, counts["student"] - counts["root"])
+            parts["gathered weights (ZeRO-3 prefetch and reuse)"] = gathered * element + root
+        else:
+            parts["gathered blocks (2 in flight)"] = 2 * counts["largest_block"] * element + root
+    else:
+        parts["student's own weights (fp32)"] = own
+    if strategy == "deepspeed":
+        parts["DeepSpeed fp32 masters (1/N)"] = trained * 4 // world
+    grads = trained * 4
+    if strategy == "ddp" or (strategy == "deepspeed" and train.zero_stage == 1):
+        parts["gradients (fp32)"] = grads
+        if strategy == "ddp" and world > 1:
+            parts["DDP gradient buckets"] = grads
+    else:
+        parts["gradients (fp32, 1/N)"] = grads // world
+    partitioned = run.partitions_optimizer
+    parts[OPTIMIZER_STATES[train.optimizer] + (" (1/N)" if partitioned else "")] = (
+        state_bytes(train.optimizer, trained_shapes) // (world if partitioned else 1))
+    per_row, recomputed, slack = _activations(config, recipe, run.dtype, name,
+                                              resident=device == "cpu" and RESIDENT_MEASURED)
+    parts["activations"] = per_row * train.batch_size
+    if recomputed:
+        parts["one block recomputed (backward)"] = recomputed * train.batch_size
+    if slack:
+        parts["heap slack (freed, still resident)"] = slack * train.batch_size
+    if sizes.fragmenting:
+        # gathered weights freed between the tensors the backward keeps: the heap grew by about one gathered
+        # block per block in the 1.1B runs (docs/benchmarks.md, "Memory plan")
+        parts["heap fragmented by gathering (up to every block once)"] = (counts["student"] - counts["root"]) * element
+    if name == "stage 1":
+        converted = sum(count for kind, count in sizes.blocks.items() if kind not in TEACHER_ATTENTION)
+        parts["captured teacher activations"] = 2 * converted * sizes.tokens * config.hidden_size * element
+    else:
+        _loss_parts(name, parts, recipe, sizes, plan)
+    parts["runtime" + (" (CUDA context)" if device == "cuda" else " (this process)")] = sizes.runtime
+    return {part: int(value) for part, value in parts.items()}
+
+
+def _loss_parts(name: str, parts: dict, recipe: Recipe, sizes: _Sizes, plan: MemoryPlan) -> None:
+    """Stage 2's loss logits in ``parts``, and in ``plan.apart`` what is never held beside them."""
+    rows, vocab = recipe.stage2.loss_chunk_rows, sizes.config.vocab_size
+    if rows:  # sharded too: the student's frozen head is the teacher's, read whole (stages.py)
+        parts["loss logits (chunked)"] = int(LOSS_TENSORS_PER_CHUNK_ROW * min(rows, sizes.tokens) * vocab * 4)
+    else:
+        parts["loss logits (whole batch)"] = int(LOSS_TENSORS_DENSE * sizes.tokens * vocab * 4)
+    # the loss's logits are freed before the backward pass makes its own parts: one block recomputed, the heap it
+    # leaves (a CPU step hands the forwards' back before the loss), the gradients (None between steps, zero_grad;
+    # DeepSpeed keeps its buffers). Accumulating micro-batches hold gradients at the loss.
+    after = ["one block recomputed (backward)", "heap slack (freed, still resident)"]
+    if recipe.train.grad_accum == 1 and recipe.train.strategy != "deepspeed":
+        after += ["gradients (fp32)", "gradients (fp32, 1/N)"]
+    logits = [part for part in parts if part.startswith("loss logits")]
+    backward = [part for part in after if part in parts]
+    if logits and backward:
+        plan.apart[name] = (logits, backward)
 
 
 def _with(recipe: Recipe, overrides: tuple) -> Recipe:
