@@ -91,6 +91,7 @@ def plan_run(recipe: Recipe, device: torch.device, world: int = 1, planned: bool
         stages.append(StagePlan("stage1", recipe.stage1.steps, trains))
     if recipe.stage2.enabled and recipe.stage2.steps > 0:
         targets = ", ".join(recipe.stage2.lora_targets)
-        stages.append(StagePlan("stage2", recipe.stage2.steps, f"LoRA adapters (r = {recipe.stage2.lora_r}) on {targets}"))
+        trains = f"LoRA adapters (r = {recipe.stage2.lora_r}) on {targets}"
+        stages.append(StagePlan("stage2", recipe.stage2.steps, trains))
     selection = recipe.stage1.selection_steps if selects_after_stage1(recipe) else 0
     return plan_training(recipe.train, device, world, planned, selection_steps=selection, stages=tuple(stages))

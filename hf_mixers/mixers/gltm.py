@@ -268,11 +268,11 @@ class GLTMMixer(FullAttention):
         return self.o_proj(y.transpose(1, 2).flatten(2).to(hidden_states.dtype))  # (B, T, H d) -> (B, T, D)
 
     # The token step (core/mixer.py TokenStep; ``config.compile_decode`` compiles it). The evicting patterns' cache
-    # holds exactly the positions the next token reads, at most ``decode_slots`` of them, so it is kept at that many slots
-    # (empty ones have position 0) and one token is: attention over the slots and itself, the feedback read of the
-    # slots, then the slots the token after it reads kept, all at shapes fixed for the whole run. The other
-    # patterns' cache keeps every position and grows: their step is compiled with symbolic shapes (as Sessa's),
-    # reads the cache where it lies through a mask of the positions the token reads, and appends its entry.
+    # holds exactly the positions the next token reads, at most ``decode_slots`` of them, so it is kept at that many
+    # slots (empty ones have position 0) and one token is: attention over the slots and itself, the feedback read of the
+    # slots, then the slots the token after it reads kept, all at shapes fixed for the whole run. The other patterns'
+    # cache keeps every position and grows: their step is compiled with symbolic shapes (as Sessa's), reads the cache
+    # where it lies through a mask of the positions the token reads, and appends its entry.
     @classmethod
     def constant_state(cls, config) -> bool:
         return config.gltm_pattern in EVICTING

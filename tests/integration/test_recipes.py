@@ -860,8 +860,8 @@ def test_an_fp16_run_skips_overflowing_steps_and_resumes_its_loss_scale(tmp_path
             # (max 65504) at 2^16, 2^15 and 2^14, and not at 2^13
             return F.linear(inputs, weight).float().sum(), {}
 
-        history = run_stage("stage", loss_fn, {"weight": weight}, blocks, steps, plan_training(train, torch.device("cpu")), 1e-2,
-                            str(out),
+        history = run_stage("stage", loss_fn, {"weight": weight}, blocks, steps,
+                            plan_training(train, torch.device("cpu")), 1e-2, str(out),
                             checkpoint_every=2, progress=False, processes=Processes())
         return history, weights + [weight.detach().clone()]
 
