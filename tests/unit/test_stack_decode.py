@@ -234,3 +234,20 @@ def test_a_state_that_changes_shape_is_returned_until_it_settles(in_place, compi
     ids, mask = _inputs(length=16)
     torch.testing.assert_close(_decode(compiled, ids, mask), _decode(eager, ids, mask), rtol=1e-5, atol=1e-6)
     assert compiled_functions == ["stack_step", "stack_step_in_place"]
+
+
+def test_a_stack_that_cannot_be_built_here_runs_block_by_block_then_eagerly(monkeypatch):
+    """Where the whole stack's graph fails to build (a backend error), the token goes block by block; where a block's
+    fails too, that block decodes eagerly: the same tokens as the eager model, and each failed key remembered (the
+    stack's and each block's), so later tokens do not try again."""
+    def broken_backend(graph, example_inputs):
+        raise RuntimeError("no C++ compiler here")
+
+    for name, value in (("COMPILE_BACKEND", broken_backend), ("EXPORT_DEVICES", ()), ("_compiled_steps", {}),
+                        ("_eager_keys", set()), ("_ran", set())):
+        monkeypatch.setattr(engine, name, value)
+    compiled, ids, mask, full, reference = eager_and_compiled(STACKED)
+    stepped = _decode(compiled, ids, mask)
+    valid = mask.bool()
+    torch.testing.assert_close(stepped[valid], reference[valid])  # eager all the way: fp64's precision
+    assert sorted(len(key[1]) for key in engine._eager_keys) == [1, 1, 2]  # the stack, then each block
