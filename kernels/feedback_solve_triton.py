@@ -6,7 +6,8 @@ Same function as ``feedback_solve_chunked`` (see ``feedback_solve.py`` for the m
 
 over the P cached keys and the new keys, shared by every feature column of f (B, T, D). Everything is
 accumulated in fp32 whatever the input dtype (fp32 / fp16 / bf16 operands are upcast before every ``tl.dot``,
-which also sidesteps the interpreter's broken bf16 dot), and s is returned in fp32.
+which also sidesteps the interpreter's broken bf16 dot), and s is returned in fp32. The dots read their operands
+as tf32 for bf16 / fp16 inputs and fp32-accurately (three tf32 products) for fp32 ones (``_precision``).
 
 Key and value features are taken BLOCK_DK / BLOCK_DV at a time (at most KEY_FEATURE_BLOCK / VALUE_FEATURE_BLOCK,
 so feedback heads of any width fit a GPU block's shared memory): the logits <q_t, k_j> sum over key blocks
@@ -77,44 +78,49 @@ finally:
 from .conventions import check_feedback_shapes, compute_dtype, kernel_op, tile_edge
 from .triton_compile import compile_side_by_side
 
-# fp32-accurate ``tl.dot``s: the solve feeds its own output back, and plain tf32 (10-bit mantissa) logits and values
-# would put it ~1e-3 away from the reference. "tf32x3" (three tf32 products, the RSA kernels' choice) is as accurate
-# and runs on the tensor cores; "ieee" (FMA loops) compiles several times slower for sm_90 at 128-wide rows
-# (`triton.compile` on a CPU, docs/benchmarks.md "Kernels").
-INPUT_PRECISION = "tf32x3"
+# The dots' operand precision follows the inputs (``_precision``). bf16 / fp16 inputs take plain tf32: issue 67's
+# emulated check (`hf-mixers bench precision --mixer sessa`, docs/benchmarks.md) and the interpreter test that rounds
+# these kernels' own dot operands keep the step within the bf16 bound, and one product a dot instead of three is what
+# lets the kernels fit the register budget below. fp32 inputs keep fp32-accurate dots ("tf32x3", three tf32
+# products): the solve feeds its own output back, and a caller who asked for fp32 gets it (they spill: a choice of
+# accuracy over speed).
 SPIN_LIMIT = tl.constexpr(1 << 26)  # polls before a chunk's wait gives up (module docstring: the pipeline)
-MAX_KEY_BLOCK = 64  # key / query block of the sweeps and the parallel backward kernels (register budget)
-# The pipeline's chunk C is at most this, whatever the caller's chunk_size (the chunked PyTorch form's memory knob,
-# ``sessa_chunk_size``, 128 by default): the solve is exact for any C, and 128-row chunks ask the forward and lam
-# kernels for more shared memory than an H100 block has, so they would not launch (scripts/kernel_resources.py).
-MAX_CHUNK = 64
+# Tiles: the chunk C, the key / query blocks and the key and value feature blocks are at most 32 wide, and ptxas may
+# use at most MAX_REGISTERS a thread. That is issue 67's budget for sm_90 at 4 warps (168, no spill; a 64-row chunk
+# or 64-wide feature blocks spill even with tf32), checked on the cubin by tests/unit/test_kernel_resources.py. The
+# solve is exact for any C, whatever the caller's chunk_size (the chunked PyTorch form's memory knob); feature
+# blocks keep any head width in the kernels (SmolLM2's one 576-wide feedback head, an 8B model's 4096).
+MAX_CHUNK = 32
+MAX_KEY_BLOCK = 32  # key / query block of the sweeps and the parallel backward kernels
+KEY_FEATURE_BLOCK = 32
+VALUE_FEATURE_BLOCK = 32
+MAX_REGISTERS = 168
 NUM_WARPS = 4  # untuned: tuning (and an autotune config list) needs a GPU
-# One software-pipelining stage: Triton's default of 3 buffers every tile load three deep, and the forward at the
-# Llama-3-8B head layout (64 x 128 tiles) then asks for more shared memory than an H100 block has (it does not
-# launch); with 1 it fits (`triton.compile` for sm_90 on a CPU). The sweep is a chain of dependent steps, so deeper
-# pipelining has little to overlap.
+# One software-pipelining stage: the sweep is a chain of dependent steps, so deeper pipelining has little to overlap,
+# and Triton's default of 3 buffers every tile load three deep (shared memory an H100 block may lack at wide tiles).
 NUM_STAGES = 1
-# The key and value features go KEY_FEATURE_BLOCK / VALUE_FEATURE_BLOCK at a time (module docstring). Whole rows
-# as one tile needed more shared memory for sm_90 in the backward at 256 features than an H100 block can have; in
-# blocks of 128 the four kernels fit at any width (tf32x3, one stage), so the official conversion's one feedback
-# head (576 wide for SmolLM2, 4096 for an 8B model) takes the kernels.
-KEY_FEATURE_BLOCK = 128
-VALUE_FEATURE_BLOCK = 128
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """The dots' input precision for operands of ``dtype`` (the comment above)."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit
-def _load_rows(past_ptr, new_ptr, pos, P, n_valid, cols, n_cols):
+def _load_rows(past_ptr, new_ptr, pos, P, n_valid, cols, n_cols, PAST_ROWS: tl.constexpr):
     """Rows at absolute positions ``pos`` (BLOCK,) of the virtual concat [past (P rows); new], as fp32.
 
-    Rows >= ``n_valid`` (not yet solved, or past the end) and columns >= ``n_cols`` read as 0.
+    Rows >= ``n_valid`` (not yet solved, or past the end) and columns >= ``n_cols`` read as 0. PAST_ROWS: whether
+    ``pos`` may hold cached rows (without it, no load of the cache is issued: fewer registers and instructions).
     Returns (BLOCK, BLOCK_COLS).
     """
     col_ok = cols[None, :] < n_cols
-    in_past = pos[:, None] < P
     in_new = (pos[:, None] >= P) & (pos[:, None] < n_valid)
-    old = tl.load(past_ptr + pos[:, None] * n_cols + cols[None, :], mask=in_past & col_ok, other=0.0)
     new = tl.load(new_ptr + (pos[:, None] - P) * n_cols + cols[None, :], mask=in_new & col_ok, other=0.0)
-    return old.to(tl.float32) + new.to(tl.float32)
+    if PAST_ROWS:
+        old = tl.load(past_ptr + pos[:, None] * n_cols + cols[None, :], mask=(pos[:, None] < P) & col_ok, other=0.0)
+        return old.to(tl.float32) + new.to(tl.float32)
+    return new.to(tl.float32)
 
 
 @triton.jit
@@ -136,18 +142,20 @@ def _queries(q_ptr, q_rows, q_ok, cols, DK):
 @triton.jit
 def _logits(q_ptr, q_rows, q_ok, past_k_ptr, k_ptr, pos, P, n_valid, DK, scale, q_whole,
             BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DK: tl.constexpr, ONE_KEY_BLOCK: tl.constexpr,
-            PRECISION: tl.constexpr):
+            PRECISION: tl.constexpr, PAST_ROWS: tl.constexpr):
     """scale * <q_t, k_j> (BLOCK_Q, BLOCK_K) for local query rows ``q_rows`` and absolute key positions ``pos``
     over [past; new] (< n_valid), the key features BLOCK_DK at a time. ONE_KEY_BLOCK: they are one block, and
     ``q_whole`` holds the rows' queries already (``_queries``, loaded once outside the caller's loop)."""
     if ONE_KEY_BLOCK:
-        return tl.dot(q_whole, tl.trans(_load_rows(past_k_ptr, k_ptr, pos, P, n_valid, tl.arange(0, BLOCK_DK), DK)),
+        return tl.dot(q_whole, tl.trans(_load_rows(past_k_ptr, k_ptr, pos, P, n_valid, tl.arange(0, BLOCK_DK), DK,
+                                                   PAST_ROWS)),
                       input_precision=PRECISION) * scale
     total = tl.zeros((BLOCK_Q, BLOCK_K), tl.float32)
     for d0 in range(0, DK, BLOCK_DK):
         cols = d0 + tl.arange(0, BLOCK_DK)
         total += tl.dot(_queries(q_ptr, q_rows, q_ok, cols, DK),
-                        tl.trans(_load_rows(past_k_ptr, k_ptr, pos, P, n_valid, cols, DK)), input_precision=PRECISION)
+                        tl.trans(_load_rows(past_k_ptr, k_ptr, pos, P, n_valid, cols, DK, PAST_ROWS)),
+                        input_precision=PRECISION)
     return total * scale
 
 
@@ -188,7 +196,7 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
                 T, P, DK, DV, CHUNK, N_CHUNKS, V_BLOCKS, scale,
                 HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, LOG_C: tl.constexpr, ONE_KEY_BLOCK: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, PAST_ROWS: tl.constexpr):
     # int64 batch offsets: B*T*D may exceed 2^31
     b, v_block, chunk, progress_ptr = _claim(ticket_ptr, progress_ptr, N_CHUNKS, V_BLOCKS)
     f_ptr += b * T * DV
@@ -224,9 +232,9 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
         pos = n0 + offs_n  # absolute key positions (BLOCK_N,)
         stalled += _wait_for(progress_ptr, (tl.minimum(n0 + BLOCK_N, n_old) - P + CHUNK - 1) // CHUNK)
         key_ok = _key_ok(mask_ptr, pos, n_old, HAS_MASK)
-        s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, n_old, cols_v, DV)  # (N, DV), solved rows only
+        s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, n_old, cols_v, DV, PAST_ROWS)  # (N, DV), solved rows only
         logits = _logits(q_ptr, rows, row_ok, past_k_ptr, k_ptr, pos, P, n_old, DK, scale, q_c,
-                         BLOCK_C, BLOCK_N, BLOCK_DK, ONE_KEY_BLOCK, PRECISION)  # (C, N)
+                         BLOCK_C, BLOCK_N, BLOCK_DK, ONE_KEY_BLOCK, PRECISION, PAST_ROWS)  # (C, N)
         logits = tl.where(key_ok[None, :], logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         corr = tl.exp(m_i - m_new)
@@ -239,7 +247,7 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
     key_c_ok = _key_ok(mask_ptr, P + rows, P + T, HAS_MASK) & row_ok
     allowed = lower & key_c_ok[None, :] & row_ok[:, None]  # (C, C)
     logits = _logits(q_ptr, rows, row_ok, past_k_ptr, k_ptr, P + rows, P, P + T, DK, scale, q_c,
-                     BLOCK_C, BLOCK_C, BLOCK_DK, ONE_KEY_BLOCK, PRECISION)
+                     BLOCK_C, BLOCK_C, BLOCK_DK, ONE_KEY_BLOCK, PRECISION, False)  # the chunk's own keys: new
     logits = tl.where(allowed, logits, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(logits, 1))
     corr = tl.exp(m_i - m_new)
@@ -322,7 +330,7 @@ def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # 
         lam_t = tl.load(lam_ptr + t[:, None] * DV + cols_v[None, :],
                         mask=t_ok[:, None] & v_col_ok[None, :], other=0.0)  # (M, DV)
         logits = _logits(q_ptr, t, t_ok, k_ptr, k_ptr, P + rows, P, P + T, DK, scale, 0.0,
-                         BLOCK_M, BLOCK_C, BLOCK_DK, False, PRECISION)  # (M, C)
+                         BLOCK_M, BLOCK_C, BLOCK_DK, False, PRECISION, False)  # (M, C)
         allowed = t_ok[:, None] & key_c_ok[None, :]  # t > j always: t is in a later chunk
         # W = gain * alpha from the saved lse; exp(-inf) = 0 exactly off the admissible pattern.
         w = gain_t[:, None] * tl.exp(tl.where(allowed, logits - lse_t[:, None], float("-inf")))
@@ -332,7 +340,7 @@ def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # 
     lse_c = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     gain_c = tl.load(gain_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     logits = _logits(q_ptr, rows, row_ok, k_ptr, k_ptr, P + rows, P, P + T, DK, scale, 0.0,
-                     BLOCK_C, BLOCK_C, BLOCK_DK, False, PRECISION)  # (C, C)
+                     BLOCK_C, BLOCK_C, BLOCK_DK, False, PRECISION, False)  # (C, C)
     allowed = lower & key_c_ok[None, :] & row_ok[:, None]
     w_pow = tl.trans(gain_c[:, None] * tl.exp(tl.where(allowed, logits - lse_c[:, None], float("-inf"))))
     lam = adj
@@ -362,14 +370,15 @@ def _d_logits(logits, lam_dot_s, lse_t, gain_t, dgain_t, allowed):
 
 @triton.jit
 def _lam_dot_s(lam_ptr, past_s_ptr, s_ptr, t, t_ok, pos, P, n_valid, DV,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+               PAST_ROWS: tl.constexpr):
     """lam_t . s_j (M, N) for query rows t and key positions pos, over the value columns BLOCK_DV at a time."""
     total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for v0 in range(0, DV, BLOCK_DV):
         cols_v = v0 + tl.arange(0, BLOCK_DV)
         lam_t = tl.load(lam_ptr + t[:, None] * DV + cols_v[None, :],
                         mask=t_ok[:, None] & (cols_v[None, :] < DV), other=0.0)  # (M, BLOCK_DV)
-        s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, n_valid, cols_v, DV)  # (N, BLOCK_DV)
+        s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, n_valid, cols_v, DV, PAST_ROWS)  # (N, BLOCK_DV)
         total += tl.dot(lam_t, tl.trans(s_blk), input_precision=PRECISION)
     return total
 
@@ -388,7 +397,7 @@ def _bwd_dq_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_p
                    dq_ptr,  # output (B, T, DK) fp32
                    T, P, DK, DV, scale,
                    HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, PAST_ROWS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
     q_ptr += b * T * DK
@@ -413,11 +422,11 @@ def _bwd_dq_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_p
     for n0 in range(0, n_end, BLOCK_N):
         pos = n0 + offs_n
         key_ok = _key_ok(mask_ptr, pos, n_end, HAS_MASK)
-        k_blk = _load_rows(past_k_ptr, k_ptr, pos, P, n_end, cols_k, DK)  # (N, BLOCK_DK)
+        k_blk = _load_rows(past_k_ptr, k_ptr, pos, P, n_end, cols_k, DK, PAST_ROWS)  # (N, BLOCK_DK)
         logits = _logits(q_ptr, t, t_ok, past_k_ptr, k_ptr, pos, P, n_end, DK, scale, 0.0, BLOCK_M, BLOCK_N,
-                         BLOCK_DK, False, PRECISION)
+                         BLOCK_DK, False, PRECISION, PAST_ROWS)
         lam_dot_s = _lam_dot_s(lam_ptr, past_s_ptr, s_ptr, t, t_ok, pos, P, n_end, DV, BLOCK_M, BLOCK_N, BLOCK_DV,
-                               PRECISION)
+                               PRECISION, PAST_ROWS)
         allowed = t_ok[:, None] & key_ok[None, :] & (pos[None, :] < P + t[:, None])
         d_logits, _ = _d_logits(logits, lam_dot_s, lse_t, gain_t, dgain_t, allowed)
         dq += tl.dot(d_logits, k_blk, input_precision=PRECISION)
@@ -460,9 +469,9 @@ def _bwd_dk_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr, s_p
         lse_t, gain_t, dgain_t = _load_query_rows(lse_ptr, gain_ptr, dgain_ptr, t, t_ok)
         q_t = _queries(q_ptr, t, t_ok, cols_k, DK)  # (M, BLOCK_DK)
         logits = _logits(q_ptr, t, t_ok, past_k_ptr, k_ptr, pos, P, P + T, DK, scale, 0.0, BLOCK_M, BLOCK_N,
-                         BLOCK_DK, False, PRECISION)
+                         BLOCK_DK, False, PRECISION, HAS_PAST)  # cached keys are visited only with HAS_PAST
         lam_dot_s = _lam_dot_s(lam_ptr, past_s_ptr, s_ptr, t, t_ok, pos, P, P + T, DV, BLOCK_M, BLOCK_N, BLOCK_DV,
-                               PRECISION)
+                               PRECISION, HAS_PAST)
         allowed = t_ok[:, None] & key_ok[None, :] & (pos[None, :] < P + t[:, None])  # (M, N)
         d_logits, w = _d_logits(logits, lam_dot_s, lse_t, gain_t, dgain_t, allowed)
         dk += tl.dot(tl.trans(d_logits), q_t, input_precision=PRECISION)
@@ -523,8 +532,8 @@ def _forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, counters, pa
         float(scale)), dict(
         HAS_MASK=mask is not None, SAVE=save, BLOCK_C=meta["block_c"], BLOCK_N=meta["block_n"],
         BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"], LOG_C=meta["log_c"],
-        ONE_KEY_BLOCK=meta["block_dk"] >= q.shape[-1], PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES))
+        ONE_KEY_BLOCK=meta["block_dk"] >= q.shape[-1], PRECISION=_precision(q.dtype), PAST_ROWS=past > 0,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS))
 
 
 def _backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam, d_gain, counters, dq, dk, d_past_k,
@@ -534,7 +543,7 @@ def _backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam,
     key_dim = q.shape[-1]
     mask_arg = gain if mask is None else mask
     common = dict(HAS_MASK=mask is not None, BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"],
-                  PRECISION=INPUT_PRECISION, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                  PRECISION=_precision(q.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS)
     programs, chunks, blocks = _pipeline(batch, length, width, meta)
     ticket, progress = _ticket_and_progress(counters)
     launches = [(_bwd_lam_kernel, (programs,), (
@@ -548,7 +557,7 @@ def _backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam,
     if dq is not None:
         launches.append((_bwd_dq_kernel, (batch, triton.cdiv(length, block), key_blocks), (
             q, k, gain, mask_arg, pk, ps, s, lse, lam, d_gain, dq,
-            length, past, key_dim, width, scale), dict(BLOCK_M=block, BLOCK_N=block, **common)))
+            length, past, key_dim, width, scale), dict(BLOCK_M=block, BLOCK_N=block, PAST_ROWS=past > 0, **common)))
     if dk is not None:  # the dk kernel writes the cached keys' gradients too
         need_past = d_past_k is not None
         key_start = 0 if need_past else past

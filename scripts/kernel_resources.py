@@ -39,7 +39,7 @@ def _type_of(value) -> str:
 
     if isinstance(value, torch.Tensor):
         return "*" + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
-                      torch.int64: "i64", torch.int32: "i32", torch.bool: "i1"}[value.dtype]
+                      torch.int64: "i64", torch.int32: "i32", torch.bool: "i1", torch.uint8: "u8"}[value.dtype]
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):

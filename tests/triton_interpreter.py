@@ -58,6 +58,25 @@ def record_launches(monkeypatch, kernels) -> set:
     return launched
 
 
+def tf32_dots(monkeypatch) -> None:
+    """From now on, interpreted ``tl.dot``s asked for ``input_precision="tf32"`` round their fp32 operands to tf32
+    (10 mantissa bits, to nearest even) first, as a tensor core reads them; the interpreter otherwise computes every
+    dot in fp32, so a kernel's own tf32 error would go unseen on a CPU. Nothing changes on a GPU, where it is real."""
+    if not INTERPRETED:
+        return
+    from triton.runtime import interpreter
+
+    real = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if getattr(input_precision, "name", None) == "TF32":
+            a, b = (interpreter.TensorHandle(interpreter._round_f32_to_tf32(x.data), x.dtype.scalar)
+                    if x.data.dtype == "float32" else x for x in (a, b))
+        return real(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
 def run_under_interpreter(test_file, timeout=600):
     """Run ``test_file`` in a fresh pytest process with TRITON_INTERPRET=1; fail with its output unless it passed."""
     root = Path(__file__).resolve().parents[1]

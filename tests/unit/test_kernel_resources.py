@@ -120,12 +120,14 @@ def test_the_gltm_kernels_fit_sm90_registers_without_a_spill(monkeypatch, shape)
         assert warps == 4 and registers <= 168 and spill == 0, (kernel, usage)
 
 
-@pytest.mark.variant  # four sm_90 compiles: the full tier
-def test_the_sessa_kernels_fit_an_h100_block_at_the_default_chunk_size(monkeypatch):
-    """The solve's four kernels as the official SmolLM2 conversion launches them (one feedback head, keys and rows
-    576 wide) at the mixer's default ``sessa_chunk_size`` (128): each fits an sm_90 block's shared memory (the
-    pipeline takes chunks of at most MAX_CHUNK rows; 128-row ones would not launch). Registers still spill
-    (docs/benchmarks.md)."""
+@pytest.mark.variant  # four sm_90 compiles a layout: the full tier
+@pytest.mark.parametrize("rows,width,key_dim", [(9, 64, 64), (32, 128, 128), (1, 576, 576)],
+                         ids=["smollm2-135m", "llama3-8b", "one-576-wide-head"])
+def test_the_sessa_kernels_fit_sm90_registers_without_a_spill(monkeypatch, rows, width, key_dim):
+    """Issue 67's register budget for the solve's four kernels in a bf16 training call (tf32 dots) at the mixer's
+    default ``sessa_chunk_size``: at most 168 registers a thread at 4 warps, no spill, and an sm_90 block's shared
+    memory, at SmolLM2's and Llama-3-8B's head layouts and the official conversion's one feedback head (keys and rows
+    576 wide, in blocks). The pipeline takes chunks of at most MAX_CHUNK rows whatever the chunk size asked."""
     from hf_mixers.core.registry import get_mixer
     from hf_mixers.kernels.feedback_solve import feedback_solve
     from hf_mixers.kernels.feedback_solve_triton import MAX_CHUNK
@@ -134,10 +136,13 @@ def test_the_sessa_kernels_fit_an_h100_block_at_the_default_chunk_size(monkeypat
     monkeypatch.setattr("hf_mixers.kernels.dispatch.triton_unavailable", lambda device: None)  # compiled, never run
     chunk_size = next(option.default for option in get_mixer("sessa").options if option.name == "sessa_chunk_size")
     assert chunk_size > MAX_CHUNK
-    leaf = lambda *size: torch.randn(*size, requires_grad=True)  # noqa: E731
-    feedback_solve(leaf(1, 256, 576), leaf(1, 256, 576), leaf(1, 256, 576), torch.rand(1, 256, requires_grad=True),
+    leaf = lambda *size: torch.randn(*size).to(torch.bfloat16).requires_grad_()  # noqa: E731
+    feedback_solve(leaf(rows, 256, width), leaf(rows, 256, key_dim), leaf(rows, 256, key_dim), leaf(rows, 256),
                    method="chunked", chunk_size=chunk_size, backend="triton").sum().backward()
-    assert {record["kernel"] for record in records} == {"_fwd_kernel", "_bwd_lam_kernel", "_bwd_dq_kernel",
-                                                        "_bwd_dk_kernel"}, records
+    usage = {record["kernel"]: (record["options"]["num_warps"], record["registers"], record["spill_bytes"],
+                                record["constexprs"]["PRECISION"]) for record in records}
+    assert usage.keys() == {"_fwd_kernel", "_bwd_lam_kernel", "_bwd_dq_kernel", "_bwd_dk_kernel"}, records
     assert all(record["fits"] and record["constexprs"].get("BLOCK_C", MAX_CHUNK) <= MAX_CHUNK for record in records), \
         records
+    for kernel, (warps, registers, spill, precision) in usage.items():
+        assert warps == 4 and registers <= 168 and spill == 0 and precision == "tf32", (kernel, usage)
