@@ -339,8 +339,11 @@ def test_ctrl_c_is_one_line_exit_130_and_nothing_half_written(teacher_dir, tmp_p
     out = tmp_path / "out"
     words = {"convert": ["convert", teacher_dir, "--mixer", "rsa", "--out", str(out)],
              "distill": ["distill", *[part for item in small(teacher_dir, out) for part in ("--set", item)]]}[command]
+    # SIGINT as a terminal leaves it: a test process may ignore it (then so would its child, and Python would never
+    # raise KeyboardInterrupt there), so the child starts with the default disposition
     child = subprocess.Popen([sys.executable, "-m", "hf_mixers", *words], stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in child.stderr:
         if line.startswith("converting"):
             child.send_signal(signal.SIGINT)

@@ -127,3 +127,21 @@ def test_every_package_folder_is_installed():
             relative = init.parent.relative_to(ROOT / folder).parts
             folders.add(".".join((name, *relative)))
     assert not folders - listed, f"package folders missing from pyproject.toml's packages: {sorted(folders - listed)}"
+
+
+def test_pyproject_allows_only_the_torch_the_suite_runs_on():
+    """The compiled decode step (hf_mixers/decode) reads torch internals that change between releases, each with a
+    tested fallback; pyproject.toml allows the one minor version constraints.txt pins and the suite runs on."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    torch_requirement = next(Requirement(item) for item in tomllib.loads((ROOT / "pyproject.toml").read_text())
+                             ["project"]["dependencies"] if Requirement(item).name == "torch")
+    pinned = next(Version(line.split("==")[1]) for line in (ROOT / "constraints.txt").read_text().splitlines()
+                  if line.startswith("torch=="))
+    major, minor = pinned.release[:2]
+    assert pinned in torch_requirement.specifier
+    neighbours = [Version(f"{major}.{minor - 1}.99"), Version(f"{major}.{minor + 1}.0")]
+    assert not list(torch_requirement.specifier.filter(neighbours)), torch_requirement
