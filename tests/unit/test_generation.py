@@ -431,6 +431,7 @@ def test_a_step_that_cannot_be_built_here_decodes_eagerly_and_says_so_once(monke
         compiled.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
 
 
+@pytest.mark.variant  # an Inductor compile of its own (~10-30 s on a clean cache): the full tier
 def test_compile_decode_takes_a_torch_compile_mode(monkeypatch):
     """compile_decode: true, false or one of torch.compile's modes ("reduce-overhead" is a CUDA graph on CUDA and
     the default mode on CPU, with its C++ launcher: no graph to replay there)."""

@@ -149,6 +149,7 @@ def test_pow2_ce_cache_grows_like_log_t_not_t():
     assert cache.layers[0].keys.shape[2] == 10
 
 
+@pytest.mark.variant  # an Inductor compile of its own (~10-30 s on a clean cache): the full tier
 def test_the_compiled_step_keeps_fixed_slots_and_grows_them_once_past_the_model_length():
     """``compile_decode`` on pow2_ce: the cache sits at ``decode_slots`` slots (3 up to max_position_embeddings = 8:
     offsets 1, 2, 4), empty ones at position 0, holding exactly what the next token reads; from the token whose next

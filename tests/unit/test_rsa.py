@@ -296,6 +296,7 @@ def test_rsa_cache_refuses_to_crop():
     assert not cache.layers[0].is_croppable
 
 
+@pytest.mark.variant  # an Inductor compile of its own (~10-30 s on a clean cache): the full tier
 @pytest.mark.parametrize("block, window", first_in_fast(("llama", 4), ("llama", 0), ("sessa", 0)))
 def test_compiled_decode_step_equals_the_eager_step(block, window, monkeypatch):
     """rsa_compile_decode: the torch.compile'd block step (one graph shared by every layer) = the reference, with the
@@ -319,6 +320,7 @@ def test_compiled_decode_step_equals_the_eager_step(block, window, monkeypatch):
     assert graphs_built() == 1  # one graph (or exported program) for both layers and every step: no recompiles
 
 
+@pytest.mark.variant  # an Inductor compile of its own (~10-30 s on a clean cache): the full tier
 def test_a_step_replayed_into_reused_buffers_is_copied_out(monkeypatch):
     """decode_compiled with a CUDA-graph step (one graph for every block, each replay writing into the same output
     memory): stood in for on the CPU by the eager block step writing into fixed buffers. Without the copy, the

@@ -293,6 +293,7 @@ def test_a_fresh_state_is_laid_out_from_the_shapes_alone(length, padded):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
+@pytest.mark.variant  # an Inductor compile of its own (~10-30 s on a clean cache): the full tier
 def test_the_compiled_write_equals_the_eager_one_and_one_graph_serves_every_layer():
     """``rsa_compile_write``: each chunk's write side and reference refresh through one torch.compile graph (fewer
     launches on a GPU). In fp64 on CPU: the output, the state and every gradient (inputs, prototypes, MLPs, beta)

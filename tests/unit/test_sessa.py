@@ -344,6 +344,7 @@ def test_a_step_of_growing_shapes_is_never_replayed_as_a_cuda_graph():
     assert compile_step(block_step, "cuda", "reduce-overhead")[1] is True
 
 
+@pytest.mark.variant  # an Inductor compile of its own (~10-30 s on a clean cache): the full tier
 def test_generate_through_the_compiled_step_equals_the_eager_one(monkeypatch):
     """generate() greedy and with beam search (whose cache reordering hands the step whole tensors instead of buffer
     views) writes the same tokens with config.compile_decode as without (traced without Inductor's code)."""

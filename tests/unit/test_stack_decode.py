@@ -67,6 +67,7 @@ def compiled_functions(monkeypatch):
     return names
 
 
+@pytest.mark.variant  # an Inductor compile of its own (~10-30 s on a clean cache): the full tier
 def test_the_stack_compiles_as_one_graph_equal_to_eager_and_one_forward():
     """Inductor, "reduce-overhead" (on CPU: the default mode, no CUDA graph): two kinds of mixer in one graph, every
     step after the first replays it (no recompile), equal to the eager decode and to one forward on a left-padded
@@ -206,6 +207,7 @@ def _state_pointers(model, cache, layer_types) -> list:
     return pointers
 
 
+@pytest.mark.variant  # an Inductor compile of its own (~10-30 s on a clean cache): the full tier
 def test_in_place_states_equal_eager_and_keep_their_memory(in_place):
     """IN_PLACE_DEVICES (off by default, until a GPU measures it): once a step's new states have their inputs'
     shapes, the next steps write them into the cache's own tensors (Inductor, one more graph, none after), equal to
