@@ -94,6 +94,7 @@ MAX_CHUNK = 32
 MAX_KEY_BLOCK = 32  # key / query block of the sweeps and the parallel backward kernels
 KEY_FEATURE_BLOCK = 32
 VALUE_FEATURE_BLOCK = 32
+GRADIENT_KEY_BLOCK = 16  # dq / dk: key features a program's columns and its logits' loop take (32 spilled there)
 MAX_REGISTERS = 168
 NUM_WARPS = 4  # untuned: tuning (and an autotune config list) needs a GPU
 # One software-pipelining stage: the sweep is a chain of dependent steps, so deeper pipelining has little to overlap,
@@ -501,6 +502,7 @@ def _meta(length, key_dim, width, chunk_size) -> dict:
     chunk = min(chunk_size, MAX_CHUNK, max(length, 1))
     return dict(chunk=chunk, block_c=tile_edge(chunk), log_c=(chunk - 1).bit_length(),
                 block_n=tile_edge(chunk, MAX_KEY_BLOCK), block_dk=tile_edge(key_dim, KEY_FEATURE_BLOCK),
+                block_dk_grad=tile_edge(key_dim, GRADIENT_KEY_BLOCK),
                 block_dv=tile_edge(width, VALUE_FEATURE_BLOCK))
 
 
@@ -553,19 +555,19 @@ def _backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam,
     pk = k if not past else past_k
     ps = s if not past else past_s
     block = meta["block_n"]
-    key_blocks = triton.cdiv(key_dim, meta["block_dk"])  # dq and dk: one block of their columns per program
+    key_blocks = triton.cdiv(key_dim, meta["block_dk_grad"])  # dq and dk: one block of their columns per program
+    gradient = dict(common, BLOCK_M=block, BLOCK_N=block, BLOCK_DK=meta["block_dk_grad"])
     if dq is not None:
         launches.append((_bwd_dq_kernel, (batch, triton.cdiv(length, block), key_blocks), (
             q, k, gain, mask_arg, pk, ps, s, lse, lam, d_gain, dq,
-            length, past, key_dim, width, scale), dict(BLOCK_M=block, BLOCK_N=block, PAST_ROWS=past > 0, **common)))
+            length, past, key_dim, width, scale), dict(gradient, PAST_ROWS=past > 0)))
     if dk is not None:  # the dk kernel writes the cached keys' gradients too
         need_past = d_past_k is not None
         key_start = 0 if need_past else past
         launches.append((_bwd_dk_kernel, (batch, triton.cdiv(past + length - key_start, block), key_blocks), (
             q, k, gain, mask_arg, pk, ps, s, lse, lam, d_gain,
             dk, dk if d_past_k is None else d_past_k, dk if d_past_s is None else d_past_s,
-            length, past, key_dim, width, key_start, scale), dict(HAS_PAST=need_past, BLOCK_M=block, BLOCK_N=block,
-                                                                    **common)))
+            length, past, key_dim, width, key_start, scale), dict(gradient, HAS_PAST=need_past)))
     return launches
 
 
