@@ -28,6 +28,8 @@ On a CUDA machine (its own torch, triton and transformers; nothing downloadable)
                  decode, generate), the dispatch log, compiled decode (also as a CUDA graph), conversion on the device
   pytest-kernels tests/gpu/test_kernels_cuda.py: the Triton kernels against their fp64 references at realistic
                  shapes (fp32, bf16; values and gradients)
+  kernel-resources-*   scripts/kernel_resources.py with this machine's Triton: each kernel's registers, spill bytes,
+                 shared memory and programs at 2K tokens (issue 67's budget), at both head layouts
   bench-rsa, bench-sessa   the mixers' benches at T = 1K..16K against SDPA, and their decoding
   pytest-libraries   tests/gpu/test_libraries_cuda.py: fla's GLA kernels, flex_attention, Liger's loss against ours
                  (where carried; their first calls autotune and compile for minutes, so they come last)
@@ -425,7 +427,14 @@ def steps(python: list[str], work: str, dry: bool) -> list[tuple[str, list[str],
         ("bench-generate", [*generate("rsa"), "--out", work, "--overwrite"], 150, {}),  # the eager token step
         ("pytest-mixers", [*pytest, "tests/gpu/test_mixers_cuda.py"], 180, records("mixers")),
         ("pytest-kernels", [*pytest, "tests/gpu/test_kernels_cuda.py"], 240, records("kernels")),  # 20 cases
-    ] + ([] if dry else [  # on CPU tests/integration/test_cli.py runs both benches (and
+    ] + ([] if dry else [  # what each Triton kernel asks of an sm_90 block, from this machine's own Triton: compiled,
+        # not run (CPU time only; on CPU tests/unit/test_kernel_resources.py runs the tool)
+        (f"kernel-resources-{shape}", [
+            *python, str(ROOT / "scripts" / "kernel_resources.py"), "--shape", shape, "--rsa-option", "rsa_window=64",
+            "--rsa-option", "rsa_readout=softmax_count", "--length", "2048",
+            "--out", os.path.join(work, f"kernel_resources_{shape}.json")], 240, {})
+        for shape in ("smollm2-135m", "llama3-8b")
+    ]) + ([] if dry else [  # on CPU tests/integration/test_cli.py runs both benches (and
         # tests/unit/test_gpu_check_steps.py parses every step's command line, these included)
         ("bench-rsa", [*cli, "bench", "rsa", "--lengths", lengths, "--contexts", "1024,4096,16384", *small, "--out",
                        work, "--overwrite"], 90, {}),  # at SmolLM2's heads (the benches' default)

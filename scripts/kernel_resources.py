@@ -29,7 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}  # bytes a block may have (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 
@@ -168,8 +167,8 @@ def run_gltm_kernels(shape: dict, length: int) -> None:
                  backend="triton").sum().backward()
 
 
-def main() -> int:
-    from hf_mixers.apps.arguments import key_value, option_dict
+def build_parser() -> argparse.ArgumentParser:
+    from hf_mixers.apps.arguments import key_value
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", choices=("rsa", "sessa", "vort", "gltm", "all"), default="all")
@@ -186,7 +185,13 @@ def main() -> int:
                         help="compile the kernels on threads at once, as kernels/triton_compile.py does before a "
                              "call's first launch, and print the wall time (each record's seconds: under contention)")
     parser.add_argument("--out", help="write the records as JSON here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    from hf_mixers.apps.arguments import option_dict
+
+    args = build_parser().parse_args()
 
     import torch
 

@@ -117,7 +117,9 @@ def test_every_steps_command_line_is_one_its_program_takes(gpu_check, dry):
     parser = build_parser()
     todo = gpu_check.steps(["python"], "/work", dry)
     names = {name for name, *_ in todo}
-    elsewhere = {"bench-rsa", "bench-sessa", "pytest-triton", "scale-1b", "compile-rsa-smollm2-135m"}
+    elsewhere = {"bench-rsa", "bench-sessa", "pytest-triton", "scale-1b", "compile-rsa-smollm2-135m",
+                 "kernel-resources-smollm2-135m", "kernel-resources-llama3-8b"}
+    resources = _kernel_resources_parser()
     assert names.isdisjoint(elsewhere) if dry else elsewhere <= names
     for name, argv, limit, _ in todo:
         assert argv[0] == "python" and limit > 0, name
@@ -129,6 +131,17 @@ def test_every_steps_command_line_is_one_its_program_takes(gpu_check, dry):
         elif argv[1:3] == ["-m", "pytest"]:
             files = [part for part in argv if part.startswith("tests/")]
             assert files and all((ROOT / part).is_file() for part in files), name
+        elif argv[1] == str(ROOT / "scripts" / "kernel_resources.py"):
+            assert resources.parse_args(argv[2:]).out.endswith(".json"), name
         else:
             assert argv[1] == str(ROOT / "scripts" / "gpu_check.py") and argv[2] in (
                 "--warm", "--make-teacher", "--decode-graphs", "--scale"), name
+
+
+def _kernel_resources_parser():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kernel_resources", ROOT / "scripts" / "kernel_resources.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool.build_parser()
