@@ -124,3 +124,16 @@ def test_a_gltm_cache_that_keeps_every_position_is_no_state():
     mixer = tiny_model("gltm[dense]").model.layers[0].mixer
     with pytest.raises(ValueError, match="GLTM layer 0: pattern 'dense' keeps every position"):
         mixer.mix(torch.randn(1, 3, mixer.config.hidden_size, dtype=torch.float64))
+
+
+def test_pip_install_with_the_vllm_extra_brings_vllm_and_registers_the_plugin():
+    """``pip install "hf-mixers[vllm]"`` pulls vLLM, and the package declares its plugin in the entry-point group vLLM
+    loads at start-up, pointing at the function that registers the model class."""
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["vllm"] == ["vllm"]
+    module, _, function = project["entry-points"]["vllm.general_plugins"]["hf_mixers"].partition(":")
+    assert callable(getattr(importlib.import_module(module), function))
