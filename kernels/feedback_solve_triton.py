@@ -11,7 +11,7 @@ as tf32 for bf16 / fp16 inputs and fp32-accurately (three tf32 products) for fp3
 
 Key and value features are taken BLOCK_DK / BLOCK_DV at a time (at most KEY_FEATURE_BLOCK / VALUE_FEATURE_BLOCK,
 so feedback heads of any width fit a GPU block's shared memory): the logits <q_t, k_j> sum over key blocks
-(``_logits``), dq and dk write one block of their columns per program.
+(``_logits``), dq and dk write one block of their columns per program (GRADIENT_KEY_BLOCK wide).
 
 Forward (``_fwd_kernel``): a chunk pipeline, one program per (batch row, block of value columns, chunk of C rows);
 the columns solve apart under the same alpha (each program recomputes the logits). For chunk rows R = c0..c0+C-1:

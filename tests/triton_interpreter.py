@@ -66,11 +66,13 @@ def tf32_dots(monkeypatch) -> None:
         return
     from triton.runtime import interpreter
 
+    from hf_mixers.apps.bench.precision import round_tf32  # the rounding `bench precision` emulates, tested there
+
     real = interpreter.InterpreterBuilder.create_dot
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if getattr(input_precision, "name", None) == "TF32":
-            a, b = (interpreter.TensorHandle(interpreter._round_f32_to_tf32(x.data), x.dtype.scalar)
+            a, b = (interpreter.TensorHandle(round_tf32(torch.from_numpy(x.data)).numpy(), x.dtype.scalar)
                     if x.data.dtype == "float32" else x for x in (a, b))
         return real(self, a, b, d, input_precision, max_num_imprecise_acc)
 

@@ -261,9 +261,11 @@ def test_keys_in_blocks_match_dense(past, detached_cache, monkeypatch):
     second ragged. The logits sum over them everywhere; dq and dk run one block of their columns per program; values
     and every gradient equal the dense solve, with the value columns in blocks too."""
     monkeypatch.setattr(fst, "KEY_FEATURE_BLOCK", 8)
+    monkeypatch.setattr(fst, "GRADIENT_KEY_BLOCK", 8)  # dq / dk's own key blocks (16 by default: one block at KD)
     monkeypatch.setattr(fst, "VALUE_FEATURE_BLOCK", 8)
     meta = fst._meta(T, KD, D, 16)
     assert meta["block_dk"] == 8 < KD and meta["block_dv"] == 8 < D
+    assert meta["block_dk_grad"] == 8 < KD
     inputs = make_inputs(past=past, padded=True)
     if detached_cache and past:
         inputs["past_k"], inputs["past_s"] = inputs["past_k"].detach(), inputs["past_s"].detach()
