@@ -31,6 +31,60 @@ triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 INTERPRETED = isinstance(triton.language.zeros, InterpretedFunction)  # triton was imported with TRITON_INTERPRET=1
+
+
+def patch_the_language_once_a_launch():
+    """The interpreter swaps triton.language's builtins for interpreted ones (``_patch_lang``: inspect.getmembers
+    over tl, tl.tensor, tl.math, for each of tl and tl.core a function's module holds) at a launch, and again at
+    every call of a ``@triton.jit`` function inside it (ours, and tl.zeros and its kin), where the same module
+    objects are mostly swapped already; a helper's swap is never undone (the launch's restore puts the originals
+    back). Those repeats were a third of an interpreted RSA test's time; here a call inside a launch swaps only the
+    modules not swapped yet in it. Idempotent."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    if getattr(interpreter._patch_lang, "once_a_launch", False):
+        return
+    patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    languages = (triton.language, triton.language.core)
+    swapped, modules_of = set(), {}
+
+    def patch_once(fn):
+        modules = modules_of.get(fn)
+        if modules is None:
+            modules = modules_of[fn] = frozenset(id(value) for value in fn.__globals__.values()
+                                                 if inspect.ismodule(value) and value in languages)
+        if modules <= swapped:  # inside a launch that has swapped this function's language already
+            return interpreter._LangPatchScope()
+        swapped.update(modules)
+        return patch_lang(fn)
+
+    def launch_and_reset(self, *args, **kwargs):
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            swapped.clear()
+
+    numpy_dtypes = {}
+    numpy_dtype = interpreter._get_np_dtype  # builds its table of 18 dtypes at each of its ~1e5 calls a test
+
+    def cached_numpy_dtype(dtype):
+        try:
+            found = numpy_dtypes.get(dtype)
+        except TypeError:  # a pointer type (unhashable)
+            return numpy_dtype(dtype)
+        if found is None:
+            found = numpy_dtypes[dtype] = numpy_dtype(dtype)
+        return found
+
+    patch_once.once_a_launch = True
+    interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_once, launch_and_reset
+    interpreter._get_np_dtype = cached_numpy_dtype
+
+
+if INTERPRETED:
+    patch_the_language_once_a_launch()
 DEVICE = "cpu" if INTERPRETED else ("cuda" if torch.cuda.is_available() else None)
 
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason="no GPU here: run by test_under_interpreter_in_subprocess")

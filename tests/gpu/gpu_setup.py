@@ -21,6 +21,9 @@ if torch.cuda.is_available() and not DRY:
     DEVICE = torch.device("cuda")
 elif DRY and os.environ.get("TRITON_INTERPRET") == "1":
     DEVICE = torch.device("cpu")
+    from triton_interpreter import patch_the_language_once_a_launch
+
+    patch_the_language_once_a_launch()  # idempotent: the import has applied it already
 else:
     DEVICE = None
 
