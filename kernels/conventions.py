@@ -13,6 +13,11 @@ import types
 import torch
 
 
+# Issue 67's register budget for a Triton kernel on sm_90 at 4 warps, passed as ``maxnreg`` where a kernel would
+# otherwise take more (ptxas then keeps within it; tests/unit/test_kernel_resources.py checks there is no spill).
+MAX_REGISTERS = 168
+
+
 def tile_edge(n: int, cap: int | None = None) -> int:
     """A Triton kernel's tile edge for ``n``: the power of two >= max(n, 16) (``tl.dot`` needs >= 16 on GPUs),
     at most ``cap`` when given (a dimension then taken in blocks)."""

@@ -75,7 +75,7 @@ try:
 finally:
     pass
 
-from .conventions import check_feedback_shapes, compute_dtype, kernel_op, tile_edge
+from .conventions import MAX_REGISTERS, check_feedback_shapes, compute_dtype, kernel_op, tile_edge
 from .triton_compile import compile_side_by_side
 
 # The dots' operand precision follows the inputs (``_precision``). bf16 / fp16 inputs take plain tf32: issue 67's
@@ -95,7 +95,6 @@ MAX_KEY_BLOCK = 32  # key / query block of the sweeps and the parallel backward 
 KEY_FEATURE_BLOCK = 32
 VALUE_FEATURE_BLOCK = 32
 GRADIENT_KEY_BLOCK = 16  # dq / dk: key features a program's columns and its logits' loop take (32 spilled there)
-MAX_REGISTERS = 168
 NUM_WARPS = 4  # untuned: tuning (and an autotune config list) needs a GPU
 # One software-pipelining stage: the sweep is a chain of dependent steps, so deeper pipelining has little to overlap,
 # and Triton's default of 3 buffers every tile load three deep (shared memory an H100 block may lack at wide tiles).

@@ -13,11 +13,14 @@ a chunk reads S_c (and the references' boundary) and writes S_{c+1}, FEATURE_BLO
 (m, d) tile is carried in registers from chunk to chunk (carried, the sums, references and prototypes spilled at
 SmolLM2's heads on sm_90).
 
-The level kernel (``level_writes_triton``, the twin of ``rsa_state.level_writes``): once the chain's assignments
+The level kernels (``level_writes_triton``, the twin of ``rsa_state.level_writes``): once the chain's assignments
 are known the rest is linear in them: what the level writes W = f . valid, the value sums V_{c+1} = V_c + W^T Y_c
 and relation sums R_{c+1} = R_c + F_above^T W at every boundary, the next level's residual inputs X_c - p ref_k and
-Y_c - p ref_v against the references of each chunk's start, and the references the state keeps. One program per
-(row, head) again, chunks in order forward and in reverse backward; only the residual MLPs stay in PyTorch.
+Y_c - p ref_v against the references of each chunk's start, and the references the state keeps. Forward, in
+parallel over chunks and column blocks: every chunk's increments W^T Y_c and F_above^T W (``_level_sums_fwd``), a
+running sum over the boundaries (one ``cumsum_`` each of V and R), then every chunk's residuals and the state's
+references (``_level_residuals_fwd``). Backward one program per (row, head), chunks in reverse. Only the residual
+MLPs stay in PyTorch.
 
 The chain's backward (reverse over chunks, the same grid): the adjoints of S (in the gradient buffer of the starting
 sums, feature block by block) and n carried from chunk to chunk; per chunk the assignment recomputed from the saved
@@ -46,7 +49,7 @@ try:
 finally:
     pass
 
-from .conventions import kernel_op, packed_zeros, tile_edge, unpacked
+from .conventions import MAX_REGISTERS, kernel_op, packed_zeros, tile_edge, unpacked
 from .rsa_state import RSAParams
 
 # fp32-accurate dots on tensor cores: plain tf32 would put the read ~1e-3 off the reference (it divides sums by
@@ -58,6 +61,7 @@ FORWARD_WARPS = 4
 BACKWARD_WARPS = 8  # fewer spills than at 4 on sm_90 (docs/benchmarks.md, "Launch budget and kernel resources")
 CHAIN_STAGES = 1  # no software pipelining of the feature loops: its buffers took registers
 ROW_BLOCK = 32  # a chunk's rows an iteration takes: (32, m) tiles of scores and assignments in registers
+SUMS_ROW_BLOCK = 16  # the level's sums kernel: at 32, R's (m x m) sums spilled, V's took 232 registers (Triton 3.6)
 FEATURE_BLOCK = 32  # key features an iteration takes: (32, 32) and (m, 32) tiles
 MAX_TILE = 64  # chunk size and slots: one tile (C x m, m x m)
 MAX_HEAD_DIM = 128  # key / value head dims (Llama-3-8B's heads): (C, d) tiles whole
@@ -350,100 +354,112 @@ def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, be
 # The rest of a level's write (rsa_state.level_writes), once its chain is known: linear in the assignments.
 
 
-@triton.jit(do_not_specialize=["Tp", "NC", "v0_b", "v0_g", "kref_b", "kref_g", "vref_b", "vref_g", "r0_b", "r0_g",
-                               "prior_g", "kappa_g"])
-def _level_fwd(f_ptr, p_ptr, x_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v0_ptr, kref0_ptr, vref0_ptr,
-               prior_ptr, kappa_ptr, above_ptr, r0_ptr, w_ptr, v_ptr, r_ptr, xn_ptr, yn_ptr, kout_ptr, vout_ptr,
-               v0_b, v0_g, kref_b, kref_g, vref_b, vref_g, r0_b, r0_g, prior_g, kappa_g, Tp, NC, G, C, M, D, DV, eps,
-               RESIDUAL: tl.constexpr, RELATION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    """One program = one (batch row, KV head), chunks in order. Per chunk c against boundary at = min(c, reached):
-    W = f . valid; R_{c+1} = R_c + F_above^T W (RELATION); with RESIDUAL x - p ref_k, y - p ref_v; V_{c+1} = V_c +
-    W^T y. Then the references of boundary min(NC, reached), the state's after the call. p_ptr is f_ptr for
-    softmax assignment."""
-    b, g, head, row, g64, kappa, reached, kref0, prior = _program(reached_ptr, kref0_ptr, prior_ptr, kappa_ptr, kref_b,
-                                                                  kref_g, prior_g, kappa_g, G)
-    vref0 = vref0_ptr + row * vref_b + g64 * vref_g
-    slots = tl.arange(0, BLOCK_M)
-    slot_ok = slots < M
-    MD, MDV, MM = M * D, M * DV, M * M
-    sums, masses = s_ptr + head * (NC + 1) * MD, n_ptr + head * (NC + 1) * M
-    values, relations = v_ptr + head * (NC + 1) * MDV, r_ptr + head * (NC + 1) * MM
-    off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
-    for e0 in range(0, DV, BLOCK_DV):
-        cols = e0 + tl.arange(0, BLOCK_DV)
-        ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
-        tl.store(values + off_mv, tl.load(v0_ptr + row * v0_b + g64 * v0_g + off_mv, mask=ok_mv, other=0.0),
-                 mask=ok_mv)
-    relation = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
-    if RELATION:
-        relation = tl.load(r0_ptr + row * r0_b + g64 * r0_g + off_mm, mask=ok_mm, other=0.0)
-        tl.store(relations + off_mm, relation, mask=ok_mm)
-    tl.debug_barrier()
-    for c in range(NC):
-        at = tl.minimum(c, reached)
-        n_at = tl.load(masses + at * M + slots, mask=slot_ok, other=0.0)
-        k_inverse, v_inverse = 1.0 / tl.maximum(kappa + n_at, eps), 1.0 / tl.maximum(n_at, eps)
-        for r0 in range(0, C, BLOCK_R):  # the rows: what the level writes, and the relation sums
+@triton.jit
+def _boundary_sums(f_ptr, valid_ptr, z_ptr, w_ptr, start_ptr, sums_ptr, b, head, c, NC, Tp, C, M, width, slots, slot_ok,
+                   cols, store_w, TRANSPOSED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_Z: tl.constexpr, PRECISION: tl.constexpr):
+    """Chunk c's increment at boundary c + 1 of sums (M, width), columns ``cols``: W_c^T Z_c, W = f . valid, Z's
+    rows ``width`` wide (TRANSPOSED: Z_c^T W_c, an (M, M) sum); chunk 0 also copies the starting sums to boundary 0.
+    W itself is written too where ``store_w``."""
+    ok, off = slot_ok[:, None] & (cols < width)[None, :], slots[:, None] * width + cols[None, :]
+    if c == 0:
+        tl.store(sums_ptr + off, tl.load(start_ptr + off, mask=ok, other=0.0), mask=ok)
+    if c < NC:  # (no chunks: the grid's one chunk index writes boundary 0 alone)
+        total = tl.zeros((BLOCK_M, BLOCK_Z), dtype=tl.float32)
+        for r0 in range(0, C, BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R)
             row_ok = rows < C
             ok_rm, token = row_ok[:, None] & slot_ok[None, :], head * Tp + c * C + rows
-            write = tl.load(valid_ptr + row * Tp + c * C + rows, mask=row_ok, other=0.0)
+            write = tl.load(valid_ptr + b * Tp + c * C + rows, mask=row_ok, other=0.0)
             w = tl.load(f_ptr + token[:, None] * M + slots[None, :], mask=ok_rm, other=0.0) * write[:, None]
-            tl.store(w_ptr + token[:, None] * M + slots[None, :], w, mask=ok_rm)
-            if RELATION:
-                above = tl.load(above_ptr + token[:, None] * M + slots[None, :], mask=ok_rm, other=0.0)
-                relation += tl.dot(tl.trans(above), w, input_precision=PRECISION)
-        if RELATION:
-            tl.store(relations + (c + 1) * MM + off_mm, relation, mask=ok_mm)
-        tl.debug_barrier()  # the chunk's W written before its rows are read back
-        if RESIDUAL:  # the next level's keys: x - p ref_k
-            for d0 in range(0, D, BLOCK_D):
-                cols = d0 + tl.arange(0, BLOCK_D)
-                ok_md, off_md = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
-                ref = _reference(kref0, prior, sums, at, k_inverse, off_md, ok_md, MD, True)
-                for r0 in range(0, C, BLOCK_R):
-                    rows = r0 + tl.arange(0, BLOCK_R)
-                    row_ok = rows < C
-                    token = head * Tp + c * C + rows
-                    ok_rd = row_ok[:, None] & (cols < D)[None, :]
-                    p = tl.load(p_ptr + token[:, None] * M + slots[None, :], mask=row_ok[:, None] & slot_ok[None, :],
-                                other=0.0)
-                    x = tl.load(x_ptr + token[:, None] * D + cols[None, :], mask=ok_rd, other=0.0)
-                    tl.store(xn_ptr + token[:, None] * D + cols[None, :],
-                             x - tl.dot(p, ref, input_precision=PRECISION), mask=ok_rd)
-        for e0 in range(0, DV, BLOCK_DV):  # the value sums, and the next level's values y - p ref_v
-            cols = e0 + tl.arange(0, BLOCK_DV)
-            ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
-            value_sum = tl.load(values + c * MDV + off_mv, mask=ok_mv, other=0.0)
-            ref = _reference(vref0, prior, values, at, v_inverse, off_mv, ok_mv, MDV, False)
-            for r0 in range(0, C, BLOCK_R):
-                rows = r0 + tl.arange(0, BLOCK_R)
-                row_ok = rows < C
-                token = head * Tp + c * C + rows
-                ok_rm, ok_rv = row_ok[:, None] & slot_ok[None, :], row_ok[:, None] & (cols < DV)[None, :]
-                w = tl.load(w_ptr + token[:, None] * M + slots[None, :], mask=ok_rm, other=0.0)
-                y = tl.load(y_ptr + token[:, None] * DV + cols[None, :], mask=ok_rv, other=0.0)
-                value_sum += tl.dot(tl.trans(w), y, input_precision=PRECISION)
-                if RESIDUAL:
-                    p = tl.load(p_ptr + token[:, None] * M + slots[None, :], mask=ok_rm, other=0.0)
-                    tl.store(yn_ptr + token[:, None] * DV + cols[None, :],
-                             y - tl.dot(p, ref, input_precision=PRECISION), mask=ok_rv)
-            tl.store(values + (c + 1) * MDV + off_mv, value_sum, mask=ok_mv)
-        tl.debug_barrier()  # V_{c+1} written before the next chunk reads it
-    at = tl.minimum(NC, reached)  # the references the state keeps
+            if store_w:
+                tl.store(w_ptr + token[:, None] * M + slots[None, :], w, mask=ok_rm)
+            z = tl.load(z_ptr + token[:, None] * width + cols[None, :], mask=row_ok[:, None] & (cols < width)[None, :],
+                        other=0.0)
+            if TRANSPOSED:
+                total += tl.dot(tl.trans(z), w, input_precision=PRECISION)
+            else:
+                total += tl.dot(tl.trans(w), z, input_precision=PRECISION)
+        tl.store(sums_ptr + (c + 1) * M * width + off, total, mask=ok)
+
+
+@triton.jit(do_not_specialize=["Tp", "NC", "v0_b", "v0_g", "r0_b", "r0_g"])
+def _level_sums_fwd(f_ptr, y_ptr, valid_ptr, v0_ptr, above_ptr, r0_ptr, w_ptr, v_ptr, r_ptr, v0_b, v0_g, r0_b, r0_g,
+                    Tp, NC, G, C, M, DV,
+                    RELATION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """Grid (B * G, max(NC, 1), value-column blocks [+ 1 with RELATION]). Program (head, c, e) writes chunk c's
+    increment at boundary c + 1: W_c^T y_c of V's columns e (e = 0 also writes W = f . valid), or, the last e with
+    RELATION, F_above^T W_c of R; chunk 0's programs write boundary 0's starting sums too. ``_level_forward``'s
+    cumulative sum over the boundaries makes them V and R. One accumulator a program: R's (m x m) tile beside V's
+    spilled on sm_90."""
+    head, c, e = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    b, g = head // G, head % G
+    slots = tl.arange(0, BLOCK_M)
+    slot_ok = slots < M
+    if RELATION and e == tl.cdiv(DV, BLOCK_DV):  # R's program
+        _boundary_sums(f_ptr, valid_ptr, above_ptr, w_ptr, r0_ptr + b * r0_b + g * r0_g,
+                       r_ptr + head * (NC + 1) * M * M, b, head, c, NC, Tp, C, M, M, slots, slot_ok, slots, False,
+                       True, BLOCK_R, BLOCK_M, BLOCK_M, PRECISION)
+    else:  # V's columns e
+        _boundary_sums(f_ptr, valid_ptr, y_ptr, w_ptr, v0_ptr + b * v0_b + g * v0_g,
+                       v_ptr + head * (NC + 1) * M * DV, b, head, c, NC, Tp, C, M, DV, slots, slot_ok,
+                       e * BLOCK_DV + tl.arange(0, BLOCK_DV), e == 0, False, BLOCK_R, BLOCK_M, BLOCK_DV, PRECISION)
+
+
+@triton.jit
+def _minus_assigned(p_ptr, src_ptr, out_ptr, ref, start, cols, width, C, M, slots, slot_ok, BLOCK_R: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """One chunk's rows (from token ``start``) of src - p ref, for one column block of ref (M, BLOCK_F)."""
+    for r0 in range(0, C, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        row_ok = rows < C
+        token = start + rows
+        ok_rf = row_ok[:, None] & (cols < width)[None, :]
+        p = tl.load(p_ptr + token[:, None] * M + slots[None, :], mask=row_ok[:, None] & slot_ok[None, :], other=0.0)
+        src = tl.load(src_ptr + token[:, None] * width + cols[None, :], mask=ok_rf, other=0.0)
+        tl.store(out_ptr + token[:, None] * width + cols[None, :], src - tl.dot(p, ref, input_precision=PRECISION),
+                 mask=ok_rf)
+
+
+@triton.jit(do_not_specialize=["Tp", "NC", "FINAL", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g"])
+def _level_residuals_fwd(p_ptr, x_ptr, y_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr,
+                         kappa_ptr, xn_ptr, yn_ptr, kout_ptr, vout_ptr, kref_b, kref_g, vref_b, vref_g, prior_g,
+                         kappa_g, Tp, NC, FINAL, G, C, M, D, DV, eps,
+                         BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid (B * G, FINAL + 1, key-column blocks then value-column blocks; FINAL = NC with a residual, else 0).
+    Program (head, c, j) with c < FINAL: chunk c's rows of the next level's inputs against the references of
+    boundary at = min(c, reached), x - p ref_k (a key block j) or y - p ref_v (a value block); c = FINAL: block j of
+    the references the state keeps, boundary min(NC, reached). V is the finished value sums (``_level_sums_fwd``)."""
+    b, g, head, row, g64, kappa, reached, kref0, prior = _program(reached_ptr, kref0_ptr, prior_ptr, kappa_ptr, kref_b,
+                                                                  kref_g, prior_g, kappa_g, G)
+    c, j = tl.program_id(1), tl.program_id(2)
+    vref0 = vref0_ptr + row * vref_b + g64 * vref_g
+    slots = tl.arange(0, BLOCK_M)
+    slot_ok = slots < M
+    MD, MDV = M * D, M * DV
+    sums, masses, values = s_ptr + head * (NC + 1) * MD, n_ptr + head * (NC + 1) * M, v_ptr + head * (NC + 1) * MDV
+    residual = c < FINAL
+    at = tl.where(residual, tl.minimum(c, reached), tl.minimum(NC, reached))
     n_at = tl.load(masses + at * M + slots, mask=slot_ok, other=0.0)
-    k_inverse, v_inverse = 1.0 / tl.maximum(kappa + n_at, eps), 1.0 / tl.maximum(n_at, eps)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        ok_md, off_md = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
-        tl.store(kout_ptr + head * MD + off_md, _reference(kref0, prior, sums, at, k_inverse, off_md, ok_md, MD, True),
-                 mask=ok_md)
-    for e0 in range(0, DV, BLOCK_DV):
-        cols = e0 + tl.arange(0, BLOCK_DV)
-        ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
-        tl.store(vout_ptr + head * MDV + off_mv,
-                 _reference(vref0, prior, values, at, v_inverse, off_mv, ok_mv, MDV, False), mask=ok_mv)
+    key_blocks = tl.cdiv(D, BLOCK_F)
+    start = head * Tp + c * C
+    if j < key_blocks:  # keys: x - p ref_k
+        cols = j * BLOCK_F + tl.arange(0, BLOCK_F)
+        ok, off = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
+        ref = _reference(kref0, prior, sums, at, 1.0 / tl.maximum(kappa + n_at, eps), off, ok, MD, True)
+        if residual:
+            _minus_assigned(p_ptr, x_ptr, xn_ptr, ref, start, cols, D, C, M, slots, slot_ok, BLOCK_R, PRECISION)
+        else:
+            tl.store(kout_ptr + head * MD + off, ref, mask=ok)
+    else:  # values: y - p ref_v
+        cols = (j - key_blocks) * BLOCK_F + tl.arange(0, BLOCK_F)
+        ok, off = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
+        ref = _reference(vref0, prior, values, at, 1.0 / tl.maximum(n_at, eps), off, ok, MDV, False)
+        if residual:
+            _minus_assigned(p_ptr, y_ptr, yn_ptr, ref, start, cols, DV, C, M, slots, slot_ok, BLOCK_R, PRECISION)
+        else:
+            tl.store(vout_ptr + head * MDV + off, ref, mask=ok)
 
 
 @triton.jit
@@ -811,22 +827,32 @@ def _level_forward(f: Tensor, p: Tensor | None, x: Tensor | None, y: Tensor, val
     Returns W, V, [R], [x_next, y_next], key_ref, value_ref."""
     batch, groups, padded, slots = f.shape
     key_dim, value_dim = key_sum.shape[-1], y.shape[-1]
+    chunks = padded // chunk_size
     residual, relation = x is not None, above is not None
-    options = _level_options(residual, relation, chunk_size, slots, key_dim, value_dim)
     outputs = [f.new_empty(shape) for shape in _level_shapes(f, key_sum, y, residual, relation)]
     written, value_sums, key_ref, value_ref = outputs[0], outputs[1], outputs[-2], outputs[-1]
     dummy = f
     relations = outputs[2] if relation else dummy
     x_next, y_next = outputs[2 + relation:4 + relation] if residual else (dummy, dummy)
-    strides = (*value_sum0.stride()[:2], *key_ref0.stride()[:2], *value_ref0.stride()[:2],
-               *(relation_sum0.stride()[:2] if relation else (0, 0)), prior.stride(0), kappa.stride(0))
-    sizes = (padded, padded // chunk_size, groups, chunk_size, slots, key_dim, value_dim, eps)
-    _level_fwd[(batch * groups,)](f, f if p is None else p, dummy if x is None else x, y, valid, reached, key_sum,
-                                  mass, value_sum0, key_ref0, value_ref0, prior, kappa,
-                                  dummy if above is None else above,
-                                  dummy if relation_sum0 is None else relation_sum0, written, value_sums,
-                                  relations, x_next, y_next, key_ref, value_ref, *strides, *sizes, **options,
-                                  num_warps=FORWARD_WARPS, num_stages=CHAIN_STAGES)
+    tiles = dict(BLOCK_R=tile_edge(chunk_size, ROW_BLOCK), BLOCK_M=tile_edge(slots), PRECISION=INPUT_PRECISION)
+    launch = dict(num_warps=FORWARD_WARPS, num_stages=CHAIN_STAGES, maxnreg=MAX_REGISTERS)
+    # every chunk's increments of V (and R) at once, then their running sums over the boundaries
+    value_block = tile_edge(value_dim, FEATURE_BLOCK)
+    _level_sums_fwd[(batch * groups, max(chunks, 1), triton.cdiv(value_dim, value_block) + relation)](
+        f, y, valid, value_sum0, dummy if above is None else above, dummy if relation_sum0 is None else relation_sum0,
+        written, value_sums, relations, *value_sum0.stride()[:2],
+        *(relation_sum0.stride()[:2] if relation else (0, 0)), padded, chunks, groups, chunk_size, slots, value_dim,
+        RELATION=relation, BLOCK_DV=value_block, **{**tiles, "BLOCK_R": tile_edge(chunk_size, SUMS_ROW_BLOCK)},
+        **launch)
+    value_sums.cumsum_(2)
+    if relation:
+        relations.cumsum_(2)
+    # every chunk's residuals against the references of its start, and the references the state keeps
+    final, block = chunks if residual else 0, tile_edge(max(key_dim, value_dim), FEATURE_BLOCK)
+    _level_residuals_fwd[(batch * groups, final + 1, triton.cdiv(key_dim, block) + triton.cdiv(value_dim, block))](
+        f if p is None else p, dummy if x is None else x, y, reached, key_sum, mass, value_sums, key_ref0, value_ref0,
+        prior, kappa, x_next, y_next, key_ref, value_ref, *_level_read_strides(key_ref0, value_ref0, prior, kappa),
+        padded, chunks, final, groups, chunk_size, slots, key_dim, value_dim, eps, BLOCK_F=block, **tiles, **launch)
     return outputs
 
 

@@ -27,9 +27,9 @@ Split of the work:
   * Write side: ``rsa_state.write_chunks`` (shared with the PyTorch chunk form), split along its one recurrence:
     each level's key-assignment chain over the chunks (its assignments depend on the chunk-start state) is one
     launch of kernels/rsa_chain_triton.py, forward and backward; the rest of its write (value and relation sums,
-    every chunk's references, the next level's residual inputs) one launch of the level kernel there, and the
-    residual MLPs between levels one launch a level for the key and value MLPs (kernels/rsa_mlp_triton.py), each
-    way. The same path with and without autograd.
+    every chunk's references, the next level's residual inputs) the level kernels there (two launches forward,
+    parallel over chunks; one backward), and the residual MLPs between levels one launch a level for the key and
+    value MLPs (kernels/rsa_mlp_triton.py), each way. The same path with and without autograd.
   * Read side: ``_fwd_kernel``, one launch for *all* chunks of the call (given the write side, the chunks' reads
     are independent): grid (n_chunks x C / PROGRAM_ROWS, B * H), one program = PROGRAM_ROWS rows of a chunk x one
     query head, all L levels in order inside the program (the chain and the global normaliser couple them). Its

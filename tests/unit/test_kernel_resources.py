@@ -63,7 +63,8 @@ def test_a_launch_is_compiled_for_sm90_and_its_shared_memory_read(monkeypatch):
 @pytest.mark.parametrize("width", [64, 128], ids=["smollm2-135m", "llama3-8b"])
 def test_the_residual_mlp_kernels_fit_sm90_registers_without_a_spill(monkeypatch, width):
     """Issue 67's register budget, read from the sm_90 cubins of RSA's residual MLP kernels at both head widths: at
-    most 168 registers a thread at 4 warps and no spill (RSA's other kernels do not fit yet: docs/benchmarks.md)."""
+    most 168 registers a thread at 4 warps and no spill (RSA's chain, read and level backward kernels do not fit yet:
+    docs/benchmarks.md)."""
     from hf_mixers.kernels import rsa_mlp_triton
     from hf_mixers.kernels.rsa_state import ResidualMLPWeights
 
@@ -81,6 +82,38 @@ def test_the_residual_mlp_kernels_fit_sm90_registers_without_a_spill(monkeypatch
     assert usage.keys() == {"_mlp_fwd", "_mlp_bwd"}, records
     for kernel, (warps, registers, spill) in usage.items():
         assert warps == 4 and registers <= 168 and spill == 0, (kernel, usage)
+
+
+@pytest.mark.variant  # four sm_90 compiles a layout: the full tier
+@pytest.mark.parametrize("groups,head_dim", [(3, 64), (8, 128)], ids=["smollm2-135m", "llama3-8b"])
+def test_the_rsa_level_forward_kernels_fit_sm90_and_fill_its_sms_at_2k(monkeypatch, groups, head_dim):
+    """The rest of an RSA level's write, forward (kernels/rsa_chain_triton.py: every chunk's sums, then every chunk's
+    residuals and the state's references), at the mixer's default slots and chunk size, 2K tokens, batch 1: at most
+    168 registers a thread at 4 warps, no spill, and at least one program for each of an H100's 132 SMs in each
+    launch, at both head layouts, level 0 and a deeper level (relation sums). (The last level, with no residual to
+    write, launches the residuals kernel for the state's references alone: a program a KV head and column block.)"""
+    from hf_mixers.core.registry import get_mixer
+    from hf_mixers.kernels.rsa_chain_triton import _level_forward
+
+    _, records = _compiling_tool(monkeypatch)
+    defaults = {option.name: option.default for option in get_mixer("rsa").options}
+    slots, chunk, length = defaults["rsa_num_slots"], defaults["rsa_chunk_size"], 2048
+    boundaries = length // chunk + 1
+    zeros = lambda *size: torch.zeros(*size)  # noqa: E731
+    f, x = zeros(1, groups, length, slots), zeros(1, groups, length, head_dim)
+    for relation in (False, True):
+        _level_forward(f, None, x, x, zeros(1, length), zeros(1, groups, boundaries, slots,
+                       head_dim), zeros(1, groups, boundaries, slots), *(zeros(1, groups, slots, head_dim),) * 3,
+                       zeros(groups, slots, head_dim), zeros(groups), f if relation else None,
+                       zeros(1, groups, slots, slots) if relation else None, torch.full((1,), boundaries - 1,
+                       dtype=torch.int32), chunk, 1e-6)
+    usage = {(record["kernel"], record["constexprs"].get("RELATION")): (
+        record["options"]["num_warps"], record["registers"], record["spill_bytes"], record["programs"])
+        for record in records}
+    assert usage.keys() == {("_level_sums_fwd", False), ("_level_sums_fwd", True), ("_level_residuals_fwd", None)}, \
+        records
+    for kernel, (warps, registers, spill, programs) in usage.items():
+        assert warps == 4 and registers <= 168 and spill == 0 and programs >= 132, (kernel, usage)
 
 
 @pytest.mark.variant  # ten sm_90 compiles a layout where Triton's cache is cold (CI): the full tier
