@@ -92,6 +92,7 @@ def patch_the_language_once_a_launch():
 
 if INTERPRETED:
     patch_the_language_once_a_launch()
+
 DEVICE = "cpu" if INTERPRETED else ("cuda" if torch.cuda.is_available() else None)
 
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason="no GPU here: run by test_under_interpreter_in_subprocess")
