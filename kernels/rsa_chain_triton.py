@@ -61,7 +61,7 @@ FORWARD_WARPS = 4
 BACKWARD_WARPS = 8  # fewer spills than at 4 on sm_90 (docs/benchmarks.md, "Launch budget and kernel resources")
 CHAIN_STAGES = 1  # no software pipelining of the feature loops: its buffers took registers
 ROW_BLOCK = 32  # a chunk's rows an iteration takes: (32, m) tiles of scores and assignments in registers
-SUMS_ROW_BLOCK = 16  # the level's sums kernel: at 32, R's (m x m) sums spilled, V's took 232 registers (Triton 3.6)
+SUMS_ROW_BLOCK = 16  # the level's sums kernel: at 32 rows it exceeded the register budget (benchmarks.md)
 FEATURE_BLOCK = 32  # key features an iteration takes: (32, 32) and (m, 32) tiles
 MAX_TILE = 64  # chunk size and slots: one tile (C x m, m x m)
 MAX_HEAD_DIM = 128  # key / value head dims (Llama-3-8B's heads): (C, d) tiles whole
@@ -834,16 +834,15 @@ def _level_forward(f: Tensor, p: Tensor | None, x: Tensor | None, y: Tensor, val
     dummy = f
     relations = outputs[2] if relation else dummy
     x_next, y_next = outputs[2 + relation:4 + relation] if residual else (dummy, dummy)
-    tiles = dict(BLOCK_R=tile_edge(chunk_size, ROW_BLOCK), BLOCK_M=tile_edge(slots), PRECISION=INPUT_PRECISION)
-    launch = dict(num_warps=FORWARD_WARPS, num_stages=CHAIN_STAGES, maxnreg=MAX_REGISTERS)
+    shared = dict(BLOCK_M=tile_edge(slots), PRECISION=INPUT_PRECISION, num_warps=FORWARD_WARPS,
+                  num_stages=CHAIN_STAGES, maxnreg=MAX_REGISTERS)
     # every chunk's increments of V (and R) at once, then their running sums over the boundaries
     value_block = tile_edge(value_dim, FEATURE_BLOCK)
     _level_sums_fwd[(batch * groups, max(chunks, 1), triton.cdiv(value_dim, value_block) + relation)](
         f, y, valid, value_sum0, dummy if above is None else above, dummy if relation_sum0 is None else relation_sum0,
         written, value_sums, relations, *value_sum0.stride()[:2],
         *(relation_sum0.stride()[:2] if relation else (0, 0)), padded, chunks, groups, chunk_size, slots, value_dim,
-        RELATION=relation, BLOCK_DV=value_block, **{**tiles, "BLOCK_R": tile_edge(chunk_size, SUMS_ROW_BLOCK)},
-        **launch)
+        RELATION=relation, BLOCK_R=tile_edge(chunk_size, SUMS_ROW_BLOCK), BLOCK_DV=value_block, **shared)
     value_sums.cumsum_(2)
     if relation:
         relations.cumsum_(2)
@@ -852,7 +851,8 @@ def _level_forward(f: Tensor, p: Tensor | None, x: Tensor | None, y: Tensor, val
     _level_residuals_fwd[(batch * groups, final + 1, triton.cdiv(key_dim, block) + triton.cdiv(value_dim, block))](
         f if p is None else p, dummy if x is None else x, y, reached, key_sum, mass, value_sums, key_ref0, value_ref0,
         prior, kappa, x_next, y_next, key_ref, value_ref, *_level_read_strides(key_ref0, value_ref0, prior, kappa),
-        padded, chunks, final, groups, chunk_size, slots, key_dim, value_dim, eps, BLOCK_F=block, **tiles, **launch)
+        padded, chunks, final, groups, chunk_size, slots, key_dim, value_dim, eps,
+        BLOCK_R=tile_edge(chunk_size, ROW_BLOCK), BLOCK_F=block, **shared)
     return outputs
 
 
