@@ -17,6 +17,18 @@ import torch
 # otherwise take more (ptxas then keeps within it; tests/unit/test_kernel_resources.py checks there is no spill).
 MAX_REGISTERS = 168
 
+# The operand precision of the kernels' ``tl.dot`` (they accumulate in fp32 whatever it is). fp32 inputs get
+# fp32-accurate dots ("tf32x3": three tf32 products), and so does any kernel where plain tf32 was measured too coarse
+# (RSA's read). bf16 / fp16 inputs take plain tf32 where issue 67's emulated check (`hf-mixers bench precision`,
+# docs/benchmarks.md) keeps the step within the bf16 bound, an error a bf16 run makes anyway: one product a dot
+# instead of three, a third of the tensor-core work and fewer registers.
+FP32_DOTS = "tf32x3"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The dots' input precision for a call whose inputs came as ``dtype`` (the comment above)."""
+    return FP32_DOTS if dtype == torch.float32 else "tf32"
+
 
 def tile_edge(n: int, cap: int | None = None) -> int:
     """A Triton kernel's tile edge for ``n``: the power of two >= max(n, 16) (``tl.dot`` needs >= 16 on GPUs),

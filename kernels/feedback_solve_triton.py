@@ -7,7 +7,7 @@ Same function as ``feedback_solve_chunked`` (see ``feedback_solve.py`` for the m
 over the P cached keys and the new keys, shared by every feature column of f (B, T, D). Everything is
 accumulated in fp32 whatever the input dtype (fp32 / fp16 / bf16 operands are upcast before every ``tl.dot``,
 which also sidesteps the interpreter's broken bf16 dot), and s is returned in fp32. The dots read their operands
-as tf32 for bf16 / fp16 inputs and fp32-accurately (three tf32 products) for fp32 ones (``_precision``).
+as tf32 for bf16 / fp16 inputs and fp32-accurately (three tf32 products) for fp32 ones (``dot_precision``).
 
 Key and value features are taken BLOCK_DK / BLOCK_DV at a time (at most KEY_FEATURE_BLOCK / VALUE_FEATURE_BLOCK,
 so feedback heads of any width fit a GPU block's shared memory): the logits <q_t, k_j> sum over key blocks
@@ -75,15 +75,14 @@ try:
 finally:
     pass
 
-from .conventions import MAX_REGISTERS, check_feedback_shapes, compute_dtype, kernel_op, tile_edge
+from .conventions import MAX_REGISTERS, check_feedback_shapes, compute_dtype, dot_precision, kernel_op, tile_edge
 from .triton_compile import compile_side_by_side
 
-# The dots' operand precision follows the inputs (``_precision``). bf16 / fp16 inputs take plain tf32: issue 67's
-# emulated check (`hf-mixers bench precision --mixer sessa`, docs/benchmarks.md) and the interpreter test that rounds
-# these kernels' own dot operands keep the step within the bf16 bound, and one product a dot instead of three is what
-# lets the kernels fit the register budget below. fp32 inputs keep fp32-accurate dots ("tf32x3", three tf32
-# products): the solve feeds its own output back, and a caller who asked for fp32 gets it (they spill: a choice of
-# accuracy over speed).
+# The dots' operand precision follows the inputs (``dot_precision``). bf16 / fp16 inputs take plain tf32: issue 67's
+# emulated check (`hf-mixers bench precision --mixer sessa`) and the interpreter test that rounds these kernels' own
+# dot operands keep the step within the bf16 bound, and one product a dot instead of three is what lets the kernels
+# fit the register budget below. fp32 inputs keep fp32-accurate dots: the solve feeds its own output back, and a
+# caller who asked for fp32 gets it (they spill: a choice of accuracy over speed).
 SPIN_LIMIT = tl.constexpr(1 << 26)  # polls before a chunk's wait gives up (module docstring: the pipeline)
 # Tiles: the chunk C, the key / query blocks and the key and value feature blocks are at most 32 wide, and ptxas may
 # use at most MAX_REGISTERS a thread. That is issue 67's budget for sm_90 at 4 warps (168, no spill; a 64-row chunk
@@ -99,11 +98,6 @@ NUM_WARPS = 4  # untuned: tuning (and an autotune config list) needs a GPU
 # One software-pipelining stage: the sweep is a chain of dependent steps, so deeper pipelining has little to overlap,
 # and Triton's default of 3 buffers every tile load three deep (shared memory an H100 block may lack at wide tiles).
 NUM_STAGES = 1
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """The dots' input precision for operands of ``dtype`` (the comment above)."""
-    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit
@@ -533,7 +527,7 @@ def _forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, counters, pa
         float(scale)), dict(
         HAS_MASK=mask is not None, SAVE=save, BLOCK_C=meta["block_c"], BLOCK_N=meta["block_n"],
         BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"], LOG_C=meta["log_c"],
-        ONE_KEY_BLOCK=meta["block_dk"] >= q.shape[-1], PRECISION=_precision(q.dtype), PAST_ROWS=past > 0,
+        ONE_KEY_BLOCK=meta["block_dk"] >= q.shape[-1], PRECISION=dot_precision(q.dtype), PAST_ROWS=past > 0,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS))
 
 
@@ -544,7 +538,7 @@ def _backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam,
     key_dim = q.shape[-1]
     mask_arg = gain if mask is None else mask
     common = dict(HAS_MASK=mask is not None, BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"],
-                  PRECISION=_precision(q.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS)
+                  PRECISION=dot_precision(q.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS)
     programs, chunks, blocks = _pipeline(batch, length, width, meta)
     ticket, progress = _ticket_and_progress(counters)
     launches = [(_bwd_lam_kernel, (programs,), (

@@ -31,8 +31,7 @@ try:
 finally:
     pass
 
-from .conventions import kernel_op, readable_in_place, tile_edge
-from .rsa_chain_triton import INPUT_PRECISION
+from .conventions import FP32_DOTS, kernel_op, readable_in_place, tile_edge
 
 # Tiles and warps chosen from sm_90 cubins (scripts/kernel_resources.py --kernel vort; docs/benchmarks.md): within
 # issue 67's register budget at 4 warps, whatever d and F, since every tile is (rows or feature block) x column
@@ -174,7 +173,7 @@ def _hedgehog_bwd(q_ptr, k_ptr, wq_ptr, wk_ptr, phi_q_ptr, phi_k_ptr, g_q_ptr, g
 
 def _options(x: Tensor, d: int, h: int) -> dict:
     return dict(BLOCK_R=ROWS, BLOCK_D=tile_edge(d, FEATURE_BLOCK), BLOCK_H=tile_edge(h, COLUMN_BLOCK),
-                PRECISION="ieee" if x.dtype == torch.float64 else INPUT_PRECISION, num_warps=WARPS, num_stages=1)
+                PRECISION="ieee" if x.dtype == torch.float64 else FP32_DOTS, num_warps=WARPS, num_stages=1)
 
 
 def _sizes(q: Tensor, k: Tensor, w: Tensor) -> tuple:

@@ -9,9 +9,9 @@ level, per (batch row, KV head), the chunks in order: chunk c assigns its rows a
     S_{c+1} = S_c + (f . valid)^T X_c,   n_{c+1} = n_c + sum_t f . valid
 
 One program walks every chunk of one (row, head). The sums S_c it writes at every boundary are its working memory:
-a chunk reads S_c (and the references' boundary) and writes S_{c+1}, FEATURE_BLOCK key features at a time, so no
-(m, d) tile is carried in registers from chunk to chunk (carried, the sums, references and prototypes spilled at
-SmolLM2's heads on sm_90).
+a chunk reads S_c (and the references' boundary) and writes S_{c+1}, CHAIN_FEATURE_BLOCK key features at a time,
+so no (m, d) tile is carried in registers from chunk to chunk (carried, the sums, references and prototypes spilled
+at SmolLM2's heads on sm_90).
 
 The level kernels (``level_writes_triton``, the twin of ``rsa_state.level_writes``): once the chain's assignments
 are known the rest is linear in them: what the level writes W = f . valid, the value sums V_{c+1} = V_c + W^T Y_c
@@ -31,7 +31,8 @@ writes its own partial gradients of the shared parameters (kappa P, kappa, beta:
 nothing is accumulated with atomics and the sums are deterministic.
 
 Scope: ``scope_reason``, shared with the read (no decay; chunk size and slots up to MAX_TILE, head dims up to
-MAX_HEAD_DIM); fp32 (the memory's compute dtype). Used with and without autograd: training, prefill, evaluation.
+MAX_HEAD_DIM); fp32 tensors (the memory's compute dtype), the dots' operands tf32 for a bf16 / fp16 call
+(``precision``). Used with and without autograd: training, prefill, evaluation.
 Both kernels run inside torch.library ops, forward and backward (torch.compile keeps each as one call); the
 buffers a backward accumulates into are zero-filled as one (``common.packed_zeros``).
 """
@@ -49,18 +50,20 @@ try:
 finally:
     pass
 
-from .conventions import MAX_REGISTERS, kernel_op, packed_zeros, tile_edge, unpacked
+from .conventions import FP32_DOTS, MAX_REGISTERS, kernel_op, packed_zeros, tile_edge, unpacked
 from .rsa_state import RSAParams
 
-# fp32-accurate dots on tensor cores: plain tf32 would put the read ~1e-3 off the reference (it divides sums by
-# masses and chains levels); "ieee" (FMA dots) is exact too, but at the default sizes the read's backward did not
-# finish compiling in 25 CPU-minutes, and tf32's needs more shared memory than an H100 has (rsa_chunk_triton.py).
-INPUT_PRECISION = "tf32x3"
-NUM_WARPS = 4  # the read's (untuned: needs a GPU)
+# The dots' operand precision is the caller's (``precision``: conventions.dot_precision of the mixer's inputs, the
+# write being fp32 here whatever they were): tf32 for a bf16 / fp16 call, fp32-accurate otherwise.
 FORWARD_WARPS = 4
-BACKWARD_WARPS = 8  # fewer spills than at 4 on sm_90 (docs/benchmarks.md, "Launch budget and kernel resources")
+BACKWARD_WARPS = 8  # the level backward's: fewer spills than at 4 on sm_90 (docs/benchmarks.md, "Kernels")
+CHAIN_WARPS = 4
 CHAIN_STAGES = 1  # no software pipelining of the feature loops: its buffers took registers
-ROW_BLOCK = 32  # a chunk's rows an iteration takes: (32, m) tiles of scores and assignments in registers
+# The chain's tiles: (16, m) scores and assignments, (m, 16) references and sums; at 32 rows or 32 features the
+# forward took 203 registers and the backward spilled (issue 67's budget: 168 at 4 warps, no spill).
+CHAIN_ROW_BLOCK = 16
+CHAIN_FEATURE_BLOCK = 16
+ROW_BLOCK = 32  # a chunk's rows an iteration of the level kernels takes: (32, m) tiles of assignments
 SUMS_ROW_BLOCK = 16  # the level's sums kernel: at 32 rows it exceeded the register budget (benchmarks.md)
 FEATURE_BLOCK = 32  # key features an iteration takes: (32, 32) and (m, 32) tiles
 MAX_TILE = 64  # chunk size and slots: one tile (C x m, m x m)
@@ -639,9 +642,10 @@ def _level_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v_ptr,
     tl.store(dkappa_ptr + row * partials_b + g64, d_kappa)
 
 
-def _launch_options(sigmoid: bool, chunk_size: int, slots: int, key_dim: int) -> dict:
-    return dict(SIGMOID=sigmoid, BLOCK_R=tile_edge(chunk_size, ROW_BLOCK), BLOCK_M=tile_edge(slots),
-                BLOCK_D=tile_edge(key_dim, FEATURE_BLOCK), PRECISION=INPUT_PRECISION)
+def _launch_options(sigmoid: bool, chunk_size: int, slots: int, key_dim: int, precision: str) -> dict:
+    return dict(SIGMOID=sigmoid, BLOCK_R=tile_edge(chunk_size, CHAIN_ROW_BLOCK), BLOCK_M=tile_edge(slots),
+                BLOCK_D=tile_edge(key_dim, CHAIN_FEATURE_BLOCK), PRECISION=precision, num_warps=CHAIN_WARPS,
+                num_stages=CHAIN_STAGES)
 
 
 # The chain and level kernels as torch.library ops, forward and backward: torch.compile keeps each as one opaque call
@@ -661,27 +665,26 @@ def _chain_read_strides(key_ref, prior, kappa, beta):
 
 @kernel_op(__name__, "chain_forward")
 def _chain_forward(x: Tensor, valid: Tensor, key_sum: Tensor, mass: Tensor, key_ref: Tensor, prior: Tensor,
-                   kappa: Tensor, beta: Tensor, reached: Tensor, sigmoid: bool, chunk_size: int, eps: float
-                   ) -> list[Tensor]:
+                   kappa: Tensor, beta: Tensor, reached: Tensor, sigmoid: bool, chunk_size: int, eps: float,
+                   precision: str) -> list[Tensor]:
     """[f, p (sigmoid only: softmax's p is f), the chunk-start key sums, masses]. Inputs in the kernels' layout
     (``_dense``), which torch.compile keeps: a custom op gets its inputs with their eager strides."""
     batch, groups, padded, key_dim = x.shape
     slots = prior.shape[1]
     sizes = _chain_sizes(x, prior, chunk_size, eps)
-    options = _launch_options(sigmoid, chunk_size, slots, key_dim)
+    options = _launch_options(sigmoid, chunk_size, slots, key_dim, precision)
     f = x.new_empty(batch, groups, padded, slots)
     p = torch.empty_like(f) if sigmoid else f
     sums = x.new_empty(batch, groups, sizes[1] + 1, slots, key_dim)
     masses = x.new_empty(batch, groups, sizes[1] + 1, slots)
     _chain_fwd[(batch * groups,)](x, valid, reached, key_sum, mass, key_ref, prior, kappa, beta, f, p, sums,
                                   masses, *key_sum.stride()[:2], *mass.stride()[:2],
-                                  *_chain_read_strides(key_ref, prior, kappa, beta), *sizes, **options,
-                                  num_warps=FORWARD_WARPS, num_stages=CHAIN_STAGES)
+                                  *_chain_read_strides(key_ref, prior, kappa, beta), *sizes, **options)
     return [f, p, sums, masses] if sigmoid else [f, sums, masses]
 
 
 @_chain_forward.register_fake
-def _(x, valid, key_sum, mass, key_ref, prior, kappa, beta, reached, sigmoid, chunk_size, eps):
+def _(x, valid, key_sum, mass, key_ref, prior, kappa, beta, reached, sigmoid, chunk_size, eps, precision):
     batch, groups, padded, key_dim = x.shape
     f = x.new_empty(batch, groups, padded, prior.shape[1], dtype=torch.float32)
     sums = f.new_empty(batch, groups, padded // chunk_size + 1, prior.shape[1], key_dim)
@@ -692,7 +695,7 @@ def _(x, valid, key_sum, mass, key_ref, prior, kappa, beta, reached, sigmoid, ch
 @kernel_op(__name__, "chain_backward")
 def _chain_backward(x: Tensor, valid: Tensor, reached: Tensor, key_ref: Tensor, prior: Tensor, kappa: Tensor,
                     beta: Tensor, sums: Tensor, masses: Tensor, d_f: Tensor, d_p: Tensor, d_sums: Tensor,
-                    d_masses: Tensor, sigmoid: bool, chunk_size: int, eps: float) -> list[Tensor]:
+                    d_masses: Tensor, sigmoid: bool, chunk_size: int, eps: float, precision: str) -> list[Tensor]:
     """[dx and the batch rows' partials packed (``_chain_zeroed``), d key_sum, d mass, d key_ref, the partials summed
     over the batch (``_shared_gradients``: d prior, d kappa, d beta)]."""
     batch, groups, padded = x.shape[:3]
@@ -707,8 +710,8 @@ def _chain_backward(x: Tensor, valid: Tensor, reached: Tensor, key_ref: Tensor, 
                                   d_p.contiguous(), d_sums.contiguous(), d_masses.contiguous(), scratch,
                                   torch.empty_like(scratch), d_x, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa,
                                   d_beta, *_chain_read_strides(key_ref, prior, kappa, beta), partials.stride(0),
-                                  *sizes, **_launch_options(sigmoid, chunk_size, prior.shape[1], x.shape[-1]),
-                                  num_warps=BACKWARD_WARPS, num_stages=CHAIN_STAGES)
+                                  *sizes, **_launch_options(sigmoid, chunk_size, prior.shape[1], x.shape[-1],
+                                                            precision))
     return [zeroed, d_key_sum, d_mass, d_key_ref, partials.sum(0)]
 
 
@@ -730,7 +733,7 @@ def _chain_zeroed(x, prior) -> list[tuple]:
 
 @_chain_backward.register_fake
 def _(x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, d_sums, d_masses, sigmoid,
-      chunk_size, eps):
+      chunk_size, eps, precision):
     batch, groups = x.shape[:2]
     new = lambda *shape: x.new_empty(shape, dtype=torch.float32)  # noqa: E731
     return [packed_zeros(_chain_zeroed(x, prior), x.device)[0], new(batch, groups, *prior.shape[1:]),
@@ -739,9 +742,9 @@ def _(x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, d_
 
 
 def _save_chain(ctx, inputs, output):
-    x, valid, key_sum, mass, key_ref, prior, kappa, beta, reached, sigmoid, chunk_size, eps = inputs
+    x, valid, key_sum, mass, key_ref, prior, kappa, beta, reached, sigmoid, chunk_size, eps, precision = inputs
     ctx.save_for_backward(x, valid, reached, key_ref, prior, kappa, beta, output[-2], output[-1])
-    ctx.options = (sigmoid, chunk_size, eps)
+    ctx.options = (sigmoid, chunk_size, eps, precision)
     ctx.set_materialize_grads(False)  # a result without a gradient costs no zero tensor unless the kernel needs one
 
 
@@ -766,7 +769,7 @@ def _chain_gradients(ctx, grads):
         *ctx.options)  # softmax: d_f a dummy pointer for d_p
     d_prior, d_kappa, d_beta = (t[0] for t in _shared_gradients(shared[None], prior, 2))
     d_x = unpacked(zeroed, _chain_zeroed(x, prior))[0]
-    return d_x, None, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa, d_beta, None, None, None, None
+    return d_x, None, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa, d_beta, None, None, None, None, None
 
 
 _chain_forward.register_autograd(_chain_gradients, setup_context=_save_chain)
@@ -784,23 +787,24 @@ def _dense(t, inner: int):
     return t
 
 
-def assign_chain_triton(x, valid, key_sum, mass, key_ref, prior, kappa, beta, boundary, params: RSAParams):
+def assign_chain_triton(x, valid, key_sum, mass, key_ref, prior, kappa, beta, boundary, params: RSAParams,
+                        precision: str = FP32_DOTS):
     """``rsa_state.assign_chain`` on the kernels: same arguments and results (fp32; gradients reach x, the
-    starting sums and references, kappa P, kappa and beta)."""
+    starting sums and references, kappa P, kappa and beta). ``precision``: the dots' operands (module comment)."""
     reached = boundary[:, -1].to(torch.int32).contiguous()  # the row's last boundary, at most N
     outputs = _chain_forward(_dense(x, 4), _dense(valid, 2), _dense(key_sum, 2), _dense(mass, 1), _dense(key_ref, 2),
                              _dense(prior, 2), _dense(kappa, 0), _dense(beta, 0), reached,
-                             params.assign_fn == "sigmoid", params.chunk_size, float(params.eps))
+                             params.assign_fn == "sigmoid", params.chunk_size, float(params.eps), precision)
     if params.assign_fn == "sigmoid":
         return tuple(outputs)
     f, sums, masses = outputs
     return f, f, sums, masses
 
 
-def _level_options(residual, relation, chunk_size, slots, key_dim, value_dim) -> dict:
+def _level_options(residual, relation, chunk_size, slots, key_dim, value_dim, precision) -> dict:
     return dict(RESIDUAL=residual, RELATION=relation, BLOCK_R=tile_edge(chunk_size, ROW_BLOCK),
                 BLOCK_M=tile_edge(slots), BLOCK_D=tile_edge(key_dim, FEATURE_BLOCK),
-                BLOCK_DV=tile_edge(value_dim, FEATURE_BLOCK), PRECISION=INPUT_PRECISION)
+                BLOCK_DV=tile_edge(value_dim, FEATURE_BLOCK), PRECISION=precision)
 
 
 def _level_read_strides(key_ref0, value_ref0, prior, kappa):
@@ -821,7 +825,7 @@ def _level_shapes(f, key_sum, y, residual, relation) -> list[tuple]:
 def _level_forward(f: Tensor, p: Tensor | None, x: Tensor | None, y: Tensor, valid: Tensor, key_sum: Tensor,
                    mass: Tensor, value_sum0: Tensor, key_ref0: Tensor, value_ref0: Tensor, prior: Tensor,
                    kappa: Tensor, above: Tensor | None, relation_sum0: Tensor | None, reached: Tensor,
-                   chunk_size: int, eps: float) -> list[Tensor]:
+                   chunk_size: int, eps: float, precision: str) -> list[Tensor]:
     """``rsa_state.level_writes`` on the level kernel, inputs in the kernels' layout (``_dense``): p None for softmax
     assignment (it is f), x and p None without a residual, above and the starting relation sum None at level 0.
     Returns W, V, [R], [x_next, y_next], key_ref, value_ref."""
@@ -834,7 +838,7 @@ def _level_forward(f: Tensor, p: Tensor | None, x: Tensor | None, y: Tensor, val
     dummy = f
     relations = outputs[2] if relation else dummy
     x_next, y_next = outputs[2 + relation:4 + relation] if residual else (dummy, dummy)
-    shared = dict(BLOCK_M=tile_edge(slots), PRECISION=INPUT_PRECISION, num_warps=FORWARD_WARPS,
+    shared = dict(BLOCK_M=tile_edge(slots), PRECISION=precision, num_warps=FORWARD_WARPS,
                   num_stages=CHAIN_STAGES, maxnreg=MAX_REGISTERS)
     # every chunk's increments of V (and R) at once, then their running sums over the boundaries
     value_block = tile_edge(value_dim, FEATURE_BLOCK)
@@ -858,7 +862,7 @@ def _level_forward(f: Tensor, p: Tensor | None, x: Tensor | None, y: Tensor, val
 
 @_level_forward.register_fake
 def _(f, p, x, y, valid, key_sum, mass, value_sum0, key_ref0, value_ref0, prior, kappa, above, relation_sum0, reached,
-      chunk_size, eps):
+      chunk_size, eps, precision):
     return [f.new_empty(shape) for shape in _level_shapes(f, key_sum, y, x is not None, above is not None)]
 
 
@@ -886,14 +890,14 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
                     mass: Tensor, value_sums: Tensor, key_ref0: Tensor, value_ref0: Tensor, prior: Tensor,
                     kappa: Tensor, above: Tensor | None, d_written: Tensor, d_values: Tensor,
                     d_relations: Tensor | None, d_x_next: Tensor | None, d_y_next: Tensor | None,
-                    d_key_ref: Tensor, d_value_ref: Tensor, residual: bool, chunk_size: int, eps: float
-                    ) -> list[Tensor]:
+                    d_key_ref: Tensor, d_value_ref: Tensor, residual: bool, chunk_size: int, eps: float,
+                    precision: str) -> list[Tensor]:
     """The level kernel's backward: the zero-filled gradients packed (``_level_zeroed``), then the others
     (``_level_gradient_shapes``); prior's and kappa's summed over the batch."""
     batch, groups, padded, slots = f.shape
     key_dim, value_dim = key_sum.shape[-1], y.shape[-1]
     relation = above is not None
-    options = _level_options(residual, relation, chunk_size, slots, key_dim, value_dim)
+    options = _level_options(residual, relation, chunk_size, slots, key_dim, value_dim, precision)
     sizes = (padded, padded // chunk_size, groups, chunk_size, slots, key_dim, value_dim, eps)
     g_values = d_values.clone(memory_format=torch.contiguous_format)  # the references' shares are added into it
     d_relations = d_relations.contiguous() if relation else f
@@ -922,23 +926,23 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
 
 @_level_backward.register_fake
 def _(f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above, d_written,
-      d_values, d_relations, d_x_next, d_y_next, d_key_ref, d_value_ref, residual, chunk_size, eps):
+      d_values, d_relations, d_x_next, d_y_next, d_key_ref, d_value_ref, residual, chunk_size, eps, precision):
     return [packed_zeros(_level_zeroed(f, y, key_sum, mass, prior), f.device)[0]] + [
         f.new_empty(shape) for shape in _level_gradient_shapes(f, p, y, prior, kappa, residual, above is not None)]
 
 
 def _save_level(ctx, inputs, output):
     (f, p, x, y, valid, key_sum, mass, value_sum0, key_ref0, value_ref0, prior, kappa, above, relation_sum0, reached,
-     chunk_size, eps) = inputs
+     chunk_size, eps, precision) = inputs
     ctx.save_for_backward(f, p, y, valid, reached, key_sum, mass, output[1], key_ref0, value_ref0, prior, kappa,
                           above)
-    ctx.options = (x is not None, above is not None, chunk_size, eps)
+    ctx.options = (x is not None, above is not None, chunk_size, eps, precision)
     ctx.set_materialize_grads(False)  # a result without a gradient costs no zero tensor unless the kernel needs one
 
 
 def _level_gradients(ctx, grads):
     f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above = ctx.saved_tensors
-    residual, relation, chunk_size, eps = ctx.options
+    residual, relation, chunk_size, eps, precision = ctx.options
     grads = list(grads)
     d_written, d_values = grads.pop(0), grads.pop(0)
     d_relations = grads.pop(0) if relation else None
@@ -952,7 +956,7 @@ def _level_gradients(ctx, grads):
                     (*f.shape[:3], key_dim) if residual else None, y.shape if residual else None,
                     (batch, groups, slots, key_dim), (batch, groups, slots, value_dim)], f)
     results = list(_level_backward(f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior,
-                                   kappa, above, *given, residual, chunk_size, eps))
+                                   kappa, above, *given, residual, chunk_size, eps, precision))
     d_key_sum, d_mass, d_key_ref0, d_value_ref0, _ = unpacked(results.pop(0),
                                                               _level_zeroed(f, y, key_sum, mass, prior))
     d_f = results.pop(0)
@@ -961,15 +965,17 @@ def _level_gradients(ctx, grads):
     d_prior, d_kappa = (t[0] for t in _shared_gradients(shared[None], prior, 1))
     d_above, d_relation0 = results[3:] if relation else (None, None)
     return (d_f, d_p, d_x, d_y, None, d_key_sum, d_mass, d_value_sum0, d_key_ref0, d_value_ref0, d_prior, d_kappa,
-            d_above, d_relation0, None, None, None)
+            d_above, d_relation0, None, None, None, None)
 
 
 _level_forward.register_autograd(_level_gradients, setup_context=_save_level)
 
 
 def level_writes_triton(f, p, x, y, valid, key_sum, mass, start_value_sum, start_key_ref, start_value_ref, prior,
-                        kappa, boundary, params: RSAParams, f_above=None, start_relation_sum=None, residual=True):
-    """``rsa_state.level_writes`` on the kernels: same arguments and results (fp32)."""
+                        kappa, boundary, params: RSAParams, f_above=None, start_relation_sum=None, residual=True,
+                        precision: str = FP32_DOTS):
+    """``rsa_state.level_writes`` on the kernels: same arguments and results (fp32). ``precision``: the dots'
+    operands (module comment)."""
     reached = boundary[:, -1].to(torch.int32).contiguous()
     sigmoid = params.assign_fn == "sigmoid"
     relation = f_above is not None
@@ -978,7 +984,7 @@ def level_writes_triton(f, p, x, y, valid, key_sum, mass, start_value_sum, start
         _dense(y, 4), _dense(valid, 2), _dense(key_sum, 5), _dense(mass, 4), _dense(start_value_sum, 2),
         _dense(start_key_ref, 2), _dense(start_value_ref, 2), _dense(prior, 2), _dense(kappa, 0),
         _dense(f_above, 4) if relation else None, _dense(start_relation_sum, 2) if relation else None, reached,
-        params.chunk_size, float(params.eps)))
+        params.chunk_size, float(params.eps), precision))
     written, value_sums = outputs.pop(0), outputs.pop(0)
     relations = outputs.pop(0) if relation else None
     x_next, y_next = (outputs.pop(0), outputs.pop(0)) if residual else (None, None)

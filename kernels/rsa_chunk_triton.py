@@ -75,6 +75,7 @@ each as one call); the backward's 14 gradients, which its kernel accumulates int
 
 from __future__ import annotations
 
+import functools
 
 import torch
 
@@ -88,16 +89,20 @@ try:
 finally:
     pass
 
-from .conventions import compute_dtype, kernel_op, packed_zeros, tile_edge, unpacked
+from .conventions import FP32_DOTS, compute_dtype, kernel_op, packed_zeros, tile_edge, unpacked
 from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunks
 # the write side's kernel (the assignment chain), and the tiles and dot precision both sides use: MAX_TILE (chunk
 # size and slot count, held as one tile: C x C, C x m and m x m) and MAX_HEAD_DIM (the read's forward holds a
 # (C, d) tile whole, its backward takes FEATURE_BLOCK features at a time); calls over the limits run the PyTorch
 # path, said in the dispatch's log line.
-from .rsa_chain_triton import INPUT_PRECISION, assign_chain_triton, level_writes_triton, scope_reason
+from .rsa_chain_triton import assign_chain_triton, level_writes_triton, scope_reason
 from .rsa_mlp_triton import residual_mlps_triton
 from .triton_compile import compile_side_by_side
 
+# The read's dots stay fp32-accurate whatever the inputs: with tf32 operands its error is over the bf16 bound at 8K
+# (`hf-mixers bench precision --mixer rsa --scope read_chunks`: it divides sums by masses and chains the levels);
+# "ieee" (FMA dots) is exact too, but at the default sizes its backward did not finish compiling in 25 CPU-minutes.
+READ_PRECISION = FP32_DOTS
 FEATURE_BLOCK = 64
 # Rows of a chunk per program, forward and backward: a program's own tiles are (rows, C), (rows, m) and (rows, dv),
 # so fewer rows hold fewer registers per thread (and give more programs per launch).
@@ -559,7 +564,7 @@ class _Read:
                             QUERY_READ=query_read, LOG_WEIGHT=log_weight,
                             BLOCK_C=tile_edge(chunk_size), BLOCK_M=tile_edge(slots),
                             BLOCK_D=tile_edge(key_dim), BLOCK_DV=tile_edge(y.shape[-1]),
-                            PRECISION=INPUT_PRECISION, num_warps=READ_WARPS)
+                            PRECISION=READ_PRECISION, num_warps=READ_WARPS)
         self.forward_options = dict({key: value for key, value in self.options.items() if key != "BLOCK_C"},
                                     BLOCK_R=PROGRAM_ROWS, BLOCK_K=KEY_BLOCK)
         self.backward_options = dict(self.options, BLOCK_R=PROGRAM_ROWS,
@@ -689,14 +694,17 @@ _read_forward.register_autograd(_read_gradients, setup_context=_save_read_inputs
 # The chunked memory on top of the kernels.
 
 
-def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None, fresh: bool = False):
+def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None, fresh: bool = False,
+                       precision: str = FP32_DOTS):
     """Triton version of ``rsa_chunked``: same arguments, semantics and return values.
 
     q (B, G, g, T, d), k (B, G, T, d), v (B, G, T, dv), valid (B, T) bool or None -> o (B, G, g, T, dv) fp32 (zero
     at padded positions) and the new state. q, k, v may be fp32, fp16 or bf16 (computed in fp32, like
     ``rsa_memory``'s cast); gradients reach q, k, v, every tensor of ``params`` and of the incoming ``state``.
     Raises NotImplementedError with ``rsa_chunk_triton_supports``' reason for anything outside its scope.
-    ``params.recompute`` is not needed: the read side is recomputed by the backward kernel anyway.
+    ``params.recompute`` is not needed: the read side is recomputed by the backward kernel anyway. ``precision``:
+    the write's dot operands (``conventions.dot_precision`` of the caller's inputs before their cast to fp32: tf32
+    for bf16 / fp16); the read's are always READ_PRECISION.
     """
     reason = rsa_chunk_triton_supports(params, q, v, log_decay)
     if reason is not None:
@@ -712,8 +720,10 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
     q_b, k_b, v_b = layout.pack(q, 3), layout.pack(k, 2), layout.pack(v, 2)
     valid_b = layout.valid(batch, q.device)
     # Write side: each level's assignment chain in one launch (kernels/rsa_chain_triton.py), the rest over all chunks
-    writes, state = write_chunks(k_b, v_b, valid_b, layout, state, params, chain=assign_chain_triton,
-                                 level=level_writes_triton, mlps=residual_mlps_triton)
+    writes, state = write_chunks(k_b, v_b, valid_b, layout, state, params,
+                                 chain=functools.partial(assign_chain_triton, precision=precision),
+                                 level=functools.partial(level_writes_triton, precision=precision),
+                                 mlps=functools.partial(residual_mlps_triton, precision=precision))
 
     # Read side: all chunks in one launch, from the chunk-start sums.
     levels = params.prototypes.shape[1]

@@ -45,7 +45,7 @@ from dataclasses import replace
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .conventions import compute_dtype, outside_autocast
+from .conventions import compute_dtype, dot_precision, outside_autocast
 from .dispatch import use_triton
 from .rsa_state import (ChunkLayout, ChunkWrites, ResidualMLPWeights, RSAParams, RSAState, assign, decay_masks,
                         decayed, initial_state, per_head, readout_activation, refresh_references, slot_prior,
@@ -283,10 +283,12 @@ def rsa_memory(q, k, v, valid, state: RSAState, params: RSAParams, method: str =
     always takes the token step. "chunked" runs its read side in Triton kernels (kernels/rsa_chunk_triton.py)
     where kernels/dispatch.py allows it for ``backend`` ("auto" | "triton" | "torch", e.g. ``config.kernel_backend``)
     and the kernel covers the call (``rsa_chunk_triton_supports``: no decay, fp32 / fp16 / bf16, tiles up to 64, ...).
-    ``fresh``: ``state`` is ``initial_state``'s (the chunk forms then read nothing back from the device).
+    ``fresh``: ``state`` is ``initial_state``'s (the chunk forms then read nothing back from the device). The
+    kernels' write takes tf32 dots for bf16 / fp16 inputs (``conventions.dot_precision``), though it computes in fp32.
     """
     if method not in ("chunked", "recurrent"):
         raise ValueError(f"rsa_memory: unknown method {method!r}; choose 'chunked' or 'recurrent'")
+    precision = dot_precision(q.dtype)  # of the inputs as they came, before the cast below
     cd = compute_dtype(q.dtype)
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     if method == "recurrent" or q.shape[3] == 1:
@@ -294,7 +296,7 @@ def rsa_memory(q, k, v, valid, state: RSAState, params: RSAParams, method: str =
     if use_triton("RSA chunk step", q.device, backend, check=lambda: _triton_unsupported(params, q, v, log_decay)):
         from .rsa_chunk_triton import rsa_chunked_triton  # needs triton: imported only when chosen
 
-        return rsa_chunked_triton(q, k, v, valid, state, params, log_decay, fresh)
+        return rsa_chunked_triton(q, k, v, valid, state, params, log_decay, fresh, precision)
     return rsa_chunked(q, k, v, valid, state, params, log_decay, fresh)
 
 

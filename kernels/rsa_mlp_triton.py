@@ -17,8 +17,9 @@ programs reduces them (no atomics, so the gradients are deterministic). Hidden u
 features ``FEATURE_BLOCK`` at a time: a program holds (rows, block) and (block, block) tiles only, whatever the
 width.
 
-Scope: fp32 (tf32x3 dots, as the other RSA kernels) and fp64 (IEEE dots, for the tests), any widths. Used by the
-Triton write path (kernels/rsa_chunk_triton.py), with and without autograd.
+Scope: fp32 (the caller's dot precision: tf32 for a bf16 / fp16 call, fp32-accurate tf32x3 otherwise, as the chain
+and level kernels) and fp64 (IEEE dots, for the tests), any widths. Used by the Triton write path
+(kernels/rsa_chunk_triton.py), with and without autograd.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ try:
 finally:
     pass
 
-from .conventions import kernel_op, tile_edge
-from .rsa_chain_triton import INPUT_PRECISION, _add_into
+from .conventions import FP32_DOTS, kernel_op, tile_edge
+from .rsa_chain_triton import _add_into
 from .rsa_state import ResidualMLPWeights
 
 # Tiles and warps, read from sm_90 cubins (scripts/kernel_resources.py): within issue 67's register budget at 4
@@ -181,11 +182,11 @@ def _widths(x, y, wk1, wv1) -> tuple:
     return x.shape[-1], wk1.shape[0], y.shape[-1], wv1.shape[0]
 
 
-def _launch_options(x, widths, rows: int, warps: int) -> dict:
+def _launch_options(x, widths, rows: int, warps: int, precision: str) -> dict:
     dk, hk, dv, hv = widths
     return dict(BLOCK_N=rows, BLOCK_F=tile_edge(max(dk, dv), FEATURE_BLOCK),
                 BLOCK_H=tile_edge(max(hk, hv), HIDDEN_BLOCK),
-                PRECISION="ieee" if x.dtype == torch.float64 else INPUT_PRECISION, num_warps=warps, num_stages=1)
+                PRECISION="ieee" if x.dtype == torch.float64 else precision, num_warps=warps, num_stages=1)
 
 
 def _slot(dk, hk, dv, hv) -> int:
@@ -195,7 +196,7 @@ def _slot(dk, hk, dv, hv) -> int:
 
 @kernel_op(__name__, "residual_mlps_forward")
 def _residual_mlps_forward(x: Tensor, wk1: Tensor, bk1: Tensor, wk2: Tensor, bk2: Tensor, y: Tensor, wv1: Tensor,
-                           bv1: Tensor, wv2: Tensor, bv2: Tensor) -> list[Tensor]:
+                           bv1: Tensor, wv2: Tensor, bv2: Tensor, precision: str) -> list[Tensor]:
     """[key MLP(x), value MLP(y)] for x (N, dk), y (N, dv), contiguous."""
     rows = x.shape[0]
     out_x, out_y = torch.empty_like(x), torch.empty_like(y)
@@ -203,18 +204,18 @@ def _residual_mlps_forward(x: Tensor, wk1: Tensor, bk1: Tensor, wk2: Tensor, bk2
         widths = _widths(x, y, wk1, wv1)
         _mlp_fwd[(triton.cdiv(rows, FORWARD_ROWS), 2)](x, wk1, bk1, wk2, bk2, out_x, y, wv1, bv1, wv2, bv2, out_y,
                                                        rows, *widths, **_launch_options(x, widths, FORWARD_ROWS,
-                                                                                        FORWARD_WARPS))
+                                                                                        FORWARD_WARPS, precision))
     return [out_x, out_y]
 
 
 @_residual_mlps_forward.register_fake
-def _(x, wk1, bk1, wk2, bk2, y, wv1, bv1, wv2, bv2):
+def _(x, wk1, bk1, wk2, bk2, y, wv1, bv1, wv2, bv2, precision):
     return [torch.empty_like(x), torch.empty_like(y)]
 
 
 @kernel_op(__name__, "residual_mlps_backward")
 def _residual_mlps_backward(x: Tensor, wk1: Tensor, bk1: Tensor, wk2: Tensor, y: Tensor, wv1: Tensor, bv1: Tensor,
-                            wv2: Tensor, g_x: Tensor, g_y: Tensor) -> list[Tensor]:
+                            wv2: Tensor, g_x: Tensor, g_y: Tensor, precision: str) -> list[Tensor]:
     """[dx, dy, the weight gradients (2, SLOT): per MLP dW1, db1, dW2, db2 flat, summed over the programs]."""
     rows = x.shape[0]
     widths = _widths(x, y, wk1, wv1)
@@ -224,44 +225,46 @@ def _residual_mlps_backward(x: Tensor, wk1: Tensor, bk1: Tensor, wk2: Tensor, y:
     programs = min(triton.cdiv(rows, BACKWARD_ROWS), MAX_PROGRAMS)
     partial = x.new_empty(programs, 2, _slot(*widths))  # every element written by its program
     _mlp_bwd[(programs, 2)](x, g_x, wk1, bk1, wk2, d_x, y, g_y, wv1, bv1, wv2, d_y, partial, rows, *widths,
-                            partial.shape[-1], **_launch_options(x, widths, BACKWARD_ROWS, BACKWARD_WARPS))
+                            partial.shape[-1], **_launch_options(x, widths, BACKWARD_ROWS, BACKWARD_WARPS, precision))
     return [d_x, d_y, partial.sum(0)]
 
 
 @_residual_mlps_backward.register_fake
-def _(x, wk1, bk1, wk2, y, wv1, bv1, wv2, g_x, g_y):
+def _(x, wk1, bk1, wk2, y, wv1, bv1, wv2, g_x, g_y, precision):
     return [torch.empty_like(x), torch.empty_like(y), x.new_empty(2, _slot(*_widths(x, y, wk1, wv1)))]
 
 
 def _save_inputs(ctx, inputs, output):
-    x, wk1, bk1, wk2, _, y, wv1, bv1, wv2, _ = inputs
+    x, wk1, bk1, wk2, _, y, wv1, bv1, wv2, _, precision = inputs
     ctx.save_for_backward(x, wk1, bk1, wk2, y, wv1, bv1, wv2)
+    ctx.precision = precision
 
 
 def _gradients(ctx, grads):
     x, wk1, bk1, wk2, y, wv1, bv1, wv2 = ctx.saved_tensors
     g_x, g_y = grads  # materialised: an output without a gradient gets zeros
     d_x, d_y, weights = _residual_mlps_backward(x, wk1, bk1, wk2, y, wv1, bv1, wv2, g_x.contiguous(),
-                                                g_y.contiguous())
+                                                g_y.contiguous(), ctx.precision)
     grads = []
     for flat, (d, h) in zip(weights, ((x.shape[-1], wk1.shape[0]), (y.shape[-1], wv1.shape[0]))):
         grads += [flat[:h * d].view(h, d), flat[h * d:h * d + h], flat[h * d + h:2 * h * d + h].view(d, h),
                   flat[2 * h * d + h:2 * h * d + h + d]]
-    return (d_x, *grads[:4], d_y, *grads[4:])
+    return (d_x, *grads[:4], d_y, *grads[4:], None)
 
 
 _residual_mlps_forward.register_autograd(_gradients, setup_context=_save_inputs)
 
 
-def residual_mlps_triton(key_mlp: ResidualMLPWeights, value_mlp: ResidualMLPWeights, x: Tensor, y: Tensor
-                         ) -> tuple[Tensor, Tensor]:
+def residual_mlps_triton(key_mlp: ResidualMLPWeights, value_mlp: ResidualMLPWeights, x: Tensor, y: Tensor,
+                         precision: str = FP32_DOTS) -> tuple[Tensor, Tensor]:
     """(key_mlp(x), value_mlp(y)) on the kernels, x (..., dk) and y (..., dv) with the same leading shape; where
-    ``scope_reason`` says they cannot, the PyTorch MLPs."""
+    ``scope_reason`` says they cannot, the PyTorch MLPs. ``precision``: the dots' operands for fp32 inputs."""
     if scope_reason(x, y, key_mlp, value_mlp) is not None:
         return key_mlp(x), value_mlp(y)
     out_x, out_y = _residual_mlps_forward(
         x.reshape(-1, x.shape[-1]).contiguous(), *(t.contiguous() for t in (key_mlp.up_weight, key_mlp.up_bias,
                                                                          key_mlp.down_weight, key_mlp.down_bias)),
         y.reshape(-1, y.shape[-1]).contiguous(), *(t.contiguous() for t in (value_mlp.up_weight, value_mlp.up_bias,
-                                                                         value_mlp.down_weight, value_mlp.down_bias)))
+                                                                         value_mlp.down_weight, value_mlp.down_bias)),
+        precision)
     return out_x.view(x.shape), out_y.view(y.shape)

@@ -9,9 +9,10 @@ import torch
 
 from conftest import first_in_fast
 from triton_interpreter import (DEVICE, compile_key, interpreter_only, needs_kernels, record_launches,  # skips
-                                run_under_interpreter, tf32_dots)  # without triton
+                                relative_error, run_under_interpreter, tf32_dots)  # without triton
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from hf_mixers.kernels.conventions import dot_precision
 from hf_mixers.kernels.feedback_solve import feedback_solve_dense
 
 if DEVICE is not None:
@@ -316,18 +317,14 @@ def test_the_solve_is_one_opaque_op_for_torch_compile(past):
     torch._dynamo.reset()
 
 
-def _relative(actual, exact):
-    return float((actual.double() - exact).norm() / exact.norm())
-
-
 @needs_kernels
 def test_half_inputs_take_tf32_dots_within_the_bf16_bound(monkeypatch):
-    """bf16 / fp16 operands take plain tf32 dots, fp32 operands fp32-accurate ones (``_precision``). Issue 67's
+    """bf16 / fp16 operands take plain tf32 dots, fp32 operands fp32-accurate ones (``dot_precision``). Issue 67's
     criterion on the kernels themselves, every dot of theirs rounded as a tensor core rounds it (``tf32_dots``: the
     interpreter otherwise computes in fp32): the output and every gradient of a bf16 call, its fp32 results before
     the cast, stay within the bf16 bound -- the error the exact (fp64) solve makes from its inputs rounded to bf16.
     Two chunks of 32 and more, two value-column and two key-feature blocks, left padding."""
-    assert (fst._precision(torch.bfloat16), fst._precision(torch.float16), fst._precision(torch.float32)) == (
+    assert (dot_precision(torch.bfloat16), dot_precision(torch.float16), dot_precision(torch.float32)) == (
         "tf32", "tf32", "tf32x3")
     tf32_dots(monkeypatch)
     inputs = make_inputs(batch=2, length=80, width=64, key_dim=48, gain_scale=0.95)
@@ -341,13 +338,13 @@ def test_half_inputs_take_tf32_dots_within_the_bf16_bound(monkeypatch):
 
     rounded = {n: inputs[n].detach().to(torch.bfloat16) for n in names}
     reference = exact(rounded)
-    bound = [_relative(a, b) for a, b in zip(reference, exact(inputs))]
+    bound = [relative_error(a, b) for a, b in zip(reference, exact(inputs))]
     operands = fst._prepared(*(rounded[n] for n in names), inputs["key_mask"], None, None)
     scale = 48 ** -0.5
     s, h, lse = fst._solve_forward(*operands, scale, 64, True, True, True, False)
     probe = torch.randn(s.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(s.device)
     f_grad, q_grad, k_grad, gain_grad, *_ = fst._solve_backward(*operands[1:], s, h, lse, probe.float(), scale, 64,
                                                                 True, True, False)
-    errors = [_relative(a, b) for a, b in zip((s, f_grad, q_grad, k_grad, gain_grad), reference)]
+    errors = [relative_error(a, b) for a, b in zip((s, f_grad, q_grad, k_grad, gain_grad), reference)]
     for name, error, limit in zip(("s", *(f"d{n}" for n in names)), errors, bound):
         assert 0 < error <= limit, f"{name}: tf32 error {error:.3g} over the bf16 bound {limit:.3g}"

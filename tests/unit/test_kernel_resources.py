@@ -63,7 +63,7 @@ def test_a_launch_is_compiled_for_sm90_and_its_shared_memory_read(monkeypatch):
 @pytest.mark.parametrize("width", [64, 128], ids=["smollm2-135m", "llama3-8b"])
 def test_the_residual_mlp_kernels_fit_sm90_registers_without_a_spill(monkeypatch, width):
     """Issue 67's register budget, read from the sm_90 cubins of RSA's residual MLP kernels at both head widths: at
-    most 168 registers a thread at 4 warps and no spill (RSA's chain, read and level backward kernels do not fit yet:
+    most 168 registers a thread at 4 warps and no spill (RSA's read and level backward kernels do not fit yet:
     docs/benchmarks.md)."""
     from hf_mixers.kernels import rsa_mlp_triton
     from hf_mixers.kernels.rsa_state import ResidualMLPWeights
@@ -84,14 +84,15 @@ def test_the_residual_mlp_kernels_fit_sm90_registers_without_a_spill(monkeypatch
         assert warps == 4 and registers <= 168 and spill == 0, (kernel, usage)
 
 
-@pytest.mark.variant  # four sm_90 compiles a layout: the full tier
+@pytest.mark.variant  # six sm_90 compiles a layout: the full tier
 @pytest.mark.parametrize("groups,head_dim", [(3, 64), (8, 128)], ids=["smollm2-135m", "llama3-8b"])
 def test_the_rsa_level_forward_kernels_fit_sm90_and_fill_its_sms_at_2k(monkeypatch, groups, head_dim):
     """The rest of an RSA level's write, forward (kernels/rsa_chain_triton.py: every chunk's sums, then every chunk's
     residuals and the state's references), at the mixer's default slots and chunk size, 2K tokens, batch 1: at most
     168 registers a thread at 4 warps, no spill, and at least one program for each of an H100's 132 SMs in each
     launch, at both head layouts, level 0 and a deeper level (relation sums). (The last level, with no residual to
-    write, launches the residuals kernel for the state's references alone: a program a KV head and column block.)"""
+    write, launches the residuals kernel for the state's references alone: a program a KV head and column block.)
+    fp32-accurate and tf32 dots alike."""
     from hf_mixers.core.registry import get_mixer
     from hf_mixers.kernels.rsa_chain_triton import _level_forward
 
@@ -102,18 +103,50 @@ def test_the_rsa_level_forward_kernels_fit_sm90_and_fill_its_sms_at_2k(monkeypat
     zeros = lambda *size: torch.zeros(*size)  # noqa: E731
     f, x = zeros(1, groups, length, slots), zeros(1, groups, length, head_dim)
     for relation in (False, True):
-        _level_forward(f, None, x, x, zeros(1, length), zeros(1, groups, boundaries, slots,
-                       head_dim), zeros(1, groups, boundaries, slots), *(zeros(1, groups, slots, head_dim),) * 3,
-                       zeros(groups, slots, head_dim), zeros(groups), f if relation else None,
-                       zeros(1, groups, slots, slots) if relation else None, torch.full((1,), boundaries - 1,
-                       dtype=torch.int32), chunk, 1e-6)
-    usage = {(record["kernel"], record["constexprs"].get("RELATION")): (
+        for precision in ("tf32x3", "tf32"):  # an fp32 call's dots, a bf16 / fp16 call's
+            _level_forward(f, None, x, x, zeros(1, length), zeros(1, groups, boundaries, slots, head_dim),
+                           zeros(1, groups, boundaries, slots), *(zeros(1, groups, slots, head_dim),) * 3,
+                           zeros(groups, slots, head_dim), zeros(groups), f if relation else None,
+                           zeros(1, groups, slots, slots) if relation else None,
+                           torch.full((1,), boundaries - 1, dtype=torch.int32), chunk, 1e-6, precision)
+    usage = {(record["kernel"], record["constexprs"].get("RELATION"), record["constexprs"]["PRECISION"]): (
         record["options"]["num_warps"], record["registers"], record["spill_bytes"], record["programs"])
         for record in records}
-    assert usage.keys() == {("_level_sums_fwd", False), ("_level_sums_fwd", True), ("_level_residuals_fwd", None)}, \
-        records
+    assert usage.keys() == {(kernel, relation, precision) for kernel, relation in (
+        ("_level_sums_fwd", False), ("_level_sums_fwd", True), ("_level_residuals_fwd", None))
+        for precision in ("tf32x3", "tf32")}, records
     for kernel, (warps, registers, spill, programs) in usage.items():
         assert warps == 4 and registers <= 168 and spill == 0 and programs >= 132, (kernel, usage)
+
+
+@pytest.mark.variant  # two sm_90 compiles a layout: the full tier
+@pytest.mark.parametrize("groups,head_dim", [(3, 64), (8, 128)], ids=["smollm2-135m", "llama3-8b"])
+def test_the_rsa_chain_kernels_of_a_bf16_call_fit_sm90(monkeypatch, groups, head_dim):
+    """RSA's assignment chain (kernels/rsa_chain_triton.py), forward and backward, as a bf16 / fp16 call launches it
+    (tf32 dots: ``conventions.dot_precision``), at the mixer's default slots and chunk size and both head layouts: at
+    most 168 registers a thread at 4 warps and no spill. (Its grid is the recurrence's, a program per KV head and
+    batch row: docs/benchmarks.md.)"""
+    from hf_mixers.core.registry import get_mixer
+    from hf_mixers.kernels.rsa_chain_triton import _chain_forward
+
+    _, records = _compiling_tool(monkeypatch)
+    defaults = {option.name: option.default for option in get_mixer("rsa").options}
+    slots, chunk, length = defaults["rsa_num_slots"], defaults["rsa_chunk_size"], 256
+    leaf = lambda *size: torch.zeros(*size, requires_grad=True)  # noqa: E731
+    try:  # the launches are compiled, not run: what they return is never used
+        f, sums, masses = _chain_forward(leaf(1, groups, length, head_dim), torch.ones(1, length),
+                                         leaf(1, groups, slots, head_dim), leaf(1, groups, slots),
+                                         leaf(1, groups, slots, head_dim), leaf(groups, slots, head_dim), leaf(groups),
+                                         leaf(groups), torch.full((1,), length // chunk, dtype=torch.int32), False,
+                                         chunk, 1e-6, "tf32")
+        (f.sum() + sums.sum() + masses.sum()).backward()
+    except RuntimeError:
+        pass
+    usage = {record["kernel"]: (record["options"]["num_warps"], record["registers"], record["spill_bytes"],
+                                record["constexprs"]["PRECISION"]) for record in records}
+    assert usage.keys() == {"_chain_fwd", "_chain_bwd"}, records
+    for kernel, (warps, registers, spill, precision) in usage.items():
+        assert warps == 4 and registers <= 168 and spill == 0 and precision == "tf32", (kernel, usage)
 
 
 @pytest.mark.variant  # ten sm_90 compiles a layout where Triton's cache is cold (CI): the full tier

@@ -13,12 +13,12 @@ import torch
 
 from conftest import first_in_fast
 from triton_interpreter import (DEVICE, compile_key, interpreter_only, needs_kernels, padded_layer_step,
-                                record_launches, run_under_interpreter)
+                                record_launches, relative_error, run_under_interpreter, tf32_dots)
 
 from hf_mixers.kernels import rsa_chunk_triton as rct
 from hf_mixers.kernels import rsa_chain_triton as rch
 from hf_mixers.kernels.rsa_memory import RSAParams, ResidualMLPWeights, initial_state, rsa_chunked, rsa_recurrent
-from hf_mixers.kernels.rsa_state import ChunkLayout, write_chunks
+from hf_mixers.kernels.rsa_state import ChunkLayout, ChunkWrites, write_chunks
 from hf_mixers.testing import check_step_compiles_whole
 
 DEV = DEVICE or "cpu"  # where the tensors live (the parent process of a CPU machine builds some, launches nothing)
@@ -506,3 +506,88 @@ def test_the_layers_kernel_step_is_one_graph_for_torch_compile(options):
                **options}
     step, x, _ = padded_layer_step("rsa", options, 64, 40)
     check_step_compiles_whole(step, x)
+
+
+def _write_leaves(params, k, v):
+    """The write side's inputs and parameters by name (what its gradients reach)."""
+    leaves = {"k": k, "v": v, "prototypes": params.prototypes, "kappa": params.kappa, "beta": params.beta}
+    for kind in ("key_mlps", "value_mlps"):
+        for i, mlp in enumerate(getattr(params, kind)):
+            leaves.update({f"{kind}[{i}].{n}": getattr(mlp, n) for n in ("up_weight", "up_bias", "down_weight",
+                                                                          "down_bias")})
+    return leaves
+
+
+def _with_leaves(params, leaves):
+    """``params`` with the write's parameters replaced by ``leaves`` (``_write_leaves``' names)."""
+    mlps = {kind: [ResidualMLPWeights(*(leaves[f"{kind}[{i}].{n}"] for n in ("up_weight", "up_bias", "down_weight",
+                                                                             "down_bias")))
+                   for i in range(len(getattr(params, kind)))] for kind in ("key_mlps", "value_mlps")}
+    return replace(params, prototypes=leaves["prototypes"], kappa=leaves["kappa"], beta=leaves["beta"], **mlps)
+
+
+@needs_kernels
+def test_a_half_precision_write_takes_tf32_dots_within_the_bf16_bound(monkeypatch):
+    """A bf16 / fp16 call's write (chain, level and residual MLP kernels) takes plain tf32 dots, an fp32 call's
+    fp32-accurate ones, the read fp32-accurate ones always (``rsa_memory`` decides from the inputs' dtype before it
+    casts them; ``conventions.dot_precision``). Issue 67's criterion on the kernels themselves, their dots rounded
+    as a tensor core rounds them (``tf32_dots``): every quantity the write hands on (assignments, the levels' keys
+    and values, the sums at every boundary, the final state) and every gradient of its inputs and parameters stay
+    within the bf16 bound -- the error the exact (fp64) write makes from its inputs and parameters rounded to bf16.
+    Three levels, left padding, a hole."""
+    from functools import partial
+
+    from hf_mixers.kernels.rsa_chain_triton import assign_chain_triton, level_writes_triton
+    from hf_mixers.kernels.rsa_memory import rsa_memory
+    from hf_mixers.kernels.rsa_mlp_triton import residual_mlps_triton
+
+    params = make_params(chunk=8, levels=3)
+    _, k, v, valid = make_inputs(params, length=45)
+    layout = ChunkLayout.of(valid, torch.zeros(3, dtype=torch.long, device=DEV), params.chunk_size, valid.shape[1])
+    valid_b = layout.valid(3, DEV)
+    names = list(_write_leaves(params, k, v))
+    probe = torch.Generator().manual_seed(9)
+
+    def write(values, dtype, **kernels):
+        """The write's outputs and the gradients of a fixed probe of them, from ``values`` cast to ``dtype``."""
+        leaves = {n: t.detach().to(dtype).requires_grad_() for n, t in values.items()}
+        state = initial_state(params, 3, VALUE_DIM, dtype)
+        writes, final = write_chunks(layout.pack(leaves["k"], 2), layout.pack(leaves["v"], 2), valid_b, layout,
+                                     state, _with_leaves(params, leaves), **kernels)
+        outputs = [getattr(writes, f.name) for f in fields(writes)] + [getattr(final, n) for n in STATE_FIELDS]
+        weights = [torch.randn(out.shape, generator=probe.manual_seed(9 + i), dtype=torch.float64).to(DEV)
+                   for i, out in enumerate(outputs)]
+        for i in range(3):  # f, x, y (B, G, L, Tp, .): real rows only, as the read takes them (F = 0 on padding)
+            weights[i] = weights[i] * valid_b[:, None, None, :, None]
+        loss = sum((out.double() * w).sum() for out, w in zip(outputs, weights))
+        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        return [out.detach().double() for out in outputs] + [g.double() for g in grads]
+
+    original = _write_leaves(params, k, v)
+    rounded = {n: t.detach().to(torch.bfloat16).float() for n, t in original.items()}
+    reference = write(rounded, torch.float64)
+    bound = [relative_error(a, b) for a, b in zip(reference, write(original, torch.float64))]
+    tf32_dots(monkeypatch)
+    kernels = {name: partial(fn, precision="tf32") for name, fn in (
+        ("chain", assign_chain_triton), ("level", level_writes_triton), ("mlps", residual_mlps_triton))}
+    actual = write(rounded, torch.float32, **kernels)
+    labels = [f.name for f in fields(ChunkWrites)] + [f"final {n}" for n in STATE_FIELDS] + [f"d {n}" for n in names]
+    assert len(labels) == len(actual) == len(reference) == len(bound)
+    for label, a, b, limit in zip(labels, actual, reference, bound):
+        error = relative_error(a, b)  # (fp32-accurate dots: 1e-4 of the bound; tf32 within a quarter of it)
+        assert 0 < error <= limit, f"{label}: tf32 error {error:.3g} over the bf16 bound {limit:.3g}"
+
+    precisions = {}  # which precision each kernel is launched with, by the inputs' dtype
+    for kernel in (rct._fwd_kernel, rch._chain_fwd, rch._level_sums_fwd):
+        real = kernel.run
+        monkeypatch.setattr(kernel, "run", lambda *a, _real=real, _name=kernel.fn.__name__, **kw: (
+            precisions.setdefault(_name, set()).add(kw["PRECISION"]), _real(*a, **kw))[1])
+    q = torch.randn(3, 2, 2, 45, KEY_DIM, device=DEV)
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            precisions.clear()
+            rsa_memory(q.to(dtype), k.detach().to(dtype), v.detach().to(dtype), valid,
+                       initial_state(params, 3, VALUE_DIM, torch.float32), params, backend="triton")
+            write_precision = "tf32x3" if dtype == torch.float32 else "tf32"
+            assert precisions == {"_fwd_kernel": {"tf32x3"}, "_chain_fwd": {write_precision},
+                                  "_level_sums_fwd": {write_precision}}, (dtype, precisions)
