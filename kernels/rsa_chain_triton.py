@@ -9,7 +9,7 @@ level, per (batch row, KV head), the chunks in order: chunk c assigns its rows a
     S_{c+1} = S_c + (f . valid)^T X_c,   n_{c+1} = n_c + sum_t f . valid
 
 One program walks every chunk of one (row, head). The sums S_c it writes at every boundary are its working memory:
-a chunk reads S_c (and the references' boundary) and writes S_{c+1}, CHAIN_FEATURE_BLOCK key features at a time,
+a chunk reads S_c (and the references' boundary) and writes S_{c+1}, FEATURE_BLOCK key features at a time,
 so no (m, d) tile is carried in registers from chunk to chunk (carried, the sums, references and prototypes spilled
 at SmolLM2's heads on sm_90).
 
@@ -59,13 +59,11 @@ FORWARD_WARPS = 4
 BACKWARD_WARPS = 8  # the level backward's: fewer spills than at 4 on sm_90 (docs/benchmarks.md, "Kernels")
 CHAIN_WARPS = 4
 CHAIN_STAGES = 1  # no software pipelining of the feature loops: its buffers took registers
-# The chain's tiles: (16, m) scores and assignments, (m, 16) references and sums; at 32 rows or 32 features the
-# forward took 203 registers and the backward spilled (issue 67's budget: 168 at 4 warps, no spill).
-CHAIN_ROW_BLOCK = 16
-CHAIN_FEATURE_BLOCK = 16
-ROW_BLOCK = 32  # a chunk's rows an iteration of the level kernels takes: (32, m) tiles of assignments
-SUMS_ROW_BLOCK = 16  # the level's sums kernel: at 32 rows it exceeded the register budget (benchmarks.md)
-FEATURE_BLOCK = 32  # key features an iteration takes: (32, 32) and (m, 32) tiles
+# Every kernel's tiles: a chunk's rows 16 at a time ((16, m) scores, assignments and their gradients), features 16 at
+# a time ((m, 16) references and sums, (16, 16) keys and values). At 32 rows or 32 features the chain's forward took
+# 203 registers and the backwards spilled (issue 67's budget: 168 at 4 warps, no spill; docs/benchmarks.md).
+ROW_BLOCK = 16
+FEATURE_BLOCK = 16
 MAX_TILE = 64  # chunk size and slots: one tile (C x m, m x m)
 MAX_HEAD_DIM = 128  # key / value head dims (Llama-3-8B's heads): (C, d) tiles whole
 
@@ -643,8 +641,8 @@ def _level_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v_ptr,
 
 
 def _launch_options(sigmoid: bool, chunk_size: int, slots: int, key_dim: int, precision: str) -> dict:
-    return dict(SIGMOID=sigmoid, BLOCK_R=tile_edge(chunk_size, CHAIN_ROW_BLOCK), BLOCK_M=tile_edge(slots),
-                BLOCK_D=tile_edge(key_dim, CHAIN_FEATURE_BLOCK), PRECISION=precision, num_warps=CHAIN_WARPS,
+    return dict(SIGMOID=sigmoid, BLOCK_R=tile_edge(chunk_size, ROW_BLOCK), BLOCK_M=tile_edge(slots),
+                BLOCK_D=tile_edge(key_dim, FEATURE_BLOCK), PRECISION=precision, num_warps=CHAIN_WARPS,
                 num_stages=CHAIN_STAGES)
 
 
@@ -846,7 +844,7 @@ def _level_forward(f: Tensor, p: Tensor | None, x: Tensor | None, y: Tensor, val
         f, y, valid, value_sum0, dummy if above is None else above, dummy if relation_sum0 is None else relation_sum0,
         written, value_sums, relations, *value_sum0.stride()[:2],
         *(relation_sum0.stride()[:2] if relation else (0, 0)), padded, chunks, groups, chunk_size, slots, value_dim,
-        RELATION=relation, BLOCK_R=tile_edge(chunk_size, SUMS_ROW_BLOCK), BLOCK_DV=value_block, **shared)
+        RELATION=relation, BLOCK_R=tile_edge(chunk_size, ROW_BLOCK), BLOCK_DV=value_block, **shared)
     value_sums.cumsum_(2)
     if relation:
         relations.cumsum_(2)
