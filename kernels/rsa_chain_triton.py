@@ -19,8 +19,11 @@ and relation sums R_{c+1} = R_c + F_above^T W at every boundary, the next level'
 Y_c - p ref_v against the references of each chunk's start, and the references the state keeps. Forward, in
 parallel over chunks and column blocks: every chunk's increments W^T Y_c and F_above^T W (``_level_sums_fwd``), a
 running sum over the boundaries (one ``cumsum_`` each of V and R), then every chunk's residuals and the state's
-references (``_level_residuals_fwd``). Backward one program per (row, head), chunks in reverse. Only the residual
-MLPs stay in PyTorch.
+references (``_level_residuals_fwd``). Backward, in parallel too: each boundary routes the gradient of the
+references read there to S, n, kappa and V (``_level_boundaries_bwd``; the chunks past a row's last boundary all read
+its references, a short sum in that boundary's program), a running sum over the reversed boundaries gives the
+adjoints of V and R, then every chunk's row blocks take their gradients from the adjoints after them
+(``_level_rows_bwd``). The residual MLPs are kernels/rsa_mlp_triton.py's.
 
 The chain's backward (reverse over chunks, the same grid): the adjoints of S (in the gradient buffer of the starting
 sums, feature block by block) and n carried from chunk to chunk; per chunk the assignment recomputed from the saved
@@ -55,8 +58,7 @@ from .rsa_state import RSAParams
 
 # The dots' operand precision is the caller's (``precision``: conventions.dot_precision of the mixer's inputs, the
 # write being fp32 here whatever they were): tf32 for a bf16 / fp16 call, fp32-accurate otherwise.
-FORWARD_WARPS = 4
-BACKWARD_WARPS = 8  # the level backward's: fewer spills than at 4 on sm_90 (docs/benchmarks.md, "Kernels")
+FORWARD_WARPS = 4  # the level kernels', forward and backward
 CHAIN_WARPS = 4
 CHAIN_STAGES = 1  # no software pipelining of the feature loops: its buffers took registers
 # Every kernel's tiles: a chunk's rows 16 at a time ((16, m) scores, assignments and their gradients), features 16 at
@@ -471,173 +473,197 @@ def _divisor_gradient(kappa, n_at, eps, d_key, d_value):
     return d_total + tl.where(n_at > eps, -d_value * v_inverse, 0.0), tl.sum(d_total, 0)
 
 
-@triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g",
-                               "partials_b"])
-def _level_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr,
-               kappa_ptr, above_ptr, dw_ptr, gv_ptr, dr_ptr, dxn_ptr, dyn_ptr, dkout_ptr, dvout_ptr,
-               df_ptr, dp_ptr, dy_ptr, ds_ptr, dn_ptr, dv0_ptr, dkref0_ptr, dvref0_ptr, dprior_ptr, dkappa_ptr,
-               dabove_ptr, dr0_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, partials_b, Tp, NC, G, C, M, D,
-               DV, eps,
-               SIGMOID: tl.constexpr, RESIDUAL: tl.constexpr, RELATION: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    """One program = one (batch row, KV head), chunks in reverse. In: the forward's inputs and V; the gradients
-    of its outputs (gv: of V, a copy the references' shares are added into at their boundary; dr: of R).
-    Out: df (and dp with SIGMOID; softmax adds it into df), dy, the gradients of S and n (zeros on entry, added at
-    each boundary a reference reads), of the starting value sum (dv0: the adjoint of V_c as the sweep goes),
-    references and relation sum, this program's partials of kappa P and kappa (in its batch row of one partials
-    buffer, ``partials_b`` apart), and dabove = W dR^T. The keys' gradient is dxn itself (x enters only
-    x - p ref_k)."""
-    b, g, head, row, g64, kappa, reached, kref0, prior = _program(reached_ptr, kref0_ptr, prior_ptr, kappa_ptr, kref_b,
-                                                                  kref_g, prior_g, kappa_g, G)
-    vref0 = vref0_ptr + row * vref_b + g64 * vref_g
-    slots = tl.arange(0, BLOCK_M)
-    slot_ok = slots < M
-    MD, MDV, MM = M * D, M * DV, M * M
-    sums, masses, values = s_ptr + head * (NC + 1) * MD, n_ptr + head * (NC + 1) * M, v_ptr + head * (NC + 1) * MDV
-    d_sums, d_masses = ds_ptr + head * (NC + 1) * MD, dn_ptr + head * (NC + 1) * M
-    g_values, g_value = gv_ptr + head * (NC + 1) * MDV, dv0_ptr + head * MDV  # g_value: the adjoint of V_{c+1}
-    d_prior, d_kref0, d_vref0 = dprior_ptr + row * partials_b + g64 * MD, dkref0_ptr + head * MD, \
-        dvref0_ptr + head * MDV
-    off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
-    # the references after the last chunk, boundary min(NC, reached)
-    at = tl.minimum(NC, reached)
-    n_at = tl.load(masses + at * M + slots, mask=slot_ok, other=0.0)
-    k_inverse, v_inverse = 1.0 / tl.maximum(kappa + n_at, eps), 1.0 / tl.maximum(n_at, eps)
-    d_key = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        ok_md, off_md = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
-        ref = _reference(kref0, prior, sums, at, k_inverse, off_md, ok_md, MD, True)
-        d_key += _route(tl.load(dkout_ptr + head * MD + off_md, mask=ok_md, other=0.0), ref, at, k_inverse, d_kref0,
-                        d_sums, d_prior, off_md, ok_md, MD, True)
-    d_value = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for e0 in range(0, DV, BLOCK_DV):
-        cols = e0 + tl.arange(0, BLOCK_DV)
-        ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
-        ref = _reference(vref0, prior, values, at, v_inverse, off_mv, ok_mv, MDV, False)
-        d_value += _route(tl.load(dvout_ptr + head * MDV + off_mv, mask=ok_mv, other=0.0), ref, at, v_inverse,
-                          d_vref0, g_values, d_prior, off_mv, ok_mv, MDV, False)
-    # n's gradient at boundary ``reached`` (from the final references and the chunks past it) is held here and
-    # written at that boundary; every other boundary is written once, by its own chunk
-    d_pending, d_kappa = _divisor_gradient(kappa, n_at, eps, d_key, d_value)  # 0 at boundary 0 (nothing routed)
-    if at == NC:
-        tl.store(d_masses + NC * M + slots, d_pending, mask=slot_ok)
-    tl.debug_barrier()
-    for e0 in range(0, DV, BLOCK_DV):
-        cols = e0 + tl.arange(0, BLOCK_DV)
-        ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
-        tl.store(g_value + off_mv, tl.load(g_values + NC * MDV + off_mv, mask=ok_mv, other=0.0), mask=ok_mv)
-    g_relation = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
-    if RELATION:
-        g_relation = tl.load(dr_ptr + head * (NC + 1) * MM + NC * MM + off_mm, mask=ok_mm, other=0.0)
-    tl.debug_barrier()
-    for step in range(NC):
-        c = NC - 1 - step
-        at = tl.minimum(c, reached)
-        n_at = tl.load(masses + at * M + slots, mask=slot_ok, other=0.0)
-        k_inverse, v_inverse = 1.0 / tl.maximum(kappa + n_at, eps), 1.0 / tl.maximum(n_at, eps)
-        for r0 in range(0, C, BLOCK_R):  # the rows: the gradients of f and p
-            rows = r0 + tl.arange(0, BLOCK_R)
-            row_ok = rows < C
-            ok_rm, token = row_ok[:, None] & slot_ok[None, :], head * Tp + c * C + rows
-            off_rm = token[:, None] * M + slots[None, :]
-            write = tl.load(valid_ptr + row * Tp + c * C + rows, mask=row_ok, other=0.0)
-            w = tl.load(f_ptr + off_rm, mask=ok_rm, other=0.0) * write[:, None]
-            d_w = tl.load(dw_ptr + off_rm, mask=ok_rm, other=0.0)
-            d_p = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
-            if RESIDUAL:
-                for d0 in range(0, D, BLOCK_D):
-                    cols = d0 + tl.arange(0, BLOCK_D)
-                    ok_md, off_md = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
-                    ref = _reference(kref0, prior, sums, at, k_inverse, off_md, ok_md, MD, True)
-                    d_next = tl.load(dxn_ptr + token[:, None] * D + cols[None, :],
-                                     mask=row_ok[:, None] & (cols < D)[None, :], other=0.0)
-                    d_p -= tl.dot(d_next, tl.trans(ref), input_precision=PRECISION)
-            for e0 in range(0, DV, BLOCK_DV):
-                cols = e0 + tl.arange(0, BLOCK_DV)
-                ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
-                ok_rv = row_ok[:, None] & (cols < DV)[None, :]
-                y = tl.load(y_ptr + token[:, None] * DV + cols[None, :], mask=ok_rv, other=0.0)
-                d_w += tl.dot(y, tl.trans(tl.load(g_value + off_mv, mask=ok_mv, other=0.0)),
-                              input_precision=PRECISION)
-                if RESIDUAL:
-                    ref = _reference(vref0, prior, values, at, v_inverse, off_mv, ok_mv, MDV, False)
-                    d_next = tl.load(dyn_ptr + token[:, None] * DV + cols[None, :], mask=ok_rv, other=0.0)
-                    d_p -= tl.dot(d_next, tl.trans(ref), input_precision=PRECISION)
-            if RELATION:
-                above = tl.load(above_ptr + off_rm, mask=ok_rm, other=0.0)
-                d_w += tl.dot(above, g_relation, input_precision=PRECISION)
-                tl.store(dabove_ptr + off_rm, tl.dot(w, tl.trans(g_relation), input_precision=PRECISION),
-                         mask=ok_rm)
-            d_f = d_w * write[:, None]
-            if SIGMOID:
-                tl.store(df_ptr + off_rm, d_f, mask=ok_rm)
-                if RESIDUAL:
-                    tl.store(dp_ptr + off_rm, d_p, mask=ok_rm)
-            else:
-                tl.store(df_ptr + off_rm, d_f + d_p, mask=ok_rm)
-        tl.debug_barrier()  # every row read the adjoint of V_{c+1} before the features pass moves it on
-        d_key = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if RESIDUAL:  # the key references' gradient -p^T dxn
-            for d0 in range(0, D, BLOCK_D):
-                cols = d0 + tl.arange(0, BLOCK_D)
-                ok_md, off_md = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
-                ref = _reference(kref0, prior, sums, at, k_inverse, off_md, ok_md, MD, True)
-                d_ref = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-                for r0 in range(0, C, BLOCK_R):
-                    rows = r0 + tl.arange(0, BLOCK_R)
-                    row_ok = rows < C
-                    token = head * Tp + c * C + rows
-                    p = tl.load(p_ptr + token[:, None] * M + slots[None, :], mask=row_ok[:, None] & slot_ok[None, :],
-                                other=0.0)
-                    d_next = tl.load(dxn_ptr + token[:, None] * D + cols[None, :],
-                                     mask=row_ok[:, None] & (cols < D)[None, :], other=0.0)
-                    d_ref -= tl.dot(tl.trans(p), d_next, input_precision=PRECISION)
-                d_key += _route(d_ref, ref, at, k_inverse, d_kref0, d_sums, d_prior, off_md, ok_md, MD, True)
-        d_value = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for e0 in range(0, DV, BLOCK_DV):  # dy = dyn + W g_V, and the value references' gradient -p^T dyn
-            cols = e0 + tl.arange(0, BLOCK_DV)
-            ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
-            adjoint = tl.load(g_value + off_mv, mask=ok_mv, other=0.0)
-            ref = _reference(vref0, prior, values, at, v_inverse, off_mv, ok_mv, MDV, False)
-            d_ref = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+@triton.jit
+def _reference_gradient(p_ptr, dnext_ptr, dfinal_ptr, first, last, head, Tp, NC, C, M, width, cols, slots, slot_ok,
+                        RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    """Columns ``cols`` (M, BLOCK_F) of the gradient of the references that chunks first..last read: -p_c^T dnext_c
+    summed over them (RESIDUAL), and where last = NC, dfinal, the gradient of the references the state keeps. An
+    empty range (last < first) gives 0."""
+    d_ref = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+    if last == NC:
+        d_ref += tl.load(dfinal_ptr + head * M * width + slots[:, None] * width + cols[None, :],
+                         mask=slot_ok[:, None] & (cols < width)[None, :], other=0.0)
+    if RESIDUAL:
+        for c in range(first, tl.minimum(last + 1, NC)):
             for r0 in range(0, C, BLOCK_R):
                 rows = r0 + tl.arange(0, BLOCK_R)
                 row_ok = rows < C
                 token = head * Tp + c * C + rows
-                ok_rm, ok_rv = row_ok[:, None] & slot_ok[None, :], row_ok[:, None] & (cols < DV)[None, :]
-                write = tl.load(valid_ptr + row * Tp + c * C + rows, mask=row_ok, other=0.0)
-                w = tl.load(f_ptr + token[:, None] * M + slots[None, :], mask=ok_rm, other=0.0) * write[:, None]
-                d_y = tl.dot(w, adjoint, input_precision=PRECISION)
-                if RESIDUAL:
-                    d_next = tl.load(dyn_ptr + token[:, None] * DV + cols[None, :], mask=ok_rv, other=0.0)
-                    d_y += d_next
-                    p = tl.load(p_ptr + token[:, None] * M + slots[None, :], mask=ok_rm, other=0.0)
-                    d_ref -= tl.dot(tl.trans(p), d_next, input_precision=PRECISION)
-                tl.store(dy_ptr + token[:, None] * DV + cols[None, :], d_y, mask=ok_rv)
-            if RESIDUAL:
-                d_value += _route(d_ref, ref, at, v_inverse, d_vref0, g_values, d_prior, off_mv, ok_mv, MDV, False)
-        if RESIDUAL and at > 0:
-            d_n, d_k = _divisor_gradient(kappa, n_at, eps, d_key, d_value)
-            d_kappa += d_k
-            if c > reached:
-                d_pending += d_n
-            else:  # boundary c, read by chunk c alone (and, at c = reached, by the later ones)
-                d_n += tl.where(c == reached, d_pending, 0.0)
-                tl.store(d_masses + c * M + slots, d_n, mask=slot_ok)
-        elif at > 0 and c == reached:
-            tl.store(d_masses + c * M + slots, d_pending, mask=slot_ok)
-        tl.debug_barrier()  # the value references' shares added at their boundary before it is passed
-        for e0 in range(0, DV, BLOCK_DV):  # the adjoint of V_c
-            cols = e0 + tl.arange(0, BLOCK_DV)
-            ok_mv, off_mv = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
-            _add_into(g_value + off_mv, tl.load(g_values + c * MDV + off_mv, mask=ok_mv, other=0.0), ok_mv)
-        if RELATION:
-            g_relation += tl.load(dr_ptr + head * (NC + 1) * MM + c * MM + off_mm, mask=ok_mm, other=0.0)
-        tl.debug_barrier()
+                p = tl.load(p_ptr + token[:, None] * M + slots[None, :], mask=row_ok[:, None] & slot_ok[None, :],
+                            other=0.0)
+                d_next = tl.load(dnext_ptr + token[:, None] * width + cols[None, :],
+                                 mask=row_ok[:, None] & (cols < width)[None, :], other=0.0)
+                d_ref -= tl.dot(tl.trans(p), d_next, input_precision=PRECISION)
+    return d_ref
+
+
+@triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g"])
+def _level_boundaries_bwd(p_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr,
+                          gv_ptr, dr_ptr, dxn_ptr, dyn_ptr, dkout_ptr, dvout_ptr,
+                          ds_ptr, dn_ptr, adj_ptr, dkref0_ptr, dvref0_ptr,
+                          kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, Tp, NC, G, C, M, D, DV, eps,
+                          RESIDUAL: tl.constexpr, RELATION: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    """The backward's first pass, grid (B * G, NC + 1): program (head, b) takes the references read at boundary b
+    (chunk b's; at b = reached also those of every later chunk and the state's) and hands their gradient to what
+    they are made of: the starting references at b = 0, else S_b, n_b (dn), kappa and V_b. ds holds a row of
+    M * D + 1 a boundary: S_b's gradient, then kappa's share (summed over rows and boundaries, the row is kappa P's
+    and kappa's gradients). V's gradient at b, gv_b plus that share, then R's dR_b, make row NC - b of adj (M * DV
+    [+ M * M] wide): a cumulative sum over its rows is then the adjoints of V and R at every boundary. Boundaries
+    past ``reached`` (read by no chunk) get zeros."""
+    _, _, head, row, g64, kappa, reached, kref0, prior = _program(reached_ptr, kref0_ptr, prior_ptr, kappa_ptr,
+                                                                  kref_b, kref_g, prior_g, kappa_g, G)
+    vref0 = vref0_ptr + row * vref_b + g64 * vref_g
+    at = tl.program_id(1)
+    slots = tl.arange(0, BLOCK_M)
+    slot_ok = slots < M
+    MD, MDV, MM = M * D, M * DV, M * M
+    bounds = head * (NC + 1)
+    sums, values = s_ptr + bounds * MD, v_ptr + bounds * MDV
+    d_sums, adjoint = ds_ptr + (bounds + at) * (MD + 1), adj_ptr + (bounds + NC - at) * (MDV + RELATION * MM)
+    n_at = tl.load(n_ptr + (bounds + at) * M + slots, mask=slot_ok, other=0.0)
+    k_inverse, v_inverse = 1.0 / tl.maximum(kappa + n_at, eps), 1.0 / tl.maximum(n_at, eps)
+    # the chunks whose references are boundary at's: at alone, or at = reached and every later one (then NC: the
+    # state's); none past reached
+    first, last = at, tl.where(at < reached, at, tl.where(at == reached, NC, -1))
+    d_key = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        ok, off = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
+        d_ref = _reference_gradient(p_ptr, dxn_ptr, dkout_ptr, first, last, head, Tp, NC, C, M, D, cols, slots,
+                                    slot_ok, RESIDUAL, BLOCK_R, BLOCK_M, BLOCK_D, PRECISION)
+        if at == 0:
+            tl.store(dkref0_ptr + head * MD + off, d_ref, mask=ok)
+        else:
+            ref = _reference(kref0, prior, sums, at, k_inverse, off, ok, MD, True)
+            d_key += tl.sum(d_ref * ref, 1)
+        tl.store(d_sums + off, tl.where(at == 0, 0.0, d_ref * k_inverse[:, None]), mask=ok)
+    d_value = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for e0 in range(0, DV, BLOCK_DV):
+        cols = e0 + tl.arange(0, BLOCK_DV)
+        ok, off = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
+        d_ref = _reference_gradient(p_ptr, dyn_ptr, dvout_ptr, first, last, head, Tp, NC, C, M, DV, cols, slots,
+                                    slot_ok, RESIDUAL, BLOCK_R, BLOCK_M, BLOCK_DV, PRECISION)
+        g_value = tl.load(gv_ptr + (bounds + at) * MDV + off, mask=ok, other=0.0)
+        if at == 0:
+            tl.store(dvref0_ptr + head * MDV + off, d_ref, mask=ok)
+        else:
+            ref = _reference(vref0, prior, values, at, v_inverse, off, ok, MDV, False)
+            d_value += tl.sum(d_ref * ref, 1)
+            g_value += d_ref * v_inverse[:, None]
+        tl.store(adjoint + off, g_value, mask=ok)
+    d_n, d_k = _divisor_gradient(kappa, n_at, eps, d_key, d_value)  # 0 at boundary 0 and past reached
+    tl.store(dn_ptr + (bounds + at) * M + slots, d_n, mask=slot_ok)
+    tl.store(d_sums + MD, d_k)
     if RELATION:
-        tl.store(dr0_ptr + head * MM + off_mm, g_relation, mask=ok_mm)
-    tl.store(dkappa_ptr + row * partials_b + g64, d_kappa)
+        off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
+        tl.store(adjoint + MDV + off_mm, tl.load(dr_ptr + (bounds + at) * MM + off_mm, mask=ok_mm, other=0.0),
+                 mask=ok_mm)
+
+
+@triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g"])
+def _level_rows_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr,
+                    kappa_ptr, above_ptr, dw_ptr, adj_ptr, dxn_ptr, dyn_ptr,
+                    df_ptr, dp_ptr, dy_ptr, dv0_ptr, dabove_ptr, dr0_ptr,
+                    kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, Tp, NC, G, C, M, D, DV, eps,
+                    SIGMOID: tl.constexpr, RESIDUAL: tl.constexpr, RELATION: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """The backward's second pass, grid (B * G, max(NC, 1), row blocks): program (head, c, r) takes BLOCK_R rows of
+    chunk c, given the adjoints A_V, A_R of the boundary after it (adj: the first pass's, summed): dW = dW_out +
+    Y A_V^T + F_above A_R, df = dW . valid (+ dp for softmax), dp = -(dxn ref_k^T + dyn ref_v^T), dy = dyn + W A_V,
+    dabove = W A_R^T. Program (head, 0, 0) also writes the starting sums' gradients, the adjoints at boundary 0."""
+    _, _, head, row, g64, kappa, reached, kref0, prior = _program(reached_ptr, kref0_ptr, prior_ptr, kappa_ptr,
+                                                                  kref_b, kref_g, prior_g, kappa_g, G)
+    vref0 = vref0_ptr + row * vref_b + g64 * vref_g
+    c = tl.program_id(1)
+    slots = tl.arange(0, BLOCK_M)
+    slot_ok = slots < M
+    MD, MDV, MM = M * D, M * DV, M * M
+    bounds = head * (NC + 1)
+    off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
+    width = MDV + RELATION * MM  # of a row of adj
+    if c == 0 and tl.program_id(2) == 0:  # dV_0 and dR_0: the adjoints at boundary 0 (row NC)
+        for e0 in range(0, DV, BLOCK_DV):
+            cols = e0 + tl.arange(0, BLOCK_DV)
+            ok, off = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
+            tl.store(dv0_ptr + head * MDV + off, tl.load(adj_ptr + (bounds + NC) * width + off, mask=ok, other=0.0),
+                     mask=ok)
+        if RELATION:
+            tl.store(dr0_ptr + head * MM + off_mm, tl.load(adj_ptr + (bounds + NC) * width + MDV + off_mm, mask=ok_mm,
+                                                           other=0.0), mask=ok_mm)
+    if c < NC:
+        at = tl.minimum(c, reached)
+        n_at = tl.load(n_ptr + (bounds + at) * M + slots, mask=slot_ok, other=0.0)
+        k_inverse, v_inverse = 1.0 / tl.maximum(kappa + n_at, eps), 1.0 / tl.maximum(n_at, eps)
+        after = adj_ptr + (bounds + NC - c - 1) * width  # boundary c + 1's adjoints
+        rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < C
+        ok_rm, token = row_ok[:, None] & slot_ok[None, :], head * Tp + c * C + rows
+        off_rm = token[:, None] * M + slots[None, :]
+        write = tl.load(valid_ptr + row * Tp + c * C + rows, mask=row_ok, other=0.0)
+        # dy = dyn + W A_V, a value block at a time
+        w = tl.load(f_ptr + off_rm, mask=ok_rm, other=0.0) * write[:, None]
+        for e0 in range(0, DV, BLOCK_DV):
+            cols = e0 + tl.arange(0, BLOCK_DV)
+            ok, off = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
+            ok_rv = row_ok[:, None] & (cols < DV)[None, :]
+            d_y = tl.dot(w, tl.load(after + off, mask=ok, other=0.0), input_precision=PRECISION)
+            if RESIDUAL:
+                d_y += tl.load(dyn_ptr + token[:, None] * DV + cols[None, :], mask=ok_rv, other=0.0)
+            tl.store(dy_ptr + token[:, None] * DV + cols[None, :], d_y, mask=ok_rv)
+        if RELATION:  # dabove = W A_R^T, BLOCK_S slots of W at a time (no m x m tile held)
+            d_above = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+            for s0 in range(0, M, BLOCK_S):
+                part = s0 + tl.arange(0, BLOCK_S)
+                w_part = tl.load(f_ptr + token[:, None] * M + part[None, :],
+                                 mask=row_ok[:, None] & (part < M)[None, :], other=0.0) * write[:, None]
+                adjoint = tl.load(after + MDV + slots[:, None] * M + part[None, :],
+                                  mask=slot_ok[:, None] & (part < M)[None, :], other=0.0)  # A_R[:, part]
+                d_above += tl.dot(w_part, tl.trans(adjoint), input_precision=PRECISION)
+            tl.store(dabove_ptr + off_rm, d_above, mask=ok_rm)
+        # df = (dW_out + Y A_V^T + F_above A_R) . valid [+ dp], dp = -(dxn ref_k^T + dyn ref_v^T): softmax sums both
+        # in one accumulator (valid scales Y's and F_above's rows first)
+        d_f = tl.load(dw_ptr + off_rm, mask=ok_rm, other=0.0) * write[:, None]
+        if SIGMOID:
+            d_p = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+        for e0 in range(0, DV, BLOCK_DV):
+            cols = e0 + tl.arange(0, BLOCK_DV)
+            ok, off = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
+            ok_rv = row_ok[:, None] & (cols < DV)[None, :]
+            y = tl.load(y_ptr + token[:, None] * DV + cols[None, :], mask=ok_rv, other=0.0) * write[:, None]
+            d_f += tl.dot(y, tl.trans(tl.load(after + off, mask=ok, other=0.0)), input_precision=PRECISION)
+            if RESIDUAL:
+                ref = _reference(vref0, prior, v_ptr + bounds * MDV, at, v_inverse, off, ok, MDV, False)
+                d_next = tl.load(dyn_ptr + token[:, None] * DV + cols[None, :], mask=ok_rv, other=0.0)
+                if SIGMOID:
+                    d_p -= tl.dot(d_next, tl.trans(ref), input_precision=PRECISION)
+                else:
+                    d_f -= tl.dot(d_next, tl.trans(ref), input_precision=PRECISION)
+        if RESIDUAL:
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                ok, off = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
+                ref = _reference(kref0, prior, s_ptr + bounds * MD, at, k_inverse, off, ok, MD, True)
+                d_next = tl.load(dxn_ptr + token[:, None] * D + cols[None, :],
+                                 mask=row_ok[:, None] & (cols < D)[None, :], other=0.0)
+                if SIGMOID:
+                    d_p -= tl.dot(d_next, tl.trans(ref), input_precision=PRECISION)
+                else:
+                    d_f -= tl.dot(d_next, tl.trans(ref), input_precision=PRECISION)
+        if RELATION:
+            for s0 in range(0, M, BLOCK_S):
+                part = s0 + tl.arange(0, BLOCK_S)
+                above = tl.load(above_ptr + token[:, None] * M + part[None, :],
+                                mask=row_ok[:, None] & (part < M)[None, :], other=0.0) * write[:, None]
+                adjoint = tl.load(after + MDV + part[:, None] * M + slots[None, :],
+                                  mask=(part < M)[:, None] & slot_ok[None, :], other=0.0)  # A_R[part, :]
+                d_f += tl.dot(above, adjoint, input_precision=PRECISION)
+        tl.store(df_ptr + off_rm, d_f, mask=ok_rm)
+        if SIGMOID and RESIDUAL:
+            tl.store(dp_ptr + off_rm, d_p, mask=ok_rm)
 
 
 def _launch_options(sigmoid: bool, chunk_size: int, slots: int, key_dim: int, precision: str) -> dict:
@@ -864,23 +890,21 @@ def _(f, p, x, y, valid, key_sum, mass, value_sum0, key_ref0, value_ref0, prior,
     return [f.new_empty(shape) for shape in _level_shapes(f, key_sum, y, x is not None, above is not None)]
 
 
-def _level_gradient_shapes(f, p, y, prior, kappa, residual, relation) -> list[tuple]:
-    """The shapes of ``_level_backward``'s results after the packed zero-filled ones (``_level_zeroed``): df, [dp],
-    dy, d value_sum0, d prior and d kappa (``_shared_gradients``, summed over the batch), [d above,
-    d relation_sum0]."""
-    batch, groups, _, slots = f.shape
-    return ([tuple(f.shape)] + ([tuple(f.shape)] if p is not None and residual else [])
-            + [tuple(y.shape), (batch, groups, slots, y.shape[-1]), (prior.numel() + kappa.numel(),)]
+def _level_gradient_shapes(f, p, y, key_sum, mass, residual, relation) -> list[tuple]:
+    """The shapes of ``_level_backward``'s results: by boundary, d key_sum and kappa's share (``_boundary_split``),
+    d mass, d key_ref0, d value_ref0, df, [dp], dy, d value_sum0, d prior and d kappa (``_boundary_split`` of the
+    first summed over rows and boundaries), [d above, d relation_sum0]."""
+    batch, groups, boundaries, slots, key_dim = key_sum.shape
+    return ([(batch, groups, boundaries, slots * key_dim + 1), tuple(mass.shape), (batch, groups, slots, key_dim),
+             (batch, groups, slots, y.shape[-1]), tuple(f.shape)]
+            + ([tuple(f.shape)] if p is not None and residual else [])
+            + [tuple(y.shape), (batch, groups, slots, y.shape[-1]), (groups, slots * key_dim + 1)]
             + ([tuple(f.shape), (batch, groups, slots, slots)] if relation else []))
 
 
-def _level_zeroed(f, y, key_sum, mass, prior) -> list[tuple]:
-    """The shapes of the level backward's zero-filled buffers, packed in its first result: d key_sum, d mass,
-    d key_ref0, d value_ref0, the batch rows' partials (d prior, d kappa)."""
-    batch, groups, _, slots = f.shape
-    key_dim, value_dim = key_sum.shape[-1], y.shape[-1]
-    return [tuple(key_sum.shape), tuple(mass.shape), (batch, groups, slots, key_dim), (batch, groups, slots, value_dim),
-            (batch, prior.numel() + groups)]
+def _boundary_split(rows: Tensor, slots: int, key_dim: int) -> tuple[Tensor, Tensor]:
+    """(S's gradient (..., M, D), kappa's (...)) as views of rows (..., M * D + 1) of ``_level_backward``."""
+    return rows[..., :-1].unflatten(-1, (slots, key_dim)), rows[..., -1]
 
 
 @kernel_op(__name__, "level_backward")
@@ -890,43 +914,49 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
                     d_relations: Tensor | None, d_x_next: Tensor | None, d_y_next: Tensor | None,
                     d_key_ref: Tensor, d_value_ref: Tensor, residual: bool, chunk_size: int, eps: float,
                     precision: str) -> list[Tensor]:
-    """The level kernel's backward: the zero-filled gradients packed (``_level_zeroed``), then the others
-    (``_level_gradient_shapes``); prior's and kappa's summed over the batch."""
+    """The level kernels' backward (``_level_gradient_shapes``), in two passes parallel over boundaries, then over
+    chunks and row blocks, with the adjoints of V and R (a cumulative sum over the boundaries) between them; kappa P's
+    and kappa's gradients summed over the batch."""
     batch, groups, padded, slots = f.shape
     key_dim, value_dim = key_sum.shape[-1], y.shape[-1]
-    relation = above is not None
-    options = _level_options(residual, relation, chunk_size, slots, key_dim, value_dim, precision)
-    sizes = (padded, padded // chunk_size, groups, chunk_size, slots, key_dim, value_dim, eps)
-    g_values = d_values.clone(memory_format=torch.contiguous_format)  # the references' shares are added into it
+    chunks = padded // chunk_size
+    relation, sigmoid = above is not None, p is not None
+    options = dict(_level_options(residual, relation, chunk_size, slots, key_dim, value_dim, precision),
+                   num_warps=FORWARD_WARPS, num_stages=CHAIN_STAGES, maxnreg=MAX_REGISTERS)
+    sizes = (padded, chunks, groups, chunk_size, slots, key_dim, value_dim, eps)
+    strides = _level_read_strides(key_ref0, value_ref0, prior, kappa)
     d_relations = d_relations.contiguous() if relation else f
     d_x_next, d_y_next = (d_x_next.contiguous(), d_y_next.contiguous()) if residual else (f, f)
-    d_f = torch.empty_like(f)
-    d_p = torch.empty_like(f) if p is not None and residual else f
-    d_y = torch.empty_like(y)
-    # what the kernel accumulates into: one zero fill
-    zeroed, (d_key_sum, d_mass, d_key_ref0, d_value_ref0, partials) = packed_zeros(
-        _level_zeroed(f, y, key_sum, mass, prior), f.device)
-    d_prior, d_kappa = _shared_gradients(partials, prior, 1)
-    d_value_sum0 = y.new_empty(batch, groups, slots, value_dim)  # written whole
+    # every element of these is written (boundaries past a row's last one: zeros); by boundary, S's gradient and
+    # kappa's share in one row, V's and R's gradients in another (the kernel's docstring)
+    boundary_grads = f.new_empty(batch, groups, chunks + 1, slots * key_dim + 1)
+    d_mass = torch.empty_like(mass)
+    d_key_ref0, d_value_ref0 = torch.empty_like(key_ref0), torch.empty_like(value_ref0)
+    adjoints = f.new_empty(batch, groups, chunks + 1, slots * value_dim + relation * slots * slots)
+    _level_boundaries_bwd[(batch * groups, chunks + 1)](
+        f if p is None else p, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa,
+        d_values.contiguous(), d_relations, d_x_next, d_y_next, d_key_ref.contiguous(), d_value_ref.contiguous(),
+        boundary_grads, d_mass, adjoints, d_key_ref0, d_value_ref0, *strides, *sizes, **options)
+    adjoints.cumsum_(2)
+    d_f, d_y = torch.empty_like(f), torch.empty_like(y)
+    d_p = torch.empty_like(f) if sigmoid and residual else f
+    d_value_sum0 = y.new_empty(batch, groups, slots, value_dim)
     d_above = torch.empty_like(f) if relation else f
     d_relation0 = f.new_empty(batch, groups, slots, slots) if relation else f
-    _level_bwd[(batch * groups,)](f, f if p is None else p, y, valid, reached, key_sum, mass, value_sums, key_ref0,
-                                  value_ref0, prior, kappa, f if above is None else above, d_written.contiguous(),
-                                  g_values, d_relations, d_x_next, d_y_next, d_key_ref.contiguous(),
-                                  d_value_ref.contiguous(), d_f, d_p, d_y, d_key_sum, d_mass, d_value_sum0,
-                                  d_key_ref0, d_value_ref0, d_prior, d_kappa, d_above, d_relation0,
-                                  *_level_read_strides(key_ref0, value_ref0, prior, kappa), partials.stride(0),
-                                  *sizes, SIGMOID=p is not None, **options, num_warps=BACKWARD_WARPS,
-                                  num_stages=CHAIN_STAGES)
-    return ([zeroed, d_f] + ([d_p] if p is not None and residual else [])
-            + [d_y, d_value_sum0, partials.sum(0)] + ([d_above, d_relation0] if relation else []))
+    _level_rows_bwd[(batch * groups, max(chunks, 1), triton.cdiv(chunk_size, options["BLOCK_R"]))](
+        f, f if p is None else p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa,
+        f if above is None else above, d_written.contiguous(), adjoints, d_x_next, d_y_next,
+        d_f, d_p, d_y, d_value_sum0, d_above, d_relation0, *strides, *sizes, SIGMOID=sigmoid,
+        BLOCK_S=tile_edge(slots, FEATURE_BLOCK), **options)
+    return ([boundary_grads, d_mass, d_key_ref0, d_value_ref0, d_f] + ([d_p] if sigmoid and residual else [])
+            + [d_y, d_value_sum0, boundary_grads.sum((0, 2))] + ([d_above, d_relation0] if relation else []))
 
 
 @_level_backward.register_fake
 def _(f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above, d_written,
       d_values, d_relations, d_x_next, d_y_next, d_key_ref, d_value_ref, residual, chunk_size, eps, precision):
-    return [packed_zeros(_level_zeroed(f, y, key_sum, mass, prior), f.device)[0]] + [
-        f.new_empty(shape) for shape in _level_gradient_shapes(f, p, y, prior, kappa, residual, above is not None)]
+    return [f.new_empty(shape) for shape in _level_gradient_shapes(f, p, y, key_sum, mass, residual,
+                                                                   above is not None)]
 
 
 def _save_level(ctx, inputs, output):
@@ -955,13 +985,12 @@ def _level_gradients(ctx, grads):
                     (batch, groups, slots, key_dim), (batch, groups, slots, value_dim)], f)
     results = list(_level_backward(f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior,
                                    kappa, above, *given, residual, chunk_size, eps, precision))
-    d_key_sum, d_mass, d_key_ref0, d_value_ref0, _ = unpacked(results.pop(0),
-                                                              _level_zeroed(f, y, key_sum, mass, prior))
-    d_f = results.pop(0)
-    d_p = results.pop(0) if p is not None and residual else None
-    d_y, d_value_sum0, shared = results[:3]
-    d_prior, d_kappa = (t[0] for t in _shared_gradients(shared[None], prior, 1))
-    d_above, d_relation0 = results[3:] if relation else (None, None)
+    boundary_grads, d_mass, d_key_ref0, d_value_ref0, d_f = results[:5]
+    d_key_sum = _boundary_split(boundary_grads, slots, key_dim)[0]
+    d_p = results[5] if p is not None and residual else None
+    d_y, d_value_sum0, shared = results[5 + (d_p is not None):8 + (d_p is not None)]
+    d_prior, d_kappa = _boundary_split(shared, slots, key_dim)
+    d_above, d_relation0 = results[-2:] if relation else (None, None)
     return (d_f, d_p, d_x, d_y, None, d_key_sum, d_mass, d_value_sum0, d_key_ref0, d_value_ref0, d_prior, d_kappa,
             d_above, d_relation0, None, None, None, None)
 

@@ -63,8 +63,7 @@ def test_a_launch_is_compiled_for_sm90_and_its_shared_memory_read(monkeypatch):
 @pytest.mark.parametrize("width", [64, 128], ids=["smollm2-135m", "llama3-8b"])
 def test_the_residual_mlp_kernels_fit_sm90_registers_without_a_spill(monkeypatch, width):
     """Issue 67's register budget, read from the sm_90 cubins of RSA's residual MLP kernels at both head widths: at
-    most 168 registers a thread at 4 warps and no spill (RSA's read and level backward kernels do not fit yet:
-    docs/benchmarks.md)."""
+    most 168 registers a thread at 4 warps and no spill (RSA's read kernels do not fit yet: docs/benchmarks.md)."""
     from hf_mixers.kernels import rsa_mlp_triton
     from hf_mixers.kernels.rsa_state import ResidualMLPWeights
 
@@ -117,6 +116,43 @@ def test_the_rsa_level_forward_kernels_fit_sm90_and_fill_its_sms_at_2k(monkeypat
         for precision in ("tf32x3", "tf32")}, records
     for kernel, (warps, registers, spill, programs) in usage.items():
         assert warps == 4 and registers <= 168 and spill == 0 and programs >= 132, (kernel, usage)
+
+
+@pytest.mark.variant  # six sm_90 compiles a layout: the full tier
+@pytest.mark.parametrize("groups,head_dim", [(3, 64), (8, 128)], ids=["smollm2-135m", "llama3-8b"])
+def test_the_rsa_level_backward_kernels_of_a_bf16_call_fit_sm90(monkeypatch, groups, head_dim):
+    """The level's backward (kernels/rsa_chain_triton.py: every boundary's reference gradients, then every chunk's
+    row blocks), as a bf16 / fp16 call launches it (tf32 dots), at the mixer's default slots and chunk size, 2K
+    tokens, batch 1, level 0 and a deeper level (relation sums): at most 168 registers a thread at 4 warps and no
+    spill; a program a row block of every chunk (at least 132, an H100's SMs) and a program a boundary."""
+    from hf_mixers.core.registry import get_mixer
+    from hf_mixers.kernels.rsa_chain_triton import _level_forward
+
+    _, records = _compiling_tool(monkeypatch)
+    defaults = {option.name: option.default for option in get_mixer("rsa").options}
+    slots, chunk, length = defaults["rsa_num_slots"], defaults["rsa_chunk_size"], 2048
+    boundaries = length // chunk + 1
+    leaf = lambda *size: torch.zeros(*size, requires_grad=True)  # noqa: E731
+    for relation in (False, True):
+        f = leaf(1, groups, length, slots)
+        try:  # the launches are compiled, not run: what they return is never used
+            outputs = _level_forward(f, None, leaf(1, groups, length, head_dim), leaf(1, groups, length, head_dim),
+                                     torch.ones(1, length), leaf(1, groups, boundaries, slots, head_dim),
+                                     leaf(1, groups, boundaries, slots), *(leaf(1, groups, slots, head_dim),) * 3,
+                                     leaf(groups, slots, head_dim), leaf(groups), f if relation else None,
+                                     leaf(1, groups, slots, slots) if relation else None,
+                                     torch.full((1,), boundaries - 1, dtype=torch.int32), chunk, 1e-6, "tf32")
+            sum(out.sum() for out in outputs).backward()
+        except RuntimeError:
+            pass
+    usage = {(record["kernel"], record["constexprs"]["RELATION"]): (
+        record["options"]["num_warps"], record["registers"], record["spill_bytes"], record["programs"],
+        record["constexprs"]["PRECISION"]) for record in records if record["kernel"].endswith("_bwd")}
+    assert usage.keys() == {(kernel, relation) for kernel in ("_level_boundaries_bwd", "_level_rows_bwd")
+                            for relation in (False, True)}, records
+    for (kernel, _), (warps, registers, spill, programs, precision) in usage.items():
+        assert warps == 4 and registers <= 168 and spill == 0 and precision == "tf32", (kernel, usage)
+        assert programs == groups * boundaries if kernel == "_level_boundaries_bwd" else programs >= 132, usage
 
 
 @pytest.mark.variant  # two sm_90 compiles a layout: the full tier
