@@ -498,6 +498,19 @@ def _reference_gradient(p_ptr, dnext_ptr, dfinal_ptr, first, last, head, Tp, NC,
     return d_ref
 
 
+@triton.jit
+def _level_program(reached_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g,
+                   kappa_g, G, NC, M, BLOCK_M: tl.constexpr):
+    """What a level backward's program starts from (``_program``, and the value references): its (row, head) index
+    and batch row, kappa, the row's last boundary, its starting key and value references and kappa P, the index of
+    its boundary 0, the slots and which are real."""
+    _, _, head, row, g64, kappa, reached, kref0, prior = _program(reached_ptr, kref0_ptr, prior_ptr, kappa_ptr, kref_b,
+                                                                  kref_g, prior_g, kappa_g, G)
+    slots = tl.arange(0, BLOCK_M)
+    return (head, row, kappa, reached, kref0, vref0_ptr + row * vref_b + g64 * vref_g, prior, head * (NC + 1), slots,
+            slots < M)
+
+
 @triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g"])
 def _level_boundaries_bwd(p_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr,
                           gv_ptr, dr_ptr, dxn_ptr, dyn_ptr, dkout_ptr, dvout_ptr,
@@ -513,14 +526,11 @@ def _level_boundaries_bwd(p_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vr
     and kappa's gradients). V's gradient at b, gv_b plus that share, then R's dR_b, make row NC - b of adj (M * DV
     [+ M * M] wide): a cumulative sum over its rows is then the adjoints of V and R at every boundary. Boundaries
     past ``reached`` (read by no chunk) get zeros."""
-    _, _, head, row, g64, kappa, reached, kref0, prior = _program(reached_ptr, kref0_ptr, prior_ptr, kappa_ptr,
-                                                                  kref_b, kref_g, prior_g, kappa_g, G)
-    vref0 = vref0_ptr + row * vref_b + g64 * vref_g
+    head, row, kappa, reached, kref0, vref0, prior, bounds, slots, slot_ok = _level_program(
+        reached_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, G,
+        NC, M, BLOCK_M)
     at = tl.program_id(1)
-    slots = tl.arange(0, BLOCK_M)
-    slot_ok = slots < M
     MD, MDV, MM = M * D, M * DV, M * M
-    bounds = head * (NC + 1)
     sums, values = s_ptr + bounds * MD, v_ptr + bounds * MDV
     d_sums, adjoint = ds_ptr + (bounds + at) * (MD + 1), adj_ptr + (bounds + NC - at) * (MDV + RELATION * MM)
     n_at = tl.load(n_ptr + (bounds + at) * M + slots, mask=slot_ok, other=0.0)
@@ -575,14 +585,11 @@ def _level_rows_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v
     chunk c, given the adjoints A_V, A_R of the boundary after it (adj: the first pass's, summed): dW = dW_out +
     Y A_V^T + F_above A_R, df = dW . valid (+ dp for softmax), dp = -(dxn ref_k^T + dyn ref_v^T), dy = dyn + W A_V,
     dabove = W A_R^T. Program (head, 0, 0) also writes the starting sums' gradients, the adjoints at boundary 0."""
-    _, _, head, row, g64, kappa, reached, kref0, prior = _program(reached_ptr, kref0_ptr, prior_ptr, kappa_ptr,
-                                                                  kref_b, kref_g, prior_g, kappa_g, G)
-    vref0 = vref0_ptr + row * vref_b + g64 * vref_g
+    head, row, kappa, reached, kref0, vref0, prior, bounds, slots, slot_ok = _level_program(
+        reached_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, G,
+        NC, M, BLOCK_M)
     c = tl.program_id(1)
-    slots = tl.arange(0, BLOCK_M)
-    slot_ok = slots < M
     MD, MDV, MM = M * D, M * DV, M * M
-    bounds = head * (NC + 1)
     off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
     width = MDV + RELATION * MM  # of a row of adj
     if c == 0 and tl.program_id(2) == 0:  # dV_0 and dR_0: the adjoints at boundary 0 (row NC)
