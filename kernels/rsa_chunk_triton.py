@@ -27,13 +27,14 @@ Split of the work:
   * Write side: ``rsa_state.write_chunks`` (shared with the PyTorch chunk form), split along its one recurrence:
     each level's key-assignment chain over the chunks (its assignments depend on the chunk-start state) is one
     launch of kernels/rsa_chain_triton.py, forward and backward; the rest of its write (value and relation sums,
-    every chunk's references, the next level's residual inputs) the level kernels there (two launches forward,
-    parallel over chunks; one backward), and the residual MLPs between levels one launch a level for the key and
+    every chunk's references, the next level's residual inputs) the level kernels there (two launches each way,
+    parallel over chunks), and the residual MLPs between levels one launch a level for the key and
     value MLPs (kernels/rsa_mlp_triton.py), each way. The same path with and without autograd.
   * Read side: ``_fwd_kernel``, one launch for *all* chunks of the call (given the write side, the chunks' reads
     are independent): grid (n_chunks x C / PROGRAM_ROWS, B * H), one program = PROGRAM_ROWS rows of a chunk x one
     query head, all L levels in order inside the program (the chain and the global normaliser couple them). Its
-    rows read the chunk's rows up to themselves, KEY_BLOCK at a time: causal products summed over (R, K) blocks.
+    rows read the chunk's rows up to themselves, KEY_BLOCK at a time: causal products summed over (R, K) blocks;
+    the key features FORWARD_FEATURE_BLOCK at a time.
     ``_bwd_kernel`` is launched once per level, top level first, on the same grid: one level's body per program
     (the whole unrolled backward needed more shared memory than an H100 block has); the routing's
     gradients for the level below pass through two (B, H, Tp, m) buffers of the program's own rows (its share of
@@ -92,8 +93,8 @@ finally:
 from .conventions import FP32_DOTS, compute_dtype, kernel_op, packed_zeros, tile_edge, unpacked
 from .rsa_state import ChunkLayout, RSAParams, RSAState, slot_prior, write_chunks
 # the write side's kernel (the assignment chain), and the tiles and dot precision both sides use: MAX_TILE (chunk
-# size and slot count, held as one tile: C x C, C x m and m x m) and MAX_HEAD_DIM (the read's forward holds a
-# (C, d) tile whole, its backward takes FEATURE_BLOCK features at a time); calls over the limits run the PyTorch
+# size and slot count, held as one tile: C x C, C x m and m x m) and MAX_HEAD_DIM (the read's forward holds an
+# (R, dv) tile whole, its backward takes FEATURE_BLOCK features at a time); calls over the limits run the PyTorch
 # path, said in the dispatch's log line.
 from .rsa_chain_triton import assign_chain_triton, level_writes_triton, scope_reason
 from .rsa_mlp_triton import residual_mlps_triton
@@ -108,13 +109,16 @@ FEATURE_BLOCK = 64
 # so fewer rows hold fewer registers per thread (and give more programs per launch).
 PROGRAM_ROWS = 16
 KEY_BLOCK = 16  # the forward's chunk rows read per step (at least 16: the least inner dimension of a tl.dot)
+# The forward takes q, X, KS0 and W_qr FORWARD_FEATURE_BLOCK key features at a time (q reloaded, never held whole):
+# with q held (R, d) and KS0 (m, d) whole it spilled 600-1,720 bytes on sm_90 (docs/benchmarks.md).
+FORWARD_FEATURE_BLOCK = 16
 # 8 warps: the dots' operands are replicated across warps along the rows (a (16, m) tile is one warp's rows), and
 # their fp32 split into tf32 halves (tf32x3) is what fills the registers; at 8 warps each holds half the columns.
 READ_WARPS = 8
-# Software pipelining of the backward's loops over feature blocks (a few iterations each): Triton's default of 3
-# buffers their loads three deep, which took the window's + RSA-q's variant at 128-wide heads past an H100 block's
-# shared memory; with 1 it fits.
-BACKWARD_STAGES = 1
+# Software pipelining of the kernels' loops over key blocks and feature blocks (a few iterations each): Triton's
+# default of 3 buffers their loads three deep, which took the window's + RSA-q's backward at 128-wide heads past an
+# H100 block's shared memory, and the forward's registers past what it spilled at 1.
+READ_STAGES = 1
 READOUTS = {"sigmoid": 0, "softmax_count": 1}
 ROUTINGS = {"none": 0, "elementwise": 1, "relation": 2}
 
@@ -181,7 +185,8 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """One program = BLOCK_R rows of one chunk x one query head. Its rows read the chunk-start state and the rows
     of the chunk up to themselves, BLOCK_K of those at a time: every causal product is summed over (R, K) blocks,
-    so the tiles held are (R, m), (R, dv), (K, m | d | dv) and m x m / m x d / m x dv, whatever the chunk size."""
+    and every product over the key features over BLOCK_D of them (q is reloaded, not held), so the tiles held are
+    (R, m), (R, dv), (K, m | BLOCK_D | dv) and m x m / m x BLOCK_D / m x dv, whatever the chunk size and d."""
     row_blocks = tl.cdiv(C, BLOCK_R)
     chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)  # b * H + head
@@ -193,14 +198,11 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     reach = tl.minimum(first + BLOCK_R, C)  # the chunk rows they read: [0, reach)
     keys = tl.arange(0, BLOCK_K)
     slots = tl.arange(0, BLOCK_M)
-    cols_d = tl.arange(0, BLOCK_D)
     cols_v = tl.arange(0, BLOCK_DV)
-    row_ok, slot_ok, d_ok, v_ok = rows < C, slots < M, cols_d < D, cols_v < DV
+    row_ok, slot_ok, v_ok = rows < C, slots < M, cols_v < DV
     ok_rm, ok_mm = row_ok[:, None] & slot_ok[None, :], slot_ok[:, None] & slot_ok[None, :]
     off_mm = slots[:, None] * M + slots[None, :]
 
-    q = tl.load(q_ptr + (bh * Tp + row0 + rows)[:, None] * D + cols_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (R, D)
     chain = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
     num = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)
     den = tl.zeros((BLOCK_R,), tl.float32)
@@ -218,13 +220,23 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
             causal = (cols[None, :] <= rows[:, None]).to(tl.float32)  # (R, K), inclusive
             f = tl.load(f_ptr + (level_row + cols)[:, None] * M + slots[None, :],
                         mask=(cols < reach)[:, None] & slot_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + (level_row + cols)[:, None] * D + cols_d[None, :],
-                        mask=(cols < reach)[:, None] & d_ok[None, :], other=0.0)
             n += tl.dot(causal, f, input_precision=PRECISION)
-            snum += tl.dot(tl.dot(q, tl.trans(x), input_precision=PRECISION) * causal, f, input_precision=PRECISION)
-        ks0 = tl.load(ks0_ptr + (state * M + slots)[:, None] * D + cols_d[None, :],
-                      mask=slot_ok[:, None] & d_ok[None, :], other=0.0)  # (m, d)
-        snum += tl.dot(q, tl.trans(ks0), input_precision=PRECISION)
+            q_x = tl.zeros((BLOCK_R, BLOCK_K), tl.float32)
+            for d0 in range(0, D, BLOCK_D):  # q X^T, BLOCK_D features at a time
+                part = d0 + tl.arange(0, BLOCK_D)
+                q_part = tl.load(q_ptr + (bh * Tp + row0 + rows)[:, None] * D + part[None, :],
+                                 mask=row_ok[:, None] & (part < D)[None, :], other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + (level_row + cols)[:, None] * D + part[None, :],
+                            mask=(cols < reach)[:, None] & (part < D)[None, :], other=0.0)
+                q_x += tl.dot(q_part, tl.trans(x), input_precision=PRECISION)
+            snum += tl.dot(q_x * causal, f, input_precision=PRECISION)
+        for d0 in range(0, D, BLOCK_D):  # q KS0^T, BLOCK_D features at a time (no (m, d) tile held)
+            part = d0 + tl.arange(0, BLOCK_D)
+            q_part = tl.load(q_ptr + (bh * Tp + row0 + rows)[:, None] * D + part[None, :],
+                             mask=row_ok[:, None] & (part < D)[None, :], other=0.0).to(tl.float32)
+            ks0 = tl.load(ks0_ptr + (state * M + slots)[:, None] * D + part[None, :],
+                          mask=slot_ok[:, None] & (part < D)[None, :], other=0.0)  # (m, BLOCK_D)
+            snum += tl.dot(q_part, tl.trans(ks0), input_precision=PRECISION)
         kappa = tl.load(kappa_ptr + (bg % G) * L + i)
         score, den_k, act = _activation(snum, kappa, n, slot_ok, tau, eps, i == 0, READOUT)
         if LOG_WEIGHT and i == 0:  # log sum_j N_j exp(score_j) over the real level-0 slots (the window's merge)
@@ -270,9 +282,15 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                       mask=slot_ok[:, None] & v_ok[None, :], other=0.0)  # (m, dv)
         num += tl.dot(a, vs0, input_precision=PRECISION)
         if QUERY_READ:
-            wqr = tl.load(wqr_ptr + hl * D * M + cols_d[:, None] * M + slots[None, :],
-                          mask=d_ok[:, None] & slot_ok[None, :], other=0.0)
-            query_weights = tl.dot(q, wqr, input_precision=PRECISION) / 16 / norm_n
+            query_weights = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
+            for d0 in range(0, D, BLOCK_D):  # q W_qr, BLOCK_D features at a time
+                part = d0 + tl.arange(0, BLOCK_D)
+                q_part = tl.load(q_ptr + (bh * Tp + row0 + rows)[:, None] * D + part[None, :],
+                                 mask=row_ok[:, None] & (part < D)[None, :], other=0.0).to(tl.float32)
+                wqr = tl.load(wqr_ptr + hl * D * M + part[:, None] * M + slots[None, :],
+                              mask=(part < D)[:, None] & slot_ok[None, :], other=0.0)
+                query_weights += tl.dot(q_part, wqr, input_precision=PRECISION)
+            query_weights = query_weights / 16 / norm_n
             extra += tl.dot(query_weights, vs0, input_precision=PRECISION)
         for k0 in range(0, reach, BLOCK_K):
             cols = k0 + keys
@@ -566,11 +584,12 @@ class _Read:
                             BLOCK_D=tile_edge(key_dim), BLOCK_DV=tile_edge(y.shape[-1]),
                             PRECISION=READ_PRECISION, num_warps=READ_WARPS)
         self.forward_options = dict({key: value for key, value in self.options.items() if key != "BLOCK_C"},
-                                    BLOCK_R=PROGRAM_ROWS, BLOCK_K=KEY_BLOCK)
+                                    BLOCK_R=PROGRAM_ROWS, BLOCK_K=KEY_BLOCK,
+                                    BLOCK_D=min(self.options["BLOCK_D"], FORWARD_FEATURE_BLOCK), num_stages=READ_STAGES)
         self.backward_options = dict(self.options, BLOCK_R=PROGRAM_ROWS,
                                      BLOCK_D=min(self.options["BLOCK_D"], FEATURE_BLOCK),
                                      BLOCK_DV=min(self.options["BLOCK_DV"], FEATURE_BLOCK),
-                                     num_stages=BACKWARD_STAGES)
+                                     num_stages=READ_STAGES)
 
     def warmups(self, inputs, backward: bool) -> list:
         """The launches of this call as ``(kernel, grid, args, constexprs)`` for ``JITFunction.warmup``: the forward,
