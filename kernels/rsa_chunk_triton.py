@@ -34,7 +34,7 @@ Split of the work:
     are independent): grid (n_chunks x C / PROGRAM_ROWS, B * H), one program = PROGRAM_ROWS rows of a chunk x one
     query head, all L levels in order inside the program (the chain and the global normaliser couple them). Its
     rows read the chunk's rows up to themselves, KEY_BLOCK at a time: causal products summed over (R, K) blocks;
-    the key features FORWARD_FEATURE_BLOCK at a time.
+    the key features FEATURE_BLOCK at a time.
     ``_bwd_kernel`` is launched once per level, top level first, on the same grid: one level's body per program
     (the whole unrolled backward needed more shared memory than an H100 block has); the routing's
     gradients for the level below pass through two (B, H, Tp, m) buffers of the program's own rows (its share of
@@ -104,14 +104,14 @@ from .triton_compile import compile_side_by_side
 # (`hf-mixers bench precision --mixer rsa --scope read_chunks`: it divides sums by masses and chains the levels);
 # "ieee" (FMA dots) is exact too, but at the default sizes its backward did not finish compiling in 25 CPU-minutes.
 READ_PRECISION = FP32_DOTS
-FEATURE_BLOCK = 64
+# The forward takes the key features, the backward the key and value features, FEATURE_BLOCK at a time (q reloaded,
+# never held whole): with q held (R, d), KS0 (m, d) whole and 64-wide blocks in the backward they spilled 600-1,848
+# bytes on sm_90; at 16, 0-64 forward and 656-1,216 backward (docs/benchmarks.md).
+FEATURE_BLOCK = 16
 # Rows of a chunk per program, forward and backward: a program's own tiles are (rows, C), (rows, m) and (rows, dv),
 # so fewer rows hold fewer registers per thread (and give more programs per launch).
 PROGRAM_ROWS = 16
 KEY_BLOCK = 16  # the forward's chunk rows read per step (at least 16: the least inner dimension of a tl.dot)
-# The forward takes q, X, KS0 and W_qr FORWARD_FEATURE_BLOCK key features at a time (q reloaded, never held whole):
-# with q held (R, d) and KS0 (m, d) whole it spilled 600-1,720 bytes on sm_90 (docs/benchmarks.md).
-FORWARD_FEATURE_BLOCK = 16
 # 8 warps: the dots' operands are replicated across warps along the rows (a (16, m) tile is one warp's rows), and
 # their fp32 split into tf32 halves (tf32x3) is what fills the registers; at 8 warps each holds half the columns.
 READ_WARPS = 8
@@ -585,7 +585,7 @@ class _Read:
                             PRECISION=READ_PRECISION, num_warps=READ_WARPS)
         self.forward_options = dict({key: value for key, value in self.options.items() if key != "BLOCK_C"},
                                     BLOCK_R=PROGRAM_ROWS, BLOCK_K=KEY_BLOCK,
-                                    BLOCK_D=min(self.options["BLOCK_D"], FORWARD_FEATURE_BLOCK), num_stages=READ_STAGES)
+                                    BLOCK_D=min(self.options["BLOCK_D"], FEATURE_BLOCK), num_stages=READ_STAGES)
         self.backward_options = dict(self.options, BLOCK_R=PROGRAM_ROWS,
                                      BLOCK_D=min(self.options["BLOCK_D"], FEATURE_BLOCK),
                                      BLOCK_DV=min(self.options["BLOCK_DV"], FEATURE_BLOCK),

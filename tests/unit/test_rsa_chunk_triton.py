@@ -311,15 +311,17 @@ def test_warmups_are_exactly_what_the_call_launches(levels, monkeypatch):
 @needs_kernels
 @pytest.mark.parametrize("readout, routing, query_read", first_in_fast(("softmax_count", "relation", True),
                                                                       ("sigmoid", "elementwise", False)))
-def test_backward_over_feature_blocks_matches_reference(readout, routing, query_read, monkeypatch):
-    """The backward takes the key / value features FEATURE_BLOCK at a time (so Llama-3-8B's 128-wide heads keep its
-    tiles 64 wide): cut to 8, the key dim 12 and value dim 10 each take two blocks, the second one ragged; output,
-    state and every gradient still equal rsa_chunked, the window's merge weight included."""
+def test_the_read_over_feature_blocks_matches_reference(readout, routing, query_read, monkeypatch):
+    """The kernels take the key (forward and backward) and value (backward) features FEATURE_BLOCK at a time (so
+    Llama-3-8B's 128-wide heads keep their tiles narrow): cut to 8, the key dim 12 and value dim 10 each take two
+    blocks, the second one ragged; output, state and every gradient still equal rsa_chunked, the window's merge
+    weight included."""
     monkeypatch.setattr(rct, "FEATURE_BLOCK", 8)
     params = make_params(chunk=16, readout=readout, routing=routing, query_read=query_read, log_weight=True)
     read = rct._Read(rct._read_options(params), torch.zeros(1, 4, 16, KEY_DIM), torch.zeros(1, 2, 3, 16, SLOTS),
                      torch.zeros(1, 2, 3, 16, VALUE_DIM))
     assert read.backward_options["BLOCK_D"] == read.backward_options["BLOCK_DV"] == 8 < KEY_DIM
+    assert read.forward_options["BLOCK_D"] == 8
     inputs = make_inputs(params, batch=2)
     assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
 
