@@ -128,23 +128,6 @@ def _add_into(ptr, value, ok):
 
 
 @triton.jit
-def _route(d_ref, ref, at, inverse, d_ref0, d_sums, d_prior, off, ok, MD, WITH_PRIOR: tl.constexpr):
-    """Hand one feature block of a reference's gradient to what the reference is made of: the state's own at
-    boundary 0, else the sums of boundary ``at`` (and kappa P, WITH_PRIOR). Returns sum over the block of
-    d_ref . ref (M,), the divisor's share: d inverse-divisor = -that * inverse."""
-    if at == 0:
-        _add_into(d_ref0 + off, d_ref, ok)
-        part = tl.zeros_like(inverse)
-    else:
-        scaled = d_ref * inverse[:, None]
-        _add_into(d_sums + at * MD + off, scaled, ok)
-        if WITH_PRIOR:
-            _add_into(d_prior + off, scaled, ok)
-        part = tl.sum(d_ref * ref, 1)
-    return part
-
-
-@triton.jit
 def _program(reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, ref_b, ref_g, prior_g, kappa_g, G):
     """This program's (batch row b, KV head g), its flat index, the row's last boundary, kappa, and where its
     starting key references and kappa P are, read by their strides (views of the state and prototypes). Shared by

@@ -117,7 +117,7 @@ KEY_BLOCK = 16  # the forward's chunk rows read per step (at least 16: the least
 READ_WARPS = 8
 # Software pipelining of the kernels' loops over key blocks and feature blocks (a few iterations each): Triton's
 # default of 3 buffers their loads three deep, which took the window's + RSA-q's backward at 128-wide heads past an
-# H100 block's shared memory, and the forward's registers past what it spilled at 1.
+# H100 block's shared memory, and in the forward took registers it then spilled (three times the bytes).
 READ_STAGES = 1
 READOUTS = {"sigmoid": 0, "softmax_count": 1}
 ROUTINGS = {"none": 0, "elementwise": 1, "relation": 2}
