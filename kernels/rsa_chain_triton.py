@@ -497,45 +497,45 @@ def _level_program(reached_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref
 @triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g"])
 def _level_boundaries_bwd(p_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr,
                           gv_ptr, dr_ptr, dxn_ptr, dyn_ptr, dkout_ptr, dvout_ptr,
-                          ds_ptr, dn_ptr, adj_ptr, dkref0_ptr, dvref0_ptr,
+                          ds_ptr, parts_ptr, adj_ptr, dkref0_ptr, dvref0_ptr,
                           kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, Tp, NC, G, C, M, D, DV, eps,
                           RESIDUAL: tl.constexpr, RELATION: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                           PRECISION: tl.constexpr):
-    """The backward's first pass, grid (B * G, NC + 1): program (head, b) takes the references read at boundary b
-    (chunk b's; at b = reached also those of every later chunk and the state's) and hands their gradient to what
-    they are made of: the starting references at b = 0, else S_b, n_b (dn), kappa and V_b. ds holds a row of
-    M * D + 1 a boundary: S_b's gradient, then kappa's share (summed over rows and boundaries, the row is kappa P's
-    and kappa's gradients). V's gradient at b, gv_b plus that share, then R's dR_b, make row NC - b of adj (M * DV
-    [+ M * M] wide): a cumulative sum over its rows is then the adjoints of V and R at every boundary. Boundaries
-    past ``reached`` (read by no chunk) get zeros."""
+    """The backward's first pass, grid (B * G, NC + 1, key-column blocks then value-column blocks): program
+    (head, b, j) takes columns j of the references read at boundary b (chunk b's; at b = reached also those of
+    every later chunk and the state's) and hands their gradient to what they are made of: the starting references at
+    b = 0, else S_b and V_b, and its share of sum d_ref . ref, the divisor's (parts: n_b's and kappa's gradients,
+    summed over j in ``_level_rows_bwd``). ds holds a row of M * D + 1 a boundary: S_b's gradient, then kappa's share
+    (summed over rows and boundaries, the row is kappa P's and kappa's gradients). V's gradient at b, gv_b plus its
+    share, then R's dR_b, make row NC - b of adj (M * DV [+ M * M] wide): a cumulative sum over its rows is then the
+    adjoints of V and R at every boundary. Boundaries past ``reached`` (read by no chunk) get zeros."""
     head, row, kappa, reached, kref0, vref0, prior, bounds, slots, slot_ok = _level_program(
         reached_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, G,
         NC, M, BLOCK_M)
-    at = tl.program_id(1)
+    at, j = tl.program_id(1), tl.program_id(2)
     MD, MDV, MM = M * D, M * DV, M * M
-    sums, values = s_ptr + bounds * MD, v_ptr + bounds * MDV
+    key_blocks = tl.cdiv(D, BLOCK_D)
     d_sums, adjoint = ds_ptr + (bounds + at) * (MD + 1), adj_ptr + (bounds + NC - at) * (MDV + RELATION * MM)
     n_at = tl.load(n_ptr + (bounds + at) * M + slots, mask=slot_ok, other=0.0)
-    k_inverse, v_inverse = 1.0 / tl.maximum(kappa + n_at, eps), 1.0 / tl.maximum(n_at, eps)
     # the chunks whose references are boundary at's: at alone, or at = reached and every later one (then NC: the
     # state's); none past reached
     first, last = at, tl.where(at < reached, at, tl.where(at == reached, NC, -1))
-    d_key = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
+    part = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum over columns j of d_ref . ref
+    if j < key_blocks:  # the key references: S_b
+        inverse = 1.0 / tl.maximum(kappa + n_at, eps)
+        cols = j * BLOCK_D + tl.arange(0, BLOCK_D)
         ok, off = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
         d_ref = _reference_gradient(p_ptr, dxn_ptr, dkout_ptr, first, last, head, Tp, NC, C, M, D, cols, slots,
                                     slot_ok, RESIDUAL, BLOCK_R, BLOCK_M, BLOCK_D, PRECISION)
         if at == 0:
             tl.store(dkref0_ptr + head * MD + off, d_ref, mask=ok)
         else:
-            ref = _reference(kref0, prior, sums, at, k_inverse, off, ok, MD, True)
-            d_key += tl.sum(d_ref * ref, 1)
-        tl.store(d_sums + off, tl.where(at == 0, 0.0, d_ref * k_inverse[:, None]), mask=ok)
-    d_value = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for e0 in range(0, DV, BLOCK_DV):
-        cols = e0 + tl.arange(0, BLOCK_DV)
+            part = tl.sum(d_ref * _reference(kref0, prior, s_ptr + bounds * MD, at, inverse, off, ok, MD, True), 1)
+        tl.store(d_sums + off, tl.where(at == 0, 0.0, d_ref * inverse[:, None]), mask=ok)
+    else:  # the value references: V_b
+        inverse = 1.0 / tl.maximum(n_at, eps)
+        cols = (j - key_blocks) * BLOCK_DV + tl.arange(0, BLOCK_DV)
         ok, off = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
         d_ref = _reference_gradient(p_ptr, dyn_ptr, dvout_ptr, first, last, head, Tp, NC, C, M, DV, cols, slots,
                                     slot_ok, RESIDUAL, BLOCK_R, BLOCK_M, BLOCK_DV, PRECISION)
@@ -543,23 +543,39 @@ def _level_boundaries_bwd(p_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vr
         if at == 0:
             tl.store(dvref0_ptr + head * MDV + off, d_ref, mask=ok)
         else:
-            ref = _reference(vref0, prior, values, at, v_inverse, off, ok, MDV, False)
-            d_value += tl.sum(d_ref * ref, 1)
-            g_value += d_ref * v_inverse[:, None]
+            part = tl.sum(d_ref * _reference(vref0, prior, v_ptr + bounds * MDV, at, inverse, off, ok, MDV, False), 1)
+            g_value += d_ref * inverse[:, None]
         tl.store(adjoint + off, g_value, mask=ok)
-    d_n, d_k = _divisor_gradient(kappa, n_at, eps, d_key, d_value)  # 0 at boundary 0 and past reached
+        if RELATION and j == key_blocks:
+            off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
+            tl.store(adjoint + MDV + off_mm, tl.load(dr_ptr + (bounds + at) * MM + off_mm, mask=ok_mm, other=0.0),
+                     mask=ok_mm)
+    tl.store(parts_ptr + ((bounds + at) * tl.num_programs(2) + j) * M + slots, part, mask=slot_ok)
+
+
+@triton.jit
+def _divisor_at(n_ptr, parts_ptr, ds_ptr, dn_ptr, kappa, bounds, at, blocks, key_blocks, MD, M, eps, slots,
+                slot_ok):
+    """Boundary ``at``'s divisor gradients from ``_level_boundaries_bwd``'s parts (its key then value column blocks'
+    sums of d_ref . ref): n_at's into dn, kappa's share into the last entry of the boundary's row of ds."""
+    d_key = tl.zeros_like(slots.to(tl.float32))
+    d_value = tl.zeros_like(d_key)
+    for j in range(blocks):
+        part = tl.load(parts_ptr + ((bounds + at) * blocks + j) * M + slots, mask=slot_ok, other=0.0)
+        if j < key_blocks:
+            d_key += part
+        else:
+            d_value += part
+    n_at = tl.load(n_ptr + (bounds + at) * M + slots, mask=slot_ok, other=0.0)
+    d_n, d_kappa = _divisor_gradient(kappa, n_at, eps, d_key, d_value)  # 0 at boundary 0 and past reached
     tl.store(dn_ptr + (bounds + at) * M + slots, d_n, mask=slot_ok)
-    tl.store(d_sums + MD, d_k)
-    if RELATION:
-        off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
-        tl.store(adjoint + MDV + off_mm, tl.load(dr_ptr + (bounds + at) * MM + off_mm, mask=ok_mm, other=0.0),
-                 mask=ok_mm)
+    tl.store(ds_ptr + (bounds + at) * (MD + 1) + MD, d_kappa)
 
 
 @triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g"])
 def _level_rows_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr,
-                    kappa_ptr, above_ptr, dw_ptr, adj_ptr, dxn_ptr, dyn_ptr,
-                    df_ptr, dp_ptr, dy_ptr, dv0_ptr, dabove_ptr, dr0_ptr,
+                    kappa_ptr, above_ptr, dw_ptr, adj_ptr, parts_ptr, dxn_ptr, dyn_ptr,
+                    df_ptr, dp_ptr, dy_ptr, dv0_ptr, dabove_ptr, dr0_ptr, ds_ptr, dn_ptr,
                     kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, Tp, NC, G, C, M, D, DV, eps,
                     SIGMOID: tl.constexpr, RESIDUAL: tl.constexpr, RELATION: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -567,7 +583,8 @@ def _level_rows_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v
     """The backward's second pass, grid (B * G, max(NC, 1), row blocks): program (head, c, r) takes BLOCK_R rows of
     chunk c, given the adjoints A_V, A_R of the boundary after it (adj: the first pass's, summed): dW = dW_out +
     Y A_V^T + F_above A_R, df = dW . valid (+ dp for softmax), dp = -(dxn ref_k^T + dyn ref_v^T), dy = dyn + W A_V,
-    dabove = W A_R^T. Program (head, 0, 0) also writes the starting sums' gradients, the adjoints at boundary 0."""
+    dabove = W A_R^T. Program (head, c, 0) also reduces boundary c + 1's divisor gradients (``_divisor_at``), and
+    (head, 0, 0) boundary 0's and the starting sums' gradients, the adjoints at boundary 0."""
     head, row, kappa, reached, kref0, vref0, prior, bounds, slots, slot_ok = _level_program(
         reached_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, G,
         NC, M, BLOCK_M)
@@ -575,6 +592,14 @@ def _level_rows_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v
     MD, MDV, MM = M * D, M * DV, M * M
     off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
     width = MDV + RELATION * MM  # of a row of adj
+    if tl.program_id(2) == 0:
+        blocks, key_blocks = tl.cdiv(D, BLOCK_D) + tl.cdiv(DV, BLOCK_DV), tl.cdiv(D, BLOCK_D)
+        if c < NC:
+            _divisor_at(n_ptr, parts_ptr, ds_ptr, dn_ptr, kappa, bounds, c + 1, blocks, key_blocks, MD, M, eps, slots,
+                        slot_ok)
+        if c == 0:
+            _divisor_at(n_ptr, parts_ptr, ds_ptr, dn_ptr, kappa, bounds, 0, blocks, key_blocks, MD, M, eps, slots,
+                        slot_ok)
     if c == 0 and tl.program_id(2) == 0:  # dV_0 and dR_0: the adjoints at boundary 0 (row NC)
         for e0 in range(0, DV, BLOCK_DV):
             cols = e0 + tl.arange(0, BLOCK_DV)
@@ -923,10 +948,12 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
     d_mass = torch.empty_like(mass)
     d_key_ref0, d_value_ref0 = torch.empty_like(key_ref0), torch.empty_like(value_ref0)
     adjoints = f.new_empty(batch, groups, chunks + 1, slots * value_dim + relation * slots * slots)
-    _level_boundaries_bwd[(batch * groups, chunks + 1)](
+    blocks = triton.cdiv(key_dim, options["BLOCK_D"]) + triton.cdiv(value_dim, options["BLOCK_DV"])
+    parts = f.new_empty(batch, groups, chunks + 1, blocks, slots)  # the divisor's, a column block each
+    _level_boundaries_bwd[(batch * groups, chunks + 1, blocks)](
         f if p is None else p, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa,
         d_values.contiguous(), d_relations, d_x_next, d_y_next, d_key_ref.contiguous(), d_value_ref.contiguous(),
-        boundary_grads, d_mass, adjoints, d_key_ref0, d_value_ref0, *strides, *sizes, **options)
+        boundary_grads, parts, adjoints, d_key_ref0, d_value_ref0, *strides, *sizes, **options)
     adjoints.cumsum_(2)
     d_f, d_y = torch.empty_like(f), torch.empty_like(y)
     d_p = torch.empty_like(f) if sigmoid and residual else f
@@ -935,8 +962,8 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
     d_relation0 = f.new_empty(batch, groups, slots, slots) if relation else f
     _level_rows_bwd[(batch * groups, max(chunks, 1), triton.cdiv(chunk_size, options["BLOCK_R"]))](
         f, f if p is None else p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa,
-        f if above is None else above, d_written.contiguous(), adjoints, d_x_next, d_y_next,
-        d_f, d_p, d_y, d_value_sum0, d_above, d_relation0, *strides, *sizes, SIGMOID=sigmoid,
+        f if above is None else above, d_written.contiguous(), adjoints, parts, d_x_next, d_y_next,
+        d_f, d_p, d_y, d_value_sum0, d_above, d_relation0, boundary_grads, d_mass, *strides, *sizes, SIGMOID=sigmoid,
         BLOCK_S=tile_edge(slots, FEATURE_BLOCK), **options)
     return ([boundary_grads, d_mass, d_key_ref0, d_value_ref0, d_f] + ([d_p] if sigmoid and residual else [])
             + [d_y, d_value_sum0, boundary_grads.sum((0, 2))] + ([d_above, d_relation0] if relation else []))

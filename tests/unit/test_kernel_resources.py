@@ -124,7 +124,8 @@ def test_the_rsa_level_backward_kernels_of_a_bf16_call_fit_sm90(monkeypatch, gro
     """The level's backward (kernels/rsa_chain_triton.py: every boundary's reference gradients, then every chunk's
     row blocks), as a bf16 / fp16 call launches it (tf32 dots), at the mixer's default slots and chunk size, 2K
     tokens, batch 1, level 0 and a deeper level (relation sums): at most 168 registers a thread at 4 warps and no
-    spill; a program a row block of every chunk (at least 132, an H100's SMs) and a program a boundary."""
+    spill; at least one program for each of an H100's 132 SMs in each launch (a program a boundary and column
+    block, then a program a row block of every chunk)."""
     from hf_mixers.core.registry import get_mixer
     from hf_mixers.kernels.rsa_chain_triton import _level_forward
 
@@ -150,9 +151,9 @@ def test_the_rsa_level_backward_kernels_of_a_bf16_call_fit_sm90(monkeypatch, gro
         record["constexprs"]["PRECISION"]) for record in records if record["kernel"].endswith("_bwd")}
     assert usage.keys() == {(kernel, relation) for kernel in ("_level_boundaries_bwd", "_level_rows_bwd")
                             for relation in (False, True)}, records
-    for (kernel, _), (warps, registers, spill, programs, precision) in usage.items():
-        assert warps == 4 and registers <= 168 and spill == 0 and precision == "tf32", (kernel, usage)
-        assert programs == groups * boundaries if kernel == "_level_boundaries_bwd" else programs >= 132, usage
+    for kernel, (warps, registers, spill, programs, precision) in usage.items():
+        assert warps == 4 and registers <= 168 and spill == 0 and programs >= 132 and precision == "tf32", (kernel,
+                                                                                                          usage)
 
 
 @pytest.mark.variant  # two sm_90 compiles a layout: the full tier
