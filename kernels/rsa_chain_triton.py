@@ -19,11 +19,11 @@ and relation sums R_{c+1} = R_c + F_above^T W at every boundary, the next level'
 Y_c - p ref_v against the references of each chunk's start, and the references the state keeps. Forward, in
 parallel over chunks and column blocks: every chunk's increments W^T Y_c and F_above^T W (``_level_sums_fwd``), a
 running sum over the boundaries (one ``cumsum_`` each of V and R), then every chunk's residuals and the state's
-references (``_level_residuals_fwd``). Backward, in parallel too: each boundary routes the gradient of the
-references read there to S, n, kappa and V (``_level_boundaries_bwd``; the chunks past a row's last boundary all read
-its references, a short sum in that boundary's program), a running sum over the reversed boundaries gives the
-adjoints of V and R, then every chunk's row blocks take their gradients from the adjoints after them
-(``_level_rows_bwd``). The residual MLPs are kernels/rsa_mlp_triton.py's.
+references (``_level_residuals_fwd``). Backward, in parallel too: each boundary and column block routes the gradient
+of the references read there to S, V and the divisor's parts (``_level_boundaries_bwd``; the chunks past a row's last
+boundary all read its references, a short sum in that boundary's programs), a running sum over the reversed
+boundaries gives the adjoints of V and R, then every chunk's row blocks take their gradients from the adjoints after
+them, and reduce n's and kappa's (``_level_rows_bwd``). The residual MLPs are kernels/rsa_mlp_triton.py's.
 
 The chain's backward (reverse over chunks, the same grid): the adjoints of S (in the gradient buffer of the starting
 sums, feature block by block) and n carried from chunk to chunk; per chunk the assignment recomputed from the saved
