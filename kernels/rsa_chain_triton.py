@@ -58,7 +58,7 @@ from .rsa_state import RSAParams
 
 # The dots' operand precision is the caller's (``precision``: conventions.dot_precision of the mixer's inputs, the
 # write being fp32 here whatever they were): tf32 for a bf16 / fp16 call, fp32-accurate otherwise.
-FORWARD_WARPS = 4  # the level kernels', forward and backward
+LEVEL_WARPS = 4  # the level kernels', forward and backward
 CHAIN_WARPS = 4
 CHAIN_STAGES = 1  # no software pipelining of the feature loops: its buffers took registers
 # Every kernel's tiles: a chunk's rows 16 at a time ((16, m) scores, assignments and their gradients), features 16 at
@@ -877,7 +877,7 @@ def _level_forward(f: Tensor, p: Tensor | None, x: Tensor | None, y: Tensor, val
     dummy = f
     relations = outputs[2] if relation else dummy
     x_next, y_next = outputs[2 + relation:4 + relation] if residual else (dummy, dummy)
-    shared = dict(BLOCK_M=tile_edge(slots), PRECISION=precision, num_warps=FORWARD_WARPS,
+    shared = dict(BLOCK_M=tile_edge(slots), PRECISION=precision, num_warps=LEVEL_WARPS,
                   num_stages=CHAIN_STAGES, maxnreg=MAX_REGISTERS)
     # every chunk's increments of V (and R) at once, then their running sums over the boundaries
     value_block = tile_edge(value_dim, FEATURE_BLOCK)
@@ -937,7 +937,7 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
     chunks = padded // chunk_size
     relation, sigmoid = above is not None, p is not None
     options = dict(_level_options(residual, relation, chunk_size, slots, key_dim, value_dim, precision),
-                   num_warps=FORWARD_WARPS, num_stages=CHAIN_STAGES, maxnreg=MAX_REGISTERS)
+                   num_warps=LEVEL_WARPS, num_stages=CHAIN_STAGES, maxnreg=MAX_REGISTERS)
     sizes = (padded, chunks, groups, chunk_size, slots, key_dim, value_dim, eps)
     strides = _level_read_strides(key_ref0, value_ref0, prior, kappa)
     d_relations = d_relations.contiguous() if relation else f
