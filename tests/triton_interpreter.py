@@ -141,11 +141,6 @@ def tf32_dots(monkeypatch) -> None:
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
-def relative_error(actual, exact) -> float:
-    """Normwise relative error of ``actual`` against ``exact`` (fp64): the measure of the tf32 / bf16 checks."""
-    return float((actual.double() - exact).norm() / exact.norm())
-
-
 def run_under_interpreter(test_file, timeout=600):
     """Run ``test_file`` in a fresh pytest process with TRITON_INTERPRET=1; fail with its output unless it passed."""
     root = Path(__file__).resolve().parents[1]

@@ -9,9 +9,10 @@ import torch
 
 from conftest import first_in_fast
 from triton_interpreter import (DEVICE, compile_key, interpreter_only, needs_kernels, record_launches,  # skips
-                                relative_error, run_under_interpreter, tf32_dots)  # without triton
+                                run_under_interpreter, tf32_dots)  # without triton
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from hf_mixers.apps.bench.precision import relative_error  # `bench precision`'s measure of errors and bounds
 from hf_mixers.kernels.conventions import dot_precision
 from hf_mixers.kernels.feedback_solve import feedback_solve_dense
 

@@ -13,8 +13,9 @@ import torch
 
 from conftest import first_in_fast
 from triton_interpreter import (DEVICE, compile_key, interpreter_only, needs_kernels, padded_layer_step,
-                                record_launches, relative_error, run_under_interpreter, tf32_dots)
+                                record_launches, run_under_interpreter, tf32_dots)
 
+from hf_mixers.apps.bench.precision import relative_error  # `bench precision`'s measure of errors and bounds
 from hf_mixers.kernels import rsa_chunk_triton as rct
 from hf_mixers.kernels import rsa_chain_triton as rch
 from hf_mixers.kernels.rsa_memory import RSAParams, ResidualMLPWeights, initial_state, rsa_chunked, rsa_recurrent
@@ -511,13 +512,9 @@ def test_the_layers_kernel_step_is_one_graph_for_torch_compile(options):
 
 
 def _write_leaves(params, k, v):
-    """The write side's inputs and parameters by name (what its gradients reach)."""
-    leaves = {"k": k, "v": v, "prototypes": params.prototypes, "kappa": params.kappa, "beta": params.beta}
-    for kind in ("key_mlps", "value_mlps"):
-        for i, mlp in enumerate(getattr(params, kind)):
-            leaves.update({f"{kind}[{i}].{n}": getattr(mlp, n) for n in ("up_weight", "up_bias", "down_weight",
-                                                                          "down_bias")})
-    return leaves
+    """The write side's inputs and parameters by name (what its gradients reach): ``param_leaves``' less the read's."""
+    written = ("prototypes", "kappa", "beta", "key_mlps", "value_mlps")
+    return {"k": k, "v": v, **{name: t for name, t in param_leaves(params).items() if name.startswith(written)}}
 
 
 def _with_leaves(params, leaves):
@@ -579,17 +576,14 @@ def test_a_half_precision_write_takes_tf32_dots_within_the_bf16_bound(monkeypatc
         error = relative_error(a, b)  # (fp32-accurate dots: 1e-4 of the bound; tf32 within a quarter of it)
         assert 0 < error <= limit, f"{label}: tf32 error {error:.3g} over the bf16 bound {limit:.3g}"
 
-    precisions = {}  # which precision each kernel is launched with, by the inputs' dtype
-    for kernel in (rct._fwd_kernel, rch._chain_fwd, rch._level_sums_fwd):
-        real = kernel.run
-        monkeypatch.setattr(kernel, "run", lambda *a, _real=real, _name=kernel.fn.__name__, **kw: (
-            precisions.setdefault(_name, set()).add(kw["PRECISION"]), _real(*a, **kw))[1])
+    launched = record_launches(monkeypatch, (rct._fwd_kernel, rch._chain_fwd, rch._level_sums_fwd))
     q = torch.randn(3, 2, 2, 45, KEY_DIM, device=DEV)
     with torch.no_grad():
         for dtype in (torch.float32, torch.bfloat16):
-            precisions.clear()
+            launched.clear()
             rsa_memory(q.to(dtype), k.detach().to(dtype), v.detach().to(dtype), valid,
                        initial_state(params, 3, VALUE_DIM, torch.float32), params, backend="triton")
-            write_precision = "tf32x3" if dtype == torch.float32 else "tf32"
-            assert precisions == {"_fwd_kernel": {"tf32x3"}, "_chain_fwd": {write_precision},
-                                  "_level_sums_fwd": {write_precision}}, (dtype, precisions)
+            write_precision = "tf32x3" if dtype == torch.float32 else "tf32"  # the precision each kernel took
+            precisions = {(name, dict(constexprs)["PRECISION"]) for name, _, constexprs in launched}
+            assert precisions == {("_fwd_kernel", "tf32x3"), ("_chain_fwd", write_precision),
+                                  ("_level_sums_fwd", write_precision)}, (dtype, precisions)

@@ -91,7 +91,8 @@ def _step(module, x, embeddings, precision: str, scope=()) -> tuple[dict, int]:
     return result, getattr(mode, "rounded", 0)
 
 
-def _relative(actual: torch.Tensor, exact: torch.Tensor) -> float:
+def relative_error(actual: torch.Tensor, exact: torch.Tensor) -> float:
+    """Normwise relative error of ``actual`` against ``exact``, in fp64: the measure of every error and bound here."""
     exact = exact.double()
     return float((actual.double() - exact).norm() / exact.norm().clamp(min=torch.finfo(torch.float64).tiny))
 
@@ -118,7 +119,7 @@ def bench_precision(out_dir: str, mixer: str, options: dict, length: int, hidden
             for parameter in rounded.parameters():
                 parameter.copy_(round_bf16(parameter).double())
         perturbed, _ = _step(rounded, round_bf16(x).double(), embeddings, "fp64")
-        bound = {name: _relative(perturbed[name], value) for name, value in exact.items()}
+        bound = {name: relative_error(perturbed[name], value) for name, value in exact.items()}
         progress.update()
         module.float()
         x32 = x.float()
@@ -126,7 +127,7 @@ def bench_precision(out_dir: str, mixer: str, options: dict, length: int, hidden
         rows = []
         for precision in PRECISIONS:
             result, rounded = _step(module, x32, embeddings, precision, scope)
-            errors = {name: _relative(result[name], exact[name]) for name in exact}
+            errors = {name: relative_error(result[name], exact[name]) for name in exact}
             fits = all(errors[name] <= bound[name] for name in exact)
             rows.append({"precision": precision, "products_rounded": rounded, "fits_bf16_bound": fits,
                          "worst_ratio_to_bound": max(errors[n] / max(bound[n], 1e-300) for n in exact),
