@@ -575,7 +575,7 @@ def _divisor_at(n_ptr, parts_ptr, ds_ptr, dn_ptr, kappa, bounds, at, blocks, key
 @triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g"])
 def _level_rows_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr,
                     kappa_ptr, above_ptr, dw_ptr, adj_ptr, parts_ptr, dxn_ptr, dyn_ptr,
-                    df_ptr, dp_ptr, dy_ptr, dv0_ptr, dabove_ptr, dr0_ptr, ds_ptr, dn_ptr,
+                    df_ptr, dp_ptr, dy_ptr, dabove_ptr, ds_ptr, dn_ptr,
                     kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, Tp, NC, G, C, M, D, DV, eps,
                     SIGMOID: tl.constexpr, RESIDUAL: tl.constexpr, RELATION: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -584,13 +584,12 @@ def _level_rows_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v
     chunk c, given the adjoints A_V, A_R of the boundary after it (adj: the first pass's, summed): dW = dW_out +
     Y A_V^T + F_above A_R, df = dW . valid (+ dp for softmax), dp = -(dxn ref_k^T + dyn ref_v^T), dy = dyn + W A_V,
     dabove = W A_R^T. Program (head, c, 0) also reduces boundary c + 1's divisor gradients (``_divisor_at``), and
-    (head, 0, 0) boundary 0's and the starting sums' gradients, the adjoints at boundary 0."""
+    (head, 0, 0) boundary 0's. (The starting sums' gradients are the adjoints at boundary 0: adj's row NC.)"""
     head, row, kappa, reached, kref0, vref0, prior, bounds, slots, slot_ok = _level_program(
         reached_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, G,
         NC, M, BLOCK_M)
     c = tl.program_id(1)
     MD, MDV, MM = M * D, M * DV, M * M
-    off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
     width = MDV + RELATION * MM  # of a row of adj
     if tl.program_id(2) == 0:
         blocks, key_blocks = tl.cdiv(D, BLOCK_D) + tl.cdiv(DV, BLOCK_DV), tl.cdiv(D, BLOCK_D)
@@ -600,15 +599,6 @@ def _level_rows_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v
         if c == 0:
             _divisor_at(n_ptr, parts_ptr, ds_ptr, dn_ptr, kappa, bounds, 0, blocks, key_blocks, MD, M, eps, slots,
                         slot_ok)
-    if c == 0 and tl.program_id(2) == 0:  # dV_0 and dR_0: the adjoints at boundary 0 (row NC)
-        for e0 in range(0, DV, BLOCK_DV):
-            cols = e0 + tl.arange(0, BLOCK_DV)
-            ok, off = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
-            tl.store(dv0_ptr + head * MDV + off, tl.load(adj_ptr + (bounds + NC) * width + off, mask=ok, other=0.0),
-                     mask=ok)
-        if RELATION:
-            tl.store(dr0_ptr + head * MM + off_mm, tl.load(adj_ptr + (bounds + NC) * width + MDV + off_mm, mask=ok_mm,
-                                                           other=0.0), mask=ok_mm)
     if c < NC:
         at = tl.minimum(c, reached)
         n_at = tl.load(n_ptr + (bounds + at) * M + slots, mask=slot_ok, other=0.0)
@@ -907,14 +897,17 @@ def _(f, p, x, y, valid, key_sum, mass, value_sum0, key_ref0, value_ref0, prior,
 
 def _level_gradient_shapes(f, p, y, key_sum, mass, residual, relation) -> list[tuple]:
     """The shapes of ``_level_backward``'s results: by boundary, d key_sum and kappa's share (``_boundary_split``),
-    d mass, d key_ref0, d value_ref0, df, [dp], dy, d value_sum0, d prior and d kappa (``_boundary_split`` of the
-    first summed over rows and boundaries), [d above, d relation_sum0]."""
+    d mass, d key_ref0, d value_ref0, df, [dp], dy, the adjoints of V [and R] by reversed boundary (the last row:
+    d value_sum0 [, d relation_sum0]), d prior and d kappa (``_boundary_split`` of the first summed over rows and
+    boundaries), [d above]."""
     batch, groups, boundaries, slots, key_dim = key_sum.shape
+    value_dim = y.shape[-1]
     return ([(batch, groups, boundaries, slots * key_dim + 1), tuple(mass.shape), (batch, groups, slots, key_dim),
-             (batch, groups, slots, y.shape[-1]), tuple(f.shape)]
+             (batch, groups, slots, value_dim), tuple(f.shape)]
             + ([tuple(f.shape)] if p is not None and residual else [])
-            + [tuple(y.shape), (batch, groups, slots, y.shape[-1]), (groups, slots * key_dim + 1)]
-            + ([tuple(f.shape), (batch, groups, slots, slots)] if relation else []))
+            + [tuple(y.shape), (batch, groups, boundaries, slots * value_dim + relation * slots * slots),
+               (groups, slots * key_dim + 1)]
+            + ([tuple(f.shape)] if relation else []))
 
 
 def _boundary_split(rows: Tensor, slots: int, key_dim: int) -> tuple[Tensor, Tensor]:
@@ -957,16 +950,14 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
     adjoints.cumsum_(2)
     d_f, d_y = torch.empty_like(f), torch.empty_like(y)
     d_p = torch.empty_like(f) if sigmoid and residual else f
-    d_value_sum0 = y.new_empty(batch, groups, slots, value_dim)
     d_above = torch.empty_like(f) if relation else f
-    d_relation0 = f.new_empty(batch, groups, slots, slots) if relation else f
     _level_rows_bwd[(batch * groups, max(chunks, 1), triton.cdiv(chunk_size, options["BLOCK_R"]))](
         f, f if p is None else p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa,
         f if above is None else above, d_written.contiguous(), adjoints, parts, d_x_next, d_y_next,
-        d_f, d_p, d_y, d_value_sum0, d_above, d_relation0, boundary_grads, d_mass, *strides, *sizes, SIGMOID=sigmoid,
+        d_f, d_p, d_y, d_above, boundary_grads, d_mass, *strides, *sizes, SIGMOID=sigmoid,
         BLOCK_S=tile_edge(slots, FEATURE_BLOCK), **options)
     return ([boundary_grads, d_mass, d_key_ref0, d_value_ref0, d_f] + ([d_p] if sigmoid and residual else [])
-            + [d_y, d_value_sum0, boundary_grads.sum((0, 2))] + ([d_above, d_relation0] if relation else []))
+            + [d_y, adjoints, boundary_grads.sum((0, 2))] + ([d_above] if relation else []))
 
 
 @_level_backward.register_fake
@@ -1005,9 +996,12 @@ def _level_gradients(ctx, grads):
     boundary_grads, d_mass, d_key_ref0, d_value_ref0, d_f = results[:5]
     d_key_sum = _boundary_split(boundary_grads, slots, key_dim)[0]
     d_p = results[5] if p is not None and residual else None
-    d_y, d_value_sum0, shared = results[5 + (d_p is not None):8 + (d_p is not None)]
+    d_y, adjoints, shared = results[5 + (d_p is not None):8 + (d_p is not None)]
     d_prior, d_kappa = _boundary_split(shared, slots, key_dim)
-    d_above, d_relation0 = results[-2:] if relation else (None, None)
+    starting = adjoints[:, :, -1]  # boundary 0's adjoints: the starting sums' gradients
+    d_value_sum0 = starting[..., :slots * value_dim].unflatten(-1, (slots, value_dim))
+    d_above = results[-1] if relation else None
+    d_relation0 = starting[..., slots * value_dim:].unflatten(-1, (slots, slots)) if relation else None
     return (d_f, d_p, d_x, d_y, None, d_key_sum, d_mass, d_value_sum0, d_key_ref0, d_value_ref0, d_prior, d_kappa,
             d_above, d_relation0, None, None, None, None)
 
