@@ -156,9 +156,10 @@ def rsa_chunk_triton_supports(params: RSAParams, q=None, v=None, log_decay=None)
 
 
 @triton.jit
-def _activation(num, kappa, n, slot_ok, tau, eps, LEVEL0: tl.constexpr, READOUT: tl.constexpr):
+def _activation(num, kappa, n, slot_ok, tau, eps, LEVEL0, READOUT: tl.constexpr):
     """The scores tau num / max(kappa + N, eps), their denominator and the readout activation, from the score
-    numerator num = q KS0^T + ((q X^T) . M) F (rows, m); the activation is 0 on padded slots."""
+    numerator num = q KS0^T + ((q X^T) . M) F (rows, m); the activation is 0 on padded slots. ``LEVEL0`` (level 0:
+    the count prior) is a constexpr in the backward, a runtime flag in the forward's level loop."""
     den = tl.maximum(kappa + n, eps)
     score = tau * num / den
     if READOUT == 1:  # softmax_count: a count prior log N on level 0 only
@@ -174,7 +175,9 @@ def _activation(num, kappa, n, slot_ok, tau, eps, LEVEL0: tl.constexpr, READOUT:
 
 
 # Lengths, the level and the save flag are plain runtime integers (no specialisation on 1 or on alignment): one
-# compiled kernel per layout and options, whatever the sequence length (each compile takes a minute).
+# compiled kernel per layout and options, whatever the sequence length. The levels are a loop, not unrolled: unrolled,
+# the compiler overlapped them and held more registers (255 and a spill at SmolLM2's layout, against 235 and none),
+# and compiled 4x as long (docs/benchmarks.md).
 @triton.jit(do_not_specialize=["Tp", "NC", "save"])
 def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
@@ -208,7 +211,7 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     den = tl.zeros((BLOCK_R,), tl.float32)
     extra = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)  # RSA-q branch, outside the normaliser
     n_prev = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
-    for i in tl.static_range(L):
+    for i in range(L):
         level_row = (bg * L + i) * Tp + row0  # row of (B, G, L, Tp, .) level tensors
         state = (bg * NC + chunk) * L + i  # index of (B, G, NC, L, ...) chunk-start sums
         # the inclusive running mass N = n0 + M F and the score numerator q KS0^T + ((q X^T) . M) F, (R, m)
@@ -239,18 +242,21 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
             snum += tl.dot(q_part, tl.trans(ks0), input_precision=PRECISION)
         kappa = tl.load(kappa_ptr + (bg % G) * L + i)
         score, den_k, act = _activation(snum, kappa, n, slot_ok, tau, eps, i == 0, READOUT)
-        if LOG_WEIGHT and i == 0:  # log sum_j N_j exp(score_j) over the real level-0 slots (the window's merge)
-            z = tl.where(slot_ok[None, :], score + tl.log(tl.maximum(n, eps)), float("-inf"))
-            z_max = tl.max(z, 1)
-            tl.store(lw_ptr + bh * Tp + row0 + rows, z_max + tl.log(tl.sum(tl.exp(z - z_max[:, None]), 1)),
-                     mask=row_ok)
+        if LOG_WEIGHT:
+            if i == 0:  # log sum_j N_j exp(score_j) over the real level-0 slots (the window's merge)
+                z = tl.where(slot_ok[None, :], score + tl.log(tl.maximum(n, eps)), float("-inf"))
+                z_max = tl.max(z, 1)
+                tl.store(lw_ptr + bh * Tp + row0 + rows, z_max + tl.log(tl.sum(tl.exp(z - z_max[:, None]), 1)),
+                         mask=row_ok)
         hl = head * L + i
         theta = tl.load(theta_ptr + hl)
         w = tl.load(w_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
         sparse = tl.load(wa_ptr + hl) * tl.maximum(tl.dot(act, w, input_precision=PRECISION) - theta, 0.0) \
             + theta / M
         sparse = tl.where(slot_ok[None, :], sparse, 0.0)  # the floor theta/m only on real slots
-        if i == 0 or ROUTING == 0:
+        if ROUTING == 0:
+            chain = sparse
+        elif i == 0:  # (a runtime level: its own branch, not `or`-ed with the constexpr)
             chain = sparse
         elif ROUTING == 1:
             chain = chain * sparse
