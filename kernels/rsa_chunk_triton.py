@@ -256,7 +256,7 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         sparse = tl.where(slot_ok[None, :], sparse, 0.0)  # the floor theta/m only on real slots
         if ROUTING == 0:
             chain = sparse
-        elif i == 0:  # (a runtime level: its own branch, not `or`-ed with the constexpr)
+        elif i == 0:
             chain = sparse
         elif ROUTING == 1:
             chain = chain * sparse

@@ -191,7 +191,7 @@ def test_the_rsa_chain_kernels_of_a_bf16_call_fit_sm90(monkeypatch, groups, head
 def test_the_rsa_read_forward_compiles_for_sm90_without_a_spill(monkeypatch, heads, groups, head_dim):
     """RSA's read forward (kernels/rsa_chunk_triton.py) at the mixer's default levels, slots, chunk size, readout and
     routing, with the window's log weight, at both head layouts and 2K tokens: 8 warps, no spill, a program per SM at
-    least. (Its registers, 235-240, are still over issue 67's 128 at 8 warps: docs/benchmarks.md.)"""
+    least. (Its registers are still over issue 67's 128 at 8 warps: docs/benchmarks.md.)"""
     from hf_mixers.core.registry import get_mixer
     from hf_mixers.kernels.rsa_chunk_triton import READ_WARPS, _Read
 
@@ -200,6 +200,7 @@ def test_the_rsa_read_forward_compiles_for_sm90_without_a_spill(monkeypatch, hea
     levels, slots, chunk = defaults["rsa_num_levels"], defaults["rsa_num_slots"], defaults["rsa_chunk_size"]
     length, n_chunks = 2048, 2048 // chunk
     per_head = lambda *size: torch.empty(heads, levels, *size)  # noqa: E731
+    # q; F, X, Y; KS0, VS0, n0, R0; kappa; W, W_r, theta, w_a and the RSA-q weights' dummy (_kernel_inputs' order)
     inputs = [torch.empty(1, heads, length, head_dim), *(torch.empty(1, groups, levels, length, size)
                                                          for size in (slots, head_dim, head_dim)),
               torch.empty(1, groups, n_chunks, levels, slots, head_dim),
