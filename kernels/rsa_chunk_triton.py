@@ -106,7 +106,7 @@ from .triton_compile import compile_side_by_side
 READ_PRECISION = FP32_DOTS
 # The forward takes the key features, the backward the key and value features, FEATURE_BLOCK at a time (q reloaded,
 # never held whole): with q held (R, d), KS0 (m, d) whole and 64-wide blocks in the backward they spilled 600-1,848
-# bytes on sm_90; at 16, 0-64 forward and 656-1,216 backward (docs/benchmarks.md).
+# bytes on sm_90; at 16, none forward (its levels a loop) and 616-1,216 backward (docs/benchmarks.md).
 FEATURE_BLOCK = 16
 # Rows of a chunk per program, forward and backward: a program's own tiles are (rows, C), (rows, m) and (rows, dv),
 # so fewer rows hold fewer registers per thread (and give more programs per launch).
