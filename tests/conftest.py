@@ -207,9 +207,27 @@ def fast_then_full(fast, full):
     return [pytest.param(fast, marks=pytest.mark.fast_only), pytest.param(full, marks=pytest.mark.variant)]
 
 
+class _Shard:
+    """Share ``index`` of ``count`` of the selected tests: every count-th from the index-th (parametrisations of one
+    test land in different shares). Asked for by an interpreter subprocess (``run_under_interpreter(shard=...)``)
+    so that a long kernel file runs as several subprocesses side by side."""
+
+    def __init__(self, spec: str):
+        self.index, self.count = (int(part) for part in spec.split("/"))
+
+    @pytest.hookimpl(trylast=True)  # after -m has deselected (the tier markers above are added before it)
+    def pytest_collection_modifyitems(self, config, items):
+        kept = items[self.index::self.count]
+        kept_ids = {id(item) for item in kept}
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept_ids])
+        items[:] = kept
+
+
 def pytest_configure(config):
     # the interpreter subprocesses of the Triton tests (triton_interpreter.py) select the same tests as this run
     os.environ["HF_MIXERS_TEST_MARKEXPR"] = config.option.markexpr or ""
+    if os.environ.get("HF_MIXERS_TEST_SHARD"):
+        config.pluginmanager.register(_Shard(os.environ["HF_MIXERS_TEST_SHARD"]), "hf-mixers-shard")
 
 
 def pytest_collection_modifyitems(config, items):

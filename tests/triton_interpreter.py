@@ -141,14 +141,16 @@ def tf32_dots(monkeypatch) -> None:
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
-def run_under_interpreter(test_file, timeout=600):
-    """Run ``test_file`` in a fresh pytest process with TRITON_INTERPRET=1; fail with its output unless it passed."""
+def run_under_interpreter(test_file, timeout=600, shard=None):
+    """Run ``test_file`` in a fresh pytest process with TRITON_INTERPRET=1; fail with its output unless it passed.
+    ``shard`` "i/n": only the i-th of n interleaved shares of its tests (conftest.py ``_Shard``; a file whose
+    interpreted tests are the suite's longest item parametrises its subprocess test over the shares)."""
     root = Path(__file__).resolve().parents[1]
     markers = os.environ.get("HF_MIXERS_TEST_MARKEXPR")  # the parent's selection (make test-fast: no variants)
+    env = {**os.environ, "TRITON_INTERPRET": "1", **({"HF_MIXERS_TEST_SHARD": shard} if shard else {})}
     result = subprocess.run([sys.executable, "-m", "pytest", str(Path(test_file).resolve()), "-q", "-p",
-                             "no:cacheprovider", *(["-m", markers] if markers else [])], cwd=root,
-                            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                            timeout=timeout)
+                             "no:cacheprovider", *(["-m", markers] if markers else [])], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=timeout)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0 and " passed" in summary and "failed" not in summary, \
         result.stdout[-8000:] + result.stderr[-4000:]

@@ -27,10 +27,11 @@ STATE_FIELDS = ("key_sum", "value_sum", "mass", "relation_sum", "key_ref", "valu
 KEY_DIM, VALUE_DIM, SLOTS = 12, 10, 6
 
 
-@pytest.mark.variant  # ~100 s of interpreted kernels: the full tier (make test) only
+@pytest.mark.variant  # ~3 min of interpreted kernels: the full tier (make test) only
 @pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
-def test_under_interpreter_in_subprocess():
-    run_under_interpreter(__file__)
+@pytest.mark.parametrize("shard", ["0/2", "1/2"])  # two subprocesses the suite's workers can run side by side
+def test_under_interpreter_in_subprocess(shard):
+    run_under_interpreter(__file__, shard=shard)
 
 
 def make_params(groups=2, group_size=2, levels=3, chunk=8, seed=0, query_read=False, **options):
