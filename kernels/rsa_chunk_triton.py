@@ -35,14 +35,18 @@ Split of the work:
     query head, all L levels in order inside the program (the chain and the global normaliser couple them). Its
     rows read the chunk's rows up to themselves, KEY_BLOCK at a time: causal products summed over (R, K) blocks;
     the key features FEATURE_BLOCK at a time.
-    ``_bwd_kernel`` is launched once per level, top level first, on the same grid: one level's body per program
-    (the whole unrolled backward needed more shared memory than an H100 block has); the routing's
-    gradients for the level below pass through two (B, H, Tp, m) buffers of the program's own rows (its share of
-    dF_{i-1} is added in directly), dq accumulates in place; it takes the key and value features FEATURE_BLOCK at a
-    time, summing its products over them block by block. Every tile is at most R x C, C x m, R x d, C x d, m x m
-    or m x d (R = PROGRAM_ROWS; the backward's d and dv at most FEATURE_BLOCK), kept in registers; fp32 operands and
-    accumulation (an fp16 / bf16 q is copied to fp32 first: the math wants fp32, the interpreter's bf16 dot is
-    broken, and one compiled kernel then serves every dtype).
+    The backward splits as FlashAttention-2's does, into a rows side and a keys side. ``_bwd_kernel`` (the rows) is
+    launched once per level, top level first, on the forward's grid: it recomputes its rows' level as the forward
+    does and takes the gradient back through it; dq accumulates in place, the routing's gradients for the level
+    below pass through two (B, H, Tp, m) buffers of the program's own rows, and what the chunk's key rows need is
+    written per level as (B, H, L, Tp, m) planes. ``_bwd_keys_kernel`` (one launch, grid chunks x C / KEY_BLOCK,
+    B * G, L) then sums those over the rows and query heads that read each block of keys, owning its F, X, Y
+    gradients (no atomics, no whole-chunk accumulator). Products whose operands come from memory are summed
+    FEATURE_BLOCK features or slots at a time (``_row_products``: a dot's left operand is every warp's, so an (R, m)
+    one held whole is 32 registers a thread, twice that split for tf32x3). Tiles are at most R x K, R x m, K x m,
+    m x m and R x dv (the forward's read), kept in registers; fp32 operands and accumulation (an fp16 / bf16 q is
+    copied to fp32 first: the math wants fp32, the interpreter's bf16 dot is broken, and one compiled kernel then
+    serves every dtype).
 
 Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp / C chunks):
   * kernel inputs, built by the write side and saved for the backward: F, X, Y (B, G, L, Tp, m | d | dv) and the
@@ -53,10 +57,12 @@ Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp
   * forward output (B, H, Tp, dv [+ 1]). Nothing else is saved: the backward recomputes the read side.
   * backward, transient: ``_fwd_kernel`` is re-run to write chain_i (B, H, L-1, Tp, m) (only with routing),
     the numerator (B, H, Tp, dv) and the normaliser (B, H, Tp); then ``_bwd_kernel`` runs level by level in
-    reverse (with routing, two (B, H, Tp, m) buffers carry d chain and d N down), accumulating the
-    gradients of the per-KV-head tensors and the parameters with ``tl.atomic_add`` (query heads of a group and
-    all chunks / batch rows share them; fp32 atomics make the sums' order, hence the last bits, nondeterministic
-    on GPUs). dq is read, added to and written back by each level's launch.
+    reverse (with routing, two (B, H, Tp, m) buffers carry d chain and d N down), writing 3-4 (B, H, L, Tp, m)
+    planes for the keys kernel (u, d_snum, d_n [, d routed]; c~ overwrites the saved chains) and accumulating the
+    gradients of the chunk-start sums and the parameters with ``tl.atomic_add`` (query heads of a group and all
+    chunks / batch rows share them; fp32 atomics make the sums' order, hence the last bits, nondeterministic on
+    GPUs). dq is read, added to and written back by each level's launch. The planes are the price of the split:
+    4 L m floats a query head and token (Llama-3-8B at 8K: 1 GiB a layer's backward, freed after it).
 
 Scope (``rsa_chunk_triton_supports`` returns the reason for anything else): assign_fn softmax | sigmoid (write
 side, PyTorch), readout sigmoid | softmax_count, routing relation | elementwise | none, RSA-q on or off, any
@@ -77,6 +83,7 @@ each as one call); the backward's 14 gradients, which its kernel accumulates int
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -101,17 +108,17 @@ from .rsa_mlp_triton import residual_mlps_triton
 from .triton_compile import compile_side_by_side
 
 # The read's dots stay fp32-accurate whatever the inputs: with tf32 operands its error is over the bf16 bound at 8K
-# (`hf-mixers bench precision --mixer rsa --scope read_chunks`: it divides sums by masses and chains the levels);
-# "ieee" (FMA dots) is exact too, but at the default sizes its backward did not finish compiling in 25 CPU-minutes.
+# (`hf-mixers bench precision --mixer rsa --scope read_chunks`: it divides sums by masses and chains the levels).
+# Emulated fp32 (tf32x3) in the forward and the backward's rows: as FMA dots ("ieee") the rows spilled more.
 READ_PRECISION = FP32_DOTS
-# The forward takes the key features, the backward the key and value features, FEATURE_BLOCK at a time (q reloaded,
-# never held whole): with q held (R, d), KS0 (m, d) whole and 64-wide blocks in the backward they spilled 600-1,848
-# bytes on sm_90; at 16, none forward (its levels a loop) and 616-1,216 backward (docs/benchmarks.md).
+# The forward takes the key features, the backward the key and value features and the slots of the products it
+# reads from memory, FEATURE_BLOCK at a time (never held whole): with q held (R, d), KS0 (m, d) whole and 64-wide
+# blocks they spilled 600-1,848 bytes on sm_90 (docs/benchmarks.md).
 FEATURE_BLOCK = 16
 # Rows of a chunk per program, forward and backward: a program's own tiles are (rows, C), (rows, m) and (rows, dv),
 # so fewer rows hold fewer registers per thread (and give more programs per launch).
 PROGRAM_ROWS = 16
-KEY_BLOCK = 16  # the forward's chunk rows read per step (at least 16: the least inner dimension of a tl.dot)
+KEY_BLOCK = 16  # the chunk rows read per step, and the keys kernel's (at least 16: a tl.dot's least inner dimension)
 # 8 warps: the dots' operands are replicated across warps along the rows (a (16, m) tile is one warp's rows), and
 # their fp32 split into tf32 halves (tf32x3) is what fills the registers; at 8 warps each holds half the columns.
 READ_WARPS = 8
@@ -119,6 +126,11 @@ READ_WARPS = 8
 # default of 3 buffers their loads three deep, which took the window's + RSA-q's backward at 128-wide heads past an
 # H100 block's shared memory, and in the forward took registers it then spilled (three times the bytes).
 READ_STAGES = 1
+# The backward's keys kernel (all its products over 16 features or slots at a time) computes its dots as fp32 FMAs
+# ("ieee": exact, and its 16 x 16 tiles are too small to fill a tensor core): as tf32x3 it held 210 registers on
+# sm_90, the three-pass operand split most of them; as FMAs 106 (docs/benchmarks.md).
+KEYS_PRECISION = "ieee"
+KEYS_WARPS = 8
 READOUTS = {"sigmoid": 0, "softmax_count": 1}
 ROUTINGS = {"none": 0, "elementwise": 1, "relation": 2}
 
@@ -148,11 +160,12 @@ def rsa_chunk_triton_supports(params: RSAParams, q=None, v=None, log_decay=None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Kernels. One program = one query head x PROGRAM_ROWS rows of a chunk. Tiles: rows = the program's chunk rows (R),
-# cols / keys = the chunk's rows they read (C whole in the backward, KEY_BLOCK at a time in the forward), slots (m),
-# cols_d / cols_v = key / value features; ``off_xy`` / ``ok_xy`` are the row-major offsets / masks of an (x, y) tile
-# with x, y in r (rows), c (cols), m, d, v. Pointer offsets are int64 (B*H*Tp*d may exceed 2^31). Tile loads and
-# atomics are written inline: under the interpreter every device-function call costs a round of patching.
+# Kernels. One program = one query head x PROGRAM_ROWS rows of a chunk (the keys kernel: KEY_BLOCK keys of a chunk
+# x one KV head x one level). Tiles: rows = the program's chunk rows (R), cols / keys = the chunk's rows they read
+# (KEY_BLOCK at a time), slots (m), cols_d / cols_v = key / value features; ``off_xy`` / ``ok_xy`` are the row-major
+# offsets / masks of an (x, y) tile with x, y in r (rows), m, d, v; ``*_rows`` the (R, 1) or (K, 1) offsets of
+# rows. Pointer offsets are int64 (B*H*Tp*d may exceed 2^31). Tile loads and atomics are mostly written inline:
+# under the interpreter every device-function call costs a round of patching.
 
 
 @triton.jit
@@ -318,104 +331,113 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         tl.store(den_ptr + bh * Tp + row0 + rows, den, mask=row_ok)
 
 
+@triton.jit
+def _row_products(a_ptr, a_at, a_ok, b_ptr, b_at, b_ok, width, b_step, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """A B^T (R, N) for A (R, width) row-major, its rows starting at ``a_at`` (R, 1), and B (N, width) whose element
+    (n, c) is at ``b_at[n] + c * b_step``, summed over BLOCK columns at a time: the operands are never held whole (a
+    dot's left operand is every warp's)."""
+    acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
+    for c0 in range(0, width, BLOCK):
+        col = c0 + tl.arange(0, BLOCK)
+        a = tl.load(a_ptr + a_at + col[None, :], mask=a_ok & (col < width)[None, :], other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + b_at + col[None, :] * b_step, mask=b_ok & (col < width)[None, :], other=0.0).to(tl.float32)
+        acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)
+    return acc
+
+
 @triton.jit(do_not_specialize=["Tp", "NC", "i"])
 def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
-                g_ptr, g_lw_ptr, chain_ptr, num_ptr, den_ptr,  # dL/d(out, log weight), what _fwd_kernel(save) wrote
+                g_ptr, chain_ptr, num_ptr, den_ptr,  # dL/d out (B, H, Tp, dv [+ 1]), what _fwd_kernel(save) wrote
                 d_chain_ptr, dn_next_ptr,  # (B, H, Tp, m) each: level i + 1's gradients for level i's rows
-                dq_ptr, df_ptr, dx_ptr, dy_ptr, dks0_ptr, dvs0_ptr, dn0_ptr, dr0_ptr, dkappa_ptr,
+                u_ptr, d_snum_ptr, d_n_ptr, d_routed_ptr,  # (B, H, L, Tp, m) each: for _bwd_keys_kernel
+                dq_ptr, dks0_ptr, dvs0_ptr, dn0_ptr, dr0_ptr, dkappa_ptr,
                 dw_ptr, dwr_ptr, dtheta_ptr, dwa_ptr, dwqr_ptr,  # fp32 gradients, zero-initialised, added into
                 Tp, NC, H, G, GS, C, M, D, DV, tau, eps, i,
                 L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
-                LOG_WEIGHT: tl.constexpr, LEVEL0: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                BLOCK_M: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    """Level ``i`` of the backward (launched for i = L-1 .. 0, LEVEL0 = i == 0): one level's body per program
-    keeps the shared memory and the compile time of one level; what crosses levels goes through global memory.
-    One program = BLOCK_R rows of a chunk (as the forward's): the gradients of its rows' own tensors (q, the
-    carries) are written, those of the whole chunk's (F, X, Y) and of the shared ones added in (atomics).
-    The key and value features are taken BLOCK_D / BLOCK_DV at a time (at most FEATURE_BLOCK): every product over
-    them is summed block by block into (R, C) / (R, m) tiles, and every gradient of a (., d) or (., dv) tensor is
-    written block by block, so the tiles held stay (R or C) x (C or m) and m x m whatever the head width."""
+                LOG_WEIGHT: tl.constexpr, LEVEL0: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """Level ``i`` of the backward's rows (launched for i = L-1 .. 0, LEVEL0 = i == 0), on the forward's grid: one
+    program = BLOCK_R rows of a chunk x one query head. It recomputes its rows' level from the chunk's rows up to
+    them (BLOCK_K at a time, as the forward) and takes the gradient back through it: its rows' own tensors' (dq,
+    the carries to level i - 1) are written, the chunk-start state's and the parameters' added in (atomics), and
+    what the chunk's key rows need (u, d_snum, d_n, d routed; c~ in chain_{i-1}'s place) is written for
+    ``_bwd_keys_kernel``. Products over the features are summed BLOCK of them at a time (``_row_products``), so the
+    tiles held are (R, K), (R, m), (K, m), (K, BLOCK) and m x m whatever the chunk size and head width."""
     row_blocks = tl.cdiv(C, BLOCK_R)
     chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     head = bh % H
     bg = (bh // H) * G + head // GS
     row0 = chunk * C
-    rows = (tl.program_id(0) % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_C)
+    first = (tl.program_id(0) % row_blocks) * BLOCK_R
+    rows = first + tl.arange(0, BLOCK_R)
+    reach = tl.minimum(first + BLOCK_R, C)  # the chunk rows they read: [0, reach)
+    keys = tl.arange(0, BLOCK_K)
     slots = tl.arange(0, BLOCK_M)
-    cols_d = tl.arange(0, BLOCK_D)
-    cols_v = tl.arange(0, BLOCK_DV)
-    slot_ok = slots < M
-    row_ok, col_ok = rows < C, cols < C
-    off_rm, ok_rm = rows[:, None] * M + slots[None, :], row_ok[:, None] & slot_ok[None, :]
-    off_cm, ok_cm = cols[:, None] * M + slots[None, :], col_ok[:, None] & slot_ok[None, :]
-    off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
-    causal = (cols[None, :] <= rows[:, None]).to(tl.float32)  # (R, C)
+    cols = tl.arange(0, BLOCK)
+    slot_ok, row_ok = slots < M, (rows < C)[:, None]
+    ok_rm, ok_mm = row_ok & slot_ok[None, :], slot_ok[:, None] & slot_ok[None, :]
+    off_mm = slots[:, None] * M + slots[None, :]
     level_row = (bg * L + i) * Tp + row0
     state = (bg * NC + chunk) * L + i
     kappa_at = (bg % G) * L + i
     hl = head * L + i
-    q_rows = (bh * Tp + row0 + rows)[:, None]  # row offsets of (B, H, Tp, .) tensors
-    level_cols = (level_row + cols)[:, None]  # of (B, G, L, Tp, .) tensors, every row of the chunk
+    q_rows = bh * Tp + row0 + rows[:, None]  # (R, 1) rows of (B, H, Tp, .) tensors
+    carry_at = q_rows * M + slots[None, :]
+    plane_rows = ((bh * L + i) * Tp + row0 + rows[:, None]) * M  # (R, 1) rows of the (B, H, L, Tp, m) buffers
+    plane_at = plane_rows + slots[None, :]
+    g_stride = DV + LOG_WEIGHT  # g's rows carry the log weight's gradient as one more channel
+    state_rows = (state * M + slots)[:, None]  # (m, 1) rows of the chunk-start sums KS0 (., d), VS0 (., dv)
 
-    # Value side, a block of dv at a time: sum_v g num (for the normaliser), g Y^T (R, C) and g VS0^T (R, m)
-    den = tl.load(den_ptr + bh * Tp + row0 + rows, mask=row_ok, other=0.0)
+    # The level, recomputed: N = n0 + M F, the score numerator q KS0^T + ((q X^T) . M) F, and the read's gradient
+    # before its normalisers, d_read = g VS0^T + ((g Y^T) . M) F (d num = g / max(den, eps) row by row)
+    n = tl.zeros((BLOCK_R, BLOCK_M), tl.float32) + tl.load(n0_ptr + state * M + slots, mask=slot_ok,
+                                                            other=0.0)[None, :]
+    snum = _row_products(q_ptr, q_rows * D, row_ok, ks0_ptr, state_rows * D, slot_ok[:, None], D, 1,
+                         BLOCK_R, BLOCK_M, BLOCK, PRECISION)
+    d_read = _row_products(g_ptr, q_rows * g_stride, row_ok, vs0_ptr, state_rows * DV, slot_ok[:, None], DV, 1,
+                           BLOCK_R, BLOCK_M, BLOCK, PRECISION)
+    n_prev = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)  # N_{i-1}, for the relation routing
+    if not LEVEL0 and ROUTING == 2:
+        n_prev += tl.load(n0_ptr + (state - 1) * M + slots, mask=slot_ok, other=0.0)[None, :]
+    for k0 in range(0, reach, BLOCK_K):
+        cols_k = k0 + keys
+        key_ok = (cols_k < reach)[:, None]
+        causal = (cols_k[None, :] <= rows[:, None]).to(tl.float32)  # (R, K), inclusive
+        key_rows = level_row + cols_k[:, None]
+        f = tl.load(f_ptr + key_rows * M + slots[None, :], mask=key_ok & slot_ok[None, :], other=0.0)
+        n += tl.dot(causal, f, input_precision=PRECISION)
+        q_x = _row_products(q_ptr, q_rows * D, row_ok, x_ptr, key_rows * D, key_ok, D, 1, BLOCK_R, BLOCK_K, BLOCK,
+                            PRECISION)
+        snum += tl.dot(q_x * causal, f, input_precision=PRECISION)
+        g_y = _row_products(g_ptr, q_rows * g_stride, row_ok, y_ptr, key_rows * DV, key_ok, DV, 1, BLOCK_R, BLOCK_K,
+                            BLOCK, PRECISION)
+        d_read += tl.dot(g_y * causal, f, input_precision=PRECISION)
+        if not LEVEL0 and ROUTING == 2:
+            f_prev = tl.load(f_ptr + (key_rows - Tp) * M + slots[None, :], mask=key_ok & slot_ok[None, :], other=0.0)
+            n_prev += tl.dot(causal, f_prev, input_precision=PRECISION)
+    g_num = tl.zeros((BLOCK_R,), tl.float32)  # sum_v g num, for the normaliser
+    for v0 in range(0, DV, BLOCK):
+        ok_rv = row_ok & (v0 + cols < DV)[None, :]
+        g = tl.load(g_ptr + q_rows * g_stride + v0 + cols[None, :], mask=ok_rv, other=0.0)
+        g_num += tl.sum(g * tl.load(num_ptr + q_rows * DV + v0 + cols[None, :], mask=ok_rv, other=0.0), 1)
+    den = tl.load(den_ptr + bh * Tp + row0 + rows, mask=rows < C, other=0.0)
     norm = tl.maximum(den, eps)
-    g_num = tl.zeros((BLOCK_R,), tl.float32)
-    g_y = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
-    g_vs0 = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
-    for v0 in range(0, DV, BLOCK_DV):
-        cv = v0 + cols_v
-        ok_cv = row_ok[:, None] & (cv < DV)[None, :]
-        g = tl.load(g_ptr + q_rows * DV + cv[None, :], mask=ok_cv, other=0.0)  # dL/dout (R, dv block)
-        num = tl.load(num_ptr + q_rows * DV + cv[None, :], mask=ok_cv, other=0.0)
-        y = tl.load(y_ptr + level_cols * DV + cv[None, :], mask=col_ok[:, None] & (cv < DV)[None, :], other=0.0)
-        vs0 = tl.load(vs0_ptr + state * M * DV + slots[:, None] * DV + cv[None, :],
-                      mask=slot_ok[:, None] & (cv < DV)[None, :], other=0.0)
-        g_num += tl.sum(g * num, 1)
-        g_y += tl.dot(g, tl.trans(y), input_precision=PRECISION)
-        g_vs0 += tl.dot(g, tl.trans(vs0), input_precision=PRECISION)
     d_den = tl.where(den >= eps, -g_num / (norm * norm), 0.0)  # out = num / max(den, eps) + extra
-    inv = 1.0 / norm  # d num = g / max(den, eps), row by row
-
-    # Key side, a block of d at a time: q X^T (R, C), q KS0^T (R, m) [, q W_qr (R, m)]
-    q_x = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
-    q_ks0 = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
-    q_wqr = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cd = d0 + cols_d
-        ok_cd = row_ok[:, None] & (cd < D)[None, :]
-        q = tl.load(q_ptr + q_rows * D + cd[None, :], mask=ok_cd, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + level_cols * D + cd[None, :], mask=col_ok[:, None] & (cd < D)[None, :], other=0.0)
-        ks0 = tl.load(ks0_ptr + state * M * D + slots[:, None] * D + cd[None, :],
-                      mask=slot_ok[:, None] & (cd < D)[None, :], other=0.0)
-        q_x += tl.dot(q, tl.trans(x), input_precision=PRECISION)
-        q_ks0 += tl.dot(q, tl.trans(ks0), input_precision=PRECISION)
-        if QUERY_READ:
-            wqr = tl.load(wqr_ptr + hl * D * M + cd[:, None] * M + slots[None, :],
-                          mask=(cd < D)[:, None] & slot_ok[None, :], other=0.0)
-            q_wqr += tl.dot(q, wqr, input_precision=PRECISION)
-    qx = q_x * causal
+    inv = 1.0 / norm
 
     d_chain = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)  # into chain_i, from level i + 1's routing
     dn_next = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)  # into N_i, from level i + 1's relation routing
-    carry_at = (bh * Tp + row0) * M + off_rm
     if ROUTING != 0:
         if i < L - 1:  # written by level i + 1; none above the top level
             d_chain = tl.load(d_chain_ptr + carry_at, mask=ok_rm, other=0.0)
             if ROUTING == 2:
                 dn_next = tl.load(dn_next_ptr + carry_at, mask=ok_rm, other=0.0)
-    f = tl.load(f_ptr + level_row * M + off_cm, mask=ok_cm, other=0.0)
-    n = tl.load(n0_ptr + state * M + slots, mask=slot_ok, other=0.0)[None, :] \
-        + tl.dot(causal, f, input_precision=PRECISION)
     kappa = tl.load(kappa_ptr + kappa_at)
-    score, den_k, act = _activation(q_ks0 + tl.dot(qx, f, input_precision=PRECISION), kappa, n, slot_ok, tau, eps,
-                                    LEVEL0, READOUT)
+    score, den_k, act = _activation(snum, kappa, n, slot_ok, tau, eps, LEVEL0, READOUT)
     w = tl.load(w_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
-    wr = tl.load(wr_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
     theta = tl.load(theta_ptr + hl)
     scale = tl.load(wa_ptr + hl)
     a_hat = tl.dot(act, w, input_precision=PRECISION)
@@ -425,56 +447,56 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     # chain_i = routed . sparse, recomputed from the saved chain_{i-1}
     routed = tl.full((BLOCK_R, BLOCK_M), 1.0, tl.float32)
     if not LEVEL0 and ROUTING != 0:
-        chain_prev = tl.load(chain_ptr + ((bh * (L - 1) + i - 1) * Tp + row0) * M + off_rm, mask=ok_rm,
-                             other=0.0)
+        chain_rows = ((bh * (L - 1) + i - 1) * Tp + row0 + rows[:, None]) * M  # (R, 1): chain_{i-1}'s rows
+        chain_at = chain_rows + slots[None, :]
+        chain_prev = tl.load(chain_ptr + chain_at, mask=ok_rm, other=0.0)
         if ROUTING == 1:
             routed = chain_prev
-        else:
+        else:  # routed = c~ R0 + ((c~ F_{i-1}^T) . M) F_i, c~ = chain_{i-1} / N_{i-1}
             r0_at = ((bg * NC + chunk) * (L - 1) + i - 1) * M * M
-            f_prev = tl.load(f_ptr + (level_row - Tp) * M + off_cm, mask=ok_cm, other=0.0)  # F_{i-1}
-            n_prev = tl.load(n0_ptr + (state - 1) * M + slots, mask=slot_ok, other=0.0)[None, :] \
-                + tl.dot(causal, f_prev, input_precision=PRECISION)
             r0 = tl.load(r0_ptr + r0_at + off_mm, mask=ok_mm, other=0.0)
             norm_prev = tl.maximum(n_prev, eps)
             scaled_prev = chain_prev / norm_prev
-            intra_prev = tl.dot(scaled_prev, tl.trans(f_prev), input_precision=PRECISION) * causal
-            routed = tl.dot(scaled_prev, r0, input_precision=PRECISION) \
-                + tl.dot(intra_prev, f, input_precision=PRECISION)
+            # c~ in chain_{i-1}'s place (no later level reads chain_{i-1}), for the keys kernel and for the products
+            # below, which read it back a block of slots at a time
+            tl.store(chain_ptr + chain_at, scaled_prev, mask=ok_rm)
+            tl.debug_barrier()
+            routed = tl.dot(scaled_prev, r0, input_precision=PRECISION)
+            for k0 in range(0, reach, BLOCK_K):
+                cols_k = k0 + keys
+                ok_km = (cols_k < reach)[:, None] & slot_ok[None, :]
+                key_rows = level_row + cols_k[:, None]
+                f = tl.load(f_ptr + key_rows * M + slots[None, :], mask=ok_km, other=0.0)
+                intra_prev = _row_products(chain_ptr, chain_rows, row_ok, f_ptr, (key_rows - Tp) * M,
+                                           (cols_k < reach)[:, None], M, 1, BLOCK_R, BLOCK_K, BLOCK, PRECISION)
+                routed += tl.dot(intra_prev * (cols_k[None, :] <= rows[:, None]).to(tl.float32), f,
+                                 input_precision=PRECISION)
     chain = routed * sparse
+    wr = tl.load(wr_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
     a = tl.dot(chain, wr, input_precision=PRECISION)
     norm_n = tl.maximum(n, eps)
     mass_ok = n >= eps  # where clamp_min passes the gradient
 
-    # num += read(a) = a~ VS0 + ((a~ F^T) . M) Y, a~ = a / max(N, eps); with d num = g / max(den, eps) row by row,
-    # its products with Y^T and VS0^T are the value side's g_y and g_vs0 scaled by inv
+    # num += read(a) = a~ VS0 + ((a~ F^T) . M) Y, a~ = a / max(N, eps): d a~ = d_read / max(den, eps)
     scaled = a / norm_n
-    d_intra = g_y * causal * inv[:, None]  # (d num Y^T) . M
-    d_scaled = g_vs0 * inv[:, None] + tl.dot(d_intra, f, input_precision=PRECISION)
-    intra = tl.dot(scaled, tl.trans(f), input_precision=PRECISION) * causal
-    d_f = tl.dot(tl.trans(d_intra), scaled, input_precision=PRECISION)  # (C, m): this program's rows' share
+    d_scaled = d_read * inv[:, None]
     sign = tl.where(a > 0, 1.0, tl.where(a < 0, -1.0, 0.0))
     d_a = d_scaled / norm_n + d_den[:, None] * sign  # den += sum |a_i|
     d_n = tl.where(mass_ok, -(d_scaled / norm_n) * scaled, 0.0) + dn_next
-    w_vs0 = scaled * inv[:, None]  # dVS0 = w_vs0^T g and dY = w_y^T g, taken a value block at a time below
-    w_y = intra * inv[:, None]
+    u = scaled * inv[:, None]  # the read weights of d num: dVS0 = u^T g, dY = ((u F^T) . M)^T g
     if QUERY_READ:  # extra += read(q W_qr / 16), outside the normaliser: d extra = g
+        q_wqr = _row_products(q_ptr, q_rows * D, row_ok, wqr_ptr + hl * D * M, slots[:, None], slot_ok[:, None], D,
+                              M, BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # W_qr (d, m) read as its transpose
         scaled_q = q_wqr / 16 / norm_n
-        d_intra_q = g_y * causal
-        d_weights = (g_vs0 + tl.dot(d_intra_q, f, input_precision=PRECISION)) / norm_n  # d(q W_qr / 16)
-        intra_q = tl.dot(scaled_q, tl.trans(f), input_precision=PRECISION) * causal
-        d_f += tl.dot(tl.trans(d_intra_q), scaled_q, input_precision=PRECISION)
+        d_weights = d_read / norm_n  # d(q W_qr / 16)
         d_n += tl.where(mass_ok, -d_weights * scaled_q, 0.0)
-        w_vs0 += scaled_q
-        w_y += intra_q
-    for v0 in range(0, DV, BLOCK_DV):
-        cv = v0 + cols_v
-        ok_cv = row_ok[:, None] & (cv < DV)[None, :]
-        g = tl.load(g_ptr + q_rows * DV + cv[None, :], mask=ok_cv, other=0.0)
-        tl.atomic_add(dvs0_ptr + state * M * DV + slots[:, None] * DV + cv[None, :],
-                      tl.dot(tl.trans(w_vs0), g, input_precision=PRECISION),
+        u += scaled_q
+    tl.store(u_ptr + plane_at, u, mask=ok_rm)
+    for v0 in range(0, DV, BLOCK):
+        cv = v0 + cols
+        g = tl.load(g_ptr + q_rows * g_stride + cv[None, :], mask=row_ok & (cv < DV)[None, :], other=0.0)
+        tl.atomic_add(dvs0_ptr + state_rows * DV + cv[None, :], tl.dot(tl.trans(u), g, input_precision=PRECISION),
                       mask=slot_ok[:, None] & (cv < DV)[None, :])
-        tl.atomic_add(dy_ptr + level_cols * DV + cv[None, :], tl.dot(tl.trans(w_y), g, input_precision=PRECISION),
-                      mask=col_ok[:, None] & (cv < DV)[None, :])
 
     # a = chain W_r
     d_chain_i = tl.dot(d_a, tl.trans(wr), input_precision=PRECISION) + d_chain
@@ -485,16 +507,22 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     dn_next = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
     if not LEVEL0 and ROUTING == 1:
         d_chain = d_chain_i * sparse
-    if not LEVEL0 and ROUTING == 2:  # routed = c~ R0 + ((c~ F_{i-1}^T) . M) F_i, c~ = chain_{i-1} / N_{i-1}
+    if not LEVEL0 and ROUTING == 2:
         d_routed = d_chain_i * sparse
         tl.atomic_add(dr0_ptr + r0_at + off_mm, tl.dot(tl.trans(scaled_prev), d_routed,
                                                          input_precision=PRECISION), mask=ok_mm)
-        d_f += tl.dot(tl.trans(intra_prev), d_routed, input_precision=PRECISION)
-        d_intra_prev = tl.dot(d_routed, tl.trans(f), input_precision=PRECISION) * causal
-        d_scaled_prev = tl.dot(d_routed, tl.trans(r0), input_precision=PRECISION) \
-            + tl.dot(d_intra_prev, f_prev, input_precision=PRECISION)
-        tl.atomic_add(df_ptr + (level_row - Tp) * M + off_cm,  # into F_{i-1}, the whole chunk's rows
-                      tl.dot(tl.trans(d_intra_prev), scaled_prev, input_precision=PRECISION), mask=ok_cm)
+        d_scaled_prev = tl.dot(d_routed, tl.trans(r0), input_precision=PRECISION)
+        tl.store(d_routed_ptr + plane_at, d_routed, mask=ok_rm)  # for the keys kernel, and read back below
+        tl.debug_barrier()
+        for k0 in range(0, reach, BLOCK_K):
+            cols_k = k0 + keys
+            ok_km = (cols_k < reach)[:, None] & slot_ok[None, :]
+            key_rows = level_row + cols_k[:, None]
+            f_prev = tl.load(f_ptr + (key_rows - Tp) * M + slots[None, :], mask=ok_km, other=0.0)
+            d_intra_prev = _row_products(d_routed_ptr, plane_rows, row_ok, f_ptr, key_rows * M,
+                                         (cols_k < reach)[:, None], M, 1, BLOCK_R, BLOCK_K, BLOCK, PRECISION)
+            d_scaled_prev += tl.dot(d_intra_prev * (cols_k[None, :] <= rows[:, None]).to(tl.float32), f_prev,
+                                    input_precision=PRECISION)
         d_chain = d_scaled_prev / norm_prev
         dn_next = tl.where(n_prev >= eps, -d_chain * scaled_prev, 0.0)
 
@@ -514,10 +542,10 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         d_score = d_act * act * (1.0 - act)
     d_score = tl.where(slot_ok[None, :], d_score, 0.0)
     if LOG_WEIGHT and LEVEL0:  # lw = log sum_j max(N_j, eps) exp(score_j): through p = softmax(score + log N)
-        g_lw = tl.load(g_lw_ptr + bh * Tp + row0 + rows, mask=row_ok, other=0.0)
+        g_lw = tl.load(g_ptr + q_rows * g_stride + DV, mask=row_ok, other=0.0)  # (R, 1): the last channel
         z = tl.where(slot_ok[None, :], score + tl.log(norm_n), float("-inf"))
         p = tl.exp(z - tl.max(z, 1)[:, None])
-        d_lw = g_lw[:, None] * p / tl.sum(p, 1)[:, None]
+        d_lw = g_lw * p / tl.sum(p, 1)[:, None]
         d_score += d_lw
         d_n += tl.where(mass_ok, d_lw / norm_n, 0.0)
 
@@ -526,39 +554,134 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     d_den_k = tl.where(kappa + n >= eps, -d_score * score / den_k, 0.0)
     d_n += d_den_k
     tl.atomic_add(dkappa_ptr + kappa_at, tl.sum(tl.sum(d_den_k, 1), 0))
-    d_qx = tl.dot(d_snum, tl.trans(f), input_precision=PRECISION) * causal
-    d_f += tl.dot(tl.trans(qx), d_snum, input_precision=PRECISION)
-    # the key side's gradients, a block of d at a time: dq (the levels above added theirs), dKS0, dX [, dW_qr]
-    for d0 in range(0, D, BLOCK_D):
-        cd = d0 + cols_d
-        ok_cd = row_ok[:, None] & (cd < D)[None, :]
-        ok_md = slot_ok[:, None] & (cd < D)[None, :]
-        q = tl.load(q_ptr + q_rows * D + cd[None, :], mask=ok_cd, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + level_cols * D + cd[None, :], mask=col_ok[:, None] & (cd < D)[None, :], other=0.0)
-        ks0 = tl.load(ks0_ptr + state * M * D + slots[:, None] * D + cd[None, :], mask=ok_md, other=0.0)
-        dq = tl.load(dq_ptr + q_rows * D + cd[None, :], mask=ok_cd, other=0.0)
-        dq += tl.dot(d_snum, ks0, input_precision=PRECISION) + tl.dot(d_qx, x, input_precision=PRECISION)
-        tl.atomic_add(dks0_ptr + state * M * D + slots[:, None] * D + cd[None, :],
-                      tl.dot(tl.trans(d_snum), q, input_precision=PRECISION), mask=ok_md)
-        tl.atomic_add(dx_ptr + level_cols * D + cd[None, :], tl.dot(tl.trans(d_qx), q, input_precision=PRECISION),
-                      mask=col_ok[:, None] & (cd < D)[None, :])
+    tl.store(d_snum_ptr + plane_at, d_snum, mask=ok_rm)  # for the keys kernel, and read back below
+    tl.debug_barrier()
+    # the key side's gradients of these rows, a block of d at a time: dq (the levels above added theirs), dKS0
+    # [, dW_qr]
+    for d0 in range(0, D, BLOCK):
+        cd = d0 + cols
+        ok_rd, ok_md = row_ok & (cd < D)[None, :], slot_ok[:, None] & (cd < D)[None, :]
+        q = tl.load(q_ptr + q_rows * D + cd[None, :], mask=ok_rd, other=0.0).to(tl.float32)
+        ks0 = tl.load(ks0_ptr + state_rows * D + cd[None, :], mask=ok_md, other=0.0)
+        dq = tl.load(dq_ptr + q_rows * D + cd[None, :], mask=ok_rd, other=0.0) \
+            + tl.dot(d_snum, ks0, input_precision=PRECISION)
+        for k0 in range(0, reach, BLOCK_K):  # ((d_snum F^T) . M) X
+            cols_k = k0 + keys
+            key_ok = (cols_k < reach)[:, None]
+            key_rows = level_row + cols_k[:, None]
+            x = tl.load(x_ptr + key_rows * D + cd[None, :], mask=key_ok & (cd < D)[None, :], other=0.0)
+            d_qx = _row_products(d_snum_ptr, plane_rows, row_ok, f_ptr, key_rows * M, key_ok, M, 1,
+                                 BLOCK_R, BLOCK_K, BLOCK, PRECISION)
+            dq += tl.dot(d_qx * (cols_k[None, :] <= rows[:, None]).to(tl.float32), x, input_precision=PRECISION)
+        tl.atomic_add(dks0_ptr + state_rows * D + cd[None, :], tl.dot(tl.trans(d_snum), q, input_precision=PRECISION),
+                      mask=ok_md)
         if QUERY_READ:
             ok_dm = (cd < D)[:, None] & slot_ok[None, :]
             wqr = tl.load(wqr_ptr + hl * D * M + cd[:, None] * M + slots[None, :], mask=ok_dm, other=0.0)
             dq += tl.dot(d_weights, tl.trans(wqr), input_precision=PRECISION) / 16
             tl.atomic_add(dwqr_ptr + hl * D * M + cd[:, None] * M + slots[None, :],
                           tl.dot(tl.trans(q), d_weights, input_precision=PRECISION) / 16, mask=ok_dm)
-        tl.store(dq_ptr + q_rows * D + cd[None, :], dq, mask=ok_cd)
+        tl.store(dq_ptr + q_rows * D + cd[None, :], dq, mask=ok_rd)
 
     # N = n0 + M F
-    d_n = tl.where(row_ok[:, None], d_n, 0.0)
-    d_f += tl.dot(tl.trans(causal), d_n, input_precision=PRECISION)
+    d_n = tl.where(row_ok, d_n, 0.0)
+    tl.store(d_n_ptr + plane_at, d_n, mask=ok_rm)
     tl.atomic_add(dn0_ptr + state * M + slots, tl.sum(d_n, 0), mask=slot_ok)
-    tl.atomic_add(df_ptr + level_row * M + off_cm, d_f, mask=ok_cm)
     if not LEVEL0 and ROUTING != 0:  # for level i - 1 (the same rows' program: no other program reads them)
         tl.store(d_chain_ptr + carry_at, d_chain, mask=ok_rm)
         if ROUTING == 2:
             tl.store(dn_next_ptr + carry_at, dn_next, mask=ok_rm)
+
+
+@triton.jit(do_not_specialize=["Tp", "NC"])
+def _bwd_keys_kernel(q_ptr, f_ptr, x_ptr, y_ptr, g_ptr, scaled_prev_ptr, u_ptr, d_snum_ptr, d_n_ptr, d_routed_ptr,
+                     df_ptr, dx_ptr, dy_ptr,
+                     Tp, NC, H, G, GS, C, M, D, DV,
+                     L: tl.constexpr, ROUTING: tl.constexpr, LOG_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """The gradients of the chunk's key-side rows F_i, X_i, Y_i, from what ``_bwd_kernel`` wrote for every level:
+    one program = BLOCK_K rows of a chunk x one KV head x one level, summing over its query heads and the rows that
+    read them (rows >= its keys), BLOCK_R at a time; it owns its rows' gradients (stored, no atomics). With u the
+    read weights, d_snum the score numerator's gradient, d_n the mass's, and (relation routing) d routed / c~:
+      dF_i = ((g Y_i^T) . M)^T u + ((q X_i^T) . M)^T d_snum + M^T d_n
+             [+ ((c~_i F_{i-1}^T) . M)^T d routed_i + ((d routed_{i+1} F_{i+1}^T) . M)^T c~_{i+1}]
+      dX_i = ((d_snum F_i^T) . M)^T q,   dY_i = ((u F_i^T) . M)^T g
+    Every (R, K) product is summed over BLOCK features or slots at a time (``_row_products``)."""
+    key_blocks = tl.cdiv(C, BLOCK_K)
+    chunk = (tl.program_id(0) // key_blocks).to(tl.int64)
+    bg = tl.program_id(1).to(tl.int64)  # b * G + KV head
+    i = tl.program_id(2)
+    first = (tl.program_id(0) % key_blocks) * BLOCK_K
+    keys = first + tl.arange(0, BLOCK_K)
+    slots = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK)
+    key_ok, slot_ok = (keys < C)[:, None], slots < M
+    key_rows = (bg * L + i) * Tp + chunk * C + keys[:, None]  # (K, 1) rows of the (B, G, L, Tp, .) level tensors
+    row_start = first - first % BLOCK_R  # the rows that read these keys: [row_start, C)
+    g_stride = DV + LOG_WEIGHT  # g's rows carry the log weight's gradient as one more channel
+    d_f = tl.zeros((BLOCK_K, BLOCK_M), tl.float32)
+    for j in range(GS):
+        bh = (bg // G) * H + (bg % G) * GS + j  # the group's query heads
+        for r0 in range(row_start, C, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            row_ok = (rows < C)[:, None]
+            ok_rm = row_ok & slot_ok[None, :]
+            causal = ((keys[None, :] <= rows[:, None]) & key_ok.trans()).to(tl.float32)  # (R, K)
+            q_rows = bh * Tp + chunk * C + rows[:, None]  # (R, 1) rows of (B, H, Tp, .) tensors
+            plane_rows = ((bh * L + i) * Tp + chunk * C + rows[:, None]) * M  # of the (B, H, L, Tp, m) buffers
+            g_y = _row_products(g_ptr, q_rows * g_stride, row_ok, y_ptr, key_rows * DV, key_ok, DV, 1, BLOCK_R,
+                                BLOCK_K, BLOCK, PRECISION) * causal
+            q_x = _row_products(q_ptr, q_rows * D, row_ok, x_ptr, key_rows * D, key_ok, D, 1, BLOCK_R, BLOCK_K,
+                                BLOCK, PRECISION) * causal
+            u = tl.load(u_ptr + plane_rows + slots[None, :], mask=ok_rm, other=0.0)
+            d_snum = tl.load(d_snum_ptr + plane_rows + slots[None, :], mask=ok_rm, other=0.0)
+            d_n = tl.load(d_n_ptr + plane_rows + slots[None, :], mask=ok_rm, other=0.0)
+            d_f += tl.dot(tl.trans(g_y), u, input_precision=PRECISION) \
+                + tl.dot(tl.trans(q_x), d_snum, input_precision=PRECISION) \
+                + tl.dot(tl.trans(causal), d_n, input_precision=PRECISION)
+            if ROUTING == 2:  # routed_i = c~_i R0 + ((c~_i F_{i-1}^T) . M) F_i, c~_i = chain_{i-1} / N_{i-1}
+                chain_rows = ((bh * (L - 1) + i) * Tp + chunk * C + rows[:, None]) * M  # chain_i's (c~_{i+1})
+                if i > 0:
+                    intra_prev = _row_products(scaled_prev_ptr, chain_rows - Tp * M, row_ok, f_ptr,
+                                               (key_rows - Tp) * M, key_ok, M, 1, BLOCK_R, BLOCK_K, BLOCK, PRECISION)
+                    d_routed = tl.load(d_routed_ptr + plane_rows + slots[None, :], mask=ok_rm, other=0.0)
+                    d_f += tl.dot(tl.trans(intra_prev * causal), d_routed, input_precision=PRECISION)
+                if i < L - 1:  # F_i as level i + 1's F_{i-1}
+                    d_intra = _row_products(d_routed_ptr, plane_rows + Tp * M, row_ok, f_ptr, (key_rows + Tp) * M,
+                                            key_ok, M, 1, BLOCK_R, BLOCK_K, BLOCK, PRECISION)
+                    scaled_next = tl.load(scaled_prev_ptr + chain_rows + slots[None, :], mask=ok_rm, other=0.0)
+                    d_f += tl.dot(tl.trans(d_intra * causal), scaled_next, input_precision=PRECISION)
+    tl.store(df_ptr + key_rows * M + slots[None, :], d_f, mask=key_ok & slot_ok[None, :])
+    # dX, dY: a block of features at a time, each summed over the query heads and rows
+    key_side_blocks = tl.cdiv(D, BLOCK)
+    for block in range(key_side_blocks + tl.cdiv(DV, BLOCK)):  # X's blocks of d, then Y's of dv
+        value_side = block >= key_side_blocks
+        cd = (block - key_side_blocks * value_side) * BLOCK + cols
+        width = tl.where(value_side, DV, D)
+        acc = tl.zeros((BLOCK_K, BLOCK), tl.float32)
+        for j in range(GS):
+            bh = (bg // G) * H + (bg % G) * GS + j
+            for r0 in range(row_start, C, BLOCK_R):
+                rows = r0 + tl.arange(0, BLOCK_R)
+                row_ok = (rows < C)[:, None]
+                causal = ((keys[None, :] <= rows[:, None]) & key_ok.trans()).to(tl.float32)
+                q_rows = bh * Tp + chunk * C + rows[:, None]
+                plane_rows = ((bh * L + i) * Tp + chunk * C + rows[:, None]) * M
+                ok_rd = row_ok & (cd < width)[None, :]
+                if value_side:  # dY = ((u F^T) . M)^T g
+                    weights_ptr = u_ptr
+                    rhs = tl.load(g_ptr + q_rows * g_stride + cd[None, :], mask=ok_rd, other=0.0)
+                else:  # dX = ((d_snum F^T) . M)^T q
+                    weights_ptr = d_snum_ptr
+                    rhs = tl.load(q_ptr + q_rows * D + cd[None, :], mask=ok_rd, other=0.0).to(tl.float32)
+                w_keys = _row_products(weights_ptr, plane_rows, row_ok, f_ptr, key_rows * M, key_ok, M, 1, BLOCK_R,
+                                       BLOCK_K, BLOCK, PRECISION) * causal
+                acc += tl.dot(tl.trans(w_keys), rhs, input_precision=PRECISION)
+        ok_kd = key_ok & (cd < width)[None, :]
+        if value_side:
+            tl.store(dy_ptr + key_rows * DV + cd[None, :], acc, mask=ok_kd)
+        else:
+            tl.store(dx_ptr + key_rows * D + cd[None, :], acc, mask=ok_kd)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -585,17 +708,25 @@ class _Read:
                       y.shape[-1], key_dim**-0.5, eps)
         self.batch, self.heads, self.levels, self.slots, self.value_dim = batch, heads, levels, slots, y.shape[-1]
         self.options = dict(L=levels, READOUT=READOUTS[readout], ROUTING=ROUTINGS[routing],
-                            QUERY_READ=query_read, LOG_WEIGHT=log_weight,
-                            BLOCK_C=tile_edge(chunk_size), BLOCK_M=tile_edge(slots),
-                            BLOCK_D=tile_edge(key_dim), BLOCK_DV=tile_edge(y.shape[-1]),
-                            PRECISION=READ_PRECISION, num_warps=READ_WARPS)
-        self.forward_options = dict({key: value for key, value in self.options.items() if key != "BLOCK_C"},
-                                    BLOCK_R=PROGRAM_ROWS, BLOCK_K=KEY_BLOCK,
-                                    BLOCK_D=min(self.options["BLOCK_D"], FEATURE_BLOCK), num_stages=READ_STAGES)
-        self.backward_options = dict(self.options, BLOCK_R=PROGRAM_ROWS,
-                                     BLOCK_D=min(self.options["BLOCK_D"], FEATURE_BLOCK),
-                                     BLOCK_DV=min(self.options["BLOCK_DV"], FEATURE_BLOCK),
-                                     num_stages=READ_STAGES)
+                            QUERY_READ=query_read, LOG_WEIGHT=log_weight, BLOCK_M=tile_edge(slots),
+                            BLOCK_R=PROGRAM_ROWS, BLOCK_K=KEY_BLOCK, PRECISION=READ_PRECISION, num_warps=READ_WARPS,
+                            num_stages=READ_STAGES)
+        self.forward_options = dict(self.options, BLOCK_D=min(tile_edge(key_dim), FEATURE_BLOCK),
+                                    BLOCK_DV=tile_edge(y.shape[-1]))
+        self.backward_options = dict(self.options, BLOCK=FEATURE_BLOCK)
+        self.keys_grid = (n_chunks * triton.cdiv(chunk_size, KEY_BLOCK), batch * groups, levels)
+        self.keys_options = dict({key: self.options[key] for key in ("L", "ROUTING", "LOG_WEIGHT", "BLOCK_M",
+                                                                     "BLOCK_R", "BLOCK_K", "num_stages")},
+                                 BLOCK=FEATURE_BLOCK, PRECISION=KEYS_PRECISION, num_warps=KEYS_WARPS)
+
+    def scratch_shapes(self) -> list:
+        """The backward's buffers, fp32: what each level's rows hand the keys kernel -- u, d_snum, d_n and (relation
+        routing) d routed, (B, H, L, Tp, m) each -- and the two carries (d chain, d N) from level i + 1 to level i
+        (B, H, Tp, m) with routing."""
+        plane = (self.batch, self.heads, self.levels, self.padded, self.slots)
+        carry = (self.batch, self.heads, self.padded, self.slots)
+        routing = self.options["ROUTING"]
+        return [plane] * (3 + (routing == 2)) + [carry] * (2 if self.levels > 1 and routing != 0 else 0)
 
     def warmups(self, inputs, backward: bool) -> list:
         """The launches of this call as ``(kernel, grid, args, constexprs)`` for ``JITFunction.warmup``: the forward,
@@ -603,10 +734,12 @@ class _Read:
         yet allocated are given as their dtype (all fp32)."""
         buffers = [torch.float32] * 5  # out, log weight, chain, num, den
         warmups = [(_fwd_kernel, self.grid, (*inputs, *buffers, *self.sizes, 0), self.forward_options)]
-        if backward:  # g, g_lw, chain, num, den, the 2 carries and the 14 gradients, then the sizes and the level
-            args = (*inputs, *[torch.float32] * (5 + 2 + len(inputs)), *self.sizes)
+        if backward:  # g, chain, num, den, the 2 carries, the 4 planes and 11 gradients, the sizes and the level
+            args = (*inputs, *[torch.float32] * (4 + 2 + 4 + len(inputs) - 3), *self.sizes)
             warmups += [(_bwd_kernel, self.grid, (*args, level), {**self.backward_options, "LEVEL0": level == 0})
                         for level in sorted({0, self.levels - 1})]
+            keys_args = (*inputs[:4], *[torch.float32] * (6 + 3), *self.sizes[:9])  # g, chain, 4 planes, dF, dX, dY
+            warmups.append((_bwd_keys_kernel, self.keys_grid, keys_args, self.keys_options))
         return warmups
 
     def compile_kernels(self, inputs, backward: bool) -> None:
@@ -640,15 +773,17 @@ class _Read:
         if not grad_out.numel():
             return packed
         _, chain, num, den = self.forward(inputs, save=True)
-        grad_out = grad_out.float()
-        g = grad_out[..., :self.value_dim].contiguous()
-        g_log_weight = grad_out[..., self.value_dim].contiguous() if self.options["LOG_WEIGHT"] else g  # or dummy
-        carries = [g] * 2  # dummies without routing: (d chain, d N) that level i + 1 hands to level i
-        if self.levels > 1 and self.options["ROUTING"] != 0:
-            carries = [g.new_empty(self.batch, self.heads, self.padded, self.slots) for _ in range(2)]
+        g = grad_out.float().contiguous()  # (B, H, Tp, dv [+ 1]): the kernels read the log weight's channel in place
+        shapes = self.scratch_shapes()
+        scratch = unpacked(g.new_empty(sum(math.prod(shape) for shape in shapes)), shapes)  # one allocation
+        planes = [t for t in scratch if t.dim() == 5] + [g]  # u, d_snum, d_n [, d routed, else a dummy]
+        carries = [t for t in scratch if t.dim() == 4] + [g] * 2  # (d chain, d N) [, else dummies]
+        row_grads = [grad for index, grad in enumerate(grads) if index not in (1, 2, 3)]  # all but F, X, Y's
         for level in reversed(range(self.levels)):  # one launch per level, the top one first
-            _bwd_kernel[self.grid](*inputs, g, g_log_weight, chain, num, den, *carries, *grads, *self.sizes, level,
-                                   LEVEL0=level == 0, **self.backward_options)
+            _bwd_kernel[self.grid](*inputs, g, chain, num, den, *carries[:2], *planes[:4], *row_grads,
+                                   *self.sizes, level, LEVEL0=level == 0, **self.backward_options)
+        _bwd_keys_kernel[self.keys_grid](*inputs[:4], g, chain, *planes[:4], *grads[1:4], *self.sizes[:9],
+                                         **self.keys_options)
         return packed
 
 

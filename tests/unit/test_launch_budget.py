@@ -55,9 +55,9 @@ def test_rsa_step_launches_do_not_grow_with_the_sequence():
     # per level (4) the chain forward and backward, and the rest of its write: forward its sums then its residuals,
     # backward its boundaries then its rows (a running sum over the boundaries between each: parallel over chunks,
     # not one program a KV head); between levels (3) the residual MLPs, forward and backward; the read forward, its
-    # backward (5)
-    assert short.triton_launches == 4 * 2 + 4 * 4 + 3 * 2 + 1 + 5
-    assert short.ops <= 224, short.top()  # issue 67's target, at most 300, met with the window too; goal 100
+    # backward (6: the forward again, each level's rows, the keys)
+    assert short.triton_launches == 4 * 2 + 4 * 4 + 3 * 2 + 1 + 6
+    assert short.ops <= 225, short.top()  # issue 67's target, at most 300, met with the window too; goal 100
     assert short.host_reads == 0, short.top()  # a fresh state's buffer is laid out from the shapes (ChunkLayout.of)
 
 
@@ -72,7 +72,7 @@ def test_rsa_window_step_takes_flex_attention_as_one_launch_each_way():
     assert short.ops == long.ops, (short.top(), long.top())
     assert short.by_name["library:flex_attention"] == 2
     assert short.by_name["triton:_combine_fwd"] == short.by_name["triton:_combine_bwd"] == 1  # their shared normaliser
-    assert short.ops <= 298, short.top()  # the memory's and the window's: issue 67's target (300) met
+    assert short.ops <= 299, short.top()  # the memory's and the window's: issue 67's target (300) met
 
 
 @needs_kernels

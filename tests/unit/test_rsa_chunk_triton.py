@@ -300,30 +300,31 @@ def test_warmups_are_exactly_what_the_call_launches(levels, monkeypatch):
     """``_Read.warmups`` (compiled side by side before the first launch on CUDA, kernels/triton_compile.py) names
     every kernel variant a training call then launches, with the same argument kinds and constexprs: none missing (it
     would compile at its launch, in turn) and none extra (minutes of compile for nothing)."""
-    launched, warmed = record_launches(monkeypatch, (rct._fwd_kernel, rct._bwd_kernel)), set()
+    launched, warmed = record_launches(monkeypatch, (rct._fwd_kernel, rct._bwd_kernel, rct._bwd_keys_kernel)), set()
     monkeypatch.setattr(rct._Read, "compile_kernels", lambda read, inputs, backward: warmed.update(
         compile_key(kernel, args, constexprs) for kernel, _, args, constexprs in read.warmups(inputs, backward)))
     params = make_params(chunk=16, levels=levels, query_read=True, log_weight=True)
     inputs = make_inputs(params, batch=2)
     run(rct.rsa_chunked_triton, params, *inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
     assert launched and warmed == launched
-    assert len(launched) == (2 if levels == 1 else 3)  # the forward; level 0's backward [and the other levels']
+    # the forward; level 0's backward [and the other levels'], the keys' backward
+    assert len(launched) == (3 if levels == 1 else 4)
 
 
 @needs_kernels
 @pytest.mark.parametrize("readout, routing, query_read", first_in_fast(("softmax_count", "relation", True),
                                                                       ("sigmoid", "elementwise", False)))
 def test_the_read_over_feature_blocks_matches_reference(readout, routing, query_read, monkeypatch):
-    """The kernels take the key (forward and backward) and value (backward) features FEATURE_BLOCK at a time (so
-    Llama-3-8B's 128-wide heads keep their tiles narrow): cut to 8, the key dim 12 and value dim 10 each take two
-    blocks, the second one ragged; output, state and every gradient still equal rsa_chunked, the window's merge
-    weight included."""
-    monkeypatch.setattr(rct, "FEATURE_BLOCK", 8)
+    """The kernels take the key (forward and backward) and value (backward) features, and the backward the slots
+    of its products read back from memory, FEATURE_BLOCK at a time (so Llama-3-8B's 128-wide heads keep their tiles
+    narrow): cut to 4, the key dim 12, value dim 10 and 6 slots take 3, 3 and 2 blocks, the last two ragged;
+    output, state and every gradient still equal rsa_chunked, the window's merge weight included."""
+    monkeypatch.setattr(rct, "FEATURE_BLOCK", 4)
     params = make_params(chunk=16, readout=readout, routing=routing, query_read=query_read, log_weight=True)
     read = rct._Read(rct._read_options(params), torch.zeros(1, 4, 16, KEY_DIM), torch.zeros(1, 2, 3, 16, SLOTS),
                      torch.zeros(1, 2, 3, 16, VALUE_DIM))
-    assert read.backward_options["BLOCK_D"] == read.backward_options["BLOCK_DV"] == 8 < KEY_DIM
-    assert read.forward_options["BLOCK_D"] == 8
+    assert read.backward_options["BLOCK"] == read.keys_options["BLOCK"] == 4 < min(KEY_DIM, VALUE_DIM, SLOTS)
+    assert read.forward_options["BLOCK_D"] == 4
     inputs = make_inputs(params, batch=2)
     assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
 
