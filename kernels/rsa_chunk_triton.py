@@ -437,10 +437,16 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                 dn_next = tl.load(dn_next_ptr + carry_at, mask=ok_rm, other=0.0)
     kappa = tl.load(kappa_ptr + kappa_at)
     score, den_k, act = _activation(snum, kappa, n, slot_ok, tau, eps, LEVEL0, READOUT)
-    w = tl.load(w_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
     theta = tl.load(theta_ptr + hl)
     scale = tl.load(wa_ptr + hl)
-    a_hat = tl.dot(act, w, input_precision=PRECISION)
+    # Products with the m x m weights take their left operand back from memory, a block of slots at a time: held,
+    # each weight tile was a dot operand in two layouts and the (R, m) operands every warp's. The d_n plane, free
+    # until the end, carries act and d a^; the u and d_snum planes chain and d a (a barrier after each store, and
+    # before a plane is written again).
+    tl.store(d_n_ptr + plane_at, act, mask=ok_rm)
+    tl.debug_barrier()
+    a_hat = _row_products(d_n_ptr, plane_rows, row_ok, w_ptr + hl * M * M, slots[:, None], slot_ok[:, None], M, M,
+                          BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # act W
     active = (a_hat > theta) & slot_ok[None, :]  # where the relu passes
     sparse = tl.where(slot_ok[None, :], scale * tl.maximum(a_hat - theta, 0.0) + theta / M, 0.0)
 
@@ -454,14 +460,14 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
             routed = chain_prev
         else:  # routed = c~ R0 + ((c~ F_{i-1}^T) . M) F_i, c~ = chain_{i-1} / N_{i-1}
             r0_at = ((bg * NC + chunk) * (L - 1) + i - 1) * M * M
-            r0 = tl.load(r0_ptr + r0_at + off_mm, mask=ok_mm, other=0.0)
             norm_prev = tl.maximum(n_prev, eps)
             scaled_prev = chain_prev / norm_prev
             # c~ in chain_{i-1}'s place (no later level reads chain_{i-1}), for the keys kernel and for the products
             # below, which read it back a block of slots at a time
             tl.store(chain_ptr + chain_at, scaled_prev, mask=ok_rm)
             tl.debug_barrier()
-            routed = tl.dot(scaled_prev, r0, input_precision=PRECISION)
+            routed = _row_products(chain_ptr, chain_rows, row_ok, r0_ptr + r0_at, slots[:, None], slot_ok[:, None], M,
+                                   M, BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # c~ R0
             for k0 in range(0, reach, BLOCK_K):
                 cols_k = k0 + keys
                 ok_km = (cols_k < reach)[:, None] & slot_ok[None, :]
@@ -472,8 +478,10 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                 routed += tl.dot(intra_prev * (cols_k[None, :] <= rows[:, None]).to(tl.float32), f,
                                  input_precision=PRECISION)
     chain = routed * sparse
-    wr = tl.load(wr_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
-    a = tl.dot(chain, wr, input_precision=PRECISION)
+    tl.store(u_ptr + plane_at, chain, mask=ok_rm)
+    tl.debug_barrier()
+    a = _row_products(u_ptr, plane_rows, row_ok, wr_ptr + hl * M * M, slots[:, None], slot_ok[:, None], M, M,
+                      BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # chain W_r
     norm_n = tl.maximum(n, eps)
     mass_ok = n >= eps  # where clamp_min passes the gradient
 
@@ -491,6 +499,7 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         d_weights = d_read / norm_n  # d(q W_qr / 16)
         d_n += tl.where(mass_ok, -d_weights * scaled_q, 0.0)
         u += scaled_q
+    tl.debug_barrier()
     tl.store(u_ptr + plane_at, u, mask=ok_rm)
     for v0 in range(0, DV, BLOCK):
         cv = v0 + cols
@@ -499,7 +508,10 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                       mask=slot_ok[:, None] & (cv < DV)[None, :])
 
     # a = chain W_r
-    d_chain_i = tl.dot(d_a, tl.trans(wr), input_precision=PRECISION) + d_chain
+    tl.store(d_snum_ptr + plane_at, d_a, mask=ok_rm)
+    tl.debug_barrier()
+    d_chain_i = d_chain + _row_products(d_snum_ptr, plane_rows, row_ok, wr_ptr + hl * M * M, slots[:, None] * M,
+                                        slot_ok[:, None], M, 1, BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # d a W_r^T
     tl.atomic_add(dwr_ptr + hl * M * M + off_mm, tl.dot(tl.trans(chain), d_a, input_precision=PRECISION),
                   mask=ok_mm)
     d_sparse = d_chain_i * routed
@@ -511,9 +523,10 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         d_routed = d_chain_i * sparse
         tl.atomic_add(dr0_ptr + r0_at + off_mm, tl.dot(tl.trans(scaled_prev), d_routed,
                                                          input_precision=PRECISION), mask=ok_mm)
-        d_scaled_prev = tl.dot(d_routed, tl.trans(r0), input_precision=PRECISION)
         tl.store(d_routed_ptr + plane_at, d_routed, mask=ok_rm)  # for the keys kernel, and read back below
         tl.debug_barrier()
+        d_scaled_prev = _row_products(d_routed_ptr, plane_rows, row_ok, r0_ptr + r0_at, slots[:, None] * M,
+                                      slot_ok[:, None], M, 1, BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # d routed R0^T
         for k0 in range(0, reach, BLOCK_K):
             cols_k = k0 + keys
             ok_km = (cols_k < reach)[:, None] & slot_ok[None, :]
@@ -533,7 +546,10 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     tl.atomic_add(dtheta_ptr + hl, tl.sum(tl.sum(d_sparse * (1.0 / M - tl.where(active, scale, 0.0)), 1), 0))
     tl.atomic_add(dw_ptr + hl * M * M + off_mm, tl.dot(tl.trans(act), d_a_hat, input_precision=PRECISION),
                   mask=ok_mm)
-    d_act = tl.dot(d_a_hat, tl.trans(w), input_precision=PRECISION)
+    tl.store(d_n_ptr + plane_at, d_a_hat, mask=ok_rm)
+    tl.debug_barrier()
+    d_act = _row_products(d_n_ptr, plane_rows, row_ok, w_ptr + hl * M * M, slots[:, None] * M, slot_ok[:, None], M,
+                          1, BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # d a^ W^T
     if READOUT == 1:
         d_score = act * (d_act - tl.sum(act * d_act, 1)[:, None])
         if LEVEL0:  # the count prior log max(N, eps)
@@ -562,9 +578,9 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         cd = d0 + cols
         ok_rd, ok_md = row_ok & (cd < D)[None, :], slot_ok[:, None] & (cd < D)[None, :]
         q = tl.load(q_ptr + q_rows * D + cd[None, :], mask=ok_rd, other=0.0).to(tl.float32)
-        ks0 = tl.load(ks0_ptr + state_rows * D + cd[None, :], mask=ok_md, other=0.0)
         dq = tl.load(dq_ptr + q_rows * D + cd[None, :], mask=ok_rd, other=0.0) \
-            + tl.dot(d_snum, ks0, input_precision=PRECISION)
+            + _row_products(d_snum_ptr, plane_rows, row_ok, ks0_ptr, state * M * D + cd[:, None], (cd < D)[:, None],
+                            M, D, BLOCK_R, BLOCK, BLOCK, PRECISION)  # d_snum KS0
         for k0 in range(0, reach, BLOCK_K):  # ((d_snum F^T) . M) X
             cols_k = k0 + keys
             key_ok = (cols_k < reach)[:, None]
