@@ -765,8 +765,8 @@ class _Read:
             compile_side_by_side("RSA chunk read", key, lambda: self.warmups(inputs, backward))
 
     def forward(self, inputs, save: bool):
-        """``inputs``: the 14 kernel tensors (q ... wqr). Returns out (B, H, Tp, dv [+ 1: the log weight]) fp32
-        [, chains, num, den]."""
+        """``inputs``: the 14 kernel tensors (q ... wqr). Returns out (B, H, Tp, dv [+ 1: the log weight]) fp32,
+        or with ``save`` (the backward's re-run) the read alone (B, H, Tp, dv), chains, num, den."""
         q = inputs[0]
         out = q.new_empty(self.batch, self.heads, self.padded, self.value_dim, dtype=torch.float32)
         log_weight = out.new_empty(out.shape[:-1]) if self.options["LOG_WEIGHT"] else out  # else a dummy
@@ -778,9 +778,9 @@ class _Read:
         if out.numel():
             _fwd_kernel[self.grid](*inputs, out, log_weight, chain, num, den, *self.sizes, int(save),
                                    **self.forward_options)
-        if self.options["LOG_WEIGHT"]:
-            out = torch.cat([out, log_weight[..., None]], -1)
-        return (out, chain, num, den) if save else out
+        if save:  # the backward's re-run: its output is not read
+            return out, chain, num, den
+        return torch.cat([out, log_weight[..., None]], -1) if self.options["LOG_WEIGHT"] else out
 
     def backward(self, inputs, grad_out):
         """The gradients (fp32) of the 14 kernel inputs for dL/d(forward's output), packed in one buffer

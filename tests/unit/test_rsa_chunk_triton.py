@@ -484,7 +484,8 @@ def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_
 
     monkeypatch.setattr(converter, "cache_bytes_at", lambda model, contexts, *args: dict.fromkeys(contexts, 0))
     save_tiny_teacher(tmp_path / "teacher")
-    launched = record_launches(monkeypatch, (rct._fwd_kernel, rct._bwd_kernel, rch._chain_fwd, rch._chain_bwd))
+    launched = record_launches(monkeypatch, (rct._fwd_kernel, rct._bwd_kernel, rct._bwd_keys_kernel, rch._chain_fwd,
+                                             rch._chain_bwd))
     student, _ = convert(str(tmp_path / "teacher"), "rsa", mixer_options={"rsa_window": 8}, sequence_length=48,
                          calibration_sequences=2, heldout_sequences=1, progress=False)
     student.to(DEV).train()
@@ -497,7 +498,8 @@ def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_
     with torch.no_grad():
         run_warm()
     run_warm().pow(2).mean().backward()
-    assert len(demo) == 5 and launched == demo  # the chain forward and backward, the read forward, its 2 backwards
+    # the chain forward and backward, the read forward, its backward's rows (level 0, the others) and keys
+    assert len(demo) == 6 and launched == demo
 
 
 @needs_kernels
