@@ -54,15 +54,16 @@ Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp
     R0 (B, G, NC, L-1, m, m); q (B, H, Tp, d) (an fp32 copy where q is fp16 / bf16). That is
     O(T L (m + d + dv) + T/C L (m d + m dv + m^2)) per KV head and O(T d) per query head: nothing per query head and
     level beyond q itself.
-  * forward output (B, H, Tp, dv [+ 1]). Nothing else is saved: the backward recomputes the read side.
-  * backward, transient: ``_fwd_kernel`` is re-run to write chain_i (B, H, L-1, Tp, m) (only with routing),
-    the numerator (B, H, Tp, dv) and the normaliser (B, H, Tp); then ``_bwd_kernel`` runs level by level in
-    reverse (with routing, two (B, H, Tp, m) buffers carry d chain and d N down), writing 3-4 (B, H, L, Tp, m)
-    planes for the keys kernel (u, d_snum, d_n [, d routed]; c~ overwrites the saved chains) and accumulating the
-    gradients of the chunk-start sums and the parameters with ``tl.atomic_add`` (query heads of a group and all
-    chunks / batch rows share them; fp32 atomics make the sums' order, hence the last bits, nondeterministic on
-    GPUs). dq is read, added to and written back by each level's launch. The planes are the price of the split:
-    4 L m floats a query head and token (Llama-3-8B at 8K: 1 GiB a layer's backward, freed after it).
+  * forward output (B, H, Tp, dv [+ 1]); when a backward follows, also what it reads (a launch fewer than running
+    the forward again): chain_i (B, H, L-1, Tp, m) (only with routing), the numerator (B, H, Tp, dv) and the
+    normaliser (B, H, Tp). The backward recomputes the rest of the read side.
+  * backward, transient: ``_bwd_kernel`` runs level by level in reverse (with routing, two (B, H, Tp, m) buffers
+    carry d chain and d N down), writing 3-5 planes for the keys kernel (u, d_snum, d_n [, d routed]
+    (B, H, L, Tp, m); c~ (B, H, L-1, Tp, m)) and accumulating the gradients of the chunk-start sums and the
+    parameters with ``tl.atomic_add`` (query heads of a group and all chunks / batch rows share them; fp32 atomics
+    make the sums' order, hence the last bits, nondeterministic on GPUs). dq is read, added to and written back by
+    each level's launch. The planes are the price of the split: about 5 L m floats a query head and token
+    (Llama-3-8B at 8K: 1.2 GiB a layer's backward, freed after it).
 
 Scope (``rsa_chunk_triton_supports`` returns the reason for anything else): assign_fn softmax | sigmoid (write
 side, PyTorch), readout sigmoid | softmax_count, routing relation | elementwise | none, RSA-q on or off, any
@@ -77,7 +78,8 @@ without a GPU by scripts/kernel_resources.py, and their speed are in docs/benchm
 side by side before its first launch (``_Read.compile_kernels``).
 
 The read's forward and backward are torch.library ops (``_read_forward``, ``_read_backward``: torch.compile keeps
-each as one call); the backward's 14 gradients, which its kernel accumulates into, are zero-filled as one buffer.
+each as one call; the forward's saved tensors are outputs marked non-differentiable); the backward's 14 gradients,
+which its kernels accumulate into, are zero-filled as one buffer.
 """
 
 from __future__ import annotations
@@ -349,7 +351,8 @@ def _row_products(a_ptr, a_at, a_ok, b_ptr, b_at, b_ok, width, b_step, BLOCK_R: 
 @triton.jit(do_not_specialize=["Tp", "NC", "i"])
 def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
-                g_ptr, chain_ptr, num_ptr, den_ptr,  # dL/d out (B, H, Tp, dv [+ 1]), what _fwd_kernel(save) wrote
+                g_ptr, chain_ptr, scaled_ptr, num_ptr, den_ptr,  # dL/d out (B, H, Tp, dv [+ 1]); chain_i, and
+                # c~_i = chain_{i-1} / N_{i-1} (B, H, L-1, Tp, m) written here for the keys kernel; num, den
                 d_chain_ptr, dn_next_ptr,  # (B, H, Tp, m) each: level i + 1's gradients for level i's rows
                 u_ptr, d_snum_ptr, d_n_ptr, d_routed_ptr,  # (B, H, L, Tp, m) each: for _bwd_keys_kernel
                 dq_ptr, dks0_ptr, dvs0_ptr, dn0_ptr, dr0_ptr, dkappa_ptr,
@@ -462,18 +465,17 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
             r0_at = ((bg * NC + chunk) * (L - 1) + i - 1) * M * M
             norm_prev = tl.maximum(n_prev, eps)
             scaled_prev = chain_prev / norm_prev
-            # c~ in chain_{i-1}'s place (no later level reads chain_{i-1}), for the keys kernel and for the products
-            # below, which read it back a block of slots at a time
-            tl.store(chain_ptr + chain_at, scaled_prev, mask=ok_rm)
+            # c~, for the keys kernel and for the products below, which read it back a block of slots at a time
+            tl.store(scaled_ptr + chain_at, scaled_prev, mask=ok_rm)
             tl.debug_barrier()
-            routed = _row_products(chain_ptr, chain_rows, row_ok, r0_ptr + r0_at, slots[:, None], slot_ok[:, None], M,
+            routed = _row_products(scaled_ptr, chain_rows, row_ok, r0_ptr + r0_at, slots[:, None], slot_ok[:, None], M,
                                    M, BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # c~ R0
             for k0 in range(0, reach, BLOCK_K):
                 cols_k = k0 + keys
                 ok_km = (cols_k < reach)[:, None] & slot_ok[None, :]
                 key_rows = level_row + cols_k[:, None]
                 f = tl.load(f_ptr + key_rows * M + slots[None, :], mask=ok_km, other=0.0)
-                intra_prev = _row_products(chain_ptr, chain_rows, row_ok, f_ptr, (key_rows - Tp) * M,
+                intra_prev = _row_products(scaled_ptr, chain_rows, row_ok, f_ptr, (key_rows - Tp) * M,
                                            (cols_k < reach)[:, None], M, 1, BLOCK_R, BLOCK_K, BLOCK, PRECISION)
                 routed += tl.dot(intra_prev * (cols_k[None, :] <= rows[:, None]).to(tl.float32), f,
                                  input_precision=PRECISION)
@@ -735,14 +737,20 @@ class _Read:
                                                                      "BLOCK_R", "BLOCK_K", "num_stages")},
                                  BLOCK=FEATURE_BLOCK, PRECISION=KEYS_PRECISION, num_warps=KEYS_WARPS)
 
-    def scratch_shapes(self) -> list:
-        """The backward's buffers, fp32: what each level's rows hand the keys kernel -- u, d_snum, d_n and (relation
-        routing) d routed, (B, H, L, Tp, m) each -- and the two carries (d chain, d N) from level i + 1 to level i
-        (B, H, Tp, m) with routing."""
+    def scratch(self, like: torch.Tensor) -> tuple[list, torch.Tensor, list]:
+        """The backward's buffers, fp32, as views of one allocation: what each level's rows hand the keys kernel --
+        u, d_snum, d_n and (relation routing) d routed, (B, H, L, Tp, m) each, and c~ (B, H, L-1, Tp, m) -- and the
+        two carries (d chain, d N) from level i + 1 to level i (B, H, Tp, m) with routing; ``like`` stands in for
+        those the routing does not use. Returns (the 4 planes, c~, the 2 carries)."""
         plane = (self.batch, self.heads, self.levels, self.padded, self.slots)
-        carry = (self.batch, self.heads, self.padded, self.slots)
-        routing = self.options["ROUTING"]
-        return [plane] * (3 + (routing == 2)) + [carry] * (2 if self.levels > 1 and routing != 0 else 0)
+        relation, routed = self.options["ROUTING"] == 2, self.levels > 1 and self.options["ROUTING"] != 0
+        shapes = [plane] * (3 + relation) + [(self.batch, self.heads, self.levels - 1, *plane[3:])] * relation \
+            + [(self.batch, self.heads, self.padded, self.slots)] * (2 * routed)
+        buffers = unpacked(like.new_empty(sum(math.prod(shape) for shape in shapes)), shapes)
+        planes = buffers[:3 + relation] + [like] * (1 - relation)
+        scaled = buffers[4] if relation else like
+        carries = buffers[len(buffers) - 2:] if routed else [like] * 2
+        return planes, scaled, carries
 
     def warmups(self, inputs, backward: bool) -> list:
         """The launches of this call as ``(kernel, grid, args, constexprs)`` for ``JITFunction.warmup``: the forward,
@@ -750,8 +758,8 @@ class _Read:
         yet allocated are given as their dtype (all fp32)."""
         buffers = [torch.float32] * 5  # out, log weight, chain, num, den
         warmups = [(_fwd_kernel, self.grid, (*inputs, *buffers, *self.sizes, 0), self.forward_options)]
-        if backward:  # g, chain, num, den, the 2 carries, the 4 planes and 11 gradients, the sizes and the level
-            args = (*inputs, *[torch.float32] * (4 + 2 + 4 + len(inputs) - 3), *self.sizes)
+        if backward:  # g, chain, c~, num, den, the 2 carries, 4 planes and 11 gradients, the sizes and the level
+            args = (*inputs, *[torch.float32] * (5 + 2 + 4 + len(inputs) - 3), *self.sizes)
             warmups += [(_bwd_kernel, self.grid, (*args, level), {**self.backward_options, "LEVEL0": level == 0})
                         for level in sorted({0, self.levels - 1})]
             keys_args = (*inputs[:4], *[torch.float32] * (6 + 3), *self.sizes[:9])  # g, chain, 4 planes, dF, dX, dY
@@ -765,12 +773,13 @@ class _Read:
             compile_side_by_side("RSA chunk read", key, lambda: self.warmups(inputs, backward))
 
     def forward(self, inputs, save: bool):
-        """``inputs``: the 14 kernel tensors (q ... wqr). Returns out (B, H, Tp, dv [+ 1: the log weight]) fp32,
-        or with ``save`` (the backward's re-run) the read alone (B, H, Tp, dv), chains, num, den."""
+        """``inputs``: the 14 kernel tensors (q ... wqr). Returns out (B, H, Tp, dv [+ 1: the log weight]) fp32 and,
+        with ``save`` (a backward follows), what it reads: the chains (B, H, L-1, Tp, m) with routing, the numerator
+        (B, H, Tp, dv), the normaliser (B, H, Tp); 0-size tensors where not saved."""
         q = inputs[0]
         out = q.new_empty(self.batch, self.heads, self.padded, self.value_dim, dtype=torch.float32)
         log_weight = out.new_empty(out.shape[:-1]) if self.options["LOG_WEIGHT"] else out  # else a dummy
-        chain = num = den = out  # dummies when not saved
+        chain, num, den = (out.new_empty(0) for _ in range(3))  # none saved (0-size, not aliases of out)
         if save:  # for _bwd_kernel: chain_i (only read back by the routing), numerator, normaliser
             if self.levels > 1 and self.options["ROUTING"] != 0:
                 chain = out.new_empty(self.batch, self.heads, self.levels - 1, self.padded, self.slots)
@@ -778,27 +787,24 @@ class _Read:
         if out.numel():
             _fwd_kernel[self.grid](*inputs, out, log_weight, chain, num, den, *self.sizes, int(save),
                                    **self.forward_options)
-        if save:  # the backward's re-run: its output is not read
-            return out, chain, num, den
-        return torch.cat([out, log_weight[..., None]], -1) if self.options["LOG_WEIGHT"] else out
+        if self.options["LOG_WEIGHT"]:
+            out = torch.cat([out, log_weight[..., None]], -1)
+        return out, chain, num, den
 
-    def backward(self, inputs, grad_out):
-        """The gradients (fp32) of the 14 kernel inputs for dL/d(forward's output), packed in one buffer
-        (``unpacked(buffer, [t.shape for t in inputs])``): the kernels accumulate into them, so one zero fill."""
+    def backward(self, inputs, grad_out, chain, num, den):
+        """The gradients (fp32) of the 14 kernel inputs for dL/d(forward's output), from what the forward saved
+        (``forward(save=True)``: chains, num, den), packed in one buffer (``unpacked(buffer, [t.shape for t in
+        inputs])``): the kernels accumulate into them, so one zero fill."""
         packed, grads = packed_zeros([t.shape for t in inputs], inputs[0].device)
         if not grad_out.numel():
             return packed
-        _, chain, num, den = self.forward(inputs, save=True)
         g = grad_out.float().contiguous()  # (B, H, Tp, dv [+ 1]): the kernels read the log weight's channel in place
-        shapes = self.scratch_shapes()
-        scratch = unpacked(g.new_empty(sum(math.prod(shape) for shape in shapes)), shapes)  # one allocation
-        planes = [t for t in scratch if t.dim() == 5] + [g]  # u, d_snum, d_n [, d routed, else a dummy]
-        carries = [t for t in scratch if t.dim() == 4] + [g] * 2  # (d chain, d N) [, else dummies]
+        planes, scaled, carries = self.scratch(g)
         row_grads = [grad for index, grad in enumerate(grads) if index not in (1, 2, 3)]  # all but F, X, Y's
         for level in reversed(range(self.levels)):  # one launch per level, the top one first
-            _bwd_kernel[self.grid](*inputs, g, chain, num, den, *carries[:2], *planes[:4], *row_grads,
+            _bwd_kernel[self.grid](*inputs, g, chain, scaled, num, den, *carries, *planes, *row_grads,
                                    *self.sizes, level, LEVEL0=level == 0, **self.backward_options)
-        _bwd_keys_kernel[self.keys_grid](*inputs[:4], g, chain, *planes[:4], *grads[1:4], *self.sizes[:9],
+        _bwd_keys_kernel[self.keys_grid](*inputs[:4], g, scaled, *planes, *grads[1:4], *self.sizes[:9],
                                          **self.keys_options)
         return packed
 
@@ -820,42 +826,50 @@ def _kernel_inputs(q_b, f, x, y, ks0, vs0, n0, r0, params: RSAParams, groups):
 
 @kernel_op(__name__, "read_forward")
 def _read_forward(inputs: list[torch.Tensor], chunk_size: int, eps: float, readout: str, routing: str,
-                  query_read: bool, log_weight: bool, backward: bool) -> torch.Tensor:
-    """out (B, H, Tp, dv [+ 1]) fp32 from the 14 kernel inputs; ``backward``: a backward follows (its kernels are
-    compiled side by side with the forward's)."""
+                  query_read: bool, log_weight: bool, backward: bool) -> list[torch.Tensor]:
+    """[out (B, H, Tp, dv [+ 1]) fp32, chains, num, den] from the 14 kernel inputs (``_Read.forward``);
+    ``backward``: a backward follows (the three saved for it, its kernels compiled side by side with the
+    forward's)."""
     read = _Read((chunk_size, eps, readout, routing, query_read, log_weight), inputs[0], inputs[1], inputs[3])
     read.compile_kernels(inputs, backward)
-    return read.forward(inputs, save=False)
+    return list(read.forward(inputs, save=backward))
 
 
 @_read_forward.register_fake
 def _(inputs, chunk_size, eps, readout, routing, query_read, log_weight, backward):
-    q, y = inputs[0], inputs[3]
-    return q.new_empty(*q.shape[:3], y.shape[-1] + log_weight, dtype=torch.float32)
+    (batch, heads, padded, _), (_, _, levels, _, slots) = inputs[0].shape, inputs[1].shape
+    value_dim = inputs[3].shape[-1]
+    new = lambda *shape: inputs[0].new_empty(*shape, dtype=torch.float32)  # noqa: E731
+    chained = backward and levels > 1 and routing != "none"
+    return [new(batch, heads, padded, value_dim + log_weight),
+            new(batch, heads, levels - 1, padded, slots) if chained else new(0),
+            *((new(batch, heads, padded, value_dim), new(batch, heads, padded)) if backward else (new(0), new(0)))]
 
 
 @kernel_op(__name__, "read_backward")
-def _read_backward(inputs: list[torch.Tensor], grad_out: torch.Tensor, chunk_size: int, eps: float, readout: str,
-                   routing: str, query_read: bool, log_weight: bool) -> torch.Tensor:
-    """The 14 inputs' gradients (fp32), packed (``_Read.backward``): ``_fwd_kernel(save)`` again, then
-    ``_bwd_kernel`` per level."""
+def _read_backward(inputs: list[torch.Tensor], grad_out: torch.Tensor, saved: list[torch.Tensor], chunk_size: int,
+                   eps: float, readout: str, routing: str, query_read: bool, log_weight: bool) -> torch.Tensor:
+    """The 14 inputs' gradients (fp32), packed (``_Read.backward``): ``_bwd_kernel`` per level, then
+    ``_bwd_keys_kernel``, from what the forward saved (chains, num, den)."""
     read = _Read((chunk_size, eps, readout, routing, query_read, log_weight), inputs[0], inputs[1], inputs[3])
-    return read.backward(inputs, grad_out)
+    return read.backward(inputs, grad_out, *saved)
 
 
 @_read_backward.register_fake
-def _(inputs, grad_out, chunk_size, eps, readout, routing, query_read, log_weight):
+def _(inputs, grad_out, saved, chunk_size, eps, readout, routing, query_read, log_weight):
     return packed_zeros([t.shape for t in inputs], grad_out.device)[0]
 
 
 def _save_read_inputs(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[0])
+    ctx.save_for_backward(*inputs[0], *output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # (the saved outputs' gradients, never defined, stay None: no zero fill)
     ctx.options = inputs[1:7]
 
 
-def _read_gradients(ctx, grad_out):
-    inputs = ctx.saved_tensors
-    grads = unpacked(_read_backward(list(inputs), grad_out, *ctx.options), [t.shape for t in inputs])
+def _read_gradients(ctx, grads):
+    *inputs, chain, num, den = ctx.saved_tensors
+    grads = unpacked(_read_backward(inputs, grads[0], [chain, num, den], *ctx.options), [t.shape for t in inputs])
     query_read = ctx.options[4]
     grads = [grad.to(t.dtype) for grad, t in zip(grads, inputs)]
     if not query_read:
@@ -908,7 +922,7 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
     f, x, y = writes.f, writes.x, writes.y  # (B, G, L, Tp, m | d | dv)
     inputs = _kernel_inputs(q_b, f, x, y, ks0, writes.value_sum, writes.mass, r0, params, groups)
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    out_b = _read_forward(list(inputs), *_read_options(params), backward)
+    out_b = _read_forward(list(inputs), *_read_options(params), backward)[0]
     out_b = out_b.unflatten(1, (groups, group_size))  # (B, G, g, Tp, dv)
 
     return layout.unpack(out_b, length), state

@@ -210,13 +210,13 @@ def test_the_rsa_read_compiles_for_sm90_without_a_spill(monkeypatch, heads, grou
               per_head(slots, slots), per_head(slots, slots), per_head(), per_head(), per_head()]
     options = (chunk, defaults["rsa_eps"], defaults["rsa_readout"], defaults["rsa_routing"], False, True)
     read = _Read(options, inputs[0], inputs[1], inputs[3])
-    read.forward(inputs, save=False)  # compiled, not run
+    saved = read.forward(inputs, save=True)[1:]  # compiled, not run: the chains, num and den it saves
     (record,) = records
     assert record["kernel"] == "_fwd_kernel" and record["options"]["num_warps"] == READ_WARPS == 8, record
     assert record["spill_bytes"] == 0 and record["programs"] >= 132, record
     # the backward: its rows kernel (level 0's variant and the other levels') without a spill, its keys kernel (the
     # chunk's F, X, Y gradients) within the budget, 128 registers at 8 warps
-    read.backward(inputs, torch.empty(1, heads, length, head_dim + 1))
+    read.backward(inputs, torch.empty(1, heads, length, head_dim + 1), *saved)
     rows = [record for record in records if record["kernel"] == "_bwd_kernel"]
     assert len(rows) == 2 and all(record["spill_bytes"] == 0 and record["programs"] >= 132 for record in rows), rows
     (keys,) = [record for record in records if record["kernel"] == "_bwd_keys_kernel"]

@@ -3,7 +3,9 @@
 On a GPU an eager step is bound by its launches when the work per op is small (~40 us of host time an op on the lent
 H100), so the count is the CPU proxy of the step's speed (hf_mixers/apps/bench/op_count.py: aten calls forward and
 backward, views excluded, one per Triton launch). Counted here as ``TRITON_INTERPRET=1`` runs the GPU path, at a
-small layout whose op structure is the converted model's (4 levels; chunks of 16 in place of 64).
+small layout whose op structure is the converted model's (4 levels; chunks of 16 in place of 64). The Triton
+launches are counted, not run (``run_kernels=False``): nothing on the host reads their values, so the count is the
+same, and the kernels' values are the business of their own tests.
 
 No mixer's step reads a value back to the host (each a stall of the GPU's queue), packed or padded.
 
@@ -35,7 +37,8 @@ def step_ops(mixer, options, length, library_kernels=False):
     torch.manual_seed(0)
     module, config = build_mixer(mixer, options, HIDDEN, HEADS, KV_HEADS, DEVICE, torch.float32)
     x = torch.randn(1, length, HIDDEN, device=DEVICE, requires_grad=True)
-    return training_step_ops(module, x, rotary_embeddings(config, x, length), library_kernels=library_kernels)
+    return training_step_ops(module, x, rotary_embeddings(config, x, length), library_kernels=library_kernels,
+                             run_kernels=False)
 
 
 def test_the_counter_counts_launches_not_views():
@@ -55,9 +58,9 @@ def test_rsa_step_launches_do_not_grow_with_the_sequence():
     # per level (4) the chain forward and backward, and the rest of its write: forward its sums then its residuals,
     # backward its boundaries then its rows (a running sum over the boundaries between each: parallel over chunks,
     # not one program a KV head); between levels (3) the residual MLPs, forward and backward; the read forward, its
-    # backward (6: the forward again, each level's rows, the keys)
-    assert short.triton_launches == 4 * 2 + 4 * 4 + 3 * 2 + 1 + 6
-    assert short.ops <= 225, short.top()  # issue 67's target, at most 300, met with the window too; goal 100
+    # backward (5: each level's rows from what the forward saved, the keys)
+    assert short.triton_launches == 4 * 2 + 4 * 4 + 3 * 2 + 1 + 5
+    assert short.ops <= 224, short.top()  # issue 67's target, at most 300, met with the window too; goal 100
     assert short.host_reads == 0, short.top()  # a fresh state's buffer is laid out from the shapes (ChunkLayout.of)
 
 
@@ -72,7 +75,7 @@ def test_rsa_window_step_takes_flex_attention_as_one_launch_each_way():
     assert short.ops == long.ops, (short.top(), long.top())
     assert short.by_name["library:flex_attention"] == 2
     assert short.by_name["triton:_combine_fwd"] == short.by_name["triton:_combine_bwd"] == 1  # their shared normaliser
-    assert short.ops <= 298, short.top()  # the memory's and the window's: issue 67's target (300) met
+    assert short.ops <= 297, short.top()  # the memory's and the window's: issue 67's target (300) met
 
 
 @needs_kernels
@@ -137,7 +140,8 @@ def test_a_training_step_reads_nothing_back_to_the_host(mixer, variant, options,
         token_mask = torch.ones(2, 16, dtype=torch.bool, device=DEVICE)
         token_mask[0, :5] = False
     embeddings = rotary_embeddings(config, x, 16)
-    count, _ = count_ops(lambda: module(x, embeddings, None, token_mask).float().pow(2).mean().backward())
+    count, _ = count_ops(lambda: module(x, embeddings, None, token_mask).float().pow(2).mean().backward(),
+                         run_kernels=False)
     assert count.host_reads == 0, dict(count.read_sites)
 
 

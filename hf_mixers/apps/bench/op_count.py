@@ -121,8 +121,9 @@ class _Counter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _triton_launches_as_one(mode: _Counter):
-    """Count each interpreted Triton launch once and none of the interpreter's own tensor traffic inside it."""
+def _triton_launches_as_one(mode: _Counter, run: bool = True):
+    """Count each interpreted Triton launch once and none of the interpreter's own tensor traffic inside it;
+    ``run=False``: count it without running it."""
     try:
         from triton.runtime.interpreter import GridExecutor
     except ImportError:  # no triton: no launches to count
@@ -136,6 +137,8 @@ def _triton_launches_as_one(mode: _Counter):
         mode.count.by_name[f"triton:{self.fn.__name__}"] += 1
         if mode.sites:
             mode.count.by_site[_site(mode.sites)] += 1
+        if not run:
+            return None
         mode.inside_launch += 1
         try:
             return launch(self, *args, **kwargs)
@@ -246,33 +249,36 @@ LIBRARY_KERNELS = {"torch.nn.attention.flex_attention.flex_attention": ("flex_at
                    "fla.ops.gla.chunk_gla": ("chunk_gla", _gla_reference)}
 
 
-def count_ops(fn, *args, sites: bool = False, library_kernels: bool = False, **kwargs) -> tuple[OpCount, object]:
+def count_ops(fn, *args, sites: bool = False, library_kernels: bool = False, run_kernels: bool = True,
+              **kwargs) -> tuple[OpCount, object]:
     """Run ``fn(*args, **kwargs)`` once and count what it dispatched: (OpCount, fn's result). ``sites``: also count
     by the line of our code that issued each op (``OpCount.by_site``; slower: a stack walk an op).
     ``library_kernels``: the CUDA-only library kernels of ``LIBRARY_KERNELS`` run where a GPU would run them, each
-    counted as one launch forward and one backward (kernels/dispatch.py ``library_stand_ins``)."""
+    counted as one launch forward and one backward (kernels/dispatch.py ``library_stand_ins``). ``run_kernels=False``:
+    each Triton launch is counted but not run, its outputs left as allocated (the same count, minutes sooner under
+    the interpreter, where nothing reads a kernel's values back to decide what to launch; the values are garbage)."""
     from ...kernels.dispatch import library_stand_ins
 
     count = OpCount()
     mode = _Counter(count, sites)
     stand_ins = {path: _one_launch(mode, name, function) for path, (name, function) in LIBRARY_KERNELS.items()}
-    with library_stand_ins(stand_ins if library_kernels else {}), _triton_launches_as_one(mode), mode:
+    with library_stand_ins(stand_ins if library_kernels else {}), _triton_launches_as_one(mode, run_kernels), mode:
         result = fn(*args, **kwargs)
     return count, result
 
 
 def training_step_ops(module, hidden_states, position_embeddings, sites: bool = False,
-                      library_kernels: bool = False) -> OpCount:
+                      library_kernels: bool = False, run_kernels: bool = True) -> OpCount:
     """One forward + backward of a standalone layer (``apps/bench/harness.build_mixer``) on ``hidden_states``: the
     count of the benchmarks' training step, the loss a sum of squares (``library_kernels``: as ``count_ops``; then
     a first step, not counted, builds what a library kernel builds once a shape, as a run's first step does: flex's
-    block mask)."""
+    block mask; ``run_kernels``: as ``count_ops``)."""
 
     def step():
         module(hidden_states, position_embeddings).float().pow(2).mean().backward()
 
     if library_kernels:
-        count_ops(step, library_kernels=True)
+        count_ops(step, library_kernels=True, run_kernels=run_kernels)
         module.zero_grad(set_to_none=True)  # or the counted step would accumulate into the gradients
         hidden_states.grad = None
-    return count_ops(step, sites=sites, library_kernels=library_kernels)[0]
+    return count_ops(step, sites=sites, library_kernels=library_kernels, run_kernels=run_kernels)[0]
