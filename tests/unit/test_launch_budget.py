@@ -33,12 +33,22 @@ def test_under_interpreter_in_subprocess():
     run_under_interpreter(__file__)
 
 
-def step_ops(mixer, options, length, library_kernels=False):
+def step_ops(mixer, options, length, library_kernels=False, run_kernels=False):
     torch.manual_seed(0)
     module, config = build_mixer(mixer, options, HIDDEN, HEADS, KV_HEADS, DEVICE, torch.float32)
     x = torch.randn(1, length, HIDDEN, device=DEVICE, requires_grad=True)
     return training_step_ops(module, x, rotary_embeddings(config, x, length), library_kernels=library_kernels,
-                             run_kernels=False)
+                             run_kernels=run_kernels)
+
+
+@needs_kernels
+def test_launches_counted_without_running_them_count_the_same():
+    """``run_kernels=False`` (every test here) counts what running the kernels counts: op by op, for RSA with its
+    window (every RSA kernel, flex and the combine kernel) and for Sessa."""
+    rsa = {**RSA, "rsa_window": 16}
+    for mixer, options in (("rsa", rsa), ("sessa", {"sessa_chunk_size": 16, "kernel_backend": "triton"})):
+        run, counted = (step_ops(mixer, options, 48, library_kernels=True, run_kernels=flag) for flag in (True, False))
+        assert run.by_name == counted.by_name and run.host_reads == counted.host_reads == 0, (run.top(), counted.top())
 
 
 def test_the_counter_counts_launches_not_views():
