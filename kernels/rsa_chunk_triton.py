@@ -111,7 +111,8 @@ from .triton_compile import compile_side_by_side
 
 # The read's dots stay fp32-accurate whatever the inputs: with tf32 operands its error is over the bf16 bound at 8K
 # (`hf-mixers bench precision --mixer rsa --scope read_chunks`: it divides sums by masses and chains the levels).
-# Emulated fp32 (tf32x3) in the forward and the backward's rows: as FMA dots ("ieee") the rows spilled more.
+# Emulated fp32 (tf32x3) on the tensor cores in the forward and the backward's rows: as FMA dots ("ieee") the rows
+# held 241 / 234 registers (254 / 228 as tf32x3), one 8-warp block an SM either way.
 READ_PRECISION = FP32_DOTS
 # The forward takes the key features, the backward the key and value features and the slots of the products it
 # reads from memory, FEATURE_BLOCK at a time (never held whole): with q held (R, d), KS0 (m, d) whole and 64-wide
@@ -365,8 +366,9 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     program = BLOCK_R rows of a chunk x one query head. It recomputes its rows' level from the chunk's rows up to
     them (BLOCK_K at a time, as the forward) and takes the gradient back through it: its rows' own tensors' (dq,
     the carries to level i - 1) are written, the chunk-start state's and the parameters' added in (atomics), and
-    what the chunk's key rows need (u, d_snum, d_n, d routed; c~ in chain_{i-1}'s place) is written for
-    ``_bwd_keys_kernel``. Products over the features are summed BLOCK of them at a time (``_row_products``), so the
+    what the chunk's key rows need (u, d_snum, d_n, d routed, c~) is written for ``_bwd_keys_kernel``; the
+    products with an (R, m) left operand read it back from those planes (or, for act, chain, d a and d a^, from one
+    not yet written), a barrier after each store and before a plane is written again. Products over the features are summed BLOCK of them at a time (``_row_products``), so the
     tiles held are (R, K), (R, m), (K, m), (K, BLOCK) and m x m whatever the chunk size and head width."""
     row_blocks = tl.cdiv(C, BLOCK_R)
     chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
