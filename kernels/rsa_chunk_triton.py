@@ -368,8 +368,9 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     the carries to level i - 1) are written, the chunk-start state's and the parameters' added in (atomics), and
     what the chunk's key rows need (u, d_snum, d_n, d routed, c~) is written for ``_bwd_keys_kernel``; the
     products with an (R, m) left operand read it back from those planes (or, for act, chain, d a and d a^, from one
-    not yet written), a barrier after each store and before a plane is written again. Products over the features are summed BLOCK of them at a time (``_row_products``), so the
-    tiles held are (R, K), (R, m), (K, m), (K, BLOCK) and m x m whatever the chunk size and head width."""
+    not yet written), a barrier after each store and before a plane is written again. Products over the features
+    are summed BLOCK of them at a time (``_row_products``), so the tiles held are (R, K), (R, m), (K, m), (K, BLOCK)
+    and m x m whatever the chunk size and head width."""
     row_blocks = tl.cdiv(C, BLOCK_R)
     chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
