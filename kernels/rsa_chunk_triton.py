@@ -193,7 +193,8 @@ def _activation(num, kappa, n, slot_ok, tau, eps, LEVEL0, READOUT: tl.constexpr)
 # Lengths, the level and the save flag are plain runtime integers (no specialisation on 1 or on alignment): one
 # compiled kernel per layout and options, whatever the sequence length. The levels are a loop, not unrolled: unrolled,
 # the compiler overlapped them and held more registers (255 and a spill at SmolLM2's layout, against 235 and none),
-# and compiled 4x as long (docs/benchmarks.md).
+# and compiled 4x as long (docs/benchmarks.md). Its products over q's features stay written out here: through
+# ``_row_products`` (the backward's) ptxas held 254 / 255 registers at the two layouts instead of 235 / 240.
 @triton.jit(do_not_specialize=["Tp", "NC", "save"])
 def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
@@ -775,18 +776,21 @@ class _Read:
             key = ("rsa", inputs[0].device, tuple(sorted(self.options.items())), self.sizes[2:9], backward)
             compile_side_by_side("RSA chunk read", key, lambda: self.warmups(inputs, backward))
 
+    def saved_shapes(self, save: bool) -> list:
+        """What the forward saves for its backward (``save``): chain_i (B, H, L-1, Tp, m), read back only by the
+        routing, the numerator (B, H, Tp, dv) and the normaliser (B, H, Tp); (0,) for each one not saved."""
+        chained = save and self.levels > 1 and self.options["ROUTING"] != 0
+        return [(self.batch, self.heads, self.levels - 1, self.padded, self.slots) if chained else (0,),
+                (self.batch, self.heads, self.padded, self.value_dim) if save else (0,),
+                (self.batch, self.heads, self.padded) if save else (0,)]
+
     def forward(self, inputs, save: bool):
-        """``inputs``: the 14 kernel tensors (q ... wqr). Returns out (B, H, Tp, dv [+ 1: the log weight]) fp32 and,
-        with ``save`` (a backward follows), what it reads: the chains (B, H, L-1, Tp, m) with routing, the numerator
-        (B, H, Tp, dv), the normaliser (B, H, Tp); 0-size tensors where not saved."""
+        """``inputs``: the 14 kernel tensors (q ... wqr). Returns out (B, H, Tp, dv [+ 1: the log weight]) fp32 and
+        what ``saved_shapes`` names (0-size, not aliases of out, where not saved: an op's outputs are its own)."""
         q = inputs[0]
         out = q.new_empty(self.batch, self.heads, self.padded, self.value_dim, dtype=torch.float32)
         log_weight = out.new_empty(out.shape[:-1]) if self.options["LOG_WEIGHT"] else out  # else a dummy
-        chain, num, den = (out.new_empty(0) for _ in range(3))  # none saved (0-size, not aliases of out)
-        if save:  # for _bwd_kernel: chain_i (only read back by the routing), numerator, normaliser
-            if self.levels > 1 and self.options["ROUTING"] != 0:
-                chain = out.new_empty(self.batch, self.heads, self.levels - 1, self.padded, self.slots)
-            num, den = torch.empty_like(out), out.new_empty(self.batch, self.heads, self.padded)
+        chain, num, den = (out.new_empty(shape) for shape in self.saved_shapes(save))
         if out.numel():
             _fwd_kernel[self.grid](*inputs, out, log_weight, chain, num, den, *self.sizes, int(save),
                                    **self.forward_options)
@@ -840,13 +844,10 @@ def _read_forward(inputs: list[torch.Tensor], chunk_size: int, eps: float, reado
 
 @_read_forward.register_fake
 def _(inputs, chunk_size, eps, readout, routing, query_read, log_weight, backward):
-    (batch, heads, padded, _), (_, _, levels, _, slots) = inputs[0].shape, inputs[1].shape
-    value_dim = inputs[3].shape[-1]
-    new = lambda *shape: inputs[0].new_empty(*shape, dtype=torch.float32)  # noqa: E731
-    chained = backward and levels > 1 and routing != "none"
-    return [new(batch, heads, padded, value_dim + log_weight),
-            new(batch, heads, levels - 1, padded, slots) if chained else new(0),
-            *((new(batch, heads, padded, value_dim), new(batch, heads, padded)) if backward else (new(0), new(0)))]
+    q, y = inputs[0], inputs[3]
+    read = _Read((chunk_size, eps, readout, routing, query_read, log_weight), q, inputs[1], y)
+    return [q.new_empty(*q.shape[:3], y.shape[-1] + log_weight, dtype=torch.float32),
+            *(q.new_empty(shape, dtype=torch.float32) for shape in read.saved_shapes(backward))]
 
 
 @kernel_op(__name__, "read_backward")

@@ -284,6 +284,21 @@ def test_options_match_reference(assign_fn, readout, routing, query_read):
 
 
 @needs_kernels
+def test_a_second_backward_through_the_graph_gives_the_same_gradients():
+    """The read's backward takes what its forward saved (chains, numerator, normaliser) and writes only buffers of
+    its own (c~ has its own plane), so a graph kept with ``retain_graph`` differentiates twice to the same result."""
+    params = make_params(chunk=16, routing="relation", log_weight=True)
+    q, k, v, valid = make_inputs(params, batch=2)
+    out, _ = rct.rsa_chunked_triton(q, k, v, valid, initial_state(params, 2, VALUE_DIM, torch.float32), params)
+    loss = (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(7))).sum()
+    leaves = [q, k, v, *param_leaves(params).values()]
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves)
+    for index, (a, b) in enumerate(zip(first, second)):  # close, not equal: a GPU's fp32 atomics add in any order
+        assert_close(b, a, f"gradient {index}, second backward")
+
+
+@needs_kernels
 @pytest.mark.parametrize("readout, routing", first_in_fast(("softmax_count", "relation"), ("sigmoid", "elementwise")))
 def test_log_weight_matches_reference(readout, routing):
     """The local window's merge weight (``params.log_weight``, one more output channel): its value and its share of
