@@ -166,10 +166,11 @@ def check_block_compiles_whole(name):
         check_step_compiles_whole(step, hidden, where)
 
 
-def check_step_compiles_whole(step, x, where: str = "the step") -> None:
+def check_step_compiles_whole(step, x, where: str = "the step", reference=None) -> None:
     """``step(x)`` (x asks for gradients) compiles with ``fullgraph=True`` (a graph break is an error naming it) and,
-    traced by AOTAutograd with Inductor's decompositions, gives the eager output and input gradient."""
-    expected = step(x)
+    traced by AOTAutograd with Inductor's decompositions, gives the eager output and input gradient: ``step``'s own,
+    or ``reference``'s (the same layer on another path, e.g. PyTorch's where ``step`` runs interpreted kernels)."""
+    expected = (reference or step)(x)
     weights = torch.randn_like(expected)
     expected_grad, = torch.autograd.grad((expected * weights).sum(), x)
     torch._dynamo.reset()

@@ -110,13 +110,25 @@ def compile_key(kernel, args, kwargs):
     return kernel.fn.__name__, kinds, tuple(sorted((k, v) for k, v in kwargs.items() if k not in ("grid", "warmup")))
 
 
-def record_launches(monkeypatch, kernels) -> set:
-    """The compile keys of every launch of ``kernels`` from now on (each launch still runs)."""
-    launched = set()
+class Launches(set):
+    """The compile keys of the launches ``record_launches`` saw. Each launch runs while ``run`` is true; set it false
+    to record launches without running them (their outputs left as allocated, garbage: for what a call launches, not
+    what it computes; nothing on the host reads a kernel's values to decide what to launch next)."""
+
+    run = True
+
+
+def record_launches(monkeypatch, kernels) -> Launches:
+    """The compile keys of every launch of ``kernels`` from now on."""
+    launched = Launches()
+
+    def launch(kernel, real, args, kwargs):
+        launched.add(compile_key(kernel, args, kwargs))
+        return real(*args, **kwargs) if launched.run else None
+
     for kernel in kernels:
-        real = kernel.run
-        monkeypatch.setattr(kernel, "run", lambda *args, _kernel=kernel, _real=real, **kwargs: (
-            launched.add(compile_key(_kernel, args, kwargs)), _real(*args, **kwargs))[1])
+        monkeypatch.setattr(kernel, "run", lambda *args, _kernel=kernel, _real=kernel.run, **kwargs: launch(
+            _kernel, _real, args, kwargs))
     return launched
 
 

@@ -188,7 +188,7 @@ def test_warmups_are_exactly_what_the_call_launches(past, detached_cache, need_q
     and dk as wanted -- with the same argument kinds and constexprs: none missing, none extra."""
     launched = record_launches(monkeypatch, (fst._fwd_kernel, fst._bwd_lam_kernel, fst._bwd_dq_kernel,
                                              fst._bwd_dk_kernel))
-    warmed = set()
+    launched.run, warmed = False, set()  # what is launched, not its values
     monkeypatch.setattr(fst, "_compile_kernels", lambda *args: warmed.update(
         compile_key(kernel, launch_args, constexprs) for kernel, _, launch_args, constexprs in fst._warmups(*args)))
     inputs = make_inputs(past=past, dtype=torch.bfloat16)
