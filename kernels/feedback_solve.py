@@ -284,7 +284,7 @@ def sparse_solve(f, weights, support, past_s=None, chunk_size=64, backend="auto"
     """The solve of ``feedback_solve_sparse`` from B's entries: row t of B has ``weights`` (B, T, K) on the rows
     ``support`` (B, T, K) of [past, new] (-1: none, each strictly past). For callers that compute the weights
     themselves (GLTM gathers keys once per KV head). One Triton launch each way where kernels/dispatch.py takes
-    Triton for ``backend`` (kernels/sparse_solve_triton.py: fp32 / fp64, D up to 256), else the chunked form."""
+    Triton for ``backend`` (kernels/sparse_solve_triton.py: fp32 / fp64, any width), else the chunked form."""
     past, length = (0 if past_s is None else past_s.shape[1]), f.shape[1]
     if weights.shape != support.shape or support.shape[:2] != f.shape[:2]:
         raise ValueError(f"sparse_solve: weights {tuple(weights.shape)} and support {tuple(support.shape)} must both "
@@ -293,8 +293,7 @@ def sparse_solve(f, weights, support, past_s=None, chunk_size=64, backend="auto"
         raise ValueError("feedback_solve_sparse: a support entry is not strictly in the past of its row")
     cd = compute_dtype(f.dtype)
     f, weights, past_s = f.to(cd), weights.to(cd), None if past_s is None else past_s.to(cd)
-    if use_triton("GLTM sparse solve", f.device, backend, check=lambda: None if f.shape[-1] <= 256 else
-                  f"rows of {f.shape[-1]} features (the kernel takes up to 256)"):
+    if use_triton("GLTM sparse solve", f.device, backend):
         from .sparse_solve_triton import sparse_solve_triton
 
         return sparse_solve_triton(f, weights, support, past_s)

@@ -27,13 +27,11 @@ the columns solve apart under the same alpha (each program recomputes the logits
      instead of C sequential row updates;
   4. s_R is written and the chunk published: a barrier, then a release increment of its (batch row, column block)'s
      progress counter; a waiting program acquires it before it reads the rows.
-The pipeline (``_claim``, ``_wait_for``, ``_publish``): the chunks' programs run at once, each reading the keys
-before its chunk as they are published, so that only the last block before a chunk and its own solve wait on the
-previous chunk; the chain of dependent steps is one block and one C x C solve a chunk, and the launch has B x
-column blocks x T / C programs where the sweep had B x column blocks (one feedback head 64 wide, as converted: T /
-64 at batch 1). A program's chunk comes from a ticket drawn when it starts, not from its program id: every program
-it waits for started before it, so no order the GPU starts programs in can deadlock the chain. A wait gives up after
-``SPIN_LIMIT`` polls and the chunk is NaN (not a hang).
+The pipeline (kernels/pipeline_triton.py: tickets, progress counters, NaN after a wait that gives up): the chunks'
+programs run at once, each reading the keys before its chunk as they are published, so that only the last block
+before a chunk and its own solve wait on the previous chunk; the chain of dependent steps is one block and one C x C
+solve a chunk, and the launch has B x column blocks x T / C programs where the sweep had B x column blocks (one
+feedback head 64 wide, as converted: T / 64 at batch 1).
 Saved for the backward: s (B, T, D), h = alpha @ s (B, T, D; the feedback read-out, s = f + gain*h) and the
 per-row logsumexp lse (B, T), so alpha[t, j] = exp(scale <q_t, k_j> - lse_t) is recomputed exactly, blockwise.
 h and lse are neither computed nor allocated when no gradient is needed (inference, decoding).
@@ -76,6 +74,7 @@ finally:
     pass
 
 from .conventions import MAX_REGISTERS, check_feedback_shapes, compute_dtype, dot_precision, kernel_op, tile_edge
+from .pipeline_triton import claim, publish, ticket_and_progress, wait_for, zeroed_counters
 from .triton_compile import compile_side_by_side
 
 # The dots' operand precision follows the inputs (``dot_precision``). bf16 / fp16 inputs take plain tf32: issue 67's
@@ -83,7 +82,6 @@ from .triton_compile import compile_side_by_side
 # dot operands keep the step within the bf16 bound, and one product a dot instead of three is what lets the kernels
 # fit the register budget below. fp32 inputs keep fp32-accurate dots: the solve feeds its own output back, and a
 # caller who asked for fp32 gets it (they spill: a choice of accuracy over speed).
-SPIN_LIMIT = tl.constexpr(1 << 26)  # polls before a chunk's wait gives up (module docstring: the pipeline)
 # Tiles: the chunk C, the key / query blocks and the key and value feature blocks are at most 32 wide, and ptxas may
 # use at most MAX_REGISTERS a thread. That is issue 67's budget for sm_90 at 4 warps (168, no spill; a 64-row chunk
 # or 64-wide feature blocks spill even with tf32), checked on the cubin by tests/unit/test_kernel_resources.py. The
@@ -155,34 +153,6 @@ def _logits(q_ptr, q_rows, q_ok, past_k_ptr, k_ptr, pos, P, n_valid, DK, scale, 
 
 # Lengths and offsets are plain runtime integers (no specialisation on 1 or on alignment): one compiled kernel per
 # layout, whatever the prompt or past length (each compile takes tens of seconds).
-@triton.jit
-def _claim(ticket_ptr, progress_ptr, N_CHUNKS, V_BLOCKS):
-    """This program's (batch row, value-column block, chunk index) from a ticket drawn in the order programs start,
-    chunks fastest, and the progress counter of its (batch row, column block): every program that it waits for drew
-    an earlier ticket, so it is running or done (no deadlock, whatever order the GPU starts programs in)."""
-    ticket = tl.atomic_add(ticket_ptr, 1)
-    row = ticket // N_CHUNKS  # (batch row, column block)
-    return (row // V_BLOCKS).to(tl.int64), row % V_BLOCKS, ticket % N_CHUNKS, progress_ptr + row
-
-
-@triton.jit
-def _wait_for(progress_ptr, chunks):
-    """Spin until ``chunks`` chunks of this (batch row, column block) are published (acquire: their stores are then
-    visible); 1 if it gave up after ``SPIN_LIMIT`` polls, else 0. The caller then writes NaN, so that a GPU which
-    never ran an earlier program fails loudly (the trainer's NaN stop, the tests) rather than hangs."""
-    polls = 0
-    while (tl.atomic_add(progress_ptr, 0, sem="acquire") < chunks) & (polls < SPIN_LIMIT):
-        polls += 1
-    return (polls >= SPIN_LIMIT).to(tl.int32)
-
-
-@triton.jit
-def _publish(progress_ptr):
-    """Count this chunk as published, after every thread's stores (the barrier, then a release)."""
-    tl.debug_barrier()
-    tl.atomic_add(progress_ptr, 1, sem="release")
-
-
 @triton.jit(do_not_specialize=["T", "P", "N_CHUNKS"])
 def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,  # inputs
                 s_ptr, h_ptr, lse_ptr,  # outputs: s, h (B, T, DV) fp32; lse (B, T) fp32
@@ -192,7 +162,7 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, LOG_C: tl.constexpr, ONE_KEY_BLOCK: tl.constexpr,
                 PRECISION: tl.constexpr, PAST_ROWS: tl.constexpr):
     # int64 batch offsets: B*T*D may exceed 2^31
-    b, v_block, chunk, progress_ptr = _claim(ticket_ptr, progress_ptr, N_CHUNKS, V_BLOCKS)
+    b, v_block, chunk, progress_ptr = claim(ticket_ptr, progress_ptr, N_CHUNKS, V_BLOCKS)
     f_ptr += b * T * DV
     q_ptr += b * T * DK
     k_ptr += b * T * DK
@@ -224,7 +194,7 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
     stalled = 0
     for n0 in range(0, n_old, BLOCK_N):  # the oldest first: published first
         pos = n0 + offs_n  # absolute key positions (BLOCK_N,)
-        stalled += _wait_for(progress_ptr, (tl.minimum(n0 + BLOCK_N, n_old) - P + CHUNK - 1) // CHUNK)
+        stalled += wait_for(progress_ptr, (tl.minimum(n0 + BLOCK_N, n_old) - P + CHUNK - 1) // CHUNK)
         key_ok = _key_ok(mask_ptr, pos, n_old, HAS_MASK)
         s_blk = _load_rows(past_s_ptr, s_ptr, pos, P, n_old, cols_v, DV, PAST_ROWS)  # (N, DV), solved rows only
         logits = _logits(q_ptr, rows, row_ok, past_k_ptr, k_ptr, pos, P, n_old, DK, scale, q_c,
@@ -275,7 +245,7 @@ def _fwd_kernel(f_ptr, q_ptr, k_ptr, gain_ptr, mask_ptr, past_k_ptr, past_s_ptr,
         lse_c = tl.where(has_key, m_i + tl.log(tl.where(has_key, z_i, 1.0)), 0.0)
         first_block = (rows * 0 + v_block) == 0  # every column block has the same lse: one writes it
         tl.store(lse_ptr + rows, lse_c, mask=row_ok & first_block)
-    _publish(progress_ptr)  # the later chunks' programs read s_c back
+    publish(progress_ptr)  # the later chunks' programs read s_c back
 
 
 @triton.jit(do_not_specialize=["T", "P", "N_CHUNKS"])
@@ -286,7 +256,7 @@ def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # 
                     HAS_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, LOG_C: tl.constexpr,
                     PRECISION: tl.constexpr):
-    b, v_block, step, progress_ptr = _claim(ticket_ptr, progress_ptr, N_CHUNKS, V_BLOCKS)
+    b, v_block, step, progress_ptr = claim(ticket_ptr, progress_ptr, N_CHUNKS, V_BLOCKS)
     q_ptr += b * T * DK
     k_ptr += b * T * DK
     gain_ptr += b * T
@@ -317,7 +287,7 @@ def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # 
         t0 = tl.maximum(T - back - BLOCK_M, c0 + CHUNK)
         t = t0 + offs_m  # (M,)
         t = tl.where(t < T - back, t, T)  # a first block shorter than BLOCK_M: rows already taken read as none
-        stalled += _wait_for(progress_ptr, N_CHUNKS - t0 // CHUNK)  # chunks from t0's to the last
+        stalled += wait_for(progress_ptr, N_CHUNKS - t0 // CHUNK)  # chunks from t0's to the last
         t_ok = t < T
         lse_t = tl.load(lse_ptr + t, mask=t_ok, other=0.0)
         gain_t = tl.load(gain_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
@@ -348,7 +318,7 @@ def _bwd_lam_kernel(q_ptr, k_ptr, gain_ptr, mask_ptr, lse_ptr, h_ptr, g_ptr,  # 
                   mask=row_ok[:, None] & v_col_ok[None, :], other=0.0)
     tl.store(lam_ptr + rows[:, None] * DV + cols_v[None, :], lam, mask=row_ok[:, None] & v_col_ok[None, :])
     tl.atomic_add(dgain_ptr + rows, tl.sum(lam * h_c, 1), mask=row_ok)  # d_gain_t = lam_t . h_t, by blocks
-    _publish(progress_ptr)  # the earlier chunks' programs read this lam back
+    publish(progress_ptr)  # the earlier chunks' programs read this lam back
 
 
 @triton.jit
@@ -506,13 +476,8 @@ def _pipeline(batch, length, width, meta) -> tuple[int, int, int]:
 
 
 def _counters(batch, width, meta, device):
-    """The pipeline's zeroed int32 counters: the ticket, then one progress count per (batch row, column block)."""
-    return torch.zeros(1 + batch * triton.cdiv(width, meta["block_dv"]), dtype=torch.int32, device=device)
-
-
-def _ticket_and_progress(counters):
-    """The ticket and the progress counts of ``_counters``' buffer (a warmup's dtype stands for both)."""
-    return (counters, counters) if isinstance(counters, torch.dtype) else (counters, counters[1:])
+    """The pipeline's zeroed counters: the ticket and a progress count per (batch row, value-column block)."""
+    return zeroed_counters(batch * triton.cdiv(width, meta["block_dv"]), device)
 
 
 def _forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, counters, past, scale, meta, save):
@@ -520,7 +485,7 @@ def _forward_launch(f, q, k, gain, mask, past_k, past_s, s, h, lse, counters, pa
     warmup)."""
     batch, length, width = f.shape
     programs, chunks, blocks = _pipeline(batch, length, width, meta)
-    ticket, progress = _ticket_and_progress(counters)
+    ticket, progress = ticket_and_progress(counters)
     return (_fwd_kernel, (programs,), (
         f, q, k, gain, gain if mask is None else mask, k if not past else past_k, s if not past else past_s,
         s, h, lse, ticket, progress, length, past, q.shape[-1], width, meta["chunk"], chunks, blocks,
@@ -540,7 +505,7 @@ def _backward_launches(q, k, gain, mask, past_k, past_s, s, lse, h, grad_s, lam,
     common = dict(HAS_MASK=mask is not None, BLOCK_DK=meta["block_dk"], BLOCK_DV=meta["block_dv"],
                   PRECISION=dot_precision(q.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS)
     programs, chunks, blocks = _pipeline(batch, length, width, meta)
-    ticket, progress = _ticket_and_progress(counters)
+    ticket, progress = ticket_and_progress(counters)
     launches = [(_bwd_lam_kernel, (programs,), (
         q, k, gain, mask_arg, lse, h, grad_s, lam, d_gain, ticket, progress,
         length, past, key_dim, width, meta["chunk"], chunks, blocks, scale), dict(

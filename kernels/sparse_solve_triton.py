@@ -1,21 +1,30 @@
-"""GLTM's sparse feedback solve ``(I - B) s = f`` as one Triton launch forward and one backward.
+"""GLTM's sparse feedback solve ``(I - B) s = f`` as one Triton launch forward and one backward, a chunk pipeline.
 
 kernels/feedback_solve.py ``sparse_solve`` is the entry, and its chunked PyTorch form (``_SparseFeedbackSolve``) the
 reference. Row t of B has ``weights`` (K) on the rows ``support`` (K) of [past, new] (-1: none; each strictly
-before t), so forward substitution is
+before t), so forward substitution would be
 
     s_t = f_t + sum_k w[t, k] s[support[t, k]]                                  t = 0 .. T-1, in turn
 
-and the backward, with the adjoint lam = (I - B)^-T g swept in reverse,
+and the backward, with the adjoint lam = (I - B)^-T g,
 
-    lam_t = g_t + (what the later rows scattered onto t),   then   lam[support[t, k]] += w[t, k] lam_t
-    dw[t, k] = lam_t . s[support[t, k]],   df = lam (new rows),   d past_s = lam (past rows)
+    lam = g + B^T lam,   dw[t, k] = lam_t . s[support[t, k]],   df = lam (new rows),   d past_s = lam (past rows)
 
-One program per batch row (a batch row is a (sequence, head) pair in GLTM) walks its rows in turn, each step one
-gather of K rows of s (one scatter-add of K rows of lam backward) across all D features. The PyTorch form issues
-launches per chunk of rows each way, so its count grows with T; this is one whatever T. The walk is sequential, so a
-long sequence with few rows and heads leaves SMs idle: the launches, not the GPU's arithmetic, are what it removes.
-Scope: fp32 and fp64, D up to 256 (one tile), any K.
+Instead of a walk over the rows, the rows are solved CHUNK at a time. For a chunk's rows R = c0 .. c0 + C - 1 the
+entries split into old ones (rows before c0: the past and earlier chunks, already solved) and the chunk's own, a
+strictly lower C x C matrix W (a repeated entry adds up). Then
+
+    (I - W) s_R = f_R + sum_{old entries} w s[support]
+
+solved exactly by doubling: W is nilpotent (W^C = 0), so (I - W)^-1 = (I + W)(I + W^2)(I + W^4)... with
+log2(C) factors, 2 log2(C) small ``tl.dot``s instead of C dependent row steps. The backward runs the chunks last
+first: lam_R = (I - W)^-T (g_R + what later chunks scattered onto R), the transposed doubling, then dw of the
+chunk's entries and lam's scatter onto its old entries' rows (atomic adds, the past's included: d past_s).
+
+Programs: one per (batch row, block of FEATURE_BLOCK feature columns, chunk), all launched at once as a pipeline
+(kernels/pipeline_triton.py): a chunk waits for the chunks before it (forward; after it, backward) to be published
+before it reads them, so the chain of dependent steps is one chunk solve a chunk, not one row step a row, and a
+(sequence, head) at 2K tokens is 128 programs, not 1. Scope: fp32 and fp64 (fp32 dots fp32-accurate), any D, any K.
 """
 
 from __future__ import annotations
@@ -30,63 +39,103 @@ try:
 finally:
     pass
 
-from .conventions import kernel_op, table_with_contiguous_rows, tile_edge
+from .conventions import dot_precision, kernel_op, table_with_contiguous_rows, tile_edge
+from .pipeline_triton import claim, publish, ticket_and_progress, wait_for, zeroed_counters
 
 WARPS = 4
-MAX_WIDTH = 256  # D in one tile: (K, D) gathers
+CHUNK = 16  # rows a program solves at once (tl.dot's least edge; log2 C doublings)
+FEATURE_BLOCK = 64  # feature columns a program takes: (C, 64) tiles, any width
 
 
 @triton.jit
-def _row_entries(idx_ptr, w_ptr, b, t, T, K, si_b, BLOCK_K: tl.constexpr):
-    """Row t of batch row b: where its weights sit, their rows of [past, new] (clamped: 0 where none), weights, and
-    which are real (``si_b``: the support's batch stride, 0 for one table shared by every batch row)."""
-    slots = tl.arange(0, BLOCK_K)
-    entry = (b * T + t) * K + slots
-    index = tl.load(idx_ptr + b * si_b + t * K + slots, mask=slots < K, other=-1)
-    weight = tl.load(w_ptr + entry, mask=slots < K, other=0.0)
-    return entry, tl.maximum(index, 0), weight, index >= 0
+def _chunk_entries(idx_ptr, w_ptr, b, rows, row_ok, k, T, P, K, c0, si_b):
+    """Entry k of the chunk's rows: its row of [past, new] (clamped to 0 where none), weight (0 where none), whether
+    it is an old row (before the chunk: past or an earlier chunk) and its column of the chunk's own W (-1: none)."""
+    index = tl.load(idx_ptr + b * si_b + rows * K + k, mask=row_ok, other=-1)
+    weight = tl.load(w_ptr + (b * T + rows) * K + k, mask=row_ok & (index >= 0), other=0.0)
+    old = (index >= 0) & (index < P + c0)
+    return tl.maximum(index, 0), weight, old, tl.where(index >= P + c0, index - P - c0, -1)
 
 
-@triton.jit
-def _solve_fwd(f_ptr, w_ptr, idx_ptr, s_ptr, T, P, K, D, si_b, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Batch row b: s rows P .. P + T - 1 of s (B, P + T, D), its past rows already in place."""
-    b = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_D)
-    rows_base = b * (P + T)
-    for t in range(T):
-        _, index, weight, read = _row_entries(idx_ptr, w_ptr, b, t, T, K, si_b, BLOCK_K)
-        gathered = tl.load(s_ptr + (rows_base + index)[:, None] * D + cols[None, :],
-                           mask=read[:, None] & (cols < D)[None, :], other=0.0)
-        solved = tl.load(f_ptr + (b * T + t) * D + cols, mask=cols < D, other=0.0) \
-            + tl.sum(weight[:, None] * gathered, axis=0)
-        tl.store(s_ptr + (rows_base + P + t) * D + cols, solved, mask=cols < D)
-        tl.debug_barrier()  # the next rows read this one
+@triton.jit(do_not_specialize=["T", "P", "N_CHUNKS"])
+def _solve_fwd(f_ptr, w_ptr, idx_ptr, s_ptr, ticket_ptr, progress_ptr, T, P, K, D, si_b, N_CHUNKS, BLOCKS,
+               CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, LOG_C: tl.constexpr, PRECISION: tl.constexpr):
+    """Chunk c of batch row b, one block of columns: s rows P + c0 .. of s (B, P + T, D), its past rows in place."""
+    b, block, chunk, progress_ptr = claim(ticket_ptr, progress_ptr, N_CHUNKS, BLOCKS)
+    c0 = chunk * CHUNK
+    rows = c0 + tl.arange(0, CHUNK)
+    row_ok = rows < T
+    cols = block * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    own = tl.arange(0, CHUNK)
+    base = b * (P + T)
+    w_own = tl.zeros((CHUNK, CHUNK), s_ptr.dtype.element_ty)  # W, strictly lower: built before the wait
+    for k in range(K):
+        _, weight, _, column = _chunk_entries(idx_ptr, w_ptr, b, rows, row_ok, k, T, P, K, c0, si_b)
+        w_own += tl.where(column[:, None] == own[None, :], weight[:, None], 0.0)
+    solved = tl.load(f_ptr + (b * T + rows)[:, None] * D + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                     other=0.0)
+    stalled = wait_for(progress_ptr, chunk)  # every earlier chunk's rows (the old entries' reads)
+    for k in range(K):
+        index, weight, old, _ = _chunk_entries(idx_ptr, w_ptr, b, rows, row_ok, k, T, P, K, c0, si_b)
+        solved += weight[:, None] * tl.load(s_ptr + (base + index)[:, None] * D + cols[None, :],
+                                            mask=old[:, None] & col_ok[None, :], other=0.0)
+    for i in tl.static_range(LOG_C):  # (I - W)^-1 = prod_i (I + W^(2^i))
+        solved += tl.dot(w_own, solved, input_precision=PRECISION)
+        if i + 1 < LOG_C:
+            w_own = tl.dot(w_own, w_own, input_precision=PRECISION)
+    solved = tl.where(stalled == 0, solved, float("nan"))
+    tl.store(s_ptr + (base + P + rows)[:, None] * D + cols[None, :], solved, mask=row_ok[:, None] & col_ok[None, :])
+    publish(progress_ptr)  # the later chunks read these rows
 
 
-@triton.jit
-def _solve_bwd(g_ptr, w_ptr, idx_ptr, s_ptr, lam_ptr, dw_ptr, T, P, K, D, si_b, BLOCK_K: tl.constexpr,
-               BLOCK_D: tl.constexpr):
-    """Batch row b, rows T - 1 .. 0: lam (B, P + T, D), zero-filled, ends as d [past_s, f]; dw (B, T, K)."""
-    b = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_D)
-    rows_base = b * (P + T)
-    for step in range(T):
-        t = T - 1 - step
-        at = (rows_base + P + t) * D + cols
-        lam = tl.load(g_ptr + (b * T + t) * D + cols, mask=cols < D, other=0.0) \
-            + tl.load(lam_ptr + at, mask=cols < D, other=0.0)
-        tl.store(lam_ptr + at, lam, mask=cols < D)
-        entry, index, weight, read = _row_entries(idx_ptr, w_ptr, b, t, T, K, si_b, BLOCK_K)
-        rows = (rows_base + index)[:, None] * D + cols[None, :]
-        mask = read[:, None] & (cols < D)[None, :]
-        gathered = tl.load(s_ptr + rows, mask=mask, other=0.0)
-        tl.store(dw_ptr + entry, tl.sum(gathered * lam[None, :], axis=1), mask=tl.arange(0, BLOCK_K) < K)
-        tl.atomic_add(lam_ptr + rows, weight[:, None] * lam[None, :], mask=mask)  # a repeated row adds twice
-        tl.debug_barrier()  # the earlier rows read what this one scattered
+@triton.jit(do_not_specialize=["T", "P", "N_CHUNKS"])
+def _solve_bwd(g_ptr, w_ptr, idx_ptr, s_ptr, lam_ptr, dw_ptr, ticket_ptr, progress_ptr, T, P, K, D, si_b, N_CHUNKS,
+               BLOCKS, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, LOG_C: tl.constexpr, PRECISION: tl.constexpr):
+    """Chunk c of batch row b (the last chunk's ticket first), one block of columns: lam (B, P + T, D), zero-filled,
+    ends as d [past_s, f]; dw (B, T, K), zero-filled, gets this block's share of each entry's gradient."""
+    b, block, step, progress_ptr = claim(ticket_ptr, progress_ptr, N_CHUNKS, BLOCKS)
+    chunk = N_CHUNKS - 1 - step
+    c0 = chunk * CHUNK
+    rows = c0 + tl.arange(0, CHUNK)
+    row_ok = rows < T
+    cols = block * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    ok = row_ok[:, None] & col_ok[None, :]
+    own = tl.arange(0, CHUNK)
+    base = b * (P + T)
+    w_own = tl.zeros((CHUNK, CHUNK), s_ptr.dtype.element_ty)  # W, built before the wait
+    for k in range(K):
+        _, weight, _, column = _chunk_entries(idx_ptr, w_ptr, b, rows, row_ok, k, T, P, K, c0, si_b)
+        w_own += tl.where(column[:, None] == own[None, :], weight[:, None], 0.0)
+    stalled = wait_for(progress_ptr, step)  # every later chunk has scattered onto these rows
+    at = (base + P + rows)[:, None] * D + cols[None, :]
+    lam = tl.load(g_ptr + (b * T + rows)[:, None] * D + cols[None, :], mask=ok, other=0.0) \
+        + tl.load(lam_ptr + at, mask=ok, other=0.0)
+    for i in tl.static_range(LOG_C):  # (I - W)^-T = prod_i (I + (W^(2^i))^T)
+        lam += tl.dot(tl.trans(w_own), lam, input_precision=PRECISION)
+        if i + 1 < LOG_C:
+            w_own = tl.dot(w_own, w_own, input_precision=PRECISION)
+    lam = tl.where(stalled == 0, lam, float("nan"))
+    tl.store(lam_ptr + at, lam, mask=ok)
+    for k in range(K):
+        index, weight, old, column = _chunk_entries(idx_ptr, w_ptr, b, rows, row_ok, k, T, P, K, c0, si_b)
+        real = row_ok & ((column >= 0) | old)
+        rows_k = (base + index)[:, None] * D + cols[None, :]
+        read = tl.load(s_ptr + rows_k, mask=real[:, None] & col_ok[None, :], other=0.0)
+        tl.atomic_add(dw_ptr + (b * T + rows) * K + k, tl.sum(read * lam, axis=1), mask=real)  # summed over blocks
+        tl.atomic_add(lam_ptr + rows_k, weight[:, None] * lam, mask=old[:, None] & col_ok[None, :])
+    publish(progress_ptr)  # the earlier chunks read what this one scattered
 
 
-def _options(weights: Tensor, width: int) -> dict:
-    return dict(BLOCK_K=tile_edge(max(weights.shape[-1], 1)), BLOCK_D=tile_edge(width), num_warps=WARPS)
+def _pipeline(batch: int, length: int, width: int, dtype: torch.dtype) -> tuple[tuple, tuple, dict, int]:
+    """Either launch's grid, its (chunks, column blocks) arguments, constexprs, and its pipeline rows (batch row,
+    column block): a program per (batch row, column block, chunk)."""
+    block = tile_edge(width, FEATURE_BLOCK)
+    chunks, blocks = triton.cdiv(length, CHUNK), triton.cdiv(width, block)
+    constexprs = dict(CHUNK=CHUNK, BLOCK_D=block, LOG_C=(CHUNK - 1).bit_length(), PRECISION=dot_precision(dtype),
+                      num_warps=WARPS)
+    return (batch * blocks * chunks,), (chunks, blocks), constexprs, batch * blocks
 
 
 @kernel_op(__name__, "sparse_solve_forward")
@@ -98,8 +147,9 @@ def _sparse_solve_forward(f: Tensor, weights: Tensor, support: Tensor, past_s: T
     if past:
         solved[:, :past] = past_s
     if f.numel():
-        _solve_fwd[(batch,)](f, weights, support, solved, length, past, weights.shape[-1], width, support.stride(0),
-                             **_options(weights, width))
+        grid, pipeline, constexprs, rows = _pipeline(batch, length, width, f.dtype)
+        _solve_fwd[grid](f, weights, support, solved, *ticket_and_progress(zeroed_counters(rows, f.device)), length,
+                         past, weights.shape[-1], width, support.stride(0), *pipeline, **constexprs)
     return solved
 
 
@@ -113,10 +163,12 @@ def _sparse_solve_backward(grad: Tensor, weights: Tensor, support: Tensor, solve
     """[lam (B, P + T, D): the gradient of [past_s, f]; d weights (B, T, K)]."""
     batch, length, width = grad.shape
     lam = torch.zeros_like(solved)
-    d_weights = torch.empty_like(weights)
+    d_weights = torch.zeros_like(weights)  # summed over the column blocks
     if grad.numel():
-        _solve_bwd[(batch,)](grad, weights, support, solved, lam, d_weights, length, solved.shape[1] - length,
-                             weights.shape[-1], width, support.stride(0), **_options(weights, width))
+        grid, pipeline, constexprs, rows = _pipeline(batch, length, width, grad.dtype)
+        _solve_bwd[grid](grad, weights, support, solved, lam, d_weights,
+                         *ticket_and_progress(zeroed_counters(rows, grad.device)), length, solved.shape[1] - length,
+                         weights.shape[-1], width, support.stride(0), *pipeline, **constexprs)
     return [lam, d_weights]
 
 

@@ -2,7 +2,7 @@
 
 - The sparse feedback solve (kernels/sparse_solve_triton.py) against the chunked form (kernels/feedback_solve.py
   ``sparse_solve`` on the torch backend): GLTM's patterns, rows with no entry, a past, widths and entry counts that
-  do not fill a tile, one support table broadcast over the batch.
+  do not fill a tile, several chunks and column blocks, one support table broadcast over the batch.
 - The gathered softmax (kernels/sparse_attention_triton.py) against ``gathered_softmax_reference``: GQA groups, a
   gain, strided queries and keys, rows with no key, repeated entries.
 - A whole GLTM layer on the kernels against its PyTorch path, packed (shared support rows) and left-padded."""
@@ -40,9 +40,13 @@ def _system(pattern, batch=3, length=23, width=12, past=0, seed=0):
 
 
 @needs_kernels
-@pytest.mark.parametrize("pattern,past", [("pow2_ce", 0), ("banded", 0), ("quad_ce", 5), ("ssm", 2)])
-def test_the_kernel_equals_the_chunked_form_in_fp64(pattern, past):
-    f, weights, support, past_s = _system(pattern, past=past)
+@pytest.mark.parametrize("pattern,past,length,width", [("pow2_ce", 0, 23, 12), ("banded", 0, 23, 12),
+                                                       ("quad_ce", 5, 23, 12), ("ssm", 2, 23, 12),
+                                                       ("pow2_ce", 3, 70, 80)])
+def test_the_kernel_equals_the_chunked_form_in_fp64(pattern, past, length, width):
+    """The chunks of CHUNK rows (two here, the second ragged; five in the last case, whose 80 features take two
+    column blocks, the second ragged, each adding its share of the weights' gradients) against the block form."""
+    f, weights, support, past_s = _system(pattern, past=past, length=length, width=width)
     g = torch.randn(f.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     results = {}
     for backend in ("torch", "triton"):
@@ -103,6 +107,22 @@ def test_the_kernel_solves_the_system():
         *support.shape, -1)
     residual = solved - (weights[..., None] * gathered * (support >= 0)[..., None]).sum(2)
     torch.testing.assert_close(residual, f, rtol=1e-12, atol=1e-12)
+
+
+@needs_kernels
+def test_the_solve_is_a_pipeline_of_a_program_a_chunk(monkeypatch):
+    """A program per (batch row, column block, chunk) each way, not one per batch row walking its rows: 3 rows x 2
+    blocks x 5 chunks of 16 here."""
+    from hf_mixers.kernels import sparse_solve_triton as sst
+
+    grids = {}
+    for kernel in (sst._solve_fwd, sst._solve_bwd):
+        monkeypatch.setattr(kernel, "run", lambda *args, _kernel=kernel, _run=kernel.run, **kwargs: (
+            grids.__setitem__(_kernel.fn.__name__, kwargs["grid"]), _run(*args, **kwargs))[1])
+    f, weights, support, _ = _system("pow2_ce", length=70, width=80)
+    f, weights = f.requires_grad_(), weights.requires_grad_()
+    sparse_solve(f, weights, support, backend="triton").sum().backward()
+    assert sst.CHUNK == 16 and grids == {"_solve_fwd": (30,), "_solve_bwd": (30,)}
 
 
 @interpreter_only  # the counter sees interpreted launches

@@ -160,11 +160,11 @@ def test_gltm_step_meets_the_budget_and_is_flat():
     """GLTM with its default pattern (pow2_ce): the A-branch is one flex_attention launch each way over the rows every
     sequence shares (built once a length), the B-branch's gathered softmax and the sparse solve one Triton launch
     each way (kernels/sparse_attention_triton.py, kernels/sparse_solve_triton.py); what remains is the projections,
-    RoPE and the gate. Within issue 67's budget of 150 a layer, and flat in T (the chunked solve grew by ~40 ops a
-    chunk)."""
+    RoPE and the gate (and the solve pipeline's zeroed counters each way). Within issue 67's budget of 150 a layer,
+    and flat in T (the chunked solve grew by ~40 ops a chunk)."""
     options = {"kernel_backend": "triton"}
     short, long = step_ops("gltm", options, 32, True), step_ops("gltm", options, 64, True)
     assert short.by_name["library:flex_attention"] == 2
     assert short.by_name["triton:_softmax_fwd"] == short.by_name["triton:_softmax_bwd"] == 1
     assert short.by_name["triton:_solve_fwd"] == short.by_name["triton:_solve_bwd"] == 1
-    assert short.ops == long.ops and short.ops <= 124, (short.ops, long.ops, short.top())
+    assert short.ops == long.ops and short.ops <= 127, (short.ops, long.ops, short.top())
