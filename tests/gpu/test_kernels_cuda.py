@@ -15,8 +15,9 @@ from gpu_setup import DEVICE, DRY, LENGTHS, ON_DEVICE, SHAPES, record, relative_
 
 from hf_mixers.apps.bench.harness import build_mixer
 from hf_mixers.apps.bench.kernels import _unsupported
-from hf_mixers.kernels.feedback_solve import feedback_solve
+from hf_mixers.kernels.feedback_solve import feedback_solve, sparse_solve
 from hf_mixers.kernels.rsa_memory import initial_state, rsa_memory
+from hf_mixers.kernels.token_patterns import support_rows
 
 pytestmark = ON_DEVICE
 BOUND = {torch.float32: 2e-3, torch.bfloat16: 2e-2}
@@ -178,3 +179,37 @@ def test_rsa_compiled_write_matches_reference(mode, record):
         outputs = _rsa(shape_name, length, torch.float32, "auto", torch.float32, compile_write=mode)
         _check(record, f"rsa compiled write ({mode}) {shape_name} T={length}, step {step}", outputs, reference,
                torch.float32)
+
+
+# ---- GLTM's sparse solve ----------------------------------------------------------------------------------------
+
+def _sparse(shape_name, length, dtype, backend, compute):
+    """GLTM's sparse feedback solve at this head layout, a (sequence, head) row each, pow2_ce's support table shared
+    by the rows (a broadcast, as the layer passes it); entries in [0, 0.9 / K) so that a row's sum stays below 1 (a
+    stable solve at 8K). s and the gradients of f and the weights."""
+    shape = SHAPES[shape_name]
+    g = torch.Generator().manual_seed(4)
+    support = (support_rows("pow2_ce", torch.arange(1, length + 1)[None]) - 1).to(DEVICE)  # (1, T, K); -1: none
+    rows, entries = shape["heads"], support.shape[-1]
+    f = _random(g, rows, length, shape["head_dim"], dtype=dtype).to(compute).requires_grad_()
+    weights = (_random(g, rows, length, entries, dtype=dtype, scale=0.9 / entries, uniform=True).to(compute)
+               * (support >= 0)).requires_grad_()
+    s = sparse_solve(f, weights, support.expand(rows, -1, -1), backend=backend)
+    probe = torch.randn(s.shape, generator=torch.Generator().manual_seed(5)).to(s.device, torch.float64)
+    d_f, d_weights = torch.autograd.grad((s.double() * probe).sum(), [f, weights])
+    return {"s": s, "df": d_f, "dweights": d_weights}
+
+
+@functools.lru_cache(maxsize=2)
+def _sparse_reference(shape_name, length, dtype):
+    return _sparse(shape_name, length, dtype, "torch", torch.float64)
+
+
+@pytest.mark.parametrize("shape_name,length,dtype_name", CASES)
+def test_gltm_sparse_solve_kernel_matches_reference(shape_name, length, dtype_name, record):
+    """The chunk pipeline (kernels/sparse_solve_triton.py: programs waiting on the blocks before them, the adjoint
+    scattered by atomic adds) on the GPU, forward and backward, against the block form in fp64."""
+    dtype = DTYPES[dtype_name]
+    _check(record, f"gltm sparse solve {shape_name} T={length}", _sparse(shape_name, length, dtype, "triton",
+                                                                         torch.float32),
+           _sparse_reference(shape_name, length, dtype), dtype)
