@@ -221,7 +221,6 @@ def run_under_interpreter(test_file, timeout=600, shard=None):
     print("interpreter subprocess:", summary)
 
 
-
 def padded_layer_step(mixer, options, width, length, dtype=torch.float32, padding=7):
     """A standalone ``mixer`` layer (4 heads, 2 KV heads; apps/bench/harness.build_mixer) on DEVICE and its step on
     a batch of 2 whose first row is left-padded by ``padding`` tokens -> (step, x asking for gradients, module)."""
