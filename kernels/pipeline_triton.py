@@ -19,8 +19,8 @@ import torch
 
 # A try block on purpose (see feedback_solve_triton.py): imported only once a Triton path was chosen.
 try:
-    import triton.language as tl
     import triton
+    import triton.language as tl
 finally:
     pass
 

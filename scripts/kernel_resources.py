@@ -149,7 +149,8 @@ def run_vort_kernels(shape: dict, length: int) -> None:
 
 def run_gltm_kernels(shape: dict, length: int) -> None:
     """GLTM's kernels, forward and backward, with pow2_ce's support: the gathered softmax (a (sequence, key head)
-    row of a query row a program, its query heads in turn) and the sparse solve (a (sequence, head) row a program)."""
+    row of a query row a program, its query heads in turn) and the sparse solve (a pipeline: a program per (sequence,
+    head, 64 features, block of 16 rows))."""
     import torch
 
     from hf_mixers.kernels.feedback_solve import sparse_solve

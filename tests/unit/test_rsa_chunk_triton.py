@@ -11,7 +11,7 @@ from dataclasses import fields, replace
 import pytest
 import torch
 
-from conftest import first_in_fast
+from conftest import fast_then_full, first_in_fast
 from triton_interpreter import (DEVICE, compile_key, interpreter_only, needs_kernels, padded_layer_step,
                                 record_launches, run_under_interpreter, tf32_dots)
 
@@ -521,12 +521,13 @@ def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_
 
 
 @needs_kernels
-@pytest.mark.parametrize("options", first_in_fast({}, {"rsa_assign_fn": "sigmoid", "rsa_window": 8}))
+@pytest.mark.parametrize("options", fast_then_full({}, {"rsa_assign_fn": "sigmoid", "rsa_window": 8}))
 def test_the_layers_kernel_step_is_one_graph_for_torch_compile(options):
     """The chain, level and read kernels are torch.library ops (forward and backward), so an RSA layer's training
-    step on the kernels compiles with ``fullgraph=True`` (a left-padded batch; the sigmoid assignment and the local
-    window too) and gives the output and input gradient of the same layer on the PyTorch path: on a GPU it can be
-    captured whole."""
+    step on the kernels compiles with ``fullgraph=True`` (a left-padded batch; the full tier with the sigmoid
+    assignment, a constexpr of the same ops, and the local window, which adds its branch and the read's merge weight)
+    and gives the output and input gradient of the same layer on the PyTorch path: on a GPU it can be captured
+    whole."""
     options = {"rsa_readout": "softmax_count", "rsa_chunk_size": 16, "rsa_num_slots": 16, **options}
 
     def layer(backend):  # one seed: the same weights and input on either path
