@@ -125,6 +125,28 @@ def test_the_solve_is_a_pipeline_of_a_program_a_chunk(monkeypatch):
     assert sst.CHUNK == 16 and grids == {"_solve_fwd": (30,), "_solve_bwd": (30,)}
 
 
+@interpreter_only  # the interpreter reads the wait's limit when it runs
+def test_a_chunk_whose_wait_gives_up_is_nan_not_a_hang(monkeypatch):
+    """kernels/pipeline_triton.py: a program waiting for a chunk that is never published gives up after SPIN_LIMIT
+    polls and writes NaN (a GPU that never ran an earlier program fails loudly, not by hanging). Here batch row 0's
+    progress starts one behind, so each of its chunks waits for a publish that never comes; the other rows solve."""
+    from hf_mixers.kernels import pipeline_triton
+    from hf_mixers.kernels import sparse_solve_triton as sst
+
+    def one_behind(rows, device):
+        counters = pipeline_triton.zeroed_counters(rows, device)
+        counters[1] = -1  # after the ticket: batch row 0's progress
+        return counters
+
+    monkeypatch.setattr(pipeline_triton, "SPIN_LIMIT", 3)
+    monkeypatch.setattr(sst, "zeroed_counters", one_behind)
+    f, weights, support, _ = _system("pow2_ce", length=40)
+    solved = sparse_solve(f, weights, support, backend="triton")
+    assert solved[0].isnan().all()
+    torch.testing.assert_close(solved[1:], sparse_solve(f, weights, support, backend="torch")[1:], rtol=1e-12,
+                               atol=1e-13)
+
+
 @interpreter_only  # the counter sees interpreted launches
 def test_one_launch_each_way_whatever_the_length():
     counts = []
