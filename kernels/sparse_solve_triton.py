@@ -17,7 +17,7 @@ strictly lower C x C matrix W (a repeated entry adds up). Then
     (I - W) s_R = f_R + sum_{old entries} w s[support]
 
 solved exactly by doubling: W is nilpotent (W^C = 0), so (I - W)^-1 = (I + W)(I + W^2)(I + W^4)... with
-log2(C) factors, 2 log2(C) small ``tl.dot``s instead of C dependent row steps. The backward runs the chunks last
+log2(C) factors, 2 log2(C) - 1 small ``tl.dot``s instead of C dependent row steps. The backward runs the chunks last
 first: lam_R = (I - W)^-T (g_R + what later chunks scattered onto R), the transposed doubling, then dw of the
 chunk's entries and lam's scatter onto its old entries' rows (atomic adds, the past's included: d past_s).
 
@@ -76,7 +76,7 @@ def _solve_fwd(f_ptr, w_ptr, idx_ptr, s_ptr, ticket_ptr, progress_ptr, T, P, K, 
     solved = tl.load(f_ptr + (b * T + rows)[:, None] * D + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                      other=0.0)
     stalled = wait_for(progress_ptr, chunk)  # every earlier chunk's rows (the old entries' reads)
-    for k in range(K):
+    for k in range(K):  # the entries read again, not held: gathered in W's loop, ptxas spilled 8 bytes
         index, weight, old, _ = _chunk_entries(idx_ptr, w_ptr, b, rows, row_ok, k, T, P, K, c0, si_b)
         solved += weight[:, None] * tl.load(s_ptr + (base + index)[:, None] * D + cols[None, :],
                                             mask=old[:, None] & col_ok[None, :], other=0.0)
