@@ -161,10 +161,17 @@ class RSAMixer(RecurrentMixer, FullAttention):
         # a first call no longer than the window: no token leaves it, so the memory stays empty and is not run (known
         # from the shapes; its parameters then take no part in the loss, which the trainer reports)
         nothing_leaves = state is None and 0 < length <= self.config.rsa_window
+        # a first call without padding: the window's delay leaves the memory's first w positions empty in every row
+        # (known from the shapes), so the memory runs on the others alone, in the static chunk layout of an unpadded
+        # sequence instead of one packed by a mask, and reads zeros at the first w, as the masked form does
+        empty_lead = self.config.rsa_window if state is None and valid is None else 0
 
         def memory(q, k, v, written, extras, memory_state):
             if separate_keys:  # the memory reads with its own queries (this call's) and writes its own keys
                 q, k, extras = memory_query.to(q.dtype), extras[-1], extras[:-1]
+            if empty_lead and not nothing_leaves:
+                q, k, v, written = q[..., empty_lead:, :], k[..., empty_lead:, :], v[..., empty_lead:, :], None
+                extras = tuple(extra[:, :, empty_lead:] for extra in extras)
             log_decay = extras[0] if extras else None
             fresh = memory_state is None
             if fresh:
@@ -174,6 +181,8 @@ class RSAMixer(RecurrentMixer, FullAttention):
                 return empty, empty[..., 0], memory_state
             out, memory_state = rsa_memory(q, k, v, written, memory_state, params, method=method, log_decay=log_decay,
                                            backend=self.config.kernel_backend, fresh=fresh)
+            if empty_lead:
+                out = F.pad(out, (0, 0, empty_lead, 0))
             if params.log_weight:
                 return out[..., :-1], out[..., -1], memory_state
             return out, None, memory_state

@@ -135,6 +135,45 @@ def test_memory_without_rope_reads_the_same_at_any_absolute_position(window):
     assert (outputs[True][0] - outputs[True][1]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("options", first_in_fast(
+    dict(rsa_window=4),  # 13 - 4 = 9 tokens written: two whole chunks of 4 and one row of a third
+    dict(rsa_window=5, rsa_memory_rope=False, rsa_decay=True, rsa_query_read=True),  # the extras sliced too
+    dict(rsa_window=13), dict(rsa_window=16)))  # nothing leaves the window
+def test_a_first_unpadded_call_runs_the_memory_on_what_left_the_window_alone(options):
+    """Without padding, a first call's memory receives nothing at its first w positions in every row (the window
+    delays the writes): it runs on the other positions in the static layout of an unpadded sequence, where an
+    all-ones mask takes the masked (packed) layout. In fp64, the two agree: the output, every gradient and the
+    state handed to the next call."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = tiny_config(RSAConfig, num_hidden_layers=1, rsa_readout="softmax_count", **{**RSA_SMALL, **options})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    mixer = RSAMixer(config, 0).double()
+    mixer.reset_parameters()
+    with torch.no_grad():  # the MLPs, decay and query read away from their identity / zero init
+        for parameter in mixer.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    x = torch.randn(2, 13, 64, dtype=F64, requires_grad=True)
+    rotary = LlamaRotaryEmbedding(config)(x, torch.arange(13)[None])
+    results = []
+    for token_mask in (None, torch.ones(2, 13, dtype=torch.bool)):
+        out, state = mixer.memory_read(x, rotary, token_mask)
+        grads = torch.autograd.grad(out.pow(2).sum(), [x, *mixer.parameters()], allow_unused=True)
+        results.append((out, state.memory, grads))
+    (out, memory, grads), (masked_out, masked_memory, masked_grads) = results
+    torch.testing.assert_close(out, masked_out, rtol=0, atol=1e-12)
+    for grad, masked in zip(grads, masked_grads, strict=True):
+        assert (grad is None) == (masked is None)
+        if grad is not None:
+            torch.testing.assert_close(grad, masked, rtol=0, atol=1e-12)
+    if memory is None:  # nothing left the window
+        assert masked_memory is None or int(masked_memory.count.max()) == 0
+        return
+    for name in ("key_sum", "value_sum", "mass", "relation_sum", "key_ref", "value_ref", "count"):
+        torch.testing.assert_close(getattr(memory, name), getattr(masked_memory, name), rtol=0, atol=1e-12)
+
+
 def test_memory_without_rope_converts_on_unrotated_keys():
     """The prototypes are k-means of the keys the memory writes: unrotated when rsa_memory_rope is off."""
     teacher = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY.items() if k != "pad_token_id"})).eval()
