@@ -229,10 +229,13 @@ class ChunkLayout:
         return cls(phase, real, padded, slot, source)
 
     def pack(self, x: torch.Tensor, time_dim: int) -> torch.Tensor:
-        """The real tokens of ``x`` (time on ``time_dim``) in the buffer; filler is 0."""
+        """The real tokens of ``x`` (time on ``time_dim``) in the buffer, contiguous (one copy of a view, not one per
+        kernel that reads it); filler is 0."""
         length = x.shape[time_dim]
         if self.slot is None:
-            return x if self.padded == length else F.pad(x, (0, 0) * (x.dim() - 1 - time_dim) + (0, self.padded - length))
+            if self.padded == length:
+                return x.contiguous()
+            return F.pad(x, (0, 0) * (x.dim() - 1 - time_dim) + (0, self.padded - length))
         moved = x.movedim(time_dim, 1)  # time next to batch
         rows = torch.arange(moved.shape[0], device=x.device)[:, None]
         taken = moved[rows, self.source.clamp_max(max(length - 1, 0))]
