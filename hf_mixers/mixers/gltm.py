@@ -459,8 +459,9 @@ class GLTMMixer(FullAttention):
         return 1.0 - gate, None
 
     def rows_name(self, length: int) -> tuple:
-        """What ``shared_rows`` depends on: the pattern, its options and the length."""
-        return ("gltm", self.pattern, self.window, self.config.gltm_offsets, length)
+        """What ``shared_rows`` depends on: the pattern, its options, whether A is diagonal (no A rows) and the
+        length."""
+        return ("gltm", self.pattern, self.window, self.config.gltm_offsets, self.diagonal_a, length)
 
     def shared_rows(self, length: int, device) -> tuple:
         """The A- and B-support of positions 1..T as rows of the T tokens (-1: none), (1, T, Ka) and (1, T, K) (the

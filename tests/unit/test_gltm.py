@@ -210,6 +210,18 @@ def before_o_proj(mixer, hidden, position_embeddings):
     return seen[0].view(*hidden.shape[:2], mixer.num_heads, mixer.head_dim).transpose(1, 2)  # (B, H, T, d)
 
 
+def test_shared_rows_are_kept_apart_for_a_diagonal_and_a_full_a_branch():
+    """The support rows an unpadded call builds once per shape (``shared_rows``) are kept by a name that says whether
+    A is diagonal: a weight-shared layer (no A rows) built first must not hand its None to an unshared layer of the
+    same pattern and length, whose A-branch reads the window's rows."""
+    shared_first = gltm_model("pow2_ce", gltm_weight_sharing=True).model.layers[0].mixer
+    unshared = gltm_model("pow2_ce").model.layers[0].mixer
+    assert shared_first.shared_rows(23, "cpu")[0] is None
+    a_rows, b_rows = unshared.shared_rows(23, "cpu")
+    assert a_rows is not None and a_rows.shape[:2] == (1, 23)
+    assert torch.equal(b_rows, shared_first.shared_rows(23, "cpu")[1])
+
+
 @pytest.mark.parametrize("pattern", ["pow2_ce", "banded", "dense"])
 def test_weight_sharing_is_the_tied_matrix_form(pattern):
     """Eq. 25 against the literal A = B D + D': build B (T x T, per head) from the layer's own B-branch, form A, solve
