@@ -86,7 +86,7 @@ def outside_autocast(function):
 
 
 def _packed_starts(shapes) -> tuple[list[int], int]:
-    """Where each of ``shapes`` starts in one packed fp32 buffer (each start a multiple of 4 elements: 16-byte aligned,
+    """Where each of ``shapes`` starts in one packed buffer (each start a multiple of 4 elements: 16-byte aligned in fp32,
     as Triton's pointer specialisation expects), and the buffer's length."""
     starts, end = [], 0
     for shape in shapes:
@@ -109,12 +109,12 @@ def table_with_contiguous_rows(table: torch.Tensor) -> torch.Tensor:
     return table.contiguous()
 
 
-def packed_zeros(shapes, device) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Zero-filled fp32 tensors of ``shapes`` as views of one buffer, for kernels that accumulate into them: one fill
-    launch instead of one a tensor. Returns (the buffer, the views). A torch.library op returns the buffer (an op's
-    results may not alias each other) and its caller takes the views again with ``unpacked``."""
+def packed_zeros(shapes, device, dtype=torch.float32) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Zero-filled tensors of ``shapes`` as views of one buffer (kernels accumulate into them; a fresh state starts
+    from them): one fill launch instead of one a tensor. Returns (the buffer, the views). A torch.library op returns
+    the buffer (an op's results may not alias each other) and its caller takes the views again with ``unpacked``."""
     starts, length = _packed_starts(shapes)
-    buffer = torch.zeros(length, dtype=torch.float32, device=device)
+    buffer = torch.zeros(length, dtype=dtype, device=device)
     return buffer, unpacked(buffer, shapes)
 
 

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .conventions import own_code
+from .conventions import own_code, packed_zeros
 
 
 @dataclass
@@ -78,12 +78,13 @@ class RSAState:
 def initial_state(params: RSAParams, batch: int, value_dim: int, dtype: torch.dtype) -> RSAState:
     groups, levels, slots, key_dim = params.prototypes.shape
     prototypes = params.prototypes.to(dtype).expand(batch, -1, -1, -1, -1)
-    zeros = prototypes.new_zeros
-    return RSAState(key_sum=torch.zeros_like(prototypes), value_sum=zeros(batch, groups, levels, slots, value_dim),
-                    mass=zeros(batch, groups, levels, slots),
-                    relation_sum=zeros(batch, groups, max(levels - 1, 0), slots, slots),
-                    key_ref=prototypes, value_ref=zeros(batch, groups, levels, slots, value_dim),
-                    count=torch.zeros(batch, dtype=torch.long, device=prototypes.device))
+    # the sums and value references: views of one zero fill
+    _, (key_sum, value_sum, mass, relation_sum, value_ref) = packed_zeros(
+        [prototypes.shape, (batch, groups, levels, slots, value_dim), (batch, groups, levels, slots),
+         (batch, groups, max(levels - 1, 0), slots, slots), (batch, groups, levels, slots, value_dim)],
+        prototypes.device, dtype)
+    return RSAState(key_sum=key_sum, value_sum=value_sum, mass=mass, relation_sum=relation_sum, key_ref=prototypes,
+                    value_ref=value_ref, count=torch.zeros(batch, dtype=torch.long, device=prototypes.device))
 
 
 def assign(x_k, key_ref, beta, params, tau):
