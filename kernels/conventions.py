@@ -86,8 +86,8 @@ def outside_autocast(function):
 
 
 def _packed_starts(shapes) -> tuple[list[int], int]:
-    """Where each of ``shapes`` starts in one packed buffer (each start a multiple of 4 elements: 16-byte aligned in fp32,
-    as Triton's pointer specialisation expects), and the buffer's length."""
+    """Where each of ``shapes`` starts in one packed buffer (each start a multiple of 4 elements: 16-byte aligned in
+    fp32, as Triton's pointer specialisation expects), and the buffer's length."""
     starts, end = [], 0
     for shape in shapes:
         starts.append(end)

@@ -342,9 +342,10 @@ def assign_chain(x, valid, key_sum, mass, key_ref, prior, kappa, beta, boundary,
     """One level's key-assignment chain over every chunk, in order: the write side's only nonlinear recurrence.
 
     x (B, G, Tp, d) the level's keys, valid (B, Tp) 1 / 0 (or bool), the level's state at the buffer's start
-    key_sum (B, G, m, d), mass (B, G, m), key_ref (B, G, m, d); prior = kappa P (G, m, d), kappa (G,), beta (G,); boundary (B, N + 1)
-    from ``boundary_index``. Chunk c assigns its rows against ref_c, the slots (kappa P + S_j) / (kappa + n_j) of
-    boundary j = boundary[:, c] (j = 0: key_ref), and writes S_{c+1} = S_c + F_c^T X_c, n_{c+1} = n_c + sum_t F_c.
+    key_sum (B, G, m, d), mass (B, G, m), key_ref (B, G, m, d); prior = kappa P (G, m, d), kappa (G,), beta (G,);
+    boundary (B, N + 1) from ``boundary_index``. Chunk c assigns its rows against ref_c, the slots
+    (kappa P + S_j) / (kappa + n_j) of boundary j = boundary[:, c] (j = 0: key_ref), and writes
+    S_{c+1} = S_c + F_c^T X_c, n_{c+1} = n_c + sum_t F_c.
     Returns f (B, G, Tp, m) every row's assignment (F = f * valid is what it writes), p (B, G, Tp, m) the residual
     weights (f itself for softmax assignment), and the sums at every boundary S (B, G, N + 1, m, d),
     n (B, G, N + 1, m).
