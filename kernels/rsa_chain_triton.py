@@ -128,14 +128,14 @@ def _add_into(ptr, value, ok):
 
 
 @triton.jit
-def _program(reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, ref_b, ref_g, prior_g, kappa_g, G):
-    """This program's (batch row b, KV head g), its flat index, the row's last boundary, kappa, and where its
-    starting key references and kappa P are, read by their strides (views of the state and prototypes). Shared by
-    the chain and the level kernels."""
+def _program(boundary_ptr, ref0_ptr, prior_ptr, kappa_ptr, ref_b, ref_g, prior_g, kappa_g, G, NC):
+    """This program's (batch row b, KV head g), its flat index, the row's last boundary (the last column of the
+    (B, NC + 1) ``rsa_state.boundary_index``), kappa, and where its starting key references and kappa P are, read
+    by their strides (views of the state and prototypes). Shared by the chain and the level kernels."""
     pid = tl.program_id(0)  # b * G + g
     b, g = pid // G, pid % G
     row, g64 = b.to(tl.int64), g.to(tl.int64)
-    kappa, reached = tl.load(kappa_ptr + g * kappa_g), tl.load(reached_ptr + b)
+    kappa, reached = tl.load(kappa_ptr + g * kappa_g), tl.load(boundary_ptr + row * (NC + 1) + NC).to(tl.int32)
     return (b, g, pid.to(tl.int64), row, g64, kappa, reached, ref0_ptr + row * ref_b + g64 * ref_g,
             prior_ptr + g64 * prior_g)
 
@@ -164,7 +164,7 @@ def _scores(x_ptr, ref0, prior, sums, g_sum, token, row_ok, slots, slot_ok, at, 
 # specialised on, so that one compiled kernel serves every such layout.
 @triton.jit(do_not_specialize=["Tp", "NC", "ks_b", "ks_g", "m_b", "m_g", "ref_b", "ref_g", "prior_g", "kappa_g",
                                "beta_g"])
-def _chain_fwd(x_ptr, valid_ptr, reached_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr,
+def _chain_fwd(x_ptr, valid_ptr, boundary_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr,
                f_ptr, p_ptr, s_ptr, n_ptr, ks_b, ks_g, m_b, m_g, ref_b, ref_g, prior_g, kappa_g, beta_g,
                Tp, NC, G, C, M, D, tau, eps,
                SIGMOID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -172,8 +172,8 @@ def _chain_fwd(x_ptr, valid_ptr, reached_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_p
     """One program = one (batch row, KV head). x (B, G, Tp, D); f, p (B, G, Tp, M); S (B, G, NC + 1, M, D),
     n (B, G, NC + 1, M) written at every boundary. A chunk's rows go BLOCK_R at a time (the assignments), then its
     writes S_{c+1} = S_c + sum over row blocks of F^T X, BLOCK_D features at a time."""
-    b, g, head, row, g64, kappa, reached, ref0, prior = _program(reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, ref_b,
-                                                                 ref_g, prior_g, kappa_g, G)
+    b, g, head, row, g64, kappa, reached, ref0, prior = _program(boundary_ptr, ref0_ptr, prior_ptr, kappa_ptr, ref_b,
+                                                                 ref_g, prior_g, kappa_g, G, NC)
     beta = tl.load(beta_ptr + g * beta_g)
     slots = tl.arange(0, BLOCK_M)
     slot_ok = slots < M
@@ -227,7 +227,7 @@ def _chain_fwd(x_ptr, valid_ptr, reached_ptr, ks0_ptr, m0_ptr, ref0_ptr, prior_p
 
 
 @triton.jit(do_not_specialize=["Tp", "NC", "ref_b", "ref_g", "prior_g", "kappa_g", "beta_g", "partials_b"])
-def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr, s_ptr, n_ptr,
+def _chain_bwd(x_ptr, valid_ptr, boundary_ptr, ref0_ptr, prior_ptr, kappa_ptr, beta_ptr, s_ptr, n_ptr,
                df_ptr, dp_ptr, ds_ptr, dn_ptr, w_ptr, dz_ptr,
                dx_ptr, dks0_ptr, dm0_ptr, dref0_ptr, dprior_ptr, dkappa_ptr, dbeta_ptr,
                ref_b, ref_g, prior_g, kappa_g, beta_g, partials_b, Tp, NC, G, C, M, D, tau, eps,
@@ -240,8 +240,8 @@ def _chain_bwd(x_ptr, valid_ptr, reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, be
     The adjoint of the key sums lives in dks0 (its final value), BLOCK_D features at a time, as the forward's S;
     the partial of kappa P accumulates in dprior (zeros on entry). w, dz (B, G, C, M): a chunk's written
     assignments and score gradients, between its row pass and its feature pass."""
-    b, g, head, row, g64, kappa, reached, ref0, prior = _program(reached_ptr, ref0_ptr, prior_ptr, kappa_ptr, ref_b,
-                                                                 ref_g, prior_g, kappa_g, G)
+    b, g, head, row, g64, kappa, reached, ref0, prior = _program(boundary_ptr, ref0_ptr, prior_ptr, kappa_ptr, ref_b,
+                                                                 ref_g, prior_g, kappa_g, G, NC)
     beta = tl.load(beta_ptr + g * beta_g)
     slots = tl.arange(0, BLOCK_M)
     slot_ok = slots < M
@@ -409,7 +409,7 @@ def _minus_assigned(p_ptr, src_ptr, out_ptr, ref, start, cols, width, C, M, slot
 
 
 @triton.jit(do_not_specialize=["Tp", "NC", "FINAL", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g"])
-def _level_residuals_fwd(p_ptr, x_ptr, y_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr,
+def _level_residuals_fwd(p_ptr, x_ptr, y_ptr, boundary_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr,
                          kappa_ptr, xn_ptr, yn_ptr, kout_ptr, vout_ptr, kref_b, kref_g, vref_b, vref_g, prior_g,
                          kappa_g, Tp, NC, FINAL, G, C, M, D, DV, eps,
                          BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, PRECISION: tl.constexpr):
@@ -417,8 +417,8 @@ def _level_residuals_fwd(p_ptr, x_ptr, y_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, 
     Program (head, c, j) with c < FINAL: chunk c's rows of the next level's inputs against the references of
     boundary at = min(c, reached), x - p ref_k (a key block j) or y - p ref_v (a value block); c = FINAL: block j of
     the references the state keeps, boundary min(NC, reached). V is the finished value sums (``_level_sums_fwd``)."""
-    b, g, head, row, g64, kappa, reached, kref0, prior = _program(reached_ptr, kref0_ptr, prior_ptr, kappa_ptr, kref_b,
-                                                                  kref_g, prior_g, kappa_g, G)
+    b, g, head, row, g64, kappa, reached, kref0, prior = _program(boundary_ptr, kref0_ptr, prior_ptr, kappa_ptr, kref_b,
+                                                                  kref_g, prior_g, kappa_g, G, NC)
     c, j = tl.program_id(1), tl.program_id(2)
     vref0 = vref0_ptr + row * vref_b + g64 * vref_g
     slots = tl.arange(0, BLOCK_M)
@@ -482,20 +482,20 @@ def _reference_gradient(p_ptr, dnext_ptr, dfinal_ptr, first, last, head, Tp, NC,
 
 
 @triton.jit
-def _level_program(reached_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g,
+def _level_program(boundary_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g,
                    kappa_g, G, NC, M, BLOCK_M: tl.constexpr):
     """What a level backward's program starts from (``_program``, and the value references): its (row, head) index
     and batch row, kappa, the row's last boundary, its starting key and value references and kappa P, the index of
     its boundary 0, the slots and which are real."""
-    _, _, head, row, g64, kappa, reached, kref0, prior = _program(reached_ptr, kref0_ptr, prior_ptr, kappa_ptr, kref_b,
-                                                                  kref_g, prior_g, kappa_g, G)
+    _, _, head, row, g64, kappa, reached, kref0, prior = _program(boundary_ptr, kref0_ptr, prior_ptr, kappa_ptr, kref_b,
+                                                                  kref_g, prior_g, kappa_g, G, NC)
     slots = tl.arange(0, BLOCK_M)
     return (head, row, kappa, reached, kref0, vref0_ptr + row * vref_b + g64 * vref_g, prior, head * (NC + 1), slots,
             slots < M)
 
 
 @triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g"])
-def _level_boundaries_bwd(p_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr,
+def _level_boundaries_bwd(p_ptr, boundary_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr,
                           gv_ptr, dr_ptr, dxn_ptr, dyn_ptr, dkout_ptr, dvout_ptr,
                           ds_ptr, parts_ptr, adj_ptr, dkref0_ptr, dvref0_ptr,
                           kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, Tp, NC, G, C, M, D, DV, eps,
@@ -511,7 +511,7 @@ def _level_boundaries_bwd(p_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vr
     share, then R's dR_b, make row NC - b of adj (M * DV [+ M * M] wide): a cumulative sum over its rows is then the
     adjoints of V and R at every boundary. Boundaries past ``reached`` (read by no chunk) get zeros."""
     head, row, kappa, reached, kref0, vref0, prior, bounds, slots, slot_ok = _level_program(
-        reached_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, G,
+        boundary_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, G,
         NC, M, BLOCK_M)
     at, j = tl.program_id(1), tl.program_id(2)
     MD, MDV, MM = M * D, M * DV, M * M
@@ -573,7 +573,7 @@ def _divisor_at(n_ptr, parts_ptr, ds_ptr, dn_ptr, kappa, bounds, at, blocks, key
 
 
 @triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g"])
-def _level_rows_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr,
+def _level_rows_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, boundary_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr,
                     kappa_ptr, above_ptr, dw_ptr, adj_ptr, parts_ptr, dxn_ptr, dyn_ptr,
                     df_ptr, dp_ptr, dy_ptr, dabove_ptr, ds_ptr, dn_ptr,
                     kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, Tp, NC, G, C, M, D, DV, eps,
@@ -586,7 +586,7 @@ def _level_rows_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, reached_ptr, s_ptr, n_ptr, v
     dabove = W A_R^T. Program (head, c, 0) also reduces boundary c + 1's divisor gradients (``_divisor_at``), and
     (head, 0, 0) boundary 0's. (The starting sums' gradients are the adjoints at boundary 0: adj's row NC.)"""
     head, row, kappa, reached, kref0, vref0, prior, bounds, slots, slot_ok = _level_program(
-        reached_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, G,
+        boundary_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, G,
         NC, M, BLOCK_M)
     c = tl.program_id(1)
     MD, MDV, MM = M * D, M * DV, M * M
@@ -694,7 +694,7 @@ def _chain_read_strides(key_ref, prior, kappa, beta):
 
 @kernel_op(__name__, "chain_forward")
 def _chain_forward(x: Tensor, valid: Tensor, key_sum: Tensor, mass: Tensor, key_ref: Tensor, prior: Tensor,
-                   kappa: Tensor, beta: Tensor, reached: Tensor, sigmoid: bool, chunk_size: int, eps: float,
+                   kappa: Tensor, beta: Tensor, boundary: Tensor, sigmoid: bool, chunk_size: int, eps: float,
                    precision: str) -> list[Tensor]:
     """[f, p (sigmoid only: softmax's p is f), the chunk-start key sums, masses]. Inputs in the kernels' layout
     (``_dense``), which torch.compile keeps: a custom op gets its inputs with their eager strides."""
@@ -706,14 +706,14 @@ def _chain_forward(x: Tensor, valid: Tensor, key_sum: Tensor, mass: Tensor, key_
     p = torch.empty_like(f) if sigmoid else f
     sums = x.new_empty(batch, groups, sizes[1] + 1, slots, key_dim)
     masses = x.new_empty(batch, groups, sizes[1] + 1, slots)
-    _chain_fwd[(batch * groups,)](x, valid, reached, key_sum, mass, key_ref, prior, kappa, beta, f, p, sums,
+    _chain_fwd[(batch * groups,)](x, valid, boundary, key_sum, mass, key_ref, prior, kappa, beta, f, p, sums,
                                   masses, *key_sum.stride()[:2], *mass.stride()[:2],
                                   *_chain_read_strides(key_ref, prior, kappa, beta), *sizes, **options)
     return [f, p, sums, masses] if sigmoid else [f, sums, masses]
 
 
 @_chain_forward.register_fake
-def _(x, valid, key_sum, mass, key_ref, prior, kappa, beta, reached, sigmoid, chunk_size, eps, precision):
+def _(x, valid, key_sum, mass, key_ref, prior, kappa, beta, boundary, sigmoid, chunk_size, eps, precision):
     batch, groups, padded, key_dim = x.shape
     f = x.new_empty(batch, groups, padded, prior.shape[1], dtype=torch.float32)
     sums = f.new_empty(batch, groups, padded // chunk_size + 1, prior.shape[1], key_dim)
@@ -722,7 +722,7 @@ def _(x, valid, key_sum, mass, key_ref, prior, kappa, beta, reached, sigmoid, ch
 
 
 @kernel_op(__name__, "chain_backward")
-def _chain_backward(x: Tensor, valid: Tensor, reached: Tensor, key_ref: Tensor, prior: Tensor, kappa: Tensor,
+def _chain_backward(x: Tensor, valid: Tensor, boundary: Tensor, key_ref: Tensor, prior: Tensor, kappa: Tensor,
                     beta: Tensor, sums: Tensor, masses: Tensor, d_f: Tensor, d_p: Tensor, d_sums: Tensor,
                     d_masses: Tensor, sigmoid: bool, chunk_size: int, eps: float, precision: str) -> list[Tensor]:
     """[dx and the batch rows' partials packed (``_chain_zeroed``), d key_sum, d mass, d key_ref, the partials summed
@@ -735,7 +735,7 @@ def _chain_backward(x: Tensor, valid: Tensor, reached: Tensor, key_ref: Tensor, 
     d_key_sum, d_key_ref = (x.new_empty(batch, groups, *prior.shape[1:]) for _ in range(2))  # written whole
     d_mass = x.new_empty(batch, groups, prior.shape[1])
     scratch = x.new_empty(batch, groups, chunk_size, prior.shape[1])  # (B, G, C, M)
-    _chain_bwd[(batch * groups,)](x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f.contiguous(),
+    _chain_bwd[(batch * groups,)](x, valid, boundary, key_ref, prior, kappa, beta, sums, masses, d_f.contiguous(),
                                   d_p.contiguous(), d_sums.contiguous(), d_masses.contiguous(), scratch,
                                   torch.empty_like(scratch), d_x, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa,
                                   d_beta, *_chain_read_strides(key_ref, prior, kappa, beta), partials.stride(0),
@@ -761,7 +761,7 @@ def _chain_zeroed(x, prior) -> list[tuple]:
 
 
 @_chain_backward.register_fake
-def _(x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, d_sums, d_masses, sigmoid,
+def _(x, valid, boundary, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, d_sums, d_masses, sigmoid,
       chunk_size, eps, precision):
     batch, groups = x.shape[:2]
     new = lambda *shape: x.new_empty(shape, dtype=torch.float32)  # noqa: E731
@@ -771,8 +771,8 @@ def _(x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, d_
 
 
 def _save_chain(ctx, inputs, output):
-    x, valid, key_sum, mass, key_ref, prior, kappa, beta, reached, sigmoid, chunk_size, eps, precision = inputs
-    ctx.save_for_backward(x, valid, reached, key_ref, prior, kappa, beta, output[-2], output[-1])
+    x, valid, key_sum, mass, key_ref, prior, kappa, beta, boundary, sigmoid, chunk_size, eps, precision = inputs
+    ctx.save_for_backward(x, valid, boundary, key_ref, prior, kappa, beta, output[-2], output[-1])
     ctx.options = (sigmoid, chunk_size, eps, precision)
     ctx.set_materialize_grads(False)  # a result without a gradient costs no zero tensor unless the kernel needs one
 
@@ -787,14 +787,14 @@ def _given(grads: list, shapes: list, like: Tensor) -> list:
 
 
 def _chain_gradients(ctx, grads):
-    x, valid, reached, key_ref, prior, kappa, beta, sums, masses = ctx.saved_tensors
+    x, valid, boundary, key_ref, prior, kappa, beta, sums, masses = ctx.saved_tensors
     sigmoid = ctx.options[0]
     d_f, d_p, d_sums, d_masses = grads if sigmoid else (grads[0], None, grads[1], grads[2])
     f_shape = (*x.shape[:3], prior.shape[1])
     d_f, d_p, d_sums, d_masses = _given([d_f, d_p, d_sums, d_masses],
                                         [f_shape, f_shape if sigmoid else None, sums.shape, masses.shape], x)
     zeroed, d_key_sum, d_mass, d_key_ref, shared = _chain_backward(
-        x, valid, reached, key_ref, prior, kappa, beta, sums, masses, d_f, d_p if sigmoid else d_f, d_sums, d_masses,
+        x, valid, boundary, key_ref, prior, kappa, beta, sums, masses, d_f, d_p if sigmoid else d_f, d_sums, d_masses,
         *ctx.options)  # softmax: d_f a dummy pointer for d_p
     d_prior, d_kappa, d_beta = (t[0] for t in _shared_gradients(shared[None], prior, 2))
     d_x = unpacked(zeroed, _chain_zeroed(x, prior))[0]
@@ -820,9 +820,8 @@ def assign_chain_triton(x, valid, key_sum, mass, key_ref, prior, kappa, beta, bo
                         precision: str = FP32_DOTS):
     """``rsa_state.assign_chain`` on the kernels: same arguments and results (fp32; gradients reach x, the
     starting sums and references, kappa P, kappa and beta). ``precision``: the dots' operands (module comment)."""
-    reached = boundary[:, -1].to(torch.int32).contiguous()  # the row's last boundary, at most N
     outputs = _chain_forward(_dense(x, 4), _dense(valid, 2), _dense(key_sum, 2), _dense(mass, 1), _dense(key_ref, 2),
-                             _dense(prior, 2), _dense(kappa, 0), _dense(beta, 0), reached,
+                             _dense(prior, 2), _dense(kappa, 0), _dense(beta, 0), boundary.contiguous(),
                              params.assign_fn == "sigmoid", params.chunk_size, float(params.eps), precision)
     if params.assign_fn == "sigmoid":
         return tuple(outputs)
@@ -853,7 +852,7 @@ def _level_shapes(f, key_sum, y, residual, relation) -> list[tuple]:
 @kernel_op(__name__, "level_forward")
 def _level_forward(f: Tensor, p: Tensor | None, x: Tensor | None, y: Tensor, valid: Tensor, key_sum: Tensor,
                    mass: Tensor, value_sum0: Tensor, key_ref0: Tensor, value_ref0: Tensor, prior: Tensor,
-                   kappa: Tensor, above: Tensor | None, relation_sum0: Tensor | None, reached: Tensor,
+                   kappa: Tensor, above: Tensor | None, relation_sum0: Tensor | None, boundary: Tensor,
                    chunk_size: int, eps: float, precision: str) -> list[Tensor]:
     """``rsa_state.level_writes`` on the level kernel, inputs in the kernels' layout (``_dense``): p None for softmax
     assignment (it is f), x and p None without a residual, above and the starting relation sum None at level 0.
@@ -882,7 +881,7 @@ def _level_forward(f: Tensor, p: Tensor | None, x: Tensor | None, y: Tensor, val
     # every chunk's residuals against the references of its start, and the references the state keeps
     final, block = chunks if residual else 0, tile_edge(max(key_dim, value_dim), FEATURE_BLOCK)
     _level_residuals_fwd[(batch * groups, final + 1, triton.cdiv(key_dim, block) + triton.cdiv(value_dim, block))](
-        f if p is None else p, dummy if x is None else x, y, reached, key_sum, mass, value_sums, key_ref0, value_ref0,
+        f if p is None else p, dummy if x is None else x, y, boundary, key_sum, mass, value_sums, key_ref0, value_ref0,
         prior, kappa, x_next, y_next, key_ref, value_ref, *_level_read_strides(key_ref0, value_ref0, prior, kappa),
         padded, chunks, final, groups, chunk_size, slots, key_dim, value_dim, eps,
         BLOCK_R=tile_edge(chunk_size, ROW_BLOCK), BLOCK_F=block, **shared)
@@ -890,7 +889,7 @@ def _level_forward(f: Tensor, p: Tensor | None, x: Tensor | None, y: Tensor, val
 
 
 @_level_forward.register_fake
-def _(f, p, x, y, valid, key_sum, mass, value_sum0, key_ref0, value_ref0, prior, kappa, above, relation_sum0, reached,
+def _(f, p, x, y, valid, key_sum, mass, value_sum0, key_ref0, value_ref0, prior, kappa, above, relation_sum0, boundary,
       chunk_size, eps, precision):
     return [f.new_empty(shape) for shape in _level_shapes(f, key_sum, y, x is not None, above is not None)]
 
@@ -916,7 +915,7 @@ def _boundary_split(rows: Tensor, slots: int, key_dim: int) -> tuple[Tensor, Ten
 
 
 @kernel_op(__name__, "level_backward")
-def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reached: Tensor, key_sum: Tensor,
+def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, boundary: Tensor, key_sum: Tensor,
                     mass: Tensor, value_sums: Tensor, key_ref0: Tensor, value_ref0: Tensor, prior: Tensor,
                     kappa: Tensor, above: Tensor | None, d_written: Tensor, d_values: Tensor,
                     d_relations: Tensor | None, d_x_next: Tensor | None, d_y_next: Tensor | None,
@@ -944,7 +943,7 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
     blocks = triton.cdiv(key_dim, options["BLOCK_D"]) + triton.cdiv(value_dim, options["BLOCK_DV"])
     parts = f.new_empty(batch, groups, chunks + 1, blocks, slots)  # the divisor's, a column block each
     _level_boundaries_bwd[(batch * groups, chunks + 1, blocks)](
-        f if p is None else p, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa,
+        f if p is None else p, boundary, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa,
         d_values.contiguous(), d_relations, d_x_next, d_y_next, d_key_ref.contiguous(), d_value_ref.contiguous(),
         boundary_grads, parts, adjoints, d_key_ref0, d_value_ref0, *strides, *sizes, **options)
     adjoints.cumsum_(2)
@@ -952,7 +951,7 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
     d_p = torch.empty_like(f) if sigmoid and residual else f
     d_above = torch.empty_like(f) if relation else f
     _level_rows_bwd[(batch * groups, max(chunks, 1), triton.cdiv(chunk_size, options["BLOCK_R"]))](
-        f, f if p is None else p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa,
+        f, f if p is None else p, y, valid, boundary, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa,
         f if above is None else above, d_written.contiguous(), adjoints, parts, d_x_next, d_y_next,
         d_f, d_p, d_y, d_above, boundary_grads, d_mass, *strides, *sizes, SIGMOID=sigmoid,
         BLOCK_S=tile_edge(slots, FEATURE_BLOCK), **options)
@@ -961,23 +960,23 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, reach
 
 
 @_level_backward.register_fake
-def _(f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above, d_written,
+def _(f, p, y, valid, boundary, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above, d_written,
       d_values, d_relations, d_x_next, d_y_next, d_key_ref, d_value_ref, residual, chunk_size, eps, precision):
     return [f.new_empty(shape) for shape in _level_gradient_shapes(f, p, y, key_sum, mass, residual,
                                                                    above is not None)]
 
 
 def _save_level(ctx, inputs, output):
-    (f, p, x, y, valid, key_sum, mass, value_sum0, key_ref0, value_ref0, prior, kappa, above, relation_sum0, reached,
+    (f, p, x, y, valid, key_sum, mass, value_sum0, key_ref0, value_ref0, prior, kappa, above, relation_sum0, boundary,
      chunk_size, eps, precision) = inputs
-    ctx.save_for_backward(f, p, y, valid, reached, key_sum, mass, output[1], key_ref0, value_ref0, prior, kappa,
+    ctx.save_for_backward(f, p, y, valid, boundary, key_sum, mass, output[1], key_ref0, value_ref0, prior, kappa,
                           above)
     ctx.options = (x is not None, above is not None, chunk_size, eps, precision)
     ctx.set_materialize_grads(False)  # a result without a gradient costs no zero tensor unless the kernel needs one
 
 
 def _level_gradients(ctx, grads):
-    f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above = ctx.saved_tensors
+    f, p, y, valid, boundary, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa, above = ctx.saved_tensors
     residual, relation, chunk_size, eps, precision = ctx.options
     grads = list(grads)
     d_written, d_values = grads.pop(0), grads.pop(0)
@@ -991,7 +990,7 @@ def _level_gradients(ctx, grads):
                    [f.shape, value_sums.shape, (batch, groups, boundaries, slots, slots) if relation else None,
                     (*f.shape[:3], key_dim) if residual else None, y.shape if residual else None,
                     (batch, groups, slots, key_dim), (batch, groups, slots, value_dim)], f)
-    results = list(_level_backward(f, p, y, valid, reached, key_sum, mass, value_sums, key_ref0, value_ref0, prior,
+    results = list(_level_backward(f, p, y, valid, boundary, key_sum, mass, value_sums, key_ref0, value_ref0, prior,
                                    kappa, above, *given, residual, chunk_size, eps, precision))
     boundary_grads, d_mass, d_key_ref0, d_value_ref0, d_f = results[:5]
     d_key_sum = _boundary_split(boundary_grads, slots, key_dim)[0]
@@ -1014,15 +1013,14 @@ def level_writes_triton(f, p, x, y, valid, key_sum, mass, start_value_sum, start
                         precision: str = FP32_DOTS):
     """``rsa_state.level_writes`` on the kernels: same arguments and results (fp32). ``precision``: the dots'
     operands (module comment)."""
-    reached = boundary[:, -1].to(torch.int32).contiguous()
     sigmoid = params.assign_fn == "sigmoid"
     relation = f_above is not None
     outputs = list(_level_forward(
         _dense(f, 4), _dense(p, 4) if sigmoid and residual else None, _dense(x, 4) if residual else None,
         _dense(y, 4), _dense(valid, 2), _dense(key_sum, 5), _dense(mass, 4), _dense(start_value_sum, 2),
         _dense(start_key_ref, 2), _dense(start_value_ref, 2), _dense(prior, 2), _dense(kappa, 0),
-        _dense(f_above, 4) if relation else None, _dense(start_relation_sum, 2) if relation else None, reached,
-        params.chunk_size, float(params.eps), precision))
+        _dense(f_above, 4) if relation else None, _dense(start_relation_sum, 2) if relation else None,
+        boundary.contiguous(), params.chunk_size, float(params.eps), precision))
     written, value_sums = outputs.pop(0), outputs.pop(0)
     relations = outputs.pop(0) if relation else None
     x_next, y_next = (outputs.pop(0), outputs.pop(0)) if residual else (None, None)
