@@ -193,15 +193,17 @@ def test_chain_kernel_equals_assign_chain(assign_fn):
 
 
 @needs_kernels
-@pytest.mark.parametrize("assign_fn, level, residual", [("softmax", 0, True), ("sigmoid", 1, True),
-                                                        ("softmax", 2, False), ("sigmoid", 0, False)])
-def test_level_kernel_equals_level_writes(assign_fn, level, residual):
+@pytest.mark.parametrize("assign_fn, level, residual, kept", [
+    ("softmax", 0, True, True), ("sigmoid", 1, True, True), ("softmax", 2, False, True), ("sigmoid", 0, False, True),
+    ("softmax", 1, True, False)])  # kept False: the loss reads no kept reference, as a training step's
+def test_level_kernel_equals_level_writes(assign_fn, level, residual, kept):
     """The rest of one level's write (kernels/rsa_chain_triton.py's level kernel) against its PyTorch twin
     (rsa_state.level_writes, fp64): what it writes, the value and relation sums at every boundary, the next level's
     residual inputs, the references the state keeps, and every gradient (f, p, x, y, the chain's sums and masses,
     the starting state, kappa P, kappa, the level above's assignments), over every row (padding and chunks past a
     row's last boundary included), with rows at three phases (counts 0, 5, 13), left padding, a hole, a slot of zero
-    mass, ragged sizes; level 0 (no relation) and deeper, with and without the residual (the last level)."""
+    mass, ragged sizes; level 0 (no relation) and deeper, with and without the residual (the last level), and with
+    a loss that does not read the references the state keeps (their gradients not given: no zeros made for them)."""
     from hf_mixers.kernels.rsa_chain_triton import level_writes_triton
     from hf_mixers.kernels.rsa_state import boundary_index, level_writes
 
@@ -238,7 +240,8 @@ def test_level_kernel_equals_level_writes(assign_fn, level, residual):
                            residual=residual)
         outputs = [out for out in outputs if out is not None]
         weights = torch.Generator().manual_seed(8)
-        loss = sum((out * torch.randn(out.shape, generator=weights).to(DEV, dtype)).sum() for out in outputs)
+        read = outputs if kept else outputs[:-2]  # the kept key and value references come last
+        loss = sum((out * torch.randn(out.shape, generator=weights).to(DEV, dtype)).sum() for out in read)
         used = [name for name in inputs if residual or name not in ("x", "p")]
         return outputs, dict(zip(used, torch.autograd.grad(loss, [inputs[name] for name in used])))
 
