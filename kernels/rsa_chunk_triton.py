@@ -914,14 +914,15 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
     q_b, k_b, v_b = layout.pack(q, 3), layout.pack(k, 2), layout.pack(v, 2)
     valid_b = layout.valid(batch, q.device)
     # Write side: each level's assignment chain in one launch (kernels/rsa_chain_triton.py), the rest over all chunks
+    priors = slot_prior(params, cd)  # kappa P and kappa: the write's references and the read's sums add them
     writes, state = write_chunks(k_b, v_b, valid_b, layout, state, params,
                                  chain=functools.partial(assign_chain_triton, precision=precision),
                                  level=functools.partial(level_writes_triton, precision=precision),
-                                 mlps=functools.partial(residual_mlps_triton, precision=precision))
+                                 mlps=functools.partial(residual_mlps_triton, precision=precision), priors=priors)
 
     # Read side: all chunks in one launch, from the chunk-start sums.
     levels = params.prototypes.shape[1]
-    ks0 = slot_prior(params, cd)[0][:, :, None] + writes.key_sum  # kappa P + sums: (B, G, NC, L, m, d)
+    ks0 = priors[0][:, :, None] + writes.key_sum  # kappa P + sums: (B, G, NC, L, m, d)
     r0 = writes.relation_sum if levels > 1 else writes.mass.new_zeros(1)  # (B, G, NC, L-1, m, m)
     f, x, y = writes.f, writes.x, writes.y  # (B, G, L, Tp, m | d | dv)
     inputs = _kernel_inputs(q_b, f, x, y, ks0, writes.value_sum, writes.mass, r0, params, groups)

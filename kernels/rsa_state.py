@@ -434,7 +434,7 @@ def residual_mlps(key_mlp: ResidualMLPWeights, value_mlp: ResidualMLPWeights, x,
 
 
 def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params: RSAParams, decay_b=None,
-                 chain=assign_chain, level=level_writes, mlps=residual_mlps):
+                 chain=assign_chain, level=level_writes, mlps=residual_mlps, priors=None):
     """The write side of every chunk of the aligned buffer: k_b (B, G, Tp, d), v_b (B, G, Tp, dv), valid_b (B, Tp),
     decay_b (B, G, Tp) or None -> (ChunkWrites, the state after the last chunk, count advanced). The buffer holds at
     least one chunk. Equal to ``write_chunks_in_order``.
@@ -443,12 +443,13 @@ def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params
     on its chunk-start key sums and mass, and once they are known everything else is a product over all chunks at
     once (``level``: ``level_writes`` or its kernel): the value sums and relation sums, the references of every
     chunk start, and the next level's keys and values (``mlps``: the residual MLPs, one call for all chunks). So the
-    op count does not grow with T. With decay or ``params.compile_write``: ``write_chunks_in_order``.
+    op count does not grow with T. With decay or ``params.compile_write``: ``write_chunks_in_order``. ``priors``:
+    ``slot_prior(params, k_b.dtype)`` where the caller has it (its read adds kappa P too), else made here.
     """
     if decay_b is not None or params.compile_write:
         return write_chunks_in_order(k_b, v_b, valid_b, layout, state, params, decay_b)
     levels = params.prototypes.shape[1]
-    prior, kappa = slot_prior(params, k_b.dtype)  # (1, G, L, m, d), (1, G, L, 1)
+    prior, kappa = priors or slot_prior(params, k_b.dtype)  # (1, G, L, m, d), (1, G, L, 1)
     boundary = boundary_index(layout, params.chunk_size)
     written_rows = valid_b.to(k_b.dtype)  # (B, Tp) 1 where a real token sits
     x_k, x_v = k_b, v_b
