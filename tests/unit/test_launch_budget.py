@@ -10,8 +10,8 @@ same, and the kernels' values are the business of their own tests.
 No mixer's step reads a value back to the host (each a stall of the GPU's queue), packed or padded.
 
 The ceilings are today's counts, so that a change which adds launches fails here. RSA with its local window meets
-issue 67's target of at most 300 a layer-step; its goal, 100, needs the write's remaining PyTorch ops (stacking,
-state set-up, the window's projections and merge) fused into the kernels.
+issue 67's target of at most 300 a layer-step; its goal, 100, needs each level's chain and write as one op whose
+backward accumulates in place (autograd's adds between them), and the stacking between levels fused.
 """
 
 import pytest
