@@ -458,13 +458,13 @@ def _divisor_gradient(kappa, n_at, eps, d_key, d_value):
 
 @triton.jit
 def _reference_gradient(p_ptr, dnext_ptr, dfinal_ptr, first, last, head, Tp, NC, C, M, width, cols, slots, slot_ok,
-                        RESIDUAL: tl.constexpr, FINAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+                        RESIDUAL: tl.constexpr, KEPT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_F: tl.constexpr, PRECISION: tl.constexpr):
     """Columns ``cols`` (M, BLOCK_F) of the gradient of the references that chunks first..last read: -p_c^T dnext_c
-    summed over them (RESIDUAL), and where last = NC, dfinal, the gradient of the references the state keeps (FINAL:
+    summed over them (RESIDUAL), and where last = NC, dfinal, the gradient of the references the state keeps (KEPT:
     given; a training step's loss never reads them). An empty range (last < first) gives 0."""
     d_ref = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
-    if FINAL and last == NC:
+    if KEPT and last == NC:
         d_ref += tl.load(dfinal_ptr + head * M * width + slots[:, None] * width + cols[None, :],
                          mask=slot_ok[:, None] & (cols < width)[None, :], other=0.0)
     if RESIDUAL:
@@ -501,7 +501,7 @@ def _level_boundaries_bwd(p_ptr, boundary_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, v
                           kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, Tp, NC, G, C, M, D, DV, eps,
                           RESIDUAL: tl.constexpr, RELATION: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                          PRECISION: tl.constexpr, FINAL_GRADS: tl.constexpr):
+                          PRECISION: tl.constexpr, KEPT_GRADS: tl.constexpr):
     """The backward's first pass, grid (B * G, NC + 1, key-column blocks then value-column blocks): program
     (head, b, j) takes columns j of the references read at boundary b (chunk b's; at b = reached also those of
     every later chunk and the state's) and hands their gradient to what they are made of: the starting references at
@@ -509,7 +509,8 @@ def _level_boundaries_bwd(p_ptr, boundary_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, v
     summed over j in ``_level_rows_bwd``). ds holds a row of M * D + 1 a boundary: S_b's gradient, then kappa's share
     (summed over rows and boundaries, the row is kappa P's and kappa's gradients). V's gradient at b, gv_b plus its
     share, then R's dR_b, make row NC - b of adj (M * DV [+ M * M] wide): a cumulative sum over its rows is then the
-    adjoints of V and R at every boundary. Boundaries past ``reached`` (read by no chunk) get zeros."""
+    adjoints of V and R at every boundary. Boundaries past ``reached`` (read by no chunk) get zeros. Without
+    KEPT_GRADS the kept references' gradients (dkout, dvout) are 0 and not read."""
     head, row, kappa, reached, kref0, vref0, prior, bounds, slots, slot_ok = _level_program(
         boundary_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, G,
         NC, M, BLOCK_M)
@@ -527,7 +528,7 @@ def _level_boundaries_bwd(p_ptr, boundary_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, v
         cols = j * BLOCK_D + tl.arange(0, BLOCK_D)
         ok, off = slot_ok[:, None] & (cols < D)[None, :], slots[:, None] * D + cols[None, :]
         d_ref = _reference_gradient(p_ptr, dxn_ptr, dkout_ptr, first, last, head, Tp, NC, C, M, D, cols, slots,
-                                    slot_ok, RESIDUAL, FINAL_GRADS, BLOCK_R, BLOCK_M, BLOCK_D, PRECISION)
+                                    slot_ok, RESIDUAL, KEPT_GRADS, BLOCK_R, BLOCK_M, BLOCK_D, PRECISION)
         if at == 0:
             tl.store(dkref0_ptr + head * MD + off, d_ref, mask=ok)
         else:
@@ -538,7 +539,7 @@ def _level_boundaries_bwd(p_ptr, boundary_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, v
         cols = (j - key_blocks) * BLOCK_DV + tl.arange(0, BLOCK_DV)
         ok, off = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
         d_ref = _reference_gradient(p_ptr, dyn_ptr, dvout_ptr, first, last, head, Tp, NC, C, M, DV, cols, slots,
-                                    slot_ok, RESIDUAL, FINAL_GRADS, BLOCK_R, BLOCK_M, BLOCK_DV, PRECISION)
+                                    slot_ok, RESIDUAL, KEPT_GRADS, BLOCK_R, BLOCK_M, BLOCK_DV, PRECISION)
         g_value = tl.load(gv_ptr + (bounds + at) * MDV + off, mask=ok, other=0.0)
         if at == 0:
             tl.store(dvref0_ptr + head * MDV + off, d_ref, mask=ok)
@@ -934,8 +935,8 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, bound
     strides = _level_read_strides(key_ref0, value_ref0, prior, kappa)
     d_relations = d_relations.contiguous() if relation else f
     d_x_next, d_y_next = (d_x_next.contiguous(), d_y_next.contiguous()) if residual else (f, f)
-    final = d_key_ref is not None  # the kept references' gradients, both or neither (``_level_gradients``)
-    d_key_ref, d_value_ref = (d_key_ref.contiguous(), d_value_ref.contiguous()) if final else (f, f)
+    kept = d_key_ref is not None  # the kept references' gradients, both or neither (``_level_gradients``)
+    d_key_ref, d_value_ref = (d_key_ref.contiguous(), d_value_ref.contiguous()) if kept else (f, f)
     # every element of these is written (boundaries past a row's last one: zeros); by boundary, S's gradient and
     # kappa's share in one row, V's and R's gradients in another (the kernel's docstring)
     boundary_grads = f.new_empty(batch, groups, chunks + 1, slots * key_dim + 1)
@@ -947,7 +948,7 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, bound
     _level_boundaries_bwd[(batch * groups, chunks + 1, blocks)](
         f if p is None else p, boundary, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa,
         d_values.contiguous(), d_relations, d_x_next, d_y_next, d_key_ref, d_value_ref, boundary_grads, parts,
-        adjoints, d_key_ref0, d_value_ref0, *strides, *sizes, FINAL_GRADS=final, **options)
+        adjoints, d_key_ref0, d_value_ref0, *strides, *sizes, KEPT_GRADS=kept, **options)
     adjoints.cumsum_(2)
     d_f, d_y = torch.empty_like(f), torch.empty_like(y)
     d_p = torch.empty_like(f) if sigmoid and residual else f
@@ -988,12 +989,12 @@ def _level_gradients(ctx, grads):
     batch, groups, boundaries = key_sum.shape[:3]
     slots, key_dim, value_dim = f.shape[-1], key_sum.shape[-1], y.shape[-1]
     d_x = d_x_next  # x_next = x - p ref_k: x's gradient passes through
-    final = d_key_ref is not None or d_value_ref is not None  # a training step's loss reads neither: no zeros
+    kept = d_key_ref is not None or d_value_ref is not None  # a training step's loss reads neither: no zeros
     given = _given([d_written, d_values, d_relations, d_x_next, d_y_next, d_key_ref, d_value_ref],
                    [f.shape, value_sums.shape, (batch, groups, boundaries, slots, slots) if relation else None,
                     (*f.shape[:3], key_dim) if residual else None, y.shape if residual else None,
-                    (batch, groups, slots, key_dim) if final else None,
-                    (batch, groups, slots, value_dim) if final else None], f)
+                    (batch, groups, slots, key_dim) if kept else None,
+                    (batch, groups, slots, value_dim) if kept else None], f)
     results = list(_level_backward(f, p, y, valid, boundary, key_sum, mass, value_sums, key_ref0, value_ref0, prior,
                                    kappa, above, *given, residual, chunk_size, eps, precision))
     boundary_grads, d_mass, d_key_ref0, d_value_ref0, d_f = results[:5]
