@@ -138,7 +138,7 @@ def test_memory_without_rope_reads_the_same_at_any_absolute_position(window):
 @pytest.mark.parametrize("options", first_in_fast(
     dict(rsa_window=4),  # 13 - 4 = 9 tokens written: two whole chunks of 4 and one row of a third
     dict(rsa_window=5, rsa_memory_rope=False, rsa_decay=True, rsa_query_read=True),  # the extras sliced too
-    dict(rsa_window=13), dict(rsa_window=16)))  # nothing leaves the window
+    dict(rsa_window=13), dict(rsa_window=16)))  # nothing leaves the window: the memory is not run, no slicing
 def test_a_first_unpadded_call_runs_the_memory_on_what_left_the_window_alone(options):
     """Without padding, a first call's memory receives nothing at its first w positions in every row (the window
     delays the writes): it runs on the other positions in the static layout of an unpadded sequence, where an
@@ -167,9 +167,6 @@ def test_a_first_unpadded_call_runs_the_memory_on_what_left_the_window_alone(opt
         assert (grad is None) == (masked is None)
         if grad is not None:
             torch.testing.assert_close(grad, masked, rtol=0, atol=1e-12)
-    if memory is None:  # nothing left the window
-        assert masked_memory is None or int(masked_memory.count.max()) == 0
-        return
     for name in ("key_sum", "value_sum", "mass", "relation_sum", "key_ref", "value_ref", "count"):
         torch.testing.assert_close(getattr(memory, name), getattr(masked_memory, name), rtol=0, atol=1e-12)
 
