@@ -164,12 +164,12 @@ class RSAMixer(RecurrentMixer, FullAttention):
         # a first call without padding: the window's delay leaves the memory's first w positions empty in every row
         # (known from the shapes), so the memory runs on the others alone, in the static chunk layout of an unpadded
         # sequence instead of one packed by a mask, and reads zeros at the first w, as the masked form does
-        empty_lead = self.config.rsa_window if state is None and valid is None else 0
+        empty_lead = self.config.rsa_window if state is None and valid is None and not nothing_leaves else 0
 
         def memory(q, k, v, written, extras, memory_state):
             if separate_keys:  # the memory reads with its own queries (this call's) and writes its own keys
                 q, k, extras = memory_query.to(q.dtype), extras[-1], extras[:-1]
-            if empty_lead and not nothing_leaves:
+            if empty_lead:
                 q, k, v, written = q[..., empty_lead:, :], k[..., empty_lead:, :], v[..., empty_lead:, :], None
                 extras = tuple(extra[:, :, empty_lead:] for extra in extras)
             log_decay = extras[0] if extras else None

@@ -6,6 +6,7 @@ the chunk), several KV groups with 2 query heads each; in the batch, left paddin
 ends exactly on a chunk boundary, so its references refresh at the end of the call) and a hole.
 """
 
+import functools
 from dataclasses import fields, replace
 
 import pytest
@@ -284,6 +285,25 @@ def test_options_match_reference(assign_fn, readout, routing, query_read):
     params = make_params(chunk=16, assign_fn=assign_fn, readout=readout, routing=routing, query_read=query_read)
     inputs = make_inputs(params, batch=2)
     assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
+
+
+@needs_kernels
+def test_an_unpadded_first_call_matches_reference_in_the_static_layout():
+    """No mask and a fresh state (a training step; with a window, the memory's part past its delay): the buffer is
+    the sequence padded at its end to whole chunks (``ChunkLayout.of(None, ..., fresh=True)``: no mask, no gathers),
+    each row's last boundary read from it by the chain and level kernels. Output, state and every gradient equal the
+    PyTorch path's, there given an all-ones mask (the masked layout), at a length that leaves a part chunk."""
+    params = make_params(chunk=8, routing="relation", log_weight=True)
+    q, k, v, _ = make_inputs(params, batch=2, length=29)
+    state = initial_state(params, 2, VALUE_DIM, torch.float32)
+    out, new_state, grads = run(functools.partial(rct.rsa_chunked_triton, fresh=True), params, q, k, v, None, state)
+    ref, ref_state, ref_grads = run(rsa_chunked, params, q, k, v, torch.ones(2, 29, dtype=torch.bool, device=DEV),
+                                    state)
+    assert_close(out, ref, "output")
+    for name in STATE_FIELDS:
+        assert_close(getattr(new_state, name), getattr(ref_state, name), name)
+    for name, grad in grads.items():
+        assert_close(grad.float(), ref_grads[name].float(), f"d {name}")
 
 
 @needs_kernels
