@@ -109,10 +109,14 @@ from .rsa_chain_triton import assign_chain_triton, level_writes_triton, scope_re
 from .rsa_mlp_triton import residual_mlps_triton
 from .triton_compile import compile_side_by_side
 
-# The read's dots stay fp32-accurate whatever the inputs: with tf32 operands its error is over the bf16 bound at 8K
-# (`hf-mixers bench precision --mixer rsa --scope read_chunks`: it divides sums by masses and chains the levels).
-# Emulated fp32 (tf32x3) on the tensor cores in the forward and the backward's rows: as FMA dots ("ieee") the rows
-# held 241 / 234 registers (254 / 228 as tf32x3), one 8-warp block an SM either way.
+# The read's sums -- each row's mass and its value read, N = n0 + M F and a~ VS0 + ((a~ F^T) . M) Y, and their
+# gradients -- stay fp32-accurate whatever the inputs (``PRECISION``): the read divides by the masses, and its
+# normalised output cancels a read weight's scale, so tf32 operands there take the step's error past the bf16 bound
+# at 8K. The read weights' products -- scores, slot mixing (act W, chain W_r), routing -- take the caller's precision
+# (``WEIGHT_PRECISION``: tf32 for a bf16 / fp16 call), within the bound (`hf-mixers bench precision --mixer rsa
+# --scope read_chunks --keep inclusive_mass --keep read_values`, rsa_memory.py; docs/benchmarks.md). Emulated fp32
+# (tf32x3) runs on the tensor cores; as FMA dots ("ieee") the backward's rows held as many registers (241 / 234
+# against 254 / 228 with every dot tf32x3).
 READ_PRECISION = FP32_DOTS
 # The forward takes the key features, the backward the key and value features and the slots of the products it
 # reads from memory, FEATURE_BLOCK at a time (never held whole): with q held (R, d), KS0 (m, d) whole and 64-wide
@@ -202,11 +206,14 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                 Tp, NC, H, G, GS, C, M, D, DV, tau, eps, save,  # save: chains, numerator, normaliser
                 L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
                 LOG_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+                WEIGHT_PRECISION: tl.constexpr):
     """One program = BLOCK_R rows of one chunk x one query head. Its rows read the chunk-start state and the rows
     of the chunk up to themselves, BLOCK_K of those at a time: every causal product is summed over (R, K) blocks,
     and every product over the key features over BLOCK_D of them (q is reloaded, not held), so the tiles held are
-    (R, m), (R, dv), (K, m | BLOCK_D | dv) and m x m / m x BLOCK_D / m x dv, whatever the chunk size and d."""
+    (R, m), (R, dv), (K, m | BLOCK_D | dv) and m x m / m x BLOCK_D / m x dv, whatever the chunk size and d. The
+    sums' products (mass, values) take ``PRECISION``, the read weights' ``WEIGHT_PRECISION`` (READ_PRECISION's
+    comment); the backward's rows take each gradient product as its forward product."""
     row_blocks = tl.cdiv(C, BLOCK_R)
     chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)  # b * H + head
@@ -248,15 +255,15 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                                  mask=row_ok[:, None] & (part < D)[None, :], other=0.0).to(tl.float32)
                 x = tl.load(x_ptr + (level_row + cols)[:, None] * D + part[None, :],
                             mask=(cols < reach)[:, None] & (part < D)[None, :], other=0.0)
-                q_x += tl.dot(q_part, tl.trans(x), input_precision=PRECISION)
-            snum += tl.dot(q_x * causal, f, input_precision=PRECISION)
+                q_x += tl.dot(q_part, tl.trans(x), input_precision=WEIGHT_PRECISION)
+            snum += tl.dot(q_x * causal, f, input_precision=WEIGHT_PRECISION)
         for d0 in range(0, D, BLOCK_D):  # q KS0^T, BLOCK_D features at a time (no (m, d) tile held)
             part = d0 + tl.arange(0, BLOCK_D)
             q_part = tl.load(q_ptr + (bh * Tp + row0 + rows)[:, None] * D + part[None, :],
                              mask=row_ok[:, None] & (part < D)[None, :], other=0.0).to(tl.float32)
             ks0 = tl.load(ks0_ptr + (state * M + slots)[:, None] * D + part[None, :],
                           mask=slot_ok[:, None] & (part < D)[None, :], other=0.0)  # (m, BLOCK_D)
-            snum += tl.dot(q_part, tl.trans(ks0), input_precision=PRECISION)
+            snum += tl.dot(q_part, tl.trans(ks0), input_precision=WEIGHT_PRECISION)
         kappa = tl.load(kappa_ptr + (bg % G) * L + i)
         score, den_k, act = _activation(snum, kappa, n, slot_ok, tau, eps, i == 0, READOUT)
         if LOG_WEIGHT:
@@ -268,7 +275,7 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         hl = head * L + i
         theta = tl.load(theta_ptr + hl)
         w = tl.load(w_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
-        sparse = tl.load(wa_ptr + hl) * tl.maximum(tl.dot(act, w, input_precision=PRECISION) - theta, 0.0) \
+        sparse = tl.load(wa_ptr + hl) * tl.maximum(tl.dot(act, w, input_precision=WEIGHT_PRECISION) - theta, 0.0) \
             + theta / M
         sparse = tl.where(slot_ok[None, :], sparse, 0.0)  # the floor theta/m only on real slots
         if ROUTING == 0:
@@ -280,23 +287,23 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         else:  # relation: chain_{i-1} routed through the inclusive relation matrix (R0 + causal F^T F) / N
             scaled = chain / tl.maximum(n_prev, eps)
             r0 = tl.load(r0_ptr + ((bg * NC + chunk) * (L - 1) + i - 1) * M * M + off_mm, mask=ok_mm, other=0.0)
-            routed = tl.dot(scaled, r0, input_precision=PRECISION)
+            routed = tl.dot(scaled, r0, input_precision=WEIGHT_PRECISION)
             for k0 in range(0, reach, BLOCK_K):
                 cols = k0 + keys
                 ok_km = (cols < reach)[:, None] & slot_ok[None, :]
                 f_prev = tl.load(f_ptr + (level_row - Tp + cols)[:, None] * M + slots[None, :], mask=ok_km,
                                  other=0.0)
                 f = tl.load(f_ptr + (level_row + cols)[:, None] * M + slots[None, :], mask=ok_km, other=0.0)
-                intra = tl.dot(scaled, tl.trans(f_prev), input_precision=PRECISION) \
+                intra = tl.dot(scaled, tl.trans(f_prev), input_precision=WEIGHT_PRECISION) \
                     * (cols[None, :] <= rows[:, None]).to(tl.float32)
-                routed += tl.dot(intra, f, input_precision=PRECISION)
+                routed += tl.dot(intra, f, input_precision=WEIGHT_PRECISION)
             chain = routed * sparse
         if ROUTING != 0 and i < L - 1:
             if save:  # the backward reads chain_i back at level i + 1
                 tl.store(chain_ptr + ((bh * (L - 1) + i) * Tp + row0 + rows)[:, None] * M + slots[None, :], chain,
                          mask=ok_rm)
         wr = tl.load(wr_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
-        a = tl.dot(chain, wr, input_precision=PRECISION)
+        a = tl.dot(chain, wr, input_precision=WEIGHT_PRECISION)
         den += tl.sum(tl.abs(a), 1)  # total absolute read weight (rsa_memory.py docstring)
         # read(w) = w~ VS0 + ((w~ F^T) . M) Y, w~ = w / max(N, eps): into num (a), and extra (q W_qr / 16, RSA-q)
         norm_n = tl.maximum(n, eps)
@@ -362,7 +369,8 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                 Tp, NC, H, G, GS, C, M, D, DV, tau, eps, i,
                 L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
                 LOG_WEIGHT: tl.constexpr, LEVEL0: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+                WEIGHT_PRECISION: tl.constexpr):
     """Level ``i`` of the backward's rows (launched for i = L-1 .. 0, LEVEL0 = i == 0), on the forward's grid: one
     program = BLOCK_R rows of a chunk x one query head. It recomputes its rows' level from the chunk's rows up to
     them (BLOCK_K at a time, as the forward) and takes the gradient back through it: its rows' own tensors' (dq,
@@ -403,7 +411,7 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     n = tl.zeros((BLOCK_R, BLOCK_M), tl.float32) + tl.load(n0_ptr + state * M + slots, mask=slot_ok,
                                                             other=0.0)[None, :]
     snum = _row_products(q_ptr, q_rows * D, row_ok, ks0_ptr, state_rows * D, slot_ok[:, None], D, 1,
-                         BLOCK_R, BLOCK_M, BLOCK, PRECISION)
+                         BLOCK_R, BLOCK_M, BLOCK, WEIGHT_PRECISION)
     d_read = _row_products(g_ptr, q_rows * g_stride, row_ok, vs0_ptr, state_rows * DV, slot_ok[:, None], DV, 1,
                            BLOCK_R, BLOCK_M, BLOCK, PRECISION)
     n_prev = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)  # N_{i-1}, for the relation routing
@@ -417,8 +425,8 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         f = tl.load(f_ptr + key_rows * M + slots[None, :], mask=key_ok & slot_ok[None, :], other=0.0)
         n += tl.dot(causal, f, input_precision=PRECISION)
         q_x = _row_products(q_ptr, q_rows * D, row_ok, x_ptr, key_rows * D, key_ok, D, 1, BLOCK_R, BLOCK_K, BLOCK,
-                            PRECISION)
-        snum += tl.dot(q_x * causal, f, input_precision=PRECISION)
+                            WEIGHT_PRECISION)
+        snum += tl.dot(q_x * causal, f, input_precision=WEIGHT_PRECISION)
         g_y = _row_products(g_ptr, q_rows * g_stride, row_ok, y_ptr, key_rows * DV, key_ok, DV, 1, BLOCK_R, BLOCK_K,
                             BLOCK, PRECISION)
         d_read += tl.dot(g_y * causal, f, input_precision=PRECISION)
@@ -453,7 +461,7 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     tl.store(d_n_ptr + plane_at, act, mask=ok_rm)
     tl.debug_barrier()
     a_hat = _row_products(d_n_ptr, plane_rows, row_ok, w_ptr + hl * M * M, slots[:, None], slot_ok[:, None], M, M,
-                          BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # act W
+                          BLOCK_R, BLOCK_M, BLOCK, WEIGHT_PRECISION)  # act W
     active = (a_hat > theta) & slot_ok[None, :]  # where the relu passes
     sparse = tl.where(slot_ok[None, :], scale * tl.maximum(a_hat - theta, 0.0) + theta / M, 0.0)
 
@@ -473,21 +481,21 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
             tl.store(scaled_ptr + chain_at, scaled_prev, mask=ok_rm)
             tl.debug_barrier()
             routed = _row_products(scaled_ptr, chain_rows, row_ok, r0_ptr + r0_at, slots[:, None], slot_ok[:, None], M,
-                                   M, BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # c~ R0
+                                   M, BLOCK_R, BLOCK_M, BLOCK, WEIGHT_PRECISION)  # c~ R0
             for k0 in range(0, reach, BLOCK_K):
                 cols_k = k0 + keys
                 ok_km = (cols_k < reach)[:, None] & slot_ok[None, :]
                 key_rows = level_row + cols_k[:, None]
                 f = tl.load(f_ptr + key_rows * M + slots[None, :], mask=ok_km, other=0.0)
                 intra_prev = _row_products(scaled_ptr, chain_rows, row_ok, f_ptr, (key_rows - Tp) * M,
-                                           (cols_k < reach)[:, None], M, 1, BLOCK_R, BLOCK_K, BLOCK, PRECISION)
+                                           (cols_k < reach)[:, None], M, 1, BLOCK_R, BLOCK_K, BLOCK, WEIGHT_PRECISION)
                 routed += tl.dot(intra_prev * (cols_k[None, :] <= rows[:, None]).to(tl.float32), f,
-                                 input_precision=PRECISION)
+                                 input_precision=WEIGHT_PRECISION)
     chain = routed * sparse
     tl.store(u_ptr + plane_at, chain, mask=ok_rm)
     tl.debug_barrier()
     a = _row_products(u_ptr, plane_rows, row_ok, wr_ptr + hl * M * M, slots[:, None], slot_ok[:, None], M, M,
-                      BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # chain W_r
+                      BLOCK_R, BLOCK_M, BLOCK, WEIGHT_PRECISION)  # chain W_r
     norm_n = tl.maximum(n, eps)
     mass_ok = n >= eps  # where clamp_min passes the gradient
 
@@ -517,8 +525,8 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     tl.store(d_snum_ptr + plane_at, d_a, mask=ok_rm)
     tl.debug_barrier()
     d_chain_i = d_chain + _row_products(d_snum_ptr, plane_rows, row_ok, wr_ptr + hl * M * M, slots[:, None] * M,
-                                        slot_ok[:, None], M, 1, BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # d a W_r^T
-    tl.atomic_add(dwr_ptr + hl * M * M + off_mm, tl.dot(tl.trans(chain), d_a, input_precision=PRECISION),
+                                        slot_ok[:, None], M, 1, BLOCK_R, BLOCK_M, BLOCK, WEIGHT_PRECISION)  # d a W_r^T
+    tl.atomic_add(dwr_ptr + hl * M * M + off_mm, tl.dot(tl.trans(chain), d_a, input_precision=WEIGHT_PRECISION),
                   mask=ok_mm)
     d_sparse = d_chain_i * routed
     d_chain = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
@@ -528,20 +536,21 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     if not LEVEL0 and ROUTING == 2:
         d_routed = d_chain_i * sparse
         tl.atomic_add(dr0_ptr + r0_at + off_mm, tl.dot(tl.trans(scaled_prev), d_routed,
-                                                         input_precision=PRECISION), mask=ok_mm)
+                                                         input_precision=WEIGHT_PRECISION), mask=ok_mm)
         tl.store(d_routed_ptr + plane_at, d_routed, mask=ok_rm)  # for the keys kernel, and read back below
         tl.debug_barrier()
         d_scaled_prev = _row_products(d_routed_ptr, plane_rows, row_ok, r0_ptr + r0_at, slots[:, None] * M,
-                                      slot_ok[:, None], M, 1, BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # d routed R0^T
+                                      slot_ok[:, None], M, 1, BLOCK_R, BLOCK_M, BLOCK,
+                                      WEIGHT_PRECISION)  # d routed R0^T
         for k0 in range(0, reach, BLOCK_K):
             cols_k = k0 + keys
             ok_km = (cols_k < reach)[:, None] & slot_ok[None, :]
             key_rows = level_row + cols_k[:, None]
             f_prev = tl.load(f_ptr + (key_rows - Tp) * M + slots[None, :], mask=ok_km, other=0.0)
             d_intra_prev = _row_products(d_routed_ptr, plane_rows, row_ok, f_ptr, key_rows * M,
-                                         (cols_k < reach)[:, None], M, 1, BLOCK_R, BLOCK_K, BLOCK, PRECISION)
+                                         (cols_k < reach)[:, None], M, 1, BLOCK_R, BLOCK_K, BLOCK, WEIGHT_PRECISION)
             d_scaled_prev += tl.dot(d_intra_prev * (cols_k[None, :] <= rows[:, None]).to(tl.float32), f_prev,
-                                    input_precision=PRECISION)
+                                    input_precision=WEIGHT_PRECISION)
         d_chain = d_scaled_prev / norm_prev
         dn_next = tl.where(n_prev >= eps, -d_chain * scaled_prev, 0.0)
 
@@ -550,12 +559,12 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     d_a_hat = tl.where(active, d_sparse * scale, 0.0)
     tl.atomic_add(dwa_ptr + hl, tl.sum(tl.sum(tl.where(active, d_sparse * (a_hat - theta), 0.0), 1), 0))
     tl.atomic_add(dtheta_ptr + hl, tl.sum(tl.sum(d_sparse * (1.0 / M - tl.where(active, scale, 0.0)), 1), 0))
-    tl.atomic_add(dw_ptr + hl * M * M + off_mm, tl.dot(tl.trans(act), d_a_hat, input_precision=PRECISION),
+    tl.atomic_add(dw_ptr + hl * M * M + off_mm, tl.dot(tl.trans(act), d_a_hat, input_precision=WEIGHT_PRECISION),
                   mask=ok_mm)
     tl.store(d_n_ptr + plane_at, d_a_hat, mask=ok_rm)
     tl.debug_barrier()
     d_act = _row_products(d_n_ptr, plane_rows, row_ok, w_ptr + hl * M * M, slots[:, None] * M, slot_ok[:, None], M,
-                          1, BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # d a^ W^T
+                          1, BLOCK_R, BLOCK_M, BLOCK, WEIGHT_PRECISION)  # d a^ W^T
     if READOUT == 1:
         d_score = act * (d_act - tl.sum(act * d_act, 1)[:, None])
         if LEVEL0:  # the count prior log max(N, eps)
@@ -586,17 +595,18 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         q = tl.load(q_ptr + q_rows * D + cd[None, :], mask=ok_rd, other=0.0).to(tl.float32)
         dq = tl.load(dq_ptr + q_rows * D + cd[None, :], mask=ok_rd, other=0.0) \
             + _row_products(d_snum_ptr, plane_rows, row_ok, ks0_ptr, state * M * D + cd[:, None], (cd < D)[:, None],
-                            M, D, BLOCK_R, BLOCK, BLOCK, PRECISION)  # d_snum KS0
+                            M, D, BLOCK_R, BLOCK, BLOCK, WEIGHT_PRECISION)  # d_snum KS0
         for k0 in range(0, reach, BLOCK_K):  # ((d_snum F^T) . M) X
             cols_k = k0 + keys
             key_ok = (cols_k < reach)[:, None]
             key_rows = level_row + cols_k[:, None]
             x = tl.load(x_ptr + key_rows * D + cd[None, :], mask=key_ok & (cd < D)[None, :], other=0.0)
             d_qx = _row_products(d_snum_ptr, plane_rows, row_ok, f_ptr, key_rows * M, key_ok, M, 1,
-                                 BLOCK_R, BLOCK_K, BLOCK, PRECISION)
-            dq += tl.dot(d_qx * (cols_k[None, :] <= rows[:, None]).to(tl.float32), x, input_precision=PRECISION)
-        tl.atomic_add(dks0_ptr + state_rows * D + cd[None, :], tl.dot(tl.trans(d_snum), q, input_precision=PRECISION),
-                      mask=ok_md)
+                                 BLOCK_R, BLOCK_K, BLOCK, WEIGHT_PRECISION)
+            dq += tl.dot(d_qx * (cols_k[None, :] <= rows[:, None]).to(tl.float32), x,
+                         input_precision=WEIGHT_PRECISION)
+        tl.atomic_add(dks0_ptr + state_rows * D + cd[None, :],
+                      tl.dot(tl.trans(d_snum), q, input_precision=WEIGHT_PRECISION), mask=ok_md)
         if QUERY_READ:
             ok_dm = (cd < D)[:, None] & slot_ok[None, :]
             wqr = tl.load(wqr_ptr + hl * D * M + cd[:, None] * M + slots[None, :], mask=ok_dm, other=0.0)
@@ -710,18 +720,19 @@ def _bwd_keys_kernel(q_ptr, f_ptr, x_ptr, y_ptr, g_ptr, scaled_prev_ptr, u_ptr, 
 # Launchers and the autograd wrapper.
 
 
-def _read_options(params: RSAParams) -> tuple:
-    """What the read kernels take from ``params`` besides tensors, as plain values (the ops' arguments): chunk
-    size, eps, readout, routing, whether the RSA-q branch is on, whether the log weight is appended."""
+def _read_options(params: RSAParams, weight_precision: str = READ_PRECISION) -> tuple:
+    """What the read kernels take besides tensors, as plain values (the ops' arguments): from ``params`` the chunk
+    size, eps, readout, routing, whether the RSA-q branch is on, whether the log weight is appended; and the read
+    weights' dot precision (``WEIGHT_PRECISION``: the caller's ``conventions.dot_precision``)."""
     return (params.chunk_size, float(params.eps), params.readout, params.routing, params.query_read is not None,
-            bool(params.log_weight))
+            bool(params.log_weight), weight_precision)
 
 
 class _Read:
     """Static launch arguments of one call: sizes, options and block sizes (``options``: ``_read_options``)."""
 
     def __init__(self, options: tuple, q, f, y):
-        chunk_size, eps, readout, routing, query_read, log_weight = options
+        chunk_size, eps, readout, routing, query_read, log_weight, weight_precision = options
         batch, heads, self.padded, key_dim = q.shape
         _, groups, levels, _, slots = f.shape
         n_chunks = self.padded // chunk_size
@@ -731,8 +742,8 @@ class _Read:
         self.batch, self.heads, self.levels, self.slots, self.value_dim = batch, heads, levels, slots, y.shape[-1]
         self.options = dict(L=levels, READOUT=READOUTS[readout], ROUTING=ROUTINGS[routing],
                             QUERY_READ=query_read, LOG_WEIGHT=log_weight, BLOCK_M=tile_edge(slots),
-                            BLOCK_R=PROGRAM_ROWS, BLOCK_K=KEY_BLOCK, PRECISION=READ_PRECISION, num_warps=READ_WARPS,
-                            num_stages=READ_STAGES)
+                            BLOCK_R=PROGRAM_ROWS, BLOCK_K=KEY_BLOCK, PRECISION=READ_PRECISION,
+                            WEIGHT_PRECISION=weight_precision, num_warps=READ_WARPS, num_stages=READ_STAGES)
         self.forward_options = dict(self.options, BLOCK_D=min(tile_edge(key_dim), FEATURE_BLOCK),
                                     BLOCK_DV=tile_edge(y.shape[-1]))
         self.backward_options = dict(self.options, BLOCK=FEATURE_BLOCK)
@@ -833,34 +844,37 @@ def _kernel_inputs(q_b, f, x, y, ks0, vs0, n0, r0, params: RSAParams, groups):
 
 @kernel_op(__name__, "read_forward")
 def _read_forward(inputs: list[torch.Tensor], chunk_size: int, eps: float, readout: str, routing: str,
-                  query_read: bool, log_weight: bool, backward: bool) -> list[torch.Tensor]:
+                  query_read: bool, log_weight: bool, weight_precision: str, backward: bool) -> list[torch.Tensor]:
     """[out (B, H, Tp, dv [+ 1]) fp32, chains, num, den] from the 14 kernel inputs (``_Read.forward``);
     ``backward``: a backward follows (the three saved for it, its kernels compiled side by side with the
     forward's)."""
-    read = _Read((chunk_size, eps, readout, routing, query_read, log_weight), inputs[0], inputs[1], inputs[3])
+    read = _Read((chunk_size, eps, readout, routing, query_read, log_weight, weight_precision), inputs[0], inputs[1],
+                 inputs[3])
     read.compile_kernels(inputs, backward)
     return list(read.forward(inputs, save=backward))
 
 
 @_read_forward.register_fake
-def _(inputs, chunk_size, eps, readout, routing, query_read, log_weight, backward):
+def _(inputs, chunk_size, eps, readout, routing, query_read, log_weight, weight_precision, backward):
     q, y = inputs[0], inputs[3]
-    read = _Read((chunk_size, eps, readout, routing, query_read, log_weight), q, inputs[1], y)
+    read = _Read((chunk_size, eps, readout, routing, query_read, log_weight, weight_precision), q, inputs[1], y)
     return [q.new_empty(*q.shape[:3], y.shape[-1] + log_weight, dtype=torch.float32),
             *(q.new_empty(shape, dtype=torch.float32) for shape in read.saved_shapes(backward))]
 
 
 @kernel_op(__name__, "read_backward")
 def _read_backward(inputs: list[torch.Tensor], grad_out: torch.Tensor, saved: list[torch.Tensor], chunk_size: int,
-                   eps: float, readout: str, routing: str, query_read: bool, log_weight: bool) -> torch.Tensor:
+                   eps: float, readout: str, routing: str, query_read: bool, log_weight: bool,
+                   weight_precision: str) -> torch.Tensor:
     """The 14 inputs' gradients (fp32), packed (``_Read.backward``): ``_bwd_kernel`` per level, then
     ``_bwd_keys_kernel``, from what the forward saved (chains, num, den)."""
-    read = _Read((chunk_size, eps, readout, routing, query_read, log_weight), inputs[0], inputs[1], inputs[3])
+    read = _Read((chunk_size, eps, readout, routing, query_read, log_weight, weight_precision), inputs[0], inputs[1],
+                 inputs[3])
     return read.backward(inputs, grad_out, *saved)
 
 
 @_read_backward.register_fake
-def _(inputs, grad_out, saved, chunk_size, eps, readout, routing, query_read, log_weight):
+def _(inputs, grad_out, saved, chunk_size, eps, readout, routing, query_read, log_weight, weight_precision):
     return packed_zeros([t.shape for t in inputs], grad_out.device)[0]
 
 
@@ -868,7 +882,7 @@ def _save_read_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs[0], *output[1:])
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # (the saved outputs' gradients, never defined, stay None: no zero fill)
-    ctx.options = inputs[1:7]
+    ctx.options = inputs[1:8]
 
 
 def _read_gradients(ctx, grads):
@@ -878,7 +892,7 @@ def _read_gradients(ctx, grads):
     grads = [grad.to(t.dtype) for grad, t in zip(grads, inputs)]
     if not query_read:
         grads[-1] = None  # the dummy pointer
-    return grads, None, None, None, None, None, None, None
+    return grads, None, None, None, None, None, None, None, None
 
 
 _read_forward.register_autograd(_read_gradients, setup_context=_save_read_inputs)
@@ -898,7 +912,8 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
     Raises NotImplementedError with ``rsa_chunk_triton_supports``' reason for anything outside its scope.
     ``params.recompute`` is not needed: the read side is recomputed by the backward kernel anyway. ``precision``:
     the write's dot operands (``conventions.dot_precision`` of the caller's inputs before their cast to fp32: tf32
-    for bf16 / fp16); the read's are always READ_PRECISION.
+    for bf16 / fp16), and so the read's weights' (scores, slot mixing, routing); the read's sums (masses, values)
+    always READ_PRECISION.
     """
     reason = rsa_chunk_triton_supports(params, q, v, log_decay)
     if reason is not None:
@@ -927,7 +942,7 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
     f, x, y = writes.f, writes.x, writes.y  # (B, G, L, Tp, m | d | dv)
     inputs = _kernel_inputs(q_b, f, x, y, ks0, writes.value_sum, writes.mass, r0, params, groups)
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    out_b = _read_forward(list(inputs), *_read_options(params), backward)[0]
+    out_b = _read_forward(list(inputs), *_read_options(params, precision), backward)[0]
     out_b = out_b.unflatten(1, (groups, group_size))  # (B, G, g, Tp, dv)
 
     return layout.unpack(out_b, length), state

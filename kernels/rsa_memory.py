@@ -171,8 +171,16 @@ def read_chunks(q_b, writes: ChunkWrites, params: RSAParams, valid_b, decay_b=No
     prior, kappa = slot_prior(params, q.dtype)  # (1, G, L, m, d), (1, G, L, 1)
     at_start = lambda t, i: t[:, :, :, i, None]  # noqa: E731  (B, G, N, L, ...) -> level i, (B, G, N, 1, ...)
     seen = lambda t: t if start is None else start * t  # noqa: E731  the chunk-start part each row sees
-    # per KV head (B, G, N, 1, C, m): each row's inclusive mass, and its inverse (what a read divides by)
-    running_mass = [seen(at_start(writes.mass, i)[..., None, :]) + carry @ f[i] for i in range(levels)]
+
+    # The masses and the value reads are sums over every write so far that the read divides or that cancel in its
+    # normalised output: their products need fp32-accurate operands, where tf32 ones suffice for the scores, the
+    # slot mixing and the routing (`hf-mixers bench precision --scope read_chunks --keep inclusive_mass --keep
+    # read_values`; the kernels take their dots' precision the same way, kernels/rsa_chunk_triton.py).
+    def inclusive_mass(level):
+        """(B, G, N, 1, C, m) per KV head: each row's inclusive mass, the chunk-start mass + the chunk's writes."""
+        return seen(at_start(writes.mass, level)[..., None, :]) + carry @ f[level]
+
+    running_mass = [inclusive_mass(i) for i in range(levels)]
     inverse_mass = [1.0 / mass.clamp_min(eps) for mass in running_mass]
 
     def causal_read(weights, level, sums, of):
@@ -180,6 +188,9 @@ def read_chunks(q_b, writes: ChunkWrites, params: RSAParams, valid_b, decay_b=No
         scaled = weights * inverse_mass[level]
         intra = shared(scaled, f[level].transpose(-1, -2)) * carry
         return shared(seen(scaled), at_start(sums, level)).add_(shared(intra, of))
+
+    def read_values(weights, level):
+        return causal_read(weights, level, writes.value_sum, y[level])
 
     at_level = (lambda t, i: per_head(t, groups)[None, :, None, :, i])  # noqa: E731  (H, L, ..) -> (1, G, 1, g, ..)
     numerator, denominator, chain, log_weight = 0.0, 0.0, None, None
@@ -205,12 +216,12 @@ def read_chunks(q_b, writes: ChunkWrites, params: RSAParams, valid_b, decay_b=No
         else:
             chain = chain * sparse
         a = chain @ at_level(params.mix_proj, i)
-        numerator = numerator + causal_read(a, i, writes.value_sum, y[i])
+        numerator = numerator + read_values(a, i)
         denominator = denominator + a.abs().sum(-1)  # total absolute weight: bounded output (module docstring)
     out = numerator / denominator.clamp_min(eps)[..., None]
     if params.query_read is not None:
         for i in range(levels):
-            out = out + causal_read(q @ at_level(params.query_read, i) / 16, i, writes.value_sum, y[i])
+            out = out + read_values(q @ at_level(params.query_read, i) / 16, i)
     if log_weight is not None:
         out = torch.cat([out, log_weight[..., None]], dim=-1)
     return out.transpose(2, 3).flatten(3, 4)  # (B, G, g, Tp, dv), or dv + 1 with the log weight

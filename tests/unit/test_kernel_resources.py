@@ -190,9 +190,9 @@ def test_the_rsa_chain_kernels_of_a_bf16_call_fit_sm90(monkeypatch, groups, head
 @pytest.mark.parametrize("heads,groups,head_dim", [(9, 3, 64), (32, 8, 128)], ids=["smollm2-135m", "llama3-8b"])
 def test_the_rsa_read_compiles_for_sm90_without_a_spill(monkeypatch, heads, groups, head_dim):
     """RSA's read (kernels/rsa_chunk_triton.py) at the mixer's default levels, slots, chunk size, readout and routing,
-    with the window's log weight, at both head layouts and 2K tokens: the forward at 8 warps, no spill, a program per
-    SM at least, and so the backward's rows kernel (both still over issue 67's 128 registers at 8 warps:
-    docs/benchmarks.md); the backward's keys kernel within the budget."""
+    with the window's log weight, in a bf16 call, at both head layouts and 2K tokens: the forward at 8 warps, no
+    spill, a program per SM at least, and so the backward's rows kernel (both still over issue 67's 128 registers
+    at 8 warps: docs/benchmarks.md); the backward's keys kernel within the budget."""
     from hf_mixers.core.registry import get_mixer
     from hf_mixers.kernels.rsa_chunk_triton import READ_WARPS, _Read
 
@@ -208,7 +208,8 @@ def test_the_rsa_read_compiles_for_sm90_without_a_spill(monkeypatch, heads, grou
               torch.empty(1, groups, n_chunks, levels, slots, head_dim), torch.empty(1, groups, n_chunks, levels, slots),
               torch.empty(1, groups, n_chunks, levels - 1, slots, slots), torch.empty(groups, levels),
               per_head(slots, slots), per_head(slots, slots), per_head(), per_head(), per_head()]
-    options = (chunk, defaults["rsa_eps"], defaults["rsa_readout"], defaults["rsa_routing"], False, True)
+    # a bf16 / fp16 call's, as a training step launches it: the read weights' dots tf32 (``conventions.dot_precision``)
+    options = (chunk, defaults["rsa_eps"], defaults["rsa_readout"], defaults["rsa_routing"], False, True, "tf32")
     read = _Read(options, inputs[0], inputs[1], inputs[3])
     saved = read.forward(inputs, save=True)[1:]  # compiled, not run: the chains, num and den it saves
     (record,) = records

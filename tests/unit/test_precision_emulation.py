@@ -45,6 +45,25 @@ def test_a_scope_rounds_only_the_products_issued_inside_it():
     assert torch.equal(outside, a) and torch.equal(within, torch.ones(2, 2)) and mode.rounded == 1
 
 
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
+def test_a_kept_function_s_products_are_never_rounded_forward_or_backward():
+    a, b = torch.full((2, 2), 1 + 2 ** -12, requires_grad=True), torch.eye(2)
+
+    def kept(x, y):
+        return x @ y
+
+    def inside(x, y):
+        return x @ y, kept(x, y)
+
+    # (the backward places its products by the forward's traceback, which anomaly mode keeps)
+    with EmulatedOperands("tf32", scope=["inside"], keep=["kept"]) as mode, \
+            torch.autograd.detect_anomaly(check_nan=False):
+        rounded, exact = inside(a, b)
+        exact.backward(torch.full((2, 2), 1 + 2 ** -12))
+    assert torch.equal(rounded, torch.ones(2, 2)) and torch.equal(exact, a.detach()) and mode.rounded == 1
+    assert torch.equal(a.grad, torch.full((2, 2), 1 + 2 ** -12))  # kept backward: no rounding either
+
+
 def test_the_bench_reports_errors_against_the_bf16_bound(tmp_path):
     report = bench_precision(str(tmp_path), "rsa", {"rsa_readout": "softmax_count"}, 32, 32, 4, 2)
     rows = {row["precision"]: row for row in report["rows"]}

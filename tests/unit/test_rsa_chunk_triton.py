@@ -569,22 +569,23 @@ def _write_leaves(params, k, v):
 
 
 def _with_leaves(params, leaves):
-    """``params`` with the write's parameters replaced by ``leaves`` (``_write_leaves``' names)."""
-    mlps = {kind: [ResidualMLPWeights(*(leaves[f"{kind}[{i}].{n}"] for n in ("up_weight", "up_bias", "down_weight",
-                                                                             "down_bias")))
-                   for i in range(len(getattr(params, kind)))] for kind in ("key_mlps", "value_mlps")}
-    return replace(params, prototypes=leaves["prototypes"], kappa=leaves["kappa"], beta=leaves["beta"], **mlps)
+    """``params`` with the tensors ``leaves`` names (``param_leaves``' names) replaced by them, the others kept."""
+    mlps = {kind: [ResidualMLPWeights(*(leaves.get(f"{kind}[{i}].{n}", getattr(mlp, n))
+                                        for n in ("up_weight", "up_bias", "down_weight", "down_bias")))
+                   for i, mlp in enumerate(getattr(params, kind))] for kind in ("key_mlps", "value_mlps")}
+    tensors = {name: t for name, t in leaves.items() if "[" not in name and name not in ("q", "k", "v")}
+    return replace(params, **tensors, **mlps)
 
 
 @needs_kernels
 def test_a_half_precision_write_takes_tf32_dots_within_the_bf16_bound(monkeypatch):
     """A bf16 / fp16 call's write (chain, level and residual MLP kernels) takes plain tf32 dots, an fp32 call's
-    fp32-accurate ones, the read fp32-accurate ones always (``rsa_memory`` decides from the inputs' dtype before it
-    casts them; ``conventions.dot_precision``). Issue 67's criterion on the kernels themselves, their dots rounded
-    as a tensor core rounds them (``tf32_dots``): every quantity the write hands on (assignments, the levels' keys
-    and values, the sums at every boundary, the final state) and every gradient of its inputs and parameters stay
-    within the bf16 bound -- the error the exact (fp64) write makes from its inputs and parameters rounded to bf16.
-    Three levels, left padding, a hole."""
+    fp32-accurate ones, and so the read's weights; the read's sums fp32-accurate ones always (``rsa_memory`` decides
+    from the inputs' dtype before it casts them; ``conventions.dot_precision``). Issue 67's criterion on the kernels
+    themselves, their dots rounded as a tensor core rounds them (``tf32_dots``): every quantity the write hands on
+    (assignments, the levels' keys and values, the sums at every boundary, the final state) and every gradient of
+    its inputs and parameters stay within the bf16 bound -- the error the exact (fp64) write makes from its inputs
+    and parameters rounded to bf16. Three levels, left padding, a hole."""
     from functools import partial
 
     from hf_mixers.kernels.rsa_chain_triton import assign_chain_triton, level_writes_triton
@@ -635,6 +636,40 @@ def test_a_half_precision_write_takes_tf32_dots_within_the_bf16_bound(monkeypatc
             rsa_memory(q.to(dtype), k.detach().to(dtype), v.detach().to(dtype), valid,
                        initial_state(params, 3, VALUE_DIM, torch.float32), params, backend="triton")
             write_precision = "tf32x3" if dtype == torch.float32 else "tf32"  # the precision each kernel took
-            precisions = {(name, dict(constexprs)["PRECISION"]) for name, _, constexprs in launched}
-            assert precisions == {("_fwd_kernel", "tf32x3"), ("_chain_fwd", write_precision),
-                                  ("_level_sums_fwd", write_precision)}, (dtype, precisions)
+            precisions = {(name, dict(constexprs)["PRECISION"], dict(constexprs).get("WEIGHT_PRECISION"))
+                          for name, _, constexprs in launched}
+            assert precisions == {("_fwd_kernel", "tf32x3", write_precision), ("_chain_fwd", write_precision, None),
+                                  ("_level_sums_fwd", write_precision, None)}, (dtype, precisions)
+
+
+@needs_kernels
+def test_a_half_precision_memory_takes_tf32_dots_within_the_bf16_bound(monkeypatch):
+    """The whole chunked memory of a bf16 / fp16 call on the kernels, their dots rounded as a tensor core rounds
+    them (``tf32_dots``): tf32 in the write and in the read's weights (scores, slot mixing, routing), fp32-accurate
+    in the read's sums (masses, values). Its output, the state it hands on and every gradient stay within the bf16
+    bound -- the error the exact (fp64) PyTorch form makes from its inputs and parameters rounded to bf16. Three
+    levels with the relation routing, left padding, a hole. (Which products need fp32-accurate operands shows at
+    8K tokens, not at this size: `hf-mixers bench precision`, docs/benchmarks.md.)"""
+    params = make_params(chunk=8, levels=3)
+    original = {**dict(zip("qkv", make_inputs(params, length=45)[:3])), **param_leaves(params)}
+    valid = make_inputs(params, length=45)[3]
+
+    def step(values, fn, dtype):
+        """Output, new state and ``run``'s gradients, from ``values`` cast to ``dtype`` (leaves of their own)."""
+        leaves = {name: t.detach().to(dtype).requires_grad_() for name, t in values.items()}
+        out, state, grads = run(fn, _with_leaves(params, leaves), leaves["q"], leaves["k"], leaves["v"], valid,
+                                initial_state(params, 3, VALUE_DIM, dtype))
+        return {name: t.detach() for name, t in (("output", out), *((n, getattr(state, n)) for n in STATE_FIELDS),
+                                                 *((f"d {n}", grad) for n, grad in grads.items()))}
+
+    rounded = {name: t.detach().to(torch.bfloat16).float() for name, t in original.items()}
+    reference = step(rounded, rsa_chunked, torch.float64)
+    bound = {name: relative_error(reference[name], exact) for name, exact in
+             step(original, rsa_chunked, torch.float64).items()}
+    tf32_dots(monkeypatch)
+    actual = step(rounded, functools.partial(rct.rsa_chunked_triton, precision="tf32"), torch.float32)
+    assert actual.keys() == reference.keys() == bound.keys()
+    for name, value in actual.items():
+        error = relative_error(value, reference[name])
+        assert 0 < error <= bound[name], f"{name}: tf32 error {error:.3g} over the bf16 bound {bound[name]:.3g}"
+

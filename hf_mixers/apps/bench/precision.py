@@ -45,24 +45,28 @@ class EmulatedOperands(TorchDispatchMode):
     """Inside, every fp32 matrix product's two operands are rounded to ``precision`` ("tf32" or "bf16") first; the
     product accumulates in fp32 as before. ``scope``: function names; when given, only the products issued inside
     one of them are rounded, forward and backward (a backward product is placed by its forward's traceback, which
-    ``torch.autograd.detect_anomaly`` keeps: run the forward under it). Counts the products rounded (``rounded``)."""
+    ``torch.autograd.detect_anomaly`` keeps: run the forward under it). ``keep``: function names whose products are
+    never rounded (what a kernel keeps fp32-accurate inside the scope). Counts the products rounded (``rounded``)."""
 
-    def __init__(self, precision: str, scope=()):
+    def __init__(self, precision: str, scope=(), keep=()):
         super().__init__()
         self.round = {"tf32": round_tf32, "bf16": round_bf16}[precision]
-        self.scope = frozenset(scope)
+        self.scope, self.keep = frozenset(scope), frozenset(keep)
         self.rounded = 0
 
     def _in_scope(self) -> bool:
-        if not self.scope:
+        if not self.scope and not self.keep:
             return True
         import traceback
 
         node = torch._C._current_autograd_node()  # a backward op: where its forward op was issued
         if node is not None:
             stack = node.metadata.get("traceback_", [])
-            return any(f" in {name}\n" in line for line in stack for name in self.scope)
-        return any(frame.name in self.scope for frame in traceback.extract_stack())
+            inside = lambda names: any(f" in {name}\n" in line for line in stack for name in names)  # noqa: E731
+        else:
+            frames = {frame.name for frame in traceback.extract_stack()}
+            inside = lambda names: not frames.isdisjoint(names)  # noqa: E731
+        return (not self.scope or inside(self.scope)) and not inside(self.keep)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         places = MATMULS.get(func.overloadpacket.__name__)
@@ -74,15 +78,15 @@ class EmulatedOperands(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step(module, x, embeddings, precision: str, scope=()) -> tuple[dict, int]:
+def _step(module, x, embeddings, precision: str, scope=(), keep=()) -> tuple[dict, int]:
     """One training step of ``module`` on ``x`` (a sum of squares' gradient): {output, d input, d parameters}, and
     the products rounded."""
     from contextlib import nullcontext
 
     module.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
-    mode = EmulatedOperands(precision, scope) if precision in ("tf32", "bf16") else nullcontext()
-    tracked = torch.autograd.detect_anomaly(check_nan=False) if scope else nullcontext()
+    mode = EmulatedOperands(precision, scope, keep) if precision in ("tf32", "bf16") else nullcontext()
+    tracked = torch.autograd.detect_anomaly(check_nan=False) if scope or keep else nullcontext()
     with mode, tracked:
         out = module(x, embeddings)
         out.pow(2).sum().backward()
@@ -98,10 +102,10 @@ def relative_error(actual: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def bench_precision(out_dir: str, mixer: str, options: dict, length: int, hidden_size: int, heads: int,
-                    kv_heads: int, scope=(), seed: int = 0) -> dict:
+                    kv_heads: int, scope=(), seed: int = 0, keep=()) -> dict:
     """Errors of one training step of a ``mixer`` layer (``apps/bench/harness.build_mixer``, the PyTorch path) at
-    ``length`` tokens, per operand precision (of the products inside the functions ``scope`` names, or all),
-    against fp64 and the bf16 bound."""
+    ``length`` tokens, per operand precision (of the products inside the functions ``scope`` names, or all, but
+    those inside the functions ``keep`` names), against fp64 and the bf16 bound."""
     from tqdm.auto import tqdm
 
     from .harness import build_mixer, rotary_embeddings, write_report
@@ -126,7 +130,7 @@ def bench_precision(out_dir: str, mixer: str, options: dict, length: int, hidden
         embeddings = rotary_embeddings(config, x32, length)
         rows = []
         for precision in PRECISIONS:
-            result, rounded = _step(module, x32, embeddings, precision, scope)
+            result, rounded = _step(module, x32, embeddings, precision, scope, keep)
             errors = {name: relative_error(result[name], exact[name]) for name in exact}
             fits = all(errors[name] <= bound[name] for name in exact)
             rows.append({"precision": precision, "products_rounded": rounded, "fits_bf16_bound": fits,
@@ -134,14 +138,15 @@ def bench_precision(out_dir: str, mixer: str, options: dict, length: int, hidden
                          "errors": errors})
             progress.update()
     report = {"mixer": mixer, "options": options, "length": length, "shape": [hidden_size, heads, kv_heads],
-              "scope": sorted(scope) or "every product",
+              "scope": sorted(scope) or "every product", "kept": sorted(keep),
               "torch": torch.__version__, "bf16_bound": bound, "rows": rows}
     return write_report(report, out_dir, "bench_precision", _plot, _show)
 
 
 def _show(report: dict) -> None:
+    kept = f"; kept fp32: {report['kept']}" if report.get("kept") else ""
     print(f"bench precision: {report['mixer']} at T = {report['length']} (the PyTorch path, one training step; "
-          f"rounded: {report['scope']})")
+          f"rounded: {report['scope']}{kept})")
     for row in report["rows"]:
         print(f"  {row['precision']:5s} operands: worst error / bf16 bound {row['worst_ratio_to_bound']:.3g} "
               f"({'within' if row['fits_bf16_bound'] else 'over'} the bound; {row['products_rounded']} products "
@@ -177,6 +182,9 @@ def _arguments(parser) -> None:
     parser.add_argument("--scope", action="append", default=[], metavar="FUNCTION",
                         help="round only the products issued inside this function (repeatable; e.g. read_chunks, "
                              "the RSA read; default: every product)")
+    parser.add_argument("--keep", action="append", default=[], metavar="FUNCTION",
+                        help="never round the products issued inside this function (repeatable; e.g. read_values, "
+                             "what the RSA read kernels keep fp32-accurate)")
     shape_flags(parser)
 
 
@@ -186,7 +194,7 @@ def _run(args):
     spec = get_mixer(args.mixer)
     options = {**spec.conversion_options, **option_dict(args.option)}
     return bench_precision(args.out, args.mixer, options, args.length, args.hidden_size, args.heads, args.kv_heads,
-                           args.scope)
+                           args.scope, keep=args.keep)
 
 
 register_bench("precision", "a mixer's training step with its matrix products' operands rounded to tf32 or bf16 "
