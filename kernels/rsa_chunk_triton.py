@@ -50,8 +50,9 @@ Split of the work:
 
 Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp / C chunks):
   * kernel inputs, built by the write side and saved for the backward: F, X, Y (B, G, L, Tp, m | d | dv) and the
-    chunk-start sums KS0 (B, G, NC, L, m, d), VS0 (B, G, NC, L, m, dv), n0 (B, G, NC, L, m),
-    R0 (B, G, NC, L-1, m, m); q (B, H, Tp, d) (an fp32 copy where q is fp16 / bf16). That is
+    chunk-start sums KS0 (B, G, NB, L, m, d), VS0 (B, G, NB, L, m, dv), n0 (B, G, NB, L, m),
+    R0 (B, G, NB, L-1, m, m), NB = NC, or NC + 1 where they are the sums at every boundary, the last one unread (no
+    copy of the chunk starts); q (B, H, Tp, d) (an fp32 copy where q is fp16 / bf16). That is
     O(T L (m + d + dv) + T/C L (m d + m dv + m^2)) per KV head and O(T d) per query head: nothing per query head and
     level beyond q itself.
   * forward output (B, H, Tp, dv [+ 1]); when a backward follows, also what it reads (a launch fewer than running
@@ -199,11 +200,11 @@ def _activation(num, kappa, n, slot_ok, tau, eps, LEVEL0, READOUT: tl.constexpr)
 # the compiler overlapped them and held more registers (255 and a spill at SmolLM2's layout, against 235 and none),
 # and compiled 4x as long (docs/benchmarks.md). Its products over q's features stay written out here: through
 # ``_row_products`` (the backward's) ptxas held 254 / 255 registers at the two layouts instead of 235 / 240.
-@triton.jit(do_not_specialize=["Tp", "NC", "save"])
+@triton.jit(do_not_specialize=["Tp", "NC", "NB", "save"])
 def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
                 out_ptr, lw_ptr, chain_ptr, num_ptr, den_ptr,  # out (B, H, Tp, DV), LOG_WEIGHT: (B, H, Tp);
-                Tp, NC, H, G, GS, C, M, D, DV, tau, eps, save,  # save: chains, numerator, normaliser
+                Tp, NC, H, G, GS, C, M, D, DV, tau, eps, NB, save,  # save: chains, numerator, normaliser
                 L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
                 LOG_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
@@ -237,7 +238,7 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     n_prev = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
     for i in range(L):
         level_row = (bg * L + i) * Tp + row0  # row of (B, G, L, Tp, .) level tensors
-        state = (bg * NC + chunk) * L + i  # index of (B, G, NC, L, ...) chunk-start sums
+        state = (bg * NB + chunk) * L + i  # index of (B, G, NB, L, ...) chunk-start sums
         # the inclusive running mass N = n0 + M F and the score numerator q KS0^T + ((q X^T) . M) F, (R, m)
         n = tl.zeros((BLOCK_R, BLOCK_M), tl.float32) + tl.load(n0_ptr + state * M + slots, mask=slot_ok,
                                                                 other=0.0)[None, :]
@@ -286,7 +287,7 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
             chain = chain * sparse
         else:  # relation: chain_{i-1} routed through the inclusive relation matrix (R0 + causal F^T F) / N
             scaled = chain / tl.maximum(n_prev, eps)
-            r0 = tl.load(r0_ptr + ((bg * NC + chunk) * (L - 1) + i - 1) * M * M + off_mm, mask=ok_mm, other=0.0)
+            r0 = tl.load(r0_ptr + ((bg * NB + chunk) * (L - 1) + i - 1) * M * M + off_mm, mask=ok_mm, other=0.0)
             routed = tl.dot(scaled, r0, input_precision=WEIGHT_PRECISION)
             for k0 in range(0, reach, BLOCK_K):
                 cols = k0 + keys
@@ -357,7 +358,7 @@ def _row_products(a_ptr, a_at, a_ok, b_ptr, b_at, b_ok, width, b_step, BLOCK_R: 
     return acc
 
 
-@triton.jit(do_not_specialize=["Tp", "NC", "i"])
+@triton.jit(do_not_specialize=["Tp", "NC", "NB", "i"])
 def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
                 g_ptr, chain_ptr, scaled_ptr, num_ptr, den_ptr,  # dL/d out (B, H, Tp, dv [+ 1]); chain_i, and
@@ -366,7 +367,7 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                 u_ptr, d_snum_ptr, d_n_ptr, d_routed_ptr,  # (B, H, L, Tp, m) each: for _bwd_keys_kernel
                 dq_ptr, dks0_ptr, dvs0_ptr, dn0_ptr, dr0_ptr, dkappa_ptr,
                 dw_ptr, dwr_ptr, dtheta_ptr, dwa_ptr, dwqr_ptr,  # fp32 gradients, zero-initialised, added into
-                Tp, NC, H, G, GS, C, M, D, DV, tau, eps, i,
+                Tp, NC, H, G, GS, C, M, D, DV, tau, eps, NB, i,
                 L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
                 LOG_WEIGHT: tl.constexpr, LEVEL0: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
@@ -396,7 +397,7 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     ok_rm, ok_mm = row_ok & slot_ok[None, :], slot_ok[:, None] & slot_ok[None, :]
     off_mm = slots[:, None] * M + slots[None, :]
     level_row = (bg * L + i) * Tp + row0
-    state = (bg * NC + chunk) * L + i
+    state = (bg * NB + chunk) * L + i
     kappa_at = (bg % G) * L + i
     hl = head * L + i
     q_rows = bh * Tp + row0 + rows[:, None]  # (R, 1) rows of (B, H, Tp, .) tensors
@@ -474,7 +475,7 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         if ROUTING == 1:
             routed = chain_prev
         else:  # routed = c~ R0 + ((c~ F_{i-1}^T) . M) F_i, c~ = chain_{i-1} / N_{i-1}
-            r0_at = ((bg * NC + chunk) * (L - 1) + i - 1) * M * M
+            r0_at = ((bg * NB + chunk) * (L - 1) + i - 1) * M * M
             norm_prev = tl.maximum(n_prev, eps)
             scaled_prev = chain_prev / norm_prev
             # c~, for the keys kernel and for the products below, which read it back a block of slots at a time
@@ -729,16 +730,17 @@ def _read_options(params: RSAParams, weight_precision: str = READ_PRECISION) -> 
 
 
 class _Read:
-    """Static launch arguments of one call: sizes, options and block sizes (``options``: ``_read_options``)."""
+    """Static launch arguments of one call: sizes, options and block sizes (``options``: ``_read_options``;
+    ``boundaries``: the sums' rows per sequence and KV head, NC or NC + 1, the memory section above)."""
 
-    def __init__(self, options: tuple, q, f, y):
+    def __init__(self, options: tuple, q, f, y, boundaries: int | None = None):
         chunk_size, eps, readout, routing, query_read, log_weight, weight_precision = options
         batch, heads, self.padded, key_dim = q.shape
         _, groups, levels, _, slots = f.shape
         n_chunks = self.padded // chunk_size
         self.grid = (n_chunks * triton.cdiv(chunk_size, PROGRAM_ROWS), batch * heads)  # forward and backward
         self.sizes = (self.padded, n_chunks, heads, groups, heads // groups, chunk_size, slots, key_dim,
-                      y.shape[-1], key_dim**-0.5, eps)
+                      y.shape[-1], key_dim**-0.5, eps, n_chunks if boundaries is None else boundaries)
         self.batch, self.heads, self.levels, self.slots, self.value_dim = batch, heads, levels, slots, y.shape[-1]
         self.options = dict(L=levels, READOUT=READOUTS[readout], ROUTING=ROUTINGS[routing],
                             QUERY_READ=query_read, LOG_WEIGHT=log_weight, BLOCK_M=tile_edge(slots),
@@ -849,7 +851,7 @@ def _read_forward(inputs: list[torch.Tensor], chunk_size: int, eps: float, reado
     ``backward``: a backward follows (the three saved for it, its kernels compiled side by side with the
     forward's)."""
     read = _Read((chunk_size, eps, readout, routing, query_read, log_weight, weight_precision), inputs[0], inputs[1],
-                 inputs[3])
+                 inputs[3], inputs[4].shape[2])
     read.compile_kernels(inputs, backward)
     return list(read.forward(inputs, save=backward))
 
@@ -857,7 +859,8 @@ def _read_forward(inputs: list[torch.Tensor], chunk_size: int, eps: float, reado
 @_read_forward.register_fake
 def _(inputs, chunk_size, eps, readout, routing, query_read, log_weight, weight_precision, backward):
     q, y = inputs[0], inputs[3]
-    read = _Read((chunk_size, eps, readout, routing, query_read, log_weight, weight_precision), q, inputs[1], y)
+    read = _Read((chunk_size, eps, readout, routing, query_read, log_weight, weight_precision), q, inputs[1], y,
+                 inputs[4].shape[2])
     return [q.new_empty(*q.shape[:3], y.shape[-1] + log_weight, dtype=torch.float32),
             *(q.new_empty(shape, dtype=torch.float32) for shape in read.saved_shapes(backward))]
 
@@ -869,7 +872,7 @@ def _read_backward(inputs: list[torch.Tensor], grad_out: torch.Tensor, saved: li
     """The 14 inputs' gradients (fp32), packed (``_Read.backward``): ``_bwd_kernel`` per level, then
     ``_bwd_keys_kernel``, from what the forward saved (chains, num, den)."""
     read = _Read((chunk_size, eps, readout, routing, query_read, log_weight, weight_precision), inputs[0], inputs[1],
-                 inputs[3])
+                 inputs[3], inputs[4].shape[2])
     return read.backward(inputs, grad_out, *saved)
 
 
@@ -935,12 +938,15 @@ def rsa_chunked_triton(q, k, v, valid, state: RSAState, params: RSAParams, log_d
                                  level=functools.partial(level_writes_triton, precision=precision),
                                  mlps=functools.partial(residual_mlps_triton, precision=precision), priors=priors)
 
-    # Read side: all chunks in one launch, from the chunk-start sums.
+    # Read side: all chunks in one launch, from the chunk-start sums (taken whole, at every boundary where the write
+    # kept them so: no copy of the starts; the compiled write's are the starts alone)
     levels = params.prototypes.shape[1]
-    ks0 = priors[0][:, :, None] + writes.key_sum  # kappa P + sums: (B, G, NC, L, m, d)
-    r0 = writes.relation_sum if levels > 1 else writes.mass.new_zeros(1)  # (B, G, NC, L-1, m, m)
+    key_sum, value_sum, mass, relation_sum = writes.every_boundary or (
+        writes.key_sum, writes.value_sum, writes.mass, writes.relation_sum)
+    ks0 = priors[0][:, :, None] + key_sum  # kappa P + sums: (B, G, NB, L, m, d)
+    r0 = relation_sum if levels > 1 else mass.new_zeros(1)  # (B, G, NB, L-1, m, m)
     f, x, y = writes.f, writes.x, writes.y  # (B, G, L, Tp, m | d | dv)
-    inputs = _kernel_inputs(q_b, f, x, y, ks0, writes.value_sum, writes.mass, r0, params, groups)
+    inputs = _kernel_inputs(q_b, f, x, y, ks0, value_sum, mass, r0, params, groups)
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     out_b = _read_forward(list(inputs), *_read_options(params, precision), backward)[0]
     out_b = out_b.unflatten(1, (groups, group_size))  # (B, G, g, Tp, dv)

@@ -271,6 +271,9 @@ class ChunkWrites:
     value_sum: torch.Tensor  # (B, G, N, L, m, dv)
     mass: torch.Tensor  # (B, G, N, L, m)
     relation_sum: torch.Tensor  # (B, G, N, L - 1, m, m)
+    # the same four sums at every boundary, (B, G, N + 1, L, ...), where the write made them so (``write_chunks``):
+    # the chunk starts above are their views; the kernels' read takes them whole, so no copy of the starts is made
+    every_boundary: tuple | None = None
 
     def rows(self, start: int, stop: int, size: int) -> "ChunkWrites":
         """The writes of buffer rows [start, stop), whole chunks of ``size`` rows (a group of chunks to read)."""
@@ -480,5 +483,6 @@ def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params
                      relation_sum=relation_sum[:, :, -1], key_ref=torch.stack(key_refs, 2),
                      value_ref=torch.stack(value_refs, 2), count=state.count + layout.real)
     writes = ChunkWrites(torch.stack(fs, 2), torch.stack(xs, 2), torch.stack(ys, 2), key_sum[:, :, :-1],
-                         value_sum[:, :, :-1], mass[:, :, :-1], relation_sum[:, :, :-1])
+                         value_sum[:, :, :-1], mass[:, :, :-1], relation_sum[:, :, :-1],
+                         every_boundary=(key_sum, value_sum, mass, relation_sum))
     return writes, final
