@@ -53,7 +53,7 @@ try:
 finally:
     pass
 
-from .conventions import FP32_DOTS, MAX_REGISTERS, kernel_op, packed_zeros, tile_edge, unpacked
+from .conventions import FP32_DOTS, MAX_REGISTERS, kernel_op, tile_edge, unpacked
 from .rsa_state import RSAParams
 
 # The dots' operand precision is the caller's (``precision``: conventions.dot_precision of the mixer's inputs, the
@@ -234,12 +234,12 @@ def _chain_bwd(x_ptr, valid_ptr, boundary_ptr, ref0_ptr, prior_ptr, kappa_ptr, b
                SIGMOID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                PRECISION: tl.constexpr):
     """One program = one (batch row, KV head), chunks in reverse. d* are the gradients of the forward's outputs
-    (dp only with SIGMOID); writes dx (B, G, Tp, D) for chunks up to the row's last boundary (the rest stays 0), the
-    gradients of the starting state, and this program's partials of kappa P (G, M, D), kappa and beta (G,) in its
-    batch row of one partials buffer (``partials_b`` apart), so one sum over the rows reduces all three.
-    The adjoint of the key sums lives in dks0 (its final value), BLOCK_D features at a time, as the forward's S;
-    the partial of kappa P accumulates in dprior (zeros on entry). w, dz (B, G, C, M): a chunk's written
-    assignments and score gradients, between its row pass and its feature pass."""
+    (dp only with SIGMOID); writes all of its dx (B, G, Tp, D) (zeros past the row's last boundary), the gradients
+    of the starting state, and this program's partials of kappa P (G, M, D), kappa and beta (G,) in its batch row of
+    one partials buffer (``partials_b`` apart), so one sum over the rows reduces all three. Every output is written
+    whole here: none needs a zero fill. The adjoint of the key sums lives in dks0 (its final value), BLOCK_D
+    features at a time, as the forward's S; the partial of kappa P accumulates in dprior (zeroed here first). w, dz
+    (B, G, C, M): a chunk's written assignments and score gradients, between its row pass and its feature pass."""
     b, g, head, row, g64, kappa, reached, ref0, prior = _program(boundary_ptr, ref0_ptr, prior_ptr, kappa_ptr, ref_b,
                                                                  ref_g, prior_g, kappa_g, G, NC)
     beta = tl.load(beta_ptr + g * beta_g)
@@ -250,11 +250,13 @@ def _chain_bwd(x_ptr, valid_ptr, boundary_ptr, ref0_ptr, prior_ptr, kappa_ptr, b
     d_sums, d_masses = ds_ptr + head * (NC + 1) * MD, dn_ptr + head * (NC + 1) * M
     g_sum = dks0_ptr + head * MD  # the adjoint of S_{c+1}, then of S_c
     scratch_w, scratch_dz = w_ptr + head * C * M, dz_ptr + head * C * M
+    d_prior = dprior_ptr + row * partials_b + g64 * MD  # this program's partial of kappa P
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         ok_md = slot_ok[:, None] & (cols < D)[None, :]
         off_md = slots[:, None] * D + cols[None, :]
         tl.store(g_sum + off_md, tl.load(d_sums + NC * MD + off_md, mask=ok_md, other=0.0), mask=ok_md)
+        tl.store(d_prior + off_md, tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32), mask=ok_md)
     g_mass = tl.load(d_masses + NC * M + slots, mask=slot_ok, other=0.0)
     d_kappa = 0.0
     d_beta = 0.0
@@ -316,12 +318,20 @@ def _chain_bwd(x_ptr, valid_ptr, boundary_ptr, ref0_ptr, prior_ptr, kappa_ptr, b
                 else:  # ref = (kappa P + S_c) / (kappa + n_c)
                     scaled = d_ref * inverse[:, None]
                     tl.store(g_sum + off_md, adjoint + scaled, mask=ok_md)
-                    _add_into(dprior_ptr + row * partials_b + g64 * MD + off_md, scaled, ok_md)
+                    _add_into(d_prior + off_md, scaled, ok_md)
                     d_ref_ref += tl.sum(d_ref * ref, 1)
             if c > 0:
                 d_total = tl.where(total > eps, -d_ref_ref * inverse, 0.0)  # the clamp holds: no gradient
                 g_mass += d_total
                 d_kappa += tl.sum(d_total, 0)
+        else:  # padding only: its rows' dx is zero
+            for r0 in range(0, C, BLOCK_R):
+                rows = r0 + tl.arange(0, BLOCK_R)
+                token = head * Tp + c * C + rows
+                for d0 in range(0, D, BLOCK_D):
+                    cols = d0 + tl.arange(0, BLOCK_D)
+                    tl.store(dx_ptr + token[:, None] * D + cols[None, :], tl.zeros((BLOCK_R, BLOCK_D), tl.float32),
+                             mask=(rows < C)[:, None] & (cols < D)[None, :])
         tl.debug_barrier()
         for d0 in range(0, D, BLOCK_D):  # now the adjoint of S_c
             cols = d0 + tl.arange(0, BLOCK_D)
@@ -726,12 +736,13 @@ def _(x, valid, key_sum, mass, key_ref, prior, kappa, beta, boundary, sigmoid, c
 def _chain_backward(x: Tensor, valid: Tensor, boundary: Tensor, key_ref: Tensor, prior: Tensor, kappa: Tensor,
                     beta: Tensor, sums: Tensor, masses: Tensor, d_f: Tensor, d_p: Tensor, d_sums: Tensor,
                     d_masses: Tensor, sigmoid: bool, chunk_size: int, eps: float, precision: str) -> list[Tensor]:
-    """[dx and the batch rows' partials packed (``_chain_zeroed``), d key_sum, d mass, d key_ref, the partials summed
+    """[dx and the batch rows' partials packed (``_chain_packed``), d key_sum, d mass, d key_ref, the partials summed
     over the batch (``_shared_gradients``: d prior, d kappa, d beta)]."""
     batch, groups, padded = x.shape[:3]
     sizes = _chain_sizes(x, prior, chunk_size, eps)
-    # dx (rows past a row's last boundary stay 0) and the partials (d prior accumulates): one zero fill
-    zeroed, (d_x, partials) = packed_zeros(_chain_zeroed(x, prior), x.device)
+    # dx and the partials, in one buffer (the kernel writes all of both)
+    packed = x.new_empty(sum(math.prod(shape) for shape in _chain_packed(x, prior)))
+    d_x, partials = unpacked(packed, _chain_packed(x, prior))
     d_prior, d_kappa, d_beta = _shared_gradients(partials, prior, 2)
     d_key_sum, d_key_ref = (x.new_empty(batch, groups, *prior.shape[1:]) for _ in range(2))  # written whole
     d_mass = x.new_empty(batch, groups, prior.shape[1])
@@ -742,7 +753,7 @@ def _chain_backward(x: Tensor, valid: Tensor, boundary: Tensor, key_ref: Tensor,
                                   d_beta, *_chain_read_strides(key_ref, prior, kappa, beta), partials.stride(0),
                                   *sizes, **_launch_options(sigmoid, chunk_size, prior.shape[1], x.shape[-1],
                                                             precision))
-    return [zeroed, d_key_sum, d_mass, d_key_ref, partials.sum(0)]
+    return [packed, d_key_sum, d_mass, d_key_ref, partials.sum(0)]
 
 
 def _shared_gradients(partials, prior, scalars: int) -> list[Tensor]:
@@ -755,8 +766,8 @@ def _shared_gradients(partials, prior, scalars: int) -> list[Tensor]:
     return views + [partials[:, groups * size + i * groups:groups * size + (i + 1) * groups] for i in range(scalars)]
 
 
-def _chain_zeroed(x, prior) -> list[tuple]:
-    """The shapes of the chain backward's zero-filled buffers: dx, the batch rows' partials (d prior, d kappa,
+def _chain_packed(x, prior) -> list[tuple]:
+    """The shapes of the chain backward's buffers packed in one: dx, the batch rows' partials (d prior, d kappa,
     d beta)."""
     return [tuple(x.shape), (x.shape[0], prior.numel() + 2 * prior.shape[0])]
 
@@ -766,7 +777,7 @@ def _(x, valid, boundary, key_ref, prior, kappa, beta, sums, masses, d_f, d_p, d
       chunk_size, eps, precision):
     batch, groups = x.shape[:2]
     new = lambda *shape: x.new_empty(shape, dtype=torch.float32)  # noqa: E731
-    return [packed_zeros(_chain_zeroed(x, prior), x.device)[0], new(batch, groups, *prior.shape[1:]),
+    return [new(sum(math.prod(shape) for shape in _chain_packed(x, prior))), new(batch, groups, *prior.shape[1:]),
             new(batch, groups, prior.shape[1]), new(batch, groups, *prior.shape[1:]),
             new(prior.numel() + 2 * prior.shape[0])]
 
@@ -794,11 +805,11 @@ def _chain_gradients(ctx, grads):
     f_shape = (*x.shape[:3], prior.shape[1])
     d_f, d_p, d_sums, d_masses = _given([d_f, d_p, d_sums, d_masses],
                                         [f_shape, f_shape if sigmoid else None, sums.shape, masses.shape], x)
-    zeroed, d_key_sum, d_mass, d_key_ref, shared = _chain_backward(
+    packed, d_key_sum, d_mass, d_key_ref, shared = _chain_backward(
         x, valid, boundary, key_ref, prior, kappa, beta, sums, masses, d_f, d_p if sigmoid else d_f, d_sums, d_masses,
         *ctx.options)  # softmax: d_f a dummy pointer for d_p
     d_prior, d_kappa, d_beta = (t[0] for t in _shared_gradients(shared[None], prior, 2))
-    d_x = unpacked(zeroed, _chain_zeroed(x, prior))[0]
+    d_x = unpacked(packed, _chain_packed(x, prior))[0]
     return d_x, None, d_key_sum, d_mass, d_key_ref, d_prior, d_kappa, d_beta, None, None, None, None, None
 
 
