@@ -292,15 +292,28 @@ def check_compiled_decode(name):
 
 
 def check_chunked_prefill(name):
-    """A prefill in two chunks (the second onto a non-empty cache) equals one full forward."""
+    """A prefill in two chunks (the second onto a non-empty cache) equals one full forward; after each, a layer's
+    recurrent state owns its tensors (a view keeps its whole base alive in the cache: the sums at every chunk
+    boundary, say, N + 1 times the state)."""
     from transformers import DynamicCache
+
+    from .core.cache import tensors_of
 
     model = tiny_model(name)
     ids, mask = _inputs()
     full = _logits(model, ids, mask)
     cache = DynamicCache(config=model.config)
-    first = _logits(model, ids[:, :7], mask[:, :7], past_key_values=cache, use_cache=True)
-    second = _logits(model, ids[:, 7:], mask, past_key_values=cache, use_cache=True)
+
+    def prefill(part, part_mask):
+        logits = _logits(model, part, part_mask, past_key_values=cache, use_cache=True)
+        for index, layer in enumerate(cache.layers):
+            for tensor in tensors_of(getattr(layer, "state", None)):
+                held = tensor.untyped_storage().nbytes()
+                assert held == tensor.numel() * tensor.element_size(), \
+                    f"{name}: layer {index}'s state holds a {tuple(tensor.shape)} view of {held} bytes"
+        return logits
+
+    first, second = prefill(ids[:, :7], mask[:, :7]), prefill(ids[:, 7:], mask)
     valid = mask.bool()
     _close(torch.cat([first, second], 1)[valid], full[valid], "two-chunk prefill vs one forward")
 
