@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attention_forward
 
+from ..kernels.rope import apply_rope
 from .mixer import SequenceMixer
 
 TEACHER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")  # what from_attention copies
@@ -159,7 +160,7 @@ class FullAttention(SequenceMixer):
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, H|Hkv, T, hd)
         if self.use_rope if rotate is None else rotate:
             cos, sin = position_embeddings
-            query, key = apply_rotary_pos_emb(query, key, cos, sin)
+            query, key = apply_rope(query, key, cos, sin, self.config.kernel_backend)
         return query, key, value
 
     def attend(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):

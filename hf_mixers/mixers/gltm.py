@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attention_forward
 
 from ..core.attention import FullAttention
 from ..core.cache import KVPlusLayer
@@ -45,6 +45,7 @@ from ..core.mixer import TokenStep
 from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, positive_int, register_mixer
 from ..kernels.conventions import compute_dtype, shape_constant
 from ..kernels.feedback_solve import feedback_solve, feedback_solve_sparse, sparse_solve, strict_past_softmax
+from ..kernels.rope import apply_rope
 from ..kernels.sparse_attention import gathered_softmax, sparse_attention
 from ..kernels.token_patterns import PATTERNS, RECURRENT, offset_function, offsets_below, support_rows
 
@@ -201,7 +202,7 @@ class GLTMMixer(FullAttention):
         if self.config.qk_norm:
             query, key = self.qb_norm(query), self.kb_norm(key)
         cos, sin = position_embeddings
-        return apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        return apply_rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin, self.config.kernel_backend)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
                 past_key_values=None, **kwargs):

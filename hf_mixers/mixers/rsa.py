@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..core.attention import FullAttention
 from ..core.cache import RecurrentStateLayer
@@ -30,6 +29,7 @@ from ..core.registry import MixerOption, MixerSpec, boolean, number, one_of, pos
 from ..core.short_conv import causal_conv
 from ..core.window import WindowState, window_option, windowed
 from ..kernels.conventions import COMPILE_CHOICES, compute_dtype
+from ..kernels.rope import apply_rope
 from ..kernels.rsa_memory import ResidualMLPWeights, RSAParams, initial_state, refresh_references, rsa_memory
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class RSAMixer(RecurrentMixer, FullAttention):
         plain_query, plain_key, value = self.project(hidden_states, position_embeddings, rotate=False)
         if not self.config.rsa_window:  # no window: nothing reads the rotated ones
             return plain_query, plain_key, plain_query, plain_key, value
-        query, key = apply_rotary_pos_emb(plain_query, plain_key, *position_embeddings)
+        query, key = apply_rope(plain_query, plain_key, *position_embeddings, self.config.kernel_backend)
         return query, key, plain_query, plain_key, value
 
     def memory_read(self, hidden_states, position_embeddings, token_mask=None, state=None, method="chunked",

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..core.attention import TEACHER_MODULES, FullAttention
 from ..core.cache import RecurrentStateLayer
@@ -41,6 +41,7 @@ from ..core.short_conv import causal_conv
 from ..core.window import window_option, windowed
 from ..kernels.conventions import compute_dtype
 from ..kernels.mamba_ops import ssd_scan
+from ..kernels.rope import apply_rope
 from ..kernels.selective_scan import ssm_scan
 
 VARIANTS = ("s6", "s4d", "mamba2", "delta_t")
@@ -284,7 +285,7 @@ class SelectiveSSMMixer(RecurrentMixer):
         queries = queries.view(batch, length, heads, -1).transpose(1, 2)
         keys = keys.view(batch, length, groups, -1).transpose(1, 2)
         cos, sin = position_embeddings
-        queries, keys = apply_rotary_pos_emb(queries, keys, cos, sin)  # (B, H, T, d), (B, G, T, d)
+        queries, keys = apply_rope(queries, keys, cos, sin, self.config.kernel_backend)  # (B, H, T, d), (B, G, T, d)
         values = values.view(batch, length, groups, -1).transpose(1, 2)
 
         def by_group(x):  # (B, T, H, ...) -> (B, G, T, g, ...): the window's extras layout

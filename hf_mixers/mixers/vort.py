@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..core.attention import FullAttention
 from ..core.cache import RecurrentStateLayer
@@ -42,6 +41,7 @@ from ..kernels.conventions import compute_dtype, outside_autocast
 from ..kernels.hedgehog import hedgehog, hedgehog_pair
 from ..kernels.retention import (lag_kernel, normalised_read, retention, retention_chunked, retention_quadratic,
                                  retention_recurrent)
+from ..kernels.rope import apply_rope
 from ..kernels.soe import KERNELS, gl_weights, power_weights, soe_log_rates, soe_weights, write_weights
 
 FEATURE_MAPS = ("favor_pos", "hedgehog", "elu1", "identity")
@@ -225,7 +225,7 @@ class VORTMixer(RecurrentMixer, FullAttention):
         query, key = query.transpose(1, 2).to(cd), key.transpose(1, 2).to(cd)  # (B, H, T, d), (B, G, T, d)
         value = value.transpose(1, 2).to(cd)
         cos, sin = position_embeddings
-        rotated_q, rotated_k = apply_rotary_pos_emb(query, key, cos.to(cd), sin.to(cd))
+        rotated_q, rotated_k = apply_rope(query, key, cos.to(cd), sin.to(cd), self.config.kernel_backend)
         global_q, global_k = (rotated_q, rotated_k) if self.config.vort_global_rope else (query, key)
         grouped = (self.num_key_value_heads, self.num_key_value_groups)
         return rotated_q.unflatten(1, grouped), rotated_k, global_q.unflatten(1, grouped), global_k, value

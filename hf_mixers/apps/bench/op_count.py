@@ -35,7 +35,7 @@ _NO_KERNEL = frozenset({"detach", "alias", "lift_fresh", "_unsafe_view", "view",
                         "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "empty_like",
                         "empty", "empty_strided", "new_empty", "new_empty_strided", "set_", "resize_", "size",
                         "stride", "dim", "numel", "is_contiguous", "_has_compatible_shallow_copy_type",
-                        "_to_copy_if_needed", "record_stream"})
+                        "_to_copy_if_needed", "record_stream", "promote_types", "result_type"})
 
 
 def _is_free(func) -> bool:
@@ -270,15 +270,14 @@ def count_ops(fn, *args, sites: bool = False, library_kernels: bool = False, run
 def training_step_ops(module, hidden_states, position_embeddings, sites: bool = False,
                       library_kernels: bool = False, run_kernels: bool = True) -> OpCount:
     """One forward + backward of a standalone layer (``apps/bench/harness.build_mixer``) on ``hidden_states``: the
-    count of the benchmarks' training step, the loss a sum of squares (``library_kernels``: as ``count_ops``; then
-    a first step, not counted, builds what a library kernel builds once a shape, as a run's first step does: flex's
-    block mask; ``run_kernels``: as ``count_ops``)."""
+    count of the benchmarks' training step, the loss a sum of squares (``library_kernels``, ``run_kernels``: as
+    ``count_ops``). A first step, not counted, does what a run does once: a library's import (Liger's), what a
+    library kernel builds once a shape (flex's block mask)."""
 
     def step():
         module(hidden_states, position_embeddings).float().pow(2).mean().backward()
 
-    if library_kernels:
-        count_ops(step, library_kernels=True, run_kernels=run_kernels)
-        module.zero_grad(set_to_none=True)  # or the counted step would accumulate into the gradients
-        hidden_states.grad = None
+    count_ops(step, library_kernels=library_kernels, run_kernels=run_kernels)
+    module.zero_grad(set_to_none=True)  # or the counted step would accumulate into the gradients
+    hidden_states.grad = None
     return count_ops(step, sites=sites, library_kernels=library_kernels, run_kernels=run_kernels)[0]
