@@ -23,6 +23,11 @@ from .conventions import kernel_op
 from .dispatch import installed, use_triton
 
 
+# Under the Triton interpreter (CPU tests) Liger's kernel, a program a token, is slow to interpret: there it runs only
+# where asked for, in its own tests and in the op counter (apps/bench/op_count.py), which counts what a GPU runs.
+INTERPRET_LIGER = False
+
+
 def apply_rope(query, key, cos, sin, backend: str = "auto"):
     """query (B, H, T, hd), key (B, Hkv, T, hd), cos and sin (B | 1, T, hd) -> the rotated query and key.
     ``backend``: as ``config.kernel_backend`` (kernels/dispatch.py); "torch" keeps the PyTorch form."""
@@ -41,8 +46,11 @@ def _unsupported(query, key, cos, sin) -> str | None:
         return f"queries and keys in {query.dtype} / {key.dtype} (fp64 is the reference's dtype)"
     if cos.requires_grad or sin.requires_grad:
         return "cos / sin ask for gradients (the kernel gives none)"
-    if os.environ.get("TRITON_INTERPRET") == "1" and torch.promote_types(query.dtype, cos.dtype).itemsize < 4:
-        return "half-precision rotation under the Triton interpreter (whose bf16 arithmetic gives NaN; CUDA's not)"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        if not INTERPRET_LIGER:
+            return "the Triton interpreter (INTERPRET_LIGER off: a program a token is slow to interpret)"
+        if torch.promote_types(query.dtype, cos.dtype).itemsize < 4:
+            return "half-precision rotation under the Triton interpreter (whose bf16 arithmetic gives NaN; CUDA's not)"
     return None
 
 

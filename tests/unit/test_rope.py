@@ -20,6 +20,11 @@ pytest.importorskip("liger_kernel")
 DEV = DEVICE or "cpu"
 
 
+@pytest.fixture(autouse=True)
+def interpret_liger(monkeypatch):
+    monkeypatch.setattr(rope, "INTERPRET_LIGER", True)  # kernels/rope.py: here its kernel is what is tested
+
+
 @pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
 def test_under_interpreter_in_subprocess():
     run_under_interpreter(__file__)

@@ -256,14 +256,20 @@ def count_ops(fn, *args, sites: bool = False, library_kernels: bool = False, run
     ``library_kernels``: the CUDA-only library kernels of ``LIBRARY_KERNELS`` run where a GPU would run them, each
     counted as one launch forward and one backward (kernels/dispatch.py ``library_stand_ins``). ``run_kernels=False``:
     each Triton launch is counted but not run, its outputs left as allocated (the same count, minutes sooner under
-    the interpreter, where nothing reads a kernel's values back to decide what to launch; the values are garbage)."""
+    the interpreter, where nothing reads a kernel's values back to decide what to launch; the values are garbage).
+    RoPE takes Liger's kernel as on a GPU (kernels/rope.py ``INTERPRET_LIGER``)."""
+    from ...kernels import rope
     from ...kernels.dispatch import library_stand_ins
 
     count = OpCount()
     mode = _Counter(count, sites)
     stand_ins = {path: _one_launch(mode, name, function) for path, (name, function) in LIBRARY_KERNELS.items()}
-    with library_stand_ins(stand_ins if library_kernels else {}), _triton_launches_as_one(mode, run_kernels), mode:
-        result = fn(*args, **kwargs)
+    interpret_liger, rope.INTERPRET_LIGER = rope.INTERPRET_LIGER, True
+    try:
+        with library_stand_ins(stand_ins if library_kernels else {}), _triton_launches_as_one(mode, run_kernels), mode:
+            result = fn(*args, **kwargs)
+    finally:
+        rope.INTERPRET_LIGER = interpret_liger
     return count, result
 
 
