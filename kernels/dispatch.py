@@ -57,13 +57,15 @@ def requested_backend(config_value: str = "auto") -> tuple[str, str]:
     return backend, source
 
 
-def use_triton(kernel: str, device: torch.device, config_value: str = "auto", check=None, slower=None) -> bool:
+def use_triton(kernel: str, device: torch.device, config_value: str = "auto", check=None, slower=None,
+               required: bool = True) -> bool:
     """True when ``kernel`` should run its Triton implementation on ``device``.
 
     ``check()``: why the kernel cannot handle this call's options (None: it can), asked only once triton can run
     (it may import the kernel module); such calls take the PyTorch path under "auto" and fail under "triton".
     ``slower()``: why the PyTorch path was measured faster for this call (None: it was not); "auto" then takes it,
-    "triton" runs the kernel anyway.
+    "triton" runs the kernel anyway. ``required=False``: a kernel that is an option, never a mixer's own (RoPE's):
+    under "triton" it too falls back to PyTorch with its reason instead of failing.
     """
     backend, source = requested_backend(config_value)
     if backend == "torch":
@@ -76,7 +78,7 @@ def use_triton(kernel: str, device: torch.device, config_value: str = "auto", ch
     if reason is None:
         _announce(kernel, "Triton kernel" + (f" (forced by {source})" if backend == "triton" else ""))
         return True
-    if backend == "triton":
+    if backend == "triton" and required:
         raise RuntimeError(f"{kernel}: the Triton kernel was requested ({source}) but cannot run: {reason}")
     _announce(kernel, f"PyTorch path ({reason})")
     return False

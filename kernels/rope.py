@@ -30,8 +30,9 @@ INTERPRET_LIGER = False
 
 def apply_rope(query, key, cos, sin, backend: str = "auto"):
     """query (B, H, T, hd), key (B, Hkv, T, hd), cos and sin (B | 1, T, hd) -> the rotated query and key.
-    ``backend``: as ``config.kernel_backend`` (kernels/dispatch.py); "torch" keeps the PyTorch form."""
-    if torch.compiler.is_compiling() or not use_triton("RoPE (Liger-Kernel)", query.device, backend,
+    ``backend``: as ``config.kernel_backend`` (kernels/dispatch.py); "torch" keeps the PyTorch form, "triton" takes
+    Liger's kernel where it can run (a mixer's forced kernels do not fail for want of this one)."""
+    if torch.compiler.is_compiling() or not use_triton("RoPE (Liger-Kernel)", query.device, backend, required=False,
                                                        check=lambda: _unsupported(query, key, cos, sin)):
         return apply_rotary_pos_emb(query, key, cos, sin)
     rotated_query, rotated_key = _rope_forward(query, key, cos, sin)

@@ -48,7 +48,7 @@ def _inputs(dtype, cos_dtype, width, cos_batch, seed=0):
         INTERPRETED, reason="CUDA only: the interpreter's bf16 arithmetic gives NaN (kernels/rope.py takes the "
         "PyTorch form there)"))])
 @pytest.mark.parametrize("width, cos_batch", [(16, 1), (12, 2)])
-def test_liger_rope_equals_the_pytorch_form(dtype, cos_dtype, width, cos_batch):
+def test_liger_rope_equals_the_pytorch_form(dtype, cos_dtype, width, cos_batch, monkeypatch):
     """The kernel's results and the gradients of q and k equal transformers' form in fp32, in its result dtype (bf16
     queries with fp32 cos: fp32, as the PyTorch form promotes); in bf16 they are as close to the fp64 rotation as the
     PyTorch form's (which rounds each product where the kernel rounds once). The projections' outputs are left as
@@ -66,7 +66,10 @@ def test_liger_rope_equals_the_pytorch_form(dtype, cos_dtype, width, cos_batch):
         loss = sum((out.double() * probe).sum() for out, probe in zip(outs, probes))
         return [*outs, *torch.autograd.grad(loss, [q, k])]
 
+    calls, liger = [], rope._rope_forward
+    monkeypatch.setattr(rope, "_rope_forward", lambda *a: calls.append(1) or liger(*a))
     fused = step(query, key, cos, sin, lambda *a: rope.apply_rope(*a, backend="triton"))
+    assert calls == [1]  # Liger's kernel took the call
     reference = step(query, key, cos, sin, apply_rotary_pos_emb)
     leaves = [t.detach().double().requires_grad_() for t in (query, key)]
     exact = step(*leaves, cos.double(), sin.double(), apply_rotary_pos_emb)
