@@ -200,11 +200,11 @@ def _activation(num, kappa, n, slot_ok, tau, eps, LEVEL0, READOUT: tl.constexpr)
 # the compiler overlapped them and held more registers (255 and a spill at SmolLM2's layout, against 235 and none),
 # and compiled 4x as long (docs/benchmarks.md). Its products over q's features stay written out here: through
 # ``_row_products`` (the backward's) ptxas held 254 / 255 registers at the two layouts instead of 235 / 240.
-@triton.jit(do_not_specialize=["Tp", "NC", "NB", "save"])
+@triton.jit(do_not_specialize=["Tp", "NB", "save"])
 def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
                 out_ptr, lw_ptr, chain_ptr, num_ptr, den_ptr,  # out (B, H, Tp, DV), LOG_WEIGHT: (B, H, Tp);
-                Tp, NC, H, G, GS, C, M, D, DV, tau, eps, NB, save,  # save: chains, numerator, normaliser
+                Tp, NB, H, G, GS, C, M, D, DV, tau, eps, save,  # save: chains, numerator, normaliser
                 L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
                 LOG_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
@@ -358,7 +358,7 @@ def _row_products(a_ptr, a_at, a_ok, b_ptr, b_at, b_ok, width, b_step, BLOCK_R: 
     return acc
 
 
-@triton.jit(do_not_specialize=["Tp", "NC", "NB", "i"])
+@triton.jit(do_not_specialize=["Tp", "NB", "i"])
 def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
                 g_ptr, chain_ptr, scaled_ptr, num_ptr, den_ptr,  # dL/d out (B, H, Tp, dv [+ 1]); chain_i, and
@@ -367,7 +367,7 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                 u_ptr, d_snum_ptr, d_n_ptr, d_routed_ptr,  # (B, H, L, Tp, m) each: for _bwd_keys_kernel
                 dq_ptr, dks0_ptr, dvs0_ptr, dn0_ptr, dr0_ptr, dkappa_ptr,
                 dw_ptr, dwr_ptr, dtheta_ptr, dwa_ptr, dwqr_ptr,  # fp32 gradients, zero-initialised, added into
-                Tp, NC, H, G, GS, C, M, D, DV, tau, eps, NB, i,
+                Tp, NB, H, G, GS, C, M, D, DV, tau, eps, i,
                 L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
                 LOG_WEIGHT: tl.constexpr, LEVEL0: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
@@ -626,10 +626,10 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
             tl.store(dn_next_ptr + carry_at, dn_next, mask=ok_rm)
 
 
-@triton.jit(do_not_specialize=["Tp", "NC"])
+@triton.jit(do_not_specialize=["Tp", "NB"])
 def _bwd_keys_kernel(q_ptr, f_ptr, x_ptr, y_ptr, g_ptr, scaled_prev_ptr, u_ptr, d_snum_ptr, d_n_ptr, d_routed_ptr,
                      df_ptr, dx_ptr, dy_ptr,
-                     Tp, NC, H, G, GS, C, M, D, DV,
+                     Tp, NB, H, G, GS, C, M, D, DV,
                      L: tl.constexpr, ROUTING: tl.constexpr, LOG_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
     """The gradients of the chunk's key-side rows F_i, X_i, Y_i, from what ``_bwd_kernel`` wrote for every level:
@@ -739,8 +739,8 @@ class _Read:
         _, groups, levels, _, slots = f.shape
         n_chunks = self.padded // chunk_size
         self.grid = (n_chunks * triton.cdiv(chunk_size, PROGRAM_ROWS), batch * heads)  # forward and backward
-        self.sizes = (self.padded, n_chunks, heads, groups, heads // groups, chunk_size, slots, key_dim,
-                      y.shape[-1], key_dim**-0.5, eps, n_chunks if boundaries is None else boundaries)
+        self.sizes = (self.padded, n_chunks if boundaries is None else boundaries, heads, groups, heads // groups,
+                      chunk_size, slots, key_dim, y.shape[-1], key_dim**-0.5, eps)
         self.batch, self.heads, self.levels, self.slots, self.value_dim = batch, heads, levels, slots, y.shape[-1]
         self.options = dict(L=levels, READOUT=READOUTS[readout], ROUTING=ROUTINGS[routing],
                             QUERY_READ=query_read, LOG_WEIGHT=log_weight, BLOCK_M=tile_edge(slots),

@@ -108,3 +108,14 @@ def test_the_dispatch_keeps_the_pytorch_form_on_cpu_and_for_fp64_and_says_so(cap
     assert any("RoPE (Liger-Kernel)" in record.message and "PyTorch path" in record.message
                for record in caplog.records), caplog.text
     assert rope._unsupported(*_inputs(torch.float64, torch.float64, 16, 1)).startswith("queries and keys in")
+
+
+@needs_kernels
+def test_a_forced_triton_backend_falls_back_where_liger_cannot_run(monkeypatch):
+    """RoPE's kernel is an option, not a mixer's own: with ``kernel_backend="triton"`` (which forces a mixer's kernels)
+    a call Liger cannot take keeps the PyTorch form instead of failing (here: the interpreter with Liger off)."""
+    monkeypatch.setattr(rope, "INTERPRET_LIGER", False)
+    query, key, cos, sin = _inputs(torch.float32, torch.float32, 16, 1)
+    for got, want in zip(rope.apply_rope(query, key, cos, sin, backend="triton"),
+                         apply_rotary_pos_emb(query, key, cos, sin)):
+        assert torch.equal(got, want)
