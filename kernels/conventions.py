@@ -101,6 +101,14 @@ def readable_in_place(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and torch.empty_like(x).stride() == x.stride()
 
 
+def kept_by_state(part: torch.Tensor) -> torch.Tensor:
+    """``part`` (a slice of a call's tensor) as a returned state keeps it. Without autograd (a prefill: its cache
+    keeps the state) a dense copy that owns its storage: a view would hold the whole tensor alive until the next
+    step replaced it, and a compiled decode step sees the strides it was built for. Under autograd the view itself:
+    a training step drops its state, and the copy would be a launch a step for nothing."""
+    return part if torch.is_grad_enabled() else part.clone(memory_format=torch.contiguous_format)
+
+
 def table_with_contiguous_rows(table: torch.Tensor) -> torch.Tensor:
     """A support table (B, T, K) as a kernel reads it: each batch's (T, K) rows contiguous, the batch stride free (0
     for one table broadcast over the batch); copied only where its rows lie otherwise."""

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .conventions import own_code, packed_zeros
+from .conventions import kept_by_state, own_code, packed_zeros
 
 
 @dataclass
@@ -479,10 +479,8 @@ def write_chunks(k_b, v_b, valid_b, layout: ChunkLayout, state: RSAState, params
     key_sum, value_sum, mass = (torch.stack(t, 3) for t in (key_sums, value_sums, masses))  # (B, G, N + 1, L, ...)
     relation_sum = torch.stack(relations, 3) if relations else state.relation_sum[:, :, None].expand(
         -1, -1, count + 1, -1, -1, -1)
-    # The sums after the last boundary. Without autograd (a prefill: a cache keeps the state) they are copies: as
-    # views they held every boundary's sums alive, N + 1 times the state, until the next step replaced them. Under
-    # autograd views (a training step drops the state; copies would be 4 more ops a step).
-    last = (lambda t: t[:, :, -1]) if torch.is_grad_enabled() else (lambda t: t[:, :, -1].clone())  # noqa: E731
+    # the sums after the last boundary (as views they would hold every boundary's sums, N + 1 times the state)
+    last = lambda t: kept_by_state(t[:, :, -1])  # noqa: E731
     final = RSAState(key_sum=last(key_sum), value_sum=last(value_sum), mass=last(mass),
                      relation_sum=last(relation_sum), key_ref=torch.stack(key_refs, 2),
                      value_ref=torch.stack(value_refs, 2), count=state.count + layout.real)

@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from ..kernels.conventions import kept_by_state
 from ..kernels.local_attention import local_attention, ring_attention
 from ..kernels.window_combine import combine_reads
 from .cache import map_tensors
@@ -72,10 +73,11 @@ def in_order(ring: torch.Tensor, oldest: torch.Tensor, dim: int) -> torch.Tensor
 
 def _writes_in_place(state: WindowState, keys, values, extras) -> bool:
     """Whether a token step may write into the state's ring buffers: not under autograd (the previous step's read
-    of them may be saved for the backward pass), nor into inference tensors outside inference mode, nor in a
-    compiled CUDA step (cudagraph trees replay no graph that mutates its inputs: the step would run without one), and
-    the new token in the ring's dtypes."""
-    if torch.is_grad_enabled():
+    of them may be saved for the backward pass), nor into a ring a prefill under autograd left as views of its
+    tensors (``kept_by_state``), nor into inference tensors outside inference mode, nor in a compiled CUDA step
+    (cudagraph trees replay no graph that mutates its inputs: the step would run without one), and the new token in
+    the ring's dtypes."""
+    if torch.is_grad_enabled() or any(t.requires_grad for t in (state.keys, state.values, *state.extras)):
         return False
     if torch.compiler.is_compiling():  # (dynamo cannot trace the inference-tensor test below)
         if keys.device.type == "cuda":
@@ -188,9 +190,9 @@ def _block_step(query, keys, values, valid, extras, state: WindowState | None, w
     # else the memory reads every token, the window on top
     span = slice(0, length) if delayed else slice(window, window + length)
     entering = (keys[:, :, span], values[:, :, span], valid[:, span], tuple(e[:, :, span] for e in extras))
-    # the last w positions as dense tensors (w rows, not views into w + T): a compiled decode step writes them so
-    # and its next call sees the strides it was compiled for, with no copy in between
-    last = lambda t, dim: t.narrow(dim, length, window).clone(memory_format=torch.contiguous_format)  # noqa: E731
+    # the last w positions (a prefill's as dense tensors of w rows, not views into w + T: a compiled decode step
+    # writes them so, and its next call sees the strides it was compiled for, with no copy in between)
+    last = lambda t, dim: kept_by_state(t.narrow(dim, length, window))  # noqa: E731
     ring = WindowState(keys=last(keys, 2), values=last(values, 2), valid=last(valid, 1),
                        extras=tuple(last(e, 2) for e in extras), memory=None, written=None,
                        oldest=torch.zeros(query.shape[0], dtype=torch.long, device=query.device))

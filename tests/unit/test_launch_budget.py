@@ -86,7 +86,7 @@ def test_rsa_window_step_takes_flex_attention_as_one_launch_each_way():
     assert short.ops == long.ops, (short.top(), long.top())
     assert short.by_name["library:flex_attention"] == 2
     assert short.by_name["triton:_combine_fwd"] == short.by_name["triton:_combine_bwd"] == 1  # their shared normaliser
-    assert short.ops <= 207, short.top()  # the memory's and the window's: issue 67's target (300) met
+    assert short.ops <= 204, short.top()  # the memory's and the window's: issue 67's target (300) met
 
 
 @needs_kernels
@@ -97,7 +97,7 @@ def test_sessa_step_meets_the_budget_and_is_flat():
     options = {**get_mixer("sessa").conversion_options, "sessa_chunk_size": 16, "kernel_backend": "triton"}
     short, long = step_ops("sessa", options, 48), step_ops("sessa", options, 96)
     assert short.triton_launches == 4 + 2 and short.ops == long.ops, (short.top(), long.top())
-    assert short.ops <= 120 and short.host_reads == 0, short.top()
+    assert short.ops <= 54 and short.host_reads == 0, short.top()  # the budget: 120
 
 
 @needs_kernels
@@ -108,7 +108,7 @@ def test_selective_ssm_step_on_flash_linear_attention_meets_the_budget():
     short = step_ops("selective_ssm", {}, 64, library_kernels=True)
     long = step_ops("selective_ssm", {}, 256, library_kernels=True)
     assert short.by_name["library:chunk_simple_gla"] == 2
-    assert short.ops == long.ops and short.ops <= 150, (short.ops, long.ops, short.top())
+    assert short.ops == long.ops and short.ops <= 142, (short.ops, long.ops, short.top())  # the budget: 150
 
 
 @needs_kernels
@@ -125,7 +125,7 @@ def test_vort_step_as_converted_meets_the_budget():
     assert short.by_name["library:flex_attention"] == short.by_name["library:chunk_simple_gla"] == 2
     for kernel in ("weights", "hedgehog", "read", "entropy", "combine"):
         assert short.by_name[f"triton:_{kernel}_fwd"] == short.by_name[f"triton:_{kernel}_bwd"] == 1, kernel
-    assert short.ops == long.ops and short.ops <= 134, (short.ops, long.ops, short.top())  # the budget: 150
+    assert short.ops == long.ops and short.ops <= 107, (short.ops, long.ops, short.top())  # the budget: 150
 
 
 # every converted-to mixer with each of its optional branches (the contract suite's variants), left-padded (the mask's
@@ -169,4 +169,4 @@ def test_gltm_step_meets_the_budget_and_is_flat():
     assert short.by_name["library:flex_attention"] == 2
     assert short.by_name["triton:_softmax_fwd"] == short.by_name["triton:_softmax_bwd"] == 1
     assert short.by_name["triton:_solve_fwd"] == short.by_name["triton:_solve_bwd"] == 1
-    assert short.ops == long.ops and short.ops <= 127, (short.ops, long.ops, short.top())
+    assert short.ops == long.ops and short.ops <= 83, (short.ops, long.ops, short.top())  # the budget: 150

@@ -131,6 +131,27 @@ def test_the_window_state_carries_across_calls(split, grad):
     assert state.oldest.tolist() == [(11 - split) % 3] * 3  # the ring's oldest slot, past the block call's 0
 
 
+
+def test_a_prefills_ring_is_views_under_autograd_and_owned_copies_without():
+    """The last w tokens a block call leaves in the ring: under autograd views of the call's w + T tensors (a training
+    step drops its state; copies would be launches for nothing), without autograd dense copies of w rows that own
+    their storage (a prefill's cache). A token step after a prefill under autograd writes a copy of that ring, never
+    the prefill's tensors, whose backward still runs."""
+    query, keys, values, valid = qkv(length=11)
+    keys.requires_grad_()
+    out, state = windowed(query, keys, values, valid, (), None, 3, SCALE, exact_memory)
+    assert state.keys._base is not None and state.keys.shape[2] == 3
+    with torch.no_grad():
+        _, owned = windowed(query, keys, values, valid, (), None, 3, SCALE, exact_memory)
+    assert all(t._base is None and t.is_contiguous() for t in (owned.keys, owned.values, owned.valid))
+    ring = state.keys.detach().clone()
+    with torch.no_grad():
+        _, after = windowed(query[..., :1, :], keys[:, :, :1], values[:, :, :1], valid[:, :1], (), state, 3, SCALE,
+                            exact_memory)
+    assert after.keys is not state.keys and torch.equal(state.keys.detach(), ring)
+    out.sum().backward()  # (an in-place write into the prefill's tensors would fail it)
+    assert keys.grad is not None
+
 def recorded_memory(query, keys, values, valid, extras, state):
     """A memory that keeps every token and extra it is given (to compare what two call patterns wrote) and reads
     a constant: combined by the gate or added."""
