@@ -15,8 +15,9 @@ Two paths, one result (``local_attention`` picks through kernels/dispatch.py):
                        output's key part is sum_c p_c k_c, and H = log Z - scale q . sum_c p_c k_c
                        (``flex_read_entropy``: one Triton launch each way, kernels/local_attention_triton.py).
 
-A query that sees no valid key (a padding position) has output 0 and log normaliser ``finfo.min`` on the flex path,
-and an arbitrary output on the PyTorch path: no caller reads either (its share of the memory is 0).
+A query that sees no valid key (a padding position) reads its own position on the flex path (a finite normaliser
+with no clamp after the kernel), and an arbitrary output on the PyTorch path: no caller reads either (its share of
+the memory is 0).
 ``ring_attention`` is the decode step's form, one query against the window's ring.
 """
 
@@ -153,8 +154,10 @@ def flex_window_attention(query, keys, values, valid, window: int, scale: float,
     if with_entropy:  # the key part of the output is sum_c p_c k_c (module docstring)
         values = torch.cat([values, keys.to(values.dtype)], dim=-1)
 
-    def padding(score, batch, head, query, key):
-        return torch.where(valid[batch, key], score, -float("inf"))
+    own = span - length  # query i sits at key index w + i
+
+    def padding(score, batch, head, query, key):  # a padding query reads itself: its row's normaliser stays finite
+        return torch.where(valid[batch, key] | (key == query + own), score, -float("inf"))
 
     out, aux = flex(query.flatten(1, 2), keys, values, score_mod=padding,
                     block_mask=band_block_mask(length, span, window, query.device), scale=scale, enable_gqa=True,
@@ -162,7 +165,7 @@ def flex_window_attention(query, keys, values, valid, window: int, scale: float,
     out, lse = out.unflatten(1, (groups, per_group)), aux.lse.unflatten(1, (groups, per_group))
     if with_entropy:
         return flex_read_entropy(out, lse, query, valid, window, value_dim, scale, backend)
-    return out, lse.clamp(min=torch.finfo(lse.dtype).min).to(query.dtype)
+    return out, lse.to(query.dtype)
 
 
 def flex_read_entropy(out, lse, query, valid, window: int, value_dim: int, scale: float, backend: str = "auto"):
