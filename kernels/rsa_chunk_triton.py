@@ -204,7 +204,7 @@ def _activation(num, kappa, n, slot_ok, tau, eps, LEVEL0, READOUT: tl.constexpr)
 def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                 w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
                 out_ptr, lw_ptr, chain_ptr, num_ptr, den_ptr,  # out (B, H, Tp, DV), LOG_WEIGHT: (B, H, Tp);
-                Tp, NB, H, G, GS, C, M, D, DV, tau, eps, save,  # save: chains, numerator, normaliser
+                Tp, NB, H, G, GS, C, M, D, DV, tau, eps, theta_max, save,  # save: chains, numerator, normaliser
                 L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
                 LOG_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
@@ -274,7 +274,7 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                 tl.store(lw_ptr + bh * Tp + row0 + rows, z_max + tl.log(tl.sum(tl.exp(z - z_max[:, None]), 1)),
                          mask=row_ok)
         hl = head * L + i
-        theta = tl.load(theta_ptr + hl)
+        theta = tl.minimum(tl.maximum(tl.load(theta_ptr + hl), 0.0), theta_max)  # as learned, clamped here
         w = tl.load(w_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
         sparse = tl.load(wa_ptr + hl) * tl.maximum(tl.dot(act, w, input_precision=WEIGHT_PRECISION) - theta, 0.0) \
             + theta / M
@@ -367,7 +367,7 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                 u_ptr, d_snum_ptr, d_n_ptr, d_routed_ptr,  # (B, H, L, Tp, m) each: for _bwd_keys_kernel
                 dq_ptr, dks0_ptr, dvs0_ptr, dn0_ptr, dr0_ptr, dkappa_ptr,
                 dw_ptr, dwr_ptr, dtheta_ptr, dwa_ptr, dwqr_ptr,  # fp32 gradients, zero-initialised, added into
-                Tp, NB, H, G, GS, C, M, D, DV, tau, eps, i,
+                Tp, NB, H, G, GS, C, M, D, DV, tau, eps, theta_max, i,
                 L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
                 LOG_WEIGHT: tl.constexpr, LEVEL0: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
@@ -453,7 +453,8 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                 dn_next = tl.load(dn_next_ptr + carry_at, mask=ok_rm, other=0.0)
     kappa = tl.load(kappa_ptr + kappa_at)
     score, den_k, act = _activation(snum, kappa, n, slot_ok, tau, eps, LEVEL0, READOUT)
-    theta = tl.load(theta_ptr + hl)
+    theta_raw = tl.load(theta_ptr + hl)  # as learned: clamped here, its gradient passed where the clamp passes it
+    theta = tl.minimum(tl.maximum(theta_raw, 0.0), theta_max)
     scale = tl.load(wa_ptr + hl)
     # Products with the m x m weights take their left operand back from memory, a block of slots at a time: held,
     # each weight tile was a dot operand in two layouts and the (R, m) operands every warp's. The d_n plane, free
@@ -559,7 +560,9 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     d_sparse = tl.where(ok_rm, d_sparse, 0.0)
     d_a_hat = tl.where(active, d_sparse * scale, 0.0)
     tl.atomic_add(dwa_ptr + hl, tl.sum(tl.sum(tl.where(active, d_sparse * (a_hat - theta), 0.0), 1), 0))
-    tl.atomic_add(dtheta_ptr + hl, tl.sum(tl.sum(d_sparse * (1.0 / M - tl.where(active, scale, 0.0)), 1), 0))
+    clamp_passes = ((theta_raw >= 0.0) & (theta_raw <= theta_max)).to(tl.float32)
+    tl.atomic_add(dtheta_ptr + hl, clamp_passes * tl.sum(tl.sum(d_sparse * (1.0 / M - tl.where(active, scale, 0.0)),
+                                                                1), 0))
     tl.atomic_add(dw_ptr + hl * M * M + off_mm, tl.dot(tl.trans(act), d_a_hat, input_precision=WEIGHT_PRECISION),
                   mask=ok_mm)
     tl.store(d_n_ptr + plane_at, d_a_hat, mask=ok_rm)
@@ -723,10 +726,10 @@ def _bwd_keys_kernel(q_ptr, f_ptr, x_ptr, y_ptr, g_ptr, scaled_prev_ptr, u_ptr, 
 
 def _read_options(params: RSAParams, weight_precision: str = READ_PRECISION) -> tuple:
     """What the read kernels take besides tensors, as plain values (the ops' arguments): from ``params`` the chunk
-    size, eps, readout, routing, whether the RSA-q branch is on, whether the log weight is appended; and the read
-    weights' dot precision (``WEIGHT_PRECISION``: the caller's ``conventions.dot_precision``)."""
-    return (params.chunk_size, float(params.eps), params.readout, params.routing, params.query_read is not None,
-            bool(params.log_weight), weight_precision)
+    size, eps, theta's upper clamp, readout, routing, whether the RSA-q branch is on, whether the log weight is
+    appended; and the read weights' dot precision (``WEIGHT_PRECISION``: the caller's ``conventions.dot_precision``)."""
+    return (params.chunk_size, float(params.eps), float(params.threshold_max), params.readout, params.routing,
+            params.query_read is not None, bool(params.log_weight), weight_precision)
 
 
 class _Read:
@@ -734,13 +737,13 @@ class _Read:
     ``boundaries``: the sums' rows per sequence and KV head, NC or NC + 1, the memory section above)."""
 
     def __init__(self, options: tuple, q, f, y, boundaries: int | None = None):
-        chunk_size, eps, readout, routing, query_read, log_weight, weight_precision = options
+        chunk_size, eps, threshold_max, readout, routing, query_read, log_weight, weight_precision = options
         batch, heads, self.padded, key_dim = q.shape
         _, groups, levels, _, slots = f.shape
         n_chunks = self.padded // chunk_size
         self.grid = (n_chunks * triton.cdiv(chunk_size, PROGRAM_ROWS), batch * heads)  # forward and backward
         self.sizes = (self.padded, n_chunks if boundaries is None else boundaries, heads, groups, heads // groups,
-                      chunk_size, slots, key_dim, y.shape[-1], key_dim**-0.5, eps)
+                      chunk_size, slots, key_dim, y.shape[-1], key_dim**-0.5, eps, threshold_max)
         self.batch, self.heads, self.levels, self.slots, self.value_dim = batch, heads, levels, slots, y.shape[-1]
         self.options = dict(L=levels, READOUT=READOUTS[readout], ROUTING=ROUTINGS[routing],
                             QUERY_READ=query_read, LOG_WEIGHT=log_weight, BLOCK_M=tile_edge(slots),
@@ -845,39 +848,41 @@ def _kernel_inputs(q_b, f, x, y, ks0, vs0, n0, r0, params: RSAParams, groups):
 
 
 @kernel_op(__name__, "read_forward")
-def _read_forward(inputs: list[torch.Tensor], chunk_size: int, eps: float, readout: str, routing: str,
-                  query_read: bool, log_weight: bool, weight_precision: str, backward: bool) -> list[torch.Tensor]:
+def _read_forward(inputs: list[torch.Tensor], chunk_size: int, eps: float, threshold_max: float, readout: str,
+                  routing: str, query_read: bool, log_weight: bool, weight_precision: str,
+                  backward: bool) -> list[torch.Tensor]:
     """[out (B, H, Tp, dv [+ 1]) fp32, chains, num, den] from the 14 kernel inputs (``_Read.forward``);
     ``backward``: a backward follows (the three saved for it, its kernels compiled side by side with the
     forward's)."""
-    read = _Read((chunk_size, eps, readout, routing, query_read, log_weight, weight_precision), inputs[0], inputs[1],
-                 inputs[3], inputs[4].shape[2])
+    options = (chunk_size, eps, threshold_max, readout, routing, query_read, log_weight, weight_precision)
+    read = _Read(options, inputs[0], inputs[1], inputs[3], inputs[4].shape[2])
     read.compile_kernels(inputs, backward)
     return list(read.forward(inputs, save=backward))
 
 
 @_read_forward.register_fake
-def _(inputs, chunk_size, eps, readout, routing, query_read, log_weight, weight_precision, backward):
+def _(inputs, chunk_size, eps, threshold_max, readout, routing, query_read, log_weight, weight_precision, backward):
     q, y = inputs[0], inputs[3]
-    read = _Read((chunk_size, eps, readout, routing, query_read, log_weight, weight_precision), q, inputs[1], y,
-                 inputs[4].shape[2])
+    options = (chunk_size, eps, threshold_max, readout, routing, query_read, log_weight, weight_precision)
+    read = _Read(options, q, inputs[1], y, inputs[4].shape[2])
     return [q.new_empty(*q.shape[:3], y.shape[-1] + log_weight, dtype=torch.float32),
             *(q.new_empty(shape, dtype=torch.float32) for shape in read.saved_shapes(backward))]
 
 
 @kernel_op(__name__, "read_backward")
 def _read_backward(inputs: list[torch.Tensor], grad_out: torch.Tensor, saved: list[torch.Tensor], chunk_size: int,
-                   eps: float, readout: str, routing: str, query_read: bool, log_weight: bool,
+                   eps: float, threshold_max: float, readout: str, routing: str, query_read: bool, log_weight: bool,
                    weight_precision: str) -> torch.Tensor:
     """The 14 inputs' gradients (fp32), packed (``_Read.backward``): ``_bwd_kernel`` per level, then
     ``_bwd_keys_kernel``, from what the forward saved (chains, num, den)."""
-    read = _Read((chunk_size, eps, readout, routing, query_read, log_weight, weight_precision), inputs[0], inputs[1],
-                 inputs[3], inputs[4].shape[2])
+    options = (chunk_size, eps, threshold_max, readout, routing, query_read, log_weight, weight_precision)
+    read = _Read(options, inputs[0], inputs[1], inputs[3], inputs[4].shape[2])
     return read.backward(inputs, grad_out, *saved)
 
 
 @_read_backward.register_fake
-def _(inputs, grad_out, saved, chunk_size, eps, readout, routing, query_read, log_weight, weight_precision):
+def _(inputs, grad_out, saved, chunk_size, eps, threshold_max, readout, routing, query_read, log_weight,
+      weight_precision):
     return packed_zeros([t.shape for t in inputs], grad_out.device)[0]
 
 
@@ -885,17 +890,17 @@ def _save_read_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs[0], *output[1:])
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # (the saved outputs' gradients, never defined, stay None: no zero fill)
-    ctx.options = inputs[1:8]
+    ctx.options = inputs[1:9]
 
 
 def _read_gradients(ctx, grads):
     *inputs, chain, num, den = ctx.saved_tensors
     grads = unpacked(_read_backward(inputs, grads[0], [chain, num, den], *ctx.options), [t.shape for t in inputs])
-    query_read = ctx.options[4]
+    query_read = ctx.options[5]
     grads = [grad.to(t.dtype) for grad, t in zip(grads, inputs)]
     if not query_read:
         grads[-1] = None  # the dummy pointer
-    return grads, None, None, None, None, None, None, None, None
+    return grads, None, None, None, None, None, None, None, None, None
 
 
 _read_forward.register_autograd(_read_gradients, setup_context=_save_read_inputs)

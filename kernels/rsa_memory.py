@@ -104,7 +104,7 @@ def rsa_step(q, k, v, valid, state: RSAState, params: RSAParams, log_decay=None)
         prior = torch.zeros_like(x[:1, :, :1])
         prior[..., 0, :] = 1.0
         act = torch.softmax(x + prior * torch.log(state.mass.clamp_min(eps))[:, :, None], dim=-1)
-    threshold = per_head(params.threshold, groups)[None, ..., None]  # (1, G, g, L, 1)
+    threshold = per_head(params.theta(), groups)[None, ..., None]  # (1, G, g, L, 1)
     sparse = per_head(params.read_scale, groups)[None, ..., None] * torch.relu(
         torch.einsum("bghlm,ghlmn->bghln", act, per_head(params.read_proj, groups)) - threshold) + threshold / slots
     chains = [sparse[:, :, :, 0]]
@@ -193,6 +193,7 @@ def read_chunks(q_b, writes: ChunkWrites, params: RSAParams, valid_b, decay_b=No
         return causal_read(weights, level, writes.value_sum, y[level])
 
     at_level = (lambda t, i: per_head(t, groups)[None, :, None, :, i])  # noqa: E731  (H, L, ..) -> (1, G, 1, g, ..)
+    theta = params.theta()
     numerator, denominator, chain, log_weight = 0.0, 0.0, None, None
     for i in range(levels):
         q_dot_k = shared(q, x[i].transpose(-1, -2)) * carry  # (B, G, N, g, C, C)
@@ -206,7 +207,7 @@ def read_chunks(q_b, writes: ChunkWrites, params: RSAParams, valid_b, decay_b=No
         act = readout_activation(scores, i, running_mass[i], params)
         if i == 0 and params.log_weight:
             log_weight = torch.logsumexp(scores + torch.log(running_mass[0].clamp_min(eps)), -1)
-        threshold = at_level(params.threshold, i)[..., None, None]
+        threshold = at_level(theta, i)[..., None, None]
         sparse = at_level(params.read_scale, i)[..., None, None] * torch.relu(
             act @ at_level(params.read_proj, i) - threshold) + threshold / slots
         if i == 0 or params.routing == "none":

@@ -8,6 +8,7 @@ chunk of an aligned buffer (``ChunkLayout``), in order, with the references refr
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
@@ -42,7 +43,7 @@ class RSAParams:
     value_mlps: list[Callable]  # L - 1 maps dv -> dv
     read_proj: torch.Tensor  # W   (H, L, m, m)
     mix_proj: torch.Tensor  # W_r (H, L, m, m)
-    threshold: torch.Tensor  # theta = 1/z, (H, L), already clamped
+    threshold: torch.Tensor  # theta = 1/z, (H, L), as learned: read clamped to [0, threshold_max] (``theta``)
     read_scale: torch.Tensor  # w_a (H, L)
     query_read: torch.Tensor | None  # W_qr (H, L, d, m), the RSA-q branch
     assign_fn: str = "softmax"  # softmax | sigmoid
@@ -55,6 +56,12 @@ class RSAParams:
     refresh_in_step: bool = True  # the token step refreshes the references at a boundary (False: its caller does)
     compile_write: bool | str = False  # the chunk forms write each chunk through one torch.compile graph
     # (compiled_write): True ("default") or a torch.compile mode ("reduce-overhead": replayed as a CUDA graph)
+    threshold_max: float = math.inf  # theta's upper clamp
+
+    def theta(self) -> torch.Tensor:
+        """The sparse read's threshold as read, (H, L): the learned one clamped to [0, threshold_max] (the read
+        kernels clamp it themselves, and pass its gradient where the clamp does)."""
+        return self.threshold.clamp(0.0, self.threshold_max)
 
 
 @dataclass

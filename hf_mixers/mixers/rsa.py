@@ -121,7 +121,7 @@ class RSAMixer(RecurrentMixer, FullAttention):
             key_mlps=[mlp.weights(dtype) for mlp in self.key_mlps],
             value_mlps=[mlp.weights(dtype) for mlp in self.value_mlps],
             read_proj=cast(self.read_proj), mix_proj=cast(self.mix_proj),
-            threshold=cast(self.threshold).clamp(0.0, config.rsa_threshold_max), read_scale=cast(self.read_scale),
+            threshold=cast(self.threshold), threshold_max=config.rsa_threshold_max, read_scale=cast(self.read_scale),
             query_read=cast(self.query_read), assign_fn=config.rsa_assign_fn, readout=config.rsa_readout,
             routing=config.rsa_routing, chunk_size=config.rsa_chunk_size, eps=config.rsa_eps,
             recompute=config.rsa_recompute_chunks, log_weight=config.rsa_window > 0, refresh_in_step=refresh_in_step,

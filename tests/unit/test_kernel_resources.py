@@ -209,7 +209,8 @@ def test_the_rsa_read_compiles_for_sm90_without_a_spill(monkeypatch, heads, grou
               torch.empty(1, groups, n_chunks, levels - 1, slots, slots), torch.empty(groups, levels),
               per_head(slots, slots), per_head(slots, slots), per_head(), per_head(), per_head()]
     # a bf16 / fp16 call's, as a training step launches it: the read weights' dots tf32 (``conventions.dot_precision``)
-    options = (chunk, defaults["rsa_eps"], defaults["rsa_readout"], defaults["rsa_routing"], False, True, "tf32")
+    options = (chunk, defaults["rsa_eps"], defaults["rsa_threshold_max"], defaults["rsa_readout"],
+               defaults["rsa_routing"], False, True, "tf32")
     read = _Read(options, inputs[0], inputs[1], inputs[3])
     saved = read.forward(inputs, save=True)[1:]  # compiled, not run: the chains, num and den it saves
     (record,) = records

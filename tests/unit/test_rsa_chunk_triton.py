@@ -290,6 +290,21 @@ def test_options_match_reference(assign_fn, readout, routing, query_read):
 
 
 @needs_kernels
+def test_the_kernels_clamp_theta_and_its_gradient_as_the_reference_does():
+    """theta as learned, below 0, inside and above ``threshold_max``: the read kernels clamp it themselves (no clamp
+    op before them) and pass its gradient only where the clamp passes it, as the PyTorch form's clamp does."""
+    params = make_params(chunk=8, readout="softmax_count")
+    learned = torch.tensor([-0.2, 0.1, 0.45, 0.3, 0.0, 0.25]).repeat(2)[:params.threshold.numel()]
+    params = replace(params, threshold=learned.view_as(params.threshold).to(DEV).requires_grad_(), threshold_max=0.3)
+    inputs = make_inputs(params, batch=2, length=24)
+    state = initial_state(params, 2, VALUE_DIM, torch.float32)
+    assert_matches(params, inputs, state)
+    grads = run(rct.rsa_chunked_triton, params, *inputs, state)[2]["threshold"]
+    outside = (params.threshold < 0) | (params.threshold > 0.3)
+    assert outside.any() and torch.all(grads[outside] == 0) and torch.all(grads[~outside] != 0), grads
+
+
+@needs_kernels
 def test_an_unpadded_first_call_matches_reference_in_the_static_layout():
     """No mask and a fresh state (a training step; with a window, the memory's part past its delay): the buffer is
     the sequence padded at its end to whole chunks (``ChunkLayout.of(None, ..., fresh=True)``: no mask, no gathers),
