@@ -25,6 +25,7 @@ def interpret_liger(monkeypatch):
     monkeypatch.setattr(rope, "INTERPRET_LIGER", True)  # kernels/rope.py: here its kernel is what is tested
 
 
+@pytest.mark.variant  # a subprocess of interpreted kernels (8 s, most of it imports): the full tier (make test) only
 @pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
 def test_under_interpreter_in_subprocess():
     run_under_interpreter(__file__)
