@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .conventions import kept_by_state, own_code, packed_zeros
+from .conventions import kept_by_state, own_code, packed_zeros, shape_constant
 
 
 @dataclass
@@ -209,21 +209,33 @@ class ChunkLayout:
 
     Built without reading the device where the buffer's length is known from the shapes: a fresh state (every count
     0, ``fresh``) puts every row's tokens from offset 0, so ceil(T / C) chunks hold them; the training step and a
-    first prefill. A state with history needs its phases' largest span: one host read."""
+    first prefill. Without padding too, every tensor of the layout depends on the shapes alone, and is built once a
+    shape (``static``: the buffer's valid rows and the boundary index, none of them a launch of the step). A state
+    with history needs its phases' largest span: one host read."""
 
     phase: torch.Tensor  # (B,) buffer offset of each row's first new token
     real: torch.Tensor  # (B,) real tokens of each row in this call
     padded: int  # buffer length, a multiple of C
     slot: torch.Tensor | None  # (B, T) each token's buffer position (padding: ``padded``); None: its own position
     source: torch.Tensor | None  # (B, padded) the token each buffer position holds (empty ones: T, none)
+    static: tuple | None = None  # a fresh unpadded call's (valid rows (B, padded), boundary index (B, N + 1))
 
     @classmethod
     def of(cls, valid: torch.Tensor | None, count: torch.Tensor, size: int, length: int,
            fresh: bool = False) -> "ChunkLayout":
         """valid (B, T) bool or None (every token real), count (B,) tokens before this call, T = ``length``."""
         if fresh and valid is None:  # the buffer is the sequence itself, filled up to a whole chunk
-            real = torch.full_like(count, length)
-            return cls(count, real, -(-length // size) * size, None, None)
+            batch, padded = count.shape[0], -(-length // size) * size
+
+            def build():
+                reached = torch.full_like(count, length // size)[:, None]
+                boundary = torch.minimum(torch.arange(padded // size + 1, device=count.device), reached)
+                rows = (torch.arange(padded, device=count.device) < length).expand(batch, -1)
+                return torch.zeros_like(count), torch.full_like(count, length), rows, boundary
+
+            phase, real, *static = shape_constant(("rsa layout", batch, length, size, count.dtype, str(count.device)),
+                                                  build)
+            return cls(phase, real, padded, None, None, tuple(static))
         if valid is None:
             valid = torch.ones(count.shape[0], length, dtype=torch.bool, device=count.device)
         phase, written = count % size, valid.long().cumsum(1)
@@ -252,6 +264,8 @@ class ChunkLayout:
 
     def valid(self, batch: int, device) -> torch.Tensor:
         """(B, buffer) True where a real token sits."""
+        if self.static is not None:
+            return self.static[0]
         if self.slot is None:
             return (torch.arange(self.padded, device=device) < self.real[:, None])
         return self.source < self.slot.shape[1]
@@ -344,6 +358,8 @@ def boundary_index(layout: ChunkLayout, size: int) -> torch.Tensor:
     """(B, N + 1): which boundary's slots each row's references hold at each chunk start c = 0..N (N: after the last
     chunk): min(c, boundaries the row reaches), 0 the state's own references. A row refreshes them at every boundary
     its tokens reach; past its last one it writes nothing, and they stay."""
+    if layout.static is not None:
+        return layout.static[1]
     reached = (layout.phase + layout.real) // size
     return torch.minimum(torch.arange(layout.padded // size + 1, device=reached.device), reached[:, None])
 

@@ -271,7 +271,8 @@ def test_a_fresh_state_is_laid_out_from_the_shapes_alone(length, padded):
     the sequence itself, filled up to a whole chunk). Outputs, state and gradients equal the token recurrence's
     and the layout read from the device, with left padding and a hole or none, a length that ends mid-chunk or on a
     boundary, and a state with history after it (the next call's phases follow the fresh call's counts)."""
-    from hf_mixers.kernels.rsa_state import ChunkLayout
+    from hf_mixers.apps.bench.op_count import count_ops
+    from hf_mixers.kernels.rsa_state import ChunkLayout, boundary_index
 
     params = make_params(levels=2)
     q, k, v, valid = make_inputs(params, length=length)
@@ -282,6 +283,16 @@ def test_a_fresh_state_is_laid_out_from_the_shapes_alone(length, padded):
     fresh_layout = ChunkLayout.of(valid, start.count, params.chunk_size, length, fresh=True)
     assert fresh_layout.padded == -(-length // params.chunk_size) * params.chunk_size
     assert (fresh_layout.slot is None) == (valid is None)
+    if valid is None:  # its tensors are the masked form's, kept a shape: a second call builds nothing
+        every_real = torch.ones(q.shape[0], length, dtype=torch.bool)
+        masked = ChunkLayout.of(every_real, start.count, params.chunk_size, length, fresh=True)
+        layout_tensors = lambda layout: (layout.phase, layout.real, layout.valid(q.shape[0], "cpu"),  # noqa: E731
+                                         boundary_index(layout, params.chunk_size))
+        for got, want in zip(layout_tensors(fresh_layout), layout_tensors(masked), strict=True):
+            assert torch.equal(got, want)
+        again, _ = count_ops(lambda: layout_tensors(ChunkLayout.of(None, start.count, params.chunk_size, length,
+                                                                   fresh=True)))
+        assert again.ops == 0, again.by_name
     results = []
     for fn in (rsa_recurrent, lambda *a: rsa_chunked(*a, fresh=False), lambda *a: rsa_chunked(*a, fresh=True)):
         out, state = fn(q, k, v, valid, start, params)
