@@ -107,7 +107,9 @@ def compiling_run(arch: int, records: list, seen: set, pending: list | None = No
             record = {"kernel": self.__name__, "shared_bytes": shared, **usage,
                       "fits": shared <= SHARED_LIMIT.get(arch, SHARED_LIMIT[90])}
         except Exception as error:  # noqa: BLE001 - report and go on: the point is a list
-            record = {"kernel": self.__name__, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+            text = str(error)  # where it failed comes first, why last: both kept
+            text = text if len(text) <= 1200 else f"{text[:400]} [...] {text[-800:]}"
+            record = {"kernel": self.__name__, "error": f"{type(error).__name__}: {text}"}
         record.update(programs=programs, seconds=round(time.perf_counter() - began, 1), triton=triton.__version__,
                       arch=arch, options=options,
                       constexprs={k: (v if isinstance(v, (int, float, str, bool)) else str(v))

@@ -120,7 +120,7 @@ def assert_matches(params, inputs, state, extra_leaves=(), **tolerances):
     for name, grad in grads.items():
         assert grad is not None, name
         assert_close(grad.float(), ref_grads[name].float(), f"d {name}", **tolerances)
-    return out, new_state
+    return out, new_state, grads
 
 
 @interpreter_only
@@ -140,7 +140,7 @@ def test_converted_default_matches_reference():
     params = make_params(chunk=16, readout="softmax_count")
     inputs = make_inputs(params)
     state = initial_state(params, 3, VALUE_DIM, torch.float32)
-    out, new_state = assert_matches(params, inputs, state)
+    out, new_state, _ = assert_matches(params, inputs, state)
     with torch.no_grad():
         token, token_state = rsa_recurrent(*inputs, state, params)
         assert_close(rct.rsa_chunked_triton(*inputs, state, params)[0], out, "output without autograd")
@@ -293,13 +293,11 @@ def test_options_match_reference(assign_fn, readout, routing, query_read):
 def test_the_kernels_clamp_theta_and_its_gradient_as_the_reference_does():
     """theta as learned, below 0, inside and above ``threshold_max``: the read kernels clamp it themselves (no clamp
     op before them) and pass its gradient only where the clamp passes it, as the PyTorch form's clamp does."""
-    params = make_params(chunk=8, readout="softmax_count")
-    learned = torch.tensor([-0.2, 0.1, 0.45, 0.3, 0.0, 0.25]).repeat(2)[:params.threshold.numel()]
+    params = make_params(levels=2, chunk=8, readout="softmax_count")
+    learned = torch.tensor([-0.2, 0.1, 0.45, 0.3, 0.0, 0.25, -0.1, 0.2])
     params = replace(params, threshold=learned.view_as(params.threshold).to(DEV).requires_grad_(), threshold_max=0.3)
     inputs = make_inputs(params, batch=2, length=24)
-    state = initial_state(params, 2, VALUE_DIM, torch.float32)
-    assert_matches(params, inputs, state)
-    grads = run(rct.rsa_chunked_triton, params, *inputs, state)[2]["threshold"]
+    grads = assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))[2]["threshold"]
     outside = (params.threshold < 0) | (params.threshold > 0.3)
     assert outside.any() and torch.all(grads[outside] == 0) and torch.all(grads[~outside] != 0), grads
 
@@ -345,7 +343,7 @@ def test_log_weight_matches_reference(readout, routing):
     every gradient (the loss weighs the extra channel) equal rsa_chunked, with the read in the other channels."""
     params = make_params(chunk=16, readout=readout, routing=routing, log_weight=True)
     inputs = make_inputs(params, batch=2)  # left padding included
-    out, _ = assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
+    out, *_ = assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
     assert out.shape[-1] == VALUE_DIM + 1 and torch.isfinite(out).all()
 
 
