@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from ..kernels.conventions import kept_by_state
+from ..kernels.conventions import kept_by_state, shape_constant
 from ..kernels.local_attention import local_attention, ring_attention
 from ..kernels.window_combine import combine_reads
 from .cache import map_tensors
@@ -110,8 +110,9 @@ def windowed(query, keys, values, valid, extras, state: WindowState | None, wind
     (kernels/local_attention.py, kernels/window_combine.py).
     """
     length = query.shape[3]
-    if valid is None:
-        valid = torch.ones(query.shape[0], length, dtype=torch.bool, device=query.device)
+    if valid is None:  # every token real: built once a shape (never part of a state, which a decode writes in place)
+        valid = shape_constant(("every token real", query.shape[0], length, str(query.device)),
+                               lambda: torch.ones(query.shape[0], length, dtype=torch.bool, device=query.device))
     delayed = combine != "sum"
     if length == 1 and state is not None:  # a token step: the ring's slots in place of a shifted window
         local, local_log, entering, ring = _token_step(query, keys, values, valid, extras, state, scale, delayed)
@@ -129,7 +130,7 @@ def windowed(query, keys, values, valid, extras, state: WindowState | None, wind
         # whose leaving token is real has it in the memory
         combine = combine or ("shared" if remote_log is not None else "convex")
         out = combine_reads(local, local_log, remote, remote_log, writing, combine, gate, backend)
-    written = writing.long().sum(1)
+    written = writing.sum(1)  # (a sum of flags is int64)
     return out, replace(ring, memory=memory_state, written=written if state is None else state.written + written)
 
 
