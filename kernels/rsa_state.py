@@ -230,7 +230,7 @@ class ChunkLayout:
             def build():
                 reached = torch.full_like(count, length // size)[:, None]
                 boundary = torch.minimum(torch.arange(padded // size + 1, device=count.device), reached)
-                rows = (torch.arange(padded, device=count.device) < length).expand(batch, -1)
+                rows = (torch.arange(padded, device=count.device) < length).expand(batch, -1).contiguous()
                 return torch.zeros_like(count), torch.full_like(count, length), rows, boundary
 
             phase, real, *static = shape_constant(("rsa layout", batch, length, size, count.dtype, str(count.device)),

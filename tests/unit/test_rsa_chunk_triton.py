@@ -439,7 +439,7 @@ def test_row_without_real_tokens_and_empty_call():
     q, k, v, valid = make_inputs(params, batch=2, length=5)
     valid[1] = False
     state = initial_state(params, 2, VALUE_DIM, torch.float32)
-    out, new_state = assert_matches(params, (q, k, v, valid), state)
+    out, new_state, _ = assert_matches(params, (q, k, v, valid), state)
     assert torch.count_nonzero(out[1]) == 0 and new_state.count.tolist() == [5, 0]
     empty, same = rct.rsa_chunked_triton(q[..., :0, :], k[:, :, :0], v[:, :, :0], valid[:, :0], state, params)
     assert empty.shape == (2, 2, 2, 0, VALUE_DIM) and torch.equal(same.mass, state.mass)
