@@ -227,11 +227,9 @@ class ChunkLayout:
         if fresh and valid is None:  # the buffer is the sequence itself, filled up to a whole chunk
             batch, padded = count.shape[0], -(-length // size) * size
 
-            def build():
-                reached = torch.full_like(count, length // size)[:, None]
-                boundary = torch.minimum(torch.arange(padded // size + 1, device=count.device), reached)
-                rows = (torch.arange(padded, device=count.device) < length).expand(batch, -1).contiguous()
-                return torch.zeros_like(count), torch.full_like(count, length), rows, boundary
+            def build():  # the plain layout's own tensors, kept
+                plain = cls(torch.zeros_like(count), torch.full_like(count, length), padded, None, None)
+                return plain.phase, plain.real, plain.valid(batch, count.device), boundary_index(plain, size)
 
             phase, real, *static = shape_constant(("rsa layout", batch, length, size, count.dtype, str(count.device)),
                                                   build)
