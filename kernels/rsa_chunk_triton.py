@@ -30,11 +30,13 @@ Split of the work:
     every chunk's references, the next level's residual inputs) the level kernels there (two launches each way,
     parallel over chunks), and the residual MLPs between levels one launch a level for the key and
     value MLPs (kernels/rsa_mlp_triton.py), each way. The same path with and without autograd.
-  * Read side: ``_fwd_kernel``, one launch for *all* chunks of the call (given the write side, the chunks' reads
-    are independent): grid (n_chunks x C / PROGRAM_ROWS, B * H), one program = PROGRAM_ROWS rows of a chunk x one
-    query head, all L levels in order inside the program (the chain and the global normaliser couple them). Its
-    rows read the chunk's rows up to themselves, KEY_BLOCK at a time: causal products summed over (R, K) blocks;
-    the key features FEATURE_BLOCK at a time.
+  * Read side: two launches for *all* chunks of the call (given the write side, the chunks' reads are
+    independent), both on the grid (n_chunks x C / PROGRAM_ROWS, B * H), one program = PROGRAM_ROWS rows of a
+    chunk x one query head. ``_weights_kernel`` computes the read weights, all L levels in order inside the
+    program (the chain and the global normaliser couple them): a~_i = chain_i W_r_i / max(N_i, eps) as (B, H, L,
+    Tp, m) planes and the normaliser; ``_values_kernel`` then reads the values with them, linear in the weights.
+    Their rows read the chunk's rows up to themselves, KEY_BLOCK at a time: causal products summed over (R, K)
+    blocks; the key features FEATURE_BLOCK at a time.
     The backward splits as FlashAttention-2's does, into a rows side and a keys side. ``_bwd_kernel`` (the rows) is
     launched once per level, top level first, on the forward's grid: it recomputes its rows' level as the forward
     does and takes the gradient back through it; dq accumulates in place, the routing's gradients for the level
@@ -43,10 +45,11 @@ Split of the work:
     B * G, L) then sums those over the rows and query heads that read each block of keys, owning its F, X, Y
     gradients (no atomics, no whole-chunk accumulator). Products whose operands come from memory are summed
     FEATURE_BLOCK features or slots at a time (``_row_products``: a dot's left operand is every warp's, so an (R, m)
-    one held whole is 32 registers a thread, twice that split for tf32x3). Tiles are at most R x K, R x m, K x m,
-    m x m and R x dv (the forward's read), kept in registers; fp32 operands and accumulation (an fp16 / bf16 q is
-    copied to fp32 first: the math wants fp32, the interpreter's bf16 dot is broken, and one compiled kernel then
-    serves every dtype).
+    one held whole is 32 registers a thread, twice that split for tf32x3): the forward's (R, m) tiles that are
+    a product's left operand (act, chain, c~, a~) go through the weights planes so. Tiles are at most R x K,
+    R x m, K x m, BLOCK x m and R x dv (the values' sums), kept in registers; fp32 operands and accumulation (an
+    fp16 / bf16 q is copied to fp32 first: the math wants fp32, the interpreter's bf16 dot is broken, and one
+    compiled kernel then serves every dtype).
 
 Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp / C chunks):
   * kernel inputs, built by the write side and saved for the backward: F, X, Y (B, G, L, Tp, m | d | dv) and the
@@ -57,7 +60,8 @@ Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp
     level beyond q itself.
   * forward output (B, H, Tp, dv [+ 1]); when a backward follows, also what it reads (a launch fewer than running
     the forward again): chain_i (B, H, L-1, Tp, m) (only with routing), the numerator (B, H, Tp, dv) and the
-    normaliser (B, H, Tp). The backward recomputes the rest of the read side.
+    normaliser (B, H, Tp). The backward recomputes the rest of the read side. Transient, between the forward's
+    two kernels: the weights planes a~ (and with RSA-q the query weights) (B, H, L, Tp, m), c~ (B, H, Tp, m).
   * backward, transient: ``_bwd_kernel`` runs level by level in reverse (with routing, two (B, H, Tp, m) buffers
     carry d chain and d N down), writing 3-5 planes for the keys kernel (u, d_snum, d_n [, d routed]
     (B, H, L, Tp, m); c~ (B, H, L-1, Tp, m)) and accumulating the gradients of the chunk-start sums and the
@@ -145,7 +149,7 @@ ROUTINGS = {"none": 0, "elementwise": 1, "relation": 2}
 
 def _interpreted() -> bool:
     """Whether this module's kernels run under the Triton CPU interpreter (TRITON_INTERPRET=1 at triton import)."""
-    return isinstance(_fwd_kernel, InterpretedFunction)
+    return isinstance(_weights_kernel, InterpretedFunction)
 
 
 def rsa_chunk_triton_supports(params: RSAParams, q=None, v=None, log_decay=None) -> str | None:
@@ -195,26 +199,43 @@ def _activation(num, kappa, n, slot_ok, tau, eps, LEVEL0, READOUT: tl.constexpr)
     return score, den, act
 
 
+@triton.jit
+def _row_products(a_ptr, a_at, a_ok, b_ptr, b_at, b_ok, width, b_step, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """A B^T (R, N) for A (R, width) row-major, its rows starting at ``a_at`` (R, 1), and B (N, width) whose element
+    (n, c) is at ``b_at[n] + c * b_step``, summed over BLOCK columns at a time: the operands are never held whole (a
+    dot's left operand is every warp's)."""
+    acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
+    for c0 in range(0, width, BLOCK):
+        col = c0 + tl.arange(0, BLOCK)
+        a = tl.load(a_ptr + a_at + col[None, :], mask=a_ok & (col < width)[None, :], other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + b_at + col[None, :] * b_step, mask=b_ok & (col < width)[None, :], other=0.0).to(tl.float32)
+        acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)
+    return acc
+
+
 # Lengths, the level and the save flag are plain runtime integers (no specialisation on 1 or on alignment): one
-# compiled kernel per layout and options, whatever the sequence length. The levels are a loop, not unrolled: unrolled,
-# the compiler overlapped them and held more registers (255 and a spill at SmolLM2's layout, against 235 and none),
-# and compiled 4x as long (docs/benchmarks.md). Its products over q's features stay written out here: through
-# ``_row_products`` (the backward's) ptxas held 254 / 255 registers at the two layouts instead of 235 / 240.
+# compiled kernel per layout and options, whatever the sequence length. The levels are a loop, not unrolled (unrolled,
+# the compiler overlaps them and holds more registers). Every product whose left operand is an (R, m) tile computed
+# here (act W, c~ R0, c~ F^T, chain W_r) reads it back from memory BLOCK_S slots at a time (``_row_products``): a
+# dot's left operand is every warp's, so one held whole is 32 registers a thread at m = 64 (twice that split for
+# tf32x3); held whole, the read took 218-255 registers on sm_90 against 128 so (docs/benchmarks.md).
 @triton.jit(do_not_specialize=["Tp", "NB", "save"])
-def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
-                w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
-                out_ptr, lw_ptr, chain_ptr, num_ptr, den_ptr,  # out (B, H, Tp, DV), LOG_WEIGHT: (B, H, Tp);
-                Tp, NB, H, G, GS, C, M, D, DV, tau, eps, theta_max, save,  # save: chains, numerator, normaliser
-                L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
-                LOG_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
-                WEIGHT_PRECISION: tl.constexpr):
-    """One program = BLOCK_R rows of one chunk x one query head. Its rows read the chunk-start state and the rows
-    of the chunk up to themselves, BLOCK_K of those at a time: every causal product is summed over (R, K) blocks,
-    and every product over the key features over BLOCK_D of them (q is reloaded, not held), so the tiles held are
-    (R, m), (R, dv), (K, m | BLOCK_D | dv) and m x m / m x BLOCK_D / m x dv, whatever the chunk size and d. The
-    sums' products (mass, values) take ``PRECISION``, the read weights' ``WEIGHT_PRECISION`` (READ_PRECISION's
-    comment); the backward's rows take each gradient product as its forward product."""
+def _weights_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
+                    w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
+                    weights_ptr, query_ptr, scaled_ptr, lw_ptr, chain_ptr, den_ptr,
+                    Tp, NB, H, G, GS, C, M, D, DV, tau, eps, theta_max, save,
+                    L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
+                    LOG_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+                    WEIGHT_PRECISION: tl.constexpr):
+    """The read weights of BLOCK_R rows of one chunk x one query head, all levels in order (the chain couples
+    them): a~_i = chain_i W_r_i / max(N_i, eps) into ``weights`` (B, H, L, Tp, m), which also serves as the
+    scratch that act_i and chain_i are read back from; the normaliser sum_i |a_i| into ``den`` (B, H, Tp); with
+    RSA-q the query weights q W_qr_i / 16 / max(N_i, eps) into ``query`` (B, H, L, Tp, m); with relation routing
+    c~_i = chain_i / max(N_i, eps) into ``scaled`` (B, H, Tp, m, one level at a time); the log weight (LOG_WEIGHT)
+    and, with ``save``, chain_i (i < L - 1) for the backward. Its rows read the chunk-start state and the chunk's
+    rows up to themselves, BLOCK_K at a time; the products over the key features BLOCK_D of them at a time."""
     row_blocks = tl.cdiv(C, BLOCK_R)
     chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)  # b * H + head
@@ -226,19 +247,16 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     reach = tl.minimum(first + BLOCK_R, C)  # the chunk rows they read: [0, reach)
     keys = tl.arange(0, BLOCK_K)
     slots = tl.arange(0, BLOCK_M)
-    cols_v = tl.arange(0, BLOCK_DV)
-    row_ok, slot_ok, v_ok = rows < C, slots < M, cols_v < DV
-    ok_rm, ok_mm = row_ok[:, None] & slot_ok[None, :], slot_ok[:, None] & slot_ok[None, :]
-    off_mm = slots[:, None] * M + slots[None, :]
+    row_ok, slot_ok = rows < C, slots < M
+    ok_rm = row_ok[:, None] & slot_ok[None, :]
+    scaled_rows = (bh * Tp + row0 + rows)[:, None] * M  # (R, 1) rows of the (B, H, Tp, m) c~ scratch
 
     chain = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
-    num = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)
     den = tl.zeros((BLOCK_R,), tl.float32)
-    extra = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)  # RSA-q branch, outside the normaliser
-    n_prev = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
     for i in range(L):
         level_row = (bg * L + i) * Tp + row0  # row of (B, G, L, Tp, .) level tensors
         state = (bg * NB + chunk) * L + i  # index of (B, G, NB, L, ...) chunk-start sums
+        plane_rows = ((bh * L + i) * Tp + row0 + rows)[:, None] * M  # (R, 1) rows of (B, H, L, Tp, m) planes
         # the inclusive running mass N = n0 + M F and the score numerator q KS0^T + ((q X^T) . M) F, (R, m)
         n = tl.zeros((BLOCK_R, BLOCK_M), tl.float32) + tl.load(n0_ptr + state * M + slots, mask=slot_ok,
                                                                 other=0.0)[None, :]
@@ -253,109 +271,126 @@ def _fwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
             for d0 in range(0, D, BLOCK_D):  # q X^T, BLOCK_D features at a time
                 part = d0 + tl.arange(0, BLOCK_D)
                 q_part = tl.load(q_ptr + (bh * Tp + row0 + rows)[:, None] * D + part[None, :],
-                                 mask=row_ok[:, None] & (part < D)[None, :], other=0.0).to(tl.float32)
+                                 mask=row_ok[:, None] & (part < D)[None, :], other=0.0)
                 x = tl.load(x_ptr + (level_row + cols)[:, None] * D + part[None, :],
                             mask=(cols < reach)[:, None] & (part < D)[None, :], other=0.0)
                 q_x += tl.dot(q_part, tl.trans(x), input_precision=WEIGHT_PRECISION)
             snum += tl.dot(q_x * causal, f, input_precision=WEIGHT_PRECISION)
-        for d0 in range(0, D, BLOCK_D):  # q KS0^T, BLOCK_D features at a time (no (m, d) tile held)
-            part = d0 + tl.arange(0, BLOCK_D)
-            q_part = tl.load(q_ptr + (bh * Tp + row0 + rows)[:, None] * D + part[None, :],
-                             mask=row_ok[:, None] & (part < D)[None, :], other=0.0).to(tl.float32)
-            ks0 = tl.load(ks0_ptr + (state * M + slots)[:, None] * D + part[None, :],
-                          mask=slot_ok[:, None] & (part < D)[None, :], other=0.0)  # (m, BLOCK_D)
-            snum += tl.dot(q_part, tl.trans(ks0), input_precision=WEIGHT_PRECISION)
+        snum += _row_products(q_ptr, (bh * Tp + row0 + rows)[:, None] * D, row_ok[:, None], ks0_ptr,
+                              (state * M + slots)[:, None] * D, slot_ok[:, None], D, 1, BLOCK_R, BLOCK_M, BLOCK_D,
+                              WEIGHT_PRECISION)  # q KS0^T
+        norm_n = tl.maximum(n, eps)
         kappa = tl.load(kappa_ptr + (bg % G) * L + i)
-        score, den_k, act = _activation(snum, kappa, n, slot_ok, tau, eps, i == 0, READOUT)
+        score, _, act = _activation(snum, kappa, n, slot_ok, tau, eps, i == 0, READOUT)
         if LOG_WEIGHT:
             if i == 0:  # log sum_j N_j exp(score_j) over the real level-0 slots (the window's merge)
-                z = tl.where(slot_ok[None, :], score + tl.log(tl.maximum(n, eps)), float("-inf"))
+                z = tl.where(slot_ok[None, :], score + tl.log(norm_n), float("-inf"))
                 z_max = tl.max(z, 1)
                 tl.store(lw_ptr + bh * Tp + row0 + rows, z_max + tl.log(tl.sum(tl.exp(z - z_max[:, None]), 1)),
                          mask=row_ok)
         hl = head * L + i
+        if QUERY_READ:  # q W_qr / 16 / max(N, eps), read by the values kernel outside the normaliser
+            query_weights = _row_products(q_ptr, (bh * Tp + row0 + rows)[:, None] * D, row_ok[:, None], wqr_ptr,
+                                          hl * D * M + slots[:, None], slot_ok[:, None], D, M, BLOCK_R, BLOCK_M,
+                                          BLOCK_D, PRECISION)
+            tl.store(query_ptr + plane_rows + slots[None, :], query_weights / 16 / norm_n, mask=ok_rm)
+        # sparse = w_a relu(act W - theta) + theta / m on real slots; act read back from the weights plane
+        tl.store(weights_ptr + plane_rows + slots[None, :], act, mask=ok_rm)
+        tl.debug_barrier()  # act written before its slot blocks are read back
         theta = tl.minimum(tl.maximum(tl.load(theta_ptr + hl), 0.0), theta_max)  # as learned, clamped here
-        w = tl.load(w_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
-        sparse = tl.load(wa_ptr + hl) * tl.maximum(tl.dot(act, w, input_precision=WEIGHT_PRECISION) - theta, 0.0) \
-            + theta / M
-        sparse = tl.where(slot_ok[None, :], sparse, 0.0)  # the floor theta/m only on real slots
+        mixed = _row_products(weights_ptr, plane_rows, row_ok[:, None], w_ptr, hl * M * M + slots[:, None],
+                              slot_ok[:, None], M, M, BLOCK_R, BLOCK_M, BLOCK_S, WEIGHT_PRECISION)  # act W
+        sparse = tl.where(slot_ok[None, :], tl.load(wa_ptr + hl) * tl.maximum(mixed - theta, 0.0) + theta / M, 0.0)
         if ROUTING == 0:
             chain = sparse
         elif i == 0:
             chain = sparse
         elif ROUTING == 1:
             chain = chain * sparse
-        else:  # relation: chain_{i-1} routed through the inclusive relation matrix (R0 + causal F^T F) / N
-            scaled = chain / tl.maximum(n_prev, eps)
-            r0 = tl.load(r0_ptr + ((bg * NB + chunk) * (L - 1) + i - 1) * M * M + off_mm, mask=ok_mm, other=0.0)
-            routed = tl.dot(scaled, r0, input_precision=WEIGHT_PRECISION)
+        else:  # relation: c~_{i-1} routed through the inclusive relation matrix R0 + causal F_{i-1}^T F_i
+            relation = ((bg * NB + chunk) * (L - 1) + i - 1) * M * M
+            routed = _row_products(scaled_ptr, scaled_rows, row_ok[:, None], r0_ptr, relation + slots[:, None],
+                                   slot_ok[:, None], M, M, BLOCK_R, BLOCK_M, BLOCK_S, WEIGHT_PRECISION)
             for k0 in range(0, reach, BLOCK_K):
                 cols = k0 + keys
-                ok_km = (cols < reach)[:, None] & slot_ok[None, :]
-                f_prev = tl.load(f_ptr + (level_row - Tp + cols)[:, None] * M + slots[None, :], mask=ok_km,
-                                 other=0.0)
-                f = tl.load(f_ptr + (level_row + cols)[:, None] * M + slots[None, :], mask=ok_km, other=0.0)
-                intra = tl.dot(scaled, tl.trans(f_prev), input_precision=WEIGHT_PRECISION) \
-                    * (cols[None, :] <= rows[:, None]).to(tl.float32)
-                routed += tl.dot(intra, f, input_precision=WEIGHT_PRECISION)
+                key_ok = (cols < reach)[:, None]
+                intra = _row_products(scaled_ptr, scaled_rows, row_ok[:, None], f_ptr, (level_row - Tp + cols)[:, None]
+                                      * M, key_ok, M, 1, BLOCK_R, BLOCK_K, BLOCK_S, WEIGHT_PRECISION)
+                f = tl.load(f_ptr + (level_row + cols)[:, None] * M + slots[None, :], mask=key_ok & slot_ok[None, :],
+                            other=0.0)
+                routed += tl.dot(intra * (cols[None, :] <= rows[:, None]).to(tl.float32), f,
+                                 input_precision=WEIGHT_PRECISION)
             chain = routed * sparse
         if ROUTING != 0 and i < L - 1:
             if save:  # the backward reads chain_i back at level i + 1
                 tl.store(chain_ptr + ((bh * (L - 1) + i) * Tp + row0 + rows)[:, None] * M + slots[None, :], chain,
                          mask=ok_rm)
-        wr = tl.load(wr_ptr + hl * M * M + off_mm, mask=ok_mm, other=0.0)
-        a = tl.dot(chain, wr, input_precision=WEIGHT_PRECISION)
+        # a = chain W_r, chain read back from the weights plane (act's blocks all read first)
+        tl.debug_barrier()
+        tl.store(weights_ptr + plane_rows + slots[None, :], chain, mask=ok_rm)
+        if ROUTING == 2 and i < L - 1:  # c~_i for level i + 1 (its blocks of c~_{i-1} all read above)
+            tl.store(scaled_ptr + scaled_rows + slots[None, :], chain / norm_n, mask=ok_rm)
+        tl.debug_barrier()
+        a = _row_products(weights_ptr, plane_rows, row_ok[:, None], wr_ptr, hl * M * M + slots[:, None],
+                          slot_ok[:, None], M, M, BLOCK_R, BLOCK_M, BLOCK_S, WEIGHT_PRECISION)
         den += tl.sum(tl.abs(a), 1)  # total absolute read weight (rsa_memory.py docstring)
-        # read(w) = w~ VS0 + ((w~ F^T) . M) Y, w~ = w / max(N, eps): into num (a), and extra (q W_qr / 16, RSA-q)
-        norm_n = tl.maximum(n, eps)
-        a = a / norm_n
-        vs0 = tl.load(vs0_ptr + (state * M + slots)[:, None] * DV + cols_v[None, :],
-                      mask=slot_ok[:, None] & v_ok[None, :], other=0.0)  # (m, dv)
-        num += tl.dot(a, vs0, input_precision=PRECISION)
+        tl.debug_barrier()  # chain's blocks all read before a~ takes its place
+        tl.store(weights_ptr + plane_rows + slots[None, :], a / norm_n, mask=ok_rm)
+    tl.store(den_ptr + bh * Tp + row0 + rows, den, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["Tp", "NB", "save"])
+def _values_kernel(f_ptr, y_ptr, vs0_ptr, weights_ptr, query_ptr, den_ptr, out_ptr, num_ptr,
+                   Tp, NB, H, G, GS, C, M, DV, eps, save,
+                   L: tl.constexpr, QUERY_READ: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    """The read of BLOCK_R rows of one chunk x one query head: read(w~) = w~ VS0_i + ((w~ F_i^T) . M) Y_i summed
+    over the levels for w~ = a~_i (``weights``, from ``_weights_kernel``) into num, and for the RSA-q query weights
+    (``query``) into extra; out = num / max(den, eps) + extra (B, H, Tp, dv), and num itself with ``save``. The
+    weights are read BLOCK_S slots at a time (never held whole), the chunk's rows BLOCK_K at a time."""
+    row_blocks = tl.cdiv(C, BLOCK_R)
+    chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    head = bh % H
+    bg = (bh // H) * G + head // GS
+    row0 = chunk * C
+    first = (tl.program_id(0) % row_blocks) * BLOCK_R
+    rows = first + tl.arange(0, BLOCK_R)
+    reach = tl.minimum(first + BLOCK_R, C)
+    keys = tl.arange(0, BLOCK_K)
+    cols_v = tl.arange(0, BLOCK_DV)
+    row_ok, v_ok = rows < C, cols_v < DV
+    num = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)
+    extra = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)  # RSA-q branch, outside the normaliser
+    for i in range(L):
+        level_row = (bg * L + i) * Tp + row0
+        values_at = ((bg * NB + chunk) * L + i) * M * DV + cols_v[:, None]  # VS0_i^T's rows: (dv, 1)
+        plane_rows = ((bh * L + i) * Tp + row0 + rows)[:, None] * M
+        num += _row_products(weights_ptr, plane_rows, row_ok[:, None], vs0_ptr, values_at, v_ok[:, None], M, DV,
+                             BLOCK_R, BLOCK_DV, BLOCK_S, PRECISION)
         if QUERY_READ:
-            query_weights = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)
-            for d0 in range(0, D, BLOCK_D):  # q W_qr, BLOCK_D features at a time
-                part = d0 + tl.arange(0, BLOCK_D)
-                q_part = tl.load(q_ptr + (bh * Tp + row0 + rows)[:, None] * D + part[None, :],
-                                 mask=row_ok[:, None] & (part < D)[None, :], other=0.0).to(tl.float32)
-                wqr = tl.load(wqr_ptr + hl * D * M + part[:, None] * M + slots[None, :],
-                              mask=(part < D)[:, None] & slot_ok[None, :], other=0.0)
-                query_weights += tl.dot(q_part, wqr, input_precision=PRECISION)
-            query_weights = query_weights / 16 / norm_n
-            extra += tl.dot(query_weights, vs0, input_precision=PRECISION)
+            extra += _row_products(query_ptr, plane_rows, row_ok[:, None], vs0_ptr, values_at, v_ok[:, None], M,
+                                   DV, BLOCK_R, BLOCK_DV, BLOCK_S, PRECISION)
         for k0 in range(0, reach, BLOCK_K):
             cols = k0 + keys
+            key_ok = (cols < reach)[:, None]
             causal = (cols[None, :] <= rows[:, None]).to(tl.float32)
-            f = tl.load(f_ptr + (level_row + cols)[:, None] * M + slots[None, :],
-                        mask=(cols < reach)[:, None] & slot_ok[None, :], other=0.0)
-            y = tl.load(y_ptr + (level_row + cols)[:, None] * DV + cols_v[None, :],
-                        mask=(cols < reach)[:, None] & v_ok[None, :], other=0.0)
-            num += tl.dot(tl.dot(a, tl.trans(f), input_precision=PRECISION) * causal, y, input_precision=PRECISION)
+            y = tl.load(y_ptr + (level_row + cols)[:, None] * DV + cols_v[None, :], mask=key_ok & v_ok[None, :],
+                        other=0.0)
+            key_rows = (level_row + cols)[:, None] * M
+            weights_f = _row_products(weights_ptr, plane_rows, row_ok[:, None], f_ptr, key_rows, key_ok, M, 1,
+                                      BLOCK_R, BLOCK_K, BLOCK_S, PRECISION)  # a~ F^T
+            num += tl.dot(weights_f * causal, y, input_precision=PRECISION)
             if QUERY_READ:
-                extra += tl.dot(tl.dot(query_weights, tl.trans(f), input_precision=PRECISION) * causal, y,
-                                input_precision=PRECISION)
-        n_prev = n
+                query_f = _row_products(query_ptr, plane_rows, row_ok[:, None], f_ptr, key_rows, key_ok, M, 1,
+                                        BLOCK_R, BLOCK_K, BLOCK_S, PRECISION)
+                extra += tl.dot(query_f * causal, y, input_precision=PRECISION)
     out_at = (bh * Tp + row0 + rows)[:, None] * DV + cols_v[None, :]
     ok_rv = row_ok[:, None] & v_ok[None, :]
+    den = tl.load(den_ptr + bh * Tp + row0 + rows, mask=row_ok, other=1.0)
     tl.store(out_ptr + out_at, num / tl.maximum(den, eps)[:, None] + extra, mask=ok_rv)
     if save:
         tl.store(num_ptr + out_at, num, mask=ok_rv)
-        tl.store(den_ptr + bh * Tp + row0 + rows, den, mask=row_ok)
-
-
-@triton.jit
-def _row_products(a_ptr, a_at, a_ok, b_ptr, b_at, b_ok, width, b_step, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK: tl.constexpr, PRECISION: tl.constexpr):
-    """A B^T (R, N) for A (R, width) row-major, its rows starting at ``a_at`` (R, 1), and B (N, width) whose element
-    (n, c) is at ``b_at[n] + c * b_step``, summed over BLOCK columns at a time: the operands are never held whole (a
-    dot's left operand is every warp's)."""
-    acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
-    for c0 in range(0, width, BLOCK):
-        col = c0 + tl.arange(0, BLOCK)
-        a = tl.load(a_ptr + a_at + col[None, :], mask=a_ok & (col < width)[None, :], other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + b_at + col[None, :] * b_step, mask=b_ok & (col < width)[None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)
-    return acc
 
 
 @triton.jit(do_not_specialize=["Tp", "NB", "i"])
@@ -749,8 +784,12 @@ class _Read:
                             QUERY_READ=query_read, LOG_WEIGHT=log_weight, BLOCK_M=tile_edge(slots),
                             BLOCK_R=PROGRAM_ROWS, BLOCK_K=KEY_BLOCK, PRECISION=READ_PRECISION,
                             WEIGHT_PRECISION=weight_precision, num_warps=READ_WARPS, num_stages=READ_STAGES)
-        self.forward_options = dict(self.options, BLOCK_D=min(tile_edge(key_dim), FEATURE_BLOCK),
-                                    BLOCK_DV=tile_edge(y.shape[-1]))
+        self.weights_options = dict(self.options, BLOCK_D=min(tile_edge(key_dim), FEATURE_BLOCK), BLOCK_S=FEATURE_BLOCK)
+        self.values_options = dict({key: self.options[key] for key in ("L", "QUERY_READ", "BLOCK_R", "BLOCK_K",
+                                                                       "PRECISION", "num_warps", "num_stages")},
+                                   BLOCK_S=FEATURE_BLOCK, BLOCK_DV=tile_edge(y.shape[-1]))
+        tp, nb, heads_, groups_, group_size, size, slots_, _, value_dim, _, eps_, _ = self.sizes
+        self.values_sizes = (tp, nb, heads_, groups_, group_size, size, slots_, value_dim, eps_)
         self.backward_options = dict(self.options, BLOCK=FEATURE_BLOCK)
         self.keys_grid = (n_chunks * triton.cdiv(chunk_size, KEY_BLOCK), batch * groups, levels)
         self.keys_options = dict({key: self.options[key] for key in ("L", "ROUTING", "LOG_WEIGHT", "BLOCK_M",
@@ -776,8 +815,10 @@ class _Read:
         """The launches of this call as ``(kernel, grid, args, constexprs)`` for ``JITFunction.warmup``: the forward,
         and for a backward the level-0 variant and the other levels' one (the level is not specialised). Buffers not
         yet allocated are given as their dtype (all fp32)."""
-        buffers = [torch.float32] * 5  # out, log weight, chain, num, den
-        warmups = [(_fwd_kernel, self.grid, (*inputs, *buffers, *self.sizes, 0), self.forward_options)]
+        fp32 = torch.float32  # weights, query weights, c~, log weight, chain, den; f, y, vs0, ..., out, num
+        warmups = [(_weights_kernel, self.grid, (*inputs, *[fp32] * 6, *self.sizes, 0), self.weights_options),
+                   (_values_kernel, self.grid, (inputs[1], inputs[3], inputs[5], *[fp32] * 5, *self.values_sizes, 0),
+                    self.values_options)]
         if backward:  # g, chain, c~, num, den, the 2 carries, 4 planes and 11 gradients, the sizes and the level
             args = (*inputs, *[torch.float32] * (5 + 2 + 4 + len(inputs) - 3), *self.sizes)
             warmups += [(_bwd_kernel, self.grid, (*args, level), {**self.backward_options, "LEVEL0": level == 0})
@@ -807,9 +848,17 @@ class _Read:
         out = q.new_empty(self.batch, self.heads, self.padded, self.value_dim, dtype=torch.float32)
         log_weight = out.new_empty(out.shape[:-1]) if self.options["LOG_WEIGHT"] else out  # else a dummy
         chain, num, den = (out.new_empty(shape) for shape in self.saved_shapes(save))
-        if out.numel():
-            _fwd_kernel[self.grid](*inputs, out, log_weight, chain, num, den, *self.sizes, int(save),
-                                   **self.forward_options)
+        if out.numel():  # the read weights, then the values they read (transient planes, fp32)
+            plane = (self.batch, self.heads, self.levels, self.padded, self.slots)
+            weights = out.new_empty(plane)
+            query = out.new_empty(plane) if self.options["QUERY_READ"] else out
+            relation = self.options["ROUTING"] == 2 and self.levels > 1
+            scaled = out.new_empty(self.batch, self.heads, self.padded, self.slots) if relation else out
+            den = den if save else out.new_empty(out.shape[:-1])
+            _weights_kernel[self.grid](*inputs, weights, query, scaled, log_weight, chain, den, *self.sizes,
+                                       int(save), **self.weights_options)
+            _values_kernel[self.grid](inputs[1], inputs[3], inputs[5], weights, query, den, out, num,
+                                      *self.values_sizes, int(save), **self.values_options)
         if self.options["LOG_WEIGHT"]:
             out = torch.cat([out, log_weight[..., None]], -1)
         return out, chain, num, den

@@ -190,9 +190,9 @@ def test_the_rsa_chain_kernels_of_a_bf16_call_fit_sm90(monkeypatch, groups, head
 @pytest.mark.parametrize("heads,groups,head_dim", [(9, 3, 64), (32, 8, 128)], ids=["smollm2-135m", "llama3-8b"])
 def test_the_rsa_read_compiles_for_sm90_without_a_spill(monkeypatch, heads, groups, head_dim):
     """RSA's read (kernels/rsa_chunk_triton.py) at the mixer's default levels, slots, chunk size, readout and routing,
-    with the window's log weight, in a bf16 call, at both head layouts and 2K tokens: the forward at 8 warps, no
-    spill, a program per SM at least, and so the backward's rows kernel (both still over issue 67's 128 registers
-    at 8 warps: docs/benchmarks.md); the backward's keys kernel within the budget."""
+    with the window's log weight, in a bf16 call, at both head layouts and 2K tokens: the forward's two kernels
+    within issue 67's budget (128 registers at 8 warps, no spill, a program per SM at least); the backward's rows
+    kernel without a spill (still over the budget: docs/benchmarks.md), its keys kernel within it."""
     from hf_mixers.core.registry import get_mixer
     from hf_mixers.kernels.rsa_chunk_triton import READ_WARPS, _Read
 
@@ -213,9 +213,11 @@ def test_the_rsa_read_compiles_for_sm90_without_a_spill(monkeypatch, heads, grou
                defaults["rsa_routing"], False, True, "tf32")
     read = _Read(options, inputs[0], inputs[1], inputs[3])
     saved = read.forward(inputs, save=True)[1:]  # compiled, not run: the chains, num and den it saves
-    (record,) = records
-    assert record["kernel"] == "_fwd_kernel" and record["options"]["num_warps"] == READ_WARPS == 8, record
-    assert record["spill_bytes"] == 0 and record["programs"] >= 132, record
+    forward = {record["kernel"]: record for record in records}
+    assert forward.keys() == {"_weights_kernel", "_values_kernel"}, records
+    for record in forward.values():  # within the budget: 128 registers at 8 warps
+        assert record["options"]["num_warps"] == READ_WARPS == 8 and record["registers"] <= 128, record
+        assert record["spill_bytes"] == 0 and record["programs"] >= 132, record
     # the backward: its rows kernel (level 0's variant and the other levels') without a spill, its keys kernel (the
     # chunk's F, X, Y gradients) within the budget, 128 registers at 8 warps
     read.backward(inputs, torch.empty(1, heads, length, head_dim + 1), *saved)

@@ -127,7 +127,8 @@ def assert_matches(params, inputs, state, extra_leaves=(), **tolerances):
 def test_kernels_are_interpreted():
     from triton.runtime.interpreter import InterpretedFunction
 
-    assert isinstance(rct._fwd_kernel, InterpretedFunction) and isinstance(rct._bwd_kernel, InterpretedFunction)
+    assert all(isinstance(kernel, InterpretedFunction)
+               for kernel in (rct._weights_kernel, rct._values_kernel, rct._bwd_kernel, rct._bwd_keys_kernel))
 
 
 @needs_kernels
@@ -353,7 +354,8 @@ def test_warmups_are_exactly_what_the_call_launches(levels, monkeypatch):
     """``_Read.warmups`` (compiled side by side before the first launch on CUDA, kernels/triton_compile.py) names
     every kernel variant a training call then launches, with the same argument kinds and constexprs: none missing (it
     would compile at its launch, in turn) and none extra (minutes of compile for nothing)."""
-    launched, warmed = record_launches(monkeypatch, (rct._fwd_kernel, rct._bwd_kernel, rct._bwd_keys_kernel)), set()
+    launched, warmed = record_launches(monkeypatch, (rct._weights_kernel, rct._values_kernel, rct._bwd_kernel,
+                                                     rct._bwd_keys_kernel)), set()
     launched.run = False  # what is launched, not its values
     monkeypatch.setattr(rct._Read, "compile_kernels", lambda read, inputs, backward: warmed.update(
         compile_key(kernel, args, constexprs) for kernel, _, args, constexprs in read.warmups(inputs, backward)))
@@ -361,8 +363,8 @@ def test_warmups_are_exactly_what_the_call_launches(levels, monkeypatch):
     inputs = make_inputs(params, batch=2)
     run(rct.rsa_chunked_triton, params, *inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
     assert launched and warmed == launched
-    # the forward; level 0's backward [and the other levels'], the keys' backward
-    assert len(launched) == (3 if levels == 1 else 4)
+    # the forward's two; level 0's backward [and the other levels'], the keys' backward
+    assert len(launched) == (4 if levels == 1 else 5)
 
 
 @needs_kernels
@@ -378,7 +380,7 @@ def test_the_read_over_feature_blocks_matches_reference(readout, routing, query_
     read = rct._Read(rct._read_options(params), torch.zeros(1, 4, 16, KEY_DIM), torch.zeros(1, 2, 3, 16, SLOTS),
                      torch.zeros(1, 2, 3, 16, VALUE_DIM))
     assert read.backward_options["BLOCK"] == read.keys_options["BLOCK"] == 4 < min(KEY_DIM, VALUE_DIM, SLOTS)
-    assert read.forward_options["BLOCK_D"] == 4
+    assert read.weights_options["BLOCK_D"] == read.weights_options["BLOCK_S"] == read.values_options["BLOCK_S"] == 4
     inputs = make_inputs(params, batch=2)
     assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
 
@@ -396,7 +398,8 @@ def test_forward_over_row_blocks_matches_reference(readout, routing, query_read,
     params = make_params(chunk=12, readout=readout, routing=routing, query_read=query_read, log_weight=True)
     read = rct._Read(rct._read_options(params), torch.zeros(1, 4, 24, KEY_DIM), torch.zeros(1, 2, 3, 24, SLOTS),
                      torch.zeros(1, 2, 3, 24, VALUE_DIM))
-    assert read.grid == (4, 4) and read.forward_options["BLOCK_R"] == read.backward_options["BLOCK_R"] == 8
+    assert read.grid == (4, 4) and read.weights_options["BLOCK_R"] == read.values_options["BLOCK_R"] == 8
+    assert read.backward_options["BLOCK_R"] == 8
     inputs = make_inputs(params, batch=2)
     assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
 
@@ -539,8 +542,8 @@ def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_
 
     monkeypatch.setattr(converter, "cache_bytes_at", lambda model, contexts, *args: dict.fromkeys(contexts, 0))
     save_tiny_teacher(tmp_path / "teacher")
-    launched = record_launches(monkeypatch, (rct._fwd_kernel, rct._bwd_kernel, rct._bwd_keys_kernel, rch._chain_fwd,
-                                             rch._chain_bwd))
+    launched = record_launches(monkeypatch, (rct._weights_kernel, rct._values_kernel, rct._bwd_kernel,
+                                             rct._bwd_keys_kernel, rch._chain_fwd, rch._chain_bwd))
     student, _ = convert(str(tmp_path / "teacher"), "rsa", mixer_options={"rsa_window": 8}, sequence_length=48,
                          calibration_sequences=2, heldout_sequences=1, progress=False)
     launched.run = False  # from here what is launched is the question, not its values (minutes interpreted)
@@ -554,8 +557,8 @@ def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_
     with torch.no_grad():
         run_warm()
     run_warm().pow(2).mean().backward()
-    # the chain forward and backward, the read forward, its backward's rows (level 0, the others) and keys
-    assert len(demo) == 6 and launched == demo
+    # the chain forward and backward, the read forward's two, its backward's rows (level 0, the others) and keys
+    assert len(demo) == 7 and launched == demo
 
 
 @needs_kernels
@@ -643,7 +646,8 @@ def test_a_half_precision_write_takes_tf32_dots_within_the_bf16_bound(monkeypatc
         error = relative_error(a, b)  # (fp32-accurate dots: 1e-4 of the bound; tf32 within a quarter of it)
         assert 0 < error <= limit, f"{label}: tf32 error {error:.3g} over the bf16 bound {limit:.3g}"
 
-    launched = record_launches(monkeypatch, (rct._fwd_kernel, rch._chain_fwd, rch._level_sums_fwd))
+    launched = record_launches(monkeypatch, (rct._weights_kernel, rct._values_kernel, rch._chain_fwd,
+                                             rch._level_sums_fwd))
     q = torch.randn(3, 2, 2, 45, KEY_DIM, device=DEV)
     with torch.no_grad():
         for dtype in (torch.float32, torch.bfloat16):
@@ -653,8 +657,9 @@ def test_a_half_precision_write_takes_tf32_dots_within_the_bf16_bound(monkeypatc
             write_precision = "tf32x3" if dtype == torch.float32 else "tf32"  # the precision each kernel took
             precisions = {(name, dict(constexprs)["PRECISION"], dict(constexprs).get("WEIGHT_PRECISION"))
                           for name, _, constexprs in launched}
-            assert precisions == {("_fwd_kernel", "tf32x3", write_precision), ("_chain_fwd", write_precision, None),
-                                  ("_level_sums_fwd", write_precision, None)}, (dtype, precisions)
+            assert precisions == {("_weights_kernel", "tf32x3", write_precision), ("_values_kernel", "tf32x3", None),
+                                  ("_chain_fwd", write_precision, None), ("_level_sums_fwd", write_precision, None)}, \
+                (dtype, precisions)
 
 
 @needs_kernels
