@@ -31,12 +31,13 @@ Split of the work:
     parallel over chunks), and the residual MLPs between levels one launch a level for the key and
     value MLPs (kernels/rsa_mlp_triton.py), each way. The same path with and without autograd.
   * Read side: two launches for *all* chunks of the call (given the write side, the chunks' reads are
-    independent), both on the grid (n_chunks x C / PROGRAM_ROWS, B * H), one program = PROGRAM_ROWS rows of a
-    chunk x one query head. ``_weights_kernel`` computes the read weights, all L levels in order inside the
-    program (the chain and the global normaliser couple them): a~_i = chain_i W_r_i / max(N_i, eps) as (B, H, L,
-    Tp, m) planes and the normaliser; ``_values_kernel`` then reads the values with them, linear in the weights.
-    Their rows read the chunk's rows up to themselves, KEY_BLOCK at a time: causal products summed over (R, K)
-    blocks; the key features FEATURE_BLOCK at a time.
+    independent). ``_weights_kernel`` (grid (n_chunks x C / PROGRAM_ROWS, B * H), one program = PROGRAM_ROWS rows
+    of a chunk x one query head) computes the read weights, all L levels in order inside the program (the chain
+    and the global normaliser couple them): a~_i = chain_i W_r_i / max(N_i, eps) as (B, H, L, Tp, m) planes and
+    the normaliser. ``_values_kernel`` then reads the values with them, linear in the weights: one program = those
+    rows for every query head of a KV head (stacked, so each chunk-start VS0 tile and each F, Y tile is loaded
+    once for the group) x VALUE_BLOCK value features. Their rows read the chunk's rows up to themselves, KEY_BLOCK
+    at a time: causal products summed over (R, K) blocks; the key features FEATURE_BLOCK at a time.
     The backward splits as FlashAttention-2's does, into a rows side and a keys side. ``_bwd_kernel`` (the rows) is
     launched once per level, top level first, on the forward's grid: it recomputes its rows' level as the forward
     does and takes the gradient back through it; dq accumulates in place, the routing's gradients for the level
@@ -130,6 +131,9 @@ FEATURE_BLOCK = 16
 # Rows of a chunk per program, forward and backward: a program's own tiles are (rows, C), (rows, m) and (rows, dv),
 # so fewer rows hold fewer registers per thread (and give more programs per launch).
 PROGRAM_ROWS = 16
+# The values kernel's value features per program: its (GS x PROGRAM_ROWS, dv) sums held whole at Llama-3-8B's
+# 128-wide heads and 4 query heads a KV head took 230 registers on sm_90 (123 at 64 wide).
+VALUE_BLOCK = 64
 KEY_BLOCK = 16  # the chunk rows read per step, and the keys kernel's (at least 16: a tl.dot's least inner dimension)
 # 8 warps: the dots' operands are replicated across warps along the rows (a (16, m) tile is one warp's rows), and
 # their fp32 split into tf32 halves (tf32x3) is what fills the registers; at 8 warps each holds half the columns.
@@ -342,35 +346,37 @@ def _weights_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr
 @triton.jit(do_not_specialize=["Tp", "NB", "save"])
 def _values_kernel(f_ptr, y_ptr, vs0_ptr, weights_ptr, query_ptr, den_ptr, out_ptr, num_ptr,
                    Tp, NB, H, G, GS, C, M, DV, eps, save,
-                   L: tl.constexpr, QUERY_READ: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    """The read of BLOCK_R rows of one chunk x one query head: read(w~) = w~ VS0_i + ((w~ F_i^T) . M) Y_i summed
-    over the levels for w~ = a~_i (``weights``, from ``_weights_kernel``) into num, and for the RSA-q query weights
-    (``query``) into extra; out = num / max(den, eps) + extra (B, H, Tp, dv), and num itself with ``save``. The
-    weights are read BLOCK_S slots at a time (never held whole), the chunk's rows BLOCK_K at a time."""
+                   L: tl.constexpr, QUERY_READ: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    """The read of BLOCK_R rows of one chunk for every query head of one KV head: read(w~) = w~ VS0_i +
+    ((w~ F_i^T) . M) Y_i summed over the levels for w~ = a~_i (``weights``, from ``_weights_kernel``) into num, and
+    for the RSA-q query weights (``query``) into extra; out = num / max(den, eps) + extra (B, H, Tp, dv), and num
+    itself with ``save``. The group's GS query heads are stacked as BLOCK_G x BLOCK_R rows (BLOCK_G = GS rounded up
+    to a power of two), so each tile of VS0, F and Y is loaded once for all of them. The weights are read BLOCK_S
+    slots at a time (never held whole), the chunk's rows BLOCK_K at a time."""
     row_blocks = tl.cdiv(C, BLOCK_R)
     chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
-    bh = tl.program_id(1).to(tl.int64)
-    head = bh % H
-    bg = (bh // H) * G + head // GS
+    bg = tl.program_id(1).to(tl.int64)  # b * G + KV head
     row0 = chunk * C
     first = (tl.program_id(0) % row_blocks) * BLOCK_R
-    rows = first + tl.arange(0, BLOCK_R)
+    stacked = tl.arange(0, BLOCK_G * BLOCK_R)
+    rows = first + stacked % BLOCK_R  # each stacked row's row of the chunk
+    bh = (bg // G) * H + (bg % G) * GS + stacked // BLOCK_R  # and its (b, query head)
     reach = tl.minimum(first + BLOCK_R, C)
     keys = tl.arange(0, BLOCK_K)
-    cols_v = tl.arange(0, BLOCK_DV)
-    row_ok, v_ok = rows < C, cols_v < DV
-    num = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)
-    extra = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)  # RSA-q branch, outside the normaliser
+    cols_v = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)  # this program's value features
+    row_ok, v_ok = (rows < C) & (stacked // BLOCK_R < GS), cols_v < DV
+    num = tl.zeros((BLOCK_G * BLOCK_R, BLOCK_DV), tl.float32)
+    extra = tl.zeros((BLOCK_G * BLOCK_R, BLOCK_DV), tl.float32)  # RSA-q branch, outside the normaliser
     for i in range(L):
         level_row = (bg * L + i) * Tp + row0
         values_at = ((bg * NB + chunk) * L + i) * M * DV + cols_v[:, None]  # VS0_i^T's rows: (dv, 1)
         plane_rows = ((bh * L + i) * Tp + row0 + rows)[:, None] * M
         num += _row_products(weights_ptr, plane_rows, row_ok[:, None], vs0_ptr, values_at, v_ok[:, None], M, DV,
-                             BLOCK_R, BLOCK_DV, BLOCK_S, PRECISION)
+                             BLOCK_G * BLOCK_R, BLOCK_DV, BLOCK_S, PRECISION)
         if QUERY_READ:
             extra += _row_products(query_ptr, plane_rows, row_ok[:, None], vs0_ptr, values_at, v_ok[:, None], M,
-                                   DV, BLOCK_R, BLOCK_DV, BLOCK_S, PRECISION)
+                                   DV, BLOCK_G * BLOCK_R, BLOCK_DV, BLOCK_S, PRECISION)
         for k0 in range(0, reach, BLOCK_K):
             cols = k0 + keys
             key_ok = (cols < reach)[:, None]
@@ -379,11 +385,11 @@ def _values_kernel(f_ptr, y_ptr, vs0_ptr, weights_ptr, query_ptr, den_ptr, out_p
                         other=0.0)
             key_rows = (level_row + cols)[:, None] * M
             weights_f = _row_products(weights_ptr, plane_rows, row_ok[:, None], f_ptr, key_rows, key_ok, M, 1,
-                                      BLOCK_R, BLOCK_K, BLOCK_S, PRECISION)  # a~ F^T
+                                      BLOCK_G * BLOCK_R, BLOCK_K, BLOCK_S, PRECISION)  # a~ F^T
             num += tl.dot(weights_f * causal, y, input_precision=PRECISION)
             if QUERY_READ:
                 query_f = _row_products(query_ptr, plane_rows, row_ok[:, None], f_ptr, key_rows, key_ok, M, 1,
-                                        BLOCK_R, BLOCK_K, BLOCK_S, PRECISION)
+                                        BLOCK_G * BLOCK_R, BLOCK_K, BLOCK_S, PRECISION)
                 extra += tl.dot(query_f * causal, y, input_precision=PRECISION)
     out_at = (bh * Tp + row0 + rows)[:, None] * DV + cols_v[None, :]
     ok_rv = row_ok[:, None] & v_ok[None, :]
@@ -787,7 +793,10 @@ class _Read:
         self.weights_options = dict(self.options, BLOCK_D=min(tile_edge(key_dim), FEATURE_BLOCK), BLOCK_S=FEATURE_BLOCK)
         self.values_options = dict({key: self.options[key] for key in ("L", "QUERY_READ", "BLOCK_R", "BLOCK_K",
                                                                        "PRECISION", "num_warps", "num_stages")},
-                                   BLOCK_S=FEATURE_BLOCK, BLOCK_DV=tile_edge(y.shape[-1]))
+                                   BLOCK_S=FEATURE_BLOCK, BLOCK_DV=min(tile_edge(y.shape[-1]), VALUE_BLOCK),
+                                   BLOCK_G=triton.next_power_of_2(heads // groups))
+        # a KV head's query heads in one program, VALUE_BLOCK value features of theirs
+        self.values_grid = (self.grid[0], batch * groups, triton.cdiv(y.shape[-1], self.values_options["BLOCK_DV"]))
         tp, nb, heads_, groups_, group_size, size, slots_, _, value_dim, _, eps_, _ = self.sizes
         self.values_sizes = (tp, nb, heads_, groups_, group_size, size, slots_, value_dim, eps_)
         self.backward_options = dict(self.options, BLOCK=FEATURE_BLOCK)
@@ -817,8 +826,8 @@ class _Read:
         yet allocated are given as their dtype (all fp32)."""
         fp32 = torch.float32  # weights, query weights, c~, log weight, chain, den; f, y, vs0, ..., out, num
         warmups = [(_weights_kernel, self.grid, (*inputs, *[fp32] * 6, *self.sizes, 0), self.weights_options),
-                   (_values_kernel, self.grid, (inputs[1], inputs[3], inputs[5], *[fp32] * 5, *self.values_sizes, 0),
-                    self.values_options)]
+                   (_values_kernel, self.values_grid,
+                    (inputs[1], inputs[3], inputs[5], *[fp32] * 5, *self.values_sizes, 0), self.values_options)]
         if backward:  # g, chain, c~, num, den, the 2 carries, 4 planes and 11 gradients, the sizes and the level
             args = (*inputs, *[torch.float32] * (5 + 2 + 4 + len(inputs) - 3), *self.sizes)
             warmups += [(_bwd_kernel, self.grid, (*args, level), {**self.backward_options, "LEVEL0": level == 0})
@@ -857,7 +866,7 @@ class _Read:
             den = den if save else out.new_empty(out.shape[:-1])
             _weights_kernel[self.grid](*inputs, weights, query, scaled, log_weight, chain, den, *self.sizes,
                                        int(save), **self.weights_options)
-            _values_kernel[self.grid](inputs[1], inputs[3], inputs[5], weights, query, den, out, num,
+            _values_kernel[self.values_grid](inputs[1], inputs[3], inputs[5], weights, query, den, out, num,
                                       *self.values_sizes, int(save), **self.values_options)
         if self.options["LOG_WEIGHT"]:
             out = torch.cat([out, log_weight[..., None]], -1)

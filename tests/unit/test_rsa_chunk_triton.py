@@ -371,16 +371,19 @@ def test_warmups_are_exactly_what_the_call_launches(levels, monkeypatch):
 @pytest.mark.parametrize("readout, routing, query_read", first_in_fast(("softmax_count", "relation", True),
                                                                       ("sigmoid", "elementwise", False)))
 def test_the_read_over_feature_blocks_matches_reference(readout, routing, query_read, monkeypatch):
-    """The kernels take the key (forward and backward) and value (backward) features, and the backward the slots
-    of its products read back from memory, FEATURE_BLOCK at a time (so Llama-3-8B's 128-wide heads keep their tiles
-    narrow): cut to 4, the key dim 12, value dim 10 and 6 slots take 3, 3 and 2 blocks, the last two ragged;
-    output, state and every gradient still equal rsa_chunked, the window's merge weight included."""
+    """The kernels take the key (forward and backward) and value (backward) features, and the slots of their
+    products read back from memory, FEATURE_BLOCK at a time (so Llama-3-8B's 128-wide heads keep their tiles
+    narrow): cut to 4, the key dim 12, value dim 10 and 6 slots take 3, 3 and 2 blocks, the last two ragged; the
+    values kernel's programs VALUE_BLOCK value features each: cut to 8, two programs, the second ragged. Output,
+    state and every gradient still equal rsa_chunked, the window's merge weight included."""
     monkeypatch.setattr(rct, "FEATURE_BLOCK", 4)
+    monkeypatch.setattr(rct, "VALUE_BLOCK", 8)
     params = make_params(chunk=16, readout=readout, routing=routing, query_read=query_read, log_weight=True)
     read = rct._Read(rct._read_options(params), torch.zeros(1, 4, 16, KEY_DIM), torch.zeros(1, 2, 3, 16, SLOTS),
                      torch.zeros(1, 2, 3, 16, VALUE_DIM))
     assert read.backward_options["BLOCK"] == read.keys_options["BLOCK"] == 4 < min(KEY_DIM, VALUE_DIM, SLOTS)
     assert read.weights_options["BLOCK_D"] == read.weights_options["BLOCK_S"] == read.values_options["BLOCK_S"] == 4
+    assert read.values_options["BLOCK_DV"] == 8 and read.values_grid[2] == 2  # the values kernel's: 8 and 2
     inputs = make_inputs(params, batch=2)
     assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
 
@@ -391,14 +394,17 @@ def test_the_read_over_feature_blocks_matches_reference(readout, routing, query_
 def test_forward_over_row_blocks_matches_reference(readout, routing, query_read, monkeypatch):
     """The kernels take a chunk PROGRAM_ROWS rows per program, and the forward reads the chunk's rows KEY_BLOCK at a
     time: both cut to 8 with chunks of 12, each chunk is two programs, the second one ragged, whose rows read the
-    chunk's rows up to theirs in two blocks (and, backward, add their share of the chunk's gradients); output, state
-    and every gradient still equal rsa_chunked, the window's merge weight included."""
+    chunk's rows up to theirs in two blocks (and, backward, add their share of the chunk's gradients). Three query
+    heads a KV head: the values kernel stacks them as four row blocks, the last one masked. Output, state and every
+    gradient still equal rsa_chunked, the window's merge weight included."""
     monkeypatch.setattr(rct, "PROGRAM_ROWS", 8)
     monkeypatch.setattr(rct, "KEY_BLOCK", 8)
-    params = make_params(chunk=12, readout=readout, routing=routing, query_read=query_read, log_weight=True)
-    read = rct._Read(rct._read_options(params), torch.zeros(1, 4, 24, KEY_DIM), torch.zeros(1, 2, 3, 24, SLOTS),
+    params = make_params(chunk=12, group_size=3, readout=readout, routing=routing, query_read=query_read,
+                         log_weight=True)
+    read = rct._Read(rct._read_options(params), torch.zeros(1, 6, 24, KEY_DIM), torch.zeros(1, 2, 3, 24, SLOTS),
                      torch.zeros(1, 2, 3, 24, VALUE_DIM))
-    assert read.grid == (4, 4) and read.weights_options["BLOCK_R"] == read.values_options["BLOCK_R"] == 8
+    assert read.grid == (4, 6) and read.weights_options["BLOCK_R"] == read.values_options["BLOCK_R"] == 8
+    assert read.values_grid == (4, 2, 1) and read.values_options["BLOCK_G"] == 4
     assert read.backward_options["BLOCK_R"] == 8
     inputs = make_inputs(params, batch=2)
     assert_matches(params, inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
