@@ -863,11 +863,11 @@ class _Read:
             query = out.new_empty(plane) if self.options["QUERY_READ"] else out
             relation = self.options["ROUTING"] == 2 and self.levels > 1
             scaled = out.new_empty(self.batch, self.heads, self.padded, self.slots) if relation else out
-            den = den if save else out.new_empty(out.shape[:-1])
-            _weights_kernel[self.grid](*inputs, weights, query, scaled, log_weight, chain, den, *self.sizes,
+            normaliser = den if save else out.new_empty(out.shape[:-1])  # returned only when saved
+            _weights_kernel[self.grid](*inputs, weights, query, scaled, log_weight, chain, normaliser, *self.sizes,
                                        int(save), **self.weights_options)
-            _values_kernel[self.values_grid](inputs[1], inputs[3], inputs[5], weights, query, den, out, num,
-                                      *self.values_sizes, int(save), **self.values_options)
+            _values_kernel[self.values_grid](inputs[1], inputs[3], inputs[5], weights, query, normaliser, out, num,
+                                             *self.values_sizes, int(save), **self.values_options)
         if self.options["LOG_WEIGHT"]:
             out = torch.cat([out, log_weight[..., None]], -1)
         return out, chain, num, den

@@ -349,6 +349,35 @@ def test_log_weight_matches_reference(readout, routing):
 
 
 @needs_kernels
+def test_the_read_ops_outputs_have_the_shapes_of_its_fake(monkeypatch):
+    """torch.compile traces the read op through its fake (``register_fake``), so the real op's outputs must have
+    the fake's shapes: with a backward to save for, and without one, where the chains, numerator and normaliser
+    are 0-size (the normaliser the kernels need then is a buffer of their own)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls, real = [], rct._read_forward
+
+    def read_forward(inputs, *options):
+        outputs = real(inputs, *options)
+        calls.append((inputs, options, outputs))
+        return outputs
+
+    monkeypatch.setattr(rct, "_read_forward", read_forward)
+    params = make_params(chunk=16, log_weight=True)
+    q, k, v, valid = make_inputs(params, batch=2)
+    state = initial_state(params, 2, VALUE_DIM, torch.float32)
+    rct.rsa_chunked_triton(q, k, v, valid, state, params)
+    with torch.no_grad():
+        rct.rsa_chunked_triton(q, k, v, valid, state, params)
+    assert [options[-1] for _, options, _ in calls] == [True, False]  # a backward follows, then none
+    for inputs, options, outputs in calls:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fakes = real([mode.from_tensor(t.detach()) for t in inputs], *options)
+        assert [t.shape for t in outputs] == [t.shape for t in fakes], options
+    assert [t.numel() for t in calls[1][2][1:]] == [0, 0, 0]
+
+
+@needs_kernels
 @pytest.mark.parametrize("levels", first_in_fast(3, 1))
 def test_warmups_are_exactly_what_the_call_launches(levels, monkeypatch):
     """``_Read.warmups`` (compiled side by side before the first launch on CUDA, kernels/triton_compile.py) names
