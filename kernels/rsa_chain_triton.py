@@ -504,11 +504,13 @@ def _level_program(boundary_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kre
             slots < M)
 
 
-@triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g"])
+@triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g", "gv_b", "gv_g",
+                               "gv_c", "dr_b", "dr_g", "dr_c"])
 def _level_boundaries_bwd(p_ptr, boundary_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr,
                           gv_ptr, dr_ptr, dxn_ptr, dyn_ptr, dkout_ptr, dvout_ptr,
                           ds_ptr, parts_ptr, adj_ptr, dkref0_ptr, dvref0_ptr,
-                          kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, Tp, NC, G, C, M, D, DV, eps,
+                          kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, gv_b, gv_g, gv_c, dr_b, dr_g, dr_c,
+                          Tp, NC, G, C, M, D, DV, eps,
                           RESIDUAL: tl.constexpr, RELATION: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                           PRECISION: tl.constexpr, KEPT_GRADS: tl.constexpr):
@@ -520,7 +522,8 @@ def _level_boundaries_bwd(p_ptr, boundary_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, v
     (summed over rows and boundaries, the row is kappa P's and kappa's gradients). V's gradient at b, gv_b plus its
     share, then R's dR_b, make row NC - b of adj (M * DV [+ M * M] wide): a cumulative sum over its rows is then the
     adjoints of V and R at every boundary. Boundaries past ``reached`` (read by no chunk) get zeros. Without
-    KEPT_GRADS the kept references' gradients (dkout, dvout) are 0 and not read."""
+    KEPT_GRADS the kept references' gradients (dkout, dvout) are 0 and not read. gv, dr (B, G, NC + 1, M, DV | M)
+    are read by their batch, head and boundary strides (each boundary's block dense)."""
     head, row, kappa, reached, kref0, vref0, prior, bounds, slots, slot_ok = _level_program(
         boundary_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, G,
         NC, M, BLOCK_M)
@@ -550,7 +553,7 @@ def _level_boundaries_bwd(p_ptr, boundary_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, v
         ok, off = slot_ok[:, None] & (cols < DV)[None, :], slots[:, None] * DV + cols[None, :]
         d_ref = _reference_gradient(p_ptr, dyn_ptr, dvout_ptr, first, last, head, Tp, NC, C, M, DV, cols, slots,
                                     slot_ok, RESIDUAL, KEPT_GRADS, BLOCK_R, BLOCK_M, BLOCK_DV, PRECISION)
-        g_value = tl.load(gv_ptr + (bounds + at) * MDV + off, mask=ok, other=0.0)
+        g_value = tl.load(gv_ptr + row * gv_b + (head - row * G) * gv_g + at * gv_c + off, mask=ok, other=0.0)
         if at == 0:
             tl.store(dvref0_ptr + head * MDV + off, d_ref, mask=ok)
         else:
@@ -559,8 +562,9 @@ def _level_boundaries_bwd(p_ptr, boundary_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, v
         tl.store(adjoint + off, g_value, mask=ok)
         if RELATION and j == key_blocks:
             off_mm, ok_mm = slots[:, None] * M + slots[None, :], slot_ok[:, None] & slot_ok[None, :]
-            tl.store(adjoint + MDV + off_mm, tl.load(dr_ptr + (bounds + at) * MM + off_mm, mask=ok_mm, other=0.0),
-                     mask=ok_mm)
+            d_relation = tl.load(dr_ptr + row * dr_b + (head - row * G) * dr_g + at * dr_c + off_mm, mask=ok_mm,
+                                 other=0.0)
+            tl.store(adjoint + MDV + off_mm, d_relation, mask=ok_mm)
     tl.store(parts_ptr + ((bounds + at) * tl.num_programs(2) + j) * M + slots, part, mask=slot_ok)
 
 
@@ -583,11 +587,12 @@ def _divisor_at(n_ptr, parts_ptr, ds_ptr, dn_ptr, kappa, bounds, at, blocks, key
     tl.store(ds_ptr + (bounds + at) * (MD + 1) + MD, d_kappa)
 
 
-@triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g"])
+@triton.jit(do_not_specialize=["Tp", "NC", "kref_b", "kref_g", "vref_b", "vref_g", "prior_g", "kappa_g", "dw_b",
+                               "dw_g"])
 def _level_rows_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, boundary_ptr, s_ptr, n_ptr, v_ptr, kref0_ptr, vref0_ptr, prior_ptr,
                     kappa_ptr, above_ptr, dw_ptr, adj_ptr, parts_ptr, dxn_ptr, dyn_ptr,
                     df_ptr, dp_ptr, dy_ptr, dabove_ptr, ds_ptr, dn_ptr,
-                    kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, Tp, NC, G, C, M, D, DV, eps,
+                    kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, dw_b, dw_g, Tp, NC, G, C, M, D, DV, eps,
                     SIGMOID: tl.constexpr, RESIDUAL: tl.constexpr, RELATION: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     PRECISION: tl.constexpr):
@@ -595,7 +600,8 @@ def _level_rows_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, boundary_ptr, s_ptr, n_ptr, 
     chunk c, given the adjoints A_V, A_R of the boundary after it (adj: the first pass's, summed): dW = dW_out +
     Y A_V^T + F_above A_R, df = dW . valid (+ dp for softmax), dp = -(dxn ref_k^T + dyn ref_v^T), dy = dyn + W A_V,
     dabove = W A_R^T. Program (head, c, 0) also reduces boundary c + 1's divisor gradients (``_divisor_at``), and
-    (head, 0, 0) boundary 0's. (The starting sums' gradients are the adjoints at boundary 0: adj's row NC.)"""
+    (head, 0, 0) boundary 0's. (The starting sums' gradients are the adjoints at boundary 0: adj's row NC.) dW_out
+    (dw: B, G, Tp, M) is read by its batch and head strides (its rows dense)."""
     head, row, kappa, reached, kref0, vref0, prior, bounds, slots, slot_ok = _level_program(
         boundary_ptr, kref0_ptr, vref0_ptr, prior_ptr, kappa_ptr, kref_b, kref_g, vref_b, vref_g, prior_g, kappa_g, G,
         NC, M, BLOCK_M)
@@ -642,7 +648,8 @@ def _level_rows_bwd(f_ptr, p_ptr, y_ptr, valid_ptr, boundary_ptr, s_ptr, n_ptr, 
             tl.store(dabove_ptr + off_rm, d_above, mask=ok_rm)
         # df = (dW_out + Y A_V^T + F_above A_R) . valid [+ dp], dp = -(dxn ref_k^T + dyn ref_v^T): softmax sums both
         # in one accumulator (valid scales Y's and F_above's rows first)
-        d_f = tl.load(dw_ptr + off_rm, mask=ok_rm, other=0.0) * write[:, None]
+        d_written = dw_ptr + row * dw_b + (head - row * G) * dw_g + (c * C + rows)[:, None] * M + slots[None, :]
+        d_f = tl.load(d_written, mask=ok_rm, other=0.0) * write[:, None]
         if SIGMOID:
             d_p = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
         for e0 in range(0, DV, BLOCK_DV):
@@ -697,6 +704,17 @@ Tensor = torch.Tensor
 def _chain_sizes(x, prior, chunk_size, eps):
     batch, groups, padded, key_dim = x.shape
     return (padded, padded // chunk_size, groups, chunk_size, prior.shape[1], key_dim, key_dim**-0.5, eps)
+
+
+def _dense_inside(t: Tensor, inner: int) -> Tensor:
+    """``t`` itself where its last ``inner`` dimensions are laid out densely (a kernel reads it by the strides of the
+    leading ones), else a dense copy."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[-inner:]), reversed(t.stride()[-inner:])):
+        if size != 1 and stride != expected:
+            return t.contiguous()
+        expected *= size
+    return t
 
 
 def _chain_read_strides(key_ref, prior, kappa, beta):
@@ -944,7 +962,11 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, bound
                    num_warps=LEVEL_WARPS, num_stages=CHAIN_STAGES, maxnreg=MAX_REGISTERS)
     sizes = (padded, chunks, groups, chunk_size, slots, key_dim, value_dim, eps)
     strides = _level_read_strides(key_ref0, value_ref0, prior, kappa)
-    d_relations = d_relations.contiguous() if relation else f
+    # read in place by their leading strides where their inner blocks are dense (a level's slice of the stacked
+    # levels' gradient is): no copy
+    d_values = _dense_inside(d_values, 2)
+    d_relations = _dense_inside(d_relations, 2) if relation else f
+    d_written = _dense_inside(d_written, 2)
     d_x_next, d_y_next = (d_x_next.contiguous(), d_y_next.contiguous()) if residual else (f, f)
     kept = d_key_ref is not None  # the kept references' gradients, both or neither (``_level_gradients``)
     d_key_ref, d_value_ref = (d_key_ref.contiguous(), d_value_ref.contiguous()) if kept else (f, f)
@@ -958,16 +980,17 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, bound
     parts = f.new_empty(batch, groups, chunks + 1, blocks, slots)  # the divisor's, a column block each
     _level_boundaries_bwd[(batch * groups, chunks + 1, blocks)](
         f if p is None else p, boundary, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa,
-        d_values.contiguous(), d_relations, d_x_next, d_y_next, d_key_ref, d_value_ref, boundary_grads, parts,
-        adjoints, d_key_ref0, d_value_ref0, *strides, *sizes, KEPT_GRADS=kept, **options)
+        d_values, d_relations, d_x_next, d_y_next, d_key_ref, d_value_ref, boundary_grads, parts,
+        adjoints, d_key_ref0, d_value_ref0, *strides, *d_values.stride()[:3], *d_relations.stride()[:3], *sizes,
+        KEPT_GRADS=kept, **options)
     adjoints.cumsum_(2)
     d_f, d_y = torch.empty_like(f), torch.empty_like(y)
     d_p = torch.empty_like(f) if sigmoid and residual else f
     d_above = torch.empty_like(f) if relation else f
     _level_rows_bwd[(batch * groups, max(chunks, 1), triton.cdiv(chunk_size, options["BLOCK_R"]))](
         f, f if p is None else p, y, valid, boundary, key_sum, mass, value_sums, key_ref0, value_ref0, prior, kappa,
-        f if above is None else above, d_written.contiguous(), adjoints, parts, d_x_next, d_y_next,
-        d_f, d_p, d_y, d_above, boundary_grads, d_mass, *strides, *sizes, SIGMOID=sigmoid,
+        f if above is None else above, d_written, adjoints, parts, d_x_next, d_y_next,
+        d_f, d_p, d_y, d_above, boundary_grads, d_mass, *strides, *d_written.stride()[:2], *sizes, SIGMOID=sigmoid,
         BLOCK_S=tile_edge(slots, FEATURE_BLOCK), **options)
     return ([boundary_grads, d_mass, d_key_ref0, d_value_ref0, d_f] + ([d_p] if sigmoid and residual else [])
             + [d_y, adjoints, boundary_grads.sum((0, 2))] + ([d_above] if relation else []))

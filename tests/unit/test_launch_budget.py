@@ -20,7 +20,7 @@ import torch
 from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
 
 from hf_mixers.apps.bench.harness import build_mixer, rotary_embeddings
-from hf_mixers.apps.bench.op_count import count_ops, training_step_ops
+from hf_mixers.apps.bench.op_count import _is_free, count_ops, training_step_ops
 from hf_mixers.core.registry import get_mixer, list_mixers
 
 HIDDEN, HEADS, KV_HEADS = 64, 4, 2
@@ -56,6 +56,10 @@ def test_the_counter_counts_launches_not_views():
     x = torch.randn(4, 4)
     count, _ = count_ops(lambda: (x.t().unsqueeze(0)[:, 1:] + 1).sum().item())  # add, sum, item
     assert (count.ops, count.host_reads) == (3, 1), count.by_name
+    # aten's contiguous is marked a view, and below autograd (inside our kernels' ops) the counter sees it whole, not
+    # as the clone it becomes above: free on a contiguous tensor, a copy (counted) on another
+    contiguous = torch.ops.aten.contiguous.default
+    assert contiguous.is_view and _is_free(contiguous, (x,)) and not _is_free(contiguous, (x.t(),))
 
 
 @needs_kernels
@@ -72,7 +76,7 @@ def test_rsa_step_launches_do_not_grow_with_the_sequence():
     # RoPE, forward and backward (Liger's)
     assert short.triton_launches == 4 * 2 + 4 * 4 + 3 * 2 + 2 + 5 + 2
     assert short.by_name["triton:_triton_rope"] == 2
-    assert short.ops <= 157, short.top()  # issue 67's target, at most 300, met with the window too; goal 100
+    assert short.ops <= 158, short.top()  # issue 67's target, at most 300, met with the window too; goal 100
     assert short.host_reads == 0, short.top()  # a fresh state's buffer is laid out from the shapes (ChunkLayout.of)
 
 

@@ -38,7 +38,11 @@ _NO_KERNEL = frozenset({"detach", "alias", "lift_fresh", "_unsafe_view", "view",
                         "_to_copy_if_needed", "record_stream", "promote_types", "result_type"})
 
 
-def _is_free(func) -> bool:
+def _is_free(func, args) -> bool:
+    # ``contiguous`` is marked as a view (it returns its input when that is contiguous already) but copies otherwise
+    if func.overloadpacket.__name__ == "contiguous":
+        memory_format = args[1] if len(args) > 1 else torch.contiguous_format
+        return args[0].is_contiguous(memory_format=memory_format)
     return func.is_view or func.overloadpacket.__name__ in _NO_KERNEL
 
 
@@ -108,7 +112,7 @@ class _Counter(TorchDispatchMode):
         if kernels_op is not None:  # our kernels' torch.library ops: count what they run, as on a GPU
             with self:
                 return kernels_op(*args, **(kwargs or {}))
-        if not self.inside_launch and not _is_free(func):
+        if not self.inside_launch and not _is_free(func, args):
             name = func.overloadpacket.__name__
             self.count.ops += 1
             self.count.by_name[name] += 1
