@@ -31,10 +31,21 @@ def _reads(dtype, batch=2, groups=3, per_group=2, length=11, width=12, seed=0):
             make(batch, groups, per_group, length), seen)
 
 
+def _as_memory_channels(remote, remote_log):
+    """The memory's read and log weight as RSA's read returns them: channels of one (B, G, g, T, dv + 1) tensor."""
+    return (lambda wide: (wide[..., :-1], wide[..., -1]))(torch.cat([remote, remote_log[..., None]], -1))
+
+
 @needs_kernels
-def test_shared_combine_and_its_gradients_equal_the_reference_in_fp64():
-    local, local_log, remote, remote_log, seen = _reads(torch.float64)  # 132 queries: 5 programs, the last ragged
+@pytest.mark.parametrize("layout", ["views", "channels"])
+def test_shared_combine_and_its_gradients_equal_the_reference_in_fp64(layout):
+    """Reads as views of (B, T, H, dv) tensors (the memory's) or, with the output's gradient too, as channels of a
+    wider tensor (RSA's read and its log weight): the kernels take each by its strides."""
+    local, local_log, remote, remote_log, seen = _reads(torch.float64)  # 132 queries: 3 programs, the last ragged
     g = torch.randn(local.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    if layout == "channels":
+        remote, remote_log = _as_memory_channels(remote, remote_log)
+        g = g.transpose(1, 3).contiguous().transpose(1, 3)  # (B, T, g, G, dv) underneath: G and g do not merge
     results = {}
     for backend in ("torch", "triton"):
         inputs = [t.clone().requires_grad_() for t in (local, local_log, remote, remote_log)]
@@ -55,6 +66,13 @@ def test_one_launch_each_way_and_no_host_read():
     seen = _reads(torch.float32)[4]
     count, _ = count_ops(lambda: combine_reads(*inputs, seen, "shared", backend="triton").sum().backward())
     assert count.triton_launches == 2 and count.host_reads == 0, count.top()
+    # RSA's read and log weight as channels of one tensor, the window's read a view of (B, T, H, dv), the output's
+    # gradient dense: every one taken in place, no copy
+    wide = torch.cat([inputs[2].detach(), inputs[3].detach()[..., None]], -1).requires_grad_()
+    weights = torch.randn(inputs[0].shape)
+    count, _ = count_ops(lambda: (combine_reads(inputs[0], inputs[1], wide[..., :-1], wide[..., -1], seen, "shared",
+                                                backend="triton") * weights).sum().backward())
+    assert not {"clone", "contiguous"} & set(count.by_name), count.top()
 
 
 def test_the_reference_names_its_mistakes():
