@@ -48,9 +48,9 @@ Split of the work:
     FEATURE_BLOCK features or slots at a time (``_row_products``: a dot's left operand is every warp's, so an (R, m)
     one held whole is 32 registers a thread, twice that split for tf32x3): the forward's (R, m) tiles that are
     a product's left operand (act, chain, c~, a~) go through the weights planes so. Tiles are at most R x K,
-    R x m, K x m, BLOCK x m and R x dv (the values' sums), kept in registers; fp32 operands and accumulation (an
-    fp16 / bf16 q is copied to fp32 first: the math wants fp32, the interpreter's bf16 dot is broken, and one
-    compiled kernel then serves every dtype).
+    R x m, K x m, BLOCK x m and (GS R) x VALUE_BLOCK (the values' sums), in registers; fp32 operands and
+    accumulation (an fp16 / bf16 q is copied to fp32 first: the math wants fp32, the interpreter's bf16 dot is
+    broken, and one compiled kernel then serves every dtype).
 
 Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp / C chunks):
   * kernel inputs, built by the write side and saved for the backward: F, X, Y (B, G, L, Tp, m | d | dv) and the
