@@ -706,17 +706,6 @@ def _chain_sizes(x, prior, chunk_size, eps):
     return (padded, padded // chunk_size, groups, chunk_size, prior.shape[1], key_dim, key_dim**-0.5, eps)
 
 
-def _dense_inside(t: Tensor, inner: int) -> Tensor:
-    """``t`` itself where its last ``inner`` dimensions are laid out densely (a kernel reads it by the strides of the
-    leading ones), else a dense copy."""
-    expected = 1
-    for size, stride in zip(reversed(t.shape[-inner:]), reversed(t.stride()[-inner:])):
-        if size != 1 and stride != expected:
-            return t.contiguous()
-        expected *= size
-    return t
-
-
 def _chain_read_strides(key_ref, prior, kappa, beta):
     return (*key_ref.stride()[:2], prior.stride(0), kappa.stride(0), beta.stride(0))
 
@@ -964,9 +953,8 @@ def _level_backward(f: Tensor, p: Tensor | None, y: Tensor, valid: Tensor, bound
     strides = _level_read_strides(key_ref0, value_ref0, prior, kappa)
     # read in place by their leading strides where their inner blocks are dense (a level's slice of the stacked
     # levels' gradient is): no copy
-    d_values = _dense_inside(d_values, 2)
-    d_relations = _dense_inside(d_relations, 2) if relation else f
-    d_written = _dense_inside(d_written, 2)
+    d_values, d_written = _dense(d_values, 2), _dense(d_written, 2)
+    d_relations = _dense(d_relations, 2) if relation else f
     d_x_next, d_y_next = (d_x_next.contiguous(), d_y_next.contiguous()) if residual else (f, f)
     kept = d_key_ref is not None  # the kept references' gradients, both or neither (``_level_gradients``)
     d_key_ref, d_value_ref = (d_key_ref.contiguous(), d_value_ref.contiguous()) if kept else (f, f)

@@ -797,8 +797,7 @@ class _Read:
                                    BLOCK_G=triton.next_power_of_2(heads // groups))
         # a KV head's query heads in one program, VALUE_BLOCK value features of theirs
         self.values_grid = (self.grid[0], batch * groups, triton.cdiv(y.shape[-1], self.values_options["BLOCK_DV"]))
-        tp, nb, heads_, groups_, group_size, size, slots_, _, value_dim, _, eps_, _ = self.sizes
-        self.values_sizes = (tp, nb, heads_, groups_, group_size, size, slots_, value_dim, eps_)
+        self.values_sizes = (*self.sizes[:7], y.shape[-1], eps)  # Tp ... M, DV, eps
         self.backward_options = dict(self.options, BLOCK=FEATURE_BLOCK)
         self.keys_grid = (n_chunks * triton.cdiv(chunk_size, KEY_BLOCK), batch * groups, levels)
         self.keys_options = dict({key: self.options[key] for key in ("L", "ROUTING", "LOG_WEIGHT", "BLOCK_M",
