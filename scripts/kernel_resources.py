@@ -33,21 +33,6 @@ from pathlib import Path
 SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}  # bytes a block may have (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 
 
-def _type_of(value) -> str:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return "*" + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
-                      torch.int64: "i64", torch.int32: "i32", torch.bool: "i1", torch.uint8: "u8"}[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {type(value).__name__}")
-
-
 def cubin_usage(cubin: bytes) -> dict:
     """Registers per thread and spill bytes (the stack frame and local memory per thread) of a compiled kernel, read
     from its cubin by the ``cuobjdump`` that Triton ships (``--dump-resource-usage``): what Triton's
@@ -74,34 +59,37 @@ def compiling_run(arch: int, records: list, seen: set, pending: list | None = No
     each compile is appended there as a function instead, for the caller to run (side by side, on threads)."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
 
     def run(self, *args, grid, warmup=False, **kwargs):
-        options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
-        names = self.arg_names
-        bound = dict(zip(names, args), **kwargs)
-        # a None pointer (an optional input left out) is a constexpr None, as Triton's launcher makes it
-        signature = {name: ("constexpr" if name in kwargs or bound[name] is None else _type_of(bound[name]))
-                     for name in names}
-        constexprs = {name: kwargs.get(name) for name in names if signature[name] == "constexpr"}
+        # bound as a launch binds them (triton/runtime/jit.py): argument types, constexprs (a None pointer, an
+        # optional input left out, becomes a constexpr None) and the specialisation a launch compiles with -- 16-byte
+        # aligned pointers and integers divisible by 16, unless ``do_not_specialize`` -- which vectorises loads and
+        # stores and so changes the registers a kernel holds
+        binder = create_function_from_signature(self.signature, self.params, backend)
+        bound, specialization, _ = binder(*args, **kwargs)
+        launch_options = {key: kwargs[key] for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
+        _, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, launch_options)
         size = grid(bound) if callable(grid) else grid
         programs = math.prod((size,) if isinstance(size, int) else size)  # this launch's (the variant's first)
-        key = (self.__name__, tuple(sorted(constexprs.items())), tuple(sorted(options.items())),
-               tuple(signature.values()))
+        key = (self.__name__, str(specialization), tuple(sorted(launch_options.items())))
         if key in seen:
             return None
         seen.add(key)
         if pending is not None:
-            pending.append(lambda: compile_one(self, signature, constexprs, options, programs))
+            pending.append(lambda: compile_one(self, signature, constexprs, attrs, launch_options, programs))
         else:
-            compile_one(self, signature, constexprs, options, programs)
+            compile_one(self, signature, constexprs, attrs, launch_options, programs)
         return None
 
-    def compile_one(self, signature, constexprs, options, programs):
+    def compile_one(self, signature, constexprs, attrs, options, programs):
         began = time.perf_counter()
         try:
-            compiled = triton.compile(ASTSource(self, signature, constexprs), target=GPUTarget("cuda", arch, 32),
-                                      options=options)
+            compiled = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target, options=options)
             shared = compiled.metadata.shared
             usage = cubin_usage(compiled.asm["cubin"])
             record = {"kernel": self.__name__, "shared_bytes": shared, **usage,
@@ -112,8 +100,8 @@ def compiling_run(arch: int, records: list, seen: set, pending: list | None = No
             record = {"kernel": self.__name__, "error": f"{type(error).__name__}: {text}"}
         record.update(programs=programs, seconds=round(time.perf_counter() - began, 1), triton=triton.__version__,
                       arch=arch, options=options,
-                      constexprs={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
-                                  for k, v in constexprs.items()})
+                      constexprs={self.arg_names[path[0]]: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                                  for path, v in constexprs.items()})
         records.append(record)
         print(json.dumps(record), flush=True)
 

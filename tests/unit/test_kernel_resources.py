@@ -60,6 +60,31 @@ def test_a_launch_is_compiled_for_sm90_and_its_shared_memory_read(monkeypatch):
     assert record["fits"] is True
 
 
+def test_a_launch_is_compiled_with_the_specialisation_a_real_launch_gets(monkeypatch):
+    """A GPU launch compiles a kernel knowing which pointers are 16-byte aligned and which integers divide by 16
+    (``do_not_specialize`` aside), and vectorises its loads and stores by it, which changes its registers: the tool
+    compiles with the same attributes, a variant for each specialisation."""
+    import triton.language as tl
+
+    tool, records = _compiling_tool(monkeypatch)
+    sources = []
+    compile_ = triton.compile
+    monkeypatch.setattr(triton, "compile", lambda source, **kwargs: sources.append(source) or compile_(source, **kwargs))
+
+    @triton.jit(do_not_specialize=["m"])
+    def copy(x_ptr, out_ptr, n, m, BLOCK: tl.constexpr):
+        at = tl.arange(0, BLOCK)
+        tl.store(out_ptr + at, tl.load(x_ptr + at, mask=at < n + m))
+
+    x = torch.ones(64)
+    for n in (64, 63, 64):  # divisible by 16, not, and the first variant again (not compiled twice)
+        copy[(1,)](x, torch.empty_like(x), n, 64, BLOCK=64)
+    assert [record["kernel"] for record in records] == ["copy", "copy"], records
+    divisible = [{source.fn.arg_names[path[0]] for path, attr in source.attrs.items() if ["tt.divisibility", 16] in attr}
+                 for source in sources]
+    assert divisible == [{"x_ptr", "out_ptr", "n"}, {"x_ptr", "out_ptr"}], divisible  # m: do_not_specialize
+
+
 @pytest.mark.parametrize("width", [64, 128], ids=["smollm2-135m", "llama3-8b"])
 def test_the_residual_mlp_kernels_fit_sm90_registers_without_a_spill(monkeypatch, width):
     """Issue 67's register budget, read from the sm_90 cubins of RSA's residual MLP kernels at both head widths: at
