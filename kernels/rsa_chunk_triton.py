@@ -399,29 +399,125 @@ def _values_kernel(f_ptr, y_ptr, vs0_ptr, weights_ptr, query_ptr, den_ptr, out_p
         tl.store(num_ptr + out_at, num, mask=ok_rv)
 
 
+@triton.jit(do_not_specialize=["Tp", "NB"])
+def _bwd_sums_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, g_ptr, n_ptr, snum_ptr, read_ptr,
+                     Tp, NB, H, G, GS, C, M, D, DV,
+                     L: tl.constexpr, LOG_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+                     WEIGHT_PRECISION: tl.constexpr):
+    """The backward's first launch, every level at once (grid: the forward's x L; none depends on another level):
+    each row's causal sums of level i, recomputed as the forward computes them, into (B, H, L, Tp, m) planes for
+    ``_bwd_level_kernel``: the inclusive mass N = n0 + M F (``n``), the score numerator q KS0^T + ((q X^T) . M) F
+    (``snum``) and the read's gradient before its normalisers, d_read = g VS0^T + ((g Y^T) . M) F (``read``). The
+    planes are those the level kernel then overwrites with what the keys kernel reads (d_n, d_snum, u)."""
+    row_blocks = tl.cdiv(C, BLOCK_R)
+    chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    i = tl.program_id(2)
+    bg = (bh // H) * G + (bh % H) // GS
+    row0 = chunk * C
+    first = (tl.program_id(0) % row_blocks) * BLOCK_R
+    rows = first + tl.arange(0, BLOCK_R)
+    reach = tl.minimum(first + BLOCK_R, C)  # the chunk rows they read: [0, reach)
+    keys = tl.arange(0, BLOCK_K)
+    slots = tl.arange(0, BLOCK_M)
+    slot_ok, row_ok = slots < M, (rows < C)[:, None]
+    level_row = (bg * L + i) * Tp + row0
+    state = (bg * NB + chunk) * L + i
+    q_rows = bh * Tp + row0 + rows[:, None]  # (R, 1) rows of (B, H, Tp, .) tensors
+    g_stride = DV + LOG_WEIGHT  # g's rows carry the log weight's gradient as one more channel
+    state_rows = (state * M + slots)[:, None]  # (m, 1) rows of the chunk-start sums KS0 (., d), VS0 (., dv)
+    n = tl.zeros((BLOCK_R, BLOCK_M), tl.float32) + tl.load(n0_ptr + state * M + slots, mask=slot_ok,
+                                                            other=0.0)[None, :]
+    snum = _row_products(q_ptr, q_rows * D, row_ok, ks0_ptr, state_rows * D, slot_ok[:, None], D, 1,
+                         BLOCK_R, BLOCK_M, BLOCK, WEIGHT_PRECISION)
+    d_read = _row_products(g_ptr, q_rows * g_stride, row_ok, vs0_ptr, state_rows * DV, slot_ok[:, None], DV, 1,
+                           BLOCK_R, BLOCK_M, BLOCK, PRECISION)
+    for k0 in range(0, reach, BLOCK_K):
+        cols_k = k0 + keys
+        key_ok = (cols_k < reach)[:, None]
+        causal = (cols_k[None, :] <= rows[:, None]).to(tl.float32)  # (R, K), inclusive
+        key_rows = level_row + cols_k[:, None]
+        f = tl.load(f_ptr + key_rows * M + slots[None, :], mask=key_ok & slot_ok[None, :], other=0.0)
+        n += tl.dot(causal, f, input_precision=PRECISION)
+        q_x = _row_products(q_ptr, q_rows * D, row_ok, x_ptr, key_rows * D, key_ok, D, 1, BLOCK_R, BLOCK_K, BLOCK,
+                            WEIGHT_PRECISION)
+        snum += tl.dot(q_x * causal, f, input_precision=WEIGHT_PRECISION)
+        g_y = _row_products(g_ptr, q_rows * g_stride, row_ok, y_ptr, key_rows * DV, key_ok, DV, 1, BLOCK_R, BLOCK_K,
+                            BLOCK, PRECISION)
+        d_read += tl.dot(g_y * causal, f, input_precision=PRECISION)
+    plane_at = ((bh * L + i) * Tp + row0 + rows[:, None]) * M + slots[None, :]
+    ok_rm = row_ok & slot_ok[None, :]
+    tl.store(n_ptr + plane_at, n, mask=ok_rm)
+    tl.store(snum_ptr + plane_at, snum, mask=ok_rm)
+    tl.store(read_ptr + plane_at, d_read, mask=ok_rm)
+
+
+@triton.jit(do_not_specialize=["Tp", "NB"])
+def _bwd_routing_kernel(f_ptr, r0_ptr, chain_ptr, n_ptr, routed_ptr, scaled_ptr, Tp, NB, H, G, GS, C, M, eps,
+                        L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK: tl.constexpr, WEIGHT_PRECISION: tl.constexpr):
+    """With relation routing, after the sums kernel, levels i = 1 .. L-1 at once (grid: the forward's x L - 1): the
+    routed chain of level i, c~ R0 + ((c~ F_{i-1}^T) . M) F_i, recomputed as the forward does from the saved
+    chain_{i-1} and the sums kernel's N_{i-1}, into the d routed plane (``routed``) for ``_bwd_level_kernel``, and
+    c~ = chain_{i-1} / max(N_{i-1}, eps) into ``scaled`` (B, H, L-1, Tp, m), which the level and keys kernels read
+    and the products here read back a block of slots at a time."""
+    row_blocks = tl.cdiv(C, BLOCK_R)
+    chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    i = tl.program_id(2) + 1
+    bg = (bh // H) * G + (bh % H) // GS
+    row0 = chunk * C
+    first = (tl.program_id(0) % row_blocks) * BLOCK_R
+    rows = first + tl.arange(0, BLOCK_R)
+    reach = tl.minimum(first + BLOCK_R, C)  # the chunk rows they read: [0, reach)
+    keys = tl.arange(0, BLOCK_K)
+    slots = tl.arange(0, BLOCK_M)
+    slot_ok, row_ok = slots < M, (rows < C)[:, None]
+    ok_rm = row_ok & slot_ok[None, :]
+    level_row = (bg * L + i) * Tp + row0
+    plane_at = ((bh * L + i) * Tp + row0 + rows[:, None]) * M + slots[None, :]
+    chain_rows = ((bh * (L - 1) + i - 1) * Tp + row0 + rows[:, None]) * M  # (R, 1): chain_{i-1}'s rows
+    chain_prev = tl.load(chain_ptr + chain_rows + slots[None, :], mask=ok_rm, other=0.0)
+    n_prev = tl.load(n_ptr + plane_at - Tp * M, mask=ok_rm, other=0.0)  # N_{i-1}
+    tl.store(scaled_ptr + chain_rows + slots[None, :], chain_prev / tl.maximum(n_prev, eps), mask=ok_rm)
+    tl.debug_barrier()
+    r0_at = ((bg * NB + chunk) * (L - 1) + i - 1) * M * M
+    routed = _row_products(scaled_ptr, chain_rows, row_ok, r0_ptr + r0_at, slots[:, None], slot_ok[:, None], M, M,
+                           BLOCK_R, BLOCK_M, BLOCK, WEIGHT_PRECISION)  # c~ R0
+    for k0 in range(0, reach, BLOCK_K):
+        cols_k = k0 + keys
+        key_ok = (cols_k < reach)[:, None]
+        key_rows = level_row + cols_k[:, None]
+        f = tl.load(f_ptr + key_rows * M + slots[None, :], mask=key_ok & slot_ok[None, :], other=0.0)
+        intra_prev = _row_products(scaled_ptr, chain_rows, row_ok, f_ptr, (key_rows - Tp) * M, key_ok, M, 1,
+                                   BLOCK_R, BLOCK_K, BLOCK, WEIGHT_PRECISION)
+        routed += tl.dot(intra_prev * (cols_k[None, :] <= rows[:, None]).to(tl.float32), f,
+                         input_precision=WEIGHT_PRECISION)
+    tl.store(routed_ptr + plane_at, routed, mask=ok_rm)
+
+
 @triton.jit(do_not_specialize=["Tp", "NB", "i"])
-def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
-                w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
-                g_ptr, chain_ptr, scaled_ptr, num_ptr, den_ptr,  # dL/d out (B, H, Tp, dv [+ 1]); chain_i, and
-                # c~_i = chain_{i-1} / N_{i-1} (B, H, L-1, Tp, m) written here for the keys kernel; num, den
-                d_chain_ptr, dn_next_ptr,  # (B, H, Tp, m) each: level i + 1's gradients for level i's rows
-                u_ptr, d_snum_ptr, d_n_ptr, d_routed_ptr,  # (B, H, L, Tp, m) each: for _bwd_keys_kernel
-                dq_ptr, dks0_ptr, dvs0_ptr, dn0_ptr, dr0_ptr, dkappa_ptr,
-                dw_ptr, dwr_ptr, dtheta_ptr, dwa_ptr, dwqr_ptr,  # fp32 gradients, zero-initialised, added into
-                Tp, NB, H, G, GS, C, M, D, DV, tau, eps, theta_max, i,
-                L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
-                LOG_WEIGHT: tl.constexpr, LEVEL0: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
-                WEIGHT_PRECISION: tl.constexpr):
+def _bwd_level_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
+                      w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
+                      g_ptr, chain_ptr, scaled_ptr, num_ptr, den_ptr,  # dL/d out (B, H, Tp, dv [+ 1]); chain_i,
+                      # and c~_i = chain_{i-1} / N_{i-1} (B, H, L-1, Tp, m) written here for the keys kernel; num, den
+                      d_chain_ptr, dn_next_ptr,  # (B, H, Tp, m) each: level i + 1's gradients for level i's rows
+                      u_ptr, d_snum_ptr, d_n_ptr, d_routed_ptr, d_query_ptr,  # (B, H, L, Tp, m) each
+                      dvs0_ptr, dn0_ptr, dr0_ptr, dkappa_ptr, dw_ptr, dwr_ptr, dtheta_ptr, dwa_ptr,  # added into
+                      Tp, NB, H, G, GS, C, M, D, DV, tau, eps, theta_max, i,
+                      L: tl.constexpr, READOUT: tl.constexpr, ROUTING: tl.constexpr, QUERY_READ: tl.constexpr,
+                      LOG_WEIGHT: tl.constexpr, LEVEL0: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+                      WEIGHT_PRECISION: tl.constexpr):
     """Level ``i`` of the backward's rows (launched for i = L-1 .. 0, LEVEL0 = i == 0), on the forward's grid: one
-    program = BLOCK_R rows of a chunk x one query head. It recomputes its rows' level from the chunk's rows up to
-    them (BLOCK_K at a time, as the forward) and takes the gradient back through it: its rows' own tensors' (dq,
-    the carries to level i - 1) are written, the chunk-start state's and the parameters' added in (atomics), and
-    what the chunk's key rows need (u, d_snum, d_n, d routed, c~) is written for ``_bwd_keys_kernel``; the
-    products with an (R, m) left operand read it back from those planes (or, for act, chain, d a and d a^, from one
-    not yet written), a barrier after each store and before a plane is written again. Products over the features
-    are summed BLOCK of them at a time (``_row_products``), so the tiles held are (R, K), (R, m), (K, m), (K, BLOCK)
-    and m x m whatever the chunk size and head width."""
+    program = BLOCK_R rows of a chunk x one query head. From its rows' causal sums (``_bwd_sums_kernel``'s planes)
+    it recomputes the level's weights as the forward does and takes the gradient back through them: the carries to
+    level i - 1 are written, the chunk-start state's and the parameters' gradients added in (atomics), and what the
+    query and key rows need (u, d_snum, d_n, d routed, c~, the RSA-q weights' gradient) is written for
+    ``_bwd_query_kernel`` and ``_bwd_keys_kernel``. The products with an (R, m) left operand read it back from those
+    planes (or, for act, chain, d a and d a^, from one not yet written), a barrier after each store and before a
+    plane is written again; so the tiles held are (R, K), (R, m), (K, m), (K, BLOCK) and m x m."""
     row_blocks = tl.cdiv(C, BLOCK_R)
     chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
@@ -448,33 +544,11 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     g_stride = DV + LOG_WEIGHT  # g's rows carry the log weight's gradient as one more channel
     state_rows = (state * M + slots)[:, None]  # (m, 1) rows of the chunk-start sums KS0 (., d), VS0 (., dv)
 
-    # The level, recomputed: N = n0 + M F, the score numerator q KS0^T + ((q X^T) . M) F, and the read's gradient
-    # before its normalisers, d_read = g VS0^T + ((g Y^T) . M) F (d num = g / max(den, eps) row by row)
-    n = tl.zeros((BLOCK_R, BLOCK_M), tl.float32) + tl.load(n0_ptr + state * M + slots, mask=slot_ok,
-                                                            other=0.0)[None, :]
-    snum = _row_products(q_ptr, q_rows * D, row_ok, ks0_ptr, state_rows * D, slot_ok[:, None], D, 1,
-                         BLOCK_R, BLOCK_M, BLOCK, WEIGHT_PRECISION)
-    d_read = _row_products(g_ptr, q_rows * g_stride, row_ok, vs0_ptr, state_rows * DV, slot_ok[:, None], DV, 1,
-                           BLOCK_R, BLOCK_M, BLOCK, PRECISION)
-    n_prev = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)  # N_{i-1}, for the relation routing
-    if not LEVEL0 and ROUTING == 2:
-        n_prev += tl.load(n0_ptr + (state - 1) * M + slots, mask=slot_ok, other=0.0)[None, :]
-    for k0 in range(0, reach, BLOCK_K):
-        cols_k = k0 + keys
-        key_ok = (cols_k < reach)[:, None]
-        causal = (cols_k[None, :] <= rows[:, None]).to(tl.float32)  # (R, K), inclusive
-        key_rows = level_row + cols_k[:, None]
-        f = tl.load(f_ptr + key_rows * M + slots[None, :], mask=key_ok & slot_ok[None, :], other=0.0)
-        n += tl.dot(causal, f, input_precision=PRECISION)
-        q_x = _row_products(q_ptr, q_rows * D, row_ok, x_ptr, key_rows * D, key_ok, D, 1, BLOCK_R, BLOCK_K, BLOCK,
-                            WEIGHT_PRECISION)
-        snum += tl.dot(q_x * causal, f, input_precision=WEIGHT_PRECISION)
-        g_y = _row_products(g_ptr, q_rows * g_stride, row_ok, y_ptr, key_rows * DV, key_ok, DV, 1, BLOCK_R, BLOCK_K,
-                            BLOCK, PRECISION)
-        d_read += tl.dot(g_y * causal, f, input_precision=PRECISION)
-        if not LEVEL0 and ROUTING == 2:
-            f_prev = tl.load(f_ptr + (key_rows - Tp) * M + slots[None, :], mask=key_ok & slot_ok[None, :], other=0.0)
-            n_prev += tl.dot(causal, f_prev, input_precision=PRECISION)
+    # The level's causal sums (``_bwd_sums_kernel``): N, the score numerator and d_read (d num = g / max(den, eps)
+    # row by row), from the planes this program then overwrites with its own results
+    n = tl.load(d_n_ptr + plane_at, mask=ok_rm, other=0.0)
+    snum = tl.load(d_snum_ptr + plane_at, mask=ok_rm, other=0.0)
+    d_read = tl.load(u_ptr + plane_at, mask=ok_rm, other=0.0)
     g_num = tl.zeros((BLOCK_R,), tl.float32)  # sum_v g num, for the normaliser
     for v0 in range(0, DV, BLOCK):
         ok_rv = row_ok & (v0 + cols < DV)[None, :]
@@ -508,32 +582,16 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     active = (a_hat > theta) & slot_ok[None, :]  # where the relu passes
     sparse = tl.where(slot_ok[None, :], scale * tl.maximum(a_hat - theta, 0.0) + theta / M, 0.0)
 
-    # chain_i = routed . sparse, recomputed from the saved chain_{i-1}
+    # chain_i = routed . sparse: routed is the saved chain_{i-1} (elementwise routing) or, with relation routing,
+    # c~ R0 + ((c~ F_{i-1}^T) . M) F_i from the sums kernel (in the d routed plane until d routed replaces it)
     routed = tl.full((BLOCK_R, BLOCK_M), 1.0, tl.float32)
     if not LEVEL0 and ROUTING != 0:
         chain_rows = ((bh * (L - 1) + i - 1) * Tp + row0 + rows[:, None]) * M  # (R, 1): chain_{i-1}'s rows
         chain_at = chain_rows + slots[None, :]
-        chain_prev = tl.load(chain_ptr + chain_at, mask=ok_rm, other=0.0)
         if ROUTING == 1:
-            routed = chain_prev
-        else:  # routed = c~ R0 + ((c~ F_{i-1}^T) . M) F_i, c~ = chain_{i-1} / N_{i-1}
-            r0_at = ((bg * NB + chunk) * (L - 1) + i - 1) * M * M
-            norm_prev = tl.maximum(n_prev, eps)
-            scaled_prev = chain_prev / norm_prev
-            # c~, for the keys kernel and for the products below, which read it back a block of slots at a time
-            tl.store(scaled_ptr + chain_at, scaled_prev, mask=ok_rm)
-            tl.debug_barrier()
-            routed = _row_products(scaled_ptr, chain_rows, row_ok, r0_ptr + r0_at, slots[:, None], slot_ok[:, None], M,
-                                   M, BLOCK_R, BLOCK_M, BLOCK, WEIGHT_PRECISION)  # c~ R0
-            for k0 in range(0, reach, BLOCK_K):
-                cols_k = k0 + keys
-                ok_km = (cols_k < reach)[:, None] & slot_ok[None, :]
-                key_rows = level_row + cols_k[:, None]
-                f = tl.load(f_ptr + key_rows * M + slots[None, :], mask=ok_km, other=0.0)
-                intra_prev = _row_products(scaled_ptr, chain_rows, row_ok, f_ptr, (key_rows - Tp) * M,
-                                           (cols_k < reach)[:, None], M, 1, BLOCK_R, BLOCK_K, BLOCK, WEIGHT_PRECISION)
-                routed += tl.dot(intra_prev * (cols_k[None, :] <= rows[:, None]).to(tl.float32), f,
-                                 input_precision=WEIGHT_PRECISION)
+            routed = tl.load(chain_ptr + chain_at, mask=ok_rm, other=0.0)
+        else:
+            routed = tl.load(d_routed_ptr + plane_at, mask=ok_rm, other=0.0)
     chain = routed * sparse
     tl.store(u_ptr + plane_at, chain, mask=ok_rm)
     tl.debug_barrier()
@@ -553,7 +611,8 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         q_wqr = _row_products(q_ptr, q_rows * D, row_ok, wqr_ptr + hl * D * M, slots[:, None], slot_ok[:, None], D,
                               M, BLOCK_R, BLOCK_M, BLOCK, PRECISION)  # W_qr (d, m) read as its transpose
         scaled_q = q_wqr / 16 / norm_n
-        d_weights = d_read / norm_n  # d(q W_qr / 16)
+        d_weights = d_read / norm_n  # d(q W_qr / 16), for the query kernel
+        tl.store(d_query_ptr + plane_at, d_weights, mask=ok_rm)
         d_n += tl.where(mass_ok, -d_weights * scaled_q, 0.0)
         u += scaled_q
     tl.debug_barrier()
@@ -578,6 +637,8 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         d_chain = d_chain_i * sparse
     if not LEVEL0 and ROUTING == 2:
         d_routed = d_chain_i * sparse
+        r0_at = ((bg * NB + chunk) * (L - 1) + i - 1) * M * M
+        scaled_prev = tl.load(scaled_ptr + chain_at, mask=ok_rm, other=0.0)  # c~, from the sums kernel
         tl.atomic_add(dr0_ptr + r0_at + off_mm, tl.dot(tl.trans(scaled_prev), d_routed,
                                                          input_precision=WEIGHT_PRECISION), mask=ok_mm)
         tl.store(d_routed_ptr + plane_at, d_routed, mask=ok_rm)  # for the keys kernel, and read back below
@@ -594,7 +655,8 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
                                          (cols_k < reach)[:, None], M, 1, BLOCK_R, BLOCK_K, BLOCK, WEIGHT_PRECISION)
             d_scaled_prev += tl.dot(d_intra_prev * (cols_k[None, :] <= rows[:, None]).to(tl.float32), f_prev,
                                     input_precision=WEIGHT_PRECISION)
-        d_chain = d_scaled_prev / norm_prev
+        n_prev = tl.load(d_n_ptr + plane_at - Tp * M, mask=ok_rm, other=0.0)  # N_{i-1}: level i - 1's launch is
+        d_chain = d_scaled_prev / tl.maximum(n_prev, eps)  # later, and its plane still holds the sums kernel's N
         dn_next = tl.where(n_prev >= eps, -d_chain * scaled_prev, 0.0)
 
     # sparse = w_a relu(act W - theta) + theta / m
@@ -630,35 +692,7 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
     d_den_k = tl.where(kappa + n >= eps, -d_score * score / den_k, 0.0)
     d_n += d_den_k
     tl.atomic_add(dkappa_ptr + kappa_at, tl.sum(tl.sum(d_den_k, 1), 0))
-    tl.store(d_snum_ptr + plane_at, d_snum, mask=ok_rm)  # for the keys kernel, and read back below
-    tl.debug_barrier()
-    # the key side's gradients of these rows, a block of d at a time: dq (the levels above added theirs), dKS0
-    # [, dW_qr]
-    for d0 in range(0, D, BLOCK):
-        cd = d0 + cols
-        ok_rd, ok_md = row_ok & (cd < D)[None, :], slot_ok[:, None] & (cd < D)[None, :]
-        q = tl.load(q_ptr + q_rows * D + cd[None, :], mask=ok_rd, other=0.0).to(tl.float32)
-        dq = tl.load(dq_ptr + q_rows * D + cd[None, :], mask=ok_rd, other=0.0) \
-            + _row_products(d_snum_ptr, plane_rows, row_ok, ks0_ptr, state * M * D + cd[:, None], (cd < D)[:, None],
-                            M, D, BLOCK_R, BLOCK, BLOCK, WEIGHT_PRECISION)  # d_snum KS0
-        for k0 in range(0, reach, BLOCK_K):  # ((d_snum F^T) . M) X
-            cols_k = k0 + keys
-            key_ok = (cols_k < reach)[:, None]
-            key_rows = level_row + cols_k[:, None]
-            x = tl.load(x_ptr + key_rows * D + cd[None, :], mask=key_ok & (cd < D)[None, :], other=0.0)
-            d_qx = _row_products(d_snum_ptr, plane_rows, row_ok, f_ptr, key_rows * M, key_ok, M, 1,
-                                 BLOCK_R, BLOCK_K, BLOCK, WEIGHT_PRECISION)
-            dq += tl.dot(d_qx * (cols_k[None, :] <= rows[:, None]).to(tl.float32), x,
-                         input_precision=WEIGHT_PRECISION)
-        tl.atomic_add(dks0_ptr + state_rows * D + cd[None, :],
-                      tl.dot(tl.trans(d_snum), q, input_precision=WEIGHT_PRECISION), mask=ok_md)
-        if QUERY_READ:
-            ok_dm = (cd < D)[:, None] & slot_ok[None, :]
-            wqr = tl.load(wqr_ptr + hl * D * M + cd[:, None] * M + slots[None, :], mask=ok_dm, other=0.0)
-            dq += tl.dot(d_weights, tl.trans(wqr), input_precision=PRECISION) / 16
-            tl.atomic_add(dwqr_ptr + hl * D * M + cd[:, None] * M + slots[None, :],
-                          tl.dot(tl.trans(q), d_weights, input_precision=PRECISION) / 16, mask=ok_dm)
-        tl.store(dq_ptr + q_rows * D + cd[None, :], dq, mask=ok_rd)
+    tl.store(d_snum_ptr + plane_at, d_snum, mask=ok_rm)  # for the query and keys kernels
 
     # N = n0 + M F
     d_n = tl.where(row_ok, d_n, 0.0)
@@ -668,6 +702,65 @@ def _bwd_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, ka
         tl.store(d_chain_ptr + carry_at, d_chain, mask=ok_rm)
         if ROUTING == 2:
             tl.store(dn_next_ptr + carry_at, dn_next, mask=ok_rm)
+
+
+@triton.jit(do_not_specialize=["Tp", "NB"])
+def _bwd_query_kernel(q_ptr, f_ptr, x_ptr, ks0_ptr, wqr_ptr, d_snum_ptr, d_query_ptr, dq_ptr, dks0_ptr, dwqr_ptr,
+                      Tp, NB, H, G, GS, C, M, D,
+                      L: tl.constexpr, QUERY_READ: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+                      WEIGHT_PRECISION: tl.constexpr):
+    """The query side's gradients of BLOCK_R rows of a chunk x one query head, every level's at once (after the
+    level kernels, from the d_snum [and RSA-q weight gradient] planes they wrote), a block of d at a time:
+    dq = sum_i d_snum_i KS0_i + ((d_snum_i F_i^T) . M) X_i [+ d_query_i W_qr_i^T / 16], stored once; the
+    chunk-start sums' dKS0_i += d_snum_i^T q [and dW_qr_i += q^T d_query_i / 16] added in (atomics)."""
+    row_blocks = tl.cdiv(C, BLOCK_R)
+    chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    head = bh % H
+    bg = (bh // H) * G + head // GS
+    row0 = chunk * C
+    first = (tl.program_id(0) % row_blocks) * BLOCK_R
+    rows = first + tl.arange(0, BLOCK_R)
+    reach = tl.minimum(first + BLOCK_R, C)  # the chunk rows they read: [0, reach)
+    keys = tl.arange(0, BLOCK_K)
+    slots = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK)
+    slot_ok, row_ok = slots < M, (rows < C)[:, None]
+    ok_rm = row_ok & slot_ok[None, :]
+    q_rows = bh * Tp + row0 + rows[:, None]  # (R, 1) rows of (B, H, Tp, .) tensors
+    for d0 in range(0, D, BLOCK):
+        cd = d0 + cols
+        ok_rd, ok_md = row_ok & (cd < D)[None, :], slot_ok[:, None] & (cd < D)[None, :]
+        q = tl.load(q_ptr + q_rows * D + cd[None, :], mask=ok_rd, other=0.0)
+        dq = tl.zeros((BLOCK_R, BLOCK), tl.float32)
+        for i in range(L):
+            level_row = (bg * L + i) * Tp + row0
+            state = (bg * NB + chunk) * L + i
+            plane_rows = ((bh * L + i) * Tp + row0 + rows[:, None]) * M  # (R, 1) rows of the (B, H, L, Tp, m) planes
+            dq += _row_products(d_snum_ptr, plane_rows, row_ok, ks0_ptr, state * M * D + cd[:, None],
+                                (cd < D)[:, None], M, D, BLOCK_R, BLOCK, BLOCK, WEIGHT_PRECISION)  # d_snum KS0
+            for k0 in range(0, reach, BLOCK_K):  # ((d_snum F^T) . M) X
+                cols_k = k0 + keys
+                key_ok = (cols_k < reach)[:, None]
+                key_rows = level_row + cols_k[:, None]
+                x = tl.load(x_ptr + key_rows * D + cd[None, :], mask=key_ok & (cd < D)[None, :], other=0.0)
+                d_qx = _row_products(d_snum_ptr, plane_rows, row_ok, f_ptr, key_rows * M, key_ok, M, 1,
+                                     BLOCK_R, BLOCK_K, BLOCK, WEIGHT_PRECISION)
+                dq += tl.dot(d_qx * (cols_k[None, :] <= rows[:, None]).to(tl.float32), x,
+                             input_precision=WEIGHT_PRECISION)
+            d_snum = tl.load(d_snum_ptr + plane_rows + slots[None, :], mask=ok_rm, other=0.0)
+            tl.atomic_add(dks0_ptr + (state * M + slots)[:, None] * D + cd[None, :],
+                          tl.dot(tl.trans(d_snum), q, input_precision=WEIGHT_PRECISION), mask=ok_md)
+            if QUERY_READ:
+                hl = head * L + i
+                ok_dm = (cd < D)[:, None] & slot_ok[None, :]
+                d_weights = tl.load(d_query_ptr + plane_rows + slots[None, :], mask=ok_rm, other=0.0)
+                wqr = tl.load(wqr_ptr + hl * D * M + cd[:, None] * M + slots[None, :], mask=ok_dm, other=0.0)
+                dq += tl.dot(d_weights, tl.trans(wqr), input_precision=PRECISION) / 16
+                tl.atomic_add(dwqr_ptr + hl * D * M + cd[:, None] * M + slots[None, :],
+                              tl.dot(tl.trans(q), d_weights, input_precision=PRECISION) / 16, mask=ok_dm)
+        tl.store(dq_ptr + q_rows * D + cd[None, :], dq, mask=ok_rd)
 
 
 @triton.jit(do_not_specialize=["Tp", "NB"])
@@ -799,24 +892,40 @@ class _Read:
         self.values_grid = (self.grid[0], batch * groups, triton.cdiv(y.shape[-1], self.values_options["BLOCK_DV"]))
         self.values_sizes = (*self.sizes[:7], y.shape[-1], eps)  # Tp ... M, DV, eps
         self.backward_options = dict(self.options, BLOCK=FEATURE_BLOCK)
+        self.sums_grid = (*self.grid, levels)
+        self.sums_options = dict({key: self.options[key] for key in ("L", "LOG_WEIGHT", "BLOCK_M", "BLOCK_R", "BLOCK_K",
+                                                                     "PRECISION", "WEIGHT_PRECISION", "num_warps",
+                                                                     "num_stages")}, BLOCK=FEATURE_BLOCK)
+        # with relation routing, levels 1 .. L-1's routed chains (an empty grid otherwise)
+        self.routing_grid = (*self.grid, (levels - 1) * (self.options["ROUTING"] == 2))
+        self.routing_sizes = (*self.sizes[:7], eps)  # Tp ... M, eps
+        self.routing_options = dict({key: self.options[key] for key in ("L", "BLOCK_M", "BLOCK_R", "BLOCK_K",
+                                                                        "WEIGHT_PRECISION", "num_warps",
+                                                                        "num_stages")}, BLOCK=FEATURE_BLOCK)
+        self.query_options = dict({key: self.options[key] for key in ("L", "QUERY_READ", "BLOCK_M", "BLOCK_R",
+                                                                      "BLOCK_K", "PRECISION", "WEIGHT_PRECISION",
+                                                                      "num_warps", "num_stages")}, BLOCK=FEATURE_BLOCK)
         self.keys_grid = (n_chunks * triton.cdiv(chunk_size, KEY_BLOCK), batch * groups, levels)
         self.keys_options = dict({key: self.options[key] for key in ("L", "ROUTING", "LOG_WEIGHT", "BLOCK_M",
                                                                      "BLOCK_R", "BLOCK_K", "num_stages")},
                                  BLOCK=FEATURE_BLOCK, PRECISION=KEYS_PRECISION, num_warps=KEYS_WARPS)
 
     def scratch(self, like: torch.Tensor) -> tuple[list, torch.Tensor, list]:
-        """The backward's buffers, fp32, as views of one allocation: what each level's rows hand the keys kernel --
-        u, d_snum, d_n and (relation routing) d routed, (B, H, L, Tp, m) each, and c~ (B, H, L-1, Tp, m) -- and the
-        two carries (d chain, d N) from level i + 1 to level i (B, H, Tp, m) with routing; ``like`` stands in for
-        those the routing does not use. Returns (the 4 planes, c~, the 2 carries)."""
+        """The backward's buffers, fp32, as views of one allocation: the (B, H, L, Tp, m) planes the level kernels
+        hand on -- u, d_snum, d_n (first the causal sums the level kernel starts from), with relation routing d
+        routed, with RSA-q the query weights' gradient --, c~ (B, H, L-1, Tp, m) with relation routing, and the two
+        carries (d chain, d N) from level i + 1 to level i (B, H, Tp, m) with routing; ``like`` stands in for those
+        the options do not use. Returns (the 5 planes, c~, the 2 carries)."""
         plane = (self.batch, self.heads, self.levels, self.padded, self.slots)
-        relation, routed = self.options["ROUTING"] == 2, self.levels > 1 and self.options["ROUTING"] != 0
-        shapes = [plane] * (3 + relation) + [(self.batch, self.heads, self.levels - 1, *plane[3:])] * relation \
+        relation, query = self.options["ROUTING"] == 2, self.options["QUERY_READ"]
+        routed = self.levels > 1 and self.options["ROUTING"] != 0
+        shapes = [plane] * (3 + relation + query) \
+            + [(self.batch, self.heads, self.levels - 1, *plane[3:])] * relation \
             + [(self.batch, self.heads, self.padded, self.slots)] * (2 * routed)
-        buffers = unpacked(like.new_empty(sum(math.prod(shape) for shape in shapes)), shapes)
-        planes = buffers[:3 + relation] + [like] * (1 - relation)
-        scaled = buffers[4] if relation else like
-        carries = buffers[len(buffers) - 2:] if routed else [like] * 2
+        buffers = iter(unpacked(like.new_empty(sum(math.prod(shape) for shape in shapes)), shapes))
+        planes = [next(buffers) for _ in range(3)] + [next(buffers) if used else like for used in (relation, query)]
+        scaled = next(buffers) if relation else like
+        carries = [next(buffers), next(buffers)] if routed else [like] * 2
         return planes, scaled, carries
 
     def warmups(self, inputs, backward: bool) -> list:
@@ -827,11 +936,19 @@ class _Read:
         warmups = [(_weights_kernel, self.grid, (*inputs, *[fp32] * 6, *self.sizes, 0), self.weights_options),
                    (_values_kernel, self.values_grid,
                     (inputs[1], inputs[3], inputs[5], *[fp32] * 5, *self.values_sizes, 0), self.values_options)]
-        if backward:  # g, chain, c~, num, den, the 2 carries, 4 planes and 11 gradients, the sizes and the level
-            args = (*inputs, *[torch.float32] * (5 + 2 + 4 + len(inputs) - 3), *self.sizes)
-            warmups += [(_bwd_kernel, self.grid, (*args, level), {**self.backward_options, "LEVEL0": level == 0})
-                        for level in sorted({0, self.levels - 1})]
-            keys_args = (*inputs[:4], *[torch.float32] * (6 + 3), *self.sizes[:9])  # g, chain, 4 planes, dF, dX, dY
+        if backward:  # the sums, the levels' (level 0's variant and the others'), the query side, the keys
+            sums_args = (*inputs[:7], *[fp32] * 4, *self.sizes[:9])  # g, the 3 planes
+            warmups.append((_bwd_sums_kernel, self.sums_grid, sums_args, self.sums_options))
+            if self.routing_grid[2]:  # f, R0; chain, N, routed, c~
+                warmups.append((_bwd_routing_kernel, self.routing_grid, (inputs[1], inputs[7], *[fp32] * 4,
+                                                                         *self.routing_sizes), self.routing_options))
+            # g, chain, c~, num, den, the 2 carries, 5 planes and 8 gradients, the sizes and the level
+            args = (*inputs, *[fp32] * (5 + 2 + 5 + 8), *self.sizes)
+            warmups += [(_bwd_level_kernel, self.grid, (*args, level),
+                         {**self.backward_options, "LEVEL0": level == 0}) for level in sorted({0, self.levels - 1})]
+            query_args = (inputs[0], inputs[1], inputs[2], inputs[4], inputs[13], *[fp32] * 5, *self.sizes[:8])
+            warmups.append((_bwd_query_kernel, self.grid, query_args, self.query_options))
+            keys_args = (*inputs[:4], *[fp32] * (6 + 3), *self.sizes[:9])  # g, c~, 4 planes, dF, dX, dY
             warmups.append((_bwd_keys_kernel, self.keys_grid, keys_args, self.keys_options))
         return warmups
 
@@ -880,11 +997,17 @@ class _Read:
             return packed
         g = grad_out.float().contiguous()  # (B, H, Tp, dv [+ 1]): the kernels read the log weight's channel in place
         planes, scaled, carries = self.scratch(g)
-        row_grads = [grad for index, grad in enumerate(grads) if index not in (1, 2, 3)]  # all but F, X, Y's
+        u, d_snum, d_n = planes[:3]
+        _bwd_sums_kernel[self.sums_grid](*inputs[:7], g, d_n, d_snum, u, *self.sizes[:9], **self.sums_options)
+        if self.routing_grid[2]:
+            _bwd_routing_kernel[self.routing_grid](inputs[1], inputs[7], chain, d_n, planes[3], scaled,
+                                                   *self.routing_sizes, **self.routing_options)
         for level in reversed(range(self.levels)):  # one launch per level, the top one first
-            _bwd_kernel[self.grid](*inputs, g, chain, scaled, num, den, *carries, *planes, *row_grads,
-                                   *self.sizes, level, LEVEL0=level == 0, **self.backward_options)
-        _bwd_keys_kernel[self.keys_grid](*inputs[:4], g, scaled, *planes, *grads[1:4], *self.sizes[:9],
+            _bwd_level_kernel[self.grid](*inputs, g, chain, scaled, num, den, *carries, *planes, *grads[5:13],
+                                         *self.sizes, level, LEVEL0=level == 0, **self.backward_options)
+        _bwd_query_kernel[self.grid](inputs[0], inputs[1], inputs[2], inputs[4], inputs[13], d_snum, planes[4],
+                                     grads[0], grads[4], grads[13], *self.sizes[:8], **self.query_options)
+        _bwd_keys_kernel[self.keys_grid](*inputs[:4], g, scaled, *planes[:4], *grads[1:4], *self.sizes[:9],
                                          **self.keys_options)
         return packed
 

@@ -72,11 +72,11 @@ def test_rsa_step_launches_do_not_grow_with_the_sequence():
     # per level (4) the chain forward and backward, and the rest of its write: forward its sums then its residuals,
     # backward its boundaries then its rows (a running sum over the boundaries between each: parallel over chunks,
     # not one program a KV head); between levels (3) the residual MLPs, forward and backward; the read forward (2:
-    # the weights, then the values), its backward (5: each level's rows from what the forward saved, the keys);
-    # RoPE, forward and backward (Liger's)
-    assert short.triton_launches == 4 * 2 + 4 * 4 + 3 * 2 + 2 + 5 + 2
+    # the weights, then the values), its backward (8: every level's sums, the upper levels' relation routing, each
+    # level's rows from them and what the forward saved, the query side, the keys); RoPE, forward and backward
+    assert short.triton_launches == 4 * 2 + 4 * 4 + 3 * 2 + 2 + 8 + 2
     assert short.by_name["triton:_triton_rope"] == 2
-    assert short.ops <= 158, short.top()  # issue 67's target, at most 300, met with the window too; goal 100
+    assert short.ops <= 161, short.top()  # issue 67's target, at most 300, met with the window too; goal 100
     assert short.host_reads == 0, short.top()  # a fresh state's buffer is laid out from the shapes (ChunkLayout.of)
 
 
@@ -91,7 +91,7 @@ def test_rsa_window_step_takes_flex_attention_as_one_launch_each_way():
     assert short.ops == long.ops, (short.top(), long.top())
     assert short.by_name["library:flex_attention"] == 2
     assert short.by_name["triton:_combine_fwd"] == short.by_name["triton:_combine_bwd"] == 1  # their shared normaliser
-    assert short.ops <= 181, short.top()  # the memory's and the window's: issue 67's target (300) met
+    assert short.ops <= 184, short.top()  # the memory's and the window's: issue 67's target (300) met
 
 
 @needs_kernels

@@ -28,6 +28,8 @@ STATE_FIELDS = ("key_sum", "value_sum", "mass", "relation_sum", "key_ref", "valu
 KEY_DIM, VALUE_DIM, SLOTS = 12, 10, 6
 # the tensors the write hands the read (every_boundary: the sums again, as the bases of the chunk starts' views)
 WRITTEN = tuple(f.name for f in fields(ChunkWrites) if f.name != "every_boundary")
+BACKWARD = (rct._bwd_sums_kernel, rct._bwd_routing_kernel, rct._bwd_level_kernel, rct._bwd_query_kernel,
+            rct._bwd_keys_kernel)
 
 
 @pytest.mark.variant  # ~3 min of interpreted kernels: the full tier (make test) only
@@ -128,7 +130,7 @@ def test_kernels_are_interpreted():
     from triton.runtime.interpreter import InterpretedFunction
 
     assert all(isinstance(kernel, InterpretedFunction)
-               for kernel in (rct._weights_kernel, rct._values_kernel, rct._bwd_kernel, rct._bwd_keys_kernel))
+               for kernel in (rct._weights_kernel, rct._values_kernel, *BACKWARD))
 
 
 @needs_kernels
@@ -383,8 +385,7 @@ def test_warmups_are_exactly_what_the_call_launches(levels, monkeypatch):
     """``_Read.warmups`` (compiled side by side before the first launch on CUDA, kernels/triton_compile.py) names
     every kernel variant a training call then launches, with the same argument kinds and constexprs: none missing (it
     would compile at its launch, in turn) and none extra (minutes of compile for nothing)."""
-    launched, warmed = record_launches(monkeypatch, (rct._weights_kernel, rct._values_kernel, rct._bwd_kernel,
-                                                     rct._bwd_keys_kernel)), set()
+    launched, warmed = record_launches(monkeypatch, (rct._weights_kernel, rct._values_kernel, *BACKWARD)), set()
     launched.run = False  # what is launched, not its values
     monkeypatch.setattr(rct._Read, "compile_kernels", lambda read, inputs, backward: warmed.update(
         compile_key(kernel, args, constexprs) for kernel, _, args, constexprs in read.warmups(inputs, backward)))
@@ -392,8 +393,9 @@ def test_warmups_are_exactly_what_the_call_launches(levels, monkeypatch):
     inputs = make_inputs(params, batch=2)
     run(rct.rsa_chunked_triton, params, *inputs, initial_state(params, 2, VALUE_DIM, torch.float32))
     assert launched and warmed == launched
-    # the forward's two; level 0's backward [and the other levels'], the keys' backward
-    assert len(launched) == (4 if levels == 1 else 5)
+    # the forward's two; the backward's sums, [the relation routing's,] level 0's [and the other levels'], the query
+    # side's and the keys'
+    assert len(launched) == (6 if levels == 1 else 8)
 
 
 @needs_kernels
@@ -577,8 +579,8 @@ def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_
 
     monkeypatch.setattr(converter, "cache_bytes_at", lambda model, contexts, *args: dict.fromkeys(contexts, 0))
     save_tiny_teacher(tmp_path / "teacher")
-    launched = record_launches(monkeypatch, (rct._weights_kernel, rct._values_kernel, rct._bwd_kernel,
-                                             rct._bwd_keys_kernel, rch._chain_fwd, rch._chain_bwd))
+    launched = record_launches(monkeypatch, (rct._weights_kernel, rct._values_kernel, *BACKWARD, rch._chain_fwd,
+                                             rch._chain_bwd))
     student, _ = convert(str(tmp_path / "teacher"), "rsa", mixer_options={"rsa_window": 8}, sequence_length=48,
                          calibration_sequences=2, heldout_sequences=1, progress=False)
     launched.run = False  # from here what is launched is the question, not its values (minutes interpreted)
@@ -592,8 +594,9 @@ def test_the_gpu_checks_warm_up_compiles_what_the_demos_conversion_and_training_
     with torch.no_grad():
         run_warm()
     run_warm().pow(2).mean().backward()
-    # the chain forward and backward, the read forward's two, its backward's rows (level 0, the others) and keys
-    assert len(demo) == 7 and launched == demo
+    # the chain forward and backward, the read forward's two, its backward's sums, routing, levels (level 0, the
+    # others), query side and keys
+    assert len(demo) == 10 and launched == demo
 
 
 @needs_kernels
