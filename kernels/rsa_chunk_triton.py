@@ -38,16 +38,20 @@ Split of the work:
     rows for every query head of a KV head (stacked, so each chunk-start VS0 tile and each F, Y tile is loaded
     once for the group) x VALUE_BLOCK value features. Their rows read the chunk's rows up to themselves, KEY_BLOCK
     at a time: causal products summed over (R, K) blocks; the key features FEATURE_BLOCK at a time.
-    The backward splits as FlashAttention-2's does, into a rows side and a keys side. ``_bwd_kernel`` (the rows) is
-    launched once per level, top level first, on the forward's grid: it recomputes its rows' level as the forward
-    does and takes the gradient back through it; dq accumulates in place, the routing's gradients for the level
-    below pass through two (B, H, Tp, m) buffers of the program's own rows, and what the chunk's key rows need is
-    written per level as (B, H, L, Tp, m) planes. ``_bwd_keys_kernel`` (one launch, grid chunks x C / KEY_BLOCK,
-    B * G, L) then sums those over the rows and query heads that read each block of keys, owning its F, X, Y
-    gradients (no atomics, no whole-chunk accumulator). Products whose operands come from memory are summed
-    FEATURE_BLOCK features or slots at a time (``_row_products``: a dot's left operand is every warp's, so an (R, m)
-    one held whole is 32 registers a thread, twice that split for tf32x3): the forward's (R, m) tiles that are
-    a product's left operand (act, chain, c~, a~) go through the weights planes so. Tiles are at most R x K,
+    The backward splits as FlashAttention-2's does, into a rows side and a keys side, its rows side into what
+    each level's chain makes sequential and what it does not: ``_bwd_sums_kernel`` (one launch, every level: grid
+    the forward's x L) recomputes each level's causal sums -- N, the score numerator, and d_read = g VS0^T +
+    ((g Y^T) . M) F -- and, with relation routing, ``_bwd_routing_kernel`` (one launch, levels 1 .. L-1) the routed
+    chains from the saved chains; ``_bwd_level_kernel`` is launched once per level, top level first, on the
+    forward's grid: from those planes it takes the gradient back through the level's weights (the routing's
+    gradients for the level below pass through two (B, H, Tp, m) buffers of the program's own rows) and writes
+    what the query and key rows need per level as (B, H, L, Tp, m) planes. ``_bwd_query_kernel`` (one launch) then
+    sums dq over the levels and adds the chunk-start key sums' gradient; ``_bwd_keys_kernel`` (one launch, grid
+    chunks x C / KEY_BLOCK, B * G, L) sums the planes over the rows and query heads that read each block of keys,
+    owning its F, X, Y gradients (no atomics, no whole-chunk accumulator). Products whose operands come from memory
+    are summed FEATURE_BLOCK features or slots at a time (``_row_products``: a dot's left operand is every warp's,
+    so an (R, m) one held whole is 32 registers a thread, twice that split for tf32x3): the (R, m) tiles that are a
+    product's left operand (act, chain, c~, a~) go through the planes so. Tiles are at most R x K,
     R x m, K x m, BLOCK x m and (GS R) x VALUE_BLOCK (the values' sums), in registers; fp32 operands and
     accumulation (an fp16 / bf16 q is copied to fp32 first: the math wants fp32, the interpreter's bf16 dot is
     broken, and one compiled kernel then serves every dtype).
@@ -63,12 +67,13 @@ Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp
     the forward again): chain_i (B, H, L-1, Tp, m) (only with routing), the numerator (B, H, Tp, dv) and the
     normaliser (B, H, Tp). The backward recomputes the rest of the read side. Transient, between the forward's
     two kernels: the weights planes a~ (and with RSA-q the query weights) (B, H, L, Tp, m), c~ (B, H, Tp, m).
-  * backward, transient: ``_bwd_kernel`` runs level by level in reverse (with routing, two (B, H, Tp, m) buffers
-    carry d chain and d N down), writing 3-5 planes for the keys kernel (u, d_snum, d_n [, d routed]
-    (B, H, L, Tp, m); c~ (B, H, L-1, Tp, m)) and accumulating the gradients of the chunk-start sums and the
-    parameters with ``tl.atomic_add`` (query heads of a group and all chunks / batch rows share them; fp32 atomics
-    make the sums' order, hence the last bits, nondeterministic on GPUs). dq is read, added to and written back by
-    each level's launch. The planes are the price of the split: about 5 L m floats a query head and token
+  * backward, transient: 3-5 planes (B, H, L, Tp, m) -- the sums kernel's N, score numerator and d_read, which
+    each level's launch replaces with d_n, d_snum and u for the keys kernel; with relation routing the routed
+    chains, replaced by d routed; with RSA-q the query weights' gradient --, with relation routing c~
+    (B, H, L-1, Tp, m) and the two carries (d chain, d N) from level i + 1 to level i (B, H, Tp, m); the chunk-start
+    state's and the parameters' gradients are accumulated with ``tl.atomic_add`` (query heads of a group and all
+    chunks / batch rows share them; fp32 atomics make the sums' order, hence the last bits, nondeterministic on
+    GPUs). The planes are the price of the split: about 5 L m floats a query head and token
     (Llama-3-8B at 8K: 1.2 GiB a layer's backward, freed after it).
 
 Scope (``rsa_chunk_triton_supports`` returns the reason for anything else): assign_fn softmax | sigmoid (write
@@ -121,8 +126,7 @@ from .triton_compile import compile_side_by_side
 # at 8K. The read weights' products -- scores, slot mixing (act W, chain W_r), routing -- take the caller's precision
 # (``WEIGHT_PRECISION``: tf32 for a bf16 / fp16 call), within the bound (`hf-mixers bench precision --mixer rsa
 # --scope read_chunks --keep inclusive_mass --keep read_values`, rsa_memory.py; docs/benchmarks.md). Emulated fp32
-# (tf32x3) runs on the tensor cores; as FMA dots ("ieee") the backward's rows held as many registers (241 / 234
-# against 254 / 228 with every dot tf32x3).
+# (tf32x3) runs on the tensor cores; as FMA dots ("ieee") the backward held as many registers.
 READ_PRECISION = FP32_DOTS
 # The forward takes the key features, the backward the key and value features and the slots of the products it
 # reads from memory, FEATURE_BLOCK at a time (never held whole): with q held (R, d), KS0 (m, d) whole and 64-wide
@@ -218,6 +222,19 @@ def _row_products(a_ptr, a_at, a_ok, b_ptr, b_at, b_ok, width, b_step, BLOCK_R: 
     return acc
 
 
+@triton.jit
+def _row_program(C, H, G, GS, BLOCK_R: tl.constexpr):
+    """This program's place on the read's grid (chunks x C / BLOCK_R, B * H [, levels]): its chunk, (b, query head)
+    and (b, KV head), the chunk's first row in the padded sequence, its BLOCK_R rows of the chunk, and the end of
+    the chunk rows they read, [0, reach)."""
+    row_blocks = tl.cdiv(C, BLOCK_R)
+    chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)  # b * H + head
+    bg = (bh // H) * G + (bh % H) // GS  # (b, KV head) of this query head
+    first = (tl.program_id(0) % row_blocks) * BLOCK_R
+    return chunk, bh, bg, chunk * C, first + tl.arange(0, BLOCK_R), tl.minimum(first + BLOCK_R, C)
+
+
 # Lengths, the level and the save flag are plain runtime integers (no specialisation on 1 or on alignment): one
 # compiled kernel per layout and options, whatever the sequence length. The levels are a loop, not unrolled (unrolled,
 # the compiler overlaps them and holds more registers). Every product whose left operand is an (R, m) tile computed
@@ -240,15 +257,8 @@ def _weights_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr
     c~_i = chain_i / max(N_i, eps) into ``scaled`` (B, H, Tp, m, one level at a time); the log weight (LOG_WEIGHT)
     and, with ``save``, chain_i (i < L - 1) for the backward. Its rows read the chunk-start state and the chunk's
     rows up to themselves, BLOCK_K at a time; the products over the key features BLOCK_D of them at a time."""
-    row_blocks = tl.cdiv(C, BLOCK_R)
-    chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
-    bh = tl.program_id(1).to(tl.int64)  # b * H + head
+    chunk, bh, bg, row0, rows, reach = _row_program(C, H, G, GS, BLOCK_R)
     head = bh % H
-    bg = (bh // H) * G + head // GS  # (b, KV head) of this query head
-    row0 = chunk * C
-    first = (tl.program_id(0) % row_blocks) * BLOCK_R
-    rows = first + tl.arange(0, BLOCK_R)  # this program's rows of the chunk
-    reach = tl.minimum(first + BLOCK_R, C)  # the chunk rows they read: [0, reach)
     keys = tl.arange(0, BLOCK_K)
     slots = tl.arange(0, BLOCK_M)
     row_ok, slot_ok = rows < C, slots < M
@@ -410,15 +420,8 @@ def _bwd_sums_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, g_ptr
     ``_bwd_level_kernel``: the inclusive mass N = n0 + M F (``n``), the score numerator q KS0^T + ((q X^T) . M) F
     (``snum``) and the read's gradient before its normalisers, d_read = g VS0^T + ((g Y^T) . M) F (``read``). The
     planes are those the level kernel then overwrites with what the keys kernel reads (d_n, d_snum, u)."""
-    row_blocks = tl.cdiv(C, BLOCK_R)
-    chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
-    bh = tl.program_id(1).to(tl.int64)
+    chunk, bh, bg, row0, rows, reach = _row_program(C, H, G, GS, BLOCK_R)
     i = tl.program_id(2)
-    bg = (bh // H) * G + (bh % H) // GS
-    row0 = chunk * C
-    first = (tl.program_id(0) % row_blocks) * BLOCK_R
-    rows = first + tl.arange(0, BLOCK_R)
-    reach = tl.minimum(first + BLOCK_R, C)  # the chunk rows they read: [0, reach)
     keys = tl.arange(0, BLOCK_K)
     slots = tl.arange(0, BLOCK_M)
     slot_ok, row_ok = slots < M, (rows < C)[:, None]
@@ -462,15 +465,8 @@ def _bwd_routing_kernel(f_ptr, r0_ptr, chain_ptr, n_ptr, routed_ptr, scaled_ptr,
     chain_{i-1} and the sums kernel's N_{i-1}, into the d routed plane (``routed``) for ``_bwd_level_kernel``, and
     c~ = chain_{i-1} / max(N_{i-1}, eps) into ``scaled`` (B, H, L-1, Tp, m), which the level and keys kernels read
     and the products here read back a block of slots at a time."""
-    row_blocks = tl.cdiv(C, BLOCK_R)
-    chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
-    bh = tl.program_id(1).to(tl.int64)
+    chunk, bh, bg, row0, rows, reach = _row_program(C, H, G, GS, BLOCK_R)
     i = tl.program_id(2) + 1
-    bg = (bh // H) * G + (bh % H) // GS
-    row0 = chunk * C
-    first = (tl.program_id(0) % row_blocks) * BLOCK_R
-    rows = first + tl.arange(0, BLOCK_R)
-    reach = tl.minimum(first + BLOCK_R, C)  # the chunk rows they read: [0, reach)
     keys = tl.arange(0, BLOCK_K)
     slots = tl.arange(0, BLOCK_M)
     slot_ok, row_ok = slots < M, (rows < C)[:, None]
@@ -518,15 +514,8 @@ def _bwd_level_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_p
     ``_bwd_query_kernel`` and ``_bwd_keys_kernel``. The products with an (R, m) left operand read it back from those
     planes (or, for act, chain, d a and d a^, from one not yet written), a barrier after each store and before a
     plane is written again; so the tiles held are (R, K), (R, m), (K, m), (K, BLOCK) and m x m."""
-    row_blocks = tl.cdiv(C, BLOCK_R)
-    chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
-    bh = tl.program_id(1).to(tl.int64)
+    chunk, bh, bg, row0, rows, reach = _row_program(C, H, G, GS, BLOCK_R)
     head = bh % H
-    bg = (bh // H) * G + head // GS
-    row0 = chunk * C
-    first = (tl.program_id(0) % row_blocks) * BLOCK_R
-    rows = first + tl.arange(0, BLOCK_R)
-    reach = tl.minimum(first + BLOCK_R, C)  # the chunk rows they read: [0, reach)
     keys = tl.arange(0, BLOCK_K)
     slots = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK)
@@ -714,15 +703,8 @@ def _bwd_query_kernel(q_ptr, f_ptr, x_ptr, ks0_ptr, wqr_ptr, d_snum_ptr, d_query
     level kernels, from the d_snum [and RSA-q weight gradient] planes they wrote), a block of d at a time:
     dq = sum_i d_snum_i KS0_i + ((d_snum_i F_i^T) . M) X_i [+ d_query_i W_qr_i^T / 16], stored once; the
     chunk-start sums' dKS0_i += d_snum_i^T q [and dW_qr_i += q^T d_query_i / 16] added in (atomics)."""
-    row_blocks = tl.cdiv(C, BLOCK_R)
-    chunk = (tl.program_id(0) // row_blocks).to(tl.int64)
-    bh = tl.program_id(1).to(tl.int64)
+    chunk, bh, bg, row0, rows, reach = _row_program(C, H, G, GS, BLOCK_R)
     head = bh % H
-    bg = (bh // H) * G + head // GS
-    row0 = chunk * C
-    first = (tl.program_id(0) % row_blocks) * BLOCK_R
-    rows = first + tl.arange(0, BLOCK_R)
-    reach = tl.minimum(first + BLOCK_R, C)  # the chunk rows they read: [0, reach)
     keys = tl.arange(0, BLOCK_K)
     slots = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK)
@@ -769,7 +751,7 @@ def _bwd_keys_kernel(q_ptr, f_ptr, x_ptr, y_ptr, g_ptr, scaled_prev_ptr, u_ptr, 
                      Tp, NB, H, G, GS, C, M, D, DV,
                      L: tl.constexpr, ROUTING: tl.constexpr, LOG_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
-    """The gradients of the chunk's key-side rows F_i, X_i, Y_i, from what ``_bwd_kernel`` wrote for every level:
+    """The gradients of the chunk's key-side rows F_i, X_i, Y_i, from what ``_bwd_level_kernel`` wrote for every level:
     one program = BLOCK_K rows of a chunk x one KV head x one level, summing over its query heads and the rows that
     read them (rows >= its keys), BLOCK_R at a time; it owns its rows' gradients (stored, no atomics). With u the
     read weights, d_snum the score numerator's gradient, d_n the mass's, and (relation routing) d routed / c~:
@@ -1053,8 +1035,8 @@ def _(inputs, chunk_size, eps, threshold_max, readout, routing, query_read, log_
 def _read_backward(inputs: list[torch.Tensor], grad_out: torch.Tensor, saved: list[torch.Tensor], chunk_size: int,
                    eps: float, threshold_max: float, readout: str, routing: str, query_read: bool, log_weight: bool,
                    weight_precision: str) -> torch.Tensor:
-    """The 14 inputs' gradients (fp32), packed (``_Read.backward``): ``_bwd_kernel`` per level, then
-    ``_bwd_keys_kernel``, from what the forward saved (chains, num, den)."""
+    """The 14 inputs' gradients (fp32), packed (``_Read.backward``: the sums, [routing,] level, query and keys
+    kernels), from what the forward saved (chains, num, den)."""
     options = (chunk_size, eps, threshold_max, readout, routing, query_read, log_weight, weight_precision)
     read = _Read(options, inputs[0], inputs[1], inputs[3], inputs[4].shape[2])
     return read.backward(inputs, grad_out, *saved)

@@ -69,7 +69,8 @@ def test_a_launch_is_compiled_with_the_specialisation_a_real_launch_gets(monkeyp
     tool, records = _compiling_tool(monkeypatch)
     sources = []
     compile_ = triton.compile
-    monkeypatch.setattr(triton, "compile", lambda source, **kwargs: sources.append(source) or compile_(source, **kwargs))
+    monkeypatch.setattr(triton, "compile",
+                        lambda source, **kwargs: sources.append(source) or compile_(source, **kwargs))
 
     @triton.jit(do_not_specialize=["m"])
     def copy(x_ptr, out_ptr, n, m, BLOCK: tl.constexpr):
@@ -80,8 +81,8 @@ def test_a_launch_is_compiled_with_the_specialisation_a_real_launch_gets(monkeyp
     for n in (64, 63, 64):  # divisible by 16, not, and the first variant again (not compiled twice)
         copy[(1,)](x, torch.empty_like(x), n, 64, BLOCK=64)
     assert [record["kernel"] for record in records] == ["copy", "copy"], records
-    divisible = [{source.fn.arg_names[path[0]] for path, attr in source.attrs.items() if ["tt.divisibility", 16] in attr}
-                 for source in sources]
+    divisible = [{source.fn.arg_names[path[0]] for path, attr in source.attrs.items()
+                  if ["tt.divisibility", 16] in attr} for source in sources]
     assert divisible == [{"x_ptr", "out_ptr", "n"}, {"x_ptr", "out_ptr"}], divisible  # m: do_not_specialize
 
 
