@@ -497,7 +497,7 @@ def _bwd_routing_kernel(f_ptr, r0_ptr, chain_ptr, n_ptr, routed_ptr, scaled_ptr,
 def _bwd_level_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                       w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
                       g_ptr, chain_ptr, scaled_ptr, num_ptr, den_ptr,  # dL/d out (B, H, Tp, dv [+ 1]); chain_i,
-                      # and c~_i = chain_{i-1} / N_{i-1} (B, H, L-1, Tp, m) written here for the keys kernel; num, den
+                      # and c~_i = chain_{i-1} / N_{i-1} (B, H, L-1, Tp, m) from the routing kernel; num, den
                       d_chain_ptr, dn_next_ptr,  # (B, H, Tp, m) each: level i + 1's gradients for level i's rows
                       u_ptr, d_snum_ptr, d_n_ptr, d_routed_ptr, d_query_ptr,  # (B, H, L, Tp, m) each
                       dvs0_ptr, dn0_ptr, dr0_ptr, dkappa_ptr, dw_ptr, dwr_ptr, dtheta_ptr, dwa_ptr,  # added into
@@ -510,7 +510,7 @@ def _bwd_level_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_p
     program = BLOCK_R rows of a chunk x one query head. From its rows' causal sums (``_bwd_sums_kernel``'s planes)
     it recomputes the level's weights as the forward does and takes the gradient back through them: the carries to
     level i - 1 are written, the chunk-start state's and the parameters' gradients added in (atomics), and what the
-    query and key rows need (u, d_snum, d_n, d routed, c~, the RSA-q weights' gradient) is written for
+    query and key rows need (u, d_snum, d_n, d routed, the RSA-q weights' gradient) is written for
     ``_bwd_query_kernel`` and ``_bwd_keys_kernel``. The products with an (R, m) left operand read it back from those
     planes (or, for act, chain, d a and d a^, from one not yet written), a barrier after each store and before a
     plane is written again; so the tiles held are (R, K), (R, m), (K, m), (K, BLOCK) and m x m."""
@@ -627,7 +627,7 @@ def _bwd_level_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_p
     if not LEVEL0 and ROUTING == 2:
         d_routed = d_chain_i * sparse
         r0_at = ((bg * NB + chunk) * (L - 1) + i - 1) * M * M
-        scaled_prev = tl.load(scaled_ptr + chain_at, mask=ok_rm, other=0.0)  # c~, from the sums kernel
+        scaled_prev = tl.load(scaled_ptr + chain_at, mask=ok_rm, other=0.0)  # c~, from the routing kernel
         tl.atomic_add(dr0_ptr + r0_at + off_mm, tl.dot(tl.trans(scaled_prev), d_routed,
                                                          input_precision=WEIGHT_PRECISION), mask=ok_mm)
         tl.store(d_routed_ptr + plane_at, d_routed, mask=ok_rm)  # for the keys kernel, and read back below
