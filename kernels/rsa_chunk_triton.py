@@ -38,23 +38,22 @@ Split of the work:
     rows for every query head of a KV head (stacked, so each chunk-start VS0 tile and each F, Y tile is loaded
     once for the group) x VALUE_BLOCK value features. Their rows read the chunk's rows up to themselves, KEY_BLOCK
     at a time: causal products summed over (R, K) blocks; the key features FEATURE_BLOCK at a time.
-    The backward splits as FlashAttention-2's does, into a rows side and a keys side, its rows side into what
-    each level's chain makes sequential and what it does not: ``_bwd_sums_kernel`` (one launch, every level: grid
-    the forward's x L) recomputes each level's causal sums -- N, the score numerator, and d_read = g VS0^T +
-    ((g Y^T) . M) F -- and, with relation routing, ``_bwd_routing_kernel`` (one launch, levels 1 .. L-1) the routed
-    chains from the saved chains; ``_bwd_level_kernel`` is launched once per level, top level first, on the
-    forward's grid: from those planes it takes the gradient back through the level's weights (the routing's
-    gradients for the level below pass through two (B, H, Tp, m) buffers of the program's own rows) and writes
-    what the query and key rows need per level as (B, H, L, Tp, m) planes. ``_bwd_query_kernel`` (one launch) then
-    sums dq over the levels and adds the chunk-start key sums' gradient; ``_bwd_keys_kernel`` (one launch, grid
-    chunks x C / KEY_BLOCK, B * G, L) sums the planes over the rows and query heads that read each block of keys,
-    owning its F, X, Y gradients (no atomics, no whole-chunk accumulator). Products whose operands come from memory
-    are summed FEATURE_BLOCK features or slots at a time (``_row_products``: a dot's left operand is every warp's,
-    so an (R, m) one held whole is 32 registers a thread, twice that split for tf32x3): the (R, m) tiles that are a
-    product's left operand (act, chain, c~, a~) go through the planes so. Tiles are at most R x K,
-    R x m, K x m, BLOCK x m and (GS R) x VALUE_BLOCK (the values' sums), in registers; fp32 operands and
-    accumulation (an fp16 / bf16 q is copied to fp32 first: the math wants fp32, the interpreter's bf16 dot is
-    broken, and one compiled kernel then serves every dtype).
+    The backward splits as FlashAttention-2's does, into a rows side and a keys side, its rows side into what each
+    level's chain makes sequential and what it does not: ``_bwd_sums_kernel`` (one launch, every level: grid the
+    forward's x L) recomputes each level's causal sums -- N, the score numerator, and d_read = g VS0^T + ((g Y^T) . M) F
+    -- and, once, the normaliser's gradient; with relation routing ``_bwd_routing_kernel`` (one launch, levels 1 .. L-1)
+    the routed chains from the saved chains; ``_bwd_level_kernel`` is launched once per level, top level first, on the
+    forward's grid: from those planes it takes the gradient back through the level's weights (the routing's gradients
+    for the level below pass through two (B, H, Tp, m) buffers of the program's own rows) and writes what the query and
+    key rows need per level as (B, H, L, Tp, m) planes. ``_bwd_query_kernel`` (one launch) then sums dq over the levels
+    and adds the chunk-start key sums' gradient; ``_bwd_keys_kernel`` (one launch, grid chunks x C / KEY_BLOCK, B * G,
+    L) sums the planes over the rows and query heads that read each block of keys, owning its F, X, Y gradients (no
+    atomics, no whole-chunk accumulator). Products whose operands come from memory are summed FEATURE_BLOCK features or
+    slots at a time (``_row_products``: a dot's left operand is every warp's, so an (R, m) one held whole is 32
+    registers a thread, twice that split for tf32x3): the (R, m) tiles that are a product's left operand (act, chain,
+    c~, a~) go through the planes so. Tiles are at most R x K, R x m, K x m, BLOCK x m and (GS R) x VALUE_BLOCK (the
+    values' sums), in registers; fp32 operands and accumulation (an fp16 / bf16 q is copied to fp32 first: the math
+    wants fp32, the interpreter's bf16 dot is broken, and one compiled kernel then serves every dtype).
 
 Memory (fp32 unless said otherwise; Tp = T rounded up to the chunk grid, NC = Tp / C chunks):
   * kernel inputs, built by the write side and saved for the backward: F, X, Y (B, G, L, Tp, m | d | dv) and the
@@ -410,8 +409,8 @@ def _values_kernel(f_ptr, y_ptr, vs0_ptr, weights_ptr, query_ptr, den_ptr, out_p
 
 
 @triton.jit(do_not_specialize=["Tp", "NB"])
-def _bwd_sums_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, g_ptr, n_ptr, snum_ptr, read_ptr,
-                     Tp, NB, H, G, GS, C, M, D, DV,
+def _bwd_sums_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, g_ptr, num_ptr, den_ptr,
+                     n_ptr, snum_ptr, read_ptr, d_den_ptr, Tp, NB, H, G, GS, C, M, D, DV, eps,
                      L: tl.constexpr, LOG_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
                      WEIGHT_PRECISION: tl.constexpr):
@@ -419,7 +418,9 @@ def _bwd_sums_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, g_ptr
     each row's causal sums of level i, recomputed as the forward computes them, into (B, H, L, Tp, m) planes for
     ``_bwd_level_kernel``: the inclusive mass N = n0 + M F (``n``), the score numerator q KS0^T + ((q X^T) . M) F
     (``snum``) and the read's gradient before its normalisers, d_read = g VS0^T + ((g Y^T) . M) F (``read``). The
-    planes are those the level kernel then overwrites with what the keys kernel reads (d_n, d_snum, u)."""
+    planes are those the level kernel then overwrites with what the keys kernel reads (d_n, d_snum, u). Level 0's
+    programs also write the normaliser's gradient, which every level reads: out = num / max(den, eps) + extra, so
+    d den = -sum_v g num / max(den, eps)^2 where den >= eps (``d_den``, (B, H, Tp))."""
     chunk, bh, bg, row0, rows, reach = _row_program(C, H, G, GS, BLOCK_R)
     i = tl.program_id(2)
     keys = tl.arange(0, BLOCK_K)
@@ -454,6 +455,16 @@ def _bwd_sums_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, g_ptr
     tl.store(n_ptr + plane_at, n, mask=ok_rm)
     tl.store(snum_ptr + plane_at, snum, mask=ok_rm)
     tl.store(read_ptr + plane_at, d_read, mask=ok_rm)
+    if i == 0:
+        g_num = tl.zeros((BLOCK_R,), tl.float32)  # sum_v g num
+        for v0 in range(0, DV, BLOCK):
+            cv = v0 + tl.arange(0, BLOCK)
+            ok_rv = row_ok & (cv < DV)[None, :]
+            g = tl.load(g_ptr + q_rows * g_stride + cv[None, :], mask=ok_rv, other=0.0)
+            g_num += tl.sum(g * tl.load(num_ptr + q_rows * DV + cv[None, :], mask=ok_rv, other=0.0), 1)
+        den = tl.load(den_ptr + bh * Tp + row0 + rows, mask=rows < C, other=0.0)
+        norm = tl.maximum(den, eps)
+        tl.store(d_den_ptr + bh * Tp + row0 + rows, tl.where(den >= eps, -g_num / (norm * norm), 0.0), mask=rows < C)
 
 
 @triton.jit(do_not_specialize=["Tp", "NB"])
@@ -496,8 +507,8 @@ def _bwd_routing_kernel(f_ptr, r0_ptr, chain_ptr, n_ptr, routed_ptr, scaled_ptr,
 @triton.jit(do_not_specialize=["Tp", "NB", "i"])
 def _bwd_level_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_ptr, kappa_ptr,
                       w_ptr, wr_ptr, theta_ptr, wa_ptr, wqr_ptr,
-                      g_ptr, chain_ptr, scaled_ptr, num_ptr, den_ptr,  # dL/d out (B, H, Tp, dv [+ 1]); chain_i,
-                      # and c~_i = chain_{i-1} / N_{i-1} (B, H, L-1, Tp, m) from the routing kernel; num, den
+                      g_ptr, chain_ptr, scaled_ptr, den_ptr, d_den_ptr,  # dL/d out (B, H, Tp, dv [+ 1]); chain_i,
+                      # and c~_i = chain_{i-1} / N_{i-1} (B, H, L-1, Tp, m) from the routing kernel; den, d den
                       d_chain_ptr, dn_next_ptr,  # (B, H, Tp, m) each: level i + 1's gradients for level i's rows
                       u_ptr, d_snum_ptr, d_n_ptr, d_routed_ptr, d_query_ptr,  # (B, H, L, Tp, m) each
                       dvs0_ptr, dn0_ptr, dr0_ptr, dkappa_ptr, dw_ptr, dwr_ptr, dtheta_ptr, dwa_ptr,  # added into
@@ -538,14 +549,8 @@ def _bwd_level_kernel(q_ptr, f_ptr, x_ptr, y_ptr, ks0_ptr, vs0_ptr, n0_ptr, r0_p
     n = tl.load(d_n_ptr + plane_at, mask=ok_rm, other=0.0)
     snum = tl.load(d_snum_ptr + plane_at, mask=ok_rm, other=0.0)
     d_read = tl.load(u_ptr + plane_at, mask=ok_rm, other=0.0)
-    g_num = tl.zeros((BLOCK_R,), tl.float32)  # sum_v g num, for the normaliser
-    for v0 in range(0, DV, BLOCK):
-        ok_rv = row_ok & (v0 + cols < DV)[None, :]
-        g = tl.load(g_ptr + q_rows * g_stride + v0 + cols[None, :], mask=ok_rv, other=0.0)
-        g_num += tl.sum(g * tl.load(num_ptr + q_rows * DV + v0 + cols[None, :], mask=ok_rv, other=0.0), 1)
-    den = tl.load(den_ptr + bh * Tp + row0 + rows, mask=rows < C, other=0.0)
-    norm = tl.maximum(den, eps)
-    d_den = tl.where(den >= eps, -g_num / (norm * norm), 0.0)  # out = num / max(den, eps) + extra
+    norm = tl.maximum(tl.load(den_ptr + bh * Tp + row0 + rows, mask=rows < C, other=0.0), eps)
+    d_den = tl.load(d_den_ptr + bh * Tp + row0 + rows, mask=rows < C, other=0.0)  # the sums kernel's
     inv = 1.0 / norm
 
     d_chain = tl.zeros((BLOCK_R, BLOCK_M), tl.float32)  # into chain_i, from level i + 1's routing
@@ -848,6 +853,13 @@ def _read_options(params: RSAParams, weight_precision: str = READ_PRECISION) -> 
             params.query_read is not None, bool(params.log_weight), weight_precision)
 
 
+def _launch_options(kernel, options: dict, **extra) -> dict:
+    """The launch keywords of ``kernel``: those of ``options`` it declares (its constexprs) and the launch's warps
+    and stages, with ``extra`` over them."""
+    return {**{key: value for key, value in options.items() if key in kernel.arg_names or key.startswith("num_")},
+            **extra}
+
+
 class _Read:
     """Static launch arguments of one call: sizes, options and block sizes (``options``: ``_read_options``;
     ``boundaries``: the sums' rows per sequence and KV head, NC or NC + 1, the memory section above)."""
@@ -865,50 +877,45 @@ class _Read:
                             QUERY_READ=query_read, LOG_WEIGHT=log_weight, BLOCK_M=tile_edge(slots),
                             BLOCK_R=PROGRAM_ROWS, BLOCK_K=KEY_BLOCK, PRECISION=READ_PRECISION,
                             WEIGHT_PRECISION=weight_precision, num_warps=READ_WARPS, num_stages=READ_STAGES)
-        self.weights_options = dict(self.options, BLOCK_D=min(tile_edge(key_dim), FEATURE_BLOCK), BLOCK_S=FEATURE_BLOCK)
-        self.values_options = dict({key: self.options[key] for key in ("L", "QUERY_READ", "BLOCK_R", "BLOCK_K",
-                                                                       "PRECISION", "num_warps", "num_stages")},
-                                   BLOCK_S=FEATURE_BLOCK, BLOCK_DV=min(tile_edge(y.shape[-1]), VALUE_BLOCK),
-                                   BLOCK_G=triton.next_power_of_2(heads // groups))
+        self.weights_options = _launch_options(_weights_kernel, self.options,
+                                               BLOCK_D=min(tile_edge(key_dim), FEATURE_BLOCK), BLOCK_S=FEATURE_BLOCK)
+        self.values_options = _launch_options(_values_kernel, self.options, BLOCK_S=FEATURE_BLOCK,
+                                              BLOCK_DV=min(tile_edge(y.shape[-1]), VALUE_BLOCK),
+                                              BLOCK_G=triton.next_power_of_2(heads // groups))
         # a KV head's query heads in one program, VALUE_BLOCK value features of theirs
         self.values_grid = (self.grid[0], batch * groups, triton.cdiv(y.shape[-1], self.values_options["BLOCK_DV"]))
         self.values_sizes = (*self.sizes[:7], y.shape[-1], eps)  # Tp ... M, DV, eps
-        self.backward_options = dict(self.options, BLOCK=FEATURE_BLOCK)
         self.sums_grid = (*self.grid, levels)
-        self.sums_options = dict({key: self.options[key] for key in ("L", "LOG_WEIGHT", "BLOCK_M", "BLOCK_R", "BLOCK_K",
-                                                                     "PRECISION", "WEIGHT_PRECISION", "num_warps",
-                                                                     "num_stages")}, BLOCK=FEATURE_BLOCK)
+        self.sums_options = _launch_options(_bwd_sums_kernel, self.options, BLOCK=FEATURE_BLOCK)
         # with relation routing, levels 1 .. L-1's routed chains (an empty grid otherwise)
         self.routing_grid = (*self.grid, (levels - 1) * (self.options["ROUTING"] == 2))
         self.routing_sizes = (*self.sizes[:7], eps)  # Tp ... M, eps
-        self.routing_options = dict({key: self.options[key] for key in ("L", "BLOCK_M", "BLOCK_R", "BLOCK_K",
-                                                                        "WEIGHT_PRECISION", "num_warps",
-                                                                        "num_stages")}, BLOCK=FEATURE_BLOCK)
-        self.query_options = dict({key: self.options[key] for key in ("L", "QUERY_READ", "BLOCK_M", "BLOCK_R",
-                                                                      "BLOCK_K", "PRECISION", "WEIGHT_PRECISION",
-                                                                      "num_warps", "num_stages")}, BLOCK=FEATURE_BLOCK)
+        self.routing_options = _launch_options(_bwd_routing_kernel, self.options, BLOCK=FEATURE_BLOCK)
+        self.backward_options = _launch_options(_bwd_level_kernel, self.options, BLOCK=FEATURE_BLOCK)
+        self.query_options = _launch_options(_bwd_query_kernel, self.options, BLOCK=FEATURE_BLOCK)
         self.keys_grid = (n_chunks * triton.cdiv(chunk_size, KEY_BLOCK), batch * groups, levels)
-        self.keys_options = dict({key: self.options[key] for key in ("L", "ROUTING", "LOG_WEIGHT", "BLOCK_M",
-                                                                     "BLOCK_R", "BLOCK_K", "num_stages")},
-                                 BLOCK=FEATURE_BLOCK, PRECISION=KEYS_PRECISION, num_warps=KEYS_WARPS)
+        self.keys_options = _launch_options(_bwd_keys_kernel, self.options, BLOCK=FEATURE_BLOCK,
+                                            PRECISION=KEYS_PRECISION, num_warps=KEYS_WARPS)
 
-    def scratch(self, like: torch.Tensor) -> tuple[list, torch.Tensor, list]:
+    def scratch(self, like: torch.Tensor) -> tuple[list, torch.Tensor, list, torch.Tensor]:
         """The backward's buffers, fp32, as views of one allocation: the (B, H, L, Tp, m) planes the level kernels
         hand on -- u, d_snum, d_n (first the causal sums the level kernel starts from), with relation routing d
-        routed, with RSA-q the query weights' gradient --, c~ (B, H, L-1, Tp, m) with relation routing, and the two
-        carries (d chain, d N) from level i + 1 to level i (B, H, Tp, m) with routing; ``like`` stands in for those
-        the options do not use. Returns (the 5 planes, c~, the 2 carries)."""
+        routed, with RSA-q the query weights' gradient --, c~ (B, H, L-1, Tp, m) with relation routing, the two
+        carries (d chain, d N) from level i + 1 to level i (B, H, Tp, m) with routing, and the normaliser's gradient
+        (B, H, Tp); ``like`` stands in for those the options do not use. Returns (the 5 planes, c~, the 2 carries,
+        d den)."""
         plane = (self.batch, self.heads, self.levels, self.padded, self.slots)
         relation, query = self.options["ROUTING"] == 2, self.options["QUERY_READ"]
         routed = self.levels > 1 and self.options["ROUTING"] != 0
         shapes = [plane] * (3 + relation + query) \
             + [(self.batch, self.heads, self.levels - 1, *plane[3:])] * relation \
-            + [(self.batch, self.heads, self.padded, self.slots)] * (2 * routed)
+            + [(self.batch, self.heads, self.padded, self.slots)] * (2 * routed) \
+            + [(self.batch, self.heads, self.padded)]
         buffers = iter(unpacked(like.new_empty(sum(math.prod(shape) for shape in shapes)), shapes))
         planes = [next(buffers) for _ in range(3)] + [next(buffers) if used else like for used in (relation, query)]
         scaled = next(buffers) if relation else like
         carries = [next(buffers), next(buffers)] if routed else [like] * 2
-        return planes, scaled, carries
+        return planes, scaled, carries, next(buffers)
 
     def warmups(self, inputs, backward: bool) -> list:
         """The launches of this call as ``(kernel, grid, args, constexprs)`` for ``JITFunction.warmup``: the forward,
@@ -919,12 +926,12 @@ class _Read:
                    (_values_kernel, self.values_grid,
                     (inputs[1], inputs[3], inputs[5], *[fp32] * 5, *self.values_sizes, 0), self.values_options)]
         if backward:  # the sums, the levels' (level 0's variant and the others'), the query side, the keys
-            sums_args = (*inputs[:7], *[fp32] * 4, *self.sizes[:9])  # g, the 3 planes
+            sums_args = (*inputs[:7], *[fp32] * 7, *self.sizes[:9], self.sizes[10])  # g, num, den, 3 planes, d den
             warmups.append((_bwd_sums_kernel, self.sums_grid, sums_args, self.sums_options))
             if self.routing_grid[2]:  # f, R0; chain, N, routed, c~
                 warmups.append((_bwd_routing_kernel, self.routing_grid, (inputs[1], inputs[7], *[fp32] * 4,
                                                                          *self.routing_sizes), self.routing_options))
-            # g, chain, c~, num, den, the 2 carries, 5 planes and 8 gradients, the sizes and the level
+            # g, chain, c~, den, d den, the 2 carries, 5 planes and 8 gradients, the sizes and the level
             args = (*inputs, *[fp32] * (5 + 2 + 5 + 8), *self.sizes)
             warmups += [(_bwd_level_kernel, self.grid, (*args, level),
                          {**self.backward_options, "LEVEL0": level == 0}) for level in sorted({0, self.levels - 1})]
@@ -978,14 +985,15 @@ class _Read:
         if not grad_out.numel():
             return packed
         g = grad_out.float().contiguous()  # (B, H, Tp, dv [+ 1]): the kernels read the log weight's channel in place
-        planes, scaled, carries = self.scratch(g)
+        planes, scaled, carries, d_den = self.scratch(g)
         u, d_snum, d_n = planes[:3]
-        _bwd_sums_kernel[self.sums_grid](*inputs[:7], g, d_n, d_snum, u, *self.sizes[:9], **self.sums_options)
+        _bwd_sums_kernel[self.sums_grid](*inputs[:7], g, num, den, d_n, d_snum, u, d_den, *self.sizes[:9],
+                                         self.sizes[10], **self.sums_options)
         if self.routing_grid[2]:
             _bwd_routing_kernel[self.routing_grid](inputs[1], inputs[7], chain, d_n, planes[3], scaled,
                                                    *self.routing_sizes, **self.routing_options)
         for level in reversed(range(self.levels)):  # one launch per level, the top one first
-            _bwd_level_kernel[self.grid](*inputs, g, chain, scaled, num, den, *carries, *planes, *grads[5:13],
+            _bwd_level_kernel[self.grid](*inputs, g, chain, scaled, den, d_den, *carries, *planes, *grads[5:13],
                                          *self.sizes, level, LEVEL0=level == 0, **self.backward_options)
         _bwd_query_kernel[self.grid](inputs[0], inputs[1], inputs[2], inputs[4], inputs[13], d_snum, planes[4],
                                      grads[0], grads[4], grads[13], *self.sizes[:8], **self.query_options)
